@@ -1,0 +1,3 @@
+from flowsched.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,16 @@
+"""`flowsched up` (placeholder until its owner lands it)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    """Add the `up` subcommand."""
+    parser = sub.add_parser("up", help="(not built yet)")
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    raise SystemExit("flowsched up: not built yet")

@@ -1,0 +1,43 @@
+"""The one small interface every scheduling policy implements.
+
+A policy is pure: it keeps only its own bookkeeping, reads time from the injected
+:class:`~flowsched.model.Context`, and never does I/O. The very same object runs in the
+coordinator, in the agent's fallback mode and in the simulator, which call the hooks at the
+same moments:
+
+* ``admit`` when a flow opens (its first level; RMLQ: a low, deferred level),
+* ``reevaluate`` on events (job progress, flow progress reports, link-load updates) and on the
+  periodic timer; it returns only the flows whose decision changed,
+* ``release`` when a flow closes, so that the policy can drop per-flow state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import ClassVar, Protocol, runtime_checkable
+
+from flowsched.model import Context, Decision, Flow
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Assigns every active flow a level in ``0..num_levels-1`` (0 = most urgent)."""
+
+    name: ClassVar[str]
+    num_levels: int
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        """Return the first decision for a newly opened flow."""
+        ...
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        """Return ``{flow_id: decision}`` for the flows among ``flows`` whose decision changes.
+
+        ``flows`` are the active flows of the caller's scheduling domain with ``level`` set to
+        their current level.
+        """
+        ...
+
+    def release(self, flow: Flow, ctx: Context) -> None:
+        """Forget a closed flow."""
+        ...

@@ -1,0 +1,61 @@
+"""``fair``: every flow on one level, so the network shares bandwidth max-min fairly.
+
+This is what a network without a scheduler does today (DCTCP/DCQCN-style fair sharing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from flowsched.model import Context, Decision, Flow
+
+NAME = "fair"
+
+
+@dataclass(frozen=True, slots=True)
+class Args:
+    """Arguments of the ``fair`` policy.
+
+    ``level``: the single level every flow uses (default: the least urgent level, K-1, so that
+    fair traffic never outranks a strict-priority class sharing the fabric).
+    """
+
+    level: int | None = None
+
+
+def validate(args: Mapping[str, Any], path: str) -> list[str]:
+    """Field-path errors for ``args`` (empty when valid)."""
+    errors = [f"{path}.{key}: unknown key" for key in args if key != "level"]
+    level = args.get("level")
+    if level is not None and (not isinstance(level, int) or isinstance(level, bool) or level < 0):
+        errors.append(f"{path}.level: expected a non-negative integer, got {level!r}")
+    return errors
+
+
+class FairPolicy:
+    """One level for everything; decisions never change."""
+
+    name: ClassVar[str] = NAME
+
+    def __init__(self, args: Args, num_levels: int) -> None:
+        self.num_levels = num_levels
+        level = num_levels - 1 if args.level is None else args.level
+        if not 0 <= level < num_levels:
+            raise ValueError(f"policy.args.level: {level} is outside 0..{num_levels - 1}")
+        self._decision = Decision(level)
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        return self._decision
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        return {f.flow_id: self._decision for f in flows if f.level != self._decision.level}
+
+    def release(self, flow: Flow, ctx: Context) -> None:
+        return None
+
+
+def new(args: Mapping[str, Any], *, num_levels: int) -> FairPolicy:
+    """Build a :class:`FairPolicy` from validated ``args``."""
+    return FairPolicy(Args(**args), num_levels)
