@@ -1,16 +1,98 @@
-"""`flowsched policy` (placeholder until its owner lands it)."""
+"""``flowsched policy``: validate policy files and show their effective level tables.
+
+* ``flowsched policy check FILE...``: validate each file; prints ``FILE: ok (...)`` or one line
+  per error (``FILE: classes.kv.deadline: ...``); exit status 2 if any file has an error.
+* ``flowsched policy show [FILE]``: the level -> hardware queue -> DSCP / SO_PRIORITY table and
+  the class rules of a file (default: the packaged ``default.toml``).
+* ``flowsched policy list``: the registered policies and the shipped policy files.
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from flowsched import policies, policyfile
+from flowsched.policyfile import PolicyConfig, PolicyFileError
+
+#: exit status when a policy file is invalid
+EXIT_INVALID = 2
+
 
 def register(sub: Any) -> None:
-    """Add the `policy` subcommand."""
-    parser = sub.add_parser("policy", help="(not built yet)")
-    parser.set_defaults(func=_run)
+    """Add the ``policy`` subcommand and its ``check``/``show``/``list`` actions."""
+    parser = sub.add_parser("policy", help="validate and inspect policy files")
+    actions = parser.add_subparsers(dest="policy_action", metavar="ACTION", required=True)
+    check = actions.add_parser("check", help="validate policy files (exit 2 on any error)")
+    check.add_argument("files", nargs="+", metavar="FILE", help="policy TOML files")
+    check.set_defaults(func=run_check)
+    show = actions.add_parser("show", help="print the effective level table of a policy file")
+    show.add_argument("file", nargs="?", metavar="FILE", help="policy file (default: built-in)")
+    show.set_defaults(func=run_show)
+    listing = actions.add_parser("list", help="list policies and shipped policy files")
+    listing.set_defaults(func=run_list)
 
 
-def _run(args: argparse.Namespace) -> int:
-    raise SystemExit("flowsched policy: not built yet")
+def run_check(args: argparse.Namespace) -> int:
+    """Validate every file; print one verdict per file; 2 if any is invalid."""
+    status = 0
+    for name in args.files:
+        try:
+            config = policyfile.load(name)
+        except PolicyFileError as exc:
+            status = EXIT_INVALID
+            for error in exc.errors:
+                print(f"{name}: {error}")
+            continue
+        print(f"{name}: ok ({config.summary()})")
+    return status
+
+
+def run_show(args: argparse.Namespace) -> int:
+    """Print the level table and class rules of one file."""
+    try:
+        config = policyfile.load(args.file) if args.file else policyfile.embedded_default()
+    except PolicyFileError as exc:
+        for error in exc.errors:
+            print(f"{args.file}: {error}")
+        return EXIT_INVALID
+    print("\n".join(describe(config)))
+    return 0
+
+
+def run_list(args: argparse.Namespace) -> int:
+    """Print the registered policies and the shipped policy files."""
+    for name in policies.names():
+        print(f"policy {name}{' (oracle: reference only)' if name in policies.ORACLES else ''}")
+    for name in policyfile.shipped_files():
+        print(f"file   policies/{name}")
+    return 0
+
+
+def describe(config: PolicyConfig) -> list[str]:
+    """Human-readable lines: summary, level table, class rules."""
+    meanings = _level_meanings(config)
+    lines = [f"{config.source}: {config.summary()}"]
+    if config.description:
+        lines.append(f"  {config.description}")
+    lines.append("level  queue  dscp  so_priority  meaning")
+    for level, marking in enumerate(config.levels):
+        queue = config.level_queue[level] if config.level_queue else level
+        meaning = meanings[level] if level < len(meanings) else ""
+        lines.append(
+            f"{level:>5}  {queue:>5}  {marking.dscp:>4}  {marking.so_priority:>11}  {meaning}"
+        )
+    lines.append("class        trafficClass  default_level  deadline")
+    for cls, rule in config.classes.items():
+        tcs = ",".join(map(str, rule.traffic_classes)) or "-"
+        deadline = "-" if rule.deadline is None else f"{rule.deadline:g} s"
+        lines.append(f"{cls.label:<12} {tcs:>12}  {rule.default_level:>13}  {deadline}")
+    return lines
+
+
+def _level_meanings(config: PolicyConfig) -> list[str]:
+    describe_levels = getattr(config.make_policy(), "describe_levels", None)
+    if describe_levels is None:
+        return []
+    meanings: list[str] = describe_levels()
+    return meanings

@@ -9,6 +9,11 @@ same moments:
 * ``reevaluate`` on events (job progress, flow progress reports, link-load updates) and on the
   periodic timer; it returns only the flows whose decision changed,
 * ``release`` when a flow closes, so that the policy can drop per-flow state.
+
+A policy may also set ``per_flow_decisions = True`` (an optional attribute, read with
+``getattr``): it promises that a flow's decision depends only on that flow and the Context, so
+a caller may pass any subset of the active flows to ``reevaluate`` (the coordinator then
+re-evaluates only the flows an event touched instead of every flow).
 """
 
 from __future__ import annotations

@@ -38,6 +38,8 @@ class FairPolicy:
     """One level for everything; decisions never change."""
 
     name: ClassVar[str] = NAME
+    #: each decision depends on one flow and the Context only (see policies.base)
+    per_flow_decisions: ClassVar[bool] = True
 
     def __init__(self, args: Args, num_levels: int) -> None:
         self.num_levels = num_levels
@@ -45,6 +47,11 @@ class FairPolicy:
         if not 0 <= level < num_levels:
             raise ValueError(f"policy.args.level: {level} is outside 0..{num_levels - 1}")
         self._decision = Decision(level)
+
+    def describe_levels(self) -> list[str]:
+        """What each level holds (for ``flowsched policy show``)."""
+        used = self._decision.level
+        return ["every flow (fair)" if lvl == used else "-" for lvl in range(self.num_levels)]
 
     def admit(self, flow: Flow, ctx: Context) -> Decision:
         return self._decision

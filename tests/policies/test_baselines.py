@@ -1,0 +1,274 @@
+"""Baselines fair/static/sjf/pias/edf/karuna/llf against hand-computed cases."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from policy_flows import build_flow
+
+from flowsched.model import Context, Flow
+from flowsched.policies import create, edf, karuna, llf, pias, sjf
+
+MiB = 1 << 20
+
+
+def ctx(now: float = 0.0, **fields: Any) -> Context:
+    fields.setdefault("default_bandwidth", 1e9)
+    return Context(now=now, **fields)
+
+
+def levels(
+    policy_name: str, flows: list[Flow], num_levels: int = 8, now: float = 0.0, **args: Any
+) -> list[int]:
+    """Apply one reevaluate to flows that start unassigned and return their levels."""
+    pol = create(policy_name, args, num_levels=num_levels)
+    for fid, decision in pol.reevaluate(flows, ctx(now)).items():
+        next(f for f in flows if f.flow_id == fid).level = decision.level
+    return [f.level for f in flows]
+
+
+# -- fair -----------------------------------------------------------------------------------
+
+
+def test_fair_puts_everything_on_one_level() -> None:
+    flows = [build_flow(1, cls="tp"), build_flow(2, cls="kv", size=5, deadline=1.0)]
+    assert levels("fair", flows) == [7, 7]
+    assert levels("fair", [build_flow(3)], level=2) == [2]
+
+
+# -- static ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_levels", "args", "expected"),
+    [
+        (8, {}, {"tp": 0, "kv": 1, "param_sync": 2, "kv_reuse": 2, "experience": 3, "bulk": 7}),
+        (3, {}, {"tp": 0, "kv": 1, "param_sync": 2, "kv_reuse": 2, "experience": 2, "bulk": 2}),
+        (4, {"levels": {"tp": 1, "bulk": 0}}, {"tp": 1, "kv": 1, "experience": 3, "bulk": 0}),
+    ],
+    ids=["defaults-K8", "defaults-clamped-K3", "override"],
+)
+def test_static_mapping(num_levels: int, args: dict[str, Any], expected: dict[str, int]) -> None:
+    flows = [build_flow(i, cls=label) for i, label in enumerate(expected)]
+    assert dict(zip(expected, levels("static", flows, num_levels, **args), strict=True)) == expected
+
+
+def test_static_rejects_out_of_range_and_unknown_class() -> None:
+    with pytest.raises(ValueError, match=r"policy.args.levels.tp: 9 is outside 0..7"):
+        create("static", {"levels": {"tp": 9}})
+    with pytest.raises(ValueError, match=r"policy.args.levels.web: unknown flow class"):
+        create("static", {"levels": {"web": 1}})
+
+
+# -- sjf ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("size", "sent", "level"),
+    [
+        (0, 0, 0),
+        (MiB - 1, 0, 0),
+        (MiB, 0, 1),
+        (4 * MiB - 1, 0, 1),
+        (4 * MiB, 0, 2),
+        (64 * MiB, 0, 4),
+        (10**12, 0, 6),
+        (8 * MiB, 7 * MiB + 1, 0),
+        (None, 0, 7),
+    ],
+    ids=[
+        "empty",
+        "below-base",
+        "base",
+        "below-4MiB",
+        "4MiB",
+        "64MiB",
+        "huge",
+        "drained",
+        "unknown",
+    ],
+)
+def test_sjf_geometric_bands(size: int | None, sent: int, level: int) -> None:
+    assert levels("sjf", [build_flow(cls="bulk", size=size, sent=sent)]) == [level]
+
+
+def test_sjf_size_level_with_custom_bands() -> None:
+    args = sjf.Args(base=100, ratio=10)
+    assert [sjf.size_level(r, args, 4) for r in (99, 100, 999, 1000, 10**9, None)] == [
+        0,
+        1,
+        1,
+        2,
+        2,
+        3,
+    ]
+
+
+# -- pias -----------------------------------------------------------------------------------
+
+
+def test_pias_threshold_separates_a_two_point_distribution() -> None:
+    # 90% of flows are 1 byte, 10% are 100 bytes, load 0.5, 2 queues. Modelled mean FCT:
+    # threshold 1 -> 0.9216 + 15.29 ~= 16.2; threshold 100 (one FIFO-like queue) -> ~56.8.
+    assert pias.derive_thresholds([1.0] * 9 + [100.0], 0.5, 2) == (1.0,)
+
+
+def test_pias_thresholds_are_sorted_and_one_per_boundary() -> None:
+    thresholds = pias.resolve_thresholds(pias.Args(), 8)
+    assert len(thresholds) == 7
+    assert list(thresholds) == sorted(thresholds)
+    assert 0 < thresholds[0] < thresholds[-1] <= 30e6
+
+
+def test_pias_samples_from_uniform_cdf() -> None:
+    samples = pias.samples_from_cdf([(0, 0.0), (100, 1.0)], count=10)
+    assert samples == pytest.approx([5, 15, 25, 35, 45, 55, 65, 75, 85, 95])
+
+
+@pytest.mark.parametrize(
+    ("sent", "level"),
+    [(0, 0), (99, 0), (100, 1), (999, 1), (1000, 2), (10**9, 2)],
+    ids=["0", "99", "100", "999", "1000", "huge"],
+)
+def test_pias_demotes_by_bytes_sent(sent: int, level: int) -> None:
+    flow = build_flow(cls="bulk", sent=sent)
+    assert levels("pias", [flow], 3, thresholds=[100, 1000]) == [level]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ({"thresholds": [5, 1]}, "policy.args.thresholds: must not decrease"),
+        (
+            {"size_cdf": [[0, 0.0], [10, 0.5]]},
+            "policy.args.size_cdf[1]: the last probability must be 1",
+        ),
+        ({"size_cdf": [[5, 0.5], [1, 1.0]]}, "policy.args.size_cdf[1]: sizes and probabilities"),
+        ({"size_samples": [1], "size_cdf": [[0, 0], [1, 1]]}, "either size_samples or size_cdf"),
+        ({"load": 1.5}, "policy.args.load"),
+    ],
+    ids=["decreasing", "cdf-not-1", "cdf-decreasing", "both", "load"],
+)
+def test_pias_validate(args: dict[str, Any], fragment: str) -> None:
+    assert any(fragment in e for e in pias.validate(args, "policy.args"))
+
+
+def test_pias_threshold_count_must_match_levels() -> None:
+    with pytest.raises(ValueError, match="expected 7 thresholds"):
+        create("pias", {"thresholds": [1, 2]}, num_levels=8)
+
+
+# -- edf ------------------------------------------------------------------------------------
+
+
+def test_edf_orders_explicit_deadlines_and_shares_the_rest() -> None:
+    flows = [
+        build_flow(1, cls="kv", deadline=3.0, size=10),
+        build_flow(2, cls="param_sync", deadline=1.0),
+        build_flow(3, cls="kv", deadline=2.0, size=10),
+        build_flow(4, cls="tp"),
+        build_flow(5, cls="experience", deadline=0.5),  # implicit class: not EDF-ranked
+    ]
+    assert levels("edf", flows) == [2, 0, 1, 7, 7]
+
+
+def test_edf_rank_banding_with_more_flows_than_levels() -> None:
+    flows = [build_flow(i, cls="kv", deadline=float(i)) for i in range(4)]
+    assert levels("edf", flows, num_levels=3) == [0, 0, 1, 1]
+
+
+def test_edf_admit_ranks_among_known_deadlines() -> None:
+    pol = edf.EdfPolicy(edf.Args(), 3)
+    assert pol.admit(build_flow(1, cls="kv", deadline=5.0), ctx()).level == 0
+    assert pol.admit(build_flow(2, cls="kv", deadline=1.0), ctx()).level == 0
+    assert pol.admit(build_flow(3, cls="kv", deadline=6.0), ctx()).level == 1  # rank 2 of 3
+    pol.release(build_flow(2, cls="kv", deadline=1.0), ctx())
+    assert pol._sorted == [5.0, 6.0]
+
+
+# -- karuna ---------------------------------------------------------------------------------
+
+
+def test_karuna_paces_deadline_flows_at_the_minimum_rate() -> None:
+    pol = karuna.KarunaPolicy(karuna.Args(thresholds=[100, 1000]), 4)
+    flow = build_flow(1, cls="kv", size=int(1e8), deadline=2.0)
+    decision = pol.admit(flow, ctx())
+    assert decision.level == 0
+    assert decision.rate == pytest.approx(1e8 / 2.0 * 1.05)
+    flow.level = 0
+    flow.sent = int(1e6)  # rate 5.2e7 * 1.05 ~ 1% lower at t=0.001: inside the tolerance
+    assert pol.reevaluate([flow], ctx(0.001)) == {}
+    late = pol.reevaluate([flow], ctx(1.5)).get(1)
+    assert late is not None and late.rate == pytest.approx(9.9e7 / 0.5 * 1.05)
+    assert pol.reevaluate([flow], ctx(2.5))[1].rate is None  # past the deadline: uncapped
+
+
+@pytest.mark.parametrize(
+    ("flow", "level"),
+    [
+        (build_flow(1, cls="tp", size=50), 1),
+        (build_flow(1, cls="experience", size=500), 2),
+        (build_flow(1, cls="param_sync", size=5000), 3),  # no deadline: SJF
+        (build_flow(1, cls="bulk", size=5000, sent=4950), 1),
+        (build_flow(1, cls="tp"), 1),
+        (build_flow(1, cls="tp", sent=150), 2),
+        (build_flow(1, cls="kv", deadline=1.0, sent=5000), 3),  # size unknown: PIAS
+    ],
+    ids=["sjf-small", "sjf-mid", "sjf-large", "sjf-remaining", "pias-new", "pias-150", "pias-kv"],
+)
+def test_karuna_non_deadline_flows(flow: Flow, level: int) -> None:
+    pol = karuna.KarunaPolicy(karuna.Args(thresholds=[100, 1000]), 4)
+    assert pol.admit(flow, ctx()) == karuna.Decision(level)
+
+
+# -- llf ------------------------------------------------------------------------------------
+
+
+def test_llf_ranks_by_laxity() -> None:
+    flows = [
+        build_flow(1, cls="kv", deadline=10.0, size=int(5e9)),  # laxity 10 - 5 = 5
+        build_flow(2, cls="kv", deadline=4.0, size=0),  # laxity 4
+        build_flow(3, cls="tp", oracle_deadline=8.0, size=int(1e9)),  # laxity 7
+        build_flow(4, cls="bulk"),  # no deadline
+        build_flow(5, cls="kv", deadline=4.5, oracle_deadline=20.0),  # oracle wins: laxity 20
+    ]
+    assert levels("llf", flows) == [1, 0, 2, 7, 3]
+    assert llf.laxity(flows[0], ctx(1.0)) == pytest.approx(4.0)
+
+
+def test_llf_admit_uses_latest_start_times() -> None:
+    pol = llf.LlfPolicy(llf.Args(), 8)
+    assert pol.admit(build_flow(1, cls="kv", deadline=10.0, size=int(1e9)), ctx()).level == 0
+    assert pol.admit(build_flow(2, cls="kv", deadline=2.0, size=int(1e9)), ctx()).level == 0
+    assert pol.admit(build_flow(3, cls="kv", deadline=5.0), ctx()).level == 1
+    pol.release(build_flow(2, cls="kv", deadline=2.0, size=int(1e9)), ctx())
+    assert pol._starts == [5.0, 9.0]
+
+
+@given(remaining=st.integers(0, 10**13), num_levels=st.integers(1, 12))
+def test_sjf_policy_agrees_with_size_level(remaining: int, num_levels: int) -> None:
+    pol = sjf.SjfPolicy(sjf.Args(), num_levels)
+    level = pol.admit(build_flow(cls="bulk", size=remaining), ctx()).level
+    assert level == sjf.size_level(remaining, sjf.Args(), num_levels)
+    assert 0 <= level <= max(num_levels - 2, 0)
+
+
+def test_pias_thresholds_from_a_size_cdf() -> None:
+    # the CDF puts 90% of flows at 1 byte and 10% at 100 bytes: the two-point case above
+    cdf = [[0, 0.0], [1, 0.9], [100, 0.9], [100, 1.0]]
+    pol = create("pias", {"size_cdf": cdf, "load": 0.5}, num_levels=2)
+    assert isinstance(pol, pias.PiasPolicy)
+    assert pol.thresholds == (1.0,)
+
+
+def test_llf_zero_bandwidth_is_most_urgent() -> None:
+    flows = [
+        build_flow(1, cls="kv", deadline=1.0, size=0),
+        build_flow(2, cls="kv", deadline=9.0, size=10, links=("dead",)),
+    ]
+    pol = create("llf", num_levels=8)
+    decisions = pol.reevaluate(flows, ctx(link_bandwidth={"dead": 0.0}))
+    assert {fid: d.level for fid, d in decisions.items()} == {1: 1, 2: 0}

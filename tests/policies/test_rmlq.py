@@ -1,0 +1,346 @@
+"""rmlq: hand-computed MLU bands, RLI levels, RED, feasibility, rho sources, never-demote."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from policy_flows import build_flow
+
+from flowsched.model import Context, Flow, FlowClass
+from flowsched.policies import create, rmlq
+
+B = 1e9  # bytes/s of the default link in these tests
+
+
+def ctx(now: float = 0.0, **fields: Any) -> Context:
+    fields.setdefault("default_bandwidth", B)
+    return Context(now=now, **fields)
+
+
+def policy(num_levels: int = 8, **args: Any) -> rmlq.RmlqPolicy:
+    made = create("rmlq", args, num_levels=num_levels)
+    assert isinstance(made, rmlq.RmlqPolicy)
+    return made
+
+
+# Defaults K=8, R=3, E=4, U=0.5: 0 = MLU>=0.5; 1..3 = RLI 0,1,2+; 4 = [0.125,0.5);
+# 5 = [0.03125,0.125); 6 = below; 7 = scavenger. MLU = remaining / (1 s x 1e9 B/s).
+@pytest.mark.parametrize(
+    ("remaining", "deadline", "level"),
+    [
+        (6e8, 1.0, 0),
+        (5e8, 1.0, 0),
+        (4.99e8, 1.0, 4),
+        (2e8, 1.0, 4),
+        (1.25e8, 1.0, 4),
+        (1e8, 1.0, 5),
+        (3.125e7, 1.0, 5),
+        (3e7, 1.0, 6),
+        (1e3, 1.0, 6),
+        (0, 1.0, 6),
+        (1e3, -0.5, 0),
+        (1e8, 0.2, 0),
+    ],
+    ids=[
+        "mlu-0.6-top",
+        "mlu-0.5-top-inclusive",
+        "mlu-0.499-band1",
+        "mlu-0.2-band1",
+        "mlu-0.125-band1-inclusive",
+        "mlu-0.1-band2",
+        "mlu-Q2-band2-inclusive",
+        "mlu-0.03-lowest",
+        "tiny-lowest",
+        "finished-lowest",
+        "past-deadline-top",
+        "mlu-0.5-in-0.2s-top",
+    ],
+)
+def test_explicit_flow_level_from_mlu(remaining: float, deadline: float, level: int) -> None:
+    flow = build_flow(cls="kv", size=int(remaining), deadline=deadline)
+    assert policy().admit(flow, ctx()).level == level
+
+
+@pytest.mark.parametrize(
+    ("value", "level"),
+    [(1.0, 0), (0.5, 0), (0.3, 4), (0.1, 5), (0.01, 6)],
+    ids=["1", "U", "0.3", "0.1", "0.01"],
+)
+def test_mlu_level_table(value: float, level: int) -> None:
+    assert policy().mlu_level(value) == level
+
+
+def test_top_threshold_and_band_parameters() -> None:
+    # top at 1.0, E=2, U=1 -> bands [0.5, 1), [0.25, 0.5), below
+    custom = policy(E=2.0, U=1.0, top_threshold=1.0)
+    assert [custom.mlu_level(v) for v in (1.0, 0.7, 0.3, 0.2)] == [0, 4, 5, 6]
+
+
+def test_mlu_formula() -> None:
+    assert rmlq.mlu(1e9, 2.0, 1e9, 0.5) == pytest.approx(1.0)
+    assert rmlq.mlu(0, 1.0, 1e9, 0.0) == 0.0
+    assert rmlq.mlu(1, 0.0, 1e9, 0.0) == float("inf")
+
+
+@pytest.mark.parametrize(
+    ("cls", "consumer", "current", "level"),
+    [
+        ("tp", None, None, 1),
+        ("experience", 5, 5, 1),
+        ("experience", 6, 5, 2),
+        ("experience", 7, 5, 3),
+        ("experience", 8, 5, 3),
+        ("kv_reuse", 4, 5, 1),
+        ("kv_reuse", 9, None, 3),
+        ("bulk", None, None, 7),
+    ],
+    ids=[
+        "tp-rli0",
+        "rli0",
+        "rli1",
+        "rli2",
+        "rli3-capped",
+        "consumer-passed",
+        "no-job-index",
+        "bulk",
+    ],
+)
+def test_implicit_flow_level_from_rli(
+    cls: str, consumer: int | None, current: int | None, level: int
+) -> None:
+    flow = build_flow(cls=cls, job="j", consumer_index=consumer)
+    job_index = {} if current is None else {"j": current}
+    assert policy().admit(flow, ctx(job_index=job_index)).level == level
+
+
+def test_explicit_flow_without_size_or_deadline_uses_unknown_level() -> None:
+    assert policy().admit(build_flow(cls="kv", deadline=1.0), ctx()).level == 3
+    assert policy().admit(build_flow(cls="param_sync", size=10), ctx()).level == 3
+    assert policy(unknown_level=5).admit(build_flow(cls="kv"), ctx()).level == 5
+
+
+def test_promotion_as_deadline_nears() -> None:
+    # 1e8 bytes due at t=1: MLU 0.1 at t=0 (level 5), 0.2 at t=0.5 (4), 0.667 at t=0.85 (0)
+    pol = policy()
+    flow = build_flow(cls="kv", size=int(1e8), deadline=1.0)
+    flow.level = pol.admit(flow, ctx(0.0)).level
+    assert flow.level == 5
+    seen = []
+    for now in (0.5, 0.85, 0.9):
+        for fid, decision in pol.reevaluate([flow], ctx(now)).items():
+            assert fid == flow.flow_id
+            flow.level = decision.level
+        seen.append(flow.level)
+    assert seen == [4, 0, 0]
+
+
+def test_never_demotes_when_urgency_drops() -> None:
+    pol = policy()
+    flow = build_flow(cls="kv", size=int(6e8), deadline=1.0)
+    flow.level = pol.admit(flow, ctx()).level
+    assert flow.level == 0
+    flow.sent = flow.size or 0  # nothing left: MLU 0 would be the lowest band
+    assert pol.reevaluate([flow], ctx(0.1)) == {}
+    exp = build_flow(2, cls="experience", job="j", consumer_index=6)
+    exp.level = pol.admit(exp, ctx(job_index={"j": 6})).level
+    assert exp.level == 1
+    assert pol.reevaluate([exp], ctx(job_index={"j": 0})) == {}
+
+
+def test_rho_sources() -> None:
+    # link a: 2e9 B/s at 75% load; 2.5e8 bytes due in 1 s
+    links = {"link_bandwidth": {"a": 2e9, "b": 4e9}, "link_load": {"a": 0.75, "b": 0.1}}
+    flow = build_flow(cls="kv", size=int(2.5e8), deadline=1.0, links=("a", "b"))
+    assert policy(rho_source="none").flow_mlu(flow, ctx(**links)) == pytest.approx(0.125)
+    assert policy(rho_source="link").flow_mlu(flow, ctx(**links)) == pytest.approx(0.5)
+    capped = {"link_bandwidth": {"a": 2e9, "b": 4e9}, "link_load": {"a": 1.0}}
+    assert policy(rho_source="link").flow_mlu(flow, ctx(**capped)) == pytest.approx(1.25)
+
+
+def test_rho_others_discounts_the_flows_own_traffic() -> None:
+    pol = policy(rho_source="others")
+    flow = build_flow(cls="kv", size=int(2e9), deadline=10.0, links=("a",))
+    bw = {"link_bandwidth": {"a": 1e9}}
+    first = pol.flow_mlu(flow, ctx(0.0, link_load={"a": 0.0}, **bw))
+    assert first == pytest.approx(0.2)
+    flow.sent = int(5e8)  # it alone filled the link for 0.5 s: load 1.0, own share 1.0
+    alone = pol.flow_mlu(flow, ctx(0.5, link_load={"a": 1.0}, **bw))
+    assert alone == pytest.approx(1.5e9 / 9.5e9)
+    flow.sent = int(7.5e8)  # half the link for 0.5 s while the link is full: others 0.5
+    shared = pol.flow_mlu(flow, ctx(1.0, link_load={"a": 1.0}, **bw))
+    assert shared == pytest.approx(1.25e9 / (9.0 * 1e9 * 0.5))
+
+
+@pytest.mark.parametrize(
+    ("deadlines", "red"),
+    [([3.0], 3.0), ([1.0, 2.0, 10.0, 11.0], 5.5), ([1.0, 1.1, 1.2, 5.0], 2.0), ([2.0, 2.0], 2.0)],
+    ids=["single", "two-two", "three-one", "equal"],
+)
+def test_robust_effective_deadline(deadlines: list[float], red: float) -> None:
+    assert rmlq.robust_effective_deadline(deadlines) == pytest.approx(red)
+
+
+def test_red_orders_equal_rli_flows_across_requests() -> None:
+    # K=12, R=5, T=2: slots RLI0/tight=1, RLI0/loose=2, RLI1/tight=3, RLI1/loose=4, rest=5
+    pol = policy(12, early_levels=5, red_tiers=2)
+    tight, loose = "r-tight", "r-loose"
+    flows = [
+        build_flow(1, cls="tp", request=tight, deadline=1.0),
+        build_flow(2, cls="tp", request=loose, deadline=2.0),
+        build_flow(3, cls="kv_reuse", request=tight, deadline=1.0, job="j", consumer_index=1),
+        build_flow(4, cls="kv_reuse", request=loose, deadline=2.0, job="j", consumer_index=1),
+        build_flow(5, cls="kv_reuse", request=loose, deadline=2.0, job="j", consumer_index=3),
+        build_flow(6, cls="tp"),
+    ]
+    decisions = pol.reevaluate(flows, ctx(job_index={"j": 0}))
+    assert {fid: d.level for fid, d in decisions.items()} == {1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 1}
+
+
+def _explicit(flow_id: int, request: str, size: float) -> Flow:
+    return build_flow(flow_id, cls="kv", size=int(size), deadline=1.0, request=request)
+
+
+def test_feasibility_prunes_hopeless_request_after_grace() -> None:
+    pol = policy(feasibility=True, feasibility_grace=0.01)
+    hopeless = _explicit(1, "r", 2e9)  # MLU 2 at t=0
+    sibling = _explicit(2, "r", 1e6)  # feasible, same request
+    collective = build_flow(3, cls="tp", request="r")
+    other = _explicit(4, "q", 2e8)
+    flows = [hopeless, sibling, collective, other]
+    for flow in flows:
+        flow.level = pol.admit(flow, ctx()).level
+    assert [f.level for f in flows] == [0, 6, 1, 4]
+    assert pol.reevaluate(flows, ctx(0.005)) == {}
+    decisions = pol.reevaluate(flows, ctx(0.011))
+    assert {fid: d.level for fid, d in decisions.items()} == {1: 7, 2: 7}
+    for flow in flows:
+        pol.release(flow, ctx(0.02))
+    assert not pol._pruned and not pol._infeasible_since and not pol._request_flows
+
+
+def test_past_deadline_stays_on_top_without_feasibility() -> None:
+    pol = policy()
+    flow = _explicit(1, "r", 2e9)
+    flow.level = pol.admit(flow, ctx()).level
+    assert flow.level == 0
+    assert pol.reevaluate([flow], ctx(5.0)) == {}
+
+
+def test_feasibility_recovers_before_grace() -> None:
+    pol = policy(feasibility=True, feasibility_grace=0.01)
+    flow = _explicit(1, "r", 2e9)
+    flow.level = pol.admit(flow, ctx()).level
+    flow.sent = int(1.5e9)  # MLU 0.5 / 0.995 -> feasible again
+    pol.reevaluate([flow], ctx(0.005))
+    assert pol.reevaluate([flow], ctx(0.02)) == {}
+    assert not pol.is_pruned(flow)
+
+
+@pytest.mark.parametrize(
+    ("num_levels", "args", "message"),
+    [
+        (5, {}, "early_levels"),
+        (8, {"unknown_level": 8}, "unknown_level"),
+    ],
+    ids=["too-few-levels", "unknown-level-out-of-range"],
+)
+def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        policy(num_levels, **args)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ({"E": 1.0}, "policy.args.E: expected a number > 1.0"),
+        ({"U": "x"}, "policy.args.U"),
+        ({"rho_source": "ewma"}, "policy.args.rho_source"),
+        ({"feasibility": 1}, "policy.args.feasibility: expected true or false"),
+        ({"bogus": 1}, "policy.args.bogus: unknown key"),
+    ],
+    ids=["E", "U-type", "rho-source", "feasibility-type", "unknown"],
+)
+def test_validate_names_field(args: dict[str, Any], fragment: str) -> None:
+    errors = rmlq.validate(args, "policy.args")
+    assert any(fragment in e for e in errors), errors
+
+
+def test_describe_levels_covers_every_level() -> None:
+    assert len(policy().describe_levels()) == 8
+    assert len(policy(12, early_levels=5, red_tiers=2).describe_levels()) == 12
+
+
+# -- property: never demote over random event sequences ------------------------------------
+
+CLASSES = list(FlowClass)
+
+flow_specs = st.lists(
+    st.tuples(
+        st.sampled_from(CLASSES),
+        st.one_of(st.none(), st.integers(0, 10**10)),  # size
+        st.one_of(st.none(), st.floats(0.0, 5.0)),  # deadline
+        st.one_of(st.none(), st.integers(0, 12)),  # consumer index
+        st.sampled_from([None, "r1", "r2", "r3"]),  # request
+    ),
+    min_size=1,
+    max_size=12,
+)
+events = st.lists(
+    st.tuples(
+        st.floats(0.0, 0.5),  # time step
+        st.integers(-3, 3),  # job index change
+        st.floats(0.0, 1.0),  # link load
+        st.integers(0, 10**9),  # bytes sent by every flow
+    ),
+    max_size=15,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    specs=flow_specs,
+    steps=events,
+    feasibility=st.booleans(),
+    red_tiers=st.integers(1, 3),
+    num_levels=st.integers(6, 12),
+)
+def test_rmlq_never_demotes(
+    specs: list[tuple[Any, ...]],
+    steps: list[tuple[float, int, float, int]],
+    feasibility: bool,
+    red_tiers: int,
+    num_levels: int,
+) -> None:
+    pol = policy(num_levels, feasibility=feasibility, red_tiers=red_tiers, feasibility_grace=0.1)
+    flows = [
+        build_flow(
+            i, cls=c, size=s, deadline=d, job="j", consumer_index=ci, request=r, links=("l",)
+        )
+        for i, (c, s, d, ci, r) in enumerate(specs)
+    ]
+    now, index = 0.0, 0
+    for flow in flows:
+        flow.level = pol.admit(flow, ctx(now, job_index={"j": index})).level
+        assert 0 <= flow.level < num_levels
+    for dt, didx, load, sent in steps:
+        now, index = now + dt, max(index + didx, 0)
+        for flow in flows:
+            flow.sent = (
+                min(flow.sent + sent, flow.size) if flow.size is not None else flow.sent + sent
+            )
+        context = ctx(now, job_index={"j": index}, link_load={"l": load})
+        for fid, decision in pol.reevaluate(flows, context).items():
+            flow = flows[fid]
+            assert 0 <= decision.level < num_levels
+            if decision.level > flow.level:  # only the documented scavenger move
+                assert feasibility and pol.is_pruned(flow) and decision.level == num_levels - 1
+            flow.level = decision.level
+
+
+def test_zero_bandwidth_link_means_infinite_mlu() -> None:
+    assert rmlq.mlu(1e6, 1.0, 0.0, 0.0) == float("inf")
+    flow = build_flow(cls="kv", size=10, deadline=5.0, links=("dead",))
+    assert policy().admit(flow, ctx(link_bandwidth={"dead": 0.0})).level == 0

@@ -1,0 +1,248 @@
+"""Policy files: shipped files pass, bad files give field-path errors, the CLI exits 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowsched import policyfile
+from flowsched.model import FlowClass
+from flowsched.policies.rmlq import RmlqPolicy
+from flowsched.policyfile import ClassRule, LevelMarking, PolicyFileError
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((ROOT / "policies").glob("*.toml"))
+
+MINIMAL = '[policy]\nname = "rmlq"\n'
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "flowsched", "policy", *args],
+        capture_output=True, text=True, timeout=60, check=False, cwd=ROOT,
+    )  # fmt: skip
+
+
+def test_policies_folder_is_the_package_data() -> None:
+    assert (ROOT / "policies").is_symlink()
+    assert (ROOT / "policies").resolve() == (ROOT / "flowsched" / "data" / "policies").resolve()
+    names = {p.name for p in SHIPPED}
+    assert {
+        "default.toml",
+        "rl-disaggregated.toml",
+        "pd-serving.toml",
+        "static-classes.toml",
+    } <= names
+    assert set(policyfile.shipped_files()) == names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_file_is_valid_and_builds_its_policy(path: Path) -> None:
+    config = policyfile.load(path)
+    assert len(config.levels) == config.num_levels
+    assert set(config.classes) == set(FlowClass)
+    policy = config.make_policy()
+    assert policy.num_levels == config.num_levels
+    dscps = [q.dscp for q in config.queues]
+    assert len(set(dscps)) == len(dscps) == config.hw_queues
+    assert all(0 <= q.so_priority <= 6 for q in config.queues)
+
+
+def test_cli_check_accepts_every_shipped_file() -> None:
+    result = run_cli("check", *map(str, SHIPPED))
+    assert result.returncode == 0, result.stdout + result.stderr
+    for path in SHIPPED:
+        assert f"{path}: ok (policy " in result.stdout
+
+
+def test_embedded_default_is_default_toml() -> None:
+    embedded = policyfile.embedded_default()
+    on_disk = policyfile.load(ROOT / "policies" / "default.toml")
+    assert embedded.policy == "rmlq" and embedded.num_levels == 8 and embedded.hw_queues == 8
+    assert (embedded.levels, embedded.classes, embedded.args) == (
+        on_disk.levels,
+        on_disk.classes,
+        on_disk.args,
+    )
+    assert isinstance(embedded.make_policy(), RmlqPolicy)
+
+
+def test_minimal_file_gets_every_default() -> None:
+    config = policyfile.loads(MINIMAL)
+    assert (config.policy, config.num_levels, config.hw_queues, config.timer_period) == (
+        "rmlq",
+        8,
+        8,
+        0.001,
+    )
+    assert config.classes[FlowClass.KV] == ClassRule((3,), 1, None)
+    assert config.classes[FlowClass.BULK] == ClassRule((5,), 7, None)
+    assert config.levels[0] == LevelMarking(46, 6)
+    assert config.levels[7] == LevelMarking(1, 0)
+    assert config.class_for_traffic_class(2) is FlowClass.PARAM_SYNC
+    assert config.class_for_traffic_class(99) is None
+
+
+def test_levels_follow_the_hardware_queue_mapping() -> None:
+    config = policyfile.load(ROOT / "policies" / "rl-disaggregated.toml")
+    assert config.level_queue == (0, 1, 1, 1, 2, 2, 2, 3)
+    assert [m.dscp for m in config.levels] == [46, 34, 34, 34, 18, 18, 18, 1]
+    assert config.classes[FlowClass.PARAM_SYNC].deadline == 60.0
+
+
+def test_reassigned_default_traffic_class_moves_to_the_new_class() -> None:
+    config = policyfile.loads(MINIMAL + "[classes.kv]\ntraffic_classes = [0, 7]\n")
+    assert config.class_for_traffic_class(0) is FlowClass.KV
+    assert config.classes[FlowClass.TP].traffic_classes == ()
+
+
+@pytest.mark.parametrize("hw_queues", range(1, 9))
+def test_default_queue_markings(hw_queues: int) -> None:
+    markings = policyfile.default_queue_markings(hw_queues)
+    assert len(markings) == hw_queues
+    assert len({m.dscp for m in markings}) == hw_queues
+    assert all(0 <= m.so_priority <= 6 for m in markings)
+    assert [m.so_priority for m in markings] == sorted(
+        (m.so_priority for m in markings), reverse=True
+    )
+
+
+BAD_FILES = [
+    ("unknown-top-key", "colour = 1\n" + MINIMAL, ["colour: unknown key"]),
+    ("unknown-policy-key", MINIMAL + "levels = 8\n", ["policy.levels: unknown key"]),
+    ("missing-name", "[policy]\nnum_levels = 8\n", ["policy.name: missing"]),
+    ("unknown-policy", '[policy]\nname = "wfq"\n', ["policy.name: unknown policy 'wfq'"]),
+    ("levels-type", MINIMAL + 'num_levels = "8"\n', ["policy.num_levels: expected an integer"]),
+    (
+        "levels-range",
+        MINIMAL + "num_levels = 0\n",
+        ["policy.num_levels: expected an integer in [1, 64]"],
+    ),
+    ("hw-queues", MINIMAL + "hw_queues = 9\n", ["policy.hw_queues: expected an integer in [1, 8]"]),
+    ("hw-mapping", MINIMAL + 'hw_mapping = "spread"\n', ["policy.hw_mapping: expected one of"]),
+    (
+        "timer",
+        MINIMAL + "timer_period = 0\n",
+        ["policy.timer_period: expected a number in (0.0, 60.0]"],
+    ),
+    (
+        "args-E",
+        MINIMAL + "[policy.args]\nE = 0.5\n",
+        ["policy.args.E: expected a number > 1.0, got 0.5"],
+    ),
+    ("args-unknown", MINIMAL + "[policy.args]\nK = 8\n", ["policy.args.K: unknown key"]),
+    (
+        "too-few-levels",
+        MINIMAL + "num_levels = 4\n",
+        ["policy.args.early_levels: 3 early levels leave no MLU band with K=4"],
+    ),
+    (
+        "unknown-class",
+        MINIMAL + "[classes.web]\ndefault_level = 1\n",
+        ["classes.web: unknown flow class"],
+    ),
+    (
+        "negative-deadline",
+        MINIMAL + "[classes.kv]\ndeadline = -1\n",
+        ["classes.kv.deadline: expected a number > 0.0, got -1"],
+    ),
+    (
+        "implicit-deadline",
+        MINIMAL + "[classes.tp]\ndeadline = 1.0\n",
+        ["classes.tp.deadline: only explicit"],
+    ),
+    (
+        "default-level-range",
+        MINIMAL + "[classes.kv]\ndefault_level = 9\n",
+        ["classes.kv.default_level: 9 is outside 0..7 (K=8)"],
+    ),
+    (
+        "traffic-class-range",
+        MINIMAL + "[classes.kv]\ntraffic_classes = [256]\n",
+        ["classes.kv.traffic_classes[0]: expected an integer in [0, 255], got 256"],
+    ),
+    (
+        "duplicate-traffic-class",
+        MINIMAL + "[classes.tp]\ntraffic_classes = [1]\n[classes.kv]\ntraffic_classes = [1]\n",
+        ["classes.kv.traffic_classes[0]: trafficClass 1 is already mapped to tp"],
+    ),
+    (
+        "queue-count",
+        MINIMAL + "hw_queues = 4\n[[queues]]\ndscp = 46\nso_priority = 6\n",
+        ["queues: expected one entry per hardware queue (4), got 1"],
+    ),
+    (
+        "queue-values",
+        MINIMAL + "hw_queues = 2\n[[queues]]\ndscp = 64\nso_priority = 7\n[[queues]]\ndscp = 1\n",
+        [
+            "queues[0].dscp: expected an integer in [0, 63], got 64",
+            "queues[0].so_priority: expected an integer in [0, 6], got 7",
+            "queues[1].so_priority: missing",
+        ],
+    ),
+    (
+        "duplicate-dscp",
+        MINIMAL + "hw_queues = 2\n" + "[[queues]]\ndscp = 46\nso_priority = 6\n" * 2,
+        ["queues[1].dscp: 46 is already used by queues[0]"],
+    ),
+    ("bad-toml", "[policy\nname = 1", ["invalid TOML"]),
+    (
+        "all-errors-collected",
+        MINIMAL + "num_levels = 99\n[policy.args]\nU = -1\n[classes.kv]\ndeadline = 0\n",
+        ["policy.num_levels", "policy.args.U", "classes.kv.deadline"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [c[1:] for c in BAD_FILES], ids=[c[0] for c in BAD_FILES]
+)
+def test_bad_file_errors_name_the_field(text: str, expected: list[str]) -> None:
+    with pytest.raises(PolicyFileError) as caught:
+        policyfile.loads(text)
+    for fragment in expected:
+        assert any(e.startswith(fragment) for e in caught.value.errors), caught.value.errors
+    assert str(caught.value) == "\n".join(caught.value.errors)
+
+
+def test_cli_check_reports_errors_with_exit_2(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(MINIMAL + "[classes.kv]\ndeadline = -1\n[policy.args]\nE = 0\n")
+    good = ROOT / "policies" / "default.toml"
+    result = run_cli("check", str(good), str(bad))
+    assert result.returncode == 2
+    assert f"{bad}: classes.kv.deadline: expected a number > 0.0, got -1" in result.stdout
+    assert f"{bad}: policy.args.E: expected a number > 1.0, got 0" in result.stdout
+    assert f"{good}: ok (policy rmlq, K=8" in result.stdout
+
+
+def test_cli_check_missing_file(tmp_path: Path) -> None:
+    result = run_cli("check", str(tmp_path / "nope.toml"))
+    assert result.returncode == 2
+    assert "cannot read" in result.stdout
+
+
+def test_cli_show_prints_the_level_table() -> None:
+    result = run_cli("show", str(ROOT / "policies" / "rl-disaggregated.toml"))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = lines.index("level  queue  dscp  so_priority  meaning")
+    assert lines[header + 1].split()[:4] == ["0", "0", "46", "6"]
+    assert lines[header + 8].split()[:4] == ["7", "3", "1", "0"]
+    assert "scavenger" in lines[header + 8]
+
+
+def test_construction_error_is_collected_with_the_others() -> None:
+    with pytest.raises(PolicyFileError) as caught:
+        policyfile.loads(MINIMAL + "num_levels = 4\n[classes.kv]\ndeadline = -2\n")
+    errors = caught.value.errors
+    assert any(e.startswith("policy.args.early_levels: 3 early levels") for e in errors), errors
+    assert any(e.startswith("classes.kv.deadline") for e in errors), errors
+
+
+def test_non_table_document_is_an_error() -> None:
+    with pytest.raises(PolicyFileError, match="top level"):
+        policyfile.from_mapping([1, 2])  # type: ignore[arg-type]
