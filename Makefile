@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/setup.sh $(wildcard setup.py) $(wildcard nccl_plugin/src/*) $(wildcard nccl_plugin/include/*)
+$(VENV)/.installed: pyproject.toml scripts/setup.sh $(wildcard setup.py) $(wildcard nccl_plugin/src/*) $(wildcard nccl_plugin/include/nccl/*.h)
 	bash scripts/setup.sh $(VENV)
 	touch $@
 

@@ -1,0 +1,230 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "api.h"
+
+#include <stdlib.h>
+
+#include "check.h"
+#include "context.h"
+#include "log.h"
+#include "transport.h"
+
+/* Host buffers need no registration; every mhandle points here. */
+static int fs_host_mr;
+
+/* NCCL's error convention: SystemError for OS and network failures, InternalError for
+ * misuse by NCCL, InvalidUsage for user or configuration errors, RemoteError when the peer
+ * went away. */
+static ncclResult_t result_of(int rc, const char* what) {
+  if (rc >= 0) {
+    return ncclSuccess;
+  }
+  ncclResult_t res = ncclSystemError;
+  switch (-rc) {
+    case EINVAL:
+    case EFAULT:
+    case EBADF:
+      res = ncclInternalError;
+      break;
+    case EMSGSIZE:
+    case ENODEV:
+    case ENOTSUP:
+      res = ncclInvalidUsage;
+      break;
+    case ECONNRESET:
+    case EPIPE:
+    case ECONNABORTED:
+    case EPROTO:
+      res = ncclRemoteError;
+      break;
+    default:
+      break;
+  }
+  FS_WARN("%s failed: %s (ncclResult %d)", what, fs_errstr(-rc), (int)res);
+  return res;
+}
+
+#define FS_REQUIRE(cond, what)                                     \
+  do {                                                             \
+    if (!(cond)) {                                                 \
+      FS_WARN("%s: invalid argument (%s)", (what), #cond);         \
+      return ncclInternalError;                                    \
+    }                                                              \
+  } while (0)
+
+ncclResult_t fs_api_init_v10(ncclDebugLogger_t logger) {
+  struct fs_context* ctx = NULL;
+  ncclResult_t res = result_of(fs_global_v10_context(logger, &ctx), "init");
+  if (res == ncclSuccess) {
+    FS_INFO(NCCL_INIT | NCCL_NET, "flowsched plugin initialised (API v10), %d device(s)",
+            fs_global_device_count());
+  }
+  return res;
+}
+
+ncclResult_t fs_api_init_ctx(void** ctx, uint64_t comm_id, int traffic_class,
+                             ncclDebugLogger_t logger) {
+  FS_REQUIRE(ctx != NULL, "init");
+  struct fs_context* c = NULL;
+  ncclResult_t res = result_of(fs_context_create(comm_id, traffic_class, logger, &c), "init");
+  *ctx = c;
+  if (res == ncclSuccess) {
+    FS_INFO(NCCL_INIT | NCCL_NET, "flowsched context for comm 0x%llx (trafficClass %d), %d device(s)",
+            (unsigned long long)comm_id, traffic_class, fs_global_device_count());
+  }
+  return res;
+}
+
+ncclResult_t fs_api_finalize(void* ctx) {
+  FS_REQUIRE(ctx != NULL, "finalize");
+  fs_context_destroy(ctx);
+  return ncclSuccess;
+}
+
+ncclResult_t fs_api_devices(int* ndev) {
+  FS_REQUIRE(ndev != NULL, "devices");
+  *ndev = fs_global_device_count();
+  return ncclSuccess;
+}
+
+ncclResult_t fs_api_properties(int dev, struct fs_props* props) {
+  const struct fs_device* device = fs_global_device(dev);
+  FS_REQUIRE(device != NULL && props != NULL, "getProperties");
+  *props = (struct fs_props){
+      .name = (char*)device->name,
+      .pci_path = device->pci_path,
+      .guid = (uint64_t)dev,
+      .speed_mbps = device->speed_mbps,
+      .port = 0,
+      .max_comms = 65536,
+      .max_recvs = 1,
+      .max_p2p_bytes = (size_t)NCCL_MAX_NET_SIZE_BYTES,
+      .max_coll_bytes = (size_t)NCCL_MAX_COLLNET_SIZE,
+  };
+  return ncclSuccess;
+}
+
+static int context_or_v10(void* ctx, struct fs_context** out) {
+  if (ctx != NULL) {
+    *out = ctx;
+    return 0;
+  }
+  return fs_global_v10_context(NULL, out);
+}
+
+ncclResult_t fs_api_listen(void* ctx, int dev, void* handle, void** listen_comm) {
+  FS_REQUIRE(handle != NULL && listen_comm != NULL, "listen");
+  struct fs_context* c = NULL;
+  struct fs_listen_comm* lcomm = NULL;
+  int rc = context_or_v10(ctx, &c);
+  if (rc == 0) {
+    rc = fs_listen(c, dev, handle, &lcomm);
+  }
+  *listen_comm = lcomm;
+  return result_of(rc, "listen");
+}
+
+ncclResult_t fs_api_connect(void* ctx, int dev, int traffic_class, void* handle, void** send_comm) {
+  FS_REQUIRE(handle != NULL && send_comm != NULL, "connect");
+  struct fs_context* c = NULL;
+  struct fs_comm* comm = NULL;
+  int rc = context_or_v10(ctx, &c);
+  if (rc == 0) {
+    int32_t tc = ctx != NULL ? c->traffic_class : traffic_class;
+    rc = fs_connect(c, dev, tc, handle, &comm);
+  }
+  *send_comm = comm;
+  return result_of(rc, "connect");
+}
+
+ncclResult_t fs_api_accept(void* listen_comm, void** recv_comm) {
+  FS_REQUIRE(listen_comm != NULL && recv_comm != NULL, "accept");
+  struct fs_comm* comm = NULL;
+  int rc = fs_accept(listen_comm, &comm);
+  *recv_comm = comm;
+  return result_of(rc, "accept");
+}
+
+ncclResult_t fs_api_reg_mr(void* comm, void* data, size_t size, int type, void** mhandle) {
+  (void)data;
+  (void)size;
+  FS_REQUIRE(comm != NULL && mhandle != NULL, "regMr");
+  if (type != NCCL_PTR_HOST) {
+    FS_WARN("regMr: only host memory is supported (type %d)", type);
+    return ncclInternalError;
+  }
+  *mhandle = &fs_host_mr;
+  return ncclSuccess;
+}
+
+ncclResult_t fs_api_dereg_mr(void* comm, void* mhandle) {
+  FS_REQUIRE(comm != NULL && mhandle == &fs_host_mr, "deregMr");
+  return ncclSuccess;
+}
+
+ncclResult_t fs_api_isend(void* send_comm, void* data, size_t size, int tag, void** request) {
+  FS_REQUIRE(request != NULL, "isend");
+  *request = NULL;
+  FS_REQUIRE(send_comm != NULL && (data != NULL || size == 0), "isend");
+  FS_REQUIRE(((struct fs_comm*)send_comm)->is_send, "isend");
+  struct fs_request* req = NULL;
+  int rc = fs_isend(send_comm, data, size, tag, &req);
+  *request = req;
+  return result_of(rc, "isend");
+}
+
+ncclResult_t fs_api_irecv(void* recv_comm, int n, void** data, size_t* sizes, int* tags,
+                          void** request) {
+  FS_REQUIRE(request != NULL, "irecv");
+  *request = NULL; /* always written: NCCL may preset it to 0x1 */
+  FS_REQUIRE(recv_comm != NULL && data != NULL && sizes != NULL, "irecv");
+  FS_REQUIRE(!((struct fs_comm*)recv_comm)->is_send, "irecv");
+  if (n != 1) {
+    FS_WARN("irecv: grouped receives are not supported (n=%d, maxRecvs=1)", n);
+    return ncclInternalError;
+  }
+  FS_REQUIRE(data[0] != NULL || sizes[0] == 0, "irecv");
+  struct fs_request* req = NULL;
+  int rc = fs_irecv(recv_comm, data[0], sizes[0], tags != NULL ? tags[0] : -1, &req);
+  *request = req;
+  return result_of(rc, "irecv");
+}
+
+ncclResult_t fs_api_iflush(void* recv_comm, int n, void** request) {
+  (void)recv_comm;
+  (void)n;
+  if (request != NULL) {
+    *request = NULL;
+  }
+  FS_WARN("iflush called on a host-memory plugin");
+  return ncclInternalError;
+}
+
+ncclResult_t fs_api_test(void* request, int* done, int* sizes) {
+  FS_REQUIRE(request != NULL && done != NULL, "test");
+  size_t size = 0;
+  int rc = fs_test(request, done, &size);
+  if (rc == 0 && *done && sizes != NULL) {
+    *sizes = size > (size_t)INT32_MAX ? INT32_MAX : (int)size;
+  }
+  return result_of(rc, "test");
+}
+
+ncclResult_t fs_api_close_comm(void* comm) {
+  if (comm == NULL) {
+    return ncclSuccess;
+  }
+  return result_of(fs_close_comm(comm), "close");
+}
+
+ncclResult_t fs_api_close_listen(void* listen_comm) {
+  if (listen_comm == NULL) {
+    return ncclSuccess;
+  }
+  return result_of(fs_close_listen(listen_comm), "closeListen");
+}
+
+ncclResult_t fs_api_set_net_attr(void* ctx, uint32_t op, uint32_t algo, uint32_t proto) {
+  FS_REQUIRE(ctx != NULL, "setNetAttr");
+  fs_context_set_net_attr(ctx, op, algo, proto);
+  return ncclSuccess;
+}

@@ -1,0 +1,230 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "context.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "class_defaults.h"
+#include "flow_table.h"
+#include "log.h"
+#include "transport.h"
+
+static struct {
+  pthread_mutex_t lock;
+  int refs;
+  struct fs_params params;
+  struct fs_device devs[FS_MAX_DEVICES];
+  int ndev;
+  struct fs_context* v10_ctx;
+  atomic_int warned_class;
+} fs_global = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static int global_init_locked(void) {
+  fs_params_load(&fs_global.params);
+  if (fs_global.params.family != 0 && fs_global.params.family != 4 && fs_global.params.family != 6) {
+    FS_WARN("FLOWSCHED_SOCKET_FAMILY=%lld is not 0, 4 or 6; using 0 (any)",
+            (long long)fs_global.params.family);
+    fs_global.params.family = 0;
+  }
+  int rc = fs_devices_discover(&fs_global.params, fs_global.devs, &fs_global.ndev);
+  if (rc < 0) {
+    FS_WARN("cannot list network interfaces: %s", fs_errstr(-rc));
+    return rc;
+  }
+  if (fs_global.ndev == 0) {
+    FS_WARN("no network interface matches the selection (FLOWSCHED_SOCKET_IFNAME=%s, "
+            "NCCL_SOCKET_IFNAME=%s)", fs_global.params.socket_ifname,
+            fs_global.params.nccl_socket_ifname);
+  }
+  for (int i = 0; i < fs_global.ndev; i++) {
+    char text[96];
+    FS_INFO(NCCL_INIT | NCCL_NET, "device %d: %s %s", i, fs_global.devs[i].name,
+            fs_addr_str(&fs_global.devs[i].addr, text, sizeof(text)));
+  }
+  atomic_store(&fs_global.warned_class, 0);
+  return 0;
+}
+
+static void global_teardown_locked(void) {
+  fs_devices_free(fs_global.devs, fs_global.ndev);
+  fs_global.ndev = 0;
+  fs_table_detach();
+}
+
+int fs_global_acquire(ncclDebugLogger_t logger) {
+  fs_log_set_logger(logger);
+  pthread_mutex_lock(&fs_global.lock);
+  int rc = 0;
+  if (fs_global.refs == 0) {
+    rc = global_init_locked();
+  }
+  if (rc == 0) {
+    fs_global.refs++;
+  }
+  pthread_mutex_unlock(&fs_global.lock);
+  return rc;
+}
+
+void fs_global_release(void) {
+  pthread_mutex_lock(&fs_global.lock);
+  if (fs_global.refs > 0 && --fs_global.refs == 0) {
+    global_teardown_locked();
+  }
+  pthread_mutex_unlock(&fs_global.lock);
+}
+
+/* On dlclose: drop what the v10 API never finalizes, and anything leaked. */
+__attribute__((destructor)) static void fs_global_unload(void) {
+  pthread_mutex_lock(&fs_global.lock);
+  if (fs_global.v10_ctx != NULL) {
+    pthread_mutex_destroy(&fs_global.v10_ctx->lock);
+    free(fs_global.v10_ctx);
+    fs_global.v10_ctx = NULL;
+  }
+  if (fs_global.refs > 0) {
+    fs_global.refs = 0;
+    global_teardown_locked();
+  }
+  pthread_mutex_unlock(&fs_global.lock);
+}
+
+const struct fs_params* fs_global_params(void) {
+  return &fs_global.params;
+}
+
+int fs_global_device_count(void) {
+  return fs_global.ndev;
+}
+
+const struct fs_device* fs_global_device(int dev) {
+  return dev >= 0 && dev < fs_global.ndev ? &fs_global.devs[dev] : NULL;
+}
+
+static struct fs_context* context_alloc(uint64_t comm_id, int32_t traffic_class) {
+  struct fs_context* ctx = calloc(1, sizeof(*ctx));
+  if (ctx != NULL) {
+    ctx->comm_id = comm_id;
+    ctx->traffic_class = traffic_class;
+    pthread_mutex_init(&ctx->lock, NULL);
+  }
+  return ctx;
+}
+
+int fs_global_v10_context(ncclDebugLogger_t logger, struct fs_context** out) {
+  pthread_mutex_lock(&fs_global.lock);
+  struct fs_context* ctx = fs_global.v10_ctx;
+  pthread_mutex_unlock(&fs_global.lock);
+  if (ctx == NULL) {
+    FS_CHECK(fs_global_acquire(logger));
+    ctx = context_alloc(0, NCCL_NET_TRAFFIC_CLASS_UNDEF);
+    if (ctx == NULL) {
+      fs_global_release();
+      return -ENOMEM;
+    }
+    pthread_mutex_lock(&fs_global.lock);
+    if (fs_global.v10_ctx == NULL) {
+      fs_global.v10_ctx = ctx;
+      ctx = NULL;
+    }
+    pthread_mutex_unlock(&fs_global.lock);
+    if (ctx != NULL) { /* another thread won the race */
+      pthread_mutex_destroy(&ctx->lock);
+      free(ctx);
+      fs_global_release();
+    }
+  }
+  *out = fs_global.v10_ctx;
+  return 0;
+}
+
+int fs_context_create(uint64_t comm_id, int32_t traffic_class, ncclDebugLogger_t logger,
+                      struct fs_context** out) {
+  FS_CHECK(fs_global_acquire(logger));
+  struct fs_context* ctx = context_alloc(comm_id, traffic_class);
+  if (ctx == NULL) {
+    fs_global_release();
+    return -ENOMEM;
+  }
+  *out = ctx;
+  return 0;
+}
+
+void fs_context_destroy(struct fs_context* ctx) {
+  pthread_mutex_lock(&ctx->lock);
+  int open = ctx->comms != NULL;
+  pthread_mutex_unlock(&ctx->lock);
+  if (open) {
+    FS_WARN("finalize of comm 0x%llx with connections still open",
+            (unsigned long long)ctx->comm_id);
+    return; /* keep the context alive: its connections still point at it */
+  }
+  pthread_mutex_destroy(&ctx->lock);
+  free(ctx);
+  fs_global_release();
+}
+
+void fs_context_set_net_attr(struct fs_context* ctx, uint32_t op, uint32_t algo, uint32_t proto) {
+  pthread_mutex_lock(&ctx->lock);
+  ctx->net_op = op;
+  ctx->net_algo = algo;
+  ctx->net_proto = proto;
+  for (struct fs_comm* comm = ctx->comms; comm != NULL; comm = comm->ctx_next) {
+    fs_comm_record_net_attr(comm, op, algo, proto);
+  }
+  pthread_mutex_unlock(&ctx->lock);
+}
+
+void fs_context_add_comm(struct fs_context* ctx, struct fs_comm* comm) {
+  pthread_mutex_lock(&ctx->lock);
+  comm->ctx_next = ctx->comms;
+  ctx->comms = comm;
+  fs_comm_record_net_attr(comm, ctx->net_op, ctx->net_algo, ctx->net_proto);
+  pthread_mutex_unlock(&ctx->lock);
+}
+
+void fs_context_remove_comm(struct fs_context* ctx, struct fs_comm* comm) {
+  pthread_mutex_lock(&ctx->lock);
+  for (struct fs_comm** link = &ctx->comms; *link != NULL; link = &(*link)->ctx_next) {
+    if (*link == comm) {
+      *link = comm->ctx_next;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&ctx->lock);
+}
+
+int fs_class_parse(const char* text) {
+  for (int i = 0; i < FS_NUM_CLASSES; i++) {
+    if (strcmp(text, fs_class_labels[i]) == 0) {
+      return i;
+    }
+  }
+  char* end = NULL;
+  long id = strtol(text, &end, 10);
+  if (end != text && *end == '\0' && id >= 0 && id < FS_NUM_CLASSES) {
+    return (int)id;
+  }
+  return -1;
+}
+
+uint16_t fs_class_resolve(int32_t traffic_class) {
+  const struct fs_params* params = fs_global_params();
+  fs_table_attach(params->table_path);
+  struct fs_table_config cfg;
+  fs_table_config(&cfg);
+  int cls = fs_table_class_for_traffic_class(&cfg, traffic_class);
+  if (cls < 0 && params->class_name[0] != '\0') {
+    cls = fs_class_parse(params->class_name);
+    if (cls < 0) {
+      FS_WARN_ONCE(fs_global.warned_class, "FLOWSCHED_CLASS=%s is not a flow class; using tp",
+                   params->class_name);
+    }
+  }
+  if (cls < 0) {
+    cls = cfg.from_table && cfg.fallback_class < FS_TABLE_MAX_CLASSES ? (int)cfg.fallback_class
+                                                                      : FS_CLASS_TP;
+  }
+  return (uint16_t)cls;
+}

@@ -1,0 +1,56 @@
+/* SPDX-License-Identifier: Apache-2.0
+ * Process-wide state (refcounted) and per-communicator contexts.
+ *
+ * NCCL >= 2.28 calls init/finalize once per communicator (v11+) and may dlclose the library
+ * when the last one is finalized, so the global state is built by the first reference and
+ * torn down completely by the last: parameters, devices and the table mapping. Contexts,
+ * listen comms and connections each hold one reference, so the table is never unmapped under
+ * a live connection. The v10 API has no finalize: its process-wide context keeps a reference
+ * until the library is unloaded.
+ */
+#ifndef FLOWSCHED_CONTEXT_H
+#define FLOWSCHED_CONTEXT_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "nccl/common.h"
+#include "param.h"
+#include "socket_util.h"
+
+struct fs_comm;
+
+struct fs_context {
+  uint64_t comm_id;
+  int32_t traffic_class;
+  pthread_mutex_t lock; /* guards the fields below (service and progress threads) */
+  struct fs_comm* comms; /* open connections created through this context */
+  uint32_t net_op, net_algo, net_proto; /* latest setNetAttr hint (0 = none seen) */
+};
+
+/* Take a reference on the global state, initialising it on the first one. */
+int fs_global_acquire(ncclDebugLogger_t logger);
+/* Drop a reference; the last one tears everything down. */
+void fs_global_release(void);
+const struct fs_params* fs_global_params(void);
+int fs_global_device_count(void);
+/* The device `dev`, or NULL when out of range. */
+const struct fs_device* fs_global_device(int dev);
+/* The process-wide context used by the v10 API (created by the first v10 init). */
+int fs_global_v10_context(ncclDebugLogger_t logger, struct fs_context** out);
+
+int fs_context_create(uint64_t comm_id, int32_t traffic_class, ncclDebugLogger_t logger,
+                      struct fs_context** out);
+void fs_context_destroy(struct fs_context* ctx);
+/* Record a setNetAttr hint and copy it into the slots of the context's connections. */
+void fs_context_set_net_attr(struct fs_context* ctx, uint32_t op, uint32_t algo, uint32_t proto);
+void fs_context_add_comm(struct fs_context* ctx, struct fs_comm* comm);
+void fs_context_remove_comm(struct fs_context* ctx, struct fs_comm* comm);
+
+/* Flow class of a connection: trafficClass through the table's class map, else
+ * FLOWSCHED_CLASS, else tp. Attaches the table first if it is not mapped yet. */
+uint16_t fs_class_resolve(int32_t traffic_class);
+/* Parse a class label or id ("param_sync", "2"); -1 when unknown. */
+int fs_class_parse(const char* text);
+
+#endif

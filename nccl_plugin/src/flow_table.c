@@ -1,0 +1,273 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "flow_table.h"
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "class_defaults.h"
+#include "log.h"
+
+static struct {
+  pthread_mutex_t lock;
+  uint8_t* base;
+  size_t size;
+  uint32_t num_slots;
+  _Atomic uint32_t claim_cursor;
+  atomic_int warned_missing;
+  atomic_int warned_corrupt;
+  atomic_int warned_full;
+} fs_table = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+uint64_t fs_now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static struct fs_table_header* table_header(void) {
+  return (struct fs_table_header*)fs_table.base;
+}
+
+static struct fs_table_slot* table_slot(uint32_t index) {
+  return (struct fs_table_slot*)(fs_table.base + FS_TABLE_HEADER_SIZE +
+                                 (size_t)index * FS_TABLE_SLOT_SIZE);
+}
+
+/* Why a mapped header cannot be used, or NULL when it is fine. */
+static const char* table_header_problem(const struct fs_table_header* hdr, size_t file_size) {
+  if (hdr->magic != FS_TABLE_MAGIC) {
+    return "bad magic";
+  }
+  if (hdr->version != FS_TABLE_VERSION) {
+    return "unsupported version";
+  }
+  if (hdr->header_size != FS_TABLE_HEADER_SIZE || hdr->slot_size != FS_TABLE_SLOT_SIZE) {
+    return "unexpected header or slot size";
+  }
+  if (hdr->num_slots == 0 ||
+      file_size < FS_TABLE_HEADER_SIZE + (size_t)hdr->num_slots * FS_TABLE_SLOT_SIZE) {
+    return "file shorter than its slots";
+  }
+  if (hdr->num_levels == 0 || hdr->num_levels > FS_TABLE_MAX_LEVELS) {
+    return "num_levels out of range";
+  }
+  return NULL;
+}
+
+static int table_map(const char* path) {
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    int rc = FS_NEG_ERRNO();
+    FS_WARN_ONCE(fs_table.warned_missing,
+                 "no flow table at %s (%s): connections run at their class's default level",
+                 path, fs_errstr(-rc));
+    return rc;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0 || (size_t)st.st_size < FS_TABLE_HEADER_SIZE) {
+    close(fd);
+    FS_WARN_ONCE(fs_table.warned_corrupt, "flow table %s is too short: using default levels", path);
+    return -EPROTO;
+  }
+  void* base = mmap(NULL, (size_t)st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (base == MAP_FAILED) {
+    FS_WARN_ONCE(fs_table.warned_corrupt, "cannot map flow table %s: using default levels", path);
+    return -ENOMEM;
+  }
+  const char* problem = table_header_problem(base, (size_t)st.st_size);
+  if (problem != NULL) {
+    munmap(base, (size_t)st.st_size);
+    FS_WARN_ONCE(fs_table.warned_corrupt, "flow table %s unusable (%s): using default levels",
+                 path, problem);
+    return -EPROTO;
+  }
+  fs_table.base = base;
+  fs_table.size = (size_t)st.st_size;
+  fs_table.num_slots = ((struct fs_table_header*)base)->num_slots;
+  FS_INFO(NCCL_INIT | NCCL_NET, "flow table %s mapped (%u slots)", path, fs_table.num_slots);
+  return 0;
+}
+
+int fs_table_attach(const char* path) {
+  pthread_mutex_lock(&fs_table.lock);
+  int rc = fs_table.base != NULL ? 0 : table_map(path);
+  pthread_mutex_unlock(&fs_table.lock);
+  return rc;
+}
+
+void fs_table_detach(void) {
+  pthread_mutex_lock(&fs_table.lock);
+  if (fs_table.base != NULL) {
+    munmap(fs_table.base, fs_table.size);
+  }
+  fs_table.base = NULL;
+  fs_table.size = 0;
+  fs_table.num_slots = 0;
+  pthread_mutex_unlock(&fs_table.lock);
+}
+
+static void config_defaults(struct fs_table_config* out) {
+  memset(out, 0, sizeof(*out));
+  out->num_levels = FS_DEFAULT_NUM_LEVELS;
+  out->fallback_class = FS_CLASS_TP;
+  out->num_class_map = FS_DEFAULT_TRAFFIC_CLASS_MAP_SIZE;
+  for (uint32_t i = 0; i < FS_NUM_CLASSES; i++) {
+    out->class_map[i] = (struct fs_class_map_entry){.traffic_class = (int32_t)i, .class_id = i};
+    out->default_level[i] = fs_default_class_level[i];
+  }
+  for (uint32_t i = 0; i < FS_DEFAULT_NUM_LEVELS; i++) {
+    out->level_marking[i].dscp = fs_default_level_dscp[i];
+    out->level_marking[i].so_priority = fs_default_level_prio[i];
+  }
+}
+
+/* Copy the config area under its seqlock; 0 on a consistent copy. */
+static int config_copy(const struct fs_table_header* hdr, struct fs_table_config* out) {
+  for (int attempt = 0; attempt < 100; attempt++) {
+    uint32_t seq = atomic_load_explicit(&hdr->config_seq, memory_order_acquire);
+    if (seq & 1u) {
+      continue;
+    }
+    out->num_levels = hdr->num_levels;
+    out->fallback_class = hdr->fallback_class;
+    out->num_class_map = hdr->num_class_map;
+    memcpy(out->class_map, hdr->class_map, sizeof(out->class_map));
+    memcpy(out->default_level, hdr->default_level, sizeof(out->default_level));
+    memcpy(out->level_marking, hdr->level_marking, sizeof(out->level_marking));
+    atomic_thread_fence(memory_order_acquire);
+    if (atomic_load_explicit(&hdr->config_seq, memory_order_relaxed) == seq) {
+      return 0;
+    }
+  }
+  return -EAGAIN;
+}
+
+void fs_table_config(struct fs_table_config* out) {
+  struct fs_table_header* hdr = table_header();
+  if (hdr == NULL || config_copy(hdr, out) != 0) {
+    config_defaults(out);
+    return;
+  }
+  out->from_table = 1;
+  if (out->num_levels == 0 || out->num_levels > FS_TABLE_MAX_LEVELS) {
+    config_defaults(out);
+    return;
+  }
+  if (out->num_class_map > FS_TABLE_MAX_CLASS_MAP) {
+    out->num_class_map = FS_TABLE_MAX_CLASS_MAP;
+  }
+}
+
+int fs_table_class_for_traffic_class(const struct fs_table_config* cfg, int32_t traffic_class) {
+  if (traffic_class == -1) {
+    return -1;
+  }
+  for (uint32_t i = 0; i < cfg->num_class_map; i++) {
+    if (cfg->class_map[i].traffic_class == traffic_class &&
+        cfg->class_map[i].class_id < FS_TABLE_MAX_CLASSES) {
+      return (int)cfg->class_map[i].class_id;
+    }
+  }
+  return -1;
+}
+
+/* CAS one slot from `from` to CLAIMED, scanning from a per-process cursor. */
+/* An agent is alive when it set its pid and refreshed its heartbeat within the last second. */
+static int agent_alive(void) {
+  const struct fs_table_header* hdr = table_header();
+  uint64_t beat = atomic_load_explicit(&hdr->heartbeat_ns, memory_order_relaxed);
+  return hdr->agent_pid != 0 && beat != 0 && fs_now_ns() - beat < 1000000000ull;
+}
+
+static struct fs_table_slot* slot_claim_from(uint32_t from) {
+  uint32_t n = fs_table.num_slots;
+  uint32_t start = (atomic_fetch_add(&fs_table.claim_cursor, 1) + (uint32_t)getpid() * 7919u) % n;
+  for (uint32_t i = 0; i < n; i++) {
+    struct fs_table_slot* slot = table_slot((start + i) % n);
+    uint32_t expected = from;
+    if (atomic_load_explicit(&slot->state, memory_order_relaxed) == from &&
+        atomic_compare_exchange_strong(&slot->state, &expected, FS_SLOT_CLAIMED)) {
+      return slot;
+    }
+  }
+  return NULL;
+}
+
+static void slot_fill(struct fs_table_slot* slot, const struct fs_flow_info* info) {
+  uint64_t now = fs_now_ns();
+  slot->pid = (uint32_t)getpid();
+  atomic_fetch_add(&slot->claim_seq, 1);
+  slot->comm_id = info->comm_id;
+  atomic_store_explicit(&slot->peer_rank, info->peer_rank, memory_order_relaxed);
+  slot->traffic_class = info->traffic_class;
+  atomic_store_explicit(&slot->level, FS_LEVEL_UNSET, memory_order_relaxed);
+  slot->class_id = info->class_id;
+  slot->direction = info->direction;
+  atomic_store_explicit(&slot->bytes, 0, memory_order_relaxed);
+  atomic_store_explicit(&slot->messages, 0, memory_order_relaxed);
+  slot->open_ns = now;
+  atomic_store_explicit(&slot->last_ns, now, memory_order_relaxed);
+  atomic_store_explicit(&slot->net_op, info->net_op, memory_order_relaxed);
+  atomic_store_explicit(&slot->net_algo, info->net_algo, memory_order_relaxed);
+  atomic_store_explicit(&slot->net_proto, info->net_proto, memory_order_relaxed);
+  atomic_store_explicit(&slot->applied_level, FS_LEVEL_UNSET, memory_order_relaxed);
+  atomic_store_explicit(&slot->applied_ns, 0, memory_order_relaxed);
+  atomic_store_explicit(&slot->level_set_ns, 0, memory_order_relaxed);
+  slot->dev = info->dev;
+}
+
+void fs_flow_open(struct fs_flow* flow, const struct fs_flow_info* info) {
+  memset(flow, 0, sizeof(*flow));
+  struct fs_table_slot* slot = NULL;
+  pthread_mutex_lock(&fs_table.lock);
+  if (fs_table.base != NULL) {
+    slot = slot_claim_from(FS_SLOT_FREE);
+    if (slot == NULL && !agent_alive()) {
+      /* Only with no live agent: a live agent frees CLOSED slots itself after reporting them,
+       * and taking one here could race its CLOSED -> FREE store. */
+      slot = slot_claim_from(FS_SLOT_CLOSED);
+    }
+    if (slot == NULL) {
+      FS_WARN_ONCE(fs_table.warned_full, "flow table full: new connections are not reported");
+    }
+  }
+  pthread_mutex_unlock(&fs_table.lock);
+  flow->slot = slot != NULL ? slot : &flow->local;
+  slot_fill(flow->slot, info);
+  atomic_store_explicit(&flow->slot->state, FS_SLOT_ACTIVE, memory_order_release);
+  flow->seen_level = FS_LEVEL_UNSET;
+  flow->class_id = info->class_id;
+}
+
+void fs_flow_close(struct fs_flow* flow) {
+  if (flow->slot != NULL) {
+    atomic_store_explicit(&flow->slot->state, FS_SLOT_CLOSED, memory_order_release);
+  }
+}
+
+uint32_t fs_flow_effective_level(const struct fs_flow* flow, uint32_t raw,
+                                 struct fs_level_marking* marking) {
+  struct fs_table_config cfg;
+  fs_table_config(&cfg);
+  uint32_t level = raw;
+  if (level == FS_LEVEL_UNSET) {
+    level = flow->class_id < FS_TABLE_MAX_CLASSES ? cfg.default_level[flow->class_id] : 0;
+  }
+  if (level >= cfg.num_levels) {
+    level = cfg.num_levels - 1;
+  }
+  *marking = cfg.level_marking[level];
+  return level;
+}
+
+void fs_flow_applied(struct fs_flow* flow, uint32_t level) {
+  atomic_store_explicit(&flow->slot->applied_level, level, memory_order_relaxed);
+  atomic_store_explicit(&flow->slot->applied_ns, fs_now_ns(), memory_order_relaxed);
+}

@@ -1,0 +1,168 @@
+/* SPDX-License-Identifier: Apache-2.0
+ * The node's shared-memory flow table, seen from the plugin.
+ *
+ * The byte layout is documented once, in flowsched/shm/layout.py; these structs mirror it and
+ * the static asserts below pin every offset. A pytest test compares the offsets printed by
+ * tests/layout_dump.c with the Python tables field by field.
+ *
+ * The agent creates the table; the plugin maps it (lazily, at connection setup), claims one
+ * slot per connection with a compare-and-swap, reads the slot's `level` with one atomic load
+ * per isend, and adds its bytes with atomic adds. Without a usable table every connection
+ * gets a private slot, so the hot path is the same and runs at the class's default level.
+ */
+#ifndef FLOWSCHED_FLOW_TABLE_H
+#define FLOWSCHED_FLOW_TABLE_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define FS_TABLE_MAGIC 0x54465346u /* "FSFT" */
+#define FS_TABLE_VERSION 1u
+#define FS_TABLE_HEADER_SIZE 4096u
+#define FS_TABLE_SLOT_SIZE 128u
+#define FS_TABLE_MAX_LEVELS 16
+#define FS_TABLE_MAX_CLASS_MAP 32
+#define FS_TABLE_MAX_CLASSES 16
+#define FS_LEVEL_UNSET 0xFFFFFFFFu
+
+enum fs_slot_state { FS_SLOT_FREE = 0, FS_SLOT_CLAIMED = 1, FS_SLOT_ACTIVE = 2, FS_SLOT_CLOSED = 3 };
+enum fs_direction { FS_DIR_SEND = 0, FS_DIR_RECV = 1 };
+
+struct fs_class_map_entry {
+  int32_t traffic_class;
+  uint32_t class_id;
+};
+
+struct fs_level_marking {
+  uint8_t dscp;
+  uint8_t pad[3];
+  uint32_t so_priority;
+};
+
+struct fs_table_header {
+  uint32_t magic;
+  uint32_t version;
+  uint32_t header_size;
+  uint32_t slot_size;
+  uint32_t num_slots;
+  uint32_t num_levels;
+  uint32_t agent_pid;
+  _Atomic uint32_t config_seq; /* seqlock over the config area, odd while written */
+  uint64_t generation;
+  _Atomic uint64_t heartbeat_ns;
+  uint32_t flags;
+  uint8_t reserved0[12];
+  /* config area */
+  uint32_t num_class_map;
+  uint32_t fallback_class;
+  struct fs_class_map_entry class_map[FS_TABLE_MAX_CLASS_MAP];
+  uint8_t default_level[FS_TABLE_MAX_CLASSES];
+  uint8_t reserved1[8];
+  struct fs_level_marking level_marking[FS_TABLE_MAX_LEVELS];
+  uint8_t reserved2[3616];
+};
+
+struct fs_table_slot {
+  _Atomic uint32_t state;
+  uint32_t pid;
+  _Atomic uint64_t claim_seq;
+  uint64_t comm_id;
+  _Atomic int32_t peer_rank;
+  int32_t traffic_class;
+  _Atomic uint32_t level; /* written by the agent */
+  uint16_t class_id;
+  uint8_t direction;
+  uint8_t reserved0;
+  _Atomic uint64_t bytes;
+  _Atomic uint64_t messages;
+  uint64_t open_ns;
+  _Atomic uint64_t last_ns;
+  _Atomic uint32_t net_op;
+  _Atomic uint32_t net_algo;
+  _Atomic uint32_t net_proto;
+  _Atomic uint32_t applied_level;
+  _Atomic uint64_t applied_ns;
+  _Atomic uint64_t level_set_ns; /* written by the agent */
+  uint32_t dev;
+  uint8_t reserved1[20];
+};
+
+_Static_assert(sizeof(struct fs_table_header) == FS_TABLE_HEADER_SIZE, "header size");
+_Static_assert(sizeof(struct fs_table_slot) == FS_TABLE_SLOT_SIZE, "slot size");
+_Static_assert(offsetof(struct fs_table_header, config_seq) == 28, "config_seq");
+_Static_assert(offsetof(struct fs_table_header, generation) == 32, "generation");
+_Static_assert(offsetof(struct fs_table_header, flags) == 48, "flags");
+_Static_assert(offsetof(struct fs_table_header, num_class_map) == 64, "num_class_map");
+_Static_assert(offsetof(struct fs_table_header, class_map) == 72, "class_map");
+_Static_assert(offsetof(struct fs_table_header, default_level) == 328, "default_level");
+_Static_assert(offsetof(struct fs_table_header, level_marking) == 352, "level_marking");
+_Static_assert(offsetof(struct fs_table_slot, level) == 32, "level");
+_Static_assert(offsetof(struct fs_table_slot, bytes) == 40, "bytes");
+_Static_assert(offsetof(struct fs_table_slot, applied_level) == 84, "applied_level");
+_Static_assert(offsetof(struct fs_table_slot, dev) == 104, "dev");
+
+/* A snapshot of the config area (taken under the seqlock) or of the compiled defaults. */
+struct fs_table_config {
+  uint32_t num_levels;
+  uint32_t fallback_class;
+  uint32_t num_class_map;
+  struct fs_class_map_entry class_map[FS_TABLE_MAX_CLASS_MAP];
+  uint8_t default_level[FS_TABLE_MAX_CLASSES];
+  struct fs_level_marking level_marking[FS_TABLE_MAX_LEVELS];
+  int from_table; /* 0: compiled-in defaults */
+};
+
+/* What a connection tells the table when it claims a slot. */
+struct fs_flow_info {
+  uint64_t comm_id;
+  int32_t peer_rank;
+  int32_t traffic_class;
+  uint16_t class_id;
+  uint8_t direction;
+  uint32_t dev;
+  uint32_t net_op, net_algo, net_proto;
+};
+
+/* A connection's binding to its slot (a table slot, or `local` when there is no table). */
+struct fs_flow {
+  struct fs_table_slot* slot;
+  struct fs_table_slot local;
+  uint32_t seen_level; /* raw `level` value last acted on */
+  uint16_t class_id;
+  struct fs_level_marking marking; /* what the sockets carry now */
+};
+
+/* Map the table at `path` if not mapped yet (0, or -errno; logs once per failure kind). */
+int fs_table_attach(const char* path);
+/* Unmap the table (global teardown). */
+void fs_table_detach(void);
+/* Snapshot of the config area, or the compiled defaults when no table is attached. */
+void fs_table_config(struct fs_table_config* out);
+/* Class id for an NCCL trafficClass, or -1 when the map names none. */
+int fs_table_class_for_traffic_class(const struct fs_table_config* cfg, int32_t traffic_class);
+/* Claim a slot for a new connection (falls back to flow->local) and fill it. */
+void fs_flow_open(struct fs_flow* flow, const struct fs_flow_info* info);
+/* Mark the slot CLOSED (bytes final). */
+void fs_flow_close(struct fs_flow* flow);
+/* Effective level and marking for a raw slot `level` value. */
+uint32_t fs_flow_effective_level(const struct fs_flow* flow, uint32_t raw,
+                                 struct fs_level_marking* marking);
+/* Record that `level` now is on the sockets. */
+void fs_flow_applied(struct fs_flow* flow, uint32_t level);
+uint64_t fs_now_ns(void);
+
+/* Hot path: has the agent's level changed since we last acted on it? One atomic load. */
+static inline int fs_flow_level_changed(struct fs_flow* flow, uint32_t* raw) {
+  *raw = atomic_load_explicit(&flow->slot->level, memory_order_relaxed);
+  return *raw != flow->seen_level;
+}
+
+/* Hot path: account one message. */
+static inline void fs_flow_account(struct fs_flow* flow, uint64_t bytes, uint64_t now_ns) {
+  atomic_fetch_add_explicit(&flow->slot->bytes, bytes, memory_order_relaxed);
+  atomic_fetch_add_explicit(&flow->slot->messages, 1, memory_order_relaxed);
+  atomic_store_explicit(&flow->slot->last_ns, now_ns, memory_order_relaxed);
+}
+
+#endif

@@ -1,0 +1,54 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "param.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+
+static int64_t param_int(const char* env, int64_t def, int64_t lo, int64_t hi) {
+  const char* text = getenv(env);
+  if (text == NULL || *text == '\0') {
+    return def;
+  }
+  char* end = NULL;
+  errno = 0;
+  long long value = strtoll(text, &end, 0);
+  if (errno != 0 || end == text || *end != '\0') {
+    FS_WARN("%s=%s is not an integer; using %lld", env, text, (long long)def);
+    return def;
+  }
+  if (value < lo || value > hi) {
+    int64_t clamped = value < lo ? lo : hi;
+    FS_WARN("%s=%s out of range [%lld, %lld]; using %lld", env, text, (long long)lo,
+            (long long)hi, (long long)clamped);
+    return clamped;
+  }
+  FS_INFO(NCCL_INIT | NCCL_NET, "%s set by environment to %lld", env, value);
+  return value;
+}
+
+static void param_str(char* out, size_t cap, const char* env, const char* def) {
+  const char* text = getenv(env);
+  if (text == NULL) {
+    text = def;
+  } else {
+    FS_INFO(NCCL_INIT | NCCL_NET, "%s set by environment to %s", env, text);
+  }
+  if (strlen(text) >= cap) {
+    FS_WARN("%s is longer than %zu bytes; ignoring it", env, cap - 1);
+    text = def;
+  }
+  snprintf(out, cap, "%s", text);
+}
+
+#define FS_PARAM_LOAD_INT(field, env, def, lo, hi, doc) \
+  params->field = param_int(env, def, lo, hi);
+#define FS_PARAM_LOAD_STR(field, env, def, doc) \
+  param_str(params->field, sizeof(params->field), env, def);
+
+void fs_params_load(struct fs_params* params) {
+  FS_PARAMS(FS_PARAM_LOAD_INT, FS_PARAM_LOAD_STR)
+}

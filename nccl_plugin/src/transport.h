@@ -1,0 +1,136 @@
+/* SPDX-License-Identifier: Apache-2.0
+ * The TCP transport: one control socket plus `nsocks` data sockets per connection.
+ *
+ * Wire protocol (per connection, in posting order; NCCL matches sends and receives FIFO):
+ *  - every socket starts with a 40-byte hello (magic, socket index, nsocks, chunk and inline
+ *    sizes, trafficClass, a random connection nonce, commId) so the acceptor can group the
+ *    sockets of one connection, whatever order they arrive in;
+ *  - each message sends a 16-byte header {u64 size, u32 magic, u32 seq} on the control
+ *    socket, followed by the payload itself when size <= inline size;
+ *  - larger payloads are cut into chunks of `chunk` bytes dealt round-robin over the data
+ *    sockets, starting at socket (seq % nsocks); both sides derive the same placement.
+ *
+ * All sockets are non-blocking and all I/O happens inside isend/irecv/test on the caller's
+ * thread (NCCL's progress thread), so a level change (setsockopt) never waits behind a large
+ * blocking send, and connect/accept never block (their state lives in the handle and in the
+ * listen comm, as NCCL's retry contract requires).
+ */
+#ifndef FLOWSCHED_TRANSPORT_H
+#define FLOWSCHED_TRANSPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "flow_table.h"
+
+#define FS_MAX_SOCKS 16
+#define FS_MAX_REQUESTS 64 /* NCCL needs >= 32 outstanding per comm */
+#define FS_MAX_PENDING (2 * (FS_MAX_SOCKS + 1))
+#define FS_MAX_ASSEMBLIES 4
+#define FS_MAX_INLINE 4096
+#define FS_CTRL_BUF (2 * (FS_MAX_INLINE + 64)) /* receive-side control stream buffer */
+
+struct fs_context;
+
+struct fs_msg_header {
+  uint64_t size;
+  uint32_t magic;
+  uint32_t seq; /* low 32 bits of the message sequence number */
+};
+
+struct fs_hello {
+  uint32_t magic;
+  uint32_t index; /* 0..nsocks-1: data socket; nsocks: control socket */
+  uint32_t nsocks;
+  uint32_t chunk;
+  uint32_t inline_max;
+  int32_t traffic_class;
+  uint64_t nonce;
+  uint64_t comm_id;
+};
+
+struct fs_request {
+  struct fs_comm* comm;
+  uint64_t seq;
+  int in_use;
+  uint8_t* data;
+  size_t size;     /* send: message size; recv: received size once the header arrived */
+  size_t capacity; /* recv: posted buffer size */
+  struct fs_msg_header hdr;
+};
+
+/* Where one data socket is in its share of the message stream. */
+struct fs_sock_progress {
+  uint64_t seq; /* message it works on */
+  uint64_t k;   /* its k-th chunk of that message */
+  size_t off;   /* bytes done in that chunk */
+};
+
+struct fs_comm {
+  int is_send;
+  int family;
+  int dev;
+  int nsocks;
+  size_t chunk;
+  size_t inline_max;
+  int fds[FS_MAX_SOCKS + 1]; /* fds[nsocks] is the control socket */
+  uint64_t posted;           /* messages posted so far */
+  uint64_t ctrl_seq;         /* messages whose header (+inline payload) went through */
+  size_t ctrl_off;
+  uint64_t hdr_seq; /* recv: messages whose size is known */
+  size_t cbuf_off, cbuf_len; /* recv: unparsed control bytes are cbuf[cbuf_off, cbuf_len) */
+  uint8_t cbuf[FS_CTRL_BUF];
+  struct fs_sock_progress sock[FS_MAX_SOCKS];
+  struct fs_request reqs[FS_MAX_REQUESTS];
+  int error; /* sticky -errno: a broken connection stays broken */
+  int peer_rank_known;
+  int32_t traffic_class;
+  uint64_t comm_id;
+  uint64_t nonce;
+  struct fs_flow flow;
+  struct fs_context* ctx;
+  struct fs_comm* ctx_next;
+};
+
+struct fs_pending {
+  int fd;
+  size_t off;
+  struct fs_hello hello;
+};
+
+struct fs_assembly {
+  int used;
+  uint64_t nonce;
+  int have;
+  struct fs_comm* comm;
+};
+
+struct fs_listen_comm {
+  int fd;
+  int dev;
+  int nsocks;
+  size_t chunk;
+  size_t inline_max;
+  struct fs_context* ctx;
+  struct fs_pending pending[FS_MAX_PENDING];
+  int npending;
+  struct fs_assembly assemblies[FS_MAX_ASSEMBLIES];
+};
+
+int fs_listen(struct fs_context* ctx, int dev, void* handle, struct fs_listen_comm** out);
+/* *out stays NULL until the connection is complete; call again with the same handle. */
+int fs_connect(struct fs_context* ctx, int dev, int32_t traffic_class, void* handle,
+               struct fs_comm** out);
+int fs_accept(struct fs_listen_comm* lcomm, struct fs_comm** out);
+/* *out is NULL when no request slot is free (NCCL retries). */
+int fs_isend(struct fs_comm* comm, void* data, size_t size, int tag, struct fs_request** out);
+int fs_irecv(struct fs_comm* comm, void* data, size_t capacity, int tag, struct fs_request** out);
+int fs_test(struct fs_request* req, int* done, size_t* size);
+int fs_close_comm(struct fs_comm* comm);
+int fs_close_listen(struct fs_listen_comm* lcomm);
+/* Copy a setNetAttr hint into the connection's slot. */
+void fs_comm_record_net_attr(struct fs_comm* comm, uint32_t op, uint32_t algo, uint32_t proto);
+/* Apply the slot's level to the sockets if the agent changed it (one atomic load). */
+void fs_comm_poll_level(struct fs_comm* comm);
+
+#endif

@@ -1,0 +1,333 @@
+/* SPDX-License-Identifier: Apache-2.0
+ * Data path: isend/irecv post requests, test() moves bytes on non-blocking sockets.
+ * The priority check is one relaxed atomic load of the slot's level per isend, and per test
+ * unless FLOWSCHED_LEVEL_AT_BOUNDARY=1. Checking in test() lets a connection that is starved
+ * with its request queue full see a promotion without first finishing a whole message at the
+ * starved rate. On TCP this does not add reordering that a message-boundary rule would avoid:
+ * every message of a connection shares the same byte stream, so a DSCP change reorders (at
+ * most) across the old and new switch queue whether or not it falls on a message boundary. */
+#include <stdatomic.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include "check.h"
+#include "context.h"
+#include "log.h"
+#include "socket_util.h"
+#include "transport.h"
+
+#define FS_MSG_MAGIC 0x46534d47u /* "FSMG" */
+#define FS_HDR_SIZE sizeof(struct fs_msg_header)
+
+static struct fs_request* req_at(struct fs_comm* comm, uint64_t seq) {
+  return &comm->reqs[seq % FS_MAX_REQUESTS];
+}
+
+static int would_block(void) {
+  return errno == EAGAIN || errno == EWOULDBLOCK;
+}
+
+/* Bytes moved (> 0), 0 when the socket would block, or -errno (-ECONNRESET on EOF). */
+static ssize_t io_send(int fd, struct iovec* iov, int iovcnt) {
+  struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)iovcnt};
+  for (;;) {
+    ssize_t n = sendmsg(fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n >= 0) {
+      return n;
+    }
+    if (errno != EINTR) {
+      return would_block() ? 0 : FS_NEG_ERRNO();
+    }
+  }
+}
+
+static ssize_t io_recv(int fd, void* buf, size_t len) {
+  for (;;) {
+    ssize_t n = recv(fd, buf, len, MSG_DONTWAIT);
+    if (n > 0) {
+      return n;
+    }
+    if (n == 0) {
+      return -ECONNRESET;
+    }
+    if (errno != EINTR) {
+      return would_block() ? 0 : FS_NEG_ERRNO();
+    }
+  }
+}
+
+static size_t inline_bytes(const struct fs_comm* comm, size_t size) {
+  return size <= comm->inline_max ? size : 0;
+}
+
+/* Where socket `s`'s k-th chunk of message `seq` lies; 0 when the socket has no more. */
+static int chunk_of(const struct fs_comm* comm, size_t size, uint64_t seq, int s, uint64_t k,
+                    size_t* off, size_t* len) {
+  if (size <= comm->inline_max) {
+    return 0;
+  }
+  uint64_t n = (uint64_t)comm->nsocks;
+  uint64_t nchunks = (size + comm->chunk - 1) / comm->chunk;
+  uint64_t first = ((uint64_t)s + n - seq % n) % n;
+  uint64_t c = first + k * n;
+  if (c >= nchunks) {
+    return 0;
+  }
+  *off = (size_t)(c * comm->chunk);
+  *len = size - *off < comm->chunk ? size - *off : comm->chunk;
+  return 1;
+}
+
+/* ---- control stream --------------------------------------------------------------------- */
+
+static int ctrl_send_progress(struct fs_comm* comm) {
+  int fd = comm->fds[comm->nsocks];
+  while (comm->ctrl_seq < comm->posted) {
+    struct fs_request* req = req_at(comm, comm->ctrl_seq);
+    size_t inl = inline_bytes(comm, req->size);
+    size_t total = FS_HDR_SIZE + inl;
+    struct iovec iov[2];
+    int cnt = 0;
+    if (comm->ctrl_off < FS_HDR_SIZE) {
+      iov[cnt++] = (struct iovec){(uint8_t*)&req->hdr + comm->ctrl_off, FS_HDR_SIZE - comm->ctrl_off};
+      if (inl > 0) {
+        iov[cnt++] = (struct iovec){req->data, inl};
+      }
+    } else {
+      iov[cnt++] = (struct iovec){req->data + (comm->ctrl_off - FS_HDR_SIZE), total - comm->ctrl_off};
+    }
+    ssize_t n = io_send(fd, iov, cnt);
+    if (n <= 0) {
+      return (int)n;
+    }
+    comm->ctrl_off += (size_t)n;
+    if (comm->ctrl_off == total) {
+      comm->ctrl_seq++;
+      comm->ctrl_off = 0;
+    }
+  }
+  return 0;
+}
+
+static int ctrl_check_header(struct fs_comm* comm, struct fs_request* req) {
+  if (req->hdr.magic != FS_MSG_MAGIC || req->hdr.seq != (uint32_t)req->seq) {
+    FS_WARN("corrupt message header on comm %p (magic 0x%x seq %u, expected %u)", (void*)comm,
+            req->hdr.magic, req->hdr.seq, (uint32_t)req->seq);
+    return -EPROTO;
+  }
+  if (req->hdr.size > req->capacity) {
+    FS_WARN("message truncated: %llu bytes sent, receive buffer has %zu",
+            (unsigned long long)req->hdr.size, req->capacity);
+    return -EMSGSIZE;
+  }
+  req->size = (size_t)req->hdr.size;
+  comm->hdr_seq = req->seq + 1;
+  return 0;
+}
+
+/* Read what the control socket has into cbuf: 1 on new bytes, 0 if none, -errno. */
+static int ctrl_fill(struct fs_comm* comm) {
+  if (comm->cbuf_off > 0) {
+    memmove(comm->cbuf, comm->cbuf + comm->cbuf_off, comm->cbuf_len - comm->cbuf_off);
+    comm->cbuf_len -= comm->cbuf_off;
+    comm->cbuf_off = 0;
+  }
+  if (comm->cbuf_len == sizeof(comm->cbuf)) {
+    return 0; /* full of headers for receives not posted yet */
+  }
+  ssize_t n = io_recv(comm->fds[comm->nsocks], comm->cbuf + comm->cbuf_len,
+                      sizeof(comm->cbuf) - comm->cbuf_len);
+  if (n > 0) {
+    comm->cbuf_len += (size_t)n;
+    return 1;
+  }
+  return (int)n;
+}
+
+/* Headers and inline payloads are read in bulk into cbuf (one recv for many small messages)
+ * and parsed only for posted receives. ctrl_off is 0 before a header, FS_HDR_SIZE after. */
+static int ctrl_recv_progress(struct fs_comm* comm) {
+  while (comm->ctrl_seq < comm->posted) {
+    struct fs_request* req = req_at(comm, comm->ctrl_seq);
+    size_t avail = comm->cbuf_len - comm->cbuf_off;
+    size_t need = comm->ctrl_off == 0 ? FS_HDR_SIZE : inline_bytes(comm, req->size);
+    if (avail < need) {
+      int rc = ctrl_fill(comm);
+      if (rc <= 0) {
+        return rc;
+      }
+      continue;
+    }
+    if (comm->ctrl_off == 0) {
+      memcpy(&req->hdr, comm->cbuf + comm->cbuf_off, FS_HDR_SIZE);
+      comm->cbuf_off += FS_HDR_SIZE;
+      comm->ctrl_off = FS_HDR_SIZE;
+      FS_CHECK(ctrl_check_header(comm, req));
+      continue;
+    }
+    if (need > 0) {
+      memcpy(req->data, comm->cbuf + comm->cbuf_off, need);
+      comm->cbuf_off += need;
+    }
+    comm->ctrl_seq++;
+    comm->ctrl_off = 0;
+  }
+  return 0;
+}
+
+/* ---- data sockets ----------------------------------------------------------------------- */
+
+/* Move socket `s`'s share of every message below `limit` until the socket would block. */
+static int data_progress(struct fs_comm* comm, int s, uint64_t limit) {
+  struct fs_sock_progress* p = &comm->sock[s];
+  while (p->seq < limit) {
+    struct fs_request* req = req_at(comm, p->seq);
+    size_t off = 0, len = 0;
+    if (!chunk_of(comm, req->size, p->seq, s, p->k, &off, &len)) {
+      *p = (struct fs_sock_progress){.seq = p->seq + 1};
+      continue;
+    }
+    uint8_t* at = req->data + off + p->off;
+    ssize_t n;
+    if (comm->is_send) {
+      struct iovec iov = {at, len - p->off};
+      n = io_send(comm->fds[s], &iov, 1);
+    } else {
+      n = io_recv(comm->fds[s], at, len - p->off);
+    }
+    if (n <= 0) {
+      return (int)n;
+    }
+    p->off += (size_t)n;
+    if (p->off == len) {
+      p->k++;
+      p->off = 0;
+    }
+  }
+  return 0;
+}
+
+static int comm_progress(struct fs_comm* comm) {
+  if (comm->error != 0) {
+    return comm->error;
+  }
+  int rc = comm->is_send ? ctrl_send_progress(comm) : ctrl_recv_progress(comm);
+  uint64_t limit = comm->is_send ? comm->posted : comm->hdr_seq;
+  for (int s = 0; s < comm->nsocks && rc == 0; s++) {
+    rc = data_progress(comm, s, limit);
+  }
+  if (rc < 0) {
+    comm->error = rc;
+    if (rc != -EMSGSIZE && rc != -EPROTO) {
+      FS_WARN("connection %s failed: %s", comm->is_send ? "send" : "receive", fs_errstr(-rc));
+    }
+  }
+  return rc;
+}
+
+static int request_complete(const struct fs_comm* comm, const struct fs_request* req) {
+  if (comm->ctrl_seq <= req->seq) {
+    return 0;
+  }
+  for (int s = 0; s < comm->nsocks; s++) {
+    if (comm->sock[s].seq <= req->seq) {
+      return 0;
+    }
+  }
+  return 1;
+}
+
+/* ---- priority --------------------------------------------------------------------------- */
+
+static int marking_equal(const struct fs_level_marking* a, const struct fs_level_marking* b) {
+  return a->dscp == b->dscp && a->so_priority == b->so_priority;
+}
+
+static void comm_apply_level(struct fs_comm* comm, uint32_t raw) {
+  struct fs_level_marking marking;
+  uint32_t level = fs_flow_effective_level(&comm->flow, raw, &marking);
+  if (!marking_equal(&marking, &comm->flow.marking)) {
+    for (int i = 0; i <= comm->nsocks; i++) {
+      fs_sock_apply_marking(comm->fds[i], comm->family, &marking);
+    }
+    comm->flow.marking = marking;
+  }
+  comm->flow.seen_level = raw;
+  fs_flow_applied(&comm->flow, level);
+}
+
+void fs_comm_poll_level(struct fs_comm* comm) {
+  uint32_t raw;
+  if (fs_flow_level_changed(&comm->flow, &raw)) {
+    comm_apply_level(comm, raw);
+  }
+}
+
+void fs_comm_record_net_attr(struct fs_comm* comm, uint32_t op, uint32_t algo, uint32_t proto) {
+  if (op == 0 && algo == 0 && proto == 0) {
+    return;
+  }
+  atomic_store_explicit(&comm->flow.slot->net_op, op, memory_order_relaxed);
+  atomic_store_explicit(&comm->flow.slot->net_algo, algo, memory_order_relaxed);
+  atomic_store_explicit(&comm->flow.slot->net_proto, proto, memory_order_relaxed);
+}
+
+/* ---- requests --------------------------------------------------------------------------- */
+
+static struct fs_request* request_post(struct fs_comm* comm, void* data, size_t size, int tag) {
+  struct fs_request* req = req_at(comm, comm->posted);
+  if (req->in_use) {
+    return NULL; /* all slots busy: NCCL retries the post later */
+  }
+  req->seq = comm->posted++;
+  req->in_use = 1;
+  req->data = data;
+  req->size = size;
+  req->capacity = size;
+  req->hdr = (struct fs_msg_header){.size = size, .magic = FS_MSG_MAGIC, .seq = (uint32_t)req->seq};
+  if (!comm->peer_rank_known) {
+    comm->peer_rank_known = 1;
+    atomic_store_explicit(&comm->flow.slot->peer_rank, tag, memory_order_relaxed);
+  }
+  return req;
+}
+
+int fs_isend(struct fs_comm* comm, void* data, size_t size, int tag, struct fs_request** out) {
+  *out = NULL;
+  if (comm->error != 0) {
+    return comm->error;
+  }
+  fs_comm_poll_level(comm); /* before the message's first byte leaves */
+  *out = request_post(comm, data, size, tag);
+  return *out != NULL ? comm_progress(comm) : 0;
+}
+
+int fs_irecv(struct fs_comm* comm, void* data, size_t capacity, int tag, struct fs_request** out) {
+  *out = NULL;
+  if (comm->error != 0) {
+    return comm->error;
+  }
+  *out = request_post(comm, data, capacity, tag);
+  return *out != NULL ? comm_progress(comm) : 0;
+}
+
+int fs_test(struct fs_request* req, int* done, size_t* size) {
+  struct fs_comm* comm = req->comm;
+  *done = 0;
+  if (!req->in_use) {
+    return -EINVAL;
+  }
+  if (!fs_global_params()->level_at_boundary) {
+    fs_comm_poll_level(comm);
+  }
+  FS_CHECK(comm_progress(comm));
+  if (!request_complete(comm, req)) {
+    return 0;
+  }
+  *done = 1;
+  *size = req->size;
+  req->in_use = 0;
+  fs_flow_account(&comm->flow, req->size, fs_now_ns());
+  return 0;
+}

@@ -1,0 +1,806 @@
+/* SPDX-License-Identifier: Apache-2.0
+ * C harness that drives the plugin exactly as NCCL does, without NCCL or a GPU.
+ *
+ *   harness PLUGIN.so all                 every test below, for v10, v11 and v12
+ *   harness PLUGIN.so transfer VERSION    two processes over the chosen interface: a
+ *                                         "service" thread does listen/connect/accept/regMr,
+ *                                         a "progress" thread keeps up to 8 isend/irecv in
+ *                                         flight and polls test; 0 B .. 64 MiB, verified
+ *                                         byte for byte, receive buffers larger than sends,
+ *                                         irecv requests preset to 0x1, then 32 in flight
+ *   harness PLUGIN.so alternate VERSION   one thread alternating connect and accept (NCCL's
+ *                                         GDR probe pattern), then transfers in that thread
+ *   harness PLUGIN.so contexts VERSION    two contexts (communicators) at once, one
+ *                                         progress thread each (v11/v12), while the main
+ *                                         (service) thread connects, transfers, closes and
+ *                                         sends setNetAttr hints on the same contexts
+ *   harness PLUGIN.so cycles VERSION      init/finalize cycles, then dlclose/dlopen cycles
+ *   harness PLUGIN.so errors VERSION      misuse returns NCCL error codes, never crashes
+ *   harness PLUGIN.so bw SIZE COUNT [V]   benchmark: streaming throughput (JSON line)
+ *   harness PLUGIN.so rtt COUNT [V]       benchmark: 8-byte round trip (JSON line)
+ *
+ * Exit status 0 when every check passed.
+ */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "nccl/net_v10.h"
+#include "nccl/net_v11.h"
+#include "nccl/net_v12.h"
+
+#define STEPS 8
+#define TIMEOUT_S 60
+
+#define CHECK(cond, ...)                                                           \
+  do {                                                                             \
+    if (!(cond)) {                                                                 \
+      fprintf(stderr, "[pid %d] FAIL %s:%d: %s: ", getpid(), __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                                \
+      fprintf(stderr, "\n");                                                       \
+      exit(1);                                                                     \
+    }                                                                              \
+  } while (0)
+#define NCHECK(call) CHECK((call) == ncclSuccess, "%s", #call)
+
+/* ---- a version-neutral view of the exported tables -------------------------------------- */
+
+struct net {
+  int version;
+  void* lib;
+  const ncclNet_v10_t* v10;
+  const ncclNet_v11_t* v11; /* v12 shares v11's layout for every entry we call through it */
+  const ncclNet_v12_t* v12;
+};
+
+static void logger(ncclDebugLogLevel level, unsigned long flags, const char* file, int line,
+                   const char* fmt, ...) {
+  (void)flags;
+  if (level != NCCL_LOG_WARN && getenv("HARNESS_VERBOSE") == NULL) {
+    return;
+  }
+  va_list args;
+  va_start(args, fmt);
+  fprintf(stderr, "[pid %d] %s:%d ", getpid(), file, line);
+  vfprintf(stderr, fmt, args);
+  fprintf(stderr, "\n");
+  va_end(args);
+}
+
+static const char* g_plugin_path;
+
+static void net_open(struct net* n, int version) {
+  memset(n, 0, sizeof(*n));
+  n->version = version;
+  n->lib = dlopen(g_plugin_path, RTLD_NOW | RTLD_LOCAL);
+  CHECK(n->lib != NULL, "dlopen: %s", dlerror());
+  char sym[32];
+  snprintf(sym, sizeof(sym), "ncclNetPlugin_v%d", version);
+  void* table = dlsym(n->lib, sym);
+  CHECK(table != NULL, "%s missing", sym);
+  if (version == 10) {
+    n->v10 = table;
+    CHECK(strcmp(n->v10->name, "flowsched") == 0, "name %s", n->v10->name);
+  } else {
+    n->v11 = table;
+    n->v12 = version == 12 ? table : NULL;
+    CHECK(strcmp(n->v11->name, "flowsched") == 0, "name %s", n->v11->name);
+  }
+}
+
+static void net_close(struct net* n) {
+  CHECK(dlclose(n->lib) == 0, "dlclose: %s", dlerror());
+}
+
+#define CALL(n, fn, ...) ((n)->version == 10 ? (n)->v10->fn(__VA_ARGS__) : (n)->v11->fn(__VA_ARGS__))
+
+/* init (+ devices + getProperties of every device, as NCCL does); returns the ctx. */
+static void* net_init(struct net* n, uint64_t comm_id, int traffic_class) {
+  void* ctx = NULL;
+  if (n->version == 10) {
+    NCHECK(n->v10->init(logger, NULL));
+  } else {
+    ncclNetCommConfig_v11_t cfg = {.trafficClass = traffic_class};
+    NCHECK(n->v11->init(&ctx, comm_id, &cfg, logger, NULL));
+    CHECK(ctx != NULL, "init gave no context");
+  }
+  int ndev = 0;
+  NCHECK(CALL(n, devices, &ndev));
+  CHECK(ndev > 0, "no device");
+  for (int d = 0; d < ndev; d++) {
+    if (n->version == 10) {
+      ncclNetProperties_v10_t p;
+      NCHECK(n->v10->getProperties(d, &p));
+      CHECK(p.ptrSupport == NCCL_PTR_HOST && p.maxRecvs == 1 && p.maxP2pBytes > 0, "props");
+    } else if (n->version == 11) {
+      ncclNetProperties_v11_t p;
+      NCHECK(n->v11->getProperties(d, &p));
+      CHECK(p.maxP2pBytes > 0 && p.maxP2pBytes <= NCCL_MAX_NET_SIZE_BYTES, "maxP2pBytes");
+      CHECK(p.netDeviceType == NCCL_NET_DEVICE_HOST && p.maxMultiRequestSize == 1, "props");
+    } else {
+      ncclNetProperties_v12_t p;
+      NCHECK(n->v12->getProperties(d, &p));
+      CHECK(p.railId == -1 && p.planeId == -1 && p.vProps.ndevs == 1, "props v12");
+    }
+  }
+  return ctx;
+}
+
+static void net_finalize(struct net* n, void* ctx) {
+  if (n->version != 10) {
+    NCHECK(n->v11->finalize(ctx));
+  }
+}
+
+static void net_listen(struct net* n, void* ctx, char* handle, void** lcomm) {
+  if (n->version == 10) {
+    NCHECK(n->v10->listen(0, handle, lcomm));
+  } else {
+    NCHECK(n->v11->listen(ctx, 0, handle, lcomm));
+  }
+  CHECK(*lcomm != NULL, "listen gave no comm");
+}
+
+/* One connect call (NULL comm = not finished yet: call again with the same handle). */
+static ncclResult_t net_connect_step(struct net* n, void* ctx, char* handle, int tc, void** scomm) {
+  ncclNetDeviceHandle_t* dev_handle = NULL;
+  if (n->version == 10) {
+    ncclNetCommConfig_v10_t cfg = {.trafficClass = tc};
+    return n->v10->connect(0, &cfg, handle, scomm, &dev_handle);
+  }
+  return n->v11->connect(ctx, 0, handle, scomm, &dev_handle);
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void* net_connect(struct net* n, void* ctx, char* handle, int tc) {
+  void* scomm = NULL;
+  double deadline = now_s() + TIMEOUT_S;
+  while (scomm == NULL) {
+    NCHECK(net_connect_step(n, ctx, handle, tc, &scomm));
+    CHECK(now_s() < deadline, "connect timed out");
+  }
+  return scomm;
+}
+
+static void* net_accept(struct net* n, void* lcomm) {
+  void* rcomm = NULL;
+  ncclNetDeviceHandle_t* dev_handle = NULL;
+  double deadline = now_s() + TIMEOUT_S;
+  while (rcomm == NULL) {
+    NCHECK(CALL(n, accept, lcomm, &rcomm, &dev_handle));
+    CHECK(now_s() < deadline, "accept timed out");
+  }
+  NCHECK(CALL(n, closeListen, lcomm));
+  return rcomm;
+}
+
+/* ---- message pattern -------------------------------------------------------------------- */
+
+static const size_t k_sizes[] = {0,      1,           7,       8,          100,       1023,
+                                 1024,   1025,        4096,    65539,      524288,    1 << 20,
+                                 (1 << 20) + 1, 3 << 20, (16 << 20) + 5, 0, 64 << 20, 12345};
+#define NSIZES (sizeof(k_sizes) / sizeof(k_sizes[0]))
+#define SLACK 4096 /* receive buffers are larger than the sends */
+
+static uint8_t pattern_byte(uint64_t seed, size_t i) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + i * 0xBF58476D1CE4E5B9ull;
+  return (uint8_t)((x >> 29) ^ (x >> 47) ^ i);
+}
+
+static void pattern_fill(uint8_t* buf, size_t size, uint64_t seed) {
+  for (size_t i = 0; i < size; i++) {
+    buf[i] = pattern_byte(seed, i);
+  }
+}
+
+static void pattern_check(const uint8_t* buf, size_t size, uint64_t seed) {
+  for (size_t i = 0; i < size; i++) {
+    CHECK(buf[i] == pattern_byte(seed, i), "byte %zu of message seed %llu differs", i,
+          (unsigned long long)seed);
+  }
+}
+
+/* ---- the progress side: keep STEPS requests in flight, as NCCL's proxy does ------------- */
+
+struct stream {
+  struct net* n;
+  void* comm;
+  int is_send;
+  int tag;
+  const size_t* sizes;
+  size_t count;
+  int inflight;
+  uint64_t seed_base;
+};
+
+struct slot {
+  void* request;
+  uint8_t* buf;
+  size_t size;
+  void* mhandle;
+  size_t index;
+};
+
+static void slot_post(struct stream* st, struct slot* s) {
+  size_t cap = st->is_send ? s->size : s->size + SLACK;
+  double deadline = now_s() + TIMEOUT_S;
+  s->request = NULL;
+  while (s->request == NULL) {
+    if (st->is_send) {
+      NCHECK(CALL(st->n, isend, st->comm, s->buf, s->size, st->tag, s->mhandle, NULL, &s->request));
+    } else {
+      void* data[1] = {s->buf};
+      size_t sizes[1] = {cap};
+      int tags[1] = {st->tag};
+      void* mh[1] = {s->mhandle};
+      s->request = (void*)NCCL_NET_OPTIONAL_RECV_COMPLETION; /* the 0x1 preset trap */
+      NCHECK(CALL(st->n, irecv, st->comm, 1, data, sizes, tags, mh, NULL, &s->request));
+      CHECK(s->request != (void*)NCCL_NET_OPTIONAL_RECV_COMPLETION, "irecv left *request=0x1");
+    }
+    CHECK(now_s() < deadline, "post timed out");
+  }
+}
+
+/* One test() call; returns 1 when the slot's request completed. */
+static int slot_test(struct stream* st, struct slot* s) {
+  int done = 0;
+  int size = -1;
+  NCHECK(CALL(st->n, test, s->request, &done, &size));
+  if (!done) {
+    return 0;
+  }
+  CHECK((size_t)size == s->size, "test size %d, expected %zu", size, s->size);
+  if (!st->is_send) {
+    pattern_check(s->buf, s->size, st->seed_base + s->index);
+  }
+  return 1;
+}
+
+static void slot_prepare(struct stream* st, struct slot* s, size_t index) {
+  s->index = index;
+  s->size = st->sizes[index];
+  size_t cap = s->size + SLACK;
+  s->buf = malloc(cap);
+  CHECK(s->buf != NULL, "malloc %zu", cap);
+  if (st->is_send) {
+    pattern_fill(s->buf, s->size, st->seed_base + index);
+  } else {
+    memset(s->buf, 0xEE, cap);
+  }
+  NCHECK(CALL(st->n, regMr, st->comm, s->buf, cap, NCCL_PTR_HOST, &s->mhandle));
+}
+
+static void slot_release(struct stream* st, struct slot* s) {
+  NCHECK(CALL(st->n, deregMr, st->comm, s->mhandle));
+  free(s->buf);
+  s->buf = NULL;
+}
+
+static void* stream_run(void* arg) {
+  struct stream* st = arg;
+  struct slot slots[64];
+  size_t posted = 0, done = 0;
+  double deadline = now_s() + TIMEOUT_S * 2;
+  while (done < st->count) {
+    while (posted < st->count && posted - done < (size_t)st->inflight) {
+      struct slot* s = &slots[posted % 64];
+      slot_prepare(st, s, posted);
+      slot_post(st, s);
+      posted++;
+    }
+    struct slot* oldest = &slots[done % 64];
+    if (slot_test(st, oldest)) {
+      slot_release(st, oldest);
+      done++;
+    }
+    CHECK(now_s() < deadline, "stream timed out (%zu/%zu done)", done, st->count);
+  }
+  return NULL;
+}
+
+static void stream_start(pthread_t* th, struct stream* st) {
+  CHECK(pthread_create(th, NULL, stream_run, st) == 0, "pthread_create");
+}
+
+/* ---- two processes ---------------------------------------------------------------------- */
+
+static void connect_alternating(struct net* n, void* ctx, void** scomm, void** rcomm);
+static void pump_pair(struct net* n, void* scomm, void* rcomm, size_t size, uint64_t seed);
+
+/* What NCCL's service thread does while the progress thread moves data on the same context:
+ * more connections come and go, and setNetAttr hints arrive. */
+static void service_churn(struct net* n, void* ctx) {
+  for (int i = 0; i < 5; i++) {
+    void *scomm, *rcomm;
+    connect_alternating(n, ctx, &scomm, &rcomm);
+    pump_pair(n, scomm, rcomm, 1000 + (size_t)i, 900 + (uint64_t)i);
+    if (n->version != 10) {
+      ncclNetAttr_v11_t attr;
+      memset(&attr, 0xff, sizeof(attr));
+      attr.op = 1u << (unsigned)i;
+      NCHECK(n->v11->setNetAttr(ctx, &attr));
+    }
+    NCHECK(CALL(n, closeSend, scomm));
+    NCHECK(CALL(n, closeRecv, rcomm));
+  }
+}
+
+static void write_all(int fd, const void* buf, size_t len) {
+  CHECK(write(fd, buf, len) == (ssize_t)len, "pipe write");
+}
+
+static void read_all(int fd, void* buf, size_t len) {
+  size_t got = 0;
+  while (got < len) {
+    ssize_t n = read(fd, (char*)buf + got, len - got);
+    CHECK(n > 0, "pipe read");
+    got += (size_t)n;
+  }
+}
+
+static size_t g_small[32];
+
+static void run_streams(struct net* n, void* comm, int is_send) {
+  struct stream st = {.n = n, .comm = comm, .is_send = is_send, .tag = 0, .sizes = k_sizes,
+                      .count = NSIZES, .inflight = STEPS, .seed_base = 1000};
+  pthread_t th;
+  stream_start(&th, &st); /* the "progress" thread */
+  pthread_join(th, NULL);
+  for (size_t i = 0; i < 32; i++) {
+    g_small[i] = (i * 37) % 300;
+  }
+  struct stream burst = {.n = n, .comm = comm, .is_send = is_send, .tag = 0, .sizes = g_small,
+                         .count = 32, .inflight = 32, .seed_base = 5000};
+  stream_start(&th, &burst); /* 32 requests in flight at once */
+  pthread_join(th, NULL);
+}
+
+static void side_receiver(int version, int handle_fd, int nctx) {
+  struct net n;
+  net_open(&n, version);
+  void* ctx[2];
+  void* rcomm[2];
+  char handle[2][NCCL_NET_HANDLE_MAXSIZE];
+  for (int c = 0; c < nctx; c++) {
+    ctx[c] = net_init(&n, 0xC0FFEE00u + (uint64_t)c, -1);
+    void* lcomm = NULL;
+    net_listen(&n, ctx[c], handle[c], &lcomm);
+    write_all(handle_fd, handle[c], sizeof(handle[c]));
+    rcomm[c] = net_accept(&n, lcomm);
+  }
+  pthread_t th[2];
+  struct stream st[2];
+  for (int c = 0; c < nctx; c++) {
+    st[c] = (struct stream){.n = &n, .comm = rcomm[c], .is_send = 0, .sizes = k_sizes,
+                            .count = NSIZES, .inflight = STEPS, .seed_base = 1000};
+  }
+  if (nctx == 1) {
+    run_streams(&n, rcomm[0], 0);
+  } else {
+    for (int c = 0; c < nctx; c++) stream_start(&th[c], &st[c]);
+    service_churn(&n, ctx[0]);
+    for (int c = 0; c < nctx; c++) pthread_join(th[c], NULL);
+  }
+  for (int c = 0; c < nctx; c++) {
+    NCHECK(CALL(&n, closeRecv, rcomm[c]));
+    net_finalize(&n, ctx[c]);
+  }
+  net_close(&n);
+}
+
+static void side_sender(int version, int handle_fd, int nctx) {
+  struct net n;
+  net_open(&n, version);
+  void* ctx[2];
+  void* scomm[2];
+  for (int c = 0; c < nctx; c++) {
+    char handle[NCCL_NET_HANDLE_MAXSIZE];
+    ctx[c] = net_init(&n, 0xC0FFEE00u + (uint64_t)c, -1);
+    read_all(handle_fd, handle, sizeof(handle));
+    scomm[c] = net_connect(&n, ctx[c], handle, 2);
+  }
+  pthread_t th[2];
+  struct stream st[2];
+  for (int c = 0; c < nctx; c++) {
+    st[c] = (struct stream){.n = &n, .comm = scomm[c], .is_send = 1, .sizes = k_sizes,
+                            .count = NSIZES, .inflight = STEPS, .seed_base = 1000};
+  }
+  if (nctx == 1) {
+    run_streams(&n, scomm[0], 1);
+  } else {
+    for (int c = 0; c < nctx; c++) stream_start(&th[c], &st[c]);
+    service_churn(&n, ctx[1]);
+    for (int c = 0; c < nctx; c++) pthread_join(th[c], NULL);
+  }
+  for (int c = 0; c < nctx; c++) {
+    NCHECK(CALL(&n, closeSend, scomm[c]));
+    net_finalize(&n, ctx[c]);
+  }
+  net_close(&n);
+}
+
+static int two_processes(int version, int nctx) {
+  int fds[2];
+  CHECK(pipe(fds) == 0, "pipe");
+  pid_t child = fork();
+  CHECK(child >= 0, "fork");
+  if (child == 0) {
+    close(fds[0]);
+    alarm(TIMEOUT_S * 3);
+    side_receiver(version, fds[1], nctx);
+    _exit(0);
+  }
+  close(fds[1]);
+  side_sender(version, fds[0], nctx);
+  int status = 0;
+  CHECK(waitpid(child, &status, 0) == child, "waitpid");
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "receiver failed (status 0x%x)", status);
+  close(fds[0]);
+  return 0;
+}
+
+/* ---- one thread alternating connect and accept ------------------------------------------ */
+
+static void pump_pair(struct net* n, void* scomm, void* rcomm, size_t size, uint64_t seed) {
+  uint8_t* sbuf = malloc(size + 1);
+  uint8_t* rbuf = malloc(size + SLACK);
+  CHECK(sbuf && rbuf, "malloc");
+  pattern_fill(sbuf, size, seed);
+  void *smh, *rmh, *sreq = NULL, *rreq = NULL;
+  NCHECK(CALL(n, regMr, scomm, sbuf, size + 1, NCCL_PTR_HOST, &smh));
+  NCHECK(CALL(n, regMr, rcomm, rbuf, size + SLACK, NCCL_PTR_HOST, &rmh));
+  void* data[1] = {rbuf};
+  size_t sizes[1] = {size + SLACK};
+  int tags[1] = {7};
+  double deadline = now_s() + TIMEOUT_S;
+  while (rreq == NULL) {
+    NCHECK(CALL(n, irecv, rcomm, 1, data, sizes, tags, &rmh, NULL, &rreq));
+  }
+  while (sreq == NULL) {
+    NCHECK(CALL(n, isend, scomm, sbuf, size, 7, smh, NULL, &sreq));
+  }
+  int sdone = 0, rdone = 0, ssize = -1, rsize = -1;
+  while (!sdone || !rdone) {
+    if (!sdone) NCHECK(CALL(n, test, sreq, &sdone, &ssize));
+    if (!rdone) NCHECK(CALL(n, test, rreq, &rdone, &rsize));
+    CHECK(now_s() < deadline, "single-thread transfer timed out");
+  }
+  CHECK((size_t)rsize == size && (size_t)ssize == size, "sizes %d %d", ssize, rsize);
+  pattern_check(rbuf, size, seed);
+  NCHECK(CALL(n, deregMr, scomm, smh));
+  NCHECK(CALL(n, deregMr, rcomm, rmh));
+  free(sbuf);
+  free(rbuf);
+}
+
+/* Connect and accept alternately from this one thread; returns both comms. */
+static void connect_alternating(struct net* n, void* ctx, void** scomm, void** rcomm) {
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void* lcomm = NULL;
+  net_listen(n, ctx, handle, &lcomm);
+  ncclNetDeviceHandle_t* dev_handle = NULL;
+  *scomm = *rcomm = NULL;
+  double deadline = now_s() + TIMEOUT_S;
+  while (*scomm == NULL || *rcomm == NULL) {
+    if (*scomm == NULL) NCHECK(net_connect_step(n, ctx, handle, -1, scomm));
+    /* the GDR probe passes NULL for the device handle pointer */
+    if (*rcomm == NULL) NCHECK(CALL(n, accept, lcomm, rcomm, n->version == 10 ? &dev_handle : NULL));
+    CHECK(now_s() < deadline, "alternating connect/accept timed out");
+  }
+  NCHECK(CALL(n, closeListen, lcomm));
+}
+
+static int test_alternate(int version) {
+  struct net n;
+  net_open(&n, version);
+  void* ctx = net_init(&n, 42, -1);
+  void *scomm, *rcomm;
+  connect_alternating(&n, ctx, &scomm, &rcomm);
+  size_t sizes[] = {0, 5, 2048, 1 << 20, (4 << 20) + 3};
+  for (size_t i = 0; i < sizeof(sizes) / sizeof(sizes[0]); i++) {
+    pump_pair(&n, scomm, rcomm, sizes[i], 77 + i);
+  }
+  NCHECK(CALL(&n, closeSend, scomm));
+  NCHECK(CALL(&n, closeRecv, rcomm));
+  net_finalize(&n, ctx);
+  net_close(&n);
+  return 0;
+}
+
+/* ---- init/finalize cycles and dlclose/dlopen cycles ------------------------------------- */
+
+static int test_cycles(int version) {
+  for (int reload = 0; reload < 3; reload++) {
+    struct net n;
+    net_open(&n, version);
+    int rounds = version == 10 ? 1 : 4;
+    for (int i = 0; i < rounds; i++) {
+      void* ctx = net_init(&n, 100 + (uint64_t)i, -1);
+      void *scomm, *rcomm;
+      connect_alternating(&n, ctx, &scomm, &rcomm);
+      pump_pair(&n, scomm, rcomm, 3000 + (size_t)i, (uint64_t)(reload * 10 + i));
+      NCHECK(CALL(&n, closeSend, scomm));
+      NCHECK(CALL(&n, closeRecv, rcomm));
+      net_finalize(&n, ctx);
+    }
+    net_close(&n); /* NCCL 2.27+ unloads the plugin after the last communicator */
+  }
+  return 0;
+}
+
+/* ---- misuse: NCCL error codes, no crash ------------------------------------------------- */
+
+static int test_errors(int version) {
+  struct net n;
+  net_open(&n, version);
+  void* ctx = net_init(&n, 7, -1);
+  void *scomm, *rcomm, *mh = NULL;
+  connect_alternating(&n, ctx, &scomm, &rcomm);
+  char buf[4096];
+  CHECK(CALL(&n, regMr, scomm, buf, sizeof(buf), NCCL_PTR_CUDA, &mh) != ncclSuccess, "regMr CUDA");
+  NCHECK(CALL(&n, regMr, rcomm, buf, sizeof(buf), NCCL_PTR_HOST, &mh));
+  void* data[2] = {buf, buf};
+  size_t sizes[2] = {100, 100};
+  int tags[2] = {0, 0};
+  void* mhs[2] = {mh, mh};
+  void* req = (void*)0x1;
+  CHECK(CALL(&n, irecv, rcomm, 2, data, sizes, tags, mhs, NULL, &req) != ncclSuccess, "irecv n=2");
+  CHECK(req == NULL, "irecv must write *request even on error");
+  /* a send larger than the posted receive: the receive fails with InvalidUsage */
+  static char big[2000];
+  void *sreq = NULL, *rreq = NULL;
+  while (sreq == NULL) NCHECK(CALL(&n, isend, scomm, big, sizeof(big), 0, mh, NULL, &sreq));
+  ncclResult_t res = ncclSuccess;
+  while (rreq == NULL && res == ncclSuccess) {
+    res = CALL(&n, irecv, rcomm, 1, data, sizes, tags, mhs, NULL, &rreq);
+  }
+  int done = 0, size = 0;
+  double deadline = now_s() + TIMEOUT_S;
+  while (res == ncclSuccess && !done) {
+    int sdone = 0;
+    if (sreq != NULL) {
+      NCHECK(CALL(&n, test, sreq, &sdone, &size));
+      sreq = sdone ? NULL : sreq;
+    }
+    if (res == ncclSuccess) res = CALL(&n, test, rreq, &done, &size);
+    CHECK(now_s() < deadline, "truncation test timed out");
+  }
+  CHECK(res == ncclInvalidUsage, "truncated receive returned %d", (int)res);
+  char junk[NCCL_NET_HANDLE_MAXSIZE] = {0};
+  void* bad = NULL;
+  CHECK(net_connect_step(&n, ctx, junk, -1, &bad) != ncclSuccess && bad == NULL, "junk handle");
+  NCHECK(CALL(&n, closeSend, scomm));
+  NCHECK(CALL(&n, closeRecv, rcomm));
+  net_finalize(&n, ctx);
+  net_close(&n);
+  return 0;
+}
+
+
+/* ---- benchmarks (bench/plugin_bench.py runs these next to bench/plain_tcp.c) ------------ */
+
+/* Post-and-wait one request on `comm`; spins on test() like NCCL's progress thread. */
+static void wait_request(struct net* n, void* req) {
+  int done = 0, size = 0;
+  for (;;) {
+    NCHECK(CALL(n, test, req, &done, &size));
+    if (done) break;
+    sched_yield(); /* NCCL's progress thread also yields when a pass made no progress */
+  }
+}
+
+static void* post_send(struct net* n, void* comm, void* buf, size_t size, void* mh) {
+  void* req = NULL;
+  while (req == NULL) NCHECK(CALL(n, isend, comm, buf, size, 0, mh, NULL, &req));
+  return req;
+}
+
+static void* post_recv(struct net* n, void* comm, void* buf, size_t size, void* mh) {
+  void* req = NULL;
+  void* data[1] = {buf};
+  size_t sizes[1] = {size};
+  int tags[1] = {0};
+  void* mhs[1] = {mh};
+  while (req == NULL) NCHECK(CALL(n, irecv, comm, 1, data, sizes, tags, mhs, NULL, &req));
+  return req;
+}
+
+struct bw_buffers {
+  int depth;
+  uint8_t* bufs[STEPS];
+  void* mh[STEPS];
+};
+
+/* Allocate, touch and register the buffers before the clock starts. */
+static void bw_buffers_init(struct net* n, void* comm, size_t size, struct bw_buffers* b) {
+  b->depth = size >= (16u << 20) ? 2 : STEPS; /* bound memory for huge messages */
+  for (int i = 0; i < b->depth; i++) {
+    b->bufs[i] = malloc(size ? size : 1);
+    memset(b->bufs[i], 0x5a, size ? size : 1);
+    NCHECK(CALL(n, regMr, comm, b->bufs[i], size ? size : 1, NCCL_PTR_HOST, &b->mh[i]));
+  }
+}
+
+static void bw_buffers_free(struct net* n, void* comm, struct bw_buffers* b) {
+  for (int i = 0; i < b->depth; i++) {
+    NCHECK(CALL(n, deregMr, comm, b->mh[i]));
+    free(b->bufs[i]);
+  }
+}
+
+/* Stream `count` messages of `size` bytes with up to b->depth in flight. */
+static void bw_stream(struct net* n, void* comm, int is_send, size_t size, long count,
+                      struct bw_buffers* b) {
+  void* reqs[STEPS];
+  long posted = 0, done = 0;
+  while (done < count) {
+    while (posted < count && posted - done < b->depth) {
+      int i = (int)(posted % b->depth);
+      reqs[i] = is_send ? post_send(n, comm, b->bufs[i], size, b->mh[i])
+                        : post_recv(n, comm, b->bufs[i], size, b->mh[i]);
+      posted++;
+    }
+    int fin = 0, got = 0;
+    NCHECK(CALL(n, test, reqs[done % b->depth], &fin, &got));
+    done += fin;
+    if (!fin) sched_yield();
+  }
+}
+
+static int bench_bw(int version, size_t size, long count) {
+  int sv[2];
+  CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0, "socketpair");
+  pid_t child = fork();
+  CHECK(child >= 0, "fork");
+  struct net n;
+  net_open(&n, version);
+  void* ctx = net_init(&n, 9, -1);
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  struct bw_buffers b;
+  char ready;
+  if (child == 0) { /* sender */
+    read_all(sv[1], handle, sizeof(handle));
+    void* scomm = net_connect(&n, ctx, handle, -1);
+    bw_buffers_init(&n, scomm, size, &b);
+    read_all(sv[1], &ready, 1); /* the receiver has its buffers too */
+    double t0 = now_s();
+    bw_stream(&n, scomm, 1, size, count, &b);
+    write_all(sv[1], &t0, sizeof(t0));
+    read_all(sv[1], &ready, 1);
+    bw_buffers_free(&n, scomm, &b);
+    NCHECK(CALL(&n, closeSend, scomm));
+    net_finalize(&n, ctx);
+    _exit(0);
+  }
+  void* lcomm = NULL;
+  net_listen(&n, ctx, handle, &lcomm);
+  write_all(sv[0], handle, sizeof(handle));
+  void* rcomm = net_accept(&n, lcomm);
+  bw_buffers_init(&n, rcomm, size, &b);
+  write_all(sv[0], "r", 1);
+  bw_stream(&n, rcomm, 0, size, count, &b);
+  double t1 = now_s(), t0 = 0;
+  read_all(sv[0], &t0, sizeof(t0));
+  write_all(sv[0], "k", 1);
+  waitpid(child, NULL, 0);
+  bw_buffers_free(&n, rcomm, &b);
+  NCHECK(CALL(&n, closeRecv, rcomm));
+  net_finalize(&n, ctx);
+  printf("{\"mode\": \"bw\", \"size\": %zu, \"count\": %ld, \"seconds\": %.6f, \"MBps\": %.1f}\n",
+         size, count, t1 - t0, (double)size * (double)count / (t1 - t0) / 1e6);
+  return 0;
+}
+
+static int bench_rtt(int version, long count) {
+  int sv[2];
+  CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0, "socketpair");
+  pid_t child = fork();
+  CHECK(child >= 0, "fork");
+  int me = child == 0 ? sv[1] : sv[0];
+  struct net n;
+  net_open(&n, version);
+  void* ctx = net_init(&n, 10, -1);
+  char mine[NCCL_NET_HANDLE_MAXSIZE], peer[NCCL_NET_HANDLE_MAXSIZE];
+  void *lcomm = NULL, *scomm = NULL, *rcomm = NULL;
+  net_listen(&n, ctx, mine, &lcomm);
+  write_all(me, mine, sizeof(mine));
+  read_all(me, peer, sizeof(peer));
+  ncclNetDeviceHandle_t* dh = NULL;
+  while (scomm == NULL || rcomm == NULL) {
+    if (scomm == NULL) NCHECK(net_connect_step(&n, ctx, peer, -1, &scomm));
+    if (rcomm == NULL) NCHECK(CALL(&n, accept, lcomm, &rcomm, &dh));
+  }
+  NCHECK(CALL(&n, closeListen, lcomm));
+  uint64_t sbuf = 0, rbuf = 0;
+  void *smh, *rmh;
+  NCHECK(CALL(&n, regMr, scomm, &sbuf, 8, NCCL_PTR_HOST, &smh));
+  NCHECK(CALL(&n, regMr, rcomm, &rbuf, 8, NCCL_PTR_HOST, &rmh));
+  long warmup = count / 10;
+  double t0 = 0;
+  for (long i = 0; i < count + warmup; i++) {
+    if (i == warmup) t0 = now_s();
+    if (child != 0) { /* ping */
+      void* r = post_recv(&n, rcomm, &rbuf, 8, rmh);
+      wait_request(&n, post_send(&n, scomm, &sbuf, 8, smh));
+      wait_request(&n, r);
+    } else { /* pong */
+      wait_request(&n, post_recv(&n, rcomm, &rbuf, 8, rmh));
+      wait_request(&n, post_send(&n, scomm, &sbuf, 8, smh));
+    }
+  }
+  double dt = now_s() - t0;
+  NCHECK(CALL(&n, closeSend, scomm));
+  NCHECK(CALL(&n, closeRecv, rcomm));
+  net_finalize(&n, ctx);
+  if (child == 0) _exit(0);
+  waitpid(child, NULL, 0);
+  printf("{\"mode\": \"rtt\", \"count\": %ld, \"rtt_us\": %.3f}\n", count, dt / (double)count * 1e6);
+  return 0;
+}
+
+/* ---- driver ----------------------------------------------------------------------------- */
+
+static int run_one(const char* name, int version) {
+  double t0 = now_s();
+  int rc;
+  if (strcmp(name, "transfer") == 0) {
+    rc = two_processes(version, 1);
+  } else if (strcmp(name, "contexts") == 0) {
+    rc = two_processes(version, version == 10 ? 1 : 2);
+  } else if (strcmp(name, "alternate") == 0) {
+    rc = test_alternate(version);
+  } else if (strcmp(name, "cycles") == 0) {
+    rc = test_cycles(version);
+  } else if (strcmp(name, "errors") == 0) {
+    rc = test_errors(version);
+  } else {
+    fprintf(stderr, "unknown test %s\n", name);
+    return 2;
+  }
+  printf("ok %-9s v%d  (%.2f s)\n", name, version, now_s() - t0);
+  fflush(stdout);
+  return rc;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    fprintf(stderr, "usage: %s PLUGIN.so all|transfer|alternate|contexts|cycles|errors [VERSION]\n",
+            argv[0]);
+    return 2;
+  }
+  signal(SIGPIPE, SIG_IGN);
+  g_plugin_path = argv[1];
+  if (strcmp(argv[2], "bw") == 0 && argc >= 5) {
+    return bench_bw(argc > 5 ? atoi(argv[5]) : 11, strtoull(argv[3], NULL, 0), atol(argv[4]));
+  }
+  if (strcmp(argv[2], "rtt") == 0 && argc >= 4) {
+    return bench_rtt(argc > 4 ? atoi(argv[4]) : 11, atol(argv[3]));
+  }
+  if (strcmp(argv[2], "all") != 0) {
+    return run_one(argv[2], argc > 3 ? atoi(argv[3]) : 11);
+  }
+  static const char* const tests[] = {"transfer", "alternate", "contexts", "cycles", "errors"};
+  for (int version = 10; version <= 12; version++) {
+    for (size_t t = 0; t < sizeof(tests) / sizeof(tests[0]); t++) {
+      if (run_one(tests[t], version) != 0) {
+        return 1;
+      }
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,50 @@
+"""Build hook: compile the NCCL net plugin (``make -C nccl_plugin``) into the package.
+
+``pip install .`` and ``pip install -e .`` run ``build_py``; this subclass first builds
+``nccl_plugin/build/libnccl-net-flowsched.so`` and copies it to ``flowsched/_plugin/`` (in the
+build tree, and in the source tree so that editable installs find it too). All metadata lives
+in pyproject.toml. Set ``FLOWSCHED_SKIP_PLUGIN=1`` to install without a C compiler.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+from setuptools.dist import Distribution
+
+ROOT = Path(__file__).resolve().parent
+LIBRARY = "libnccl-net-flowsched.so"
+
+
+class BuildWithPlugin(build_py):
+    """build_py that also builds and packages the C plugin."""
+
+    def run(self) -> None:
+        if os.environ.get("FLOWSCHED_SKIP_PLUGIN") != "1":
+            self._build_plugin()
+        super().run()
+
+    def _build_plugin(self) -> None:
+        subprocess.run(["make", "-C", str(ROOT / "nccl_plugin"), f"build/{LIBRARY}"], check=True)
+        built = ROOT / "nccl_plugin" / "build" / LIBRARY
+        targets = [ROOT / "flowsched" / "_plugin"]
+        if not getattr(self, "editable_mode", False):
+            targets.append(Path(self.build_lib) / "flowsched" / "_plugin")
+        for folder in targets:
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(built, folder / LIBRARY)
+
+
+class BinaryDistribution(Distribution):
+    """The wheel carries a native library: tag it for this platform, not py3-none-any."""
+
+    def has_ext_modules(self) -> bool:
+        return True
+
+
+setup(cmdclass={"build_py": BuildWithPlugin}, distclass=BinaryDistribution)

@@ -1,0 +1,218 @@
+"""The plugin and the shared-memory flow table: slot claims, class resolution, accounting,
+level changes reaching the sockets, setNetAttr hints, and running without a usable table."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from plugin_table import TestTable
+
+from flowsched.model import FlowClass
+from flowsched.nccl.harness import (
+    Context,
+    Plugin,
+    RecvComm,
+    SendComm,
+    connect_pair,
+    loopback_message,
+)
+from flowsched.shm import layout
+
+
+@pytest.fixture
+def table(plugin_env: Path) -> Iterator[TestTable]:
+    t = TestTable(plugin_env)
+    yield t
+    t.close()
+
+
+def open_pair(
+    lib: Path, version: int = 11, comm_id: int = 0xABC, tc: int = -1
+) -> tuple[Plugin, Context, SendComm, RecvComm]:
+    plugin = Plugin(lib, version)
+    ctx = plugin.init(comm_id=comm_id, traffic_class=tc)
+    send, recv = connect_pair(ctx)
+    return plugin, ctx, send, recv
+
+
+def close_pair(plugin: Plugin, ctx: Context, send: SendComm, recv: RecvComm) -> None:
+    send.close()
+    recv.close()
+    ctx.finalize()
+    plugin.close()
+
+
+def by_direction(table: TestTable) -> dict[int, dict[str, int]]:
+    return {s["direction"]: s for _, s in table.slots()}
+
+
+def test_connection_claims_and_fills_slots(table: TestTable, fresh_lib: Path) -> None:
+    plugin, ctx, send, recv = open_pair(fresh_lib, comm_id=0xABC, tc=2)
+    for size in (10, 20_000, 0):
+        loopback_message(send, recv, b"z" * size, tag=5)
+    slots = by_direction(table)
+    assert set(slots) == {layout.DIR_SEND, layout.DIR_RECV}
+    for direction, slot in slots.items():
+        assert slot["state"] == layout.SLOT_ACTIVE
+        assert slot["pid"] == os.getpid() and slot["comm_id"] == 0xABC
+        assert slot["traffic_class"] == 2 and slot["class_id"] == FlowClass.TP  # unmapped tc
+        assert slot["peer_rank"] == 5 and slot["claim_seq"] == 1 and slot["dev"] == 0
+        assert slot["bytes"] == 20_010 and slot["messages"] == 3, direction
+        assert slot["level"] == layout.LEVEL_UNSET and slot["applied_level"] == 0
+        assert slot["open_ns"] <= slot["last_ns"]
+    close_pair(plugin, ctx, send, recv)
+    assert {s["state"] for _, s in table.slots()} == {layout.SLOT_CLOSED}
+
+
+@pytest.mark.parametrize(
+    "class_map,tc,env_class,expected",
+    [
+        ({7: FlowClass.PARAM_SYNC}, 7, None, FlowClass.PARAM_SYNC),
+        ({7: FlowClass.PARAM_SYNC}, 7, "bulk", FlowClass.PARAM_SYNC),
+        ({}, 7, "kv", FlowClass.KV),
+        ({}, -1, "experience", FlowClass.EXPERIENCE),
+        ({}, -1, None, FlowClass.TP),
+        ({}, -1, "nonsense", FlowClass.TP),
+    ],
+    ids=["map", "map-wins-over-env", "env-when-unmapped", "env-no-tc", "default-tp", "bad-env"],
+)
+def test_class_resolution(
+    table: TestTable,
+    fresh_lib: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    class_map: dict[int, int],
+    tc: int,
+    env_class: str | None,
+    expected: FlowClass,
+) -> None:
+    table.configure(class_map=class_map)
+    if env_class is not None:
+        monkeypatch.setenv("FLOWSCHED_CLASS", env_class)
+    plugin, ctx, send, recv = open_pair(fresh_lib, tc=tc)
+    slot = by_direction(table)[layout.DIR_SEND]
+    assert slot["class_id"] == expected
+    default_level = (0, 3, 2, 1, 2, 7)[expected]
+    assert slot["applied_level"] == default_level
+    close_pair(plugin, ctx, send, recv)
+
+
+def test_v10_takes_traffic_class_from_connect(table: TestTable, fresh_lib: Path) -> None:
+    table.configure(class_map={9: FlowClass.BULK})
+    plugin, ctx, send, recv = open_pair(fresh_lib, version=10, tc=9)
+    slots = by_direction(table)
+    assert slots[layout.DIR_SEND]["class_id"] == FlowClass.BULK
+    assert slots[layout.DIR_RECV]["traffic_class"] == 9  # carried to the acceptor in the hello
+    assert slots[layout.DIR_SEND]["applied_level"] == 7
+    close_pair(plugin, ctx, send, recv)
+
+
+def test_level_change_is_applied_before_the_next_message(table: TestTable, fresh_lib: Path) -> None:
+    plugin, ctx, send, recv = open_pair(fresh_lib)
+    index, slot = next((i, s) for i, s in table.slots() if s["direction"] == layout.DIR_SEND)
+    assert slot["applied_level"] == 0
+    for level in (5, 2, 7, 0):
+        written_at = table.set_level(index, level)
+        loopback_message(send, recv, b"after the change")
+        slot = table.slot(index)
+        assert slot["applied_level"] == level
+        assert slot["applied_ns"] >= written_at
+    table.set_level(index, layout.LEVEL_UNSET)  # back to the class default
+    loopback_message(send, recv, b"x")
+    assert table.slot(index)["applied_level"] == 0
+    table.set_level(index, 200)  # beyond K-1: clamped
+    loopback_message(send, recv, b"x")
+    assert table.slot(index)["applied_level"] == 7
+    close_pair(plugin, ctx, send, recv)
+
+
+def test_set_net_attr_is_recorded_in_the_context_slots(table: TestTable, fresh_lib: Path) -> None:
+    plugin, ctx, send, recv = open_pair(fresh_lib)
+    ctx.set_net_attr(op=1 << 4, algo=1 << 1, proto=1 << 2)
+    for _, slot in table.slots():
+        assert (slot["net_op"], slot["net_algo"], slot["net_proto"]) == (16, 2, 4)
+    late_send, late_recv = connect_pair(ctx)  # new connections get the latest hint
+    assert len(table.slots()) == 4
+    assert all(s["net_op"] == 16 for _, s in table.slots())
+    late_send.close()
+    late_recv.close()
+    close_pair(plugin, ctx, send, recv)
+
+
+def test_full_table_reuses_closed_slots(plugin_env: Path, fresh_lib: Path) -> None:
+    table = TestTable(plugin_env, num_slots=2)
+    try:
+        for round_ in range(3):
+            plugin, ctx, send, recv = open_pair(fresh_lib, comm_id=round_)
+            assert {s["comm_id"] for _, s in table.slots(layout.SLOT_ACTIVE)} == {round_}
+            close_pair(plugin, ctx, send, recv)
+        assert all(s["claim_seq"] == 3 for _, s in table.slots())
+    finally:
+        table.close()
+
+
+def test_full_table_keeps_closed_slots_while_agent_alive(plugin_env: Path, fresh_lib: Path) -> None:
+    """A live agent frees CLOSED slots itself; the plugin must not race it for them."""
+    table = TestTable(plugin_env, num_slots=2)
+    try:
+        plugin, ctx, send, recv = open_pair(fresh_lib, comm_id=7)
+        close_pair(plugin, ctx, send, recv)
+        table.put("agent_pid", os.getpid())
+        table.put("heartbeat_ns", time.monotonic_ns())
+        plugin, ctx, send, recv = open_pair(fresh_lib, comm_id=8)
+        assert loopback_message(send, recv, b"unreported") == b"unreported"
+        close_pair(plugin, ctx, send, recv)
+        assert {(s["comm_id"], s["claim_seq"]) for _, s in table.slots()} == {(7, 1)}
+    finally:
+        table.close()
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "missing", "short"])
+def test_unusable_table_still_transfers_at_default_level(
+    plugin_env: Path, fresh_lib: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    if damage == "corrupt":
+        table = TestTable(plugin_env)
+        table.corrupt()
+        table.close()
+    elif damage == "short":
+        plugin_env.write_bytes(b"FSFT")
+    plugin, ctx, send, recv = open_pair(fresh_lib)
+    for _ in range(3):
+        assert loopback_message(send, recv, b"still works") == b"still works"
+    close_pair(plugin, ctx, send, recv)
+    warnings = [r for r in caplog.records if "default level" in r.getMessage()]
+    assert len(warnings) == 1  # logged once
+    if damage == "corrupt":
+        assert plugin_env.read_bytes()[:4] == (0xDEADBEEF).to_bytes(4, "little")
+
+
+def test_interoperates_with_the_agent_table_module(plugin_env: Path, fresh_lib: Path) -> None:
+    """The agent's own table code (flowsched.shm.table) and the plugin see the same bytes."""
+    table_mod = pytest.importorskip("flowsched.shm.table")
+    agent, _ = table_mod.FlowTable.create_or_attach(str(plugin_env), num_slots=16)
+    try:
+        markings = tuple(table_mod.LevelMarking(d, p) for d, p in ((46, 6), (34, 4), (10, 1)))
+        agent.write_config(
+            table_mod.TableConfig(
+                num_levels=3,
+                markings=markings,
+                class_map=((11, int(FlowClass.KV)),),
+                default_levels=(0, 2, 2, 1, 2, 2),
+            )
+        )
+        plugin, ctx, send, recv = open_pair(fresh_lib, comm_id=77, tc=11)
+        loopback_message(send, recv, b"hello agent", tag=4)
+        slot = next(s for s in agent.slots() if s.direction == layout.DIR_SEND)
+        assert (slot.class_id, slot.comm_id, slot.peer_rank) == (FlowClass.KV, 77, 4)
+        assert slot.applied_level == 1 and slot.bytes == 11
+        agent.set_level(slot.index, 0)
+        loopback_message(send, recv, b"promoted")
+        assert agent.slot(slot.index).applied_level == 0
+        close_pair(plugin, ctx, send, recv)
+        assert agent.slot(slot.index).state == layout.SLOT_CLOSED
+    finally:
+        agent.close()
