@@ -1,0 +1,558 @@
+#!/usr/bin/env python3
+"""Coordinator load benchmark: events/s, decision latency and memory at 10,000 flows.
+
+Runs a real ``flowsched coordinator`` process (pinned to one core with ``taskset`` when
+available) and drives it from this process (pinned to another core): 1,000 simulated agents
+open 10 flows each (a class mix of tp, experience, param_sync, kv and bulk), then
+
+* phase "throughput": every agent sends progress reports as fast as TCP back-pressure allows
+  (plus flow churn: every 10th frame closes one kv flow and opens a new one); the coordinator's
+  own counters give the sustained flow events per second;
+* phases "latency": every agent reports all its flows every ``agents * flows / rate`` seconds,
+  i.e. an offered load of ``rate`` events/s, for each rate of ``--rates``; the coordinator's
+  decision-latency histogram (event arrival -> level updates queued) gives p50/p99 (linear
+  interpolation inside its buckets), and /proc gives its resident memory.
+
+Both phases run twice, side by side: "batched" (each agent frame carries its 10 reports, the
+coordinator runs the policy once per event-loop turn) and the baseline "unbatched" (one event
+per frame, the policy run after every frame, ``--no-batch``). The ratios are printed at the end.
+
+Usage:
+    .venv/bin/python bench/coordinator_load.py [--agents 1000] [--flows 10] [--duration 5]
+        [--rates 10000,30000,100000] [--policy FILE] [--modes batched,unbatched]
+        [--per-flow-policy yes|auto|no] [--profile] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from flowsched.protocol import (
+    PROTOCOL_VERSION,
+    Challenge,
+    Connection,
+    Hello,
+    ReceiveBuffer,
+    Resync,
+    Role,
+    Sentinel,
+    Welcome,
+    frame,
+    write_token,
+)
+
+CLASS_MIX = ("tp", "tp", "tp", "experience", "experience", "param_sync", "kv", "kv", "kv", "bulk")
+DRAIN_TIMEOUT = 120.0
+HEARTBEAT = frame(msgpack.packb({"t": "heartbeat", "t_sent": 0.0}))
+
+
+# -- one simulated agent -----------------------------------------------------------------------
+
+
+@dataclass
+class SimAgent:
+    """A minimal agent speaking raw frames (cheap enough to drive 1,000 of them from one core)."""
+
+    node: str
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    flows: list[int]
+    next_id: int
+    sent: int = 0
+    frames: int = 0
+    events: int = 0
+    updates_received: int = 0
+    buffer: ReceiveBuffer = field(default_factory=ReceiveBuffer)
+
+    def open_entry(self, wire_id: int, cls: str, now: float) -> dict[str, Any]:
+        deadline = size = job = consumer = None
+        if cls in ("param_sync", "kv"):
+            size = (1 << 30) if cls == "param_sync" else (64 << 20)
+            deadline = now + (30.0 if cls == "param_sync" else 2.0)
+        if cls == "experience":
+            job, consumer = f"job-{hash(self.node) % 16}", 3
+        return {
+            "id": wire_id, "cls": cls, "opened_at": now, "sent": 0, "size": size,
+            "deadline": deadline, "job": job, "consumer_index": consumer, "request": None,
+            "links": [f"{self.node}/eth0"], "level": None,
+        }  # fmt: skip
+
+    def progress_frames(self, batched: bool) -> bytes:
+        """This agent's next report: all flows' progress (+ churn every 10th frame)."""
+        self.sent += 65536
+        self.frames += 1
+        progress = [{"id": fid, "sent": self.sent} for fid in self.flows]
+        opens: list[dict[str, Any]] = []
+        closes: list[dict[str, Any]] = []
+        if self.frames % 10 == 0:
+            now = time.time()
+            old = self.flows.pop(6)  # a kv flow finishes, a new one starts
+            closes.append({"id": old, "sent": self.sent, "closed_at": now})
+            self.next_id += 1
+            self.flows.insert(6, self.next_id)
+            opens.append(self.open_entry(self.next_id, "kv", now))
+        self.events += len(progress) + len(opens) + len(closes)
+        if batched:
+            body = {"t": "flows", "opens": opens, "progress": progress, "closes": closes}
+            return frame(msgpack.packb(body))
+        singles = [{"t": "flows", "progress": [p]} for p in progress]
+        singles += [{"t": "flows", "opens": [o]} for o in opens]
+        singles += [{"t": "flows", "closes": [c]} for c in closes]
+        return b"".join(frame(msgpack.packb(body)) for body in singles)
+
+    async def listen(self) -> None:
+        """Read what the coordinator sends; answer heartbeats, count level updates."""
+        with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
+            while data := await self.reader.read(1 << 16):
+                self.buffer.feed(data)
+                while (body := self.buffer.next_body()) is not None:
+                    message = msgpack.unpackb(body)
+                    if message["t"] == "heartbeat":
+                        self.writer.write(HEARTBEAT)
+                    elif message["t"] == "levels":
+                        self.updates_received += len(message["updates"])
+
+
+async def connect(host: str, port: int, node: str, token: bytes, flows: int) -> SimAgent:
+    reader, writer = await asyncio.open_connection(host, port)
+    # a small send buffer keeps the backlog a saturated coordinator builds up bounded
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+    conn = Connection(Role.AGENT, token=token)
+    writer.write(conn.send(Hello(PROTOCOL_VERSION, node)))
+    writer.write(conn.answer(await _expect(reader, conn, Challenge)))
+    await _expect(reader, conn, Welcome)
+    agent = SimAgent(node, reader, writer, list(range(flows)), flows)
+    now = time.time()
+    opens = [agent.open_entry(i, CLASS_MIX[i % len(CLASS_MIX)], now) for i in range(flows)]
+    writer.write(conn.send(Resync(())))
+    writer.write(frame(msgpack.packb({"t": "flows", "opens": opens})))
+    return agent
+
+
+async def _expect(reader: asyncio.StreamReader, conn: Connection, kind: type) -> Any:
+    while True:
+        event = conn.next_event()
+        if isinstance(event, kind):
+            return event
+        if not isinstance(event, Sentinel):
+            raise RuntimeError(f"expected {kind.__name__}, got {event!r}")
+        data = await reader.read(1 << 16)
+        if not data:
+            raise RuntimeError("coordinator closed the connection during the handshake")
+        conn.receive_data(data)
+
+
+# -- phases ------------------------------------------------------------------------------------
+
+
+async def saturate(agents: list[SimAgent], batched: bool, seconds: float) -> None:
+    stop = time.monotonic() + seconds
+
+    async def drive(agent: SimAgent) -> None:
+        while (left := stop - time.monotonic()) > 0:
+            agent.writer.write(agent.progress_frames(batched))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await agent.writer.drain()
+
+    await asyncio.gather(*(drive(a) for a in agents))
+
+
+async def paced(agents: list[SimAgent], batched: bool, seconds: float, rate: float) -> None:
+    events_per_round = sum(len(a.flows) for a in agents)
+    interval = events_per_round / rate
+    stop = time.monotonic() + seconds
+
+    async def drive(agent: SimAgent) -> None:
+        await asyncio.sleep(random.random() * interval)
+        next_at = time.monotonic()
+        while next_at < stop:
+            agent.writer.write(agent.progress_frames(batched))
+            next_at += interval
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+    await asyncio.gather(*(drive(a) for a in agents))
+
+
+# -- the coordinator process and its metrics ---------------------------------------------------
+
+
+@dataclass
+class Scrape:
+    events: float
+    frames: float
+    latency_buckets: list[tuple[float, float]]
+    flush_buckets: list[tuple[float, float]]
+    latency_count: float
+    active_flows: float
+    agents: float
+    sweeps: float
+    overruns: float
+    cpu_seconds: float
+    when: float
+
+
+def scrape(address: str, pid: int) -> Scrape:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=300) as response:
+        text = response.read().decode()
+
+    def total(pattern: str) -> float:
+        return sum(float(v) for v in re.findall(pattern + r" ([0-9.e+-]+)\n", text))
+
+    def buckets(name: str) -> list[tuple[float, float]]:
+        pattern = name + r'_bucket\{le="([^"]+)"\} ([0-9.e+-]+)'
+        found = re.findall(pattern, text)
+        return [(float("inf") if le == "+Inf" else float(le), float(v)) for le, v in found]
+
+    return Scrape(
+        events=total(r'flowsched_coordinator_events_total\{kind="(?:open|progress|close)"\}'),
+        frames=total(r"flowsched_coordinator_frames_total"),
+        latency_buckets=buckets("decision_latency_seconds"),
+        flush_buckets=buckets("flush_seconds"),
+        latency_count=total(r"flowsched_coordinator_decision_latency_seconds_count"),
+        active_flows=total(r"flowsched_coordinator_active_flows\{[^}]*\}"),
+        agents=total(r"flowsched_coordinator_agents_connected"),
+        sweeps=total(r"flowsched_coordinator_timer_sweeps_total"),
+        overruns=total(r"flowsched_coordinator_timer_overruns_total"),
+        cpu_seconds=cpu_seconds(pid),
+        when=time.monotonic(),
+    )
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def preemptions(pid: int) -> int:
+    """Times the kernel took the CPU away from the coordinator (involuntary switches)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"nonvoluntary_ctxt_switches:\s+(\d+)", status)[1])  # type: ignore[index]
+
+
+def rss_mib(pid: int) -> tuple[float, float]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss = int(re.search(r"VmRSS:\s+(\d+) kB", status)[1])  # type: ignore[index]
+    peak = int(re.search(r"VmHWM:\s+(\d+) kB", status)[1])  # type: ignore[index]
+    return rss / 1024, peak / 1024
+
+
+def quantile(before: Scrape, after: Scrape, q: float, histogram: str = "latency") -> float:
+    """Quantile of a histogram's observations between two scrapes (linear within a bucket)."""
+    now, then = getattr(after, f"{histogram}_buckets"), getattr(before, f"{histogram}_buckets")
+    counts = [(le, a - b) for (le, a), (_, b) in zip(now, then, strict=True)]
+    total = counts[-1][1] if counts else 0.0
+    if total <= 0:
+        return float("nan")
+    target = q * total
+    lower, below = 0.0, 0.0
+    for le, cumulative in counts:
+        if cumulative >= target:
+            if le == float("inf"):
+                return float("inf")
+            share = (target - below) / max(cumulative - below, 1e-12)
+            return lower + (le - lower) * share
+        lower, below = le, cumulative
+    return float("inf")
+
+
+@dataclass
+class LatencyPoint:
+    offered_rate: float
+    achieved_rate: float
+    coordinator_cpu: float
+    p50_ms: float
+    p99_ms: float
+    flush_p50_ms: float
+    flush_p99_ms: float
+    samples: float
+    timer_sweeps_per_s: float
+    preemptions_per_s: float
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    events_per_s: float
+    frames_per_s: float
+    coordinator_cpu: float
+    loadgen_cpu: float
+    rss_mib: float
+    peak_rss_mib: float
+    active_flows: float
+    agents: float
+    latency: list[LatencyPoint]
+
+    @property
+    def events_per_cpu_second(self) -> float:
+        return self.events_per_s / max(self.coordinator_cpu, 1e-9)
+
+
+class CoordinatorProcess:
+    def __init__(self, args: argparse.Namespace, workdir: Path, batched: bool) -> None:
+        token_path = workdir / "token"
+        write_token(token_path)
+        self.token = (token_path.read_bytes()).strip()
+        command = [sys.executable]
+        if args.profile:
+            command += ["-m", "cProfile", "-o", str(workdir / f"coordinator-{batched}.prof")]
+        command += ["-m", "flowsched", "coordinator", "--listen", "127.0.0.1:0",
+                    "--metrics-port", "0", "--token-file", str(token_path),
+                    "--log-level", "WARNING",
+                    # a load generator starved of CPU on a shared machine can go quiet for
+                    # seconds; that is not what this benchmark measures
+                    "--idle-timeout", "60"]  # fmt: skip
+        if args.policy:
+            command += ["--policy", args.policy]
+        if not batched:
+            command.append("--no-batch")
+        if args.per_flow_policy != "auto":
+            command += ["--per-flow-policy", args.per_flow_policy]
+        if shutil.which("taskset") and args.coordinator_cpu is not None:
+            command = ["taskset", "-c", str(args.coordinator_cpu), *command]
+        self.log = open(workdir / "coordinator.log", "w")  # noqa: SIM115
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        found = re.fullmatch(
+            r"flowsched-coordinator listening on (\S+):(\d+) metrics (\S+)\n", line
+        )
+        if not found:
+            raise RuntimeError(f"coordinator did not start: {line!r}")
+        self.host, self.port, self.metrics = found[1], int(found[2]), found[3]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+async def run_mode(args: argparse.Namespace, batched: bool, workdir: Path) -> ModeResult:
+    coordinator = CoordinatorProcess(args, workdir, batched)
+    pid = coordinator.process.pid
+    agents: list[SimAgent] = []
+    listeners: list[asyncio.Task[None]] = []
+    try:
+        gate = asyncio.Semaphore(64)
+
+        async def one(index: int) -> SimAgent:
+            async with gate:
+                agent = await connect(
+                    coordinator.host,
+                    coordinator.port,
+                    f"node-{index}",
+                    coordinator.token,
+                    args.flows,
+                )
+            listeners.append(asyncio.create_task(agent.listen()))
+            return agent
+
+        mode = "batched" if batched else "unbatched"
+        log(f"{mode}: connecting {args.agents} agents")
+        agents = list(await asyncio.gather(*(one(i) for i in range(args.agents))))
+        await wait_for_flows(coordinator, pid, args.agents * args.flows)
+        own = os.times()
+        before = await asyncio.to_thread(scrape, coordinator.metrics, pid)
+        for agent in agents:
+            agent.events = 0
+        log(f"{mode}: throughput phase ({args.duration:g} s)")
+        await saturate(agents, batched, args.duration)
+        after = await asyncio.to_thread(scrape, coordinator.metrics, pid)
+        own_after = os.times()
+        elapsed = after.when - before.when
+        loadgen_cpu = (own_after.user + own_after.system - own.user - own.system) / elapsed
+        throughput = (after.events - before.events) / elapsed
+        frames = (after.frames - before.frames) / elapsed
+        coordinator_cpu = (after.cpu_seconds - before.cpu_seconds) / elapsed
+        log(f"{mode}: waiting for the coordinator to drain its backlog")
+        await wait_for_events(coordinator, pid, before.events + sum(a.events for a in agents))
+        points = []
+        for rate in args.rates:
+            log(f"{mode}: latency phase ({rate:g} events/s offered, {args.duration:g} s)")
+            points.append(await latency_point(coordinator, pid, agents, batched, args, rate))
+        rss, peak = rss_mib(pid)
+        final = await asyncio.to_thread(scrape, coordinator.metrics, pid)
+        return ModeResult(
+            mode=mode,
+            events_per_s=throughput,
+            frames_per_s=frames,
+            coordinator_cpu=coordinator_cpu,
+            loadgen_cpu=loadgen_cpu,
+            rss_mib=rss,
+            peak_rss_mib=peak,
+            active_flows=final.active_flows,
+            agents=final.agents,
+            latency=points,
+        )
+    finally:
+        for task in listeners:
+            task.cancel()
+        for agent in agents:
+            agent.writer.close()
+        await asyncio.sleep(0.1)
+        coordinator.stop()
+        warnings = [line for line in (workdir / "coordinator.log").read_text().splitlines()
+                    if "WARNING" in line and "connection_lost" not in line]  # fmt: skip
+        if warnings:
+            print(f"coordinator logged {len(warnings)} warnings, first: {warnings[:3]}")
+
+
+async def wait_for_flows(coordinator: CoordinatorProcess, pid: int, expected: int) -> None:
+    give_up = time.monotonic() + DRAIN_TIMEOUT
+    while (await asyncio.to_thread(scrape, coordinator.metrics, pid)).active_flows < expected:
+        if time.monotonic() > give_up:
+            raise RuntimeError(f"the coordinator never reached {expected} active flows")
+        await asyncio.sleep(0.2)
+
+
+async def latency_point(
+    coordinator: CoordinatorProcess,
+    pid: int,
+    agents: list[SimAgent],
+    batched: bool,
+    args: argparse.Namespace,
+    rate: float,
+) -> LatencyPoint:
+    before = await asyncio.to_thread(scrape, coordinator.metrics, pid)
+    preempted = preemptions(pid)
+    for agent in agents:
+        agent.events = 0
+    await paced(agents, batched, args.duration, rate)
+    after = await asyncio.to_thread(scrape, coordinator.metrics, pid)
+    preempted = preemptions(pid) - preempted
+    elapsed = after.when - before.when
+    point = LatencyPoint(
+        offered_rate=rate,
+        achieved_rate=(after.events - before.events) / elapsed,
+        coordinator_cpu=(after.cpu_seconds - before.cpu_seconds) / elapsed,
+        p50_ms=quantile(before, after, 0.50) * 1e3,
+        p99_ms=quantile(before, after, 0.99) * 1e3,
+        flush_p50_ms=quantile(before, after, 0.50, "flush") * 1e3,
+        flush_p99_ms=quantile(before, after, 0.99, "flush") * 1e3,
+        samples=after.latency_count - before.latency_count,
+        timer_sweeps_per_s=(after.sweeps - before.sweeps) / elapsed,
+        preemptions_per_s=preempted / elapsed,
+    )
+    await wait_for_events(coordinator, pid, before.events + sum(a.events for a in agents))
+    return point
+
+
+async def wait_for_events(coordinator: CoordinatorProcess, pid: int, expected: float) -> None:
+    give_up = time.monotonic() + DRAIN_TIMEOUT
+    while (now := await asyncio.to_thread(scrape, coordinator.metrics, pid)).events < expected:
+        if time.monotonic() > give_up:
+            print(f"warning: coordinator still {expected - now.events:.0f} events behind")
+            return
+        await asyncio.sleep(0.2)
+
+
+def log(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def print_profile(path: Path, limit: int = 18) -> None:
+    import pstats
+
+    if path.exists():
+        print(f"\n-- coordinator profile ({path.name}), top {limit} by own time --")
+        pstats.Stats(str(path)).sort_stats("tottime").print_stats(limit)
+
+
+def report(results: list[ModeResult]) -> None:
+    print("\nthroughput (saturating load), memory at 10,000 flows / 1,000 agents:")
+    print(f"{'mode':<10} {'events/s':>9} {'frames/s':>9} {'coordCPU':>8} {'events/CPU-s':>12} "
+          f"{'genCPU':>6} {'RSS MiB':>7} {'peak':>6} {'flows':>6} {'agents':>6}")  # fmt: skip
+    for r in results:
+        print(f"{r.mode:<10} {r.events_per_s:>9.0f} {r.frames_per_s:>9.0f} "
+              f"{r.coordinator_cpu:>8.2f} {r.events_per_cpu_second:>12.0f} {r.loadgen_cpu:>6.2f} "
+              f"{r.rss_mib:>7.1f} {r.peak_rss_mib:>6.1f} {r.active_flows:>6.0f} "
+              f"{r.agents:>6.0f}")  # fmt: skip
+    print("\ndecision latency (bytes handed to the coordinator -> level updates queued) and")
+    print("flush time (one policy run + its sends) at paced offered loads:")
+    print(f"{'mode':<10} {'offered':>8} {'achieved':>8} {'coordCPU':>8} {'p50 ms':>7} "
+          f"{'p99 ms':>7} {'flush50':>7} {'flush99':>7} {'samples':>8} "
+          f"{'sweeps/s':>8} {'preempt/s':>9}")  # fmt: skip
+    for r in results:
+        for p in r.latency:
+            print(f"{r.mode:<10} {p.offered_rate:>8.0f} {p.achieved_rate:>8.0f} "
+                  f"{p.coordinator_cpu:>8.2f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} "
+                  f"{p.flush_p50_ms:>7.3f} {p.flush_p99_ms:>7.3f} {p.samples:>8.0f} "
+                  f"{p.timer_sweeps_per_s:>8.1f} {p.preemptions_per_s:>9.0f}")  # fmt: skip
+    by_mode = {r.mode: r for r in results}
+    if {"batched", "unbatched"} <= by_mode.keys():
+        batched, unbatched = by_mode["batched"], by_mode["unbatched"]
+        ratio = batched.events_per_s / max(unbatched.events_per_s, 1e-9)
+        per_cpu = batched.events_per_cpu_second / max(unbatched.events_per_cpu_second, 1e-9)
+        print(f"\nbatched / unbatched: {ratio:.2f}x events/s, {per_cpu:.2f}x events per CPU-second")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=1000)
+    parser.add_argument("--flows", type=int, default=10, help="flows per agent")
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds per phase")
+    parser.add_argument(
+        "--rates", default="10000,30000,100000",
+        help="offered loads (events/s, comma-separated) of the latency phases",
+    )  # fmt: skip
+    parser.add_argument("--policy", help="policy file (default: the embedded default, RMLQ)")
+    parser.add_argument("--modes", default="batched,unbatched")
+    parser.add_argument(
+        "--per-flow-policy", choices=["auto", "yes", "no"], default="yes",
+        help="passed to the coordinator (the default policy, rmlq with red_tiers = 1, decides"
+        " each flow on its own; 'auto' asks the policy object)",
+    )  # fmt: skip
+    parser.add_argument("--coordinator-cpu", type=int, default=0)
+    parser.add_argument("--loadgen-cpu", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="run the coordinator in cProfile")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    args.rates = [float(rate) for rate in args.rates.split(",")]
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setaffinity(0, {args.loadgen_cpu})
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None  # type: ignore[assignment]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="fsD-bench-") as tmp:
+        for mode in args.modes.split(","):
+            workdir = Path(tmp) / mode
+            workdir.mkdir()
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                results.append(runner.run(run_mode(args, mode == "batched", workdir)))
+            if args.profile:
+                print_profile(workdir / f"coordinator-{mode == 'batched'}.prof")
+    report(results)
+    if args.json:
+        rows = [{**asdict(r), "events_per_cpu_second": r.events_per_cpu_second} for r in results]
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

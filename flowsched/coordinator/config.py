@@ -1,0 +1,93 @@
+"""Coordinator configuration: typed attributes with defaults, built by the CLI or by tests."""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from flowsched.policies.base import Policy
+from flowsched.protocol import DEFAULT_MAX_FRAME_SIZE
+
+SECONDS = 1.0
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Addresses:
+    """Where a started coordinator listens (ports resolved when 0 was asked for)."""
+
+    host: str
+    port: int
+    metrics_host: str | None
+    metrics_port: int | None
+
+
+@dataclass(slots=True)
+class CoordinatorConfig:
+    """Everything :func:`flowsched.coordinator.serve` needs.
+
+    ``policy_factory`` builds the one policy object; ``policy_text`` is the policy file sent to
+    agents in ``welcome`` (they run the same policy when they fall back). ``batching=False``
+    runs the policy after every message instead of once per event-loop turn (the baseline of
+    ``bench/coordinator_load.py``). ``metrics_port=None`` disables the metrics endpoint.
+    """
+
+    token: bytes
+    policy_factory: Callable[[], Policy]
+    policy_text: str = ""
+    timer_period: float = 0.05 * SECONDS
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = 0
+    heartbeat_interval: float = 0.2 * SECONDS
+    #: a connection silent (not even a heartbeat) for this long is closed
+    idle_timeout: float = 2.0 * SECONDS
+    handshake_timeout: float = 5.0 * SECONDS
+    #: a disconnected agent's flows are kept this long, so that a quick reconnect keeps state
+    grace_period: float = 5.0 * SECONDS
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    #: bytes queued for one agent before it is considered stuck and disconnected
+    send_buffer_limit: int = 8 * MIB
+    batching: bool = True
+    #: whether the policy decides each flow on its own (then events re-evaluate only the flows
+    #: they touch); None asks the policy's ``per_flow_decisions`` attribute (default False:
+    #: every flush re-evaluates every flow, which is always correct but O(all flows))
+    per_flow_decisions: bool | None = None
+    #: time per event-loop turn given to the timer sweep (per-flow policies): the sweep
+    #: advances in small steps within this budget, so it never delays events by a whole pass
+    sweep_budget: float = 0.25e-3 * SECONDS
+    #: largest share of the time spent in timer sweeps; when one pass over the deadline flows
+    #: costs more than timer_period allows, the effective period stretches to respect it
+    sweep_duty: float = 0.5
+    on_ready: Callable[[Addresses], None] | None = None
+
+    @classmethod
+    def from_policy_file(
+        cls, path: str | Path | None, token: bytes, **kwargs: object
+    ) -> CoordinatorConfig:
+        """Build a config from a policy file (the packaged default when ``path`` is None).
+
+        Raises:
+            flowsched.policyfile.PolicyFileError: the file is unreadable or invalid.
+        """
+        from flowsched import policyfile
+
+        if path is None:
+            resource = importlib.resources.files("flowsched") / "data" / "policies" / "default.toml"
+            text, source = resource.read_text(encoding="utf-8"), "<embedded default.toml>"
+        else:
+            try:
+                text, source = Path(path).read_text(encoding="utf-8"), str(path)
+            except (OSError, UnicodeDecodeError) as exc:
+                raise policyfile.PolicyFileError([f"{path}: cannot read: {exc}"]) from None
+        policy = policyfile.loads(text, source=source)
+        return cls(
+            token=token,
+            policy_factory=policy.make_policy,
+            policy_text=text,
+            timer_period=policy.timer_period,
+            **kwargs,  # type: ignore[arg-type]
+        )

@@ -1,0 +1,201 @@
+"""Prometheus metrics of the coordinator, computed at scrape time from its live state.
+
+Nothing here runs on the hot paths: the service keeps plain integer counters and a bucket
+array (:class:`Histogram`), and :class:`CoordinatorCollector` turns them, and the flow table,
+into metric families when Prometheus scrapes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from flowsched.coordinator.state import SLACK_BUCKETS, ClusterState
+
+#: Buckets (seconds) of the decision-latency histogram: 50 us .. 1 s.
+LATENCY_BUCKETS = (
+    50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 10e-3, 20e-3, 50e-3, 0.1, 0.2, 0.5, 1.0,
+)  # fmt: skip
+
+PREFIX = "flowsched_coordinator"
+
+
+class Histogram:
+    """A bucket array with cumulative export; ``observe`` is one bisect and two adds."""
+
+    __slots__ = ("bounds", "count", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        """Add one observation."""
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """``[(le, cumulative count), ...]`` ending with ``+Inf``, as Prometheus wants."""
+        return _cumulative(self.bounds, self.counts)
+
+    def quantile(self, q: float) -> float:
+        """Upper bound of the bucket holding quantile ``q`` (an over-estimate; inf if beyond)."""
+        target = q * self.count
+        running = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            running += count
+            if running >= target and running:
+                return bound
+        return float("inf")
+
+
+def _cumulative(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
+    out: list[tuple[str, float]] = []
+    running = 0
+    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
+        running += count
+        out.append(("+Inf" if bound == float("inf") else repr(bound), running))
+    return out
+
+
+@dataclass(slots=True)
+class LiveCounters:
+    """Service-level counters that are not part of the cluster state."""
+
+    decision_latency: Histogram
+    flush_duration: Histogram
+    frames_received: int = 0
+    rejected: dict[str, int] | None = None
+
+
+class CoordinatorCollector:
+    """Yields the coordinator's metric families from live state at every scrape.
+
+    Args:
+        state: the cluster state (flow table, link loads, counters).
+        live: service counters (decision latency, frames, rejected connections).
+        agents_connected: returns the number of authenticated agent connections now.
+    """
+
+    def __init__(
+        self, state: ClusterState, live: LiveCounters, agents_connected: Callable[[], int]
+    ) -> None:
+        self._state = state
+        self._live = live
+        self._agents = agents_connected
+
+    def collect(self) -> Iterator[Metric]:
+        """The metric families (called by the registry on each scrape)."""
+        yield self._active_flows()
+        yield from self._counters()
+        yield self._completed()
+        yield self._slack()
+        yield from self._latency()
+        yield from self._links()
+        agents = GaugeMetricFamily(f"{PREFIX}_agents_connected", "Authenticated agents.")
+        agents.add_metric([], self._agents())
+        yield agents
+
+    def _active_flows(self) -> Metric:
+        family = GaugeMetricFamily(
+            f"{PREFIX}_active_flows", "Active flows by class and level.", labels=["class", "level"]
+        )
+        for (cls, level), count in sorted(self._state.active_by_class_level().items()):
+            family.add_metric([cls.label, str(level)], count)
+        return family
+
+    def _counters(self) -> Iterator[Metric]:
+        stats = self._state.stats
+        events = CounterMetricFamily(
+            f"{PREFIX}_events", "Flow and job events received, by kind.", labels=["kind"]
+        )
+        for kind, count in sorted(stats.events.items()):
+            events.add_metric([kind], count)
+        yield events
+        yield CounterMetricFamily(
+            f"{PREFIX}_level_updates", "Level changes queued to agents.", value=stats.level_updates
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_promotions", "Decisions moving a flow to a more urgent level.",
+            value=stats.promotions,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            f"{PREFIX}_frames", "Frames received from agents.", value=self._live.frames_received
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_policy_evaluations", "Flows passed to policy.reevaluate.",
+            value=stats.evaluations,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            f"{PREFIX}_timer_sweeps", "Timer passes over the deadline flows.", value=stats.sweeps
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_timer_overruns", "Timer ticks skipped: previous sweep unfinished.",
+            value=stats.sweep_overruns,
+        )  # fmt: skip
+        rejected = CounterMetricFamily(
+            f"{PREFIX}_closed_connections",
+            "Agent connections closed, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted((self._live.rejected or {}).items()):
+            rejected.add_metric([reason], count)
+        yield rejected
+
+    def _completed(self) -> Metric:
+        family = CounterMetricFamily(
+            f"{PREFIX}_completed_flows",
+            "Closed flows by class and deadline outcome (met, missed, none).",
+            labels=["class", "deadline"],
+        )
+        for (cls, outcome), count in sorted(self._state.stats.completed.items()):
+            family.add_metric([cls, outcome], count)
+        return family
+
+    def _slack(self) -> Metric:
+        stats = self._state.stats
+        family = HistogramMetricFamily(
+            f"{PREFIX}_completion_slack_seconds",
+            "Deadline minus completion time of closed deadline flows (negative = missed).",
+        )
+        family.add_metric([], _cumulative(SLACK_BUCKETS, stats.slack_counts), stats.slack_sum)
+        return family
+
+    def _latency(self) -> Iterator[Metric]:
+        hist = self._live.decision_latency
+        family = HistogramMetricFamily(
+            f"{PREFIX}_decision_latency_seconds",
+            "Time from an event's arrival to its level updates being queued.",
+        )
+        family.add_metric([], hist.cumulative(), hist.sum)
+        yield family
+        flush = self._live.flush_duration
+        family = HistogramMetricFamily(
+            f"{PREFIX}_flush_seconds", "Duration of one policy run (flush) and its sends."
+        )
+        family.add_metric([], flush.cumulative(), flush.sum)
+        yield family
+
+    def _links(self) -> Iterator[Metric]:
+        util = GaugeMetricFamily(
+            f"{PREFIX}_link_utilization", "Reported link load rho (0..1).", labels=["link"]
+        )
+        bandwidth = GaugeMetricFamily(
+            f"{PREFIX}_link_bandwidth_bytes", "Reported link capacity (bytes/s).", labels=["link"]
+        )
+        for link, load in sorted(self._state.link_load.items()):
+            util.add_metric([link], load)
+            bandwidth.add_metric([link], self._state.link_bandwidth.get(link, 0.0))
+        yield util
+        yield bandwidth

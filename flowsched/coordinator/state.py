@@ -1,0 +1,369 @@
+"""The coordinator's cluster view: flow table, link loads, job progress, and policy driving.
+
+Pure bookkeeping (no asyncio, no sockets, clock passed in). The service feeds it decoded
+messages and, once per event-loop turn, calls :meth:`ClusterState.flush` to run the policy on
+the flows touched since the last flush and collect the level changes to send, per node.
+
+Flow identity on the wire is ``(node, id)``; policies see cluster-unique ``Flow.flow_id`` values
+that this table assigns. Which flows an event makes "dirty" (re-evaluated at the next flush):
+
+* flow open: admitted at once (``policy.admit``), then dirty;
+* flow progress: that flow;
+* flow close: the remaining flows of the same job;
+* job progress: the flows of that job;
+* NIC load: the flows crossing the reported links;
+* the periodic timer: every flow with a deadline, the only flows whose urgency changes with
+  time alone (see :meth:`ClusterState.start_sweep`).
+
+Policies whose decisions depend on other flows (rank-based ones such as EDF) must see every
+flow at once: unless the policy sets ``per_flow_decisions = True``, a flush re-evaluates all
+flows whenever anything is dirty.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from flowsched.model import Context, Decision, Flow, FlowClass
+from flowsched.policies.base import Policy
+from flowsched.protocol import (
+    FlowClose,
+    FlowOpen,
+    FlowProgress,
+    JobProgress,
+    LevelUpdate,
+    NicLoadEntry,
+)
+
+#: Flows of the timer sweep evaluated between two checks of its time budget.
+SWEEP_STEP = 32
+#: Buckets (seconds) of the slack-at-completion histogram: deadline - completion time.
+SLACK_BUCKETS = (-10.0, -1.0, -0.1, -0.01, 0.0, 0.01, 0.1, 1.0, 10.0, 100.0)
+
+
+@dataclass(slots=True)
+class Stats:
+    """Counters kept on the hot paths as plain integers; exported at scrape time."""
+
+    events: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    level_updates: int = 0
+    promotions: int = 0
+    flushes: int = 0
+    evaluations: int = 0
+    sweeps: int = 0
+    #: timer ticks that found the previous sweep unfinished (the effective period stretched)
+    sweep_overruns: int = 0
+    completed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    slack_counts: list[int] = field(default_factory=lambda: [0] * (len(SLACK_BUCKETS) + 1))
+    slack_sum: float = 0.0
+
+
+class ClusterState:
+    """All flows of the cluster, keyed internally by a cluster-unique id.
+
+    Args:
+        policy: the one policy object of the coordinator.
+        default_bandwidth: B for links no agent has reported (bytes/s).
+        per_flow: whether the policy decides each flow independently of the others (None:
+            the policy's ``per_flow_decisions`` attribute, default False).
+        clock: measures the timer sweep's time budget (see :meth:`flush`).
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        default_bandwidth: float = 25e9,
+        per_flow: bool | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.policy = policy
+        self._clock = clock
+        if per_flow is None:
+            per_flow = bool(getattr(policy, "per_flow_decisions", False))
+        self.per_flow = per_flow
+        self.flows: dict[int, Flow] = {}
+        self.origin: dict[int, tuple[str, int]] = {}
+        self.by_node: dict[str, dict[int, int]] = {}
+        self.by_job: dict[str, set[int]] = defaultdict(set)
+        self.by_link: dict[str, set[int]] = defaultdict(set)
+        self.job_index: dict[str, int] = {}
+        self.link_bandwidth: dict[str, float] = {}
+        self.link_load: dict[str, float] = {}
+        self.default_bandwidth = default_bandwidth
+        self.dirty: set[int] = set()
+        #: flows re-evaluated by the last flush
+        self.last_batch = 0
+        self.timed: set[int] = set()
+        self._sweep: set[int] = set()
+        self._sweep_cost = 0.0
+        #: clock time the last complete timer sweep took (its steps added up)
+        self.last_sweep_cost = 0.0
+        self.outbox: dict[str, dict[int, LevelUpdate]] = {}
+        self.rates: dict[int, float] = {}
+        self.stats = Stats()
+        self._ids = itertools.count(1)
+
+    def context(self, now: float) -> Context:
+        """The policy's view of the cluster at ``now`` (shares the live dicts, no copies)."""
+        return Context(
+            now, self.job_index, self.link_bandwidth, self.link_load, self.default_bandwidth
+        )
+
+    # -- events ------------------------------------------------------------------------------
+
+    def open_flows(
+        self, node: str, opens: Iterable[FlowOpen], now: float, kind: str = "open"
+    ) -> None:
+        """Admit newly opened flows of ``node`` (a re-sent open of a known flow is an update)."""
+        ctx = self.context(now)
+        table = self.by_node.setdefault(node, {})
+        events = self.stats.events
+        for op in opens:
+            events[kind] += 1
+            known = table.get(op.id)
+            if known is None:
+                self._admit(node, table, op, ctx)
+            else:
+                self._refresh(known, op)
+
+    def _admit(self, node: str, table: dict[int, int], op: FlowOpen, ctx: Context) -> None:
+        fid = next(self._ids)
+        flow = Flow(
+            fid, op.cls, op.opened_at, op.size, op.sent, op.deadline, op.job,
+            op.consumer_index, op.request, op.links, node,
+        )  # fmt: skip
+        table[op.id] = fid
+        self.flows[fid] = flow
+        self.origin[fid] = (node, op.id)
+        if op.job is not None:
+            self.by_job[op.job].add(fid)
+        if op.deadline is not None:
+            self.timed.add(fid)
+        for link in op.links:
+            self.by_link[link].add(fid)
+        # the agent's current level (resync) is what it applies now: send only differences
+        flow.level = -1 if op.level is None else op.level
+        self._apply(fid, flow, self.policy.admit(flow, ctx), count_promotion=False)
+        self.dirty.add(fid)
+
+    def _refresh(self, fid: int, op: FlowOpen) -> None:
+        flow = self.flows[fid]
+        flow.sent = max(flow.sent, op.sent)
+        if op.level is not None and op.level != flow.level and flow.level >= 0:
+            self._queue(fid, flow)  # the agent applies something else: tell it ours again
+        self.dirty.add(fid)
+
+    def progress(self, node: str, reports: Iterable[FlowProgress]) -> None:
+        """Record bytes sent; unknown ids are ignored (the open may have been dropped)."""
+        table = self.by_node.get(node, {})
+        flows = self.flows
+        dirty = self.dirty
+        count = 0
+        for report in reports:
+            count += 1
+            fid = table.get(report.id)
+            if fid is not None:
+                flow = flows[fid]
+                if report.sent > flow.sent:
+                    flow.sent = report.sent
+                dirty.add(fid)
+        self.stats.events["progress"] += count
+
+    def close_flows(self, node: str, closes: Iterable[FlowClose], now: float) -> None:
+        """Forget closed flows, recording whether each met its deadline."""
+        table = self.by_node.get(node, {})
+        ctx = self.context(now)
+        for close in closes:
+            self.stats.events["close"] += 1
+            fid = table.pop(close.id, None)
+            if fid is not None:
+                flow = self._remove(fid, ctx)
+                flow.sent = max(flow.sent, close.sent)
+                self._record_completion(flow, close.closed_at)
+                if flow.job is not None:
+                    self.dirty.update(self.by_job.get(flow.job, ()))
+
+    def job_progress(self, report: JobProgress) -> None:
+        """Job ``report.job`` reached a step: its flows' RLI changes.
+
+        ``job_index[job]`` holds the step; when a layer is given it is also published as
+        ``job_index[f"{job}/layer"]`` for layer-indexed flows (``kv_reuse``).
+        """
+        self.stats.events["job_progress"] += 1
+        self.job_index[report.job] = report.step
+        if report.layer is not None:
+            self.job_index[f"{report.job}/layer"] = report.layer
+        self.dirty.update(self.by_job.get(report.job, ()))
+
+    def nic_load(self, entries: Iterable[NicLoadEntry]) -> None:
+        """Update link capacities and loads (rho); flows on changed links become dirty."""
+        for entry in entries:
+            self.stats.events["nic_load"] += 1
+            old = self.link_load.get(entry.link)
+            self.link_bandwidth[entry.link] = entry.bandwidth
+            self.link_load[entry.link] = entry.load
+            if old != entry.load:
+                self.dirty.update(self.by_link.get(entry.link, ()))
+
+    def resync(self, node: str, opens: tuple[FlowOpen, ...], now: float) -> None:
+        """Replace ``node``'s flow set by ``opens`` (its complete set after a (re)connect)."""
+        self.stats.events["resync"] += 1
+        current = {op.id for op in opens}
+        table = self.by_node.get(node, {})
+        ctx = self.context(now)
+        for wire_id in [w for w in table if w not in current]:
+            self._remove(table.pop(wire_id), ctx)
+        self.outbox.pop(node, None)  # updates queued for the old connection are stale
+        self.open_flows(node, opens, now, kind="resync_flow")
+
+    def drop_node(self, node: str, now: float) -> None:
+        """Forget every flow of ``node`` (its agent stayed away past the grace period)."""
+        ctx = self.context(now)
+        for fid in self.by_node.pop(node, {}).values():
+            self._remove(fid, ctx)
+        self.outbox.pop(node, None)
+
+    def start_sweep(self) -> bool:
+        """Queue every flow with a deadline for re-evaluation (the periodic timer).
+
+        Returns False, and changes nothing, while the previous sweep is unfinished (see
+        :meth:`flush`): the effective period then stretches instead of starving flows.
+        """
+        if self._sweep:
+            self.stats.sweep_overruns += 1
+            return False
+        self._sweep = set(self.flows if not self.per_flow else self.timed)
+        self.stats.sweeps += 1
+        return True
+
+    @property
+    def pending(self) -> bool:
+        """Whether a flush has work: dirty flows or an unfinished timer sweep."""
+        return bool(self.dirty or self._sweep)
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def flush(
+        self, now: float, sweep_budget: float | None = None
+    ) -> dict[str, dict[int, LevelUpdate]]:
+        """Run the policy on the dirty flows and return the level changes to send, per node.
+
+        Args:
+            now: wall-clock time for the policy.
+            sweep_budget: with a per-flow policy, also advance the timer's sweep
+                (:meth:`start_sweep`) for about this many seconds of the injected clock, in
+                steps of :data:`SWEEP_STEP` flows, so that a timer tick never delays
+                event-driven decisions by a whole pass; None finishes the sweep, 0 skips it.
+        """
+        self.stats.flushes += 1
+        self.last_batch = 0
+        batch, self.dirty = self.dirty, set()
+        if not self.per_flow:
+            if batch or self._sweep:
+                self._sweep = set()
+                self._evaluate(self.flows.keys(), now)
+        else:
+            if batch:
+                self._sweep -= batch  # evaluated now anyway: the sweep need not visit them
+                self._evaluate(batch, now)
+            if self._sweep and sweep_budget != 0:
+                self._advance_sweep(now, sweep_budget)
+        outbox, self.outbox = self.outbox, {}
+        return outbox
+
+    def _advance_sweep(self, now: float, budget: float | None) -> None:
+        started = self._clock()
+        stop = None if budget is None else started + budget
+        sweep, flows = self._sweep, self.flows
+        while sweep:
+            step = [sweep.pop() for _ in range(min(SWEEP_STEP, len(sweep)))]
+            self._evaluate([fid for fid in step if fid in flows], now)
+            if stop is not None and self._clock() >= stop:
+                break
+        self._sweep_cost += self._clock() - started
+        if not sweep:
+            self.last_sweep_cost, self._sweep_cost = self._sweep_cost, 0.0
+
+    def _evaluate(self, batch: Iterable[int], now: float) -> None:
+        flows = self.flows
+        active = [flows[fid] for fid in batch]
+        self.last_batch += len(active)
+        self.stats.evaluations += len(active)
+        for fid, decision in self.policy.reevaluate(active, self.context(now)).items():
+            flow = flows.get(fid)
+            if flow is not None:
+                self._apply(fid, flow, decision, count_promotion=True)
+
+    def _apply(self, fid: int, flow: Flow, decision: Decision, count_promotion: bool) -> None:
+        rate_changed = decision.rate != self.rates.get(fid)
+        if decision.level == flow.level and not rate_changed:
+            return
+        if count_promotion and 0 <= decision.level < flow.level:
+            self.stats.promotions += 1
+        flow.level = decision.level
+        if rate_changed:
+            if decision.rate is None:
+                self.rates.pop(fid, None)
+            else:
+                self.rates[fid] = decision.rate
+        self._queue(fid, flow)
+
+    def _queue(self, fid: int, flow: Flow) -> None:
+        node, wire_id = self.origin[fid]
+        box = self.outbox.get(node)
+        if box is None:
+            box = self.outbox[node] = {}
+        box[wire_id] = LevelUpdate(wire_id, flow.level, self.rates.get(fid))
+        self.stats.level_updates += 1
+
+    # -- removal and completion --------------------------------------------------------------
+
+    def _remove(self, fid: int, ctx: Context) -> Flow:
+        flow = self.flows.pop(fid)
+        del self.origin[fid]
+        self.rates.pop(fid, None)
+        self.dirty.discard(fid)
+        self.timed.discard(fid)
+        if flow.job is not None:
+            self._discard(self.by_job, flow.job, fid)
+        for link in flow.links:
+            self._discard(self.by_link, link, fid)
+        self.policy.release(flow, ctx)
+        return flow
+
+    @staticmethod
+    def _discard(index: dict[str, set[int]], key: str, fid: int) -> None:
+        members = index.get(key)
+        if members is not None:
+            members.discard(fid)
+            if not members:
+                del index[key]
+
+    def _record_completion(self, flow: Flow, closed_at: float) -> None:
+        if flow.deadline is None:
+            self.stats.completed[(flow.cls.label, "none")] += 1
+            return
+        slack = flow.deadline - closed_at
+        self.stats.completed[(flow.cls.label, "met" if slack >= 0 else "missed")] += 1
+        self.stats.slack_counts[_bucket(slack)] += 1
+        self.stats.slack_sum += slack
+
+    # -- views for metrics -------------------------------------------------------------------
+
+    def active_by_class_level(self) -> dict[tuple[FlowClass, int], int]:
+        """Number of active flows per (class, level)."""
+        counts: dict[tuple[FlowClass, int], int] = defaultdict(int)
+        for flow in self.flows.values():
+            counts[(flow.cls, flow.level)] += 1
+        return counts
+
+
+def _bucket(value: float) -> int:
+    for index, bound in enumerate(SLACK_BUCKETS):
+        if value <= bound:
+            return index
+    return len(SLACK_BUCKETS)

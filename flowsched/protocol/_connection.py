@@ -1,0 +1,180 @@
+"""The sans-IO connection: bytes in, typed messages out, and the reverse.
+
+A :class:`Connection` never touches a socket. The caller feeds it received bytes with
+:meth:`Connection.receive_data`, pulls messages with :meth:`Connection.next_event`, and writes
+whatever :meth:`Connection.send` returns.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Final
+
+from flowsched.protocol._codec import NONCE_SIZE, decode_body, encode_body
+from flowsched.protocol._framing import DEFAULT_MAX_FRAME_SIZE, ReceiveBuffer, frame
+from flowsched.protocol._messages import (
+    PROTOCOL_VERSION,
+    Auth,
+    Challenge,
+    Error,
+    Hello,
+    Message,
+)
+from flowsched.protocol._state import Role, State, next_state
+from flowsched.protocol._util import LocalProtocolError, RemoteProtocolError
+from flowsched.protocol.auth import compute_mac, verify_mac
+
+
+class Sentinel:
+    """Type of the NEED_DATA and PEER_CLOSED markers."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __repr__(self) -> str:
+        return self._name
+
+
+#: :meth:`Connection.next_event` needs more bytes before it can return a message.
+NEED_DATA: Final = Sentinel("NEED_DATA")
+#: The peer closed its side (``receive_data(b"")``) and no complete frame is left.
+PEER_CLOSED: Final = Sentinel("PEER_CLOSED")
+
+Event = Message | Sentinel
+
+
+class Connection:
+    """One end of an agent <-> coordinator connection.
+
+    Args:
+        role: which end this is.
+        token: the shared token. The coordinator end verifies ``auth`` MACs with it; the agent
+            end uses it in :meth:`answer`. None disables the check (tests only).
+        max_frame_size: largest frame body accepted or sent, in bytes.
+        nonce_factory: source of the 32-byte challenge nonce (``os.urandom``).
+    """
+
+    def __init__(
+        self,
+        role: Role,
+        *,
+        token: bytes | None = None,
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        nonce_factory: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        self.role = role
+        self.state = State.START
+        self.node: str | None = None
+        self._peer = Role.AGENT if role is Role.COORDINATOR else Role.COORDINATOR
+        self._token = token
+        self._max_frame_size = max_frame_size
+        self._nonce_factory = nonce_factory
+        self._nonce: bytes | None = None
+        self._buffer = ReceiveBuffer(max_frame_size)
+        self._eof = False
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def send(self, message: Message) -> bytes:
+        """Return the frame for ``message`` and advance the state.
+
+        Raises:
+            LocalProtocolError: the message is not legal now (the connection enters ``ERROR``),
+                or it does not fit in one frame.
+        """
+        new_state = next_state(self.role, self.state, message.TYPE)
+        if new_state is None:
+            reason = f"cannot send {message.TYPE} in state {self.state.value} as {self.role.value}"
+            self.state = State.ERROR
+            raise LocalProtocolError(reason, code="bad_state")
+        data = frame(encode_body(message), self._max_frame_size)
+        self._note_sent(message)
+        self.state = new_state
+        return data
+
+    def _note_sent(self, message: Message) -> None:
+        if isinstance(message, Hello):
+            self.node = message.node
+        elif isinstance(message, Challenge):
+            self._nonce = message.nonce
+
+    def challenge(self) -> bytes:
+        """Coordinator: send a challenge with a fresh nonce (after receiving ``hello``)."""
+        return self.send(Challenge(PROTOCOL_VERSION, self._nonce_factory(NONCE_SIZE)))
+
+    def answer(self, challenge: Challenge) -> bytes:
+        """Agent: send the ``auth`` frame answering ``challenge`` with this end's token."""
+        if self._token is None or self.node is None:
+            raise LocalProtocolError("answer() needs a token and a sent hello", code="bad_state")
+        return self.send(Auth(compute_mac(self._token, challenge.nonce, self.node)))
+
+    def send_error(self, code: str, reason: str) -> bytes:
+        """Return an ``error`` frame (legal in every state, ``ERROR`` included)."""
+        return self.send(Error(code[:255], reason[:4096]))
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> None:
+        """Feed bytes received from the peer; ``b""`` means the peer closed its side."""
+        if data:
+            self._buffer.feed(data)
+        else:
+            self._eof = True
+
+    def next_event(self) -> Event:
+        """The next message from the peer, :data:`NEED_DATA` or :data:`PEER_CLOSED`.
+
+        Raises:
+            RemoteProtocolError: the peer broke the protocol (bad frame, bad field, illegal
+                message for the state, unknown version, wrong MAC). The connection enters
+                ``ERROR``; ``code`` and ``reason`` say why and may be sent back with
+                :meth:`send_error`.
+        """
+        if self.state is State.ERROR:
+            raise RemoteProtocolError("connection is in the ERROR state", code="bad_state")
+        try:
+            return self._next_event()
+        except LocalProtocolError as exc:
+            self.state = State.ERROR
+            raise exc._reraise_as_remote() from None
+
+    def _next_event(self) -> Event:
+        body = self._buffer.next_body()
+        if body is None:
+            if self._eof:
+                if len(self._buffer):
+                    raise LocalProtocolError("peer closed mid-frame", code="bad_frame")
+                return PEER_CLOSED
+            return NEED_DATA
+        message = decode_body(body)
+        new_state = next_state(self._peer, self.state, message.TYPE)
+        if new_state is None:
+            raise LocalProtocolError(
+                f"{message.TYPE}: not allowed in state {self.state.value}", code="bad_state"
+            )
+        self._check_handshake(message)
+        self.state = new_state
+        return message
+
+    def _check_handshake(self, message: Message) -> None:
+        if isinstance(message, Hello | Challenge) and message.version != PROTOCOL_VERSION:
+            raise LocalProtocolError(
+                f"{message.TYPE}.version: unsupported version {message.version}"
+                f" (this end speaks {PROTOCOL_VERSION})",
+                code="version",
+            )
+        if isinstance(message, Hello):
+            self.node = message.node
+        elif isinstance(message, Auth):
+            self._check_mac(message.mac)
+
+    def _check_mac(self, mac: bytes) -> None:
+        if self._token is None:
+            return
+        assert self._nonce is not None and self.node is not None  # guaranteed by the table
+        if not verify_mac(self._token, self._nonce, self.node, mac):
+            raise LocalProtocolError(
+                f"auth.mac: wrong MAC for node {self.node!r} (bad token or replayed auth)",
+                code="auth_failed",
+            )

@@ -1,0 +1,207 @@
+"""The typed, immutable messages of the agent <-> coordinator protocol.
+
+Each top-level message has a wire type string ``TYPE`` (the ``"t"`` key of its msgpack map).
+Entry types (:class:`FlowOpen`, :class:`FlowProgress`, ...) only appear inside batches.
+Times are wall-clock seconds (``time.time()``); sizes are bytes; bandwidths bytes/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from flowsched.model import FlowClass
+
+#: The protocol version spoken by this implementation (``hello.version`` / ``challenge.version``).
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class FlowOpen:
+    """A flow the agent sees open.
+
+    ``level`` is only meaningful in a :class:`Resync`: the level the agent currently applies
+    (e.g. decided by its local fallback policy), so that the coordinator only sends changes.
+    """
+
+    id: int
+    cls: FlowClass
+    opened_at: float
+    sent: int = 0
+    size: int | None = None
+    deadline: float | None = None
+    job: str | None = None
+    consumer_index: int | None = None
+    request: str | None = None
+    links: tuple[str, ...] = ()
+    level: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FlowProgress:
+    """Bytes sent so far by an open flow."""
+
+    id: int
+    sent: int
+
+
+@dataclass(frozen=True, slots=True)
+class FlowClose:
+    """A flow that finished (or was abandoned) at ``closed_at``."""
+
+    id: int
+    sent: int
+    closed_at: float
+
+
+@dataclass(frozen=True, slots=True)
+class NicLoadEntry:
+    """Capacity (bytes/s) and measured utilization (0..1) of one link."""
+
+    link: str
+    bandwidth: float
+    load: float
+
+
+@dataclass(frozen=True, slots=True)
+class LevelUpdate:
+    """A new level (and optional rate cap, bytes/s) for one of the receiving agent's flows."""
+
+    id: int
+    level: int
+    rate: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """agent -> coordinator: first frame of a connection."""
+
+    TYPE: ClassVar[str] = "hello"
+    version: int
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """coordinator -> agent: a fresh 32-byte nonce to authenticate against."""
+
+    TYPE: ClassVar[str] = "challenge"
+    version: int
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Auth:
+    """agent -> coordinator: HMAC-SHA256(token, b"flowsched/1" + nonce + node)."""
+
+    TYPE: ClassVar[str] = "auth"
+    mac: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """coordinator -> agent: the handshake succeeded.
+
+    ``policy_toml`` is the coordinator's policy file text (the agent runs the same policy when
+    it falls back); ``heartbeat_interval`` is how often both sides send a heartbeat.
+    """
+
+    TYPE: ClassVar[str] = "welcome"
+    policy_toml: str
+    timer_period: float
+    server_time: float
+    heartbeat_interval: float = 0.2
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """Either side: the connection is about to be closed because of ``code``/``reason``."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Flows:
+    """agent -> coordinator: a batch of flow opens, progress reports and closes."""
+
+    TYPE: ClassVar[str] = "flows"
+    opens: tuple[FlowOpen, ...] = ()
+    progress: tuple[FlowProgress, ...] = ()
+    closes: tuple[FlowClose, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class JobProgress:
+    """agent -> coordinator: job ``job`` reached ``step`` (and ``layer`` within it)."""
+
+    TYPE: ClassVar[str] = "job_progress"
+    job: str
+    step: int
+    layer: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NicLoad:
+    """agent -> coordinator: capacity and utilization of the node's links."""
+
+    TYPE: ClassVar[str] = "nic_load"
+    entries: tuple[NicLoadEntry, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    """agent -> coordinator: the agent's complete current flow set (after each (re)connect)."""
+
+    TYPE: ClassVar[str] = "resync"
+    opens: tuple[FlowOpen, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Levels:
+    """coordinator -> agent: level changes of that agent's flows only."""
+
+    TYPE: ClassVar[str] = "levels"
+    updates: tuple[LevelUpdate, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Either side, every ``heartbeat_interval`` seconds: "I am alive"."""
+
+    TYPE: ClassVar[str] = "heartbeat"
+    t_sent: float
+
+
+Message = (
+    Hello
+    | Challenge
+    | Auth
+    | Welcome
+    | Error
+    | Flows
+    | JobProgress
+    | NicLoad
+    | Resync
+    | Levels
+    | Heartbeat
+)
+
+#: wire type string -> message class
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (
+        Hello,
+        Challenge,
+        Auth,
+        Welcome,
+        Error,
+        Flows,
+        JobProgress,
+        NicLoad,
+        Resync,
+        Levels,
+        Heartbeat,
+    )
+}

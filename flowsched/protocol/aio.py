@@ -1,0 +1,134 @@
+"""Thin asyncio adapter for agents: connect, authenticate, then send and receive messages.
+
+This is the only module of :mod:`flowsched.protocol` that does I/O; all protocol logic is in
+the sans-IO :class:`~flowsched.protocol.Connection`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from flowsched.protocol._connection import NEED_DATA, PEER_CLOSED, Connection, Sentinel
+from flowsched.protocol._framing import DEFAULT_MAX_FRAME_SIZE
+from flowsched.protocol._messages import PROTOCOL_VERSION, Challenge, Error, Hello, Message, Welcome
+from flowsched.protocol._state import Role
+from flowsched.protocol._util import ProtocolError
+
+_READ_SIZE = 1 << 16
+
+
+class LinkClosed(ConnectionError):
+    """The coordinator closed the connection (``error`` carries its error frame, if any)."""
+
+    def __init__(self, reason: str, error: Error | None = None) -> None:
+        super().__init__(reason)
+        self.error = error
+
+
+class HandshakeError(ConnectionError):
+    """The coordinator refused the handshake (bad token, version, ...): ``code`` says why."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(f"coordinator refused the handshake: {code}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class AgentLink:
+    """An authenticated connection to the coordinator (use :func:`connect_agent`)."""
+
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection
+    ) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._conn = conn
+        self.welcome: Welcome | None = None
+
+    async def send(self, message: Message) -> None:
+        """Send one message (waits while the socket's send buffer is full)."""
+        self._writer.write(self._conn.send(message))
+        await self._writer.drain()
+
+    async def recv(self, timeout: float | None = None) -> Message:
+        """The next message from the coordinator (heartbeats included).
+
+        Raises:
+            LinkClosed: the coordinator closed the connection or sent an ``error`` frame.
+            TimeoutError: nothing arrived within ``timeout`` seconds.
+            RemoteProtocolError: the coordinator broke the protocol.
+        """
+        async with asyncio.timeout(timeout):
+            while True:
+                event = self._conn.next_event()
+                if event is NEED_DATA:
+                    self._conn.receive_data(await self._reader.read(_READ_SIZE))
+                elif event is PEER_CLOSED:
+                    raise LinkClosed("coordinator closed the connection")
+                elif isinstance(event, Error):
+                    raise LinkClosed(f"coordinator error {event.code}: {event.reason}", event)
+                elif not isinstance(event, Sentinel):
+                    return event
+
+    async def close(self) -> None:
+        """Close the connection (never raises for an already-broken socket)."""
+        self._writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await self._writer.wait_closed()
+
+
+async def connect_agent(
+    host: str,
+    port: int,
+    *,
+    node: str,
+    token: bytes,
+    timeout: float = 5.0,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+) -> AgentLink:
+    """Open a connection to the coordinator and run the handshake.
+
+    Args:
+        host, port: the coordinator's ``--listen`` address.
+        node: this agent's node name (flow ids are unique per node).
+        token: the shared token (see :func:`flowsched.protocol.load_token`).
+        timeout: seconds allowed for the connect and for each handshake step.
+
+    Returns:
+        The established link; ``link.welcome`` holds the coordinator's welcome.
+
+    Raises:
+        HandshakeError: the coordinator answered with an error (wrong token, version, ...).
+        TimeoutError, OSError: the coordinator is unreachable or too slow.
+    """
+    async with asyncio.timeout(timeout):
+        reader, writer = await asyncio.open_connection(host, port)
+    link = AgentLink(
+        reader, writer, Connection(Role.AGENT, token=token, max_frame_size=max_frame_size)
+    )
+    try:
+        link.welcome = await _handshake(link, node, timeout)
+    except BaseException:
+        await link.close()
+        raise
+    return link
+
+
+async def _handshake(link: AgentLink, node: str, timeout: float) -> Welcome:
+    await link.send(Hello(PROTOCOL_VERSION, node))
+    try:
+        challenge = await link.recv(timeout)
+        if not isinstance(challenge, Challenge):
+            raise HandshakeError("bad_state", f"expected challenge, got {challenge.TYPE}")
+        link._writer.write(link._conn.answer(challenge))
+        welcome = await link.recv(timeout)
+    except LinkClosed as exc:
+        if exc.error is not None:
+            raise HandshakeError(exc.error.code, exc.error.reason) from None
+        raise HandshakeError("closed", str(exc)) from None
+    except ProtocolError as exc:
+        raise HandshakeError(exc.code, exc.reason) from None
+    if not isinstance(welcome, Welcome):
+        raise HandshakeError("bad_state", f"expected welcome, got {welcome.TYPE}")
+    return welcome

@@ -1,0 +1,245 @@
+"""Wire format between applications (:mod:`flowsched.client`) and their node agent (sans-IO).
+
+Transport: a unix stream socket. Framing is the agent/coordinator protocol's (4-byte big-endian
+length, msgpack body, bounded size; :data:`MAX_SDK_FRAME` = 64 KiB here). A body is a msgpack
+map with the message type under ``"t"``. Decoding builds only plain msgpack values and checks
+every field; an unknown type or field, or a value of the wrong type or range, raises
+:class:`SdkProtocolError` naming the message type and field (``open.deadline: expected ...``).
+
+Client -> agent:
+
+* ``open{ref, cls, size?, deadline?, consumer_index?, job?, request?, peer?}``: open an SDK flow.
+  ``ref`` is the client's name for the pending request; the agent answers ``opened`` (or
+  ``error`` with the same ``ref``). The process id comes from the socket (SO_PEERCRED), never
+  from the message.
+* ``progress{id, sent}``, ``close{id, sent}``: bytes the application moved itself.
+* ``job_progress{job, step, layer?}``: the job reached a step (and layer).
+
+Agent -> client:
+
+* ``opened{ref, id, level, dscp, so_priority, nccl_traffic_class?}``: the flow id and the
+  marking to use now.
+* ``level{id, level, dscp, so_priority}``: pushed whenever the flow's level changes.
+* ``error{code, reason, ref?}``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+from flowsched.model import FlowClass
+from flowsched.protocol import LocalProtocolError, ReceiveBuffer, frame
+
+MAX_SDK_FRAME = 64 * 1024
+MAX_TEXT = 255
+U32_MAX = 2**32 - 1
+U64_MAX = 2**64 - 1
+I64_MAX = 2**63 - 1
+
+
+class SdkProtocolError(ValueError):
+    """A malformed SDK frame; the message names the message type and field."""
+
+
+@dataclass(frozen=True, slots=True)
+class Open:
+    """Client asks to open a flow."""
+
+    TYPE: ClassVar[str] = "open"
+    ref: int
+    cls: str
+    size: int | None = None
+    deadline: float | None = None
+    consumer_index: int | None = None
+    job: str | None = None
+    request: str | None = None
+    peer: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Bytes the application has sent on flow ``id`` so far."""
+
+    TYPE: ClassVar[str] = "progress"
+    id: int
+    sent: int
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """The application finished flow ``id`` after ``sent`` bytes."""
+
+    TYPE: ClassVar[str] = "close"
+    id: int
+    sent: int
+
+
+@dataclass(frozen=True, slots=True)
+class JobProgress:
+    """Job ``job`` is now at ``step`` (and ``layer``)."""
+
+    TYPE: ClassVar[str] = "job_progress"
+    job: str
+    step: int
+    layer: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """The agent's answer to ``open``."""
+
+    TYPE: ClassVar[str] = "opened"
+    ref: int
+    id: int
+    level: int
+    dscp: int
+    so_priority: int
+    nccl_traffic_class: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Level:
+    """Flow ``id`` now has ``level`` with this marking."""
+
+    TYPE: ClassVar[str] = "level"
+    id: int
+    level: int
+    dscp: int
+    so_priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """A refused request (``ref`` names it when it was an ``open``)."""
+
+    TYPE: ClassVar[str] = "error"
+    code: str
+    reason: str
+    ref: int | None = None
+
+
+SdkMessage = Open | Progress | Close | JobProgress | Opened | Level | Error
+CLIENT_MESSAGES: dict[str, type[Any]] = {m.TYPE: m for m in (Open, Progress, Close, JobProgress)}
+AGENT_MESSAGES: dict[str, type[Any]] = {m.TYPE: m for m in (Opened, Level, Error)}
+
+# field name -> (kind, low, high); kind in "u" (int range), "f" (finite float >= 0), "s" (text)
+_RULES: dict[str, tuple[str, float, float]] = {
+    "ref": ("u", 0, U32_MAX),
+    "id": ("u", 0, U64_MAX),
+    "sent": ("u", 0, U64_MAX),
+    "size": ("u", 0, U64_MAX),
+    "deadline": ("f", 0, math.inf),
+    "consumer_index": ("u", -I64_MAX, I64_MAX),
+    "step": ("u", -I64_MAX, I64_MAX),
+    "layer": ("u", -I64_MAX, I64_MAX),
+    "peer": ("u", -1, 2**31 - 1),
+    "level": ("u", 0, 255),
+    "dscp": ("u", 0, 63),
+    "so_priority": ("u", 0, U32_MAX),
+    "nccl_traffic_class": ("u", -(2**31), 2**31 - 1),
+    "cls": ("s", 1, 32),
+    "job": ("s", 1, MAX_TEXT),
+    "request": ("s", 1, MAX_TEXT),
+    "code": ("s", 1, MAX_TEXT),
+    "reason": ("s", 0, 4096),
+}
+
+
+def encode(message: SdkMessage) -> bytes:
+    """One complete frame (length prefix included) carrying ``message``."""
+    body = {"t": message.TYPE, **{k: v for k, v in asdict(message).items() if v is not None}}
+    return frame(msgpack.packb(body, use_bin_type=True), MAX_SDK_FRAME)
+
+
+def decode_body(body: bytes, allowed: dict[str, type[Any]]) -> SdkMessage:
+    """Decode and validate one frame body whose type must be among ``allowed``."""
+    try:
+        data = msgpack.unpackb(
+            body, raw=False, strict_map_key=True, max_bin_len=0, ext_hook=_no_ext
+        )
+    except SdkProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise SdkProtocolError(f"frame is not valid msgpack: {exc}") from None
+    if type(data) is not dict or type(data.get("t")) is not str:
+        raise SdkProtocolError("frame body must be a map with a string 't' (message type)")
+    kind = data.pop("t")
+    cls = allowed.get(kind)
+    if cls is None:
+        raise SdkProtocolError(f"unknown or unexpected message type {kind!r}")
+    return _build(cls, data)
+
+
+def _no_ext(code: int, data: bytes) -> object:
+    raise SdkProtocolError(f"msgpack extension type {code} is not allowed")
+
+
+def _build(cls: type[Any], data: dict[str, Any]) -> SdkMessage:
+    known = {f.name: f for f in fields(cls)}
+    for name in data:
+        if name not in known:
+            raise SdkProtocolError(f"{cls.TYPE}: unknown field {name!r}")
+    values: dict[str, Any] = {}
+    for name, f in known.items():
+        if name not in data:
+            if f.default is not None:  # dataclasses.MISSING: required
+                raise SdkProtocolError(f"{cls.TYPE}.{name}: missing field")
+            continue
+        values[name] = _check(cls.TYPE, name, data[name], optional=f.default is None)
+    if cls is Open:
+        _check_class(values["cls"])
+    message: SdkMessage = cls(**values)
+    return message
+
+
+def _check(msg_type: str, name: str, value: Any, *, optional: bool) -> Any:
+    if value is None and optional:
+        return None
+    kind, low, high = _RULES[name]
+    where = f"{msg_type}.{name}"
+    if kind == "u":
+        if type(value) is not int or not low <= value <= high:
+            raise SdkProtocolError(f"{where}: expected an integer in {int(low)}..{int(high)}")
+    elif kind == "f":
+        if type(value) not in (int, float) or not math.isfinite(value) or value < low:
+            raise SdkProtocolError(f"{where}: expected a finite number >= {low:g}")
+        value = float(value)
+    elif type(value) is not str or not low <= len(value) <= high:
+        raise SdkProtocolError(f"{where}: expected text of {int(low)}..{int(high)} characters")
+    return value
+
+
+def _check_class(label: str) -> None:
+    try:
+        FlowClass.parse(label)
+    except ValueError as exc:
+        raise SdkProtocolError(f"open.cls: {exc}") from None
+
+
+class SdkDecoder:
+    """Sans-IO receive side: feed bytes, take validated messages.
+
+    ``side`` is ``"agent"`` (decodes client messages) or ``"client"`` (decodes agent messages).
+    """
+
+    def __init__(self, side: str) -> None:
+        if side not in ("agent", "client"):
+            raise ValueError("side must be 'agent' or 'client'")
+        self._allowed = CLIENT_MESSAGES if side == "agent" else AGENT_MESSAGES
+        self._buffer = ReceiveBuffer(MAX_SDK_FRAME)
+
+    def feed(self, data: bytes) -> None:
+        """Append received bytes."""
+        self._buffer.feed(data)
+
+    def next_message(self) -> SdkMessage | None:
+        """The next complete message, None if more bytes are needed; raise SdkProtocolError."""
+        try:
+            body = self._buffer.next_body()
+        except LocalProtocolError as exc:
+            raise SdkProtocolError(exc.reason) from None
+        return None if body is None else decode_body(body, self._allowed)

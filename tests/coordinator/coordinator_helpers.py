@@ -1,0 +1,58 @@
+"""Shared helpers of the coordinator tests: a deterministic policy and a running service."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any, ClassVar
+
+from prometheus_client import CollectorRegistry
+
+from flowsched.coordinator import Coordinator, CoordinatorConfig
+from flowsched.model import Context, Decision, Flow
+
+TOKEN = b"test-token-0123456789abcdef"
+
+
+class BytesPolicy:
+    """Test policy: level 7 at admission, one level up per 100 bytes sent (never below 0)."""
+
+    name: ClassVar[str] = "bytes"
+    num_levels = 8
+    per_flow_decisions = True
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.released: list[int] = []
+        self.last_ctx: Context | None = None
+
+    def _level(self, flow: Flow) -> int:
+        return max(0, 7 - flow.sent // 100)
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        return Decision(self._level(flow))
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        self.last_ctx = ctx
+        changes = {}
+        for flow in flows:
+            self.seen.append(flow.flow_id)
+            if self._level(flow) != flow.level:
+                changes[flow.flow_id] = Decision(self._level(flow))
+        return changes
+
+    def release(self, flow: Flow, ctx: Context) -> None:
+        self.released.append(flow.flow_id)
+
+
+@contextlib.asynccontextmanager
+async def running_coordinator(**overrides: Any) -> AsyncIterator[Coordinator]:
+    """A started in-process coordinator with BytesPolicy and a fresh registry; always stopped."""
+    settings: dict[str, Any] = {"token": TOKEN, "policy_factory": BytesPolicy, "timer_period": 0.05}
+    settings.update(overrides)
+    coordinator = Coordinator(CoordinatorConfig(**settings), registry=CollectorRegistry())
+    await coordinator.start()
+    try:
+        yield coordinator
+    finally:
+        await coordinator.stop()

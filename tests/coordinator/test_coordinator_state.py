@@ -1,0 +1,164 @@
+"""ClusterState: flow table bookkeeping and which flows each event re-evaluates."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from coordinator_helpers import BytesPolicy
+
+from flowsched.coordinator.state import SWEEP_STEP, ClusterState
+from flowsched.model import FlowClass
+from flowsched.policies import create
+from flowsched.protocol import (
+    FlowClose,
+    FlowOpen,
+    FlowProgress,
+    JobProgress,
+    LevelUpdate,
+    NicLoadEntry,
+)
+
+
+def _open(wire_id: int, **kw: object) -> FlowOpen:
+    return FlowOpen(wire_id, FlowClass.KV, 0.0, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def policy() -> BytesPolicy:
+    return BytesPolicy()
+
+
+@pytest.fixture
+def state(policy: BytesPolicy) -> ClusterState:
+    return ClusterState(policy)
+
+
+def test_open_queues_the_admitted_level_for_the_owning_node(state: ClusterState) -> None:
+    state.open_flows("a", [_open(1), _open(2, sent=250)], now=1.0)
+    state.open_flows("b", [_open(1)], now=1.0)
+    outbox = state.flush(1.0)
+    assert outbox == {
+        "a": {1: LevelUpdate(1, 7), 2: LevelUpdate(2, 5)},
+        "b": {1: LevelUpdate(1, 7)},
+    }
+    assert state.flush(1.0) == {}  # nothing changed: nothing sent
+
+
+def test_progress_promotes_only_the_reported_flow(state: ClusterState, policy: BytesPolicy) -> None:
+    state.open_flows("a", [_open(1), _open(2)], now=1.0)
+    state.flush(1.0)
+    policy.seen.clear()
+    state.progress("a", [FlowProgress(2, 300), FlowProgress(99, 5)])  # 99 is unknown: ignored
+    assert state.flush(2.0) == {"a": {2: LevelUpdate(2, 4)}}
+    assert len(policy.seen) == 1
+    assert state.stats.promotions == 1
+
+
+def test_progress_never_moves_sent_backwards(state: ClusterState) -> None:
+    state.open_flows("a", [_open(1)], now=1.0)
+    state.progress("a", [FlowProgress(1, 500)])
+    state.progress("a", [FlowProgress(1, 100)])
+    assert next(iter(state.flows.values())).sent == 500
+
+
+@pytest.mark.parametrize(
+    ("deadline", "closed_at", "outcome"),
+    [
+        pytest.param(10.0, 9.0, "met", id="met"),
+        pytest.param(10.0, 10.5, "missed", id="missed"),
+        pytest.param(None, 3.0, "none", id="no-deadline"),
+    ],
+)
+def test_close_records_deadline_outcome(
+    state: ClusterState, policy: BytesPolicy, deadline: float | None, closed_at: float, outcome: str
+) -> None:
+    state.open_flows("a", [_open(1, deadline=deadline)], now=1.0)
+    state.close_flows("a", [FlowClose(1, 10, closed_at)], now=closed_at)
+    assert state.stats.completed == {("kv", outcome): 1}
+    assert not state.flows and not state.origin and policy.released
+    assert sum(state.stats.slack_counts) == (0 if deadline is None else 1)
+
+
+def test_job_progress_reevaluates_that_jobs_flows_only(
+    state: ClusterState, policy: BytesPolicy
+) -> None:
+    state.open_flows("a", [_open(1, job="j1"), _open(2, job="j2"), _open(3)], now=1.0)
+    state.flush(1.0)
+    policy.seen.clear()
+    state.job_progress(JobProgress("j1", 4, layer=2))
+    state.flush(2.0)
+    assert [state.origin[fid] for fid in policy.seen] == [("a", 1)]
+    assert policy.last_ctx is not None
+    assert policy.last_ctx.job_index == {"j1": 4, "j1/layer": 2}
+
+
+def test_nic_load_updates_rho_and_reevaluates_flows_on_the_link(
+    state: ClusterState, policy: BytesPolicy
+) -> None:
+    state.open_flows("a", [_open(1, links=("eth0",)), _open(2, links=("eth1",))], now=1.0)
+    state.flush(1.0)
+    policy.seen.clear()
+    state.nic_load([NicLoadEntry("eth0", 1e9, 0.5)])
+    state.flush(2.0)
+    assert [state.origin[fid] for fid in policy.seen] == [("a", 1)]
+    assert policy.last_ctx is not None and policy.last_ctx.load("eth0") == 0.5
+
+
+def test_resync_rebuilds_the_node_and_sends_only_differences(state: ClusterState) -> None:
+    state.open_flows("a", [_open(1), _open(2), _open(3)], now=1.0)
+    state.flush(1.0)
+    # after a reconnect the agent has flows 2 (at level 7, as we said) and 4 (new, level 3)
+    state.resync("a", (_open(2, level=7), _open(4, level=3)), now=2.0)
+    outbox = state.flush(2.0)
+    assert sorted(wire for _, wire in state.origin.values()) == [2, 4]
+    assert outbox == {"a": {4: LevelUpdate(4, 7)}}  # flow 2 already right: not re-sent
+
+
+def test_drop_node_forgets_its_flows_only(state: ClusterState, policy: BytesPolicy) -> None:
+    state.open_flows("a", [_open(1)], now=1.0)
+    state.open_flows("b", [_open(1)], now=1.0)
+    state.drop_node("a", now=2.0)
+    assert [node for node, _ in state.origin.values()] == ["b"]
+    assert len(policy.released) == 1
+
+
+def test_timer_sweep_advances_in_budgeted_steps(policy: BytesPolicy) -> None:
+    ticks = itertools.count()
+    state = ClusterState(policy, clock=lambda: float(next(ticks)))  # each reading: +1 s
+    state.open_flows("a", [_open(i, deadline=9.0) for i in range(100)], now=1.0)
+    state.open_flows("a", [_open(100)], now=1.0)  # no deadline: time alone never changes it
+    state.flush(1.0)
+    policy.seen.clear()
+    assert state.start_sweep()
+    state.flush(2.0, sweep_budget=0.5)  # the budget is spent after the first step
+    assert len(policy.seen) == SWEEP_STEP and state.pending
+    assert not state.start_sweep()  # the unfinished sweep is not restarted
+    state.progress("a", [FlowProgress(0, 1)])
+    state.flush(2.0, sweep_budget=0.0)  # events only
+    assert len(policy.seen) == SWEEP_STEP + 1
+    while state.pending:
+        state.flush(2.0, sweep_budget=0.5)
+    swept = [state.origin[fid][1] for fid in policy.seen]
+    assert set(swept) == set(range(100)) and len(swept) <= 101  # each flow about once
+    assert (state.stats.sweeps, state.stats.sweep_overruns) == (1, 1)
+
+
+def test_rank_based_policies_always_see_every_flow() -> None:
+    state = ClusterState(create("edf", num_levels=4))
+    assert not state.per_flow
+    opens = [_open(i, deadline=100.0 - i) for i in range(4)]
+    state.open_flows("a", opens, now=1.0)
+    outbox = state.flush(1.0)
+    levels = {update.id: update.level for update in outbox["a"].values()}
+    assert levels[3] < levels[0]  # the earliest deadline ranks first
+
+
+def test_active_flows_by_class_and_level(state: ClusterState) -> None:
+    state.open_flows("a", [_open(1), _open(2, sent=100)], now=1.0)
+    state.open_flows("a", [FlowOpen(3, FlowClass.TP, 0.0)], now=1.0)
+    assert state.active_by_class_level() == {
+        (FlowClass.KV, 7): 1,
+        (FlowClass.KV, 6): 1,
+        (FlowClass.TP, 7): 1,
+    }

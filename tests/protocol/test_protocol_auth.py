@@ -1,0 +1,54 @@
+"""Token files and the HMAC challenge response."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from flowsched.protocol import TokenFileError, compute_mac, load_token, verify_mac, write_token
+
+
+def test_write_then_load_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "cfg" / "token"
+    token = write_token(path)
+    assert load_token(path) == token
+    assert path.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o644, 0o606], ids=oct)
+def test_group_or_other_accessible_token_is_refused(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "token"
+    write_token(path, b"s" * 32)
+    os.chmod(path, mode)
+    with pytest.raises(TokenFileError, match="chmod 600"):
+        load_token(path)
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        pytest.param(b"short\n", "shorter than 16", id="short"),
+        pytest.param(b"   \n", "shorter than 16", id="blank"),
+    ],
+)
+def test_bad_token_content(tmp_path: Path, content: bytes, match: str) -> None:
+    path = tmp_path / "token"
+    write_token(path, content.strip())
+    with pytest.raises(TokenFileError, match=match):
+        load_token(path)
+
+
+def test_missing_token_file(tmp_path: Path) -> None:
+    with pytest.raises(TokenFileError, match="No such file"):
+        load_token(tmp_path / "absent")
+
+
+def test_mac_binds_token_nonce_and_node() -> None:
+    token, nonce = b"t" * 32, b"n" * 32
+    mac = compute_mac(token, nonce, "node-a")
+    assert verify_mac(token, nonce, "node-a", mac)
+    assert not verify_mac(token, nonce, "node-b", mac)
+    assert not verify_mac(token, b"m" * 32, "node-a", mac)
+    assert not verify_mac(b"u" * 32, nonce, "node-a", mac)

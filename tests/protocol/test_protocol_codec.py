@@ -1,0 +1,151 @@
+"""Encoding and decoding of message bodies: round trips, and precise rejection of bad input."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from protocol_strategies import messages
+
+from flowsched.protocol import (
+    LocalProtocolError,
+    Message,
+    ProtocolError,
+    decode_body,
+    encode_body,
+)
+
+
+@given(messages)
+def test_encode_decode_round_trip(message: Message) -> None:
+    assert decode_body(encode_body(message)) == message
+
+
+@given(st.binary(max_size=256))
+def test_random_bytes_raise_only_protocol_errors(data: bytes) -> None:
+    with contextlib.suppress(ProtocolError):
+        decode_body(data)
+
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+_keys = st.sampled_from(["t", "id", "sent", "opens", "progress", "closes", "node", "version", "x"])
+
+
+@given(
+    st.sampled_from(["flows", "hello", "auth", "levels", "resync", "nic_load", "job_progress"]),
+    st.dictionaries(_keys, _values, max_size=4),
+)
+def test_random_maps_raise_only_protocol_errors(kind: str, fields: dict[str, Any]) -> None:
+    body = msgpack.packb({**fields, "t": kind}, use_bin_type=True)
+    with contextlib.suppress(ProtocolError):
+        decode_body(body)
+
+
+_OPEN = {"id": 1, "cls": "kv", "opened_at": 1.0, "sent": 0}
+
+BAD_BODIES = [
+    pytest.param({"t": "nope"}, "frame.t: unknown message type 'nope'", id="unknown-type"),
+    pytest.param({"x": 1}, "frame.t: unknown message type None", id="missing-type"),
+    pytest.param({"t": "hello", "version": 1}, "hello.node: missing field", id="missing-field"),
+    pytest.param(
+        {"t": "hello", "version": 1, "node": "n", "extra": 2},
+        "hello: unknown field(s) extra",
+        id="unknown-field",
+    ),
+    pytest.param({"t": "hello", "version": "1", "node": "n"}, "hello.version", id="version-str"),
+    pytest.param({"t": "hello", "version": True, "node": "n"}, "hello.version", id="version-bool"),
+    pytest.param({"t": "hello", "version": 1, "node": ""}, "hello.node", id="empty-node"),
+    pytest.param({"t": "hello", "version": 1, "node": "a\x00b"}, "hello.node", id="nul-in-node"),
+    pytest.param({"t": "auth", "mac": b"short"}, "auth.mac: expected 32 bytes", id="short-mac"),
+    pytest.param({"t": "auth", "mac": "x" * 32}, "auth.mac", id="mac-as-str"),
+    pytest.param(
+        {"t": "flows", "progress": [{"id": -1, "sent": 0}]},
+        "flows.progress[0].id",
+        id="negative-id",
+    ),
+    pytest.param(
+        {"t": "flows", "progress": [{"id": 1, "sent": 1.5}]},
+        "flows.progress[0].sent",
+        id="float-sent",
+    ),
+    pytest.param(
+        {"t": "flows", "opens": [{**_OPEN, "cls": "video"}]},
+        "flows.opens[0].cls: unknown flow class 'video'",
+        id="unknown-class",
+    ),
+    pytest.param(
+        {"t": "flows", "opens": [{**_OPEN, "deadline": float("nan")}]},
+        "flows.opens[0].deadline",
+        id="nan-deadline",
+    ),
+    pytest.param(
+        {"t": "flows", "opens": [{**_OPEN, "links": ["a"] * 65}]},
+        "flows.opens[0].links: more than 64",
+        id="too-many-links",
+    ),
+    pytest.param(
+        {"t": "flows", "opens": [{**_OPEN, "links": [3]}]},
+        "flows.opens[0].links[0]",
+        id="link-not-str",
+    ),
+    pytest.param({"t": "flows", "opens": {"a": 1}}, "flows.opens: expected an array", id="map"),
+    pytest.param(
+        {"t": "nic_load", "entries": [{"link": "e", "bandwidth": 1.0, "load": 1.5}]},
+        "nic_load.entries[0].load",
+        id="load-above-1",
+    ),
+    pytest.param(
+        {"t": "levels", "updates": [{"id": 1, "level": 256}]},
+        "levels.updates[0].level",
+        id="level-above-255",
+    ),
+    pytest.param({"t": "job_progress", "job": "j", "step": -2}, "job_progress.step", id="neg-step"),
+    pytest.param({"t": "heartbeat", "t_sent": float("inf")}, "heartbeat.t_sent", id="inf-time"),
+]
+
+
+@pytest.mark.parametrize(("body", "expected"), BAD_BODIES)
+def test_bad_bodies_are_rejected_naming_the_field(body: dict[str, Any], expected: str) -> None:
+    with pytest.raises(LocalProtocolError) as info:
+        decode_body(msgpack.packb(body, use_bin_type=True))
+    assert expected in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(b"\xc1", id="reserved-byte"),
+        pytest.param(b"\x92\x01", id="truncated-array"),
+        pytest.param(msgpack.packb({"t": "hello"}) + b"\x00", id="trailing-bytes"),
+        pytest.param(msgpack.packb(msgpack.ExtType(1, b"x")), id="ext-type"),
+        pytest.param(b"\x81\x01\x02", id="int-map-key"),
+        pytest.param(b"\xa2\xff\xfe", id="invalid-utf8"),
+    ],
+)
+def test_malformed_msgpack_is_a_protocol_error(data: bytes) -> None:
+    with pytest.raises(LocalProtocolError, match=r"^frame"):
+        decode_body(data)
+
+
+def test_decoding_never_builds_objects_from_ext_types() -> None:
+    body = msgpack.packb({"t": "heartbeat", "t_sent": msgpack.ExtType(42, b"\x00")})
+    with pytest.raises(LocalProtocolError, match=r"heartbeat\.t_sent"):
+        decode_body(body)
