@@ -1,16 +1,165 @@
-"""`flowsched agent` (placeholder until its owner lands it)."""
+"""``flowsched agent``: run the node agent."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+from flowsched.agent import AgentConfig, ReadyInfo, default_table_path, serve
+from flowsched.client import default_socket_path
+from flowsched.protocol import TokenFileError, load_token
+from flowsched.shm import layout
 
 
 def register(sub: Any) -> None:
-    """Add the `agent` subcommand."""
-    parser = sub.add_parser("agent", help="(not built yet)")
+    """Add the ``agent`` subcommand."""
+    parser = sub.add_parser(
+        "agent",
+        help="run the node agent",
+        description="Own the node's flow table, serve the SDK, report flows to the coordinator "
+        "and apply the levels it decides (or run the policy locally while it is unreachable).",
+    )
+    parser.add_argument(
+        "--coordinator",
+        type=_host_port,
+        metavar="HOST:PORT",
+        help="coordinator address (omit to run the policy locally only)",
+    )
+    parser.add_argument("--node", default=socket.gethostname(), help="node name (default: host)")
+    parser.add_argument("--token-file", metavar="F", help="default ~/.config/flowsched/token")
+    parser.add_argument(
+        "--policy",
+        metavar="FILE",
+        help="policy until the coordinator sends one (default: embedded)",
+    )
+    parser.add_argument(
+        "--table",
+        default=None,
+        metavar="PATH",
+        help="flow table (default $FLOWSCHED_TABLE or /dev/shm/flowsched-table)",
+    )
+    parser.add_argument(
+        "--socket",
+        default=None,
+        metavar="PATH",
+        help="SDK socket (default $FLOWSCHED_SOCKET or a per-user path)",
+    )
+    parser.add_argument("--group", default=None, help="group allowed to use table and socket")
+    parser.add_argument("--slots", type=int, default=layout.DEFAULT_NUM_SLOTS, metavar="N")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="N",
+        help="0 = any free port, -1 = no metrics",
+    )
+    parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST")
+    parser.add_argument("--fallback-after", type=float, default=1.0, metavar="SECONDS")
+    parser.add_argument(
+        "--interface",
+        action="append",
+        default=[],
+        metavar="IF",
+        help="NIC to monitor (repeatable; default: every interface that is up)",
+    )
+    parser.add_argument(
+        "--link-bandwidth",
+        type=float,
+        default=25e9,
+        metavar="BYTES_PER_S",
+        help="capacity of links whose driver reports no speed",
+    )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
+    parser.add_argument("--no-uvloop", action="store_true", help="use the plain asyncio loop")
     parser.set_defaults(func=_run)
 
 
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port)
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    """Build the agent's config; raises ValueError / TokenFileError with a clear message."""
+    if args.coordinator is not None:
+        load_token(args.token_file)  # refuse a missing or loose token file before starting
+    policy_text = None
+    if args.policy:
+        policy_text = Path(args.policy).read_text(encoding="utf-8")
+        from flowsched import policyfile
+
+        policyfile.loads(policy_text, source=args.policy)
+    if args.fallback_after <= 0:
+        raise ValueError("--fallback-after must be > 0")
+    return AgentConfig(
+        node=args.node,
+        socket_path=args.socket or default_socket_path(),
+        table_path=args.table or default_table_path(),
+        coordinator=args.coordinator,
+        token_file=args.token_file,
+        policy_text=policy_text,
+        metrics_host=args.metrics_host,
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        fallback_after=args.fallback_after,
+        num_slots=args.slots,
+        group=args.group,
+        interfaces=tuple(args.interface),
+        default_bandwidth=args.link_bandwidth,
+        on_ready=print_ready,
+    )
+
+
+def print_ready(info: ReadyInfo) -> None:
+    """The one line printed once the agent is ready."""
+    metrics = f"{info.metrics[0]}:{info.metrics[1]}" if info.metrics else "off"
+    print(
+        f"flowsched-agent ready node={info.node} table={info.table} socket={info.socket} "
+        f"metrics={metrics}",
+        flush=True,
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
-    raise SystemExit("flowsched agent: not built yet")
+    logging.basicConfig(
+        level=args.log_level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = config_from_args(args)
+    except (TokenFileError, ValueError, OSError) as exc:
+        print(f"flowsched agent: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with asyncio.Runner(loop_factory=loop_factory(args.no_uvloop)) as runner:
+            runner.run(serve(config))
+    except Exception as exc:  # startup failures (table, socket) end with a clear message
+        from flowsched.agent.sdk_server import SocketPathError
+        from flowsched.shm.table import TableError
+
+        if not isinstance(exc, TableError | SocketPathError | PermissionError):
+            raise
+        print(f"flowsched agent: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def loop_factory(disabled: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop factory unless disabled or missing (chosen only here, in the CLI)."""
+    if disabled or os.environ.get("FLOWSCHED_NO_UVLOOP"):
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory

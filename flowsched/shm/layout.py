@@ -27,7 +27,7 @@ Header (``HEADER_SIZE`` = 4096 bytes, at offset 0)::
     72   256   32 x 8    class_map        agent   {i32 traffic_class, u32 class_id}
     328  16    u8[16]    default_level    agent   per class id: level until the agent writes one
     344  8     -         reserved
-    352  128   16 x 8    level_marking    agent   per level {u8 dscp (0..63), u8[3] pad, u32 so_priority}
+    352  128   16 x 8    level_marking    agent   per level {u8 dscp 0..63, 3 pad, u32 so_priority}
     480  3616  -         reserved (zero)
 
 Slot ``i`` (``SLOT_SIZE`` = 128 bytes, at ``HEADER_SIZE + i * SLOT_SIZE``)::
@@ -155,14 +155,20 @@ def table_size(num_slots: int = DEFAULT_NUM_SLOTS) -> int:
     return HEADER_SIZE + num_slots * SLOT_SIZE
 
 
+def _element_alignment(fmt: str) -> int:
+    """Alignment of the first element of a struct format (its size, for these plain types)."""
+    code = next(ch for ch in fmt if ch.isalpha() and ch != "x")
+    return struct.calcsize("<" + code)
+
+
 def _check_layout() -> None:
+    """Fail at import time if a field overlaps another, is misaligned or leaves its block."""
     for fields, limit in ((HEADER_FIELDS, HEADER_SIZE), (SLOT_FIELDS, SLOT_SIZE)):
         end = 0
         for name, offset, fmt in fields:
-            size = struct.calcsize(fmt)
-            if offset < end or offset % min(size, 8) and fmt[1:] not in ("B", "H"):
+            if offset < end or offset % _element_alignment(fmt):
                 raise AssertionError(f"layout field {name} overlaps or is misaligned")
-            end = offset + size
+            end = offset + struct.calcsize(fmt)
         if end > limit:
             raise AssertionError("layout exceeds its block")
 

@@ -1,0 +1,360 @@
+"""The agent's view of its node's flows (sans-IO): plugin connections, SDK flows, linking.
+
+Sources of flows:
+
+* a plugin connection (a table slot, send direction) is its own flow with its class's defaults;
+* an SDK flow opened by process P with class C (optionally narrowed to one peer rank).
+
+Linking rule (design item 4): while an SDK flow of class C is open in process P, the plugin
+connections of class C in P (to ``peer`` when given) carry it. Their standalone flows are closed,
+the bytes they send from then on count as the SDK flow's progress, and the SDK flow's level is
+written into their slots. When the SDK flow closes they become standalone flows again (new ids).
+
+The registry only records facts and queues the messages for the coordinator; the service does
+the I/O (table writes, SDK pushes, sending batches). Times are wall-clock seconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from flowsched.model import Flow, FlowClass
+from flowsched.protocol import FlowClose, FlowOpen, FlowProgress, Flows
+from flowsched.shm import layout
+from flowsched.shm.table import SlotSnapshot
+
+SlotKey = tuple[int, int]
+
+
+@dataclass(slots=True)
+class SlotConn:
+    """One plugin connection (a slot claim) the agent has seen."""
+
+    key: SlotKey
+    pid: int
+    cls: FlowClass
+    peer_rank: int
+    direction: int
+    bytes: int
+    base: int  # slot bytes when its current role (own flow or linked) began
+    flow_id: int | None = None  # its own flow, when not linked
+    linked_to: int | None = None  # the SDK flow carrying it
+
+
+@dataclass(slots=True)
+class SdkFlow:
+    """Bookkeeping of one SDK flow beyond its :class:`Flow`."""
+
+    pid: int
+    peer: int | None
+    app_sent: int = 0
+    slot_bytes_done: int = 0  # bytes of linked slots that have closed or unlinked
+    slots: set[SlotKey] = field(default_factory=set)
+
+
+class FlowRegistry:
+    """Tracks the node's flows and queues opens / progress / closes for the coordinator."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        links: tuple[str, ...],
+        id_prefix: int,
+        default_deadline: Callable[[FlowClass], float | None] = lambda cls: None,
+    ) -> None:
+        self.node = node
+        self.links = links
+        self.flows: dict[int, Flow] = {}
+        self.slots: dict[SlotKey, SlotConn] = {}
+        self.sdk: dict[int, SdkFlow] = {}
+        self.job_index: dict[str, int] = {}
+        self._ids = itertools.count(((id_prefix & 0xFFFFFF) << 40) | 1)
+        self._default_deadline = default_deadline
+        self._pending_opens: dict[int, FlowOpen | None] = {}
+        self._closes: list[FlowClose] = []
+        self._reported: dict[int, int] = {}
+        self.opened_total = 0
+        self._closed_flows: list[Flow] = []
+        self.closed_total = 0
+
+    # ------------------------------------------------------------------ flows
+    def _open(self, cls: FlowClass, now: float, **fields: object) -> Flow:
+        flow = Flow(next(self._ids), cls, now, node=self.node, links=self.links, **fields)  # type: ignore[arg-type]
+        if flow.deadline is None and (rel := self._default_deadline(cls)) is not None:
+            flow.deadline = now + rel
+        self.flows[flow.flow_id] = flow
+        self._pending_opens[flow.flow_id] = None
+        self.opened_total += 1
+        return flow
+
+    def _close(self, flow_id: int, now: float) -> Flow | None:
+        flow = self.flows.pop(flow_id, None)
+        if flow is None:
+            return None
+        if flow_id in self._pending_opens:
+            self._pending_opens[flow_id] = _open_message(flow)
+        self._closes.append(FlowClose(flow_id, flow.sent, now))
+        self._reported.pop(flow_id, None)
+        self.closed_total += 1
+        self._closed_flows.append(flow)
+        return flow
+
+    def drain_closed(self) -> list[Flow]:
+        """Flows closed since the last call (for the local policy's ``release``)."""
+        closed, self._closed_flows = self._closed_flows, []
+        return closed
+
+    # ------------------------------------------------------------------ SDK side
+    def open_sdk(
+        self,
+        pid: int,
+        cls: FlowClass,
+        now: float,
+        *,
+        size: int | None = None,
+        deadline: float | None = None,
+        consumer_index: int | None = None,
+        job: str | None = None,
+        request: str | None = None,
+        peer: int | None = None,
+    ) -> tuple[Flow, list[SlotKey]]:
+        """Open an SDK flow; returns it and the slots it now carries (their level changes)."""
+        flow = self._open(
+            cls,
+            now,
+            size=size,
+            deadline=deadline,
+            consumer_index=consumer_index,
+            job=job,
+            request=request,
+        )
+        self.sdk[flow.flow_id] = SdkFlow(pid, peer)
+        linked = []
+        for conn in self.slots.values():
+            if conn.linked_to is None and self._matches(conn, flow.flow_id):
+                self._link(conn, flow.flow_id, now)
+                linked.append(conn.key)
+        return flow, linked
+
+    def sdk_progress(self, flow_id: int, pid: int, sent: int) -> None:
+        """The application reports ``sent`` bytes moved by itself on ``flow_id``."""
+        info = self.sdk.get(flow_id)
+        if info is not None and info.pid == pid:
+            info.app_sent = max(info.app_sent, sent)
+            self._refresh_sdk(flow_id)
+
+    def close_sdk(self, flow_id: int, pid: int, sent: int | None, now: float) -> list[SlotKey]:
+        """Close an SDK flow; returns the slots that become standalone flows again."""
+        info = self.sdk.get(flow_id)
+        if info is None or info.pid != pid:
+            return []
+        if sent is not None:
+            info.app_sent = max(info.app_sent, sent)
+        self._refresh_sdk(flow_id)
+        del self.sdk[flow_id]
+        self._close(flow_id, now)
+        released = []
+        for key in sorted(info.slots):
+            conn = self.slots[key]
+            conn.linked_to = None
+            self._start_own_flow(conn, now)
+            released.append(key)
+        return released
+
+    def close_pid(self, pid: int, now: float) -> list[SlotKey]:
+        """The SDK connection of ``pid`` went away: close its flows."""
+        released: list[SlotKey] = []
+        for flow_id in [fid for fid, info in self.sdk.items() if info.pid == pid]:
+            released += self.close_sdk(flow_id, pid, None, now)
+        return released
+
+    def job_progress(self, job: str, step: int) -> None:
+        """Record the job's current step (the RLI ``L_curr``)."""
+        self.job_index[job] = step
+
+    # ------------------------------------------------------------------ table side
+    def observe(
+        self, snapshots: Iterable[SlotSnapshot], now: float, mono_ns: int
+    ) -> tuple[list[SlotKey], list[SlotKey]]:
+        """Apply one scan given as full snapshots (see :meth:`observe_counts`)."""
+        by_index = {s.index: s for s in snapshots}
+        entries = [(s.index, s.state, s.claim_seq, s.bytes) for s in by_index.values()]
+        return self.observe_counts(entries, by_index.get, now, mono_ns)
+
+    def observe_counts(
+        self,
+        entries: Iterable[tuple[int, int, int, int]],
+        fetch: Callable[[int], SlotSnapshot | None],
+        now: float,
+        mono_ns: int,
+    ) -> tuple[list[SlotKey], list[SlotKey]]:
+        """Apply one scan of ``(index, state, claim_seq, bytes)`` entries.
+
+        Known ACTIVE connections only update their byte count; anything new or CLOSED is
+        re-read consistently with ``fetch(index)``. A connection missing from the scan, or
+        CLOSED, has ended. Returns (new connection keys, ended keys whose slot may be freed).
+        """
+        seen: set[SlotKey] = set()
+        changed: list[SlotKey] = []
+        ended: list[SlotKey] = []
+        for index, state, seq, nbytes in entries:
+            conn = self.slots.get((index, seq))
+            if conn is None or state == layout.SLOT_CLOSED:
+                snap = fetch(index)
+                if snap is None:
+                    continue
+                state, nbytes = snap.state, snap.bytes
+                conn = self.slots.get(snap.key)
+                if conn is None:
+                    conn = self._new_conn(snap, now, mono_ns)
+                    changed.append(snap.key)
+            seen.add(conn.key)
+            if nbytes >= conn.bytes:  # counters only grow; a torn read never moves them back
+                self._update_bytes(conn, nbytes)
+            if state == layout.SLOT_CLOSED:
+                self._end(conn, now)
+                ended.append(conn.key)
+        for key in [k for k in self.slots if k not in seen]:
+            self._end(self.slots[key], now)
+        return changed, ended
+
+    def _new_conn(self, snap: SlotSnapshot, now: float, mono_ns: int) -> SlotConn:
+        try:
+            cls = FlowClass(snap.class_id)
+        except ValueError:
+            cls = FlowClass.BULK
+        conn = SlotConn(snap.key, snap.pid, cls, snap.peer_rank, snap.direction, snap.bytes, 0)
+        self.slots[snap.key] = conn
+        if conn.direction != layout.DIR_SEND:
+            return conn
+        for flow_id in self.sdk:
+            if self._matches(conn, flow_id):
+                self._link(conn, flow_id, now, base=0)
+                return conn
+        opened = now - max(mono_ns - snap.open_ns, 0) / 1e9 if snap.open_ns else now
+        self._start_own_flow(conn, opened, base=0)
+        return conn
+
+    def _start_own_flow(self, conn: SlotConn, now: float, base: int | None = None) -> None:
+        conn.base = conn.bytes if base is None else base
+        flow = self._open(conn.cls, now)
+        flow.sent = conn.bytes - conn.base
+        flow.attrs["slot"] = conn.key[0]
+        conn.flow_id = flow.flow_id
+
+    def _matches(self, conn: SlotConn, sdk_id: int) -> bool:
+        info = self.sdk[sdk_id]
+        flow = self.flows[sdk_id]
+        return (
+            conn.direction == layout.DIR_SEND
+            and conn.pid == info.pid
+            and conn.cls == flow.cls
+            and (info.peer is None or info.peer == conn.peer_rank)
+        )
+
+    def _link(self, conn: SlotConn, sdk_id: int, now: float, base: int | None = None) -> None:
+        if conn.flow_id is not None:
+            self._close(conn.flow_id, now)
+            conn.flow_id = None
+        conn.base = conn.bytes if base is None else base
+        conn.linked_to = sdk_id
+        self.sdk[sdk_id].slots.add(conn.key)
+        self._refresh_sdk(sdk_id)
+
+    def _update_bytes(self, conn: SlotConn, nbytes: int) -> None:
+        if nbytes == conn.bytes:
+            return
+        conn.bytes = nbytes
+        if conn.flow_id is not None:
+            self.flows[conn.flow_id].sent = nbytes - conn.base
+        elif conn.linked_to is not None:
+            self._refresh_sdk(conn.linked_to)
+
+    def _refresh_sdk(self, sdk_id: int) -> None:
+        info = self.sdk[sdk_id]
+        live = sum(self.slots[k].bytes - self.slots[k].base for k in info.slots)
+        self.flows[sdk_id].sent = info.app_sent + info.slot_bytes_done + live
+
+    def _end(self, conn: SlotConn, now: float) -> None:
+        del self.slots[conn.key]
+        if conn.flow_id is not None:
+            self._close(conn.flow_id, now)
+        elif conn.linked_to is not None and conn.linked_to in self.sdk:
+            info = self.sdk[conn.linked_to]
+            info.slots.discard(conn.key)
+            info.slot_bytes_done += conn.bytes - conn.base
+            self._refresh_sdk(conn.linked_to)
+
+    # ------------------------------------------------------------------ levels
+    def level_of_slot(self, key: SlotKey) -> int | None:
+        """The level the slot should carry now (None: not decided, leave the slot alone)."""
+        conn = self.slots.get(key)
+        if conn is None:
+            return None
+        flow_id = conn.linked_to if conn.linked_to is not None else conn.flow_id
+        flow = self.flows.get(flow_id) if flow_id is not None else None
+        return flow.level if flow is not None and flow.level >= 0 else None
+
+    def set_level(self, flow_id: int, level: int) -> list[SlotKey]:
+        """Record a decided level; returns the slots whose level word must be rewritten."""
+        flow = self.flows.get(flow_id)
+        if flow is None or flow.level == level:
+            return []
+        flow.level = level
+        if flow_id in self.sdk:
+            return sorted(self.sdk[flow_id].slots)
+        slot = flow.attrs.get("slot")
+        if slot is None:
+            return []
+        return [k for k, c in self.slots.items() if k[0] == slot and c.flow_id == flow_id]
+
+    # ------------------------------------------------------------------ reporting
+    def take_batch(self, *, progress: bool = True) -> Flows | None:
+        """Opens, closes (and, with ``progress``, byte counts) since the last batch, or None."""
+        opens = []
+        for flow_id, message in self._pending_opens.items():
+            if message is None:
+                message = _open_message(self.flows[flow_id])
+            opens.append(message)
+            self._reported[flow_id] = message.sent
+        changed = [
+            FlowProgress(fid, flow.sent)
+            for fid, flow in (self.flows.items() if progress else ())
+            if fid in self._reported and self._reported[fid] != flow.sent
+        ]
+        for p in changed:
+            self._reported[p.id] = p.sent
+        closes, self._closes = self._closes, []
+        self._pending_opens = {}
+        for c in closes:
+            self._reported.pop(c.id, None)
+        if not (opens or changed or closes):
+            return None
+        return Flows(tuple(opens), tuple(changed), tuple(closes))
+
+    def resync_opens(self) -> tuple[FlowOpen, ...]:
+        """Every live flow, with its current level, for a Resync; clears the pending batch."""
+        self._pending_opens = {}
+        self._closes = []
+        opens = tuple(_open_message(f, with_level=True) for f in self.flows.values())
+        self._reported = {o.id: o.sent for o in opens}
+        return opens
+
+
+def _open_message(flow: Flow, *, with_level: bool = False) -> FlowOpen:
+    return FlowOpen(
+        id=flow.flow_id,
+        cls=flow.cls,
+        opened_at=flow.opened_at,
+        sent=flow.sent,
+        size=flow.size,
+        deadline=flow.deadline,
+        job=flow.job,
+        consumer_index=flow.consumer_index,
+        request=flow.request,
+        links=flow.links,
+        level=flow.level if with_level and flow.level >= 0 else None,
+    )

@@ -1,0 +1,71 @@
+"""What the agent needs from a policy file: table config, level markings, class defaults.
+
+The table holds at most ``layout.MAX_LEVELS`` (16) levels. A policy with more levels K is
+written to the table by hardware queue instead: the slot's level word carries the queue of the
+level (``level_queue``) and the marking table holds the queues' markings.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flowsched.model import FlowClass
+from flowsched.shm import layout
+from flowsched.shm.table import LevelMarking, TableConfig
+
+
+class PolicyView:
+    """Read-only helpers over a :class:`flowsched.policyfile.PolicyConfig`."""
+
+    def __init__(self, cfg: Any, text: str | None = None) -> None:
+        self.cfg = cfg
+        self.text = text
+        self.num_levels: int = cfg.num_levels
+        self._by_queue = self.num_levels > layout.MAX_LEVELS
+
+    def table_level(self, level: int) -> int:
+        """The value to store in a slot's ``level`` word for policy level ``level``."""
+        level = min(max(level, 0), self.num_levels - 1)
+        if self._by_queue:
+            return int(self.cfg.level_queue[level])
+        return level
+
+    def marking(self, level: int) -> LevelMarking:
+        """DSCP and SO_PRIORITY of policy level ``level``."""
+        mark = self.cfg.levels[min(max(level, 0), self.num_levels - 1)]
+        return LevelMarking(int(mark.dscp), int(mark.so_priority))
+
+    def default_level(self, cls: FlowClass) -> int:
+        """The class's static default level."""
+        rule = self.cfg.classes.get(cls)
+        return int(rule.default_level) if rule is not None else self.num_levels - 1
+
+    def default_deadline(self, cls: FlowClass) -> float | None:
+        """The class's default relative deadline in seconds (explicit-deadline classes)."""
+        rule = self.cfg.classes.get(cls)
+        return None if rule is None or rule.deadline is None else float(rule.deadline)
+
+    def nccl_traffic_class(self, cls: FlowClass) -> int | None:
+        """The first NCCL trafficClass the policy maps to ``cls``."""
+        rule = self.cfg.classes.get(cls)
+        return int(rule.traffic_classes[0]) if rule is not None and rule.traffic_classes else None
+
+    def table_config(self) -> TableConfig:
+        """The header config: class map, fallback class, defaults and markings."""
+        class_map = tuple(
+            (int(tc), int(cls))
+            for cls, rule in sorted(self.cfg.classes.items())
+            for tc in rule.traffic_classes
+        )[: layout.MAX_CLASS_MAP]
+        defaults = tuple(self.table_level(self.default_level(cls)) for cls in FlowClass)
+        if self._by_queue:
+            markings = tuple(LevelMarking(int(m.dscp), int(m.so_priority)) for m in self.cfg.queues)
+        else:
+            markings = tuple(self.marking(level) for level in range(self.num_levels))
+        return TableConfig(
+            num_levels=len(markings),
+            markings=markings,
+            class_map=class_map,
+            fallback_class=int(FlowClass.TP),
+            default_levels=defaults,
+        )

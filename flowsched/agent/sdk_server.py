@@ -1,0 +1,228 @@
+"""The agent's unix-socket server for the application SDK (:mod:`flowsched.client`).
+
+The socket is created mode 0600 (0660 with a configured group) inside a directory the agent
+creates 0700 (0750) when missing. The process id of a client comes from ``SO_PEERCRED``. A
+malformed frame gets an ``error`` frame and closes that client only; its flows are closed
+(as are those of a client that disconnects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import socket
+import stat
+import struct
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from flowsched.agent.flows import SlotKey
+from flowsched.model import Flow, FlowClass
+from flowsched.protocol import sdk
+
+if TYPE_CHECKING:
+    from flowsched.agent.service import Agent
+
+log = logging.getLogger("flowsched.agent.sdk")
+
+MAX_CLIENT_BACKLOG = 1 << 20  # bytes queued to one client before it is dropped
+READ_SIZE = 65536
+MAX_FLOWS_PER_CLIENT = 4096  # one client cannot grow the agent's memory without bound
+#: how long an ``open`` waits for the coordinator's first level before answering with the
+#: class default (the coordinator answers within one report interval plus its own turn)
+FIRST_LEVEL_WAIT = 0.15
+
+
+class SocketPathError(RuntimeError):
+    """The SDK socket path cannot be used (another agent, not a socket, ...)."""
+
+
+class SdkServer:
+    """Serves SDK clients for one :class:`~flowsched.agent.service.Agent`."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self._owner: dict[int, asyncio.StreamWriter] = {}
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.clients_total = 0
+        self.errors_total = 0
+        self.requests: Counter[str] = Counter()
+        self._first_level: dict[int, asyncio.Future[int]] = {}
+
+    @property
+    def clients(self) -> int:
+        """Connected SDK clients."""
+        return len(self._writers)
+
+    async def start(self, path: str, group: str | None) -> asyncio.AbstractServer:
+        """Bind the socket (private permissions) and start serving."""
+        _prepare_path(path, group is not None)
+        old = os.umask(0o177)
+        try:
+            server = await asyncio.start_unix_server(self._serve, path=path)
+        finally:
+            os.umask(old)
+        if group is not None:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+            os.chmod(path, 0o660)
+        return server
+
+    async def close(self) -> None:
+        """Disconnect every client."""
+        for writer in list(self._writers):
+            writer.close()
+
+    def push_level(self, flow_id: int, level: int) -> None:
+        """Tell the owner of SDK flow ``flow_id`` its new level and marking."""
+        first = self._first_level.get(flow_id)
+        if first is not None and not first.done():
+            first.set_result(level)
+        writer = self._owner.get(flow_id)
+        if writer is None:
+            return
+        mark = self.agent.view.marking(level)
+        self._write(writer, sdk.Level(flow_id, level, mark.dscp, mark.so_priority))
+
+    def _write(self, writer: asyncio.StreamWriter, message: sdk.SdkMessage) -> None:
+        if writer.transport.get_write_buffer_size() > MAX_CLIENT_BACKLOG:
+            log.warning("SDK client is not reading; dropping it")
+            writer.close()
+            return
+        writer.write(sdk.encode(message))
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        pid = _peer_pid(writer)
+        owned: set[int] = set()
+        self._writers.add(writer)
+        self.clients_total += 1
+        decoder = sdk.SdkDecoder("agent")
+        try:
+            while data := await reader.read(READ_SIZE):
+                decoder.feed(data)
+                while (message := decoder.next_message()) is not None:
+                    await self._handle(message, pid, writer, owned)
+        except sdk.SdkProtocolError as exc:
+            self.errors_total += 1
+            log.warning("SDK client pid %d sent a bad frame: %s", pid, exc)
+            with contextlib.suppress(Exception):
+                writer.write(sdk.encode(sdk.Error("bad_frame", str(exc)[:4000])))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self._disconnect(pid, writer, owned)
+
+    def _disconnect(self, pid: int, writer: asyncio.StreamWriter, owned: set[int]) -> None:
+        self._writers.discard(writer)
+        registry = self.agent.registry
+        now = time.time()
+        for flow_id in owned:
+            self._owner.pop(flow_id, None)
+            if registry is not None:
+                for key in registry.close_sdk(flow_id, pid, None, now):
+                    self.agent.write_slot(key)
+        self.agent.admit_now()
+        writer.close()
+
+    async def _handle(
+        self, message: sdk.SdkMessage, pid: int, writer: asyncio.StreamWriter, owned: set[int]
+    ) -> None:
+        registry = self.agent.registry
+        assert registry is not None
+        self.requests[message.TYPE] += 1
+        if isinstance(message, sdk.Open):
+            await self._open(message, pid, writer, owned)
+        elif isinstance(message, sdk.Progress) and message.id in owned:
+            registry.sdk_progress(message.id, pid, message.sent)
+        elif isinstance(message, sdk.Close) and message.id in owned:
+            owned.discard(message.id)
+            self._owner.pop(message.id, None)
+            for key in registry.close_sdk(message.id, pid, message.sent, time.time()):
+                self.agent.write_slot(key)
+            self.agent.admit_now()
+        elif isinstance(message, sdk.JobProgress):
+            self.agent.job_progress(message.job, message.step, message.layer)
+
+    async def _open(
+        self, message: sdk.Open, pid: int, writer: asyncio.StreamWriter, owned: set[int]
+    ) -> None:
+        if len(owned) >= MAX_FLOWS_PER_CLIENT:
+            reason = f"at most {MAX_FLOWS_PER_CLIENT} open flows per client"
+            self._write(writer, sdk.Error("too_many_flows", reason, message.ref))
+            return
+        flow, linked = self._register(message, pid)
+        owned.add(flow.flow_id)
+        self._owner[flow.flow_id] = writer
+        self.agent.admit_now()
+        for key in linked:
+            self.agent.write_slot(key)
+        if flow.level < 0 and self.agent.connected:
+            await self._await_first_level(flow.flow_id)
+        view = self.agent.view
+        level = flow.level if flow.level >= 0 else view.default_level(flow.cls)
+        mark = view.marking(level)
+        tc = view.nccl_traffic_class(flow.cls)
+        opened = sdk.Opened(message.ref, flow.flow_id, level, mark.dscp, mark.so_priority, tc)
+        self._write(writer, opened)
+
+    def _register(self, message: sdk.Open, pid: int) -> tuple[Flow, list[SlotKey]]:
+        registry = self.agent.registry
+        assert registry is not None
+        return registry.open_sdk(
+            pid,
+            FlowClass.parse(message.cls),
+            time.time(),
+            size=message.size,
+            deadline=message.deadline,
+            consumer_index=message.consumer_index,
+            job=message.job,
+            request=message.request,
+            peer=message.peer,
+        )
+
+    async def _await_first_level(self, flow_id: int) -> None:
+        """Wait briefly for the coordinator's first (deferred) level, so that the flow starts
+        where Defer-and-Promote puts it rather than at its class's static default."""
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._first_level[flow_id] = future
+        try:
+            await asyncio.wait_for(future, FIRST_LEVEL_WAIT)
+        except TimeoutError:
+            log.debug("no level from the coordinator yet for flow %d", flow_id)
+        finally:
+            self._first_level.pop(flow_id, None)
+
+
+def _peer_pid(writer: asyncio.StreamWriter) -> int:
+    sock = writer.get_extra_info("socket")
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid: int = struct.unpack("3i", raw)[0]
+        return pid
+    except (OSError, AttributeError):
+        return 0
+
+
+def _prepare_path(path: str, grouped: bool) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        os.makedirs(parent, mode=0o750 if grouped else 0o700, exist_ok=True)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise SocketPathError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # stale socket of an agent that died
+        return
+    finally:
+        probe.close()
+    raise SocketPathError(f"another agent is already serving {path}")

@@ -1,0 +1,490 @@
+"""The node agent service: table, SDK socket, coordinator link, local fallback, metrics.
+
+One asyncio loop runs everything, so the flow registry needs no locks:
+
+* ``_poll_table`` scans the shared-memory table every few ms (plugin connections become flows,
+  closed slots are reported and freed, slots of dead processes reaped);
+* ``_uplink`` keeps the authenticated connection to the coordinator: after each (re)connect it
+  sends a ``resync`` with the complete flow set, then batches of opens/progress/closes, job
+  progress, NIC load and heartbeats, and applies the ``levels`` it receives;
+* ``_fallback`` runs the same policy locally (``make_policy()``) once the coordinator has been
+  silent for ``fallback_after`` seconds, and stops when it returns;
+* the SDK server (:mod:`flowsched.agent.sdk_server`) opens and closes SDK flows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from typing import Any
+
+from flowsched import policyfile, rdma
+from flowsched.agent.config import AgentConfig, ReadyInfo
+from flowsched.agent.flows import FlowRegistry, SlotKey
+from flowsched.agent.metrics import start_http
+from flowsched.agent.nic import NicMonitor, default_interfaces
+from flowsched.agent.policy_view import PolicyView
+from flowsched.agent.sdk_server import SdkServer
+from flowsched.agent.telemetry import Telemetry
+from flowsched.model import Context, Decision, Flow
+from flowsched.policies.base import Policy
+from flowsched.protocol import (
+    Heartbeat,
+    JobProgress,
+    Levels,
+    NicLoad,
+    NicLoadEntry,
+    ProtocolError,
+    Resync,
+    load_token,
+)
+from flowsched.protocol.aio import AgentLink, HandshakeError, LinkClosed, connect_agent
+from flowsched.shm import layout
+from flowsched.shm.table import FlowTable, monotonic_ns
+
+log = logging.getLogger("flowsched.agent")
+
+HEARTBEAT_PERIOD = 0.1
+REAP_PERIOD = 1.0
+SILENCE_HEARTBEATS = 3
+#: the local policy re-evaluates at the policy's timer period, but not more often than this
+#: (one node's flows do not need a 1 ms sweep; events such as opens are handled at once)
+MIN_LOCAL_PERIOD = 0.01
+
+
+class Agent:
+    """One node agent. Use :func:`serve`, or ``start()`` / ``stop()`` in tests."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.view = _initial_view(config.policy_text)
+        self.table: FlowTable | None = None
+        self.registry: FlowRegistry | None = None
+        self.nic = NicMonitor(
+            config.node,
+            config.interfaces or default_interfaces(),
+            default_bandwidth=config.default_bandwidth,
+        )
+        self.connected = False
+        self.fallback: Policy | None = None
+        self._admitted: set[int] = set()
+        self._last_rx = time.monotonic()
+        self._heartbeat_interval = 0.2
+        self._job_updates: dict[str, JobProgress] = {}
+        self._jobs: dict[str, JobProgress] = {}
+        self._pending_nic: NicLoad | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._servers: list[asyncio.AbstractServer] = []
+        self.sdk: SdkServer | None = None
+        self.stats: dict[str, float] = {
+            "levels_written": 0,
+            "promotions": 0,
+            "batches_sent": 0,
+            "fallback_switches": 0,
+            "last_switch_delay": -1.0,
+            "last_switch_wall": 0.0,
+            "resyncs_sent": 0,
+            "connects": 0,
+            "reaped": 0,
+        }
+        self.ready: ReadyInfo | None = None
+        self.telemetry = Telemetry()
+        self.rdma_devices: list[str] = []
+        self._token: bytes | None = None
+        self._socket_bound = False
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> ReadyInfo:
+        """Attach the table, open the SDK socket and metrics, start the loops."""
+        cfg = self.config
+        if cfg.coordinator is not None:
+            self._token = load_token(cfg.token_file)  # refuse a missing or loose token first
+        self.rdma_devices = [d.name for d in rdma.discover_devices()]
+        log.info("RDMA devices: %s", ", ".join(self.rdma_devices) or "none (or no pyverbs)")
+        generation = self._attach_table()
+        self.sdk = SdkServer(self)
+        self._servers.append(await self.sdk.start(cfg.socket_path, cfg.group))
+        self._socket_bound = True
+        metrics_addr = None
+        if cfg.metrics_port is not None:
+            server, metrics_addr = await start_http(self, cfg.metrics_host, cfg.metrics_port)
+            self._servers.append(server)
+        self.nic.sample()
+        self._start_loops()
+        self.ready = ReadyInfo(cfg.node, cfg.table_path, cfg.socket_path, metrics_addr, generation)
+        return self.ready
+
+    def _attach_table(self) -> int:
+        cfg = self.config
+        self.table, info = FlowTable.create_or_attach(
+            cfg.table_path, num_slots=cfg.num_slots, group=cfg.group
+        )
+        state = "created" if info.created else "re-attached"
+        log.info("%s flow table %s (generation %d, %d slots kept)", state, cfg.table_path,
+                 info.generation, len(info.kept_slots))  # fmt: skip
+        self.table.write_config(self.view.table_config())
+        self.registry = FlowRegistry(
+            node=cfg.node,
+            links=self.nic.links,
+            id_prefix=info.generation,
+            default_deadline=lambda c: self.view.default_deadline(c),
+        )
+        return info.generation
+
+    def _start_loops(self) -> None:
+        loops: list[Callable[[], Coroutine[Any, Any, None]]] = [
+            self._poll_table,
+            self._heartbeat_table,
+            self._fallback_watch,
+            self._nic_loop,
+        ]
+        if self.config.coordinator is not None:
+            loops.append(self._uplink)
+        self._tasks = [asyncio.create_task(loop()) for loop in loops]
+        self._last_rx = time.monotonic()
+
+    async def stop(self) -> None:
+        """Stop the loops and servers; the table keeps its slots (and levels) for a successor."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for server in self._servers:
+            server.close()
+        if self.sdk is not None:
+            await self.sdk.close()
+        if self._socket_bound:  # never remove the socket of another agent we refused to replace
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.socket_path)
+        if self.table is not None:
+            self.table.detach()
+            self.table.close()
+
+    # ------------------------------------------------------------------ table
+    async def _poll_table(self) -> None:
+        next_reap = 0.0
+        while True:
+            try:
+                self.scan_table()
+                if time.monotonic() >= next_reap:
+                    next_reap = time.monotonic() + REAP_PERIOD
+                    self._reap()
+            except Exception:
+                log.exception("table scan failed")
+            await asyncio.sleep(self.config.poll_interval)
+
+    def scan_table(self) -> None:
+        """One scan: new, progressing and closed plugin connections."""
+        assert self.table is not None and self.registry is not None
+        changed, ended = self.registry.observe_counts(
+            self.table.busy_slots(), self.table.slot, time.time(), monotonic_ns()
+        )
+        for key in ended:
+            self.table.release_slot(*key)
+        self._after_registry_change()
+        for key in changed:
+            self.write_slot(key)
+
+    def _reap(self) -> None:
+        assert self.table is not None
+        reaped = self.table.reap_dead()
+        if reaped:
+            self.stats["reaped"] += len(reaped)
+            log.info("reaped %d slots of exited processes", len(reaped))
+
+    async def _heartbeat_table(self) -> None:
+        assert self.table is not None
+        while True:
+            self.table.heartbeat()
+            await asyncio.sleep(HEARTBEAT_PERIOD)
+
+    def write_slot(self, key: SlotKey) -> None:
+        """Write the level the slot's flow (or its SDK flow) has into the slot."""
+        assert self.table is not None and self.registry is not None
+        level = self.registry.level_of_slot(key)
+        conn = self.registry.slots.get(key)
+        if level is None and conn is not None and conn.linked_to is not None:
+            level = self.view.default_level(conn.cls)
+        if level is None:
+            return
+        snap = self.table.slot(key[0])
+        if snap is None or snap.claim_seq != key[1]:
+            return  # the connection is gone; never touch its successor's slot
+        self.table.set_level(key[0], self.view.table_level(level))
+        self.stats["levels_written"] += 1
+
+    def apply_levels(self, updates: Iterable[tuple[int, int]]) -> None:
+        """Record decided levels, write them into the slots, push them to SDK clients."""
+        assert self.registry is not None
+        for flow_id, level in updates:
+            flow = self.registry.flows.get(flow_id)
+            if flow is None:
+                continue
+            if 0 <= level < flow.level:
+                self.stats["promotions"] += 1
+            for key in self.registry.set_level(flow_id, level):
+                self.write_slot(key)
+            if flow_id in self.registry.sdk and self.sdk is not None:
+                self.sdk.push_level(flow_id, level)
+
+    # ------------------------------------------------------------------ coordinator link
+    async def _uplink(self) -> None:
+        assert self.config.coordinator is not None
+        host, port = self.config.coordinator
+        token = self._token or load_token(self.config.token_file)
+        while True:
+            try:
+                link = await connect_agent(
+                    host,
+                    port,
+                    node=self.config.node,
+                    token=token,
+                    timeout=self.config.connect_timeout,
+                )
+            except HandshakeError as exc:
+                log.error("coordinator %s:%d refused us: %s", host, port, exc)
+                await asyncio.sleep(max(self.config.reconnect_interval, 1.0))
+                continue
+            except (OSError, TimeoutError):
+                await asyncio.sleep(self.config.reconnect_interval)
+                continue
+            try:
+                await self._session(link)
+            except (LinkClosed, ProtocolError, OSError, TimeoutError) as exc:
+                log.warning("coordinator link lost: %s", exc)
+            finally:
+                self.connected = False
+                self.table_flag_connected(False if self.fallback is not None else None)
+                await link.close()
+
+    async def _session(self, link: AgentLink) -> None:
+        assert self.registry is not None and link.welcome is not None
+        self._adopt_policy(link.welcome.policy_toml)
+        self._heartbeat_interval = link.welcome.heartbeat_interval or 0.2
+        self._last_rx = time.monotonic()
+        await link.send(Resync(self.registry.resync_opens()))
+        for update in self._latest_jobs():
+            await link.send(update)
+        self.stats["resyncs_sent"] += 1
+        self.stats["connects"] += 1
+        self.connected = True
+        self._leave_fallback()
+        log.info("connected to the coordinator; resync sent (%d flows)", len(self.registry.flows))
+        receiver = asyncio.create_task(self._receive(link))
+        sender = asyncio.create_task(self._send(link))
+        try:
+            done, _ = await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                task.result()
+        finally:
+            receiver.cancel()
+            sender.cancel()
+            await asyncio.gather(receiver, sender, return_exceptions=True)
+
+    async def _receive(self, link: AgentLink) -> None:
+        silence = SILENCE_HEARTBEATS * self._heartbeat_interval
+        while True:
+            message = await link.recv(timeout=max(silence, 0.3))
+            self._last_rx = time.monotonic()
+            if isinstance(message, Levels) and self.fallback is None:
+                self.telemetry.level_updates += len(message.updates)
+                self.apply_levels((u.id, u.level) for u in message.updates)
+
+    async def _send(self, link: AgentLink) -> None:
+        assert self.registry is not None
+        next_beat = next_progress = 0.0
+        while True:
+            now = time.monotonic()
+            with_progress = now >= next_progress
+            if with_progress:
+                next_progress = now + self.config.progress_interval
+            batch = self.registry.take_batch(progress=with_progress)
+            if batch is not None:
+                await link.send(batch)
+                self.stats["batches_sent"] += 1
+            for update in self._take_job_updates():
+                await link.send(update)
+            if self._pending_nic is not None:
+                nic, self._pending_nic = self._pending_nic, None
+                await link.send(nic)
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self._heartbeat_interval
+                await link.send(Heartbeat(time.time()))
+            await asyncio.sleep(self.config.report_interval)
+
+    def _adopt_policy(self, text: str) -> None:
+        if self.view.text == text:
+            return
+        try:
+            cfg = policyfile.loads(text, source="<coordinator welcome>")
+        except Exception as exc:
+            log.error("the coordinator's policy is invalid here, keeping ours: %s", exc)
+            return
+        self.view = PolicyView(cfg, text)
+        if self.table is not None:
+            self.table.write_config(self.view.table_config())
+        log.info("policy from the coordinator: %s", cfg.summary())
+
+    def job_progress(self, job: str, step: int, layer: int | None) -> None:
+        """Record job progress (SDK); forwarded to the coordinator, fed to the local policy."""
+        assert self.registry is not None
+        self.registry.job_progress(job, step)
+        self._job_updates[job] = self._jobs[job] = JobProgress(job, step, layer)
+        if self.fallback is not None:
+            self._reevaluate()
+
+    def _take_job_updates(self) -> list[JobProgress]:
+        updates = list(self._job_updates.values())
+        self._job_updates.clear()
+        return updates
+
+    def _latest_jobs(self) -> list[JobProgress]:
+        self._job_updates.clear()
+        return list(self._jobs.values())
+
+    async def _nic_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.nic_interval)
+            samples = self.nic.sample()
+            if samples:
+                entries = tuple(NicLoadEntry(s.link, s.bandwidth, s.load) for s in samples)
+                self._pending_nic = NicLoad(entries)
+
+    def table_flag_connected(self, on: bool | None) -> None:
+        """Set FLAG_COORDINATOR_CONNECTED (None: leave it)."""
+        if on is not None and self.table is not None:
+            self.table.set_flag(layout.FLAG_COORDINATOR_CONNECTED, on)
+
+    # ------------------------------------------------------------------ local fallback
+    async def _fallback_watch(self) -> None:
+        while True:
+            if self.fallback is None and not self.connected:
+                due = self._last_rx + self.config.fallback_after
+                wait = due - time.monotonic()
+                if wait <= 0:
+                    self._enter_fallback(time.monotonic() - self._last_rx)
+                else:
+                    await asyncio.sleep(min(wait, 0.05))
+                    continue
+            if self.fallback is not None:
+                await asyncio.sleep(max(self.view.cfg.timer_period, MIN_LOCAL_PERIOD))
+                self._reevaluate()
+            else:
+                await asyncio.sleep(0.02)
+
+    def _context(self) -> Context:
+        assert self.registry is not None
+        samples = list(self.nic.samples.values())
+        return Context(
+            now=time.time(),
+            job_index=dict(self.registry.job_index),
+            link_bandwidth={s.link: s.bandwidth for s in samples},
+            link_load={s.link: s.load for s in samples},
+            default_bandwidth=self.config.default_bandwidth,
+        )
+
+    def _enter_fallback(self, silent_for: float) -> None:
+        assert self.registry is not None
+        self.fallback = self.view.cfg.make_policy()
+        self._admitted.clear()
+        self._admit_new()
+        self._reevaluate()
+        self.table_flag_connected(False)
+        self.stats["fallback_switches"] += 1
+        self.stats["last_switch_delay"] = silent_for
+        self.stats["last_switch_wall"] = time.time()
+        log.warning(
+            "coordinator silent for %.3f s: running %s locally on %d flows",
+            silent_for,
+            self.view.cfg.policy,
+            len(self.registry.flows),
+        )
+
+    def _leave_fallback(self) -> None:
+        if self.fallback is not None:
+            log.info("coordinator back: local policy stopped")
+        self.fallback = None
+        self._admitted.clear()
+        self.table_flag_connected(True)
+
+    def _after_registry_change(self) -> None:
+        assert self.registry is not None
+        closed = self.registry.drain_closed()
+        now = time.time()
+        for flow in closed:
+            self.telemetry.completed(flow, now)
+        if self.fallback is not None:
+            ctx = self._context()
+            for flow in closed:
+                if flow.flow_id in self._admitted:
+                    self._admitted.discard(flow.flow_id)
+                    self.fallback.release(flow, ctx)
+            self._admit_new()
+
+    def _admit_new(self) -> None:
+        assert self.registry is not None and self.fallback is not None
+        new = [f for f in self.registry.flows.values() if f.flow_id not in self._admitted]
+        if not new:
+            return
+        started = time.perf_counter()
+        ctx = self._context()
+        decisions: list[tuple[int, int]] = []
+        for flow in new:
+            self._admitted.add(flow.flow_id)
+            decision = self.fallback.admit(flow, ctx)
+            if flow.level < 0:  # keep a level the coordinator already gave
+                decisions.append((flow.flow_id, decision.level))
+        self.telemetry.decision_latency.observe(time.perf_counter() - started)
+        self.apply_levels(decisions)
+
+    def _reevaluate(self) -> None:
+        assert self.registry is not None and self.fallback is not None
+        self._admit_new()
+        started = time.perf_counter()
+        flows: list[Flow] = [f for f in self.registry.flows.values() if f.flow_id in self._admitted]
+        changes: dict[int, Decision] = dict(self.fallback.reevaluate(flows, self._context()))
+        self.telemetry.decision_latency.observe(time.perf_counter() - started)
+        self.apply_levels((fid, d.level) for fid, d in changes.items())
+
+    def admit_now(self) -> None:
+        """Give just-opened SDK flows their first level when the local policy is running."""
+        self._after_registry_change()
+
+
+def _initial_view(text: str | None) -> PolicyView:
+    if text is None:
+        return PolicyView(policyfile.embedded_default(), None)
+    return PolicyView(policyfile.loads(text, source="--policy"), text)
+
+
+async def serve(
+    config: AgentConfig, *, shutdown_trigger: Callable[[], Awaitable[object]] | None = None
+) -> None:
+    """Run a node agent until ``shutdown_trigger()`` returns (or SIGINT/SIGTERM).
+
+    Signal handlers are installed only when no trigger is given; ``config.on_ready`` is called
+    with a :class:`ReadyInfo` once the table, the SDK socket and the metrics endpoint are up.
+    """
+    agent = Agent(config)
+    try:
+        info = await agent.start()
+        if config.on_ready is not None:
+            config.on_ready(info)
+        await (shutdown_trigger or _signal_trigger)()
+    finally:
+        await agent.stop()
+
+
+async def _signal_trigger() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()

@@ -1,0 +1,488 @@
+"""Application SDK: tell the node agent what NCCL cannot, and learn the marking to use.
+
+>>> from flowsched import client
+>>> with client.flow("param_sync", bytes=14 << 30, deadline=time.time() + 30) as f:
+...     sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, f.tos)   # or flowsched.transfer
+...     ...                                                        # move the bytes
+...     f.progress(sent)                                           # optional
+>>> client.job_progress("job-7", step=12, layer=3)
+
+While the ``with`` block runs, the agent reports the flow to the coordinator, and the NCCL
+connections of the same class in this process (optionally only those to ``peer``) carry it:
+their bytes count as its progress and its deadline drives their level. The handle's
+:attr:`FlowHandle.dscp`, :attr:`FlowHandle.tos`, :attr:`FlowHandle.so_priority` and
+:attr:`FlowHandle.nccl_traffic_class` always hold the current marking; listeners registered
+with :meth:`FlowHandle.add_listener` are called (from the SDK's reader thread) on every change.
+
+The agent is found through the unix socket named by ``FLOWSCHED_SOCKET`` (default
+:func:`default_socket_path`). With no agent, the SDK degrades to the class's static default
+from the embedded default policy, logs that once, and never raises into the application.
+Open flows are re-opened (with new ids) when the agent restarts, or adopted when an agent
+first appears; a flow is closed at the agent when its process disconnects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from flowsched.model import FlowClass
+from flowsched.protocol import sdk
+
+log = logging.getLogger("flowsched.client")
+
+OPEN_TIMEOUT = 2.0
+RECONNECT_INTERVAL = 1.0
+
+
+def default_socket_path() -> str:
+    """``$FLOWSCHED_SOCKET``, else ``/run/flowsched/agent.sock`` for root, else a per-user path.
+
+    The per-user path is ``$XDG_RUNTIME_DIR/flowsched/agent.sock``, or
+    ``/tmp/flowsched-<uid>/agent.sock`` without XDG_RUNTIME_DIR.
+    """
+    env = os.environ.get("FLOWSCHED_SOCKET")
+    if env:
+        return env
+    if os.geteuid() == 0:
+        return "/run/flowsched/agent.sock"
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "flowsched", "agent.sock")
+    return f"/tmp/flowsched-{os.geteuid()}/agent.sock"
+
+
+@dataclass(frozen=True, slots=True)
+class Marking:
+    """Level and its wire marking."""
+
+    level: int
+    dscp: int
+    so_priority: int
+    nccl_traffic_class: int | None = None
+
+
+def static_marking(cls: FlowClass) -> Marking:
+    """The class's static default level and marking from the embedded default policy."""
+    try:
+        from flowsched import policyfile
+
+        cfg = policyfile.embedded_default()
+        level = cfg.classes[cls].default_level
+        mark = cfg.levels[level]
+        tcs = cfg.classes[cls].traffic_classes
+        return Marking(level, mark.dscp, mark.so_priority, tcs[0] if tcs else None)
+    except Exception:  # the SDK never raises into the application for a missing default
+        log.debug("embedded default policy unavailable", exc_info=True)
+        return Marking(0 if cls is FlowClass.TP else 7, 46 if cls is FlowClass.TP else 0, 0)
+
+
+Listener = Callable[["FlowHandle"], None]
+
+
+class FlowHandle:
+    """One open SDK flow (yielded by :func:`flow`). Thread-safe."""
+
+    def __init__(self, cls: FlowClass, marking: Marking, conn: AgentConnection | None) -> None:
+        self.cls = cls
+        self.id: int | None = None
+        self._marking = marking
+        self._conn = conn
+        self._sent = 0
+        self._closed = False
+        self._lock = threading.Lock()
+        self._listeners: list[Listener] = []
+        self._request: sdk.Open | None = None  # to re-open the flow at a restarted agent
+
+    # ------------------------------------------------------------ marking
+    @property
+    def connected(self) -> bool:
+        """True when the agent acknowledged the flow (False: static default marking)."""
+        return self.id is not None
+
+    @property
+    def marking(self) -> Marking:
+        """The current level and marking."""
+        return self._marking
+
+    @property
+    def level(self) -> int:
+        """Current level (0 = most urgent)."""
+        return self._marking.level
+
+    @property
+    def dscp(self) -> int:
+        """DSCP code point (0..63) to put on this flow's packets now."""
+        return self._marking.dscp
+
+    @property
+    def tos(self) -> int:
+        """IP TOS / IPv6 traffic class / RoCE GRH traffic class byte: DSCP << 2."""
+        return self._marking.dscp << 2
+
+    @property
+    def so_priority(self) -> int:
+        """SO_PRIORITY to set (after IP_TOS, which overwrites it on Linux)."""
+        return self._marking.so_priority
+
+    @property
+    def nccl_traffic_class(self) -> int | None:
+        """The NCCL trafficClass the policy maps to this flow's class, if any."""
+        return self._marking.nccl_traffic_class
+
+    def add_listener(self, callback: Listener) -> None:
+        """Call ``callback(handle)`` on every marking change (from the SDK's reader thread)."""
+        with self._lock:
+            self._listeners.append(callback)
+
+    def remove_listener(self, callback: Listener) -> None:
+        """Stop calling ``callback``."""
+        with self._lock:
+            if callback in self._listeners:
+                self._listeners.remove(callback)
+
+    def _set_marking(self, marking: Marking) -> None:
+        with self._lock:
+            changed = marking != self._marking
+            self._marking = marking
+            listeners = list(self._listeners)
+        if changed:
+            for callback in listeners:
+                try:
+                    callback(self)
+                except Exception:
+                    log.exception("flowsched listener failed")
+
+    # ------------------------------------------------------------ progress
+    def progress(self, sent: int) -> None:
+        """Report that ``sent`` bytes of this flow have been sent so far (absolute count)."""
+        with self._lock:
+            self._sent = max(self._sent, int(sent))
+        if self._conn is not None and self.id is not None:
+            self._conn.send(sdk.Progress(self.id, self._sent))
+
+    def add_bytes(self, nbytes: int) -> None:
+        """Report ``nbytes`` more bytes sent."""
+        self.progress(self._sent + int(nbytes))
+
+    def close(self) -> None:
+        """Close the flow at the agent (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._conn is not None:
+            if self.id is not None:
+                self._conn.send(sdk.Close(self.id, self._sent))
+            self._conn.forget(self)
+
+
+class AgentConnection:
+    """The process's connection to its node agent (one per socket path; thread-safe)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sock: socket.socket | None = None
+        self._send_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._refs = itertools.count(1)
+        self._pending: dict[int, tuple[threading.Event, list[sdk.SdkMessage]]] = {}
+        self._handles: dict[int, FlowHandle] = {}
+        self._live: set[FlowHandle] = set()
+        self._last_attempt = -RECONNECT_INTERVAL
+        self._warned = False
+        self._closed = False
+        self._reconnecting = False
+
+    def ensure_connected(self) -> bool:
+        """Connect if not connected (at most once per RECONNECT_INTERVAL); True if connected."""
+        with self._state_lock:
+            if self._sock is not None:
+                return True
+            now = time.monotonic()
+            if now - self._last_attempt < RECONNECT_INTERVAL:
+                return False
+            self._last_attempt = now
+            try:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(OPEN_TIMEOUT)
+                sock.connect(self.path)
+                sock.settimeout(None)
+            except OSError as exc:
+                self._warn(
+                    f"no flowsched agent at {self.path} ({exc.strerror or exc}); "
+                    "using static default levels"
+                )
+                return False
+            self._sock = sock
+        threading.Thread(
+            target=self._reader, args=(sock,), name="flowsched-sdk", daemon=True
+        ).start()
+        return True
+
+    def _warn(self, text: str) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("%s", text)
+
+    def send(self, message: sdk.SdkMessage) -> bool:
+        """Send one message; False (and the connection dropped) on failure."""
+        sock = self._sock
+        if sock is None:
+            return False
+        try:
+            with self._send_lock:
+                sock.sendall(sdk.encode(message))
+        except OSError:
+            self._drop(sock)
+            return False
+        return True
+
+    def open(self, request: sdk.Open, handle: FlowHandle) -> sdk.Opened | None:
+        """Send ``open`` and wait for ``opened``; None on error or timeout."""
+        event = threading.Event()
+        box: list[sdk.SdkMessage] = []
+        with self._state_lock:
+            self._pending[request.ref] = (event, box)
+        try:
+            if not self.send(request) or not event.wait(OPEN_TIMEOUT) or not box:
+                return None
+        finally:
+            with self._state_lock:
+                self._pending.pop(request.ref, None)
+        reply = box[0]
+        if isinstance(reply, sdk.Error):
+            log.warning("flowsched agent refused the flow: %s", reply.reason)
+            return None
+        assert isinstance(reply, sdk.Opened)
+        with self._state_lock:
+            self._handles[reply.id] = handle
+        return reply
+
+    def next_ref(self) -> int:
+        """A fresh request reference."""
+        return next(self._refs) & sdk.U32_MAX
+
+    def track(self, handle: FlowHandle) -> None:
+        """Keep ``handle`` open here: it is re-opened if the agent restarts (or first appears)."""
+        with self._state_lock:
+            self._live.add(handle)
+            start = self._sock is None
+        if start:
+            self._start_reconnecting()
+
+    def forget(self, handle: FlowHandle) -> None:
+        """The flow is closed: stop routing level pushes to it and stop re-opening it."""
+        with self._state_lock:
+            self._live.discard(handle)
+            if handle.id is not None:
+                self._handles.pop(handle.id, None)
+
+    def _start_reconnecting(self) -> None:
+        with self._state_lock:
+            if self._reconnecting or self._closed or not self._live:
+                return
+            self._reconnecting = True
+        threading.Thread(
+            target=self._reconnect_loop, name="flowsched-sdk-reconnect", daemon=True
+        ).start()
+
+    def _reconnect_loop(self) -> None:
+        try:
+            while not self._closed and self._live:
+                time.sleep(RECONNECT_INTERVAL)
+                if self.ensure_connected():
+                    with self._state_lock:
+                        handles = list(self._live)
+                    for handle in handles:
+                        self._reopen(handle)
+                    return
+        finally:
+            with self._state_lock:
+                self._reconnecting = False
+
+    def _reopen(self, handle: FlowHandle) -> None:
+        if handle._request is None:
+            return
+        request = dataclasses.replace(handle._request, ref=self.next_ref())
+        reply = self.open(request, handle)
+        if reply is None:
+            return
+        handle.id = reply.id
+        if handle._closed:  # closed while we were re-opening it
+            self.send(sdk.Close(reply.id, handle._sent))
+            self.forget(handle)
+            return
+        handle._set_marking(
+            Marking(reply.level, reply.dscp, reply.so_priority, reply.nccl_traffic_class)
+        )
+        if handle._sent:
+            self.send(sdk.Progress(reply.id, handle._sent))
+        log.info("flowsched: flow re-opened at the agent as %d", reply.id)
+
+    def _reader(self, sock: socket.socket) -> None:
+        decoder = sdk.SdkDecoder("client")
+        try:
+            while data := sock.recv(65536):
+                decoder.feed(data)
+                while (message := decoder.next_message()) is not None:
+                    self._dispatch(message)
+        except (OSError, sdk.SdkProtocolError) as exc:
+            log.warning("flowsched agent connection lost: %s", exc)
+        self._drop(sock)
+
+    def _dispatch(self, message: sdk.SdkMessage) -> None:
+        ref = getattr(message, "ref", None)
+        if isinstance(message, sdk.Opened | sdk.Error) and ref is not None:
+            with self._state_lock:
+                pending = self._pending.get(ref)
+            if pending is not None:
+                pending[1].append(message)
+                pending[0].set()
+        elif isinstance(message, sdk.Level):
+            with self._state_lock:
+                handle = self._handles.get(message.id)
+            if handle is not None:
+                old = handle.marking.nccl_traffic_class
+                handle._set_marking(Marking(message.level, message.dscp, message.so_priority, old))
+
+    def _drop(self, sock: socket.socket) -> None:
+        with self._state_lock:
+            if self._sock is sock:
+                self._sock = None
+            for event, _ in self._pending.values():
+                event.set()
+            for handle in self._live:
+                handle.id = None
+            self._handles.clear()
+        with contextlib.suppress(OSError):
+            sock.close()
+        self._start_reconnecting()
+
+    def close(self) -> None:
+        """Close the connection for good (tests; normal processes just exit)."""
+        self._closed = True
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            self._drop(sock)
+
+
+_connections: dict[str, AgentConnection] = {}
+_last_job: str | None = None
+_connections_lock = threading.Lock()
+
+
+def connection(path: str | None = None) -> AgentConnection:
+    """The shared :class:`AgentConnection` for ``path`` (default :func:`default_socket_path`)."""
+    path = path or default_socket_path()
+    with _connections_lock:
+        conn = _connections.get(path)
+        if conn is None:
+            conn = _connections[path] = AgentConnection(path)
+        return conn
+
+
+def open_flow(
+    cls: FlowClass | str,
+    *,
+    bytes: int | None = None,
+    deadline: float | None = None,
+    consumer_step: int | None = None,
+    request: str | None = None,
+    peer: int | None = None,
+    job: str | None = None,
+    socket_path: str | None = None,
+) -> FlowHandle:
+    """Open a flow without a ``with`` block; call :meth:`FlowHandle.close` when done.
+
+    ``deadline`` is absolute wall-clock seconds (``time.time()``); ``consumer_step`` is the job
+    step (RLI) that consumes the data, of ``job`` (default: the job last passed to
+    :func:`job_progress` in this process); ``peer`` narrows NCCL linking to one peer rank. Argument
+    errors raise ValueError; an absent or failing agent never raises.
+    """
+    flow_class = FlowClass.parse(cls) if isinstance(cls, str) else FlowClass(cls)
+    _check_arguments(bytes, deadline, peer)
+    if job is None and consumer_step is not None:
+        job = _last_job  # the job this process last reported with job_progress()
+    conn = connection(socket_path)
+    handle = FlowHandle(flow_class, static_marking(flow_class), conn)
+    try:
+        handle._request = sdk.Open(
+            0, flow_class.label, bytes, deadline, consumer_step, job, request, peer
+        )
+        if conn.ensure_connected():
+            req = dataclasses.replace(handle._request, ref=conn.next_ref())
+            reply = conn.open(req, handle)
+            if reply is not None:
+                handle.id = reply.id
+                handle._set_marking(
+                    Marking(reply.level, reply.dscp, reply.so_priority, reply.nccl_traffic_class)
+                )
+        conn.track(handle)
+    except Exception:  # never into the application
+        log.exception("flowsched: opening the flow at the agent failed; using static defaults")
+    return handle
+
+
+def _check_arguments(size: int | None, deadline: float | None, peer: int | None) -> None:
+    if size is not None and (not isinstance(size, int) or size < 0):
+        raise ValueError(f"bytes must be a non-negative integer, got {size!r}")
+    if deadline is not None and not (isinstance(deadline, int | float) and deadline >= 0):
+        raise ValueError(f"deadline must be absolute seconds (time.time()), got {deadline!r}")
+    if peer is not None and (not isinstance(peer, int) or peer < -1):
+        raise ValueError(f"peer must be a rank >= 0, got {peer!r}")
+
+
+@contextlib.contextmanager
+def flow(
+    cls: FlowClass | str,
+    *,
+    bytes: int | None = None,
+    deadline: float | None = None,
+    consumer_step: int | None = None,
+    request: str | None = None,
+    peer: int | None = None,
+    job: str | None = None,
+    socket_path: str | None = None,
+) -> Iterator[FlowHandle]:
+    """Context manager around :func:`open_flow`: the flow is closed when the block exits."""
+    handle = open_flow(
+        cls,
+        bytes=bytes,
+        deadline=deadline,
+        consumer_step=consumer_step,
+        request=request,
+        peer=peer,
+        job=job,
+        socket_path=socket_path,
+    )
+    try:
+        yield handle
+    finally:
+        handle.close()
+
+
+def job_progress(
+    job: str, step: int, layer: int | None = None, *, socket_path: str | None = None
+) -> bool:
+    """Tell the agent that ``job`` reached ``step`` (and ``layer``); False if no agent got it."""
+    if not job or not isinstance(step, int):
+        raise ValueError("job must be a non-empty string and step an integer")
+    global _last_job
+    _last_job = job
+    conn = connection(socket_path)
+    try:
+        return conn.ensure_connected() and conn.send(sdk.JobProgress(job, step, layer))
+    except Exception:
+        log.exception("flowsched: job_progress failed")
+        return False

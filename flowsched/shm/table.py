@@ -1,0 +1,674 @@
+"""Python access to the node's shared-memory flow table (layout in :mod:`flowsched.shm.layout`).
+
+The agent is the only Python writer in production:
+
+* :meth:`FlowTable.create_or_attach` creates the table file (``O_EXCL | O_NOFOLLOW``, mode 0600,
+  or 0660 with a configured group) or re-attaches to the one a previous agent left behind:
+  magic, version and sizes are validated, the slots (and the connections they describe) are
+  kept, and ``generation`` is bumped so that plugins can tell a new agent from the old one.
+* :meth:`FlowTable.write_config` rewrites the header's config area (trafficClass map, fallback
+  class, per-class default levels, level -> DSCP / SO_PRIORITY marking) under the ``config_seq``
+  seqlock; :meth:`FlowTable.read_config` reads it back consistently.
+* :meth:`FlowTable.slots` yields consistent :class:`SlotSnapshot` copies of the ACTIVE and CLOSED
+  slots; :meth:`FlowTable.set_level` writes a slot's ``level`` with one aligned 4-byte store
+  (a ``memoryview`` cast to ``"I"``), then ``level_set_ns``.
+* :meth:`FlowTable.release_slot` and :meth:`FlowTable.reap_dead` return slots to FREE.
+
+Concurrency model. The C plugin updates slots with atomic instructions while the agent reads
+them. Python cannot issue a compare-and-swap, so the agent never races the plugin for a state
+transition the plugin may also make: it only writes ``state`` for CLOSED -> FREE (the plugin
+takes a CLOSED slot only when no agent is attached) and for slots whose owning process is dead.
+Everything else the agent reads is copied out and re-validated with ``(state, claim_seq)``
+before and after the copy, the way a seqlock reader would.
+
+:class:`EmulatedPluginSlot` at the end of this module is TEST SUPPORT ONLY: it claims and drives
+a slot the way the C plugin does, without atomics, so that tests and the end-to-end suite can
+exercise the agent without an NCCL process.
+"""
+
+from __future__ import annotations
+
+import errno
+import grp
+import itertools
+import mmap
+import os
+import stat
+import struct
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from flowsched.shm import layout as L
+
+_HEADER = {name: (offset, struct.Struct(fmt)) for name, offset, fmt in L.HEADER_FIELDS}
+_SLOT = {name: (offset, struct.Struct(fmt)) for name, offset, fmt in L.SLOT_FIELDS}
+_SLOT_STRUCT = struct.Struct(
+    "<IIQQiiIHBxQQQQIIIIQQI20x"
+)  # the whole 128-byte slot, field order as in layout.SLOT_FIELDS
+_CONFIG_START = 64
+_CONFIG_END = 480
+_CONFIG_RETRIES = 10_000
+#: a table whose agent pid is alive and whose heartbeat is younger than this has a live owner
+LIVE_AGENT_SECONDS = 2.0
+
+
+class TableError(Exception):
+    """The table file is missing, unsafe, or not a flowsched table of this version."""
+
+
+@dataclass(frozen=True, slots=True)
+class LevelMarking:
+    """How one level is put on the wire: DSCP (0..63) and SO_PRIORITY."""
+
+    dscp: int
+    so_priority: int
+
+    @property
+    def tos(self) -> int:
+        """The IP TOS / IPv6 traffic class byte (DSCP in the upper six bits, ECN bits zero)."""
+        return (self.dscp & 0x3F) << 2
+
+
+@dataclass(frozen=True, slots=True)
+class TableConfig:
+    """The header's config area.
+
+    ``class_map`` pairs an NCCL trafficClass with a FlowClass id; ``default_levels[c]`` is the
+    level a connection of class id ``c`` uses until the agent writes one; ``markings[l]`` is the
+    marking of level ``l`` (``len(markings)`` = ``num_levels``).
+    """
+
+    num_levels: int
+    markings: tuple[LevelMarking, ...]
+    class_map: tuple[tuple[int, int], ...] = ()
+    fallback_class: int = 0
+    default_levels: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        problems = _config_problems(self)
+        if problems:
+            raise ValueError("invalid table config: " + "; ".join(problems))
+
+    def default_level(self, class_id: int) -> int:
+        """Default level of class id ``class_id`` (the last level when none is configured)."""
+        if 0 <= class_id < len(self.default_levels):
+            return self.default_levels[class_id]
+        return self.num_levels - 1
+
+    def marking(self, level: int) -> LevelMarking:
+        """Marking of ``level`` (clamped into ``0..num_levels-1``)."""
+        return self.markings[min(max(level, 0), self.num_levels - 1)]
+
+    def class_for_traffic_class(self, traffic_class: int) -> int:
+        """Class id the map gives ``traffic_class``, else the fallback class."""
+        for tc, class_id in self.class_map:
+            if tc == traffic_class:
+                return class_id
+        return self.fallback_class
+
+
+def _config_problems(cfg: TableConfig) -> list[str]:
+    problems: list[str] = []
+    if not 1 <= cfg.num_levels <= L.MAX_LEVELS:
+        problems.append(f"num_levels {cfg.num_levels} not in 1..{L.MAX_LEVELS}")
+    if len(cfg.markings) != cfg.num_levels:
+        problems.append(f"markings has {len(cfg.markings)} entries, num_levels is {cfg.num_levels}")
+    for i, m in enumerate(cfg.markings):
+        if not 0 <= m.dscp <= 63 or not 0 <= m.so_priority <= 0xFFFFFFFF:
+            problems.append(f"markings[{i}] out of range: {m}")
+    if len(cfg.class_map) > L.MAX_CLASS_MAP:
+        problems.append(f"class_map has {len(cfg.class_map)} entries (max {L.MAX_CLASS_MAP})")
+    for i, (tc, cid) in enumerate(cfg.class_map):
+        if not -(2**31) <= tc < 2**31 or not 0 <= cid < L.MAX_CLASSES:
+            problems.append(f"class_map[{i}] out of range: {(tc, cid)}")
+    if not 0 <= cfg.fallback_class < L.MAX_CLASSES:
+        problems.append(f"fallback_class {cfg.fallback_class} not in 0..{L.MAX_CLASSES - 1}")
+    if len(cfg.default_levels) > L.MAX_CLASSES:
+        problems.append(f"default_levels has more than {L.MAX_CLASSES} entries")
+    for i, lvl in enumerate(cfg.default_levels):
+        if not 0 <= lvl < max(cfg.num_levels, 1):
+            problems.append(f"default_levels[{i}] = {lvl} not in 0..{cfg.num_levels - 1}")
+    return problems
+
+
+@dataclass(frozen=True, slots=True)
+class SlotSnapshot:
+    """A consistent copy of one slot (every field of the layout, by name)."""
+
+    index: int
+    state: int
+    pid: int
+    claim_seq: int
+    comm_id: int
+    peer_rank: int
+    traffic_class: int
+    level: int
+    class_id: int
+    direction: int
+    bytes: int
+    messages: int
+    open_ns: int
+    last_ns: int
+    net_op: int
+    net_algo: int
+    net_proto: int
+    applied_level: int
+    applied_ns: int
+    level_set_ns: int
+    dev: int
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(index, claim_seq)``: names one connection for the lifetime of the table."""
+        return (self.index, self.claim_seq)
+
+
+@dataclass(slots=True)
+class AttachInfo:
+    """What :meth:`FlowTable.create_or_attach` did."""
+
+    created: bool
+    generation: int
+    previous_agent_pid: int
+    kept_slots: list[int] = field(default_factory=list)
+
+
+def monotonic_ns() -> int:
+    """CLOCK_MONOTONIC in ns: the clock every ``*_ns`` field of the table uses."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a process of another user counts as alive)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class FlowTable:
+    """A mapped flow table. Use :meth:`create_or_attach` (agent) or :meth:`open` (readers, tests).
+
+    Not thread-safe: one thread of the agent owns the object.
+    """
+
+    def __init__(self, path: str, mm: mmap.mmap, *, writable: bool) -> None:
+        self.path = path
+        self._mm = mm
+        self._writable = writable
+        self._u32 = memoryview(mm).cast("I")
+        self._u64 = memoryview(mm).cast("Q")
+        self.num_slots = self._get("num_slots")
+
+    # ----------------------------------------------------------------- opening and closing
+    @classmethod
+    def create_or_attach(
+        cls,
+        path: str,
+        *,
+        num_slots: int = L.DEFAULT_NUM_SLOTS,
+        group: str | int | None = None,
+        agent_pid: int | None = None,
+    ) -> tuple[FlowTable, AttachInfo]:
+        """Create the table at ``path``, or re-attach to a valid one left by a previous agent.
+
+        The file is opened with ``O_NOFOLLOW`` and must be a regular file owned by the effective
+        user; its mode is set to 0600, or 0660 with ``group`` as its group. A file of size zero
+        (an agent died while creating it) is initialized afresh. Raises :class:`TableError` on a
+        file of another user, a symlink, a bad magic/version/size.
+        """
+        if not 1 <= num_slots <= (1 << 24):
+            raise ValueError(f"num_slots {num_slots} not in 1..{1 << 24}")
+        gid = _resolve_group(group)
+        fd, created = _open_private(path)
+        try:
+            _secure_fd(fd, path, gid)
+            size = os.fstat(fd).st_size
+            if created or size == 0:
+                os.ftruncate(fd, L.table_size(num_slots))
+                table = cls(path, _map(fd, L.table_size(num_slots), True), writable=True)
+                info = table._initialize(num_slots, agent_pid or os.getpid())
+            else:
+                _validate_size(path, size)
+                table = cls(path, _map(fd, size, True), writable=True)
+                table._validate_header()
+                info = table._reattach(agent_pid or os.getpid())
+        finally:
+            os.close(fd)
+        return table, info
+
+    @classmethod
+    def open(cls, path: str, *, writable: bool = False) -> FlowTable:
+        """Map an existing table (as the plugin does); validates magic, version and sizes."""
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            raise TableError(f"cannot open flow table {path}: {exc.strerror}") from exc
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise TableError(f"flow table {path} is not a regular file")
+            _validate_size(path, st.st_size)
+            table = cls(path, _map(fd, st.st_size, writable), writable=writable)
+        finally:
+            os.close(fd)
+        try:
+            table._validate_header()
+        except TableError:
+            table.close()
+            raise
+        return table
+
+    def close(self) -> None:
+        """Unmap the table (idempotent)."""
+        if self._mm.closed:
+            return
+        self._u32.release()
+        self._u64.release()
+        self._mm.close()
+
+    def __enter__(self) -> FlowTable:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- header
+    def header(self) -> dict[str, int]:
+        """The scalar header fields by name (a plain snapshot, no seqlock)."""
+        return {name: self._get(name) for name, _, fmt in L.HEADER_FIELDS if len(fmt) == 2}
+
+    @property
+    def generation(self) -> int:
+        """How many times an agent has (re)initialized this table."""
+        return self._get("generation")
+
+    def heartbeat(self, now_ns: int | None = None) -> None:
+        """Refresh ``heartbeat_ns`` (the agent calls this about every 100 ms)."""
+        self._u64[40 // 8] = monotonic_ns() if now_ns is None else now_ns
+
+    def set_flag(self, flag: int, on: bool) -> None:
+        """Set or clear one ``FLAG_*`` bit (aligned 4-byte store)."""
+        flags = self._u32[48 // 4]
+        self._u32[48 // 4] = (flags | flag) if on else (flags & ~flag)
+
+    def flags(self) -> int:
+        """The current ``flags`` word."""
+        return self._u32[48 // 4]
+
+    def detach(self) -> None:
+        """Mark the table as having no agent (clean agent shutdown; slots are kept)."""
+        self._u32[24 // 4] = 0
+        self.set_flag(L.FLAG_AGENT_ATTACHED | L.FLAG_COORDINATOR_CONNECTED, False)
+
+    # ----------------------------------------------------------------- config (seqlock)
+    def write_config(self, cfg: TableConfig) -> None:
+        """Rewrite the config area and ``num_levels`` under the ``config_seq`` seqlock."""
+        seq_index = 28 // 4
+        seq = self._u32[seq_index]
+        self._u32[seq_index] = (seq + 1) | 1  # odd: being written
+        self._mm[_CONFIG_START:_CONFIG_END] = _pack_config(cfg)
+        self._put("num_levels", cfg.num_levels)
+        self._u32[seq_index] = ((seq + 1) | 1) + 1  # even again: stable
+
+    def read_config(self) -> TableConfig:
+        """Read the config area consistently (retries while a writer holds the seqlock)."""
+        for _ in range(_CONFIG_RETRIES):
+            before = self._u32[28 // 4]
+            if before & 1:
+                continue
+            raw = bytes(self._mm[_CONFIG_START:_CONFIG_END])
+            num_levels = self._get("num_levels")
+            if self._u32[28 // 4] == before:
+                return _unpack_config(raw, num_levels)
+        raise TableError(f"flow table {self.path}: config seqlock never stabilized")
+
+    # ----------------------------------------------------------------- slots
+    def slot(self, index: int) -> SlotSnapshot | None:
+        """A consistent copy of slot ``index``, or None when it is FREE or being claimed."""
+        self._check_index(index)
+        off = L.slot_offset(index)
+        for _ in range(100):
+            state, seq = self._u32[off // 4], self._u64[(off + 8) // 8]
+            if state not in (L.SLOT_ACTIVE, L.SLOT_CLOSED):
+                return None
+            values = _SLOT_STRUCT.unpack_from(self._mm, off)
+            if self._u32[off // 4] == state and self._u64[(off + 8) // 8] == seq:
+                return SlotSnapshot(index, *values)
+        return None  # the slot kept changing under us: skip it this round
+
+    def slots(self) -> Iterator[SlotSnapshot]:
+        """Consistent copies of every ACTIVE or CLOSED slot, in index order."""
+        for index, _, _, _ in self.busy_slots():
+            snap = self.slot(index)
+            if snap is not None:
+                yield snap
+
+    def busy_slots(self) -> list[tuple[int, int, int, int]]:
+        """``(index, state, claim_seq, bytes)`` of every ACTIVE or CLOSED slot, cheaply.
+
+        Reads the three words of all slots with three strided copies (no per-slot Python work
+        for FREE slots). The words of one slot may come from different moments; callers must
+        re-read with :meth:`slot` before acting on anything but a byte count.
+        """
+        step32, step64 = L.SLOT_SIZE // 4, L.SLOT_SIZE // 8
+        states = self._u32[L.HEADER_SIZE // 4 :: step32].tolist()
+        if not any(states):
+            return []
+        seqs = self._u64[(L.HEADER_SIZE + 8) // 8 :: step64].tolist()
+        counts = self._u64[(L.HEADER_SIZE + 40) // 8 :: step64].tolist()
+        busy = itertools.compress(range(len(states)), states)  # C speed over FREE (0) slots
+        return [
+            (i, states[i], seqs[i], counts[i])
+            for i in busy
+            if states[i] == L.SLOT_ACTIVE or states[i] == L.SLOT_CLOSED
+        ]
+
+    def slot_state(self, index: int) -> int:
+        """The raw ``state`` word of slot ``index``."""
+        self._check_index(index)
+        return int(self._u32[L.slot_offset(index) // 4])
+
+    def set_level(self, index: int, level: int, now_ns: int | None = None) -> None:
+        """Write slot ``index``'s level: one aligned 4-byte store, then ``level_set_ns``."""
+        self._check_index(index)
+        if not (0 <= level < L.MAX_LEVELS or level == L.LEVEL_UNSET):
+            raise ValueError(f"level {level} not in 0..{L.MAX_LEVELS - 1}")
+        off = L.slot_offset(index)
+        self._u32[(off + 32) // 4] = level
+        self._u64[(off + 96) // 8] = monotonic_ns() if now_ns is None else now_ns
+
+    def release_slot(self, index: int, claim_seq: int) -> bool:
+        """CLOSED -> FREE for the connection ``(index, claim_seq)``; False if it is not that one."""
+        self._check_index(index)
+        off = L.slot_offset(index)
+        if self._u32[off // 4] != L.SLOT_CLOSED or self._u64[(off + 8) // 8] != claim_seq:
+            return False
+        self._u32[off // 4] = L.SLOT_FREE
+        return True
+
+    def reap_dead(self) -> list[SlotSnapshot]:
+        """Free the CLAIMED/ACTIVE/CLOSED slots whose pid no longer exists; return what they held.
+
+        The returned snapshots let the caller report the connections as closed.
+        """
+        reaped: list[SlotSnapshot] = []
+        for index in range(self.num_slots):
+            off = L.slot_offset(index)
+            state = self._u32[off // 4]
+            if state == L.SLOT_FREE:
+                continue
+            pid = self._u32[(off + 4) // 4]
+            if pid_alive(pid):
+                continue
+            snap = SlotSnapshot(index, *_SLOT_STRUCT.unpack_from(self._mm, off))
+            self._u32[off // 4] = L.SLOT_FREE
+            reaped.append(snap)
+        return reaped
+
+    # ----------------------------------------------------------------- internals
+    def _get(self, name: str) -> int:
+        offset, st = _HEADER[name]
+        value: int = st.unpack_from(self._mm, offset)[0]
+        return value
+
+    def _put(self, name: str, value: int) -> None:
+        offset, st = _HEADER[name]
+        st.pack_into(self._mm, offset, value)
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < self.num_slots:
+            raise IndexError(f"slot {index} not in 0..{self.num_slots - 1}")
+
+    def _initialize(self, num_slots: int, agent_pid: int) -> AttachInfo:
+        self._mm[:] = bytes(len(self._mm))
+        for name, value in (
+            ("version", L.VERSION),
+            ("header_size", L.HEADER_SIZE),
+            ("slot_size", L.SLOT_SIZE),
+            ("num_slots", num_slots),
+            ("num_levels", 1),
+            ("agent_pid", agent_pid),
+            ("generation", 1),
+            ("flags", L.FLAG_AGENT_ATTACHED),
+        ):
+            self._put(name, value)
+        self.num_slots = num_slots
+        for index in range(num_slots):
+            self._u32[(L.slot_offset(index) + 32) // 4] = L.LEVEL_UNSET
+        self.heartbeat()
+        self._put("magic", L.MAGIC)  # last: a reader that sees the magic sees the rest
+        return AttachInfo(created=True, generation=1, previous_agent_pid=0)
+
+    def _reattach(self, agent_pid: int) -> AttachInfo:
+        previous = self._get("agent_pid")
+        beat_age = (monotonic_ns() - self._get("heartbeat_ns")) / 1e9
+        if previous not in (0, agent_pid) and pid_alive(previous) and beat_age < LIVE_AGENT_SECONDS:
+            raise TableError(
+                f"flow table {self.path} is owned by a running agent (pid {previous}, heartbeat "
+                f"{beat_age:.1f} s ago); stop it or choose another --table path"
+            )
+        generation = self.generation + 1
+        self._put("generation", generation)
+        self._put("agent_pid", agent_pid)
+        self.set_flag(L.FLAG_AGENT_ATTACHED, True)
+        self.heartbeat()
+        kept = [s.index for s in self.slots()]
+        return AttachInfo(False, generation, previous, kept)
+
+    def _validate_header(self) -> None:
+        magic = self._get("magic")
+        if magic != L.MAGIC:
+            raise TableError(
+                f"{self.path} is not a flowsched flow table (magic {magic:#010x}, "
+                f"expected {L.MAGIC:#010x}); remove it or choose another --table path"
+            )
+        for name, expected in (
+            ("version", L.VERSION),
+            ("header_size", L.HEADER_SIZE),
+            ("slot_size", L.SLOT_SIZE),
+        ):
+            value = self._get(name)
+            if value != expected:
+                raise TableError(f"flow table {self.path}: {name} is {value}, expected {expected}")
+        num_slots = self._get("num_slots")
+        if L.table_size(num_slots) != len(self._mm) or num_slots == 0:
+            raise TableError(
+                f"flow table {self.path}: num_slots {num_slots} does not match the file size "
+                f"{len(self._mm)} (truncated or corrupt)"
+            )
+        self.num_slots = num_slots
+
+
+def _resolve_group(group: str | int | None) -> int | None:
+    if group is None or isinstance(group, int):
+        return group
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise TableError(f"unknown group {group!r} for the flow table") from None
+
+
+def _open_private(path: str) -> tuple[int, bool]:
+    base = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, base | os.O_CREAT | os.O_EXCL, 0o600), True
+    except FileExistsError:
+        pass
+    try:
+        return os.open(path, base), False
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise TableError(f"flow table {path} is a symbolic link; refusing it") from exc
+        raise TableError(f"cannot open flow table {path}: {exc.strerror}") from exc
+
+
+def _secure_fd(fd: int, path: str, gid: int | None) -> None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise TableError(f"flow table {path} is not a regular file")
+    if st.st_uid != os.geteuid():
+        raise TableError(
+            f"flow table {path} is owned by uid {st.st_uid}, not by this user "
+            f"(uid {os.geteuid()}); refusing it"
+        )
+    if gid is not None:
+        os.fchown(fd, -1, gid)
+        os.fchmod(fd, 0o660)
+    elif stat.S_IMODE(st.st_mode) != 0o600:
+        os.fchmod(fd, 0o600)
+
+
+def _validate_size(path: str, size: int) -> None:
+    if size < L.HEADER_SIZE or (size - L.HEADER_SIZE) % L.SLOT_SIZE:
+        raise TableError(
+            f"flow table {path} has size {size}: not a {L.HEADER_SIZE}-byte header plus whole "
+            f"{L.SLOT_SIZE}-byte slots (truncated or corrupt)"
+        )
+
+
+def _map(fd: int, size: int, writable: bool) -> mmap.mmap:
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+
+
+def _pack_config(cfg: TableConfig) -> bytes:
+    area = bytearray(_CONFIG_END - _CONFIG_START)
+    struct.pack_into("<II", area, 0, len(cfg.class_map), cfg.fallback_class)
+    for i, (tc, cid) in enumerate(cfg.class_map):
+        L.CLASS_MAP_ENTRY.pack_into(area, 72 - 64 + i * 8, tc, cid)
+    for cid in range(L.MAX_CLASSES):
+        area[328 - 64 + cid] = cfg.default_level(cid)
+    for lvl, m in enumerate(cfg.markings):
+        L.LEVEL_MARKING_ENTRY.pack_into(area, 352 - 64 + lvl * 8, m.dscp, m.so_priority)
+    return bytes(area)
+
+
+def _unpack_config(raw: bytes, num_levels: int) -> TableConfig:
+    count, fallback = struct.unpack_from("<II", raw, 0)
+    if count > L.MAX_CLASS_MAP or not 1 <= num_levels <= L.MAX_LEVELS:
+        raise TableError(f"corrupt config area: num_class_map {count}, num_levels {num_levels}")
+    class_map = tuple(L.CLASS_MAP_ENTRY.unpack_from(raw, 8 + i * 8) for i in range(count))
+    defaults = tuple(min(raw[264 + cid], num_levels - 1) for cid in range(L.MAX_CLASSES))
+    markings = tuple(
+        LevelMarking(*L.LEVEL_MARKING_ENTRY.unpack_from(raw, 288 + lvl * 8))
+        for lvl in range(num_levels)
+    )
+    return TableConfig(num_levels, markings, class_map, fallback, defaults)
+
+
+# =====================================================================================
+# TEST SUPPORT ONLY: an emulation of the C plugin's side of one slot.
+# =====================================================================================
+
+
+class EmulatedPluginSlot:
+    """TEST SUPPORT: claims and drives one slot the way the C plugin does.
+
+    It is not safe against a concurrent real plugin (Python has no compare-and-swap); use it
+    only in tests, where it stands in for an NCCL connection.
+    """
+
+    def __init__(
+        self,
+        table: FlowTable,
+        *,
+        class_id: int = 0,
+        traffic_class: int = -1,
+        comm_id: int = 0,
+        peer_rank: int = -1,
+        direction: int = L.DIR_SEND,
+        pid: int | None = None,
+        take_closed: bool = False,
+    ) -> None:
+        self.table = table
+        self.index = self._claim(take_closed)
+        mm, off = table._mm, L.slot_offset(self.index)
+        self._off = off
+        _put_slot(mm, off, "pid", os.getpid() if pid is None else pid)
+        for name, value in (
+            ("comm_id", comm_id),
+            ("peer_rank", peer_rank),
+            ("traffic_class", traffic_class),
+            ("class_id", class_id),
+            ("direction", direction),
+            ("bytes", 0),
+            ("messages", 0),
+            ("open_ns", monotonic_ns()),
+            ("last_ns", 0),
+            ("applied_level", L.LEVEL_UNSET),
+            ("level", L.LEVEL_UNSET),
+        ):
+            _put_slot(mm, off, name, value)
+        self.claim_seq = _get_slot(mm, off, "claim_seq") + 1
+        _put_slot(mm, off, "claim_seq", self.claim_seq)
+        _put_slot(mm, off, "state", L.SLOT_ACTIVE)
+
+    def _claim(self, take_closed: bool) -> int:
+        wanted = (L.SLOT_FREE, L.SLOT_CLOSED) if take_closed else (L.SLOT_FREE,)
+        for want in wanted:
+            for index in range(self.table.num_slots):
+                if self.table.slot_state(index) == want:
+                    _put_slot(self.table._mm, L.slot_offset(index), "state", L.SLOT_CLAIMED)
+                    return index
+        raise TableError("no free slot in the flow table")
+
+    def send(self, nbytes: int) -> int:
+        """Account one message of ``nbytes``; return the level in force (plugin's isend path)."""
+        mm = self.table._mm
+        _put_slot(mm, self._off, "bytes", _get_slot(mm, self._off, "bytes") + nbytes)
+        _put_slot(mm, self._off, "messages", _get_slot(mm, self._off, "messages") + 1)
+        _put_slot(mm, self._off, "last_ns", monotonic_ns())
+        level = self.current_level()
+        if level != _get_slot(mm, self._off, "applied_level"):
+            _put_slot(mm, self._off, "applied_level", level)
+            _put_slot(mm, self._off, "applied_ns", monotonic_ns())
+        return level
+
+    def raw_level(self) -> int:
+        """The slot's ``level`` word as the agent wrote it (LEVEL_UNSET if never)."""
+        return _get_slot(self.table._mm, self._off, "level")
+
+    def current_level(self) -> int:
+        """The level the plugin would use now: the slot's, else the class's default."""
+        level = self.raw_level()
+        if level != L.LEVEL_UNSET:
+            return level
+        class_id = _get_slot(self.table._mm, self._off, "class_id")
+        return self.table.read_config().default_level(class_id)
+
+    def close(self) -> None:
+        """ACTIVE -> CLOSED (``bytes`` is final)."""
+        _put_slot(self.table._mm, self._off, "state", L.SLOT_CLOSED)
+
+
+def _put_slot(mm: mmap.mmap, off: int, name: str, value: int) -> None:
+    field_off, st = _SLOT[name]
+    st.pack_into(mm, off + field_off, value)
+
+
+def _get_slot(mm: mmap.mmap, off: int, name: str) -> int:
+    field_off, st = _SLOT[name]
+    value: int = st.unpack_from(mm, off + field_off)[0]
+    return value
+
+
+def default_markings(num_levels: int) -> tuple[LevelMarking, ...]:
+    """A plain marking table for tests and last-resort defaults: level 0 = DSCP 46 (EF) ..."""
+    dscps: Sequence[int] = (46, 34, 26, 18, 10, 8, 0, 0)
+    return tuple(
+        LevelMarking(dscps[min(i, len(dscps) - 1)], max(6 - i, 0)) for i in range(num_levels)
+    )

@@ -1,0 +1,58 @@
+"""``flowsched agent`` refuses unsafe inputs with a clear message (in-process CLI calls)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from flowsched.cli import main
+from flowsched.protocol import write_token
+
+
+def _agent(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "agent",
+        "--node",
+        "n1",
+        "--table",
+        str(tmp_path / "table"),
+        "--socket",
+        str(tmp_path / "agent.sock"),
+        "--metrics-port",
+        "-1",
+        *extra,
+    ]
+
+
+def test_loose_token_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    token = tmp_path / "token"
+    write_token(token)
+    os.chmod(token, 0o644)
+    args = _agent(tmp_path, "--coordinator", "127.0.0.1:1", "--token-file", str(token))
+    assert main(args) == 2
+    assert "token" in capsys.readouterr().err
+
+
+def test_invalid_policy_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "bad.toml"
+    policy.write_text('[policy]\nname = "nope"\n')
+    assert main(_agent(tmp_path, "--policy", str(policy))) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a file of another user")
+def test_table_of_another_user_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    table = tmp_path / "table"
+    table.write_bytes(b"")
+    os.chown(table, 65534, 65534)
+    assert main(_agent(tmp_path)) == 2
+    assert "owned by uid 65534" in capsys.readouterr().err
+
+
+def test_bad_fallback_after_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(_agent(tmp_path, "--fallback-after", "0")) == 2
+    assert "--fallback-after" in capsys.readouterr().err

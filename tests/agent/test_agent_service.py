@@ -1,0 +1,193 @@
+"""The agent service in-process (no coordinator: its local policy runs), on a background thread."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from flowsched import client
+from flowsched.agent import AgentConfig
+from flowsched.agent.threaded import AgentThread
+from flowsched.model import FlowClass
+from flowsched.shm import layout
+from flowsched.shm.table import EmulatedPluginSlot, FlowTable
+
+
+def _config(tmp_path: Path, **overrides: object) -> AgentConfig:
+    base = dict(
+        node="n1",
+        socket_path=str(tmp_path / "run" / "agent.sock"),
+        table_path=str(tmp_path / "table"),
+        num_slots=32,
+        metrics_port=0,
+        fallback_after=0.2,
+        interfaces=("lo",),
+    )
+    base.update(overrides)
+    return AgentConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[AgentThread]:
+    running = AgentThread(_config(tmp_path))
+    running.start()
+    try:
+        yield running
+    finally:
+        for conn in list(client._connections.values()):
+            conn.close()
+        client._connections.clear()
+        running.stop()
+
+
+def _wait(predicate: Callable[[], object], timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+def test_socket_and_table_are_private(agent: AgentThread) -> None:
+    info = agent.ready
+    assert info is not None
+    assert stat.S_IMODE(os.stat(info.socket).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(info.socket)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(info.table).st_mode) == 0o600
+
+
+def test_local_policy_levels_reach_plugin_slots(agent: AgentThread) -> None:
+    assert agent.ready is not None
+    table = FlowTable.open(agent.ready.table, writable=True)
+    try:
+        _wait(lambda: agent.agent.fallback is not None)  # no coordinator configured
+        assert not table.flags() & layout.FLAG_COORDINATOR_CONNECTED
+        conn = EmulatedPluginSlot(table, class_id=int(FlowClass.TP))
+        conn.send(1000)
+        _wait(lambda: conn.raw_level() != layout.LEVEL_UNSET)
+        registry = agent.agent.registry
+        assert registry is not None
+        flow_id = registry.slots[conn.index, conn.claim_seq].flow_id
+        assert flow_id is not None
+        assert conn.raw_level() == registry.flows[flow_id].level
+        assert table.read_config().num_levels == agent.agent.view.num_levels
+    finally:
+        table.close()
+
+
+def test_deadline_flow_is_promoted_by_the_local_policy(agent: AgentThread) -> None:
+    assert agent.ready is not None
+    _wait(lambda: agent.agent.fallback is not None)
+    levels: list[int] = []
+    # MLU = 2e9 B / (1.5 s x 25e9 B/s) = 0.053 at first: a deferred band, promoted as t shrinks
+    with client.flow(
+        "kv", bytes=2_000_000_000, deadline=time.time() + 1.5, socket_path=agent.ready.socket
+    ) as handle:
+        end = time.monotonic() + 1.4
+        while time.monotonic() < end:
+            levels.append(handle.level)
+            time.sleep(0.05)
+    assert levels[-1] < max(levels), levels  # promoted while the deadline approached
+    decided = levels[levels.index(max(levels)) :]
+    assert decided == sorted(decided, reverse=True), levels  # never demoted after admission
+
+
+def test_metrics_endpoint_reports_flows(agent: AgentThread) -> None:
+    assert agent.ready is not None and agent.ready.metrics is not None
+    with client.flow("experience", consumer_step=3, socket_path=agent.ready.socket):
+        host, port = agent.ready.metrics
+        body = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
+    assert 'flowsched_agent_active_flows{class="experience"' in body
+    assert 'source="sdk"' in body and "flowsched_agent_fallback_active" in body
+
+
+def test_a_bad_sdk_client_does_not_harm_others(agent: AgentThread) -> None:
+    assert agent.ready is not None
+    with client.flow("bulk", socket_path=agent.ready.socket) as good:
+        bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        bad.connect(agent.ready.socket)
+        bad.sendall(b"\x00\x00\x00\x05garbage")
+        bad.settimeout(3)
+        reply = bad.recv(4096)
+        assert b"bad_frame" in reply
+        assert bad.recv(4096) == b""  # closed by the agent
+        bad.close()
+        assert good.connected
+        registry = agent.agent.registry
+        assert registry is not None and good.id in registry.flows
+        good.progress(5)
+        _wait(lambda: registry.flows[good.id].sent == 5)  # type: ignore[index]
+
+
+def test_disconnecting_client_closes_its_flows(agent: AgentThread) -> None:
+    assert agent.ready is not None
+    handle = client.open_flow("kv", socket_path=agent.ready.socket)
+    registry = agent.agent.registry
+    assert registry is not None and handle.id in registry.flows
+    client.connection(agent.ready.socket).close()
+    _wait(lambda: handle.id not in registry.flows)
+
+
+def test_restart_reattaches_and_keeps_levels(tmp_path: Path) -> None:
+    first = AgentThread(_config(tmp_path))
+    info = first.start()
+    table = FlowTable.open(info.table, writable=True)
+    try:
+        conn = EmulatedPluginSlot(table, class_id=int(FlowClass.PARAM_SYNC))
+        _wait(lambda: conn.raw_level() != layout.LEVEL_UNSET)
+        level = conn.raw_level()
+        first.stop()
+        assert table.header()["agent_pid"] == 0
+        second = AgentThread(_config(tmp_path))
+        info2 = second.start()
+        try:
+            assert info2.generation == info.generation + 1
+            assert conn.raw_level() == level  # untouched across the restart
+            registry = second.agent.registry
+            assert registry is not None
+            _wait(lambda: (conn.index, conn.claim_seq) in registry.slots)
+            conn.send(10)
+            flow_id = registry.slots[conn.index, conn.claim_seq].flow_id
+            _wait(lambda: registry.flows[flow_id].sent == 10)  # type: ignore[index]
+        finally:
+            second.stop()
+    finally:
+        table.close()
+
+
+def test_second_agent_on_the_same_socket_is_refused(agent: AgentThread, tmp_path: Path) -> None:
+    from flowsched.agent.sdk_server import SocketPathError
+
+    assert agent.ready is not None
+    other = AgentThread(_config(tmp_path, table_path=str(tmp_path / "t2")))
+    with pytest.raises(SocketPathError, match="already serving"):
+        other.start()
+    other.stop()
+    assert os.path.exists(agent.ready.socket)  # the refused agent left the first one's socket
+    with client.flow("kv", socket_path=agent.ready.socket) as handle:
+        assert handle.connected
+
+
+def test_metrics_count_completions_and_local_decisions(agent: AgentThread) -> None:
+    assert agent.ready is not None and agent.ready.metrics is not None
+    _wait(lambda: agent.agent.fallback is not None)
+    with client.flow("kv", bytes=10, deadline=time.time() + 60, socket_path=agent.ready.socket):
+        pass
+    with client.flow("kv", bytes=10, deadline=time.time() - 1, socket_path=agent.ready.socket):
+        pass
+    _wait(lambda: sum(agent.agent.telemetry.completions.values()) == 2)
+    host, port = agent.ready.metrics
+    body = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
+    assert 'flowsched_agent_completed_flows_total{class="kv",deadline="met",node="n1"} 1.0' in body
+    assert 'deadline="missed"' in body
+    # negative buckets: prometheus_client emits no _count/_sum, the +Inf bucket has the count
+    assert 'flowsched_agent_completion_slack_seconds_bucket{le="+Inf",node="n1"} 2.0' in body
+    assert "flowsched_agent_local_decision_latency_seconds_bucket" in body
+    assert 'flowsched_agent_sdk_requests_total{node="n1",type="open"} 2.0' in body

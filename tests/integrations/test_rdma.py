@@ -1,0 +1,97 @@
+"""flowsched.rdma: the level -> QP marking mapping (the device part cannot run here)."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+
+from flowsched import rdma
+
+DSCPS = (46, 34, 26, 0)
+
+
+@pytest.mark.parametrize(
+    ("level", "service_levels", "expected"),
+    [
+        pytest.param(0, None, rdma.QpMarking(0, 46 << 2, 0), id="top-level"),
+        pytest.param(3, None, rdma.QpMarking(3, 0, 3), id="bottom-level"),
+        pytest.param(1, (7, 5, 3, 0), rdma.QpMarking(1, 34 << 2, 5), id="explicit-sl"),
+    ],
+)
+def test_qp_marking(
+    level: int, service_levels: tuple[int, ...] | None, expected: rdma.QpMarking
+) -> None:
+    assert rdma.qp_marking(level, DSCPS, service_levels=service_levels) == expected
+
+
+def test_default_service_level_saturates_at_15() -> None:
+    dscps = tuple(range(20))
+    assert rdma.qp_marking(19, dscps).service_level == 15
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "message"),
+    [
+        pytest.param((4, DSCPS), {}, "level 4", id="level-out-of-range"),
+        pytest.param((0, ()), {}, "at least one", id="no-levels"),
+        pytest.param((0, (64,)), {}, "not in 0..63", id="bad-dscp"),
+        pytest.param((0, DSCPS), {"service_levels": (1, 2)}, "one entry per level", id="sl-count"),
+        pytest.param(
+            (0, DSCPS), {"service_levels": (16, 0, 0, 0)}, "service level 16", id="sl-range"
+        ),
+    ],
+)
+def test_invalid_mapping_inputs(args: tuple, kwargs: dict, message: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match=message):
+        rdma.qp_marking(*args, **kwargs)
+
+
+def test_discovery_without_rdma_returns_nothing() -> None:
+    # No pyverbs, or pyverbs without devices (this kernel has no RDMA): an empty list, no error.
+    assert rdma.discover_devices() == [] or importlib.util.find_spec("pyverbs") is not None
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("pyverbs") is not None,
+    reason="pyverbs is installed: the absence path is not testable here",
+)
+def test_build_qp_attr_without_pyverbs_says_so() -> None:
+    with pytest.raises(rdma.RdmaUnavailable, match="pyverbs is not installed"):
+        rdma.build_qp_attr(rdma.qp_marking(0, DSCPS), "fe80::1")
+
+
+@pytest.mark.skip(
+    reason="needs an RDMA device: this kernel has no InfiniBand/RoCE support "
+    "(no rxe, siw or /dev/infiniband), so QP creation cannot run here"
+)
+def test_qp_on_a_device_carries_the_traffic_class() -> None:  # pragma: no cover
+    raise AssertionError("unreachable")
+
+
+def test_build_qp_attr_fills_the_address_vector() -> None:
+    # A stand-in with pyverbs' constructor signatures (rdma-core pyverbs/addr.pyx, qp.pyx).
+    made: dict[str, dict[str, object]] = {}
+
+    def recorder(name: str) -> object:
+        def make(*args: object, **kwargs: object) -> SimpleNamespace:
+            made[name] = {"args": args, **kwargs}
+            return SimpleNamespace(name=name, **kwargs)
+
+        return make
+
+    fake = SimpleNamespace(
+        addr=SimpleNamespace(
+            GID=recorder("GID"), GlobalRoute=recorder("GlobalRoute"), AHAttr=recorder("AHAttr")
+        ),
+        qp=SimpleNamespace(QPAttr=recorder("QPAttr")),
+    )
+    attr = rdma.build_qp_attr(
+        rdma.qp_marking(1, DSCPS), "fe80::2", gid_index=3, port_num=2, pyverbs=fake
+    )
+    assert made["GID"]["args"] == ("fe80::2",)
+    assert made["GlobalRoute"]["traffic_class"] == 34 << 2
+    assert made["GlobalRoute"]["sgid_index"] == 3
+    assert made["AHAttr"]["sl"] == 1 and made["AHAttr"]["is_global"] == 1
+    assert made["AHAttr"]["port_num"] == 2 and attr.ah_attr.name == "AHAttr"

@@ -1,0 +1,112 @@
+"""flowsched.torch: trafficClass detection, with fake torch modules and, if present, real torch."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from flowsched import torch as fs_torch
+from flowsched.model import FlowClass
+
+
+class _Config:
+    def __init__(self) -> None:
+        self.traffic_class = -1
+
+
+class _OptionsWithConfig:
+    def __init__(self) -> None:
+        self.config = _Config()
+
+
+class _OptionsWithoutTc:
+    def __init__(self) -> None:
+        self.config = SimpleNamespace()
+
+
+def _fake_dist(options_cls: Any | None) -> Any:
+    calls: list[dict[str, Any]] = []
+
+    def new_group(**kwargs: Any) -> str:
+        calls.append(kwargs)
+        return "group"
+
+    pg = SimpleNamespace(Options=options_cls) if options_cls is not None else None
+    dist = SimpleNamespace(new_group=new_group, calls=calls)
+    if pg is not None:
+        dist.ProcessGroupNCCL = pg
+    return dist
+
+
+def test_traffic_class_is_set_when_torch_supports_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLOWSCHED_CLASS", raising=False)
+    dist = _fake_dist(_OptionsWithConfig)
+    result = fs_torch.new_group("kv", ranks=[0, 1], traffic_class=7, dist=dist)
+    assert result.method == fs_torch.METHOD_NCCL_CONFIG
+    assert dist.calls[0]["pg_options"].config.traffic_class == 7
+    assert "FLOWSCHED_CLASS" not in os.environ
+
+
+@pytest.mark.parametrize("options", [None, _OptionsWithoutTc], ids=["no-pg-nccl", "no-tc-field"])
+def test_fallback_sets_flowsched_class(monkeypatch: pytest.MonkeyPatch, options: Any) -> None:
+    monkeypatch.delenv("FLOWSCHED_CLASS", raising=False)
+    dist = _fake_dist(options)
+    result = fs_torch.new_group(FlowClass.PARAM_SYNC, traffic_class=3, dist=dist)
+    assert result.method == fs_torch.METHOD_ENV
+    assert os.environ["FLOWSCHED_CLASS"] == "param_sync"
+    assert "pg_options" not in dist.calls[0]
+
+
+def test_traffic_class_defaults_to_the_policy_map() -> None:
+    from flowsched import policyfile
+
+    cfg = policyfile.embedded_default()
+    for cls in FlowClass:
+        values = cfg.classes[cls].traffic_classes
+        assert fs_torch.traffic_class_for(cls) == (values[0] if values else None)
+
+
+needs_torch = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None,
+    reason="torch is not installed (pip install torch==2.13.0)",
+)
+
+
+@needs_torch
+def test_detection_agrees_with_the_installed_torch() -> None:
+    import torch.distributed as dist
+
+    pg = getattr(dist, "ProcessGroupNCCL", None)
+    try:
+        config = pg.Options().config if pg is not None else None
+    except Exception:
+        config = None
+    supported = config is not None and hasattr(config, "traffic_class")
+    options = fs_torch.nccl_options_with_traffic_class(5)
+    assert (options is not None) == supported
+    if options is not None:
+        assert options.config.traffic_class == 5
+
+
+@needs_torch
+def test_real_gloo_group_falls_back_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    import torch.distributed as dist
+
+    monkeypatch.delenv("FLOWSCHED_CLASS", raising=False)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        result = fs_torch.new_group("experience", backend="gloo")
+        assert result.method == fs_torch.METHOD_ENV
+        assert os.environ["FLOWSCHED_CLASS"] == "experience"
+        assert result.group is not None
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,222 @@
+"""flowsched.transfer over loopback: byte-exact delivery, marking, promotions, corruption."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from flowsched import transfer
+
+
+class FakeHandle:
+    """A flow handle whose level the test changes (as the SDK's reader thread would)."""
+
+    def __init__(self, level: int, dscp: int, so_priority: int = 0) -> None:
+        self.level, self.dscp, self.so_priority = level, dscp, so_priority
+        self.id: int | None = 42
+        self.listeners: list[Callable[[FakeHandle], None]] = []
+        self.reported: list[int] = []
+
+    def add_listener(self, cb: Callable[[FakeHandle], None]) -> None:
+        self.listeners.append(cb)
+
+    def remove_listener(self, cb: Callable[[FakeHandle], None]) -> None:
+        self.listeners.remove(cb)
+
+    def progress(self, sent: int) -> None:
+        self.reported.append(sent)
+
+    def promote(self, level: int, dscp: int) -> None:
+        self.level, self.dscp = level, dscp
+        for cb in list(self.listeners):
+            cb(self)
+
+
+@pytest.mark.parametrize("size", [0, 1, 65_537, 3 * 1024 * 1024 + 11], ids=str)
+def test_pattern_payload_arrives_byte_exact(size: int) -> None:
+    with transfer.Receiver() as rx:
+        stats = transfer.send_flow(rx.address, size, seed=7, flow_id=9, timeout=10)
+        got = rx.results.get(timeout=10)
+    assert got.ok and got.bytes == size and got.flow_id == 9
+    assert got.digest == stats.digest == transfer.pattern_digest(size, seed=7)
+
+
+def test_explicit_bytes_arrive_byte_exact() -> None:
+    data = os.urandom(1_000_003)
+    with transfer.Receiver() as rx:
+        transfer.send_flow(rx.address, data, chunk=4096, timeout=10)
+        got = rx.results.get(timeout=10)
+    assert got.ok and got.digest == hashlib.sha256(data).hexdigest()
+
+
+def test_socket_gets_the_flow_marking_and_follows_a_promotion() -> None:
+    handle = FakeHandle(level=5, dscp=10, so_priority=1)
+    seen_tos: list[int] = []
+    halfway = threading.Event()
+    promoted = threading.Event()
+    original_progress = handle.progress
+
+    def on_progress(sent: int) -> None:
+        original_progress(sent)
+        if sent >= 4 << 20:
+            halfway.set()
+            promoted.wait(5)  # hold the sender at a chunk boundary until the promotion landed
+
+    handle.progress = on_progress  # type: ignore[method-assign]
+    with transfer.Receiver() as rx:
+        sock = socket.create_connection(rx.address)
+
+        def promoter() -> None:  # the SDK's reader thread, in real use
+            halfway.wait(5)
+            seen_tos.append(sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS))
+            handle.promote(0, 46)
+            seen_tos.append(sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS))
+            promoted.set()
+
+        thread = threading.Thread(target=promoter)
+        thread.start()
+        try:
+            stats = transfer.send_flow(sock, 16 << 20, flow_handle=handle, timeout=10)
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_PRIORITY) == 1
+        finally:
+            thread.join(5)
+            sock.close()
+        assert rx.results.get(timeout=10).ok
+    assert seen_tos == [10 << 2, 46 << 2]  # applied by the promoting thread, at once
+    assert [level for _, level in stats.levels] == [5, 0]
+    assert not handle.listeners  # the sender unregistered its listener
+
+
+def test_progress_is_reported_to_the_flow() -> None:
+    handle = FakeHandle(level=1, dscp=8)
+    with transfer.Receiver() as rx:
+        transfer.send_flow(rx.address, 5 << 20, flow_handle=handle, report_every=1 << 20)
+        assert rx.results.get(timeout=10).ok
+    assert handle.reported[-1] == 5 << 20
+    assert handle.reported == sorted(handle.reported) and len(handle.reported) >= 5
+
+
+def test_corrupted_payload_is_detected_and_the_sender_told() -> None:
+    with transfer.Receiver() as rx:
+        sock = socket.create_connection(rx.address)
+        with sock:
+            payload = b"x" * 1000
+            sock.sendall(transfer.HEADER.pack(transfer.MAGIC, 0, len(payload), 1) + payload)
+            sock.sendall(hashlib.sha256(b"y" * 1000).digest())
+            assert sock.recv(1) == b"\x00"
+        got = rx.results.get(timeout=10)
+    assert not got.ok and got.bytes == 1000 and "mismatch" in (got.error or "")
+
+
+def test_short_transfer_is_reported_as_incomplete() -> None:
+    with transfer.Receiver() as rx:
+        sock = socket.create_connection(rx.address)
+        sock.sendall(transfer.HEADER.pack(transfer.MAGIC, 0, 5000, 1) + b"z" * 100)
+        sock.close()
+        got = rx.results.get(timeout=10)
+    assert not got.ok and got.bytes == 100 and "100/5000 bytes, incomplete" in (got.error or "")
+
+
+def test_bad_magic_is_rejected() -> None:
+    with transfer.Receiver() as rx:
+        with socket.create_connection(rx.address) as sock:
+            sock.sendall(b"HTTP" + bytes(20))
+        got = rx.results.get(timeout=10)
+    assert not got.ok and "magic" in (got.error or "")
+
+
+def test_unreachable_receiver_is_a_transfer_error() -> None:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    with pytest.raises(transfer.TransferError, match="cannot connect"):
+        transfer.send_flow(("127.0.0.1", port), 10, timeout=2)
+
+
+def test_marker_sets_ipv6_traffic_class() -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 in this kernel")
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError as exc:
+        pytest.skip(f"cannot create an IPv6 socket: {exc}")
+    with sock:
+        transfer.SocketMarker(sock).apply(0, 46, 0)
+        assert sock.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS) == 46 << 2
+
+
+def test_agent_promotion_reaches_a_transfer_socket(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from flowsched import client
+    from flowsched.agent import AgentConfig
+    from flowsched.agent.threaded import AgentThread
+
+    config = AgentConfig(node="n1", socket_path=str(tmp_path / "agent.sock"),
+                         table_path=str(tmp_path / "table"), num_slots=8, metrics_port=None,
+                         fallback_after=60.0, interfaces=("lo",))  # fmt: skip
+    seen: list[int] = []
+    with AgentThread(config) as agent, transfer.Receiver() as rx:
+        try:
+            with client.flow("kv", socket_path=config.socket_path) as handle:
+                halfway, done = threading.Event(), threading.Event()
+                report = handle.progress
+
+                def on_progress(sent: int) -> None:
+                    report(sent)
+                    if sent >= 2 << 20 and not done.is_set():
+                        halfway.set()
+                        done.wait(5)
+
+                handle.progress = on_progress  # type: ignore[method-assign]
+                sock = socket.create_connection(rx.address)
+
+                def promote() -> None:
+                    halfway.wait(5)
+                    agent.run(lambda: agent.agent.apply_levels([(handle.id, 0)]))
+                    end = time.monotonic() + 3
+                    while handle.level != 0 and time.monotonic() < end:
+                        time.sleep(0.005)
+                    seen.append(sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS))
+                    done.set()
+
+                thread = threading.Thread(target=promote)
+                thread.start()
+                with sock:
+                    transfer.send_flow(sock, 8 << 20, flow_handle=handle, timeout=10)
+                thread.join(5)
+            assert rx.results.get(timeout=10).ok
+        finally:
+            conn = client._connections.pop(config.socket_path, None)
+            if conn is not None:
+                conn.close()
+    assert seen == [agent.agent.view.marking(0).dscp << 2]
+
+
+class _NoPrioritySocket:
+    """A socket stand-in whose SO_PRIORITY needs a capability we do not have."""
+
+    family = socket.AF_INET
+
+    def __init__(self) -> None:
+        self.options: dict[tuple[int, int], int] = {}
+
+    def setsockopt(self, level: int, name: int, value: int) -> None:
+        if name == socket.SO_PRIORITY and value > 6:
+            raise PermissionError(1, "Operation not permitted")
+        self.options[level, name] = value
+
+
+def test_priority_without_capability_keeps_the_dscp(caplog: pytest.LogCaptureFixture) -> None:
+    fake = _NoPrioritySocket()
+    marker = transfer.SocketMarker(fake)  # type: ignore[arg-type]
+    marker.apply(0, 46, 7)
+    marker.apply(1, 34, 9)
+    assert fake.options[socket.IPPROTO_IP, socket.IP_TOS] == 34 << 2
+    assert [level for _, level in marker.applied] == [0, 1]
+    assert sum("CAP_NET_ADMIN" in r.getMessage() for r in caplog.records) == 1

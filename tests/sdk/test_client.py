@@ -1,0 +1,220 @@
+"""flowsched.client against a real agent on a background thread, and without any agent."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flowsched import client
+from flowsched.agent import AgentConfig
+from flowsched.agent.threaded import AgentThread
+from flowsched.model import FlowClass
+from flowsched.shm.table import EmulatedPluginSlot, FlowTable
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[AgentThread]:
+    config = AgentConfig(
+        node="n1",
+        socket_path=str(tmp_path / "s" / "agent.sock"),
+        table_path=str(tmp_path / "table"),
+        num_slots=16,
+        metrics_port=None,
+        fallback_after=60.0,
+        interfaces=("lo",),
+    )
+    running = AgentThread(config)
+    running.start()
+    try:
+        yield running
+    finally:
+        for conn in list(client._connections.values()):
+            conn.close()
+        client._connections.clear()
+        running.stop()
+
+
+def _wait(predicate, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError("condition not reached")
+        time.sleep(0.01)
+
+
+def test_flow_is_opened_reported_and_closed(agent: AgentThread) -> None:
+    path = agent.ready.socket  # type: ignore[union-attr]
+    deadline = time.time() + 30
+    with client.flow("kv", bytes=1000, deadline=deadline, request="r1", socket_path=path) as handle:
+        assert handle.connected and handle.id is not None
+        flow = agent.agent.registry.flows[handle.id]  # type: ignore[union-attr]
+        assert (flow.cls, flow.size, flow.deadline, flow.request) == (
+            FlowClass.KV,
+            1000,
+            deadline,
+            "r1",
+        )
+        assert handle.level == agent.agent.view.default_level(FlowClass.KV)
+        assert handle.dscp == agent.agent.view.marking(handle.level).dscp
+        assert handle.tos == handle.dscp << 2
+        handle.progress(400)
+        _wait(lambda: flow.sent == 400)
+    _wait(lambda: handle.id not in agent.agent.registry.flows)  # type: ignore[union-attr]
+
+
+def test_level_changes_are_pushed_to_listeners(agent: AgentThread) -> None:
+    seen: list[int] = []
+    changed = threading.Event()
+    with client.flow("param_sync", socket_path=agent.ready.socket) as handle:  # type: ignore[union-attr]
+        handle.add_listener(lambda h: (seen.append(h.level), changed.set()))
+        agent.run(lambda: agent.agent.apply_levels([(handle.id, 0)]))
+        assert changed.wait(3)
+        assert handle.level == 0 and seen == [0]
+        assert handle.dscp == agent.agent.view.marking(0).dscp
+
+
+def test_linking_rule_moves_plugin_bytes_and_levels(agent: AgentThread) -> None:
+    table = FlowTable.open(agent.ready.table, writable=True)  # type: ignore[union-attr]
+    try:
+        same = EmulatedPluginSlot(table, class_id=int(FlowClass.EXPERIENCE), peer_rank=1)
+        other_peer = EmulatedPluginSlot(table, class_id=int(FlowClass.EXPERIENCE), peer_rank=2)
+        registry = agent.agent.registry
+        assert registry is not None
+        _wait(lambda: len(registry.slots) == 2)
+        with client.flow(
+            "experience", consumer_step=5, job="j", peer=1, socket_path=agent.ready.socket
+        ) as handle:  # type: ignore[union-attr]
+            same.send(700)
+            other_peer.send(50)
+            _wait(lambda: registry.flows[handle.id].sent == 700)  # type: ignore[index]
+            agent.run(lambda: agent.agent.apply_levels([(handle.id, 2)]))
+            assert same.raw_level() == 2
+            assert other_peer.raw_level() != 2
+        _wait(lambda: registry.slots[same.index, same.claim_seq].flow_id is not None)
+    finally:
+        table.close()
+
+
+def test_job_progress_reaches_the_agent(agent: AgentThread) -> None:
+    assert client.job_progress("job-7", 12, layer=3, socket_path=agent.ready.socket)  # type: ignore[union-attr]
+    _wait(lambda: agent.agent.registry.job_index.get("job-7") == 12)  # type: ignore[union-attr]
+
+
+def test_without_agent_degrades_to_static_default(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = str(tmp_path / "nobody.sock")
+    caplog.set_level(logging.WARNING, logger="flowsched.client")
+    try:
+        with client.flow("tp", socket_path=path) as first:
+            assert not first.connected
+            assert first.marking == client.static_marking(FlowClass.TP)
+            first.progress(10)  # must not raise
+        with client.flow("bulk", socket_path=path) as second:
+            assert second.level == client.static_marking(FlowClass.BULK).level
+        assert not client.job_progress("j", 1, socket_path=path)
+    finally:
+        client._connections.pop(path, None)
+    warnings = [r for r in caplog.records if "no flowsched agent" in r.getMessage()]
+    assert len(warnings) == 1
+
+
+def test_static_default_follows_the_embedded_policy() -> None:
+    from flowsched import policyfile
+
+    cfg = policyfile.embedded_default()
+    mark = client.static_marking(FlowClass.KV)
+    assert mark.level == cfg.classes[FlowClass.KV].default_level
+    assert mark.dscp == cfg.levels[mark.level].dscp
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({"bytes": -1}, "bytes", id="negative-bytes"),
+        pytest.param({"deadline": "soon"}, "deadline", id="text-deadline"),
+        pytest.param({"peer": -3}, "peer", id="bad-peer"),
+    ],
+)
+def test_argument_errors_raise(kwargs: dict[str, object], message: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=message):
+        client.open_flow("kv", socket_path=str(tmp_path / "x"), **kwargs)  # type: ignore[arg-type]
+
+
+def test_default_socket_path_honours_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOWSCHED_SOCKET", "/tmp/somewhere.sock")
+    assert client.default_socket_path() == "/tmp/somewhere.sock"
+    monkeypatch.delenv("FLOWSCHED_SOCKET")
+    expected = "/run/flowsched/agent.sock" if os.geteuid() == 0 else None
+    if expected:
+        assert client.default_socket_path() == expected
+
+
+def test_open_flows_are_reopened_at_a_restarted_agent(tmp_path: Path) -> None:
+    config = AgentConfig(
+        node="n1",
+        socket_path=str(tmp_path / "agent.sock"),
+        table_path=str(tmp_path / "table"),
+        num_slots=8,
+        metrics_port=None,
+        fallback_after=60.0,
+        interfaces=("lo",),
+    )
+    first = AgentThread(config)
+    first.start()
+    try:
+        handle = client.open_flow("param_sync", bytes=100, socket_path=config.socket_path)
+        handle.progress(40)
+        old_id = handle.id
+        assert old_id is not None
+        first.stop()
+        _wait(lambda: handle.id is None)
+        second = AgentThread(config)
+        second.start()
+        try:
+            _wait(lambda: handle.id is not None)
+            registry = second.agent.registry
+            assert registry is not None
+            _wait(lambda: handle.id in registry.flows and registry.flows[handle.id].sent == 40)
+            assert registry.flows[handle.id].size == 100  # type: ignore[index]
+            handle.close()
+            _wait(lambda: not registry.flows)
+        finally:
+            second.stop()
+    finally:
+        client._connections.pop(config.socket_path, None)
+
+
+def test_flow_opened_before_the_agent_starts_is_adopted(tmp_path: Path) -> None:
+    config = AgentConfig(
+        node="n1",
+        socket_path=str(tmp_path / "agent.sock"),
+        table_path=str(tmp_path / "table"),
+        num_slots=8,
+        metrics_port=None,
+        fallback_after=60.0,
+        interfaces=("lo",),
+    )
+    try:
+        with client.flow("kv", socket_path=config.socket_path) as handle:
+            assert not handle.connected
+            with AgentThread(config):
+                _wait(lambda: handle.connected)
+    finally:
+        conn = client._connections.pop(config.socket_path, None)
+        if conn is not None:
+            conn.close()
+
+
+def test_consumer_step_defaults_to_the_last_reported_job(agent: AgentThread) -> None:
+    path = agent.ready.socket  # type: ignore[union-attr]
+    client.job_progress("train-3", 7, socket_path=path)
+    with client.flow("experience", consumer_step=9, socket_path=path) as handle:
+        flow = agent.agent.registry.flows[handle.id]  # type: ignore[union-attr, index]
+        assert (flow.job, flow.consumer_index) == ("train-3", 9)

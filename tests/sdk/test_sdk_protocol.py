@@ -1,0 +1,92 @@
+"""The SDK wire format: round trips and validation errors that name the field."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flowsched.protocol import sdk
+
+ROUND_TRIP = [
+    pytest.param(sdk.Open(1, "kv", 10, 5.5, None, "job", "req-1", 3), "agent", id="open-full"),
+    pytest.param(sdk.Open(7, "tp"), "agent", id="open-minimal"),
+    pytest.param(sdk.Progress(2**64 - 1, 5), "agent", id="progress"),
+    pytest.param(sdk.Close(9, 0), "agent", id="close"),
+    pytest.param(sdk.JobProgress("j", -1, 4), "agent", id="job-progress"),
+    pytest.param(sdk.Opened(1, 99, 3, 46, 6, 5), "client", id="opened"),
+    pytest.param(sdk.Level(99, 0, 46, 6), "client", id="level"),
+    pytest.param(sdk.Error("bad", "why", 4), "client", id="error"),
+]
+
+
+@pytest.mark.parametrize(("message", "side"), ROUND_TRIP)
+def test_round_trip(message: sdk.SdkMessage, side: str) -> None:
+    decoder = sdk.SdkDecoder(side)
+    data = sdk.encode(message) * 2
+    for i in range(len(data)):  # byte by byte: framing must reassemble
+        decoder.feed(data[i : i + 1])
+    assert decoder.next_message() == message
+    assert decoder.next_message() == message
+    assert decoder.next_message() is None
+
+
+def _frame(body: dict[str, object]) -> bytes:
+    raw = msgpack.packb(body)
+    return len(raw).to_bytes(4, "big") + raw
+
+
+BAD = [
+    pytest.param({"t": "open", "ref": 1, "cls": "nope"}, "open.cls", id="unknown-class"),
+    pytest.param({"t": "open", "ref": -1, "cls": "kv"}, "open.ref", id="negative-ref"),
+    pytest.param({"t": "open", "cls": "kv"}, "open.ref: missing", id="missing-ref"),
+    pytest.param(
+        {"t": "open", "ref": 1, "cls": "kv", "deadline": float("nan")},
+        "open.deadline",
+        id="nan-deadline",
+    ),
+    pytest.param({"t": "open", "ref": 1, "cls": "kv", "size": "big"}, "open.size", id="str-size"),
+    pytest.param(
+        {"t": "open", "ref": 1, "cls": "kv", "pid": 3}, "unknown field 'pid'", id="unknown-field"
+    ),
+    pytest.param({"t": "progress", "id": 1, "sent": -5}, "progress.sent", id="negative-sent"),
+    pytest.param({"t": "job_progress", "job": "", "step": 1}, "job_progress.job", id="empty-job"),
+    pytest.param({"t": "opened", "ref": 1}, "unexpected message type", id="agent-only-type"),
+    pytest.param({"t": "exec", "code": "x"}, "unknown or unexpected", id="unknown-type"),
+    pytest.param({"x": 1}, "string 't'", id="no-type"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD)
+def test_bad_frames_name_the_field(body: dict[str, object], message: str) -> None:
+    decoder = sdk.SdkDecoder("agent")
+    decoder.feed(_frame(body))
+    with pytest.raises(sdk.SdkProtocolError, match=message):
+        decoder.next_message()
+
+
+def test_oversized_frame_is_rejected_from_its_header() -> None:
+    decoder = sdk.SdkDecoder("agent")
+    decoder.feed((sdk.MAX_SDK_FRAME + 1).to_bytes(4, "big"))
+    with pytest.raises(sdk.SdkProtocolError, match=r"exceeds|announces"):
+        decoder.next_message()
+
+
+def test_non_map_and_extension_types_are_rejected() -> None:
+    for raw in (msgpack.packb([1, 2]), msgpack.packb(msgpack.ExtType(1, b"x"))):
+        decoder = sdk.SdkDecoder("agent")
+        decoder.feed(len(raw).to_bytes(4, "big") + raw)
+        with pytest.raises(sdk.SdkProtocolError):
+            decoder.next_message()
+
+
+@given(st.binary(max_size=300))
+def test_random_bytes_never_crash(data: bytes) -> None:
+    decoder = sdk.SdkDecoder("agent")
+    decoder.feed(data)
+    try:
+        while decoder.next_message() is not None:
+            pass
+    except sdk.SdkProtocolError:
+        pass
