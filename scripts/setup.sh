@@ -23,4 +23,4 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q -e '.[dev]'
+"$venv/bin/python" -m pip install -q -e '.[dev,torch]'

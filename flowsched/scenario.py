@@ -1,0 +1,431 @@
+"""Scenario files (TOML) and their seeded traces, shared by the simulator and the testbed.
+
+A scenario file has a ``[scenario]`` table and one or both workload tables, ``[serving]``
+(prefill/decode-disaggregated LLM serving, the MFS setting) and ``[rl]`` (disaggregated RL
+post-training); a file with both is a mixed scenario whose workloads share node names, hence
+links. ``[sim]`` holds engine knobs. The format is documented field by field in
+``bench/scenarios/README.md``; every dataclass field below is a key of the table of the same
+name.
+
+Public API:
+
+* :func:`load` / :func:`parse` read and validate a file or a TOML string; errors raise
+  :class:`ScenarioError` whose message names every bad field path (``serving.layers: ...``);
+* :func:`resolve` turns a name (``pd-serving``) or a path into a file path;
+* :func:`serving_trace` and :func:`rl_plan` generate the seeded, load-scaled workload that both
+  the simulator and the testbed replay;
+* :func:`serving_arrival_rate` / :func:`isolated_ttft` expose the load and SLO rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+#: directory of the bundled scenarios (repository checkout)
+SCENARIO_DIR = Path(__file__).resolve().parent.parent / "bench" / "scenarios"
+
+
+class ScenarioError(ValueError):
+    """A scenario file is invalid; ``errors`` lists ``"field.path: problem"`` strings."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+@dataclass(frozen=True, slots=True)
+class ScenarioMeta:
+    """``[scenario]``: identity, seed and the measured/warm-up sizes."""
+
+    name: str
+    description: str = ""
+    seed: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SimSection:
+    """``[sim]``: engine knobs (see :class:`flowsched.sim.engine.SimConfig`)."""
+
+    chunk_kib: int = 512
+    timer_ms: float = 1.0
+    load_tau_ms: float = 1.0
+    num_levels: int = 8
+    oversubscription: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServingSection:
+    """``[serving]``: prefill instances, decode servers, model, GPU and request trace."""
+
+    instances: int = 2
+    servers_per_instance: int = 2
+    gpus_per_server: int = 4
+    nics_per_server: int = 2
+    nic_gbps: float = 100.0
+    decode_servers: int = 2
+    decode_nics: int = 2
+    prefill_prefix: str = "p"
+    decode_prefix: str = "d"
+    layers: int = 32
+    kv_bytes_per_token_layer: int = 4096
+    a2a_bytes_per_token_layer: int = 32768
+    flops_per_token_layer: float = 0.78e9
+    weight_bytes_per_gpu_layer: float = 352e6
+    gpu_tflops: float = 312.0
+    gpu_efficiency: float = 0.55
+    gpu_mem_gbps: float = 2000.0
+    batch_tokens: int = 8192
+    lookahead: int = 3
+    mean_prompt_tokens: float = 1000.0
+    prompt_sigma: float = 1.0
+    max_prompt_tokens: int = 8192
+    reuse_mean: float = 0.65
+    reuse_concentration: float = 4.0
+    prefix_groups: int = 16
+    prefix_zipf: float = 1.1
+    router_max_wait_tokens: int = 8192
+    slo_factor: float = 3.0
+    warmup_requests: int = 100
+    requests: int = 300
+
+
+@dataclass(frozen=True, slots=True)
+class RlSection:
+    """``[rl]``: trainer and rollout groups, the iteration pipeline and transfer sizes."""
+
+    trainer_nodes: int = 4
+    rollout_nodes: int = 4
+    nics_per_node: int = 2
+    nic_gbps: float = 100.0
+    trainer_prefix: str = "t"
+    rollout_prefix: str = "r"
+    iterations: int = 12
+    warmup_iterations: int = 2
+    steps_per_iteration: int = 4
+    phases_per_step: int = 8
+    phase_compute_ms: float = 20.0
+    tp_bytes_per_phase: float = 64e6
+    generation_ms: float = 800.0
+    generation_chunks: int = 16
+    gen_tp_bytes_per_chunk: float = 16e6
+    param_bytes: float = 14e9
+    experience_bytes: float = 2e9
+    staleness: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A validated scenario file."""
+
+    scenario: ScenarioMeta
+    sim: SimSection = field(default_factory=SimSection)
+    serving: ServingSection | None = None
+    rl: RlSection | None = None
+    path: str | None = None
+
+    @property
+    def kind(self) -> str:
+        """``pd-serving``, ``rl-disaggregated`` or ``mixed``."""
+        if self.serving and self.rl:
+            return "mixed"
+        return "pd-serving" if self.serving else "rl-disaggregated"
+
+
+_POSITIVE = {
+    "instances",
+    "servers_per_instance",
+    "gpus_per_server",
+    "nics_per_server",
+    "nic_gbps",
+    "decode_servers",
+    "decode_nics",
+    "layers",
+    "kv_bytes_per_token_layer",
+    "flops_per_token_layer",
+    "gpu_tflops",
+    "gpu_efficiency",
+    "gpu_mem_gbps",
+    "batch_tokens",
+    "mean_prompt_tokens",
+    "max_prompt_tokens",
+    "prefix_groups",
+    "slo_factor",
+    "requests",
+    "trainer_nodes",
+    "rollout_nodes",
+    "nics_per_node",
+    "iterations",
+    "steps_per_iteration",
+    "phases_per_step",
+    "generation_ms",
+    "generation_chunks",
+    "param_bytes",
+    "num_levels",
+    "reuse_concentration",
+    "staleness",
+}
+_FRACTIONS = {"reuse_mean", "gpu_efficiency"}
+
+
+# --------------------------------------------------------------------------- parsing
+def resolve(name_or_path: str) -> Path:
+    """A scenario path from a path or a bundled name (``pd-serving`` -> bench/scenarios/...)."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    bundled = SCENARIO_DIR / f"{name_or_path}.toml"
+    if bundled.exists():
+        return bundled
+    known = ", ".join(sorted(p.stem for p in SCENARIO_DIR.glob("*.toml")))
+    raise ScenarioError(
+        [f"scenario: no file {name_or_path!r} and no bundled scenario (known: {known})"]
+    )
+
+
+def load(name_or_path: str) -> Scenario:
+    """Read and validate a scenario file (path or bundled name)."""
+    path = resolve(name_or_path)
+    return parse(path.read_text(), str(path))
+
+
+def parse(text: str, path: str | None = None) -> Scenario:
+    """Validate TOML ``text``; raise :class:`ScenarioError` naming every bad field path."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError([f"{path or 'scenario'}: invalid TOML: {exc}"]) from None
+    errors: list[str] = []
+    sections = {
+        "scenario": ScenarioMeta,
+        "sim": SimSection,
+        "serving": ServingSection,
+        "rl": RlSection,
+    }
+    errors += [f"{key}: unknown table" for key in data if key not in sections]
+    if "scenario" not in data:
+        errors.append("scenario: missing table")
+    if "serving" not in data and "rl" not in data:
+        errors.append("serving: a scenario needs a [serving] or an [rl] table (or both)")
+    built = {
+        key: _build(cls, data[key], key, errors) for key, cls in sections.items() if key in data
+    }
+    if errors:
+        raise ScenarioError(errors)
+    return Scenario(path=path, **built)
+
+
+def _build(cls: type, table: Any, path: str, errors: list[str]) -> Any:
+    if not isinstance(table, dict):
+        errors.append(f"{path}: expected a table")
+        return None
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    errors += [f"{path}.{key}: unknown key" for key in table if key not in fields]
+    values: dict[str, Any] = {}
+    for name, spec in fields.items():
+        if name in table:
+            values[name] = _check_value(table[name], hints[name], f"{path}.{name}", errors)
+        elif spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
+            errors.append(f"{path}.{name}: missing required key")
+    if any(e.startswith(f"{path}.") for e in errors):
+        return None
+    return cls(**values)
+
+
+def _check_value(value: Any, hint: Any, path: str, errors: list[str]) -> Any:
+    expected = _expected_type(hint)
+    ok = isinstance(value, expected) and not isinstance(value, bool)
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        errors.append(f"{path}: expected {expected.__name__}, got {value!r}")
+        return None
+    key = path.rsplit(".", 1)[-1]
+    if isinstance(value, int | float) and _out_of_range(key, value):
+        errors.append(f"{path}: {value!r} is out of range ({_range_text(key)})")
+    return value
+
+
+def _expected_type(hint: Any) -> type:
+    if isinstance(hint, types.UnionType):
+        return next(a for a in typing.get_args(hint) if a is not type(None))  # type: ignore[no-any-return]
+    return hint  # type: ignore[no-any-return]
+
+
+def _out_of_range(key: str, value: float) -> bool:
+    if key in _FRACTIONS:
+        return not 0.0 <= value <= 1.0 or (key == "gpu_efficiency" and value == 0)
+    if key in _POSITIVE:
+        return value <= 0
+    return value < 0 or (isinstance(value, float) and not math.isfinite(value))
+
+
+def _range_text(key: str) -> str:
+    if key in _FRACTIONS:
+        return "expected 0..1"
+    return "expected > 0" if key in _POSITIVE else "expected >= 0"
+
+
+# --------------------------------------------------------------------------- serving trace
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One serving request of a trace (tokens; ``prefix_group`` = which cached prefix it reuses)."""
+
+    request_id: str
+    arrival: float
+    prompt_tokens: int
+    reused_tokens: int
+    prefix_group: int
+    slo: float
+    warmup: bool
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens that must be computed (the prompt minus the reused prefix)."""
+        return self.prompt_tokens - self.reused_tokens
+
+
+def layer_compute_time(cfg: ServingSection, new_tokens: int) -> float:
+    """Roofline time of one layer on one instance: max(FLOPs, expert-weight reads).
+
+    FLOPs = flops_per_token_layer x tokens spread over the instance's GPUs at
+    ``gpu_tflops x gpu_efficiency``; the memory floor is each GPU reading its expert weights.
+    """
+    gpus = cfg.servers_per_instance * cfg.gpus_per_server
+    flops = (
+        cfg.flops_per_token_layer * new_tokens / (gpus * cfg.gpu_tflops * 1e12 * cfg.gpu_efficiency)
+    )
+    memory = cfg.weight_bytes_per_gpu_layer / (cfg.gpu_mem_gbps * 1e9)
+    return max(flops, memory)
+
+
+def a2a_cross_bytes(cfg: ServingSection, new_tokens: int) -> float:
+    """All-to-all bytes of one layer that cross servers (leave a NIC), whole instance.
+
+    Each token sends ``a2a_bytes_per_token_layer`` (dispatch + combine); a uniform expert choice
+    sends the fraction (GPUs on other servers) / (GPUs of the instance) across the network.
+    """
+    gpus = cfg.servers_per_instance * cfg.gpus_per_server
+    remote = (gpus - cfg.gpus_per_server) / gpus
+    return new_tokens * cfg.a2a_bytes_per_token_layer * remote
+
+
+def isolated_ttft(cfg: ServingSection, prompt_tokens: int, new_tokens: int) -> float:
+    """Contention-free TTFT of a request served alone on the instance holding its prefix.
+
+    Per layer: compute, then the all-to-all at full NIC speed; the P2D KV of each layer overlaps
+    the next layer, so only the last layer's P2D adds: ``L x (C + A2A) + P2D_layer``.
+    """
+    nic = cfg.nic_gbps * 1e9 / 8
+    nics = cfg.servers_per_instance * cfg.nics_per_server
+    a2a = a2a_cross_bytes(cfg, new_tokens) / nics / nic
+    p2d = prompt_tokens * cfg.kv_bytes_per_token_layer / nic
+    per_layer = layer_compute_time(cfg, new_tokens) + a2a
+    return cfg.layers * per_layer + max(p2d - per_layer, 0.0) * cfg.layers + p2d
+
+
+def serving_capacity(cfg: ServingSection) -> float:
+    """Requests/s the prefill instances sustain at the mean request size (load 1.0).
+
+    Mean isolated busy time per request = L x (C + A2A) at the mean new-token count; the
+    instances work in parallel.
+    """
+    new = max(int(cfg.mean_prompt_tokens * (1 - cfg.reuse_mean)), 1)
+    nic = cfg.nic_gbps * 1e9 / 8
+    nics = cfg.servers_per_instance * cfg.nics_per_server
+    busy = cfg.layers * (layer_compute_time(cfg, new) + a2a_cross_bytes(cfg, new) / nics / nic)
+    return cfg.instances / busy
+
+
+def serving_arrival_rate(cfg: ServingSection, load: float) -> float:
+    """Poisson arrival rate (requests/s) for ``load`` (fraction of :func:`serving_capacity`)."""
+    return load * serving_capacity(cfg)
+
+
+def serving_trace(cfg: ServingSection, load: float, seed: int) -> list[Request]:
+    """The seeded request trace at ``load``: Poisson arrivals, lognormal prompts, Beta reuse.
+
+    Prompt lengths are lognormal with mean ``mean_prompt_tokens`` and log-sd ``prompt_sigma``;
+    the reused fraction is Beta-distributed with mean ``reuse_mean``; the prefix a request
+    reuses is drawn Zipf(``prefix_zipf``) over ``prefix_groups`` (hot prefixes make victim
+    units). The same seed gives the same sizes at every load; only the arrival times scale.
+    """
+    rng = random.Random(seed)
+    rate = serving_arrival_rate(cfg, load)
+    weights = [1.0 / (g + 1) ** cfg.prefix_zipf for g in range(cfg.prefix_groups)]
+    mu = math.log(cfg.mean_prompt_tokens) - cfg.prompt_sigma**2 / 2
+    alpha = cfg.reuse_mean * cfg.reuse_concentration
+    beta = (1 - cfg.reuse_mean) * cfg.reuse_concentration
+    now, requests = 0.0, []
+    for i in range(cfg.warmup_requests + cfg.requests):
+        gap = rng.expovariate(1.0)
+        prompt = min(max(int(rng.lognormvariate(mu, cfg.prompt_sigma)), 16), cfg.max_prompt_tokens)
+        reuse = rng.betavariate(alpha, beta) if alpha > 0 and beta > 0 else cfg.reuse_mean
+        reused = min(int(prompt * reuse), prompt - 1)
+        group = rng.choices(range(cfg.prefix_groups), weights)[0]
+        now += gap / rate
+        slo = cfg.slo_factor * isolated_ttft(cfg, prompt, prompt - reused)
+        requests.append(Request(f"q{i}", now, prompt, reused, group, slo, i < cfg.warmup_requests))
+    return requests
+
+
+# --------------------------------------------------------------------------- rl plan
+@dataclass(frozen=True, slots=True)
+class RlPlan:
+    """Load-scaled transfer sizes of the RL pipeline (bytes)."""
+
+    param_bytes: float
+    experience_bytes: float
+    tp_bytes_per_phase: float
+    gen_tp_bytes_per_chunk: float
+
+
+def _rl_window(cfg: RlSection) -> tuple[float, float, float]:
+    """(trainer node bandwidth B/s, sync window s, trainer TP bytes per node inside the window).
+
+    The trainer finishes iteration i one train step after generation i ends; the sync must land
+    before generation i + 1 + staleness starts, i.e. within ``staleness`` generation periods
+    minus that last step. The trainer's remaining steps of the next iteration run inside the
+    window and send their TP collectives through the same NICs.
+    """
+    bandwidth = cfg.nic_gbps * 1e9 / 8 * cfg.nics_per_node
+    tp_time = cfg.tp_bytes_per_phase / bandwidth
+    step = cfg.phases_per_step * (cfg.phase_compute_ms / 1e3 + tp_time)
+    window = max(cfg.staleness * cfg.generation_ms / 1e3 - step, 1e-3)
+    tp_bytes = (cfg.steps_per_iteration - 1) * cfg.phases_per_step * cfg.tp_bytes_per_phase
+    return bandwidth, window, tp_bytes * cfg.staleness
+
+
+def rl_nominal_load(cfg: RlSection) -> float:
+    """Load of the file's nominal sizes: trainer-egress bytes / capacity over the sync window.
+
+    Each trainer node sends its 1/trainer_nodes shard of the weights to every rollout node, and
+    its TP collectives; load 1.0 means a perfect scheduler just meets every sync deadline.
+    """
+    bandwidth, window, tp_bytes = _rl_window(cfg)
+    sync = cfg.param_bytes / cfg.trainer_nodes * cfg.rollout_nodes
+    return (sync + tp_bytes) / (bandwidth * window)
+
+
+def rl_plan(cfg: RlSection, load: float) -> RlPlan:
+    """Scale the param-sync and experience sizes so that :func:`rl_nominal_load` equals ``load``.
+
+    TP collective sizes are model properties and stay fixed; the deferrable transfers scale.
+    """
+    bandwidth, window, tp_bytes = _rl_window(cfg)
+    sync_per_node = max(load * bandwidth * window - tp_bytes, 0.0)
+    scale = sync_per_node / (cfg.param_bytes / cfg.trainer_nodes * cfg.rollout_nodes)
+    return RlPlan(
+        param_bytes=cfg.param_bytes * scale,
+        experience_bytes=cfg.experience_bytes * scale,
+        tp_bytes_per_phase=cfg.tp_bytes_per_phase,
+        gen_tp_bytes_per_chunk=cfg.gen_tp_bytes_per_chunk,
+    )

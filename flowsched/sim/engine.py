@@ -1,0 +1,423 @@
+"""Event-driven fluid network simulator that drives a :class:`~flowsched.policies.base.Policy`.
+
+Model
+-----
+* Flows cross a list of links (see :mod:`flowsched.sim.topology`). Rates are piecewise constant
+  between events and follow :mod:`flowsched.sim.allocate`: strict priority across levels,
+  max-min fairness within a level, ``Decision.rate`` as a per-flow cap.
+* Rates are recomputed lazily, once per simulated instant, and only for the part of the network
+  an event can change: the connected component (links <-> flows) of the touched links,
+  restricted to flows at or below the most urgent touched level. More urgent levels cannot be
+  affected by a change at a less urgent level, so their rates only reduce the residual capacity.
+* The policy is called on the coordinator's hooks: ``admit`` when a flow opens, ``reevaluate``
+  (all active flows, coalesced per instant) on job progress, flow completion and a periodic
+  timer, ``release`` when a flow closes.
+* Message boundaries: a decision change takes effect when the flow's sent bytes reach the next
+  multiple of ``chunk_bytes`` (one message never spans two levels). ``chunk_bytes = 0`` models
+  infinitesimal messages (changes apply at once).
+* ``Context.link_load`` is an EWMA (time constant ``load_tau``) of each link's utilization.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from flowsched.metrics import FlowRecord, RunRecords
+from flowsched.model import Context, Decision, Flow, FlowClass
+from flowsched.policies.base import Policy
+from flowsched.sim.allocate import allocate_levels
+
+DoneCallback = Callable[[Flow], None]
+
+_FLOW, _CALL, _TIMER, _REEVAL = 0, 1, 2, 3
+#: bytes below which a flow counts as finished (absorbs float rounding)
+_BYTE_EPS = 1e-3
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Engine knobs. ``timer_period`` <= 0 disables the periodic re-evaluation."""
+
+    chunk_bytes: int = 512 * 1024
+    timer_period: float = 1e-3
+    load_tau: float = 1e-3
+    default_bandwidth: float = 25e9
+
+
+@dataclass(slots=True, eq=False)
+class ActiveFlow:
+    """Engine state of one open flow (rates in bytes/s, ``remaining`` valid at ``t_mark``)."""
+
+    flow: Flow
+    links: tuple[int, ...]
+    level: int
+    cap: float | None
+    remaining: float
+    t_mark: float
+    on_done: DoneCallback | None
+    rate: float = 0.0
+    version: int = 0
+    target: float = 0.0
+    pending: Decision | None = None
+    first_level: int = -1
+    #: sent-byte offsets at which a level/cap change was applied (for invariant checks)
+    changes_at: list[float] = field(default_factory=list)
+
+
+class Simulator:
+    """The event loop. Workloads open flows, schedule callbacks and report job progress."""
+
+    def __init__(
+        self,
+        capacity: Mapping[str, float],
+        policy: Policy,
+        config: SimConfig | None = None,
+        *,
+        record_changes: bool = False,
+    ) -> None:
+        self.config = config or SimConfig()
+        self.policy = policy
+        self.now = 0.0
+        self.records = RunRecords()
+        self.link_names = list(capacity)
+        self._link_index = {name: i for i, name in enumerate(self.link_names)}
+        self.capacity = [float(capacity[name]) for name in self.link_names]
+        self._bandwidth = dict(capacity)
+        self._on_link: list[dict[int, ActiveFlow]] = [{} for _ in self.link_names]
+        self._link_rate = [0.0] * len(self.link_names)
+        self._ewma = [0.0] * len(self.link_names)
+        self._ewma_t = [0.0] * len(self.link_names)
+        self.active: dict[int, ActiveFlow] = {}
+        self.job_index: dict[str, int] = {}
+        self._events: list[tuple[float, int, int, object, int]] = []
+        self._seq = itertools.count()
+        self._ids = itertools.count(1)
+        self._dirty: set[int] = set()
+        self._dirty_level = math.inf
+        self._reeval_queued = False
+        self._timer_armed = False
+        self._record_changes = record_changes
+        self.events_processed = 0
+        self.observer: Callable[[Simulator], None] | None = None
+
+    # ----------------------------------------------------------------- workload API
+    def at(self, when: float, callback: Callable[[], None]) -> None:
+        """Run ``callback()`` at simulated time ``when`` (not before now)."""
+        self._push(max(when, self.now), _CALL, callback, 0)
+
+    def after(self, delay: float, callback: Callable[[], None]) -> None:
+        """Run ``callback()`` ``delay`` seconds from now."""
+        self.at(self.now + delay, callback)
+
+    def open_flow(
+        self,
+        cls: FlowClass,
+        size: int,
+        links: tuple[str, ...],
+        on_done: DoneCallback | None = None,
+        **fields: object,
+    ) -> Flow:
+        """Open a flow of ``size`` bytes across ``links``; ``on_done(flow)`` runs at completion.
+
+        Extra keyword ``fields`` set attributes of :class:`~flowsched.model.Flow` (``job``,
+        ``deadline``, ``consumer_index``, ``request``, ``oracle_deadline``, ``node``). A flow
+        with no links (intra-node) completes at once.
+        """
+        flow = Flow(next(self._ids), cls, self.now, size=int(size), links=links, **fields)  # type: ignore[arg-type]
+        link_ids = tuple(self._link_index[name] for name in links)
+        state = ActiveFlow(flow, link_ids, 0, None, float(size), self.now, on_done)
+        decision = self.policy.admit(flow, self._context())
+        self._check_level(decision)
+        state.level, state.cap, state.first_level = decision.level, decision.rate, decision.level
+        flow.level = decision.level
+        if not link_ids or size <= 0:
+            self._finish(state)
+            return flow
+        self.active[flow.flow_id] = state
+        for link in link_ids:
+            self._on_link[link][flow.flow_id] = state
+        self._touch(link_ids, state.level)
+        self._arm_timer()
+        return flow
+
+    def set_job_index(self, job: str, index: int) -> None:
+        """Report job progress (the ``L_curr`` of RLI); triggers a re-evaluation."""
+        if self.job_index.get(job) != index:
+            self.job_index[job] = index
+            self._request_reevaluate()
+
+    def run(self, until: float = math.inf) -> None:
+        """Process events until none are left or the clock would pass ``until``."""
+        while True:
+            if self._events and self._events[0][2] == _FLOW:
+                head = self._events[0]
+                if self._stale(head[3], head[4]):
+                    heapq.heappop(self._events)
+                    continue
+            if not self._events or self._events[0][0] > self.now:
+                self._flush()  # rates for the coming interval; may schedule flow events
+                if not self._events:
+                    break
+                if self._events[0][0] > self.now:
+                    if self._events[0][0] > until:
+                        break
+                    self.now = self._events[0][0]
+                continue
+            _, _, kind, payload, version = heapq.heappop(self._events)
+            self.events_processed += 1
+            self._dispatch(kind, payload, version)
+        self._flush()
+        self.records.end_time = self.now
+
+    # ----------------------------------------------------------------- events
+    def _push(self, when: float, kind: int, payload: object, version: int) -> None:
+        heapq.heappush(self._events, (when, next(self._seq), kind, payload, version))
+
+    def _stale(self, payload: object, version: int) -> bool:
+        assert isinstance(payload, ActiveFlow)
+        return payload.version != version or payload.flow.flow_id not in self.active
+
+    def _dispatch(self, kind: int, payload: object, version: int) -> None:
+        if kind == _FLOW:
+            assert isinstance(payload, ActiveFlow)
+            if not self._stale(payload, version):
+                self._reach_target(payload)
+        elif kind == _CALL:
+            payload()  # type: ignore[operator]
+        elif kind == _TIMER:
+            self._timer_armed = False
+            if self.active:
+                self._request_reevaluate()
+                self._arm_timer()
+        else:
+            self._reeval_queued = False
+            self._reevaluate()
+
+    def _reach_target(self, state: ActiveFlow) -> None:
+        self._materialize(state)
+        state.remaining = min(state.remaining, state.target) if state.target > 0 else 0.0
+        if state.remaining <= _BYTE_EPS:
+            self._close(state)
+        elif state.pending is not None:
+            self._apply(state, state.pending)
+
+    def _close(self, state: ActiveFlow) -> None:
+        del self.active[state.flow.flow_id]
+        for link in state.links:
+            del self._on_link[link][state.flow.flow_id]
+        self._touch(state.links, state.level)
+        state.rate = 0.0
+        self._finish(state)
+        self._request_reevaluate()
+
+    def _finish(self, state: ActiveFlow) -> None:
+        flow = state.flow
+        flow.sent = flow.size or 0
+        self.records.flows.append(
+            FlowRecord(
+                flow.flow_id,
+                flow.cls.label,
+                flow.size or 0,
+                flow.opened_at,
+                self.now,
+                flow.deadline,
+                flow.job,
+                flow.request,
+                state.first_level,
+                state.level,
+            )
+        )
+        self.policy.release(flow, self._context())
+        if state.on_done is not None:
+            state.on_done(flow)
+
+    # ----------------------------------------------------------------- policy
+    def _context(self) -> Context:
+        return Context(
+            now=self.now,
+            job_index=self.job_index,
+            link_bandwidth=self._bandwidth,
+            link_load=_LoadView(self),
+            default_bandwidth=self.config.default_bandwidth,
+        )
+
+    def _request_reevaluate(self) -> None:
+        if not self._reeval_queued:
+            self._reeval_queued = True
+            self._push(self.now, _REEVAL, None, 0)
+
+    def _arm_timer(self) -> None:
+        period = self.config.timer_period
+        if period > 0 and not self._timer_armed:
+            self._timer_armed = True
+            self._push(self.now + period, _TIMER, None, 0)
+
+    def _reevaluate(self) -> None:
+        if not self.active:
+            return
+        now = self.now
+        for state in self.active.values():
+            remaining = state.remaining - state.rate * (now - state.t_mark)
+            state.remaining, state.t_mark = (remaining if remaining > 0 else 0.0), now
+            state.flow.sent = int(state.flow.size or 0) - math.ceil(state.remaining)
+        flows = [s.flow for s in self.active.values()]
+        for flow_id, decision in self.policy.reevaluate(flows, self._context()).items():
+            target = self.active.get(flow_id)
+            if target is not None:
+                self._check_level(decision)
+                self._decide(target, decision)
+
+    def _check_level(self, decision: Decision) -> None:
+        if not 0 <= decision.level < self.policy.num_levels:
+            raise ValueError(
+                f"policy {self.policy.name!r} returned level {decision.level} outside "
+                f"0..{self.policy.num_levels - 1}"
+            )
+
+    def _decide(self, state: ActiveFlow, decision: Decision) -> None:
+        """Apply ``decision`` now if at a message boundary, else at the next one."""
+        if decision.level == state.level and decision.rate == state.cap:
+            if state.pending is not None:
+                state.pending, state.target = None, 0.0
+                self._reschedule(state)
+            return
+        chunk = self.config.chunk_bytes
+        size = float(state.flow.size or 0)
+        sent = size - state.remaining
+        boundary = math.ceil((sent - _BYTE_EPS) / chunk) * chunk if chunk > 0 else sent
+        if boundary <= sent + _BYTE_EPS:
+            self._apply(state, decision)
+            return
+        state.pending = decision
+        state.target = max(size - boundary, 0.0)
+        self._reschedule(state)
+
+    def _apply(self, state: ActiveFlow, decision: Decision) -> None:
+        old_level = state.level
+        if self._record_changes:
+            state.changes_at.append(float(state.flow.size or 0) - state.remaining)
+        state.pending = None
+        state.target = 0.0
+        state.level, state.cap = decision.level, decision.rate
+        state.flow.level = decision.level
+        self._touch(state.links, min(old_level, decision.level))
+        self._reschedule(state)
+
+    # ----------------------------------------------------------------- rates
+    def _touch(self, links: tuple[int, ...], level: int) -> None:
+        self._dirty.update(links)
+        self._dirty_level = min(self._dirty_level, level)
+
+    def _materialize(self, state: ActiveFlow) -> None:
+        if state.t_mark != self.now:
+            state.remaining = max(state.remaining - state.rate * (self.now - state.t_mark), 0.0)
+            state.t_mark = self.now
+
+    def _reschedule(self, state: ActiveFlow) -> None:
+        state.version += 1
+        if state.rate > 0:
+            when = self.now + max(state.remaining - state.target, 0.0) / state.rate
+            self._push(when, _FLOW, state, state.version)
+
+    def _component(self) -> tuple[list[ActiveFlow], set[int]]:
+        """Flows at level >= the dirty level connected to the dirty links, and their links."""
+        level = self._dirty_level
+        links, flows = set(self._dirty), {}
+        stack = list(self._dirty)
+        while stack:
+            for flow_id, state in self._on_link[stack.pop()].items():
+                if state.level >= level and flow_id not in flows:
+                    flows[flow_id] = state
+                    for other in state.links:
+                        if other not in links:
+                            links.add(other)
+                            stack.append(other)
+        return list(flows.values()), links
+
+    def _flush(self) -> None:
+        """Recompute the rates that the events of this instant may have changed."""
+        if not self._dirty:
+            return
+        level = self._dirty_level
+        flows, links = self._component()
+        self._dirty.clear()
+        self._dirty_level = math.inf
+        residual = self._residual(links, level)
+        old = [s.rate for s in flows]
+        allocate_levels(flows, [s.level for s in flows], residual)
+        now = self.now
+        for state, rate in zip(flows, old, strict=True):
+            if state.rate != rate:
+                # progress up to now happened at the old rate
+                if state.t_mark != now:
+                    state.remaining = max(state.remaining - rate * (now - state.t_mark), 0.0)
+                    state.t_mark = now
+                self._reschedule(state)
+        self._update_link_rates(links)
+        if self.observer is not None:
+            self.observer(self)
+
+    def _residual(self, links: set[int], level: float) -> dict[int, float]:
+        residual = {}
+        for link in links:
+            used = sum(s.rate for s in self._on_link[link].values() if s.level < level)
+            residual[link] = max(self.capacity[link] - used, 0.0)
+        return residual
+
+    def _update_link_rates(self, links: set[int]) -> None:
+        for link in links:
+            self._fold_ewma(link)
+            self._link_rate[link] = sum(s.rate for s in self._on_link[link].values())
+
+    def _fold_ewma(self, link: int) -> None:
+        self._ewma[link] = self._ewma_value(link)
+        self._ewma_t[link] = self.now
+
+    def _ewma_value(self, link: int) -> float:
+        dt = self.now - self._ewma_t[link]
+        util = self._link_rate[link] / self.capacity[link] if self.capacity[link] > 0 else 0.0
+        keep = math.exp(-dt / self.config.load_tau) if self.config.load_tau > 0 else 0.0
+        return self._ewma[link] * keep + util * (1.0 - keep)
+
+    # ----------------------------------------------------------------- inspection
+    def link_utilization(self, name: str) -> float:
+        """Current utilization (0..1) of link ``name``."""
+        link = self._link_index[name]
+        return self._link_rate[link] / self.capacity[link]
+
+    def link_load(self, name: str) -> float:
+        """EWMA utilization of link ``name`` (what ``Context.link_load`` reports)."""
+        return self._ewma_value(self._link_index[name])
+
+    def link_id(self, name: str) -> int:
+        """Internal index of link ``name``."""
+        return self._link_index[name]
+
+    def flows_on(self, name: str) -> list[ActiveFlow]:
+        """Active flows crossing link ``name``."""
+        return list(self._on_link[self._link_index[name]].values())
+
+
+class _LoadView(Mapping[str, float]):
+    """Lazy ``link name -> EWMA utilization`` mapping handed to policies in ``Context``."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self._sim = sim
+        self._cache: dict[str, float] = {}  # one view lives for one instant
+
+    def __getitem__(self, name: str) -> float:
+        value = self._cache.get(name)
+        if value is None:
+            value = self._sim._ewma_value(self._sim._link_index[name])
+            self._cache[name] = value
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sim.link_names)
+
+    def __len__(self) -> int:
+        return len(self._sim.link_names)

@@ -1,0 +1,197 @@
+"""The fluid engine against closed-form finish times (one and two links)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import pytest
+
+from flowsched.model import Context, Decision, Flow, FlowClass
+from flowsched.policies import create
+from flowsched.sim.allocate import waterfill
+from flowsched.sim.engine import SimConfig, Simulator
+from flowsched.sim.topology import NodeGroup, Topology
+
+
+class FixedPolicy:
+    """Test policy: level = ``consumer_index``, optional cap per flow id, timed promotions."""
+
+    name = "fixed"
+
+    def __init__(
+        self,
+        num_levels: int = 4,
+        caps: Mapping[int, float] | None = None,
+        promote: Mapping[int, tuple[float, int]] | None = None,
+    ) -> None:
+        self.num_levels = num_levels
+        self.caps = dict(caps or {})
+        self.promote = dict(promote or {})
+
+    def _decision(self, flow: Flow, now: float) -> Decision:
+        level = flow.consumer_index or 0
+        when, promoted = self.promote.get(flow.flow_id, (float("inf"), level))
+        return Decision(promoted if now >= when else level, self.caps.get(flow.flow_id))
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        return self._decision(flow, ctx.now)
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        out = {}
+        for flow in flows:
+            decision = self._decision(flow, ctx.now)
+            if decision.level != flow.level:
+                out[flow.flow_id] = decision
+        return out
+
+    def release(self, flow: Flow, ctx: Context) -> None:
+        return None
+
+
+def _finish_times(sim: Simulator) -> dict[int, float]:
+    sim.run()
+    return {r.flow_id: round(r.finished, 9) for r in sim.records.flows}
+
+
+def _open(sim: Simulator, at: float, size: int, links: tuple[str, ...], level: int = 0) -> None:
+    sim.at(at, lambda: sim.open_flow(FlowClass.BULK, size, links, consumer_index=level))
+
+
+# (name, capacities, flows as (start, size, links, level), expected finish per flow id)
+CASES = [
+    ("fair-equal", {"l": 100.0}, [(0, 100, ("l",), 0), (0, 100, ("l",), 0)], {1: 2.0, 2: 2.0}),
+    ("fair-short-first", {"l": 100.0}, [(0, 100, ("l",), 0), (0, 50, ("l",), 0)], {1: 1.5, 2: 1.0}),
+    (
+        "fair-late-arrival",
+        {"l": 100.0},
+        [(0, 100, ("l",), 0), (0.5, 100, ("l",), 0)],
+        {1: 1.5, 2: 2.0},
+    ),
+    (
+        "fair-three",
+        {"l": 90.0},
+        [(0, 30, ("l",), 0), (0, 60, ("l",), 0), (0, 90, ("l",), 0)],
+        {1: 1.0, 2: 5 / 3, 3: 2.0},
+    ),
+    ("priority", {"l": 100.0}, [(0, 100, ("l",), 1), (0, 100, ("l",), 0)], {1: 2.0, 2: 1.0}),
+    (
+        "priority-preempts",
+        {"l": 100.0},
+        [(0, 100, ("l",), 1), (0.5, 25, ("l",), 0)],
+        {1: 1.25, 2: 0.75},
+    ),
+    (
+        "fifo-by-level",
+        {"l": 100.0},
+        [(0, 100, ("l",), 0), (0.5, 100, ("l",), 1), (0.7, 100, ("l",), 2)],
+        {1: 1.0, 2: 2.0, 3: 3.0},
+    ),
+    # max-min differs from an equal split of x: flow 1 is held to 30 by y, flow 2 gets 70
+    (
+        "two-link-maxmin",
+        {"x": 100.0, "y": 30.0},
+        [(0, 30, ("x", "y"), 0), (0, 70, ("x",), 0)],
+        {1: 1.0, 2: 1.0},
+    ),
+    (
+        "two-link-three-flows",
+        {"x": 100.0, "y": 30.0},
+        [(0, 15, ("x", "y"), 0), (0, 85, ("x",), 0), (0, 15, ("y",), 0)],
+        {1: 1.0, 2: 1.0, 3: 1.0},
+    ),
+    (
+        "priority-leftover-on-other-link",
+        {"x": 100.0, "y": 100.0},
+        [(0, 60, ("x",), 0), (0, 40, ("x", "y"), 1), (0, 60, ("y",), 1)],
+        {1: 0.6, 2: 1.0, 3: 0.6},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("capacity", "flows", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_closed_form_finish_times(capacity: dict[str, float], flows: list, expected: dict) -> None:
+    sim = Simulator(capacity, FixedPolicy(), SimConfig(chunk_bytes=0, timer_period=0))
+    for start, size, links, level in flows:
+        _open(sim, start, size, links, level)
+    assert _finish_times(sim) == pytest.approx(expected)
+
+
+def test_fair_policy_matches_max_min() -> None:
+    sim = Simulator({"l": 100.0}, create("fair"), SimConfig(chunk_bytes=0))
+    _open(sim, 0, 100, ("l",))
+    _open(sim, 0, 50, ("l",))
+    assert _finish_times(sim) == pytest.approx({1: 1.5, 2: 1.0})
+
+
+def test_rate_cap_leaves_the_rest_to_others() -> None:
+    sim = Simulator(
+        {"l": 100.0}, FixedPolicy(caps={1: 20.0}), SimConfig(chunk_bytes=0, timer_period=0)
+    )
+    _open(sim, 0, 20, ("l",))
+    _open(sim, 0, 100, ("l",))
+    # flow 1 at 20 B/s ends at 1.0; flow 2 gets 80 then 100 B/s: 80 + 20 -> 1.2
+    assert _finish_times(sim) == pytest.approx({1: 1.0, 2: 1.2})
+
+
+@pytest.mark.parametrize(
+    ("chunk", "expected_first"), [(0, 1.25), (40, 1.4)], ids=["fluid", "chunk-40"]
+)
+def test_level_change_waits_for_message_boundary(chunk: int, expected_first: float) -> None:
+    # both fair at 50 B/s; at t=0.5 (timer) flow 1 (25 B sent) is promoted to level 0. With
+    # 40-byte messages the change applies at 40 B sent (t=0.8), then 60 B at 100 B/s -> 1.4.
+    policy = FixedPolicy(promote={1: (0.5, 0)})
+    sim = Simulator({"l": 100.0}, policy, SimConfig(chunk_bytes=chunk, timer_period=0.5))
+    _open(sim, 0, 100, ("l",), 1)
+    _open(sim, 0, 100, ("l",), 1)
+    assert _finish_times(sim) == pytest.approx({1: expected_first, 2: 2.0})
+
+
+def test_policy_level_out_of_range_is_an_error() -> None:
+    sim = Simulator({"l": 100.0}, FixedPolicy(num_levels=2), SimConfig(timer_period=0))
+    with pytest.raises(ValueError, match=r"outside 0\.\.1"):
+        sim.open_flow(FlowClass.BULK, 10, ("l",), consumer_index=5)
+
+
+def test_link_less_flow_completes_at_once_and_calls_back() -> None:
+    sim = Simulator({"l": 100.0}, FixedPolicy(), SimConfig(timer_period=0))
+    done: list[float] = []
+    sim.at(0.3, lambda: sim.open_flow(FlowClass.TP, 10, (), lambda f: done.append(sim.now)))
+    sim.run()
+    assert done == [0.3]
+
+
+def test_link_load_is_an_ewma_of_utilization() -> None:
+    sim = Simulator({"l": 100.0}, FixedPolicy(), SimConfig(timer_period=0, load_tau=0.1))
+    _open(sim, 0, 1000, ("l",))
+    seen: list[float] = []
+    sim.at(0.1, lambda: seen.append(sim.link_load("l")))
+    sim.at(1.0, lambda: seen.append(sim.link_load("l")))
+    sim.run()
+    assert seen[0] == pytest.approx(1 - 2.718281828**-1, rel=1e-6)
+    assert seen[1] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_waterfill_caps_and_bottlenecks() -> None:
+    class F:
+        def __init__(self, links: tuple[int, ...], cap: float | None = None) -> None:
+            self.links, self.cap, self.rate = links, cap, 0.0
+
+    flows = [F((0, 1)), F((0,)), F((0,), cap=5.0)]
+    residual = {0: 100.0, 1: 30.0}
+    waterfill(flows, residual)
+    assert [f.rate for f in flows] == pytest.approx([30.0, 65.0, 5.0])
+    assert residual == pytest.approx({0: 0.0, 1: 0.0})
+
+
+def test_oversubscribed_uplink_is_shared_by_the_node_nics() -> None:
+    topo = Topology.build([NodeGroup("n", 2, nics=2, nic_gbps=8.0)], oversubscription=2.0)
+    assert topo.path("n0", 1, "n1", 0) == ("n0.nic1.tx", "n0.up", "n1.down", "n1.nic0.rx")
+    assert topo.capacity["n0.up"] == pytest.approx(1e9)  # 2 NICs x 1 GB/s / 2
+    assert topo.path("n0", 0, "n0", 1) == ()
+    sim = Simulator(topo.capacity, FixedPolicy(), SimConfig(chunk_bytes=0, timer_period=0))
+    # two flows from different NICs of n0 share its 1 GB/s uplink: 0.5 GB/s each
+    _open(sim, 0, 10**9, topo.path("n0", 0, "n1", 0))
+    _open(sim, 0, 10**9, topo.path("n0", 1, "n1", 1))
+    assert _finish_times(sim) == pytest.approx({1: 2.0, 2: 2.0})
