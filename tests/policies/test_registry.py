@@ -112,7 +112,7 @@ PER_FLOW = [n for n in names() if getattr(create(n, {}, num_levels=8), "per_flow
 
 def test_per_flow_policies_are_the_expected_ones() -> None:
     assert set(PER_FLOW) == {"fair", "static", "sjf", "pias", "karuna", "rmlq"}
-    assert not getattr(create("rmlq", {"red_tiers": 2}, num_levels=12), "per_flow_decisions")
+    assert not create("rmlq", {"red_tiers": 2}, num_levels=12).per_flow_decisions  # type: ignore[attr-defined]
 
 
 @settings(max_examples=40, deadline=None)
