@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
-import os
 import socket
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from flowsched.agent import AgentConfig, ReadyInfo, default_table_path, serve
+from flowsched.cli._common import host_port, loop_factory, setup_logging
 from flowsched.client import default_socket_path
 from flowsched.protocol import TokenFileError, load_token
 from flowsched.shm import layout
@@ -28,7 +26,7 @@ def register(sub: Any) -> None:
     )
     parser.add_argument(
         "--coordinator",
-        type=_host_port,
+        type=host_port,
         metavar="HOST:PORT",
         help="coordinator address (omit to run the policy locally only)",
     )
@@ -81,13 +79,6 @@ def register(sub: Any) -> None:
     parser.set_defaults(func=_run)
 
 
-def _host_port(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     """Build the agent's config; raises ValueError / TokenFileError with a clear message."""
     if args.coordinator is not None:
@@ -129,11 +120,7 @@ def print_ready(info: ReadyInfo) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level)
     try:
         config = config_from_args(args)
     except (TokenFileError, ValueError, OSError) as exc:
@@ -151,15 +138,3 @@ def _run(args: argparse.Namespace) -> int:
         print(f"flowsched agent: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def loop_factory(disabled: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop factory unless disabled or missing (chosen only here, in the CLI)."""
-    if disabled or os.environ.get("FLOWSCHED_NO_UVLOOP"):
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
-from collections.abc import Callable
 from typing import Any
 
+from flowsched.cli._common import host_port, loop_factory, setup_logging
 from flowsched.coordinator import Addresses, CoordinatorConfig, serve
 from flowsched.protocol import TokenFileError, load_token
 
@@ -21,7 +20,7 @@ def register(sub: Any) -> None:
         description="Rank the cluster's flows with the policy and push level changes to agents.",
     )
     parser.add_argument("--policy", metavar="FILE", help="policy file (default: embedded default)")
-    parser.add_argument("--listen", default="127.0.0.1:7711", type=_host_port, metavar="HOST:PORT")
+    parser.add_argument("--listen", default="127.0.0.1:7711", type=host_port, metavar="HOST:PORT")
     parser.add_argument("--metrics-port", type=int, default=9711, metavar="N", help="0 = any")
     parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST")
     parser.add_argument("--token-file", metavar="F", help="default ~/.config/flowsched/token")
@@ -46,19 +45,8 @@ def register(sub: Any) -> None:
     parser.set_defaults(func=_run)
 
 
-def _host_port(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
-
-
 def _run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level)
     try:
         token = load_token(args.token_file)
         host, port = args.listen
@@ -71,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
     except (TokenFileError, ValueError) as exc:
         print(f"flowsched coordinator: {exc}", file=sys.stderr)
         return 2
-    with asyncio.Runner(loop_factory=_loop_factory(args.no_uvloop)) as runner:
+    with asyncio.Runner(loop_factory=loop_factory(args.no_uvloop)) as runner:
         runner.run(serve(config))
     return 0
 
@@ -82,14 +70,3 @@ def _print_ready(addresses: Addresses) -> None:
         f" metrics {addresses.metrics_host}:{addresses.metrics_port}",
         flush=True,
     )
-
-
-def _loop_factory(disabled: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    if disabled:
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
-    return factory

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import os
 import shlex
 import signal
@@ -20,7 +19,7 @@ from typing import Any
 
 from flowsched.agent import AgentConfig, ReadyInfo, default_table_path
 from flowsched.agent import serve as serve_agent
-from flowsched.cli.agent import loop_factory
+from flowsched.cli._common import loop_factory, setup_logging
 from flowsched.client import default_socket_path
 from flowsched.coordinator import Addresses, CoordinatorConfig
 from flowsched.coordinator import serve as serve_coordinator
@@ -93,11 +92,7 @@ def environment(table: str, sock: str) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(args.log_level)
     host, _, port = args.listen.rpartition(":")
     try:
         token_file = ensure_token(args.token_file)
