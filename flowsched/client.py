@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flowsched.model import FlowClass
 from flowsched.protocol import sdk
@@ -62,12 +62,19 @@ def default_socket_path() -> str:
 
 @dataclass(frozen=True, slots=True)
 class Marking:
-    """Level and its wire marking."""
+    """Level and its wire marking.
+
+    ``decided_at`` (wall seconds) and ``decided_ns`` (CLOCK_MONOTONIC ns, comparable only on the
+    coordinator's machine) say when the coordinator decided the level; None when unknown (the
+    first level, a local decision, an older agent). They do not take part in equality.
+    """
 
     level: int
     dscp: int
     so_priority: int
     nccl_traffic_class: int | None = None
+    decided_at: float | None = field(default=None, compare=False)
+    decided_ns: int | None = field(default=None, compare=False)
 
 
 def static_marking(cls: FlowClass) -> Marking:
@@ -137,6 +144,17 @@ class FlowHandle:
     def nccl_traffic_class(self) -> int | None:
         """The NCCL trafficClass the policy maps to this flow's class, if any."""
         return self._marking.nccl_traffic_class
+
+    @property
+    def decided_ns(self) -> int | None:
+        """CLOCK_MONOTONIC ns at which the coordinator decided the current level (None when
+        unknown). Comparable only with monotonic times of the coordinator's machine."""
+        return self._marking.decided_ns
+
+    @property
+    def decided_at(self) -> float | None:
+        """Wall-clock seconds at which the coordinator decided the current level, or None."""
+        return self._marking.decided_at
 
     def add_listener(self, callback: Listener) -> None:
         """Call ``callback(handle)`` on every marking change (from the SDK's reader thread)."""
@@ -352,7 +370,15 @@ class AgentConnection:
                 handle = self._handles.get(message.id)
             if handle is not None:
                 old = handle.marking.nccl_traffic_class
-                handle._set_marking(Marking(message.level, message.dscp, message.so_priority, old))
+                marking = Marking(
+                    message.level,
+                    message.dscp,
+                    message.so_priority,
+                    old,
+                    message.decided_at,
+                    message.decided_ns,
+                )
+                handle._set_marking(marking)
 
     def _drop(self, sock: socket.socket) -> None:
         with self._state_lock:
@@ -402,23 +428,30 @@ def open_flow(
     peer: int | None = None,
     job: str | None = None,
     socket_path: str | None = None,
+    dst_node: str | None = None,
 ) -> FlowHandle:
     """Open a flow without a ``with`` block; call :meth:`FlowHandle.close` when done.
 
     ``deadline`` is absolute wall-clock seconds (``time.time()``); ``consumer_step`` is the job
     step (RLI) that consumes the data, of ``job`` (default: the job last passed to
-    :func:`job_progress` in this process); ``peer`` narrows NCCL linking to one peer rank. Argument
-    errors raise ValueError; an absent or failing agent never raises.
+    :func:`job_progress` in this process); ``peer`` narrows NCCL linking to one peer rank;
+    ``dst_node`` names the node that receives the data (the agent then counts that node's
+    ingress link, ``<dst_node>:rx``, among the flow's links, so the coordinator sees incast at
+    the receiver). Argument errors raise ValueError; an absent or failing agent never raises.
     """
     flow_class = FlowClass.parse(cls) if isinstance(cls, str) else FlowClass(cls)
     _check_arguments(bytes, deadline, peer)
+    if dst_node is not None and not (
+        isinstance(dst_node, str) and 0 < len(dst_node) <= sdk.MAX_NODE and dst_node.isprintable()
+    ):
+        raise ValueError(f"dst_node must be a printable node name, got {dst_node!r}")
     if job is None and consumer_step is not None:
         job = _last_job  # the job this process last reported with job_progress()
     conn = connection(socket_path)
     handle = FlowHandle(flow_class, static_marking(flow_class), conn)
     try:
         handle._request = sdk.Open(
-            0, flow_class.label, bytes, deadline, consumer_step, job, request, peer
+            0, flow_class.label, bytes, deadline, consumer_step, job, request, peer, dst_node
         )
         if conn.ensure_connected():
             req = dataclasses.replace(handle._request, ref=conn.next_ref())
@@ -454,6 +487,7 @@ def flow(
     peer: int | None = None,
     job: str | None = None,
     socket_path: str | None = None,
+    dst_node: str | None = None,
 ) -> Iterator[FlowHandle]:
     """Context manager around :func:`open_flow`: the flow is closed when the block exits."""
     handle = open_flow(
@@ -465,6 +499,7 @@ def flow(
         peer=peer,
         job=job,
         socket_path=socket_path,
+        dst_node=dst_node,
     )
     try:
         yield handle

@@ -226,6 +226,41 @@ def send_flow(
     return SendStats(size, started, time.monotonic(), digest, marker.applied)
 
 
+def send_with_flow(
+    sock_or_addr: socket.socket | tuple[str, int],
+    data_or_size: bytes | memoryview | int,
+    cls: str,
+    *,
+    deadline: float | None = None,
+    consumer_step: int | None = None,
+    request: str | None = None,
+    job: str | None = None,
+    dst_node: str | None = None,
+    socket_path: str | None = None,
+    **send_options: Any,
+) -> SendStats:
+    """Open an SDK flow for this transfer (:func:`flowsched.client.flow`) and send it with
+    :func:`send_flow`, following the flow's level.
+
+    ``dst_node`` names the receiving node; the agent then counts that node's ingress link
+    (``<dst_node>:rx``) among the flow's links. ``send_options`` go to :func:`send_flow`.
+    """
+    from flowsched import client
+
+    size = data_or_size if isinstance(data_or_size, int) else memoryview(data_or_size).nbytes
+    with client.flow(
+        cls,
+        bytes=size,
+        deadline=deadline,
+        consumer_step=consumer_step,
+        request=request,
+        job=job,
+        dst_node=dst_node,
+        socket_path=socket_path,
+    ) as handle:
+        return send_flow(sock_or_addr, data_or_size, flow_handle=handle, **send_options)
+
+
 def _connect(addr: tuple[str, int], timeout: float) -> socket.socket:
     try:
         return socket.create_connection(addr, timeout=timeout)

@@ -4,11 +4,29 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flowsched.shm import layout
 
 DEFAULT_TABLE = "/dev/shm/flowsched-table"
+
+
+def default_nic_interval() -> float:
+    """``$FLOWSCHED_NIC_INTERVAL`` seconds (a positive number), else 1 s."""
+    try:
+        value = float(os.environ.get("FLOWSCHED_NIC_INTERVAL", "1.0"))
+    except ValueError:
+        return 1.0
+    return value if value > 0 else 1.0
+
+
+def default_link_capacity() -> float | None:
+    """``$FLOWSCHED_LINK_CAPACITY`` bytes/s (a positive number), else None (sysfs speed)."""
+    try:
+        value = float(os.environ.get("FLOWSCHED_LINK_CAPACITY", "0"))
+    except ValueError:
+        return None
+    return value if value > 0 else None
 
 
 def default_table_path() -> str:
@@ -49,11 +67,17 @@ class AgentConfig:
     group: str | None = None
     interfaces: tuple[str, ...] = ()
     default_bandwidth: float = 25e9
+    #: capacity (bytes/s) of every monitored interface, overriding the sysfs speed: for links
+    #: shaped below their line rate (the testbed's htb at 200 Mbit/s on veth pairs, which
+    #: report 10 Gbit/s); None = sysfs speed, else ``default_bandwidth``
+    link_capacity: float | None = field(default_factory=default_link_capacity)
     poll_interval: float = 0.005
     report_interval: float = 0.02
     #: byte counts of open flows are reported at most this often (opens/closes every batch)
     progress_interval: float = 0.1
-    nic_interval: float = 1.0
+    #: how often NIC counters are sampled and the link loads reported (the coordinator's rho
+    #: is at most this old; the testbed sets it through ``FLOWSCHED_NIC_INTERVAL``)
+    nic_interval: float = field(default_factory=default_nic_interval)
     reconnect_interval: float = 0.1
     connect_timeout: float = 2.0
     on_ready: Callable[[ReadyInfo], None] | None = None

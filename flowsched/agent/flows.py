@@ -5,6 +5,11 @@ Sources of flows:
 * a plugin connection (a table slot, send direction) is its own flow with its class's defaults;
 * an SDK flow opened by process P with class C (optionally narrowed to one peer rank).
 
+Links of a flow (``Flow.links``, what the coordinator's policy reads loads of): the node's own
+links (its egress ``<node>:tx``) plus, for an SDK flow that names its destination node, that
+node's ingress ``<dst_node>:rx`` (see :mod:`flowsched.agent.nic`). Plugin connections know only
+the peer rank, not its node, and keep the node's own links.
+
 Linking rule (design item 4): while an SDK flow of class C is open in process P, the plugin
 connections of class C in P (to ``peer`` when given) carry it. Their standalone flows are closed,
 the bytes they send from then on count as the SDK flow's progress, and the SDK flow's level is
@@ -64,9 +69,12 @@ class FlowRegistry:
         links: tuple[str, ...],
         id_prefix: int,
         default_deadline: Callable[[FlowClass], float | None] = lambda cls: None,
+        links_to: Callable[[str], tuple[str, ...]] | None = None,
     ) -> None:
         self.node = node
         self.links = links
+        #: links of a flow to a named destination node (default: own links + ``<dst>:rx``)
+        self._links_to = links_to or (lambda dst: (*links, f"{dst}:rx"))
         self.flows: dict[int, Flow] = {}
         self.slots: dict[SlotKey, SlotConn] = {}
         self.sdk: dict[int, SdkFlow] = {}
@@ -81,8 +89,11 @@ class FlowRegistry:
         self.closed_total = 0
 
     # ------------------------------------------------------------------ flows
-    def _open(self, cls: FlowClass, now: float, **fields: object) -> Flow:
-        flow = Flow(next(self._ids), cls, now, node=self.node, links=self.links, **fields)  # type: ignore[arg-type]
+    def _open(
+        self, cls: FlowClass, now: float, links: tuple[str, ...] | None = None, **fields: object
+    ) -> Flow:
+        links = self.links if links is None else links
+        flow = Flow(next(self._ids), cls, now, node=self.node, links=links, **fields)  # type: ignore[arg-type]
         if flow.deadline is None and (rel := self._default_deadline(cls)) is not None:
             flow.deadline = now + rel
         self.flows[flow.flow_id] = flow
@@ -120,11 +131,17 @@ class FlowRegistry:
         job: str | None = None,
         request: str | None = None,
         peer: int | None = None,
+        dst_node: str | None = None,
     ) -> tuple[Flow, list[SlotKey]]:
-        """Open an SDK flow; returns it and the slots it now carries (their level changes)."""
+        """Open an SDK flow; returns it and the slots it now carries (their level changes).
+
+        ``dst_node`` (the receiving node) adds that node's ingress link to the flow's links.
+        """
+        links = None if dst_node is None or dst_node == self.node else self._links_to(dst_node)
         flow = self._open(
             cls,
             now,
+            links,
             size=size,
             deadline=deadline,
             consumer_index=consumer_index,

@@ -87,7 +87,7 @@ class AgentCollector(Collector):
         yield from self._telemetry(node)
         util = GaugeMetricFamily(
             "flowsched_agent_link_utilization",
-            "tx load of each link (0..1)",
+            "load of each node link (<node>:tx egress, <node>:rx ingress; 0..1)",
             labels=["node", "link"],
         )
         for sample in list(agent.nic.samples.values()):

@@ -76,8 +76,15 @@ class SdkServer:
         for writer in list(self._writers):
             writer.close()
 
-    def push_level(self, flow_id: int, level: int) -> None:
-        """Tell the owner of SDK flow ``flow_id`` its new level and marking."""
+    def push_level(
+        self,
+        flow_id: int,
+        level: int,
+        decided_at: float | None = None,
+        decided_ns: int | None = None,
+    ) -> None:
+        """Tell the owner of SDK flow ``flow_id`` its new level and marking (and when the
+        coordinator decided it, when known)."""
         first = self._first_level.get(flow_id)
         if first is not None and not first.done():
             first.set_result(level)
@@ -85,7 +92,8 @@ class SdkServer:
         if writer is None:
             return
         mark = self.agent.view.marking(level)
-        self._write(writer, sdk.Level(flow_id, level, mark.dscp, mark.so_priority))
+        message = sdk.Level(flow_id, level, mark.dscp, mark.so_priority, decided_at, decided_ns)
+        self._write(writer, message)
 
     def _write(self, writer: asyncio.StreamWriter, message: sdk.SdkMessage) -> None:
         if writer.transport.get_write_buffer_size() > MAX_CLIENT_BACKLOG:
@@ -181,6 +189,7 @@ class SdkServer:
             job=message.job,
             request=message.request,
             peer=message.peer,
+            dst_node=message.dst_node,
         )
 
     async def _await_first_level(self, flow_id: int) -> None:

@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
 from flowsched import policyfile, rdma
@@ -69,6 +69,7 @@ class Agent:
             config.node,
             config.interfaces or default_interfaces(),
             default_bandwidth=config.default_bandwidth,
+            capacity=config.link_capacity,
         )
         self.connected = False
         self.fallback: Policy | None = None
@@ -78,6 +79,9 @@ class Agent:
         self._job_updates: dict[str, JobProgress] = {}
         self._jobs: dict[str, JobProgress] = {}
         self._pending_nic: NicLoad | None = None
+        #: set when an SDK flow opens or closes: the uplink sends its batch now instead of at
+        #: the next report tick (an application waits for an open's first level)
+        self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._servers: list[asyncio.AbstractServer] = []
         self.sdk: SdkServer | None = None
@@ -131,6 +135,7 @@ class Agent:
         self.registry = FlowRegistry(
             node=cfg.node,
             links=self.nic.links,
+            links_to=self.nic.links_to,
             id_prefix=info.generation,
             default_deadline=lambda c: self.view.default_deadline(c),
         )
@@ -219,8 +224,16 @@ class Agent:
         self.table.set_level(key[0], self.view.table_level(level))
         self.stats["levels_written"] += 1
 
-    def apply_levels(self, updates: Iterable[tuple[int, int]]) -> None:
-        """Record decided levels, write them into the slots, push them to SDK clients."""
+    def apply_levels(
+        self,
+        updates: Iterable[tuple[int, int]],
+        decided: Mapping[int, tuple[float | None, int | None]] | None = None,
+    ) -> None:
+        """Record decided levels, write them into the slots, push them to SDK clients.
+
+        ``decided`` maps a flow id to the coordinator's decision stamps (wall seconds,
+        CLOCK_MONOTONIC ns), passed on to the SDK client with the level.
+        """
         assert self.registry is not None
         for flow_id, level in updates:
             flow = self.registry.flows.get(flow_id)
@@ -231,7 +244,8 @@ class Agent:
             for key in self.registry.set_level(flow_id, level):
                 self.write_slot(key)
             if flow_id in self.registry.sdk and self.sdk is not None:
-                self.sdk.push_level(flow_id, level)
+                stamps = decided.get(flow_id) if decided is not None else None
+                self.sdk.push_level(flow_id, level, *(stamps or (None, None)))
 
     # ------------------------------------------------------------------ coordinator link
     async def _uplink(self) -> None:
@@ -294,7 +308,8 @@ class Agent:
             self._last_rx = time.monotonic()
             if isinstance(message, Levels) and self.fallback is None:
                 self.telemetry.level_updates += len(message.updates)
-                self.apply_levels((u.id, u.level) for u in message.updates)
+                decided = {u.id: (u.decided_at, u.decided_ns) for u in message.updates}
+                self.apply_levels(((u.id, u.level) for u in message.updates), decided)
 
     async def _send(self, link: AgentLink) -> None:
         assert self.registry is not None
@@ -316,7 +331,9 @@ class Agent:
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self._heartbeat_interval
                 await link.send(Heartbeat(time.time()))
-            await asyncio.sleep(self.config.report_interval)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.config.report_interval)
+            self._wake.clear()
 
     def _adopt_policy(self, text: str) -> None:
         if self.view.text == text:
@@ -453,8 +470,10 @@ class Agent:
         self.apply_levels((fid, d.level) for fid, d in changes.items())
 
     def admit_now(self) -> None:
-        """Give just-opened SDK flows their first level when the local policy is running."""
+        """An SDK flow opened or closed: give just-opened flows their first level when the local
+        policy is running, and report the change to the coordinator without waiting."""
         self._after_registry_change()
+        self._wake.set()
 
 
 def _initial_view(text: str | None) -> PolicyView:

@@ -1,16 +1,122 @@
-"""`flowsched bench` (placeholder until its owner lands it)."""
+"""``flowsched bench``: benchmarks. ``flowsched bench contention`` is the main one."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
+
+DEFAULT_POLICIES = "fair,static,edf,rmlq"
 
 
 def register(sub: Any) -> None:
-    """Add the `bench` subcommand."""
-    parser = sub.add_parser("bench", help="(not built yet)")
-    parser.set_defaults(func=_run)
+    """Add the ``bench`` subcommand and its sub-subcommands."""
+    parser = sub.add_parser("bench", help="run a benchmark (contention: the main job)")
+    benches = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    contention = benches.add_parser(
+        "contention",
+        help="every policy on one seeded trace, on a local netns testbed and in the simulator",
+        description="Build a network-namespace testbed with strict-priority htb bottlenecks, "
+        "run every policy on the same seeded trace, replay it in the simulator at the "
+        "testbed's link rates, and write a table, JSON, PNG plots and a markdown report. "
+        "Without root or kernel support it says so and runs the simulator only.",
+    )
+    contention.add_argument("--out", default="results/contention", help="output directory")
+    contention.add_argument(
+        "--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})"
+    )
+    contention.add_argument(
+        "--scenario",
+        default=None,
+        help="TOML file with a [testbed] table (default bench/contention/scenario.toml)",
+    )
+    contention.add_argument("--seed", type=int, default=1)
+    contention.add_argument("--duration", type=float, default=None, help="seconds of trace")
+    contention.add_argument(
+        "--load", type=float, default=None, help="KV load on each decode host's ingress link (0..1)"
+    )
+    contention.add_argument("--rate-mbit", type=float, default=200.0, help="link rate")
+    contention.add_argument("--hosts", type=int, default=None)
+    contention.add_argument(
+        "--min-share",
+        type=float,
+        default=0.02,
+        help="guaranteed share of the link per priority class (default 0.02)",
+    )
+    contention.add_argument(
+        "--control",
+        choices=("agent", "mini"),
+        default="agent",
+        help="control plane of the runs: the real coordinator + one agent per host, TP "
+        "through the NCCL plugin (agent, the default), or the testbed's minimal controller "
+        "(mini, an ablation: no agents, no plugin)",
+    )
+    contention.add_argument(
+        "--ablation-policies",
+        default="",
+        metavar="POLICIES",
+        help="policies run a second time with the other control plane (e.g. rmlq; default none)",
+    )
+    contention.add_argument(
+        "--switch-queue-kb", type=int, default=256, help="switch queue per class (kB)"
+    )
+    contention.add_argument(
+        "--simulate-only",
+        action="store_true",
+        help="skip the testbed, run the simulator replay only",
+    )
+    contention.set_defaults(func=_contention)
 
 
-def _run(args: argparse.Namespace) -> int:
-    raise SystemExit("flowsched bench: not built yet")
+def _contention(args: argparse.Namespace) -> int:
+    from flowsched.testbed import bench, netns
+    from flowsched.testbed.trace import load_params
+
+    scenario = args.scenario or (bench.BENCH_DIR / "scenario.toml")
+    try:
+        params = load_params(scenario if Path(scenario).exists() else None)
+    except (OSError, ValueError) as exc:
+        print(f"flowsched bench contention: {exc}", file=sys.stderr)
+        return 2
+    overrides = {
+        k: v
+        for k, v in (("duration", args.duration), ("load", args.load), ("hosts", args.hosts))
+        if v is not None
+    }
+    params = replace(params, **overrides)
+    options = bench.BenchOptions(
+        out=Path(args.out),
+        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+        params=params,
+        seed=args.seed,
+        spec=netns.TopologySpec(
+            hosts=params.hosts,
+            rate_mbit=args.rate_mbit,
+            min_share=args.min_share,
+            switch_queue_bytes=args.switch_queue_kb * 1000,
+        ),
+        simulate_only=args.simulate_only,
+        control=args.control,
+        ablation_policies=tuple(p.strip() for p in args.ablation_policies.split(",") if p.strip()),
+        command=bench.command_line(sys.argv[3:] if len(sys.argv) > 3 else []),
+    )
+    try:
+        for name in options.policies:
+            bench.policy_path(name)
+    except FileNotFoundError as exc:
+        print(f"flowsched bench contention: {exc}", file=sys.stderr)
+        return 2
+    try:
+        bench.run(options)
+    except netns.Terminated:
+        print("flowsched bench contention: terminated; the testbed was removed", file=sys.stderr)
+        return 143
+    except KeyboardInterrupt:
+        print("flowsched bench contention: interrupted; the testbed was removed", file=sys.stderr)
+        return 130
+    except netns.TestbedUnavailable as exc:
+        print(f"flowsched bench contention: {exc}", file=sys.stderr)
+        return 1
+    return 0

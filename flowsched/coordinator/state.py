@@ -71,6 +71,9 @@ class ClusterState:
         per_flow: whether the policy decides each flow independently of the others (None:
             the policy's ``per_flow_decisions`` attribute, default False).
         clock: measures the timer sweep's time budget (see :meth:`flush`).
+        mono_clock: CLOCK_MONOTONIC in nanoseconds, stamped with the wall-clock ``now`` on
+            every level update as its decision time (``LevelUpdate.decided_ns`` /
+            ``decided_at``).
     """
 
     def __init__(
@@ -79,9 +82,13 @@ class ClusterState:
         default_bandwidth: float = 25e9,
         per_flow: bool | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        mono_clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         self.policy = policy
         self._clock = clock
+        self._mono_clock = mono_clock
+        #: (wall, monotonic ns) of the decision being made (stamped on queued level updates)
+        self._decided: tuple[float, int] = (0.0, 0)
         if per_flow is None:
             per_flow = bool(getattr(policy, "per_flow_decisions", False))
         self.per_flow = per_flow
@@ -119,6 +126,7 @@ class ClusterState:
         self, node: str, opens: Iterable[FlowOpen], now: float, kind: str = "open"
     ) -> None:
         """Admit newly opened flows of ``node`` (a re-sent open of a known flow is an update)."""
+        self._stamp(now)
         ctx = self.context(now)
         table = self.by_node.setdefault(node, {})
         events = self.stats.events
@@ -260,6 +268,7 @@ class ClusterState:
                 event-driven decisions by a whole pass; None finishes the sweep, 0 skips it.
         """
         self.stats.flushes += 1
+        self._stamp(now)
         self.last_batch = 0
         batch, self.dirty = self.dirty, set()
         if not self.per_flow:
@@ -317,8 +326,13 @@ class ClusterState:
         box = self.outbox.get(node)
         if box is None:
             box = self.outbox[node] = {}
-        box[wire_id] = LevelUpdate(wire_id, flow.level, self.rates.get(fid))
+        wall, mono = self._decided
+        box[wire_id] = LevelUpdate(wire_id, flow.level, self.rates.get(fid), wall, mono)
         self.stats.level_updates += 1
+
+    def _stamp(self, now: float) -> None:
+        """Decisions from here on are made at ``now`` (wall) / the monotonic clock's now."""
+        self._decided = (now, self._mono_clock())
 
     # -- removal and completion --------------------------------------------------------------
 

@@ -265,6 +265,8 @@ def _level_update(item: object, path: str) -> LevelUpdate:
         f.integer("id", 0, U64_MAX),
         f.integer("level", 0, MAX_LEVEL),
         f.number("rate", 0.0, optional=True),
+        f.number("decided_at", 0.0, optional=True),
+        f.integer("decided_ns", 0, I64_MAX, optional=True),
     )
     f.finish()
     return update
@@ -352,6 +354,17 @@ def _open_map(o: FlowOpen) -> dict[str, Any]:
     }
 
 
+def _update_map(u: LevelUpdate) -> dict[str, Any]:
+    # the decision stamps are optional: left out when unknown, so that the frame stays what
+    # a receiver without them expects
+    entry: dict[str, Any] = {"id": u.id, "level": u.level, "rate": u.rate}
+    if u.decided_at is not None:
+        entry["decided_at"] = u.decided_at
+    if u.decided_ns is not None:
+        entry["decided_ns"] = u.decided_ns
+    return entry
+
+
 def _body_map(message: Message) -> dict[str, Any]:
     if isinstance(message, Flows):
         return {
@@ -362,9 +375,7 @@ def _body_map(message: Message) -> dict[str, Any]:
             ],
         }
     if isinstance(message, Levels):
-        return {
-            "updates": [{"id": u.id, "level": u.level, "rate": u.rate} for u in message.updates]
-        }
+        return {"updates": [_update_map(u) for u in message.updates]}
     if isinstance(message, Resync):
         return {"opens": [_open_map(o) for o in message.opens]}
     if isinstance(message, NicLoad):

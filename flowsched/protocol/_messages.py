@@ -7,7 +7,7 @@ Times are wall-clock seconds (``time.time()``); sizes are bytes; bandwidths byte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from flowsched.model import FlowClass
@@ -65,11 +65,21 @@ class NicLoadEntry:
 
 @dataclass(frozen=True, slots=True)
 class LevelUpdate:
-    """A new level (and optional rate cap, bytes/s) for one of the receiving agent's flows."""
+    """A new level (and optional rate cap, bytes/s) for one of the receiving agent's flows.
+
+    ``decided_at`` (wall-clock seconds, ``time.time()``) and ``decided_ns`` (CLOCK_MONOTONIC
+    nanoseconds of the coordinator's host) say when the coordinator decided the level. Both are
+    optional on the wire (absent from older senders) and ignored by equality. ``decided_ns`` is
+    only comparable with monotonic times taken on the same machine (e.g. every network
+    namespace of one testbed host); ``decided_at`` across machines only as far as their clocks
+    are synchronized.
+    """
 
     id: int
     level: int
     rate: float | None = None
+    decided_at: float | None = field(default=None, compare=False)
+    decided_ns: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,10 +8,11 @@ every field; an unknown type or field, or a value of the wrong type or range, ra
 
 Client -> agent:
 
-* ``open{ref, cls, size?, deadline?, consumer_index?, job?, request?, peer?}``: open an SDK flow.
-  ``ref`` is the client's name for the pending request; the agent answers ``opened`` (or
-  ``error`` with the same ``ref``). The process id comes from the socket (SO_PEERCRED), never
-  from the message.
+* ``open{ref, cls, size?, deadline?, consumer_index?, job?, request?, peer?, dst_node?}``: open
+  an SDK flow. ``ref`` is the client's name for the pending request; the agent answers
+  ``opened`` (or ``error`` with the same ``ref``). ``dst_node`` names the node that receives
+  the flow: the agent adds that node's ingress link (``<dst_node>:rx``) to the flow's links.
+  The process id comes from the socket (SO_PEERCRED), never from the message.
 * ``progress{id, sent}``, ``close{id, sent}``: bytes the application moved itself.
 * ``job_progress{job, step, layer?}``: the job reached a step (and layer).
 
@@ -19,7 +20,9 @@ Agent -> client:
 
 * ``opened{ref, id, level, dscp, so_priority, nccl_traffic_class?}``: the flow id and the
   marking to use now.
-* ``level{id, level, dscp, so_priority}``: pushed whenever the flow's level changes.
+* ``level{id, level, dscp, so_priority, decided_at?, decided_ns?}``: pushed whenever the flow's
+  level changes; ``decided_at`` (wall seconds) / ``decided_ns`` (CLOCK_MONOTONIC ns of the
+  coordinator's machine) say when the coordinator decided it, when it did.
 * ``error{code, reason, ref?}``.
 """
 
@@ -39,6 +42,8 @@ MAX_TEXT = 255
 U32_MAX = 2**32 - 1
 U64_MAX = 2**64 - 1
 I64_MAX = 2**63 - 1
+#: longest node name in ``open.dst_node`` (its link id ``<node>:rx`` must fit a protocol name)
+MAX_NODE = 128
 
 
 class SdkProtocolError(ValueError):
@@ -58,6 +63,7 @@ class Open:
     job: str | None = None
     request: str | None = None
     peer: int | None = None
+    dst_node: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +116,8 @@ class Level:
     level: int
     dscp: int
     so_priority: int
+    decided_at: float | None = None
+    decided_ns: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +152,9 @@ _RULES: dict[str, tuple[str, float, float]] = {
     "cls": ("s", 1, 32),
     "job": ("s", 1, MAX_TEXT),
     "request": ("s", 1, MAX_TEXT),
+    "dst_node": ("s", 1, MAX_NODE),
+    "decided_at": ("f", 0, math.inf),
+    "decided_ns": ("u", 0, I64_MAX),
     "code": ("s", 1, MAX_TEXT),
     "reason": ("s", 0, 4096),
 }
@@ -192,6 +203,7 @@ def _build(cls: type[Any], data: dict[str, Any]) -> SdkMessage:
         values[name] = _check(cls.TYPE, name, data[name], optional=f.default is None)
     if cls is Open:
         _check_class(values["cls"])
+        _check_node(values.get("dst_node"))
     message: SdkMessage = cls(**values)
     return message
 
@@ -211,6 +223,13 @@ def _check(msg_type: str, name: str, value: Any, *, optional: bool) -> Any:
     elif type(value) is not str or not low <= len(value) <= high:
         raise SdkProtocolError(f"{where}: expected text of {int(low)}..{int(high)} characters")
     return value
+
+
+def _check_node(node: str | None) -> None:
+    # the node becomes part of a link id sent to the coordinator, which accepts printable
+    # names only: refuse here, so one client's bad name never breaks the agent's uplink
+    if node is not None and (not node.isprintable() or node != node.strip()):
+        raise SdkProtocolError("open.dst_node: expected a printable node name")
 
 
 def _check_class(label: str) -> None:

@@ -191,3 +191,35 @@ def test_metrics_count_completions_and_local_decisions(agent: AgentThread) -> No
     assert 'flowsched_agent_completion_slack_seconds_bucket{le="+Inf",node="n1"} 2.0' in body
     assert "flowsched_agent_local_decision_latency_seconds_bucket" in body
     assert 'flowsched_agent_sdk_requests_total{node="n1",type="open"} 2.0' in body
+
+
+@pytest.mark.parametrize(
+    ("env", "nic_interval", "capacity"),
+    [
+        pytest.param({}, 1.0, None, id="defaults"),
+        pytest.param(
+            {"FLOWSCHED_NIC_INTERVAL": "0.02", "FLOWSCHED_LINK_CAPACITY": "25e6"},
+            0.02,
+            25e6,
+            id="from-environment",
+        ),
+        pytest.param(
+            {"FLOWSCHED_NIC_INTERVAL": "x", "FLOWSCHED_LINK_CAPACITY": "-1"},
+            1.0,
+            None,
+            id="invalid-ignored",
+        ),
+    ],
+)
+def test_nic_settings_from_environment(
+    monkeypatch: pytest.MonkeyPatch,
+    env: dict[str, str],
+    nic_interval: float,
+    capacity: float | None,
+) -> None:
+    monkeypatch.delenv("FLOWSCHED_NIC_INTERVAL", raising=False)
+    monkeypatch.delenv("FLOWSCHED_LINK_CAPACITY", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    config = AgentConfig(node="n", socket_path="/nonexistent/s")
+    assert (config.nic_interval, config.link_capacity) == (nic_interval, capacity)

@@ -214,3 +214,26 @@ def test_torn_scan_entries_are_resolved_by_a_consistent_reread(reg: FlowRegistry
     # a byte count lower than known (torn) is ignored
     reg.observe_counts([(0, layout.SLOT_ACTIVE, 2, 1)], {0: fresh}.get, 3.0, 0)
     assert reg.slots[0, 2].bytes == 3
+
+
+@pytest.mark.parametrize(
+    ("dst_node", "links"),
+    [
+        pytest.param(None, ("n1/eth0",), id="no-destination"),
+        pytest.param("n1", ("n1/eth0",), id="own-node"),
+        pytest.param("h2", ("n1/eth0", "h2:rx"), id="remote-ingress"),
+    ],
+)
+def test_sdk_flow_links_include_the_destination(
+    reg: FlowRegistry, dst_node: str | None, links: tuple[str, ...]
+) -> None:
+    flow, _ = reg.open_sdk(1, FlowClass.KV, 5.0, size=10, dst_node=dst_node)
+    assert flow.links == links
+    batch = reg.take_batch()
+    assert batch is not None and batch.opens[0].links == links
+
+
+def test_custom_destination_links(reg: FlowRegistry) -> None:
+    custom = FlowRegistry(node="a", links=("a:tx",), id_prefix=1, links_to=lambda d: (d,))
+    flow, _ = custom.open_sdk(1, FlowClass.KV, 5.0, dst_node="b")
+    assert flow.links == ("b",)

@@ -162,3 +162,15 @@ def test_active_flows_by_class_and_level(state: ClusterState) -> None:
         (FlowClass.KV, 6): 1,
         (FlowClass.TP, 7): 1,
     }
+
+
+def test_level_updates_carry_the_decision_time(policy: BytesPolicy) -> None:
+    """decided_at = the policy's wall-clock now; decided_ns = the monotonic clock at decision."""
+    ticks = itertools.count(1000, 1000)
+    state = ClusterState(policy, mono_clock=lambda: next(ticks))
+    state.open_flows("a", [_open(1)], now=5.0)  # admission: decided while opening
+    admitted = state.flush(5.0)["a"][1]
+    assert (admitted.decided_at, admitted.decided_ns) == (5.0, 1000)
+    state.progress("a", [FlowProgress(1, 300)])
+    promoted = state.flush(7.5)["a"][1]
+    assert promoted.level == 4 and (promoted.decided_at, promoted.decided_ns) == (7.5, 3000)

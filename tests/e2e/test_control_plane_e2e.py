@@ -105,6 +105,9 @@ def test_sdk_and_table_flows_are_ranked_promoted_and_closed(tmp_path: Path, toke
         kv_decided = kv_levels[kv_levels.index(max(kv_levels)) :]
         assert kv_decided[-1] < kv_decided[0], kv_levels
         assert kv_decided == sorted(kv_decided, reverse=True), kv_levels
+        # the last promotion carries the coordinator's decision time (same machine: comparable)
+        assert kv.decided_ns is not None and 0 < kv.decided_ns <= time.monotonic_ns()
+        assert kv.decided_at is not None and kv.decided_at <= time.time()
         assert exp_levels[-1] < exp_levels[0], exp_levels
         assert exp_levels == sorted(exp_levels, reverse=True), exp_levels
         tp.close()

@@ -149,3 +149,23 @@ def test_decoding_never_builds_objects_from_ext_types() -> None:
     body = msgpack.packb({"t": "heartbeat", "t_sent": msgpack.ExtType(42, b"\x00")})
     with pytest.raises(LocalProtocolError, match=r"heartbeat\.t_sent"):
         decode_body(body)
+
+
+def test_level_decision_stamps_round_trip_and_stay_optional() -> None:
+    from flowsched.protocol import Levels, LevelUpdate
+
+    stamped = Levels((LevelUpdate(7, 0, None, 1.7e9, 42_000_000_123), LevelUpdate(8, 3)))
+    decoded = decode_body(encode_body(stamped))
+    assert isinstance(decoded, Levels)
+    assert [(u.decided_at, u.decided_ns) for u in decoded.updates] == [
+        (1.7e9, 42_000_000_123),
+        (None, None),
+    ]
+    # a frame without the stamps (an older coordinator) still decodes
+    old = msgpack.packb({"t": "levels", "updates": [{"id": 1, "level": 2, "rate": None}]})
+    assert decode_body(old) == Levels((LevelUpdate(1, 2),))
+    # stamps are not part of equality: a re-stamped update is the same decision
+    assert LevelUpdate(1, 2, None, 5.0, 9) == LevelUpdate(1, 2)
+    with pytest.raises(LocalProtocolError, match=r"levels\.updates.*decided_ns"):
+        bad = {"id": 1, "level": 2, "decided_ns": -1}
+        decode_body(msgpack.packb({"t": "levels", "updates": [bad]}))

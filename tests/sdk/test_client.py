@@ -79,6 +79,35 @@ def test_level_changes_are_pushed_to_listeners(agent: AgentThread) -> None:
         assert handle.dscp == agent.agent.view.marking(0).dscp
 
 
+def test_dst_node_adds_the_receivers_ingress_link(agent: AgentThread) -> None:
+    path = agent.ready.socket  # type: ignore[union-attr]
+    registry = agent.agent.registry
+    assert registry is not None
+    with (
+        client.flow("kv", bytes=10, dst_node="h2", socket_path=path) as to_h2,
+        client.flow("kv", bytes=10, socket_path=path) as unknown,
+    ):
+        assert registry.flows[to_h2.id].links == ("n1:tx", "h2:rx")  # type: ignore[index]
+        assert registry.flows[unknown.id].links == ("n1:tx",)  # type: ignore[index]
+    with pytest.raises(ValueError, match="dst_node"):
+        client.open_flow("kv", dst_node="bad\nname", socket_path=path)
+
+
+def test_decision_stamps_reach_the_handle(agent: AgentThread) -> None:
+    changed = threading.Event()
+    with client.flow("param_sync", socket_path=agent.ready.socket) as handle:  # type: ignore[union-attr]
+        assert handle.decided_ns is None and handle.decided_at is None  # first level: local
+        handle.add_listener(lambda h: changed.set())
+        stamps = {handle.id: (1_700_000_000.25, 987_654_321)}
+        agent.run(lambda: agent.agent.apply_levels([(handle.id, 0)], stamps))  # type: ignore[list-item, dict-item]
+        assert changed.wait(3)
+        assert (handle.level, handle.decided_at, handle.decided_ns) == (
+            0,
+            1_700_000_000.25,
+            987_654_321,
+        )
+
+
 def test_linking_rule_moves_plugin_bytes_and_levels(agent: AgentThread) -> None:
     table = FlowTable.open(agent.ready.table, writable=True)  # type: ignore[union-attr]
     try:
@@ -218,3 +247,32 @@ def test_consumer_step_defaults_to_the_last_reported_job(agent: AgentThread) -> 
     with client.flow("experience", consumer_step=9, socket_path=path) as handle:
         flow = agent.agent.registry.flows[handle.id]  # type: ignore[union-attr, index]
         assert (flow.job, flow.consumer_index) == ("train-3", 9)
+
+
+def test_send_with_flow_names_the_destination(agent: AgentThread) -> None:
+    """flowsched.transfer opens the SDK flow with dst_node and sends the bytes intact."""
+    from flowsched import transfer
+
+    registry = agent.agent.registry
+    assert registry is not None
+    opened: list[tuple[str, ...]] = []
+    original = registry.open_sdk
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        flow, linked = original(*args, **kwargs)
+        opened.append(flow.links)
+        return flow, linked
+
+    registry.open_sdk = recording  # type: ignore[method-assign]
+    with transfer.Receiver(("127.0.0.1", 0)) as receiver:
+        stats = transfer.send_with_flow(
+            receiver.address,
+            200_000,
+            "kv",
+            deadline=time.time() + 10,
+            dst_node="h2",
+            socket_path=agent.ready.socket,  # type: ignore[union-attr]
+        )
+        result = receiver.results.get(timeout=5)
+    assert result.ok and stats.bytes == 200_000
+    assert opened == [("n1:tx", "h2:rx")]

@@ -17,6 +17,8 @@ ROUND_TRIP = [
     pytest.param(sdk.JobProgress("j", -1, 4), "agent", id="job-progress"),
     pytest.param(sdk.Opened(1, 99, 3, 46, 6, 5), "client", id="opened"),
     pytest.param(sdk.Level(99, 0, 46, 6), "client", id="level"),
+    pytest.param(sdk.Level(99, 0, 46, 6, 1.7e9, 123_456_789), "client", id="level-decided"),
+    pytest.param(sdk.Open(3, "kv", dst_node="h2"), "agent", id="open-dst-node"),
     pytest.param(sdk.Error("bad", "why", 4), "client", id="error"),
 ]
 
@@ -55,6 +57,12 @@ BAD = [
     pytest.param({"t": "opened", "ref": 1}, "unexpected message type", id="agent-only-type"),
     pytest.param({"t": "exec", "code": "x"}, "unknown or unexpected", id="unknown-type"),
     pytest.param({"x": 1}, "string 't'", id="no-type"),
+    pytest.param(
+        {"t": "open", "ref": 1, "cls": "kv", "dst_node": "h\n2"}, "open.dst_node", id="bad-node"
+    ),
+    pytest.param(
+        {"t": "open", "ref": 1, "cls": "kv", "dst_node": "x" * 200}, "open.dst_node", id="long-node"
+    ),
 ]
 
 

@@ -1,0 +1,327 @@
+"""The contention benchmark: every policy on one seeded trace, on the testbed and in the sim."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from flowsched import policyfile
+from flowsched import report as shared_report
+from flowsched.metrics import RunRecords, summarize
+from flowsched.testbed import netns, replay, report, runner
+from flowsched.testbed.trace import ScenarioParams, Trace, Transfer, generate
+
+#: bench/contention/ in a repository checkout
+BENCH_DIR = Path(__file__).resolve().parent.parent.parent / "bench" / "contention"
+
+
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    """What ``flowsched bench contention`` was asked to do."""
+
+    out: Path
+    policies: tuple[str, ...]
+    params: ScenarioParams
+    seed: int
+    spec: netns.TopologySpec
+    simulate_only: bool = False
+    command: str = ""
+    calibrate: bool = True
+    #: the control plane of the main runs: "agent" = the real coordinator + one agent per
+    #: host + the NCCL plugin for TP (the default); "mini" = the testbed's minimal controller
+    control: str = "agent"
+    #: policies run a second time with the other control plane (an ablation, after the rest)
+    ablation_policies: tuple[str, ...] = ()
+
+
+def other_control(control: str) -> str:
+    """The control plane an ablation run uses: the one the main runs did not."""
+    return "mini" if control == "agent" else "agent"
+
+
+#: result of the last :func:`calibrate` run (reported in the notes)
+CALIBRATION: dict[str, float] = {}
+
+
+def policy_path(name: str) -> Path:
+    """The benchmark's policy file for ``name`` (``bench/contention/policies/NAME.toml``)."""
+    path = BENCH_DIR / "policies" / f"{name}.toml"
+    if not path.exists():
+        raise FileNotFoundError(f"no benchmark policy file {path}")
+    return path
+
+
+class Progress:
+    """The shared progress bar (:class:`flowsched.report.Progress`), one unit per run."""
+
+    def __init__(self, total: int) -> None:
+        self._bar = shared_report.Progress(total)
+
+    def step(self, label: str) -> None:
+        self._bar.advance(label)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.PolicyResult]:
+    """Run the benchmark and write its report into ``options.out``."""
+    trace = generate(options.params, options.spec.rate_bytes, options.seed)
+    reason = None if options.simulate_only else netns.probe(options.spec.prefix)
+    if reason is not None:
+        print(f"testbed unavailable: {reason}; running the simulator only", file=sys.stderr)
+    steps = 1 if reason or options.simulate_only else 2
+    extra = 0 if reason or options.simulate_only else len(options.ablation_policies)
+    progress = Progress(len(options.policies) * steps + extra)
+    if reason is not None or options.simulate_only:
+        results = [_simulate(trace, name, progress) for name in options.policies]
+        mode = "simulator only" + (f" ({reason})" if reason else "")
+    else:
+        results = _testbed(options, trace, progress)
+        mode = "testbed + simulator replay"
+    progress.close()
+    meta = _meta(options, trace, mode, results)
+    paths = report.write(results, meta, options.out)
+    print(report.render_table(report.table_rows(results)), file=stream)
+    promo = report.promotion_summary(results)
+    if promo.get("count"):
+        print(
+            f"promotion latency: median {promo['median'] * 1e3:.1f} ms "
+            f"(p90 {promo['p90'] * 1e3:.1f} ms, n={promo['count']})",
+            file=stream,
+        )
+    print("wrote " + ", ".join(str(p) for p in paths), file=stream)
+    return results
+
+
+def _simulate(trace: Trace, name: str, progress: Progress) -> report.PolicyResult:
+    cfg = policyfile.load(policy_path(name))
+    records = replay.replay(trace, cfg.make_policy(), timer_period=cfg.timer_period)
+    progress.step(f"{name}: simulator")
+    return report.PolicyResult(name, None, summarize(records), sim_records=records)
+
+
+def calibration_trace(rate_bytes: float, size: int = 1_500_000, count: int = 8) -> Trace:
+    """Isolated KV transfers h0 -> h2, one at a time: the testbed's per-transfer overhead."""
+    transfers = [
+        Transfer(i + 1, "kv", "h0", "h2", round(0.1 + i * 0.35, 3), size) for i in range(count)
+    ]
+    return Trace(0, 4, rate_bytes, 0.1 + count * 0.35, 0.0, [], transfers)
+
+
+def calibrate(
+    topo: netns.Topology, rate_bytes: float, work: Path, control: str = "agent"
+) -> dict[str, float]:
+    """Median completion time of an isolated transfer on the testbed vs size / rate."""
+    trace = calibration_trace(rate_bytes)
+    path = policy_path("fair")
+    run = runner.run_policy(topo, trace, policyfile.load(path), path, work, control=control)
+    fcts = sorted(f.fct for f in run.records.flows)
+    if not fcts:
+        return {}
+    size, median = trace.transfers[0].size, fcts[len(fcts) // 2]
+    return {
+        "size": size,
+        "ideal_s": size / rate_bytes,
+        "testbed_median_s": median,
+        "overhead_s": median - size / rate_bytes,
+        "samples": len(fcts),
+    }
+
+
+def _testbed(options: BenchOptions, trace: Trace, progress: Progress) -> list[report.PolicyResult]:
+    results = []
+    work = options.out / "work"
+    with netns.testbed(options.spec) as topo:
+        if options.calibrate:
+            CALIBRATION.update(
+                calibrate(topo, trace.rate_bytes, work / "calibration", options.control)
+            )
+        for name in options.policies:
+            path = policy_path(name)
+            cfg = policyfile.load(path)
+            measured = runner.run_policy(
+                topo, trace, cfg, path, work / name, control=options.control
+            )
+            progress.step(f"{name}: testbed")
+            result = _simulate(trace, name, progress)
+            result.testbed = summarize(measured.records)
+            result.testbed_records = measured.records
+            result.promotions = [p[2] for p in measured.promotions]
+            result.class_bytes = measured.class_bytes
+            result.errors = measured.errors
+            result.wall_seconds = measured.wall_seconds
+            result.cpu_seconds = measured.cpu_seconds
+            result.admission = measured.admission
+            result.control = options.control
+            results.append(result)
+        other = other_control(options.control)
+        for result in results:
+            if result.policy in options.ablation_policies:
+                _ablation_run(topo, trace, result, work / f"{result.policy}-{other}", other)
+                progress.step(f"{result.policy}: testbed, {other} control (ablation)")
+    return results
+
+
+def _ablation_run(
+    topo: netns.Topology, trace: Trace, result: report.PolicyResult, work: Path, control: str
+) -> None:
+    """The same policy on the same trace with the other control plane."""
+    path = policy_path(result.policy)
+    result.ablation_control = control
+    try:
+        measured = runner.run_policy(
+            topo, trace, policyfile.load(path), path, work, control=control
+        )
+    except (RuntimeError, OSError) as exc:
+        result.errors.append(f"ablation ({control} control): {exc}")
+        return
+    result.ablation = summarize(measured.records)
+    result.ablation_records = measured.records
+    result.ablation_promotions = [p[2] for p in measured.promotions]
+    result.errors += [f"ablation ({control} control): {e}" for e in measured.errors]
+
+
+def _meta(
+    options: BenchOptions, trace: Trace, mode: str, results: list[report.PolicyResult]
+) -> dict[str, object]:
+    spec = options.spec
+    return {
+        "command": options.command or "flowsched bench contention",
+        "mode": mode,
+        "setup": (
+            f"{spec.hosts} host namespaces + a switch namespace (Linux bridge), veth links at "
+            f"{spec.rate_mbit:g} Mbit/s, htb strict priority by DSCP on every host egress and "
+            f"switch port, {spec.min_share:.0%} guaranteed per class, switch queues "
+            f"{spec.switch_queue_bytes // 1000} kB per class."
+        ),
+        "seed": trace.seed,
+        "duration": trace.duration,
+        "load": trace.load,
+        "flows": len(trace.transfers),
+        "rate_mbit": spec.rate_mbit,
+        "control": options.control,
+        "ablation_policies": list(options.ablation_policies),
+        "notes": _notes(results),
+    }
+
+
+#: who carries what, per control plane (the report's first notes)
+CONTROL_NOTES = {
+    "agent": "levels from the real `flowsched coordinator` (switch namespace, management "
+    "network) and one real `flowsched agent` per host (table /dev/shm/fsE-hN-table, own SDK "
+    "socket, NIC counters sampled every 100 ms, link capacity set to the shaped rate; links "
+    "<host>:tx and <host>:rx); KV, "
+    "parameter-sync and experience transfers open their flow through flowsched.client with "
+    "dst_node = the receiving host (so the flow's links include the receiver's ingress) and "
+    "send with flowsched.transfer (socket marked with the flow's level, follows promotions); "
+    "TP collectives go through the NCCL net plugin driven by flowsched.nccl.harness "
+    "(FLOWSCHED_TABLE, FLOWSCHED_CLASS=tp), the plugin marking its sockets from the table.",
+    "mini": "levels from the testbed's minimal controller (flowsched.testbed.minictl, the same "
+    "policy objects as the simulator, link loads of both directions of every host link from "
+    "the switch port counters); KV, parameter-sync and experience transfers through "
+    "flowsched.transfer; TP collectives over plain TCP sockets marked with the TP flow's "
+    "level (no agent, no plugin).",
+}
+
+
+def _notes(results: list[report.PolicyResult]) -> list[str]:
+    controls = sorted({r.control for r in results if r.testbed is not None})
+    notes = [f"Rows '{report.CONTROL_LABELS[c]}': {CONTROL_NOTES[c]}" for c in controls]
+    ablations = sorted({r.ablation_control for r in results if r.ablation is not None})
+    notes += [
+        f"Rows '{report.CONTROL_LABELS[c]} (ablation)': the same trace again, {CONTROL_NOTES[c]}"
+        for c in ablations
+    ]
+    if CALIBRATION:
+        c = CALIBRATION
+        notes.append(
+            f"Measured per-transfer overhead: an isolated {c['size'] / 1e6:.1f} MB KV transfer "
+            f"completes in {c['testbed_median_s'] * 1e3:.1f} ms (median of {c['samples']:.0f}) "
+            f"on the testbed against {c['ideal_s'] * 1e3:.1f} ms (size / rate) in the fluid "
+            f"simulator ({c['overhead_s'] * 1e3:+.1f} ms: connection setup, admission, TCP slow "
+            "start, digest and acknowledgement)."
+        )
+    notes += [_gap_note(r) for r in results if r.testbed_records and r.sim_records]
+    admitted = [r for r in results if r.admission]
+    if admitted:
+        notes.append(
+            "Admission on the testbed (a transfer's open -> its first level in hand; the "
+            "simulator admits instantly), median / p90: "
+            + ", ".join(
+                f"{r.policy} {_pct(r.admission, 0.5) * 1e3:.1f} / "
+                f"{_pct(r.admission, 0.9) * 1e3:.1f} ms"
+                for r in admitted
+            )
+            + "."
+        )
+    static = next((r for r in results if r.policy == "static" and r.testbed), None)
+    if static and static.testbed and static.testbed.cct_mean and static.sim.cct_mean:
+        notes.append(
+            "Under static, TP is alone in the top class, so testbed minus simulator CCT is the "
+            "cost of a collective exchange itself (Python, thread per exchange, 2 shared "
+            f"cores): {(static.testbed.cct_mean - static.sim.cct_mean) * 1e3:+.1f} ms per "
+            "collective; the other policies' CCT gaps include it."
+        )
+    notes += [_ablation_note(r) for r in results if r.ablation is not None]
+    errors = sum(len(r.errors) for r in results)
+    if errors:
+        notes.append(f"{errors} errors were recorded (see results.json).")
+    return notes
+
+
+def _pct(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def kv_gap(testbed: RunRecords, sim: RunRecords) -> tuple[int, float] | None:
+    """(matched KV flows, median testbed - simulator completion time in seconds)."""
+    sim_fct = {f.request: f.fct for f in sim.flows if f.cls == "kv"}
+    gaps = sorted(
+        f.fct - sim_fct[f.request] for f in testbed.flows if f.cls == "kv" and f.request in sim_fct
+    )
+    return (len(gaps), gaps[len(gaps) // 2]) if gaps else None
+
+
+def top_share(records: RunRecords) -> float | None:
+    """Fraction of KV flows admitted at level 0."""
+    kv = [f for f in records.flows if f.cls == "kv"]
+    return sum(f.first_level == 0 for f in kv) / len(kv) if kv else None
+
+
+def _gap_note(r: report.PolicyResult) -> str:
+    assert r.testbed_records is not None and r.sim_records is not None
+    gap = kv_gap(r.testbed_records, r.sim_records)
+    if gap is None:
+        return f"{r.policy}: no KV flow completed on both."
+    return (
+        f"{r.policy}: the same KV flow completes {abs(gap[1]) * 1e3:.1f} ms "
+        f"{'later' if gap[1] >= 0 else 'earlier'} on the testbed than in the simulator "
+        f"(median over {gap[0]} flows matched by request)."
+    )
+
+
+def _ablation_note(r: report.PolicyResult) -> str:
+    main = top_share(r.testbed_records) if r.testbed_records else None
+    other = top_share(r.ablation_records) if r.ablation_records else None
+    text = f"{r.policy} with the {r.ablation_control} control plane (ablation): "
+    if main is not None and other is not None:
+        text += (
+            f"{other:.0%} of KV flows were admitted at level 0 against {main:.0%} with the "
+            f"{r.control} control plane. "
+        )
+    if r.ablation_promotions:
+        med = sorted(r.ablation_promotions)[len(r.ablation_promotions) // 2]
+        text += (
+            f"Decision -> first packet in the new class at the switch: median "
+            f"{med * 1e3:.1f} ms over {len(r.ablation_promotions)} changes."
+        )
+    return text
+
+
+def command_line(argv: list[str]) -> str:
+    """The command as the user typed it (for the report)."""
+    return "flowsched bench contention " + " ".join(shlex.quote(a) for a in argv)

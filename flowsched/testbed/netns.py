@@ -1,0 +1,437 @@
+"""A small cluster of network namespaces with strict-priority htb bottlenecks.
+
+Layout (``P`` is the name prefix, e.g. ``fsE-``)::
+
+    P h0 .. P h{n-1}   one namespace per host: data NIC ``P h{i}d`` (10.77.0.{i+1}/24, shaped
+                       egress = the host's NIC egress) and management NIC ``P h{i}m``
+                       (10.78.0.{i+1}/24, unshaped: control-plane traffic never competes)
+    P sw               the switch: bridge ``P br`` joining the ports ``P h{i}s`` (shaped egress =
+                       the switch port toward host i, i.e. the host's ingress link) and bridge
+                       ``P mb`` joining the management ports, with address 10.78.0.254
+
+Every shaped port carries the same htb tree: a parent class at the link rate, one child class
+per distinct DSCP of the policy's level table served in strict priority (htb ``prio`` = level,
+capped at 7) with a small guaranteed share so that a promoted flow's backlog drains quickly
+(see the promotion-latency facts), a class for unmarked traffic at the lowest priority, and a
+top class for small packets (pure ACKs and control messages) so that a receiver's ACKs are never
+starved by its own high-priority sends. Classification is by u32 on the IP TOS byte with mask
+0xfc, so ECN bits are ignored.
+
+Everything is created inside the namespaces, so deleting the namespaces removes every link.
+:func:`testbed` tears everything down also on exceptions, Ctrl-C and SIGTERM; :func:`cleanup`
+removes the leftovers of a run that was killed (it is called before every build).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+DATA_NET = "10.77.0"
+MGMT_NET = "10.78.0"
+SWITCH_MGMT_IP = f"{MGMT_NET}.254"
+MAX_IFNAME = 15
+#: classid minor of the small-packet (ACK) class and of the unmarked-traffic class
+ACK_CLASS = 0x2
+UNMARKED_CLASS = 0xF
+#: classid minor of the first level class; level class i is LEVEL_CLASS_BASE + i
+LEVEL_CLASS_BASE = 0x10
+#: IP total length below which a packet counts as an ACK/control packet
+SMALL_PACKET_BYTES = 128
+
+
+class TestbedUnavailable(RuntimeError):
+    """Raised when this machine cannot build the testbed (no root, no netns or no htb)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TopologySpec:
+    """What to build. ``rate_mbit`` is every link's capacity in both directions."""
+
+    prefix: str = "fsE-"
+    hosts: int = 4
+    rate_mbit: float = 200.0
+    #: guaranteed share of the link for every priority class (0 = pure strict priority)
+    min_share: float = 0.02
+    #: byte limit of each class queue on the switch ports (a shallow switch buffer)
+    switch_queue_bytes: int = 256_000
+    #: cap on GSO packet size at the hosts, bounds what a starved flow keeps queued
+    gso_max_size: int = 16384
+    #: minimum TCP retransmission timeout on the data network (ms)
+    rto_min_ms: int = 10
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9-]{1,9}", self.prefix):
+            raise ValueError(f"prefix {self.prefix!r}: 1-9 characters of [A-Za-z0-9-]")
+        if not 2 <= self.hosts <= 16:
+            raise ValueError(f"hosts: {self.hosts} is outside 2..16")
+        if not 1.0 <= self.rate_mbit <= 10_000.0:
+            raise ValueError(f"rate_mbit: {self.rate_mbit} is outside 1..10000")
+        if not 0.0 <= self.min_share <= 0.2:
+            raise ValueError(f"min_share: {self.min_share} is outside 0..0.2")
+
+    @property
+    def rate_bytes(self) -> float:
+        """Link capacity in bytes per second."""
+        return self.rate_mbit * 1e6 / 8
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """One host namespace and its links."""
+
+    index: int
+    name: str
+    netns: str
+    data_dev: str
+    data_ip: str
+    mgmt_dev: str
+    mgmt_ip: str
+    switch_port: str
+
+
+@dataclass(slots=True)
+class Topology:
+    """A built testbed: the hosts, the switch and the shaping on every port."""
+
+    spec: TopologySpec
+    hosts: list[Host]
+    switch_ns: str
+    switch_mgmt_ip: str = SWITCH_MGMT_IP
+    #: DSCP -> htb classid minor, as last configured by :meth:`configure_classes`
+    dscp_class: dict[int, int] = field(default_factory=dict)
+
+    def host(self, name: str) -> Host:
+        """The host called ``name`` (e.g. ``"h0"``)."""
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise KeyError(f"no host {name!r} (hosts: {', '.join(h.name for h in self.hosts)})")
+
+    def shaped_ports(self) -> list[tuple[str, str]]:
+        """Every (namespace, device) whose egress is an htb bottleneck."""
+        ports = [(h.netns, h.data_dev) for h in self.hosts]
+        return ports + [(self.switch_ns, h.switch_port) for h in self.hosts]
+
+    def ns_command(self, netns: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` wrapped to run inside ``netns``."""
+        return ["ip", "netns", "exec", netns, *argv]
+
+    def configure_classes(self, dscp_by_level: Sequence[int]) -> None:
+        """(Re)build the htb tree on every shaped port for a level -> DSCP table."""
+        self.dscp_class = level_classes(dscp_by_level)
+        for netns, dev in self.shaped_ports():
+            on_switch = netns == self.switch_ns
+            queue = self.spec.switch_queue_bytes if on_switch else None
+            _run(["tc", "-n", netns, "qdisc", "del", "dev", dev, "root"], check=False)
+            _tc_batch(netns, htb_commands(dev, self.spec, dscp_by_level, queue))
+
+    def class_bytes(self) -> dict[str, dict[int, int]]:
+        """Bytes sent so far by each htb class, per ``"netns/dev"`` (from ``tc -s class``)."""
+        return {
+            f"{netns}/{dev}": parse_class_bytes(
+                _run(["tc", "-n", netns, "-s", "class", "show", "dev", dev])
+            )
+            for netns, dev in self.shaped_ports()
+        }
+
+
+def level_classes(dscp_by_level: Sequence[int]) -> dict[int, int]:
+    """DSCP -> classid minor, one class per distinct DSCP in order of urgency.
+
+    Levels that share a DSCP (K levels compressed into fewer hardware queues) share a class;
+    the i-th distinct DSCP gets class ``LEVEL_CLASS_BASE + i`` served at htb prio min(i, 7).
+    """
+    classes: dict[int, int] = {}
+    for level, dscp in enumerate(dscp_by_level):
+        if not 0 <= dscp <= 63:
+            raise ValueError(f"levels[{level}].dscp: {dscp} is outside 0..63")
+        classes.setdefault(dscp, LEVEL_CLASS_BASE + len(classes))
+    return classes
+
+
+def htb_commands(
+    dev: str, spec: TopologySpec, dscp_by_level: Sequence[int], queue_bytes: int | None
+) -> list[str]:
+    """``tc -batch`` lines of the strict-priority htb tree on ``dev``."""
+    rate = f"{spec.rate_mbit:g}mbit"
+    guarantee = f"{max(spec.rate_mbit * spec.min_share, 0.1):g}mbit"
+    lines = [
+        f"qdisc add dev {dev} root handle 1: htb default {UNMARKED_CLASS:x}",
+        f"class add dev {dev} parent 1: classid 1:1 htb rate {rate} ceil {rate}"
+        " burst 32k cburst 32k",
+    ]
+    leaves = [(ACK_CLASS, 0), (UNMARKED_CLASS, 7)]
+    leaves += [
+        (minor, min(minor - LEVEL_CLASS_BASE, 7))
+        for minor in sorted(set(level_classes(dscp_by_level).values()))
+    ]
+    for minor, prio in leaves:
+        lines.append(
+            f"class add dev {dev} parent 1:1 classid 1:{minor:x} htb rate {guarantee}"
+            f" ceil {rate} prio {prio} burst 32k cburst 32k quantum 16000"
+        )
+        if queue_bytes is not None:
+            lines.append(f"qdisc add dev {dev} parent 1:{minor:x} bfifo limit {queue_bytes}")
+    lines.append(
+        f"filter add dev {dev} parent 1: protocol ip prio 1 u32"
+        f" match u16 0 0x{0x10000 - SMALL_PACKET_BYTES:x} at 2 flowid 1:{ACK_CLASS:x}"
+    )
+    for dscp, minor in level_classes(dscp_by_level).items():
+        lines.append(
+            f"filter add dev {dev} parent 1: protocol ip prio 2 u32"
+            f" match ip tos 0x{dscp << 2:02x} 0xfc flowid 1:{minor:x}"
+        )
+    return lines
+
+
+_CLASS_LINE = re.compile(r"^class htb 1:([0-9a-f]+) ")
+_SENT_LINE = re.compile(r"^\s*Sent (\d+) bytes")
+
+
+def parse_class_bytes(text: str) -> dict[int, int]:
+    """classid minor -> bytes sent, from ``tc -s class show`` output (leaf and inner classes)."""
+    counters: dict[int, int] = {}
+    current: int | None = None
+    for line in text.splitlines():
+        if match := _CLASS_LINE.match(line):
+            current = int(match.group(1), 16)
+        elif (match := _SENT_LINE.match(line)) and current is not None:
+            counters[current] = int(match.group(1))
+            current = None
+    return counters
+
+
+# -- building and tearing down ------------------------------------------------------------
+
+
+def _run(argv: Sequence[str], *, stdin: str | None = None, check: bool = True) -> str:
+    proc = subprocess.run(
+        list(argv), input=stdin, capture_output=True, text=True, timeout=30, check=False
+    )
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _ip_batch(netns: str | None, lines: Sequence[str]) -> None:
+    ns = ["-n", netns] if netns else []
+    _run(["ip", *ns, "-batch", "-"], stdin="\n".join(lines) + "\n")
+
+
+def _tc_batch(netns: str, lines: Sequence[str]) -> None:
+    _run(["tc", "-n", netns, "-batch", "-"], stdin="\n".join(lines) + "\n")
+
+
+def _sysctl(netns: str, settings: dict[str, str]) -> None:
+    args = [f"{key}={value}" for key, value in settings.items()]
+    _run(["ip", "netns", "exec", netns, "sysctl", "-q", "-w", *args])
+
+
+def plan(spec: TopologySpec) -> Topology:
+    """Names and addresses of the testbed for ``spec`` (nothing is created)."""
+    p = spec.prefix
+    hosts = []
+    for i in range(spec.hosts):
+        name = f"h{i}"
+        host = Host(
+            index=i,
+            name=name,
+            netns=f"{p}{name}",
+            data_dev=f"{p}{name}d",
+            data_ip=f"{DATA_NET}.{i + 1}",
+            mgmt_dev=f"{p}{name}m",
+            mgmt_ip=f"{MGMT_NET}.{i + 1}",
+            switch_port=f"{p}{name}s",
+        )
+        for dev in (host.data_dev, host.mgmt_dev, host.switch_port):
+            if len(dev) > MAX_IFNAME:
+                raise ValueError(f"interface name {dev!r} is longer than {MAX_IFNAME}")
+        hosts.append(host)
+    return Topology(spec=spec, hosts=hosts, switch_ns=f"{p}sw")
+
+
+def _build(topo: Topology, dscp_by_level: Sequence[int]) -> None:
+    p, sw = topo.spec.prefix, topo.switch_ns
+    for netns in [sw, *(h.netns for h in topo.hosts)]:
+        _run(["ip", "netns", "add", netns])
+        _ip_batch(netns, ["link set lo up"])
+        _sysctl(
+            netns,
+            {"net.ipv6.conf.all.disable_ipv6": "1", "net.ipv6.conf.default.disable_ipv6": "1"},
+        )
+    _ip_batch(
+        sw,
+        [
+            f"link add {p}br type bridge stp_state 0 forward_delay 0",
+            f"link add {p}mb type bridge stp_state 0 forward_delay 0",
+            f"addr add {SWITCH_MGMT_IP}/24 dev {p}mb",
+            f"link set {p}br up",
+            f"link set {p}mb up",
+        ],
+    )
+    for host in topo.hosts:
+        _link_host(topo, host)
+    topo.configure_classes(dscp_by_level)
+
+
+def _link_host(topo: Topology, host: Host) -> None:
+    p, sw, ns = topo.spec.prefix, topo.switch_ns, host.netns
+    mgmt_peer = f"{p}{host.name}n"
+    _ip_batch(
+        ns,
+        [
+            f"link add {host.data_dev} type veth peer name {host.switch_port} netns {sw}",
+            f"link add {host.mgmt_dev} type veth peer name {mgmt_peer} netns {sw}",
+            f"link set {host.data_dev} gso_max_size {topo.spec.gso_max_size}",
+            f"addr add {host.data_ip}/24 dev {host.data_dev}",
+            f"addr add {host.mgmt_ip}/24 dev {host.mgmt_dev}",
+            f"link set {host.data_dev} up",
+            f"link set {host.mgmt_dev} up",
+            # a datacenter-style minimum RTO: a flow starved in a low class loses packets at the
+            # switch; with Linux's 200 ms default it would sit in timeout long after a promotion
+            f"route replace {DATA_NET}.0/24 dev {host.data_dev} rto_min {topo.spec.rto_min_ms}ms",
+        ],
+    )
+    _ip_batch(
+        sw,
+        [
+            f"link set {host.switch_port} master {p}br",
+            f"link set {mgmt_peer} master {p}mb",
+            f"link set {host.switch_port} up",
+            f"link set {mgmt_peer} up",
+        ],
+    )
+
+
+def _ours(prefix: str) -> re.Pattern[str]:
+    """Names a testbed with ``prefix`` creates (and nothing of a longer prefix's testbed)."""
+    return re.compile(re.escape(prefix) + r"(h\d+[dmsn]?|sw|br|mb|probe|h\d+-.*)")
+
+
+def namespaces(prefix: str) -> list[str]:
+    """Network namespaces that a testbed with ``prefix`` creates."""
+    out = _run(["ip", "netns", "list"], check=False)
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return [name for name in names if _ours(prefix).fullmatch(name)]
+
+
+def root_links(prefix: str) -> list[str]:
+    """Links in the root namespace whose name starts with ``prefix``."""
+    out = _run(["ip", "-o", "link", "show"], check=False)
+    names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
+    return [name for name in names if _ours(prefix).fullmatch(name)]
+
+
+def shm_files(prefix: str) -> list[Path]:
+    """Files under /dev/shm whose name starts with ``prefix`` (agent tables of a run)."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return []
+    return sorted(p for p in shm.glob(f"{prefix}*") if _ours(prefix).fullmatch(p.name))
+
+
+def _kill_namespace_processes(netns: str) -> None:
+    """SIGKILL the processes still running inside ``netns`` (all started by a testbed run)."""
+    out = _run(["ip", "netns", "pids", netns], check=False)
+    for token in out.split():
+        with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+            os.kill(int(token), signal.SIGKILL)
+
+
+def cleanup(prefix: str) -> list[str]:
+    """Remove every namespace, root link and /dev/shm file named ``prefix*``; return them."""
+    if not prefix.strip("-"):
+        raise ValueError("cleanup needs a non-empty prefix")
+    removed: list[str] = []
+    for netns in namespaces(prefix):
+        _kill_namespace_processes(netns)
+        _run(["ip", "netns", "del", netns], check=False)
+        removed.append(f"netns {netns}")
+    for link in root_links(prefix):
+        _run(["ip", "link", "del", link], check=False)
+        removed.append(f"link {link}")
+    for path in shm_files(prefix):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        removed.append(f"file {path}")
+    return removed
+
+
+def leftovers(prefix: str) -> list[str]:
+    """What :func:`cleanup` would remove (empty when nothing is left behind)."""
+    found = [f"netns {n}" for n in namespaces(prefix)]
+    found += [f"link {link}" for link in root_links(prefix)]
+    return found + [f"file {path}" for path in shm_files(prefix)]
+
+
+def probe(prefix: str = "fsE-") -> str | None:
+    """None when this machine can build the testbed, else the reason it cannot."""
+    if os.geteuid() != 0:
+        return "not running as root (network namespaces and tc need CAP_NET_ADMIN)"
+    netns = f"{prefix}probe"
+    try:
+        _run(["ip", "netns", "add", netns])
+        _ip_batch(netns, ["link add probe0 type veth peer name probe1", "link set probe0 up"])
+        _tc_batch(
+            netns,
+            [
+                "qdisc add dev probe0 root handle 1: htb default 1",
+                "class add dev probe0 parent 1: classid 1:1 htb rate 10mbit",
+                "filter add dev probe0 parent 1: protocol ip prio 1 u32"
+                " match ip tos 0x00 0xfc flowid 1:1",
+            ],
+        )
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        return f"cannot build a network namespace with an htb qdisc: {exc}"
+    finally:
+        _run(["ip", "netns", "del", netns], check=False)
+    return None
+
+
+class Terminated(BaseException):
+    """Raised in the main thread by SIGTERM so that ``finally`` blocks tear the testbed down."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise Terminated(f"signal {signum}")
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: the caller handles signals
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def testbed(spec: TopologySpec, dscp_by_level: Sequence[int] = (0,)) -> Iterator[Topology]:
+    """Build the testbed for ``spec``, yield it, and always remove everything it made.
+
+    Leftovers of an earlier crashed run with the same prefix are removed first. SIGTERM is
+    turned into an exception while the testbed is up (main thread only), so Ctrl-C, SIGTERM and
+    errors all run the teardown.
+    """
+    reason = probe(spec.prefix)
+    if reason is not None:
+        raise TestbedUnavailable(reason)
+    cleanup(spec.prefix)
+    topo = plan(spec)
+    with _sigterm_raises():
+        try:
+            _build(topo, dscp_by_level)
+            yield topo
+        finally:
+            cleanup(spec.prefix)

@@ -1,0 +1,285 @@
+"""Tables, JSON, plots and the markdown report of the contention benchmark."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flowsched import report as shared_report
+from flowsched.metrics import RunMetrics, RunRecords
+from flowsched.report import Outcome
+
+
+@dataclass(slots=True)
+class PolicyResult:
+    """One policy's testbed and simulator metrics on the same trace."""
+
+    policy: str
+    testbed: RunMetrics | None
+    sim: RunMetrics
+    testbed_records: RunRecords | None = None
+    sim_records: RunRecords | None = None
+    promotions: list[float] = field(default_factory=list)
+    class_bytes: dict[str, dict[int, int]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    #: open -> first level delays of the testbed run's transfers (sorted, seconds)
+    admission: list[float] = field(default_factory=list)
+    #: CPU seconds of the control-plane processes and the sniffer during the testbed run
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+    #: control plane of the testbed rows: "agent" (the real coordinator + one agent per host
+    #: + the NCCL plugin for TP, the default) or "mini" (the testbed's minimal controller)
+    control: str = "agent"
+    #: the same policy run again with the other control plane (an ablation), when asked for
+    ablation: RunMetrics | None = None
+    ablation_promotions: list[float] = field(default_factory=list)
+    ablation_records: RunRecords | None = None
+    ablation_control: str = ""
+
+
+def _fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def _ratio(tb: float | None, sim: float | None) -> str:
+    if tb is None or sim is None or sim == 0:
+        return "-"
+    return f"{tb / sim:.2f}"
+
+
+COLUMNS = (
+    "policy",
+    "source",
+    "SLO att.",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "CCT mean ms",
+    "iter mean s",
+    "sync miss",
+    "KV FCT p50 ms",
+    "KV FCT p99 ms",
+)
+
+
+def _row(policy: str, source: str, m: RunMetrics) -> list[str]:
+    kv = m.class_fct.get("kv", {})
+    return [
+        policy,
+        source,
+        _fmt(m.slo_attainment),
+        _fmt(m.ttft_p50, 1e3, 1),
+        _fmt(m.ttft_p99, 1e3, 1),
+        _fmt(m.cct_mean, 1e3, 1),
+        _fmt(m.iteration_mean),
+        _fmt(m.deadline_miss_rate, 1, 2),
+        _fmt(kv.get("p50"), 1e3, 1),
+        _fmt(kv.get("p99"), 1e3, 1),
+    ]
+
+
+#: how a table row names the control plane that carried the levels of a testbed run
+CONTROL_LABELS = {"agent": "testbed", "mini": "testbed, mini ctl"}
+
+
+def table_rows(results: list[PolicyResult]) -> list[list[str]]:
+    """One testbed row (plus an ablation row when run) and one simulator row per policy."""
+    rows = []
+    for r in results:
+        if r.testbed is not None:
+            rows.append(_row(r.policy, CONTROL_LABELS.get(r.control, r.control), r.testbed))
+        if r.ablation is not None:
+            label = CONTROL_LABELS.get(r.ablation_control, r.ablation_control)
+            rows.append(_row(r.policy, f"{label} (ablation)", r.ablation))
+        rows.append(_row(r.policy, "sim", r.sim))
+    return rows
+
+
+def render_table(rows: list[list[str]], markdown: bool = False) -> str:
+    """Aligned text table (or a markdown table)."""
+    if markdown:
+        lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths, strict=True))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def agreement_rows(results: list[PolicyResult]) -> list[list[str]]:
+    """testbed / simulator ratios of SLO attainment and mean collective completion time."""
+    return [
+        [
+            r.policy,
+            _ratio(r.testbed.slo_attainment, r.sim.slo_attainment),
+            _ratio(r.testbed.cct_mean, r.sim.cct_mean),
+        ]
+        for r in results
+        if r.testbed is not None
+    ]
+
+
+def promotion_summary(results: list[PolicyResult]) -> dict[str, Any]:
+    """Median / p90 / count of measured promotion latencies over all policies (seconds)."""
+    values = sorted(v for r in results for v in r.promotions)
+    if not values:
+        return {"count": 0}
+    return {
+        "count": len(values),
+        "median": statistics.median(values),
+        "p90": values[min(len(values) - 1, int(0.9 * len(values)))],
+        "by_policy": {
+            r.policy: (statistics.median(r.promotions) if r.promotions else None) for r in results
+        },
+    }
+
+
+def _quantiles(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    p50, p90 = (ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.9))
+    return {"p50": p50, "p90": p90, "count": float(len(ordered))}
+
+
+def to_json(results: list[PolicyResult], meta: dict[str, Any]) -> dict[str, Any]:
+    """The JSON document written to ``results.json``."""
+    return {
+        "meta": meta,
+        "policies": {
+            r.policy: {
+                "testbed": r.testbed.to_dict() if r.testbed else None,
+                "testbed_control": r.control,
+                "control_cpu_seconds": r.cpu_seconds,
+                "admission_delay_s": _quantiles(r.admission),
+                "ablation": r.ablation.to_dict() if r.ablation else None,
+                "ablation_control": r.ablation_control or None,
+                "promotion_latency_ablation_s": r.ablation_promotions,
+                "sim": r.sim.to_dict(),
+                "promotion_latency_s": r.promotions,
+                "class_bytes": {
+                    k: {f"1:{c:x}": n for c, n in v.items()} for k, v in r.class_bytes.items()
+                },
+                "errors": r.errors,
+                "wall_seconds": r.wall_seconds,
+            }
+            for r in results
+        },
+        "promotion": promotion_summary(results),
+    }
+
+
+def plot(results: list[PolicyResult], out: Path, load: float) -> list[Path]:
+    """PNG plots: SLO attainment per policy (testbed vs sim), TTFT and CCT CDFs of each
+    (drawn by :func:`flowsched.report.plot_cdfs`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = [r.policy for r in results]
+    xs = range(len(results))
+    tb = [(r.testbed.slo_attainment or 0.0) if r.testbed else 0.0 for r in results]
+    sim = [r.sim.slo_attainment or 0.0 for r in results]
+    ax.bar([x - 0.2 for x in xs], tb, 0.4, label="testbed")
+    ax.bar([x + 0.2 for x in xs], sim, 0.4, label="simulator")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("KV TTFT SLO attainment")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "slo_attainment.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+    for source in ("testbed", "sim"):
+        outcomes = [
+            Outcome.from_records(r.policy, load, records)
+            for r in results
+            if (records := r.testbed_records if source == "testbed" else r.sim_records)
+        ]
+        path = out / f"cdf_{source}.png"
+        if outcomes and shared_report.plot_cdfs(path, outcomes, load):
+            paths.append(path)
+    return paths
+
+
+def headline(results: list[PolicyResult]) -> list[str]:
+    """rmlq's SLO attainment relative to fair and static, on the testbed and in the sim."""
+    by = {r.policy: r for r in results}
+    lines = []
+    for source in ("testbed", "sim"):
+        rm = _attainment(by.get("rmlq"), source)
+        parts = [
+            f"{rm / other:.2f}x {name}"
+            for name in ("fair", "static")
+            if rm is not None and (other := _attainment(by.get(name), source))
+        ]
+        if parts:
+            lines.append(f"- {source}: rmlq attains {rm:.3f}, i.e. " + ", ".join(parts) + ".")
+    return [*lines, ""] if lines else []
+
+
+def _attainment(result: PolicyResult | None, source: str) -> float | None:
+    if result is None:
+        return None
+    metrics = result.testbed if source == "testbed" else result.sim
+    return metrics.slo_attainment if metrics is not None else None
+
+
+def markdown(results: list[PolicyResult], meta: dict[str, Any]) -> str:
+    """The short markdown report (``report.md``)."""
+    promo = promotion_summary(results)
+    lines = [
+        "# Contention benchmark",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Mode: {meta['mode']}. {meta['setup']}",
+        "",
+        f"Trace: seed {meta['seed']}, {meta['duration']} s, KV load {meta['load']} of each "
+        f"decode host's ingress link, {meta['flows']} transfers, link rate "
+        f"{meta['rate_mbit']} Mbit/s.",
+        "",
+        render_table(table_rows(results), markdown=True),
+        "",
+        *headline(results),
+    ]
+    agreement = agreement_rows(results)
+    if agreement:
+        lines += [
+            "Testbed / simulator ratios (1.00 = identical):",
+            "",
+            "| policy | SLO attainment | mean CCT |",
+            "|---|---|---|",
+        ]
+        lines += [f"| {a} | {b} | {c} |" for a, b, c in agreement]
+        lines.append("")
+    if promo.get("count"):
+        lines.append(
+            f"Promotion latency (decision -> first packet in the new class at the switch port): "
+            f"median {promo['median'] * 1e3:.1f} ms, p90 {promo['p90'] * 1e3:.1f} ms over "
+            f"{promo['count']} promotions."
+        )
+        lines.append("")
+    lines += [f"- {note}" for note in meta.get("notes", [])]
+    lines += [
+        "",
+        "![SLO attainment](slo_attainment.png)",
+        "",
+        "![testbed CDFs](cdf_testbed.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write(results: list[PolicyResult], meta: dict[str, Any], out: Path) -> list[Path]:
+    """Write results.json, the PNG plots and report.md into ``out``; return the paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "report.md"]
+    paths[0].write_text(json.dumps(to_json(results, meta), indent=1), encoding="utf-8")
+    paths[1].write_text(markdown(results, meta), encoding="utf-8")
+    return paths + plot(results, out, float(meta.get("load", 0.0)))

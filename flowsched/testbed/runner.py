@@ -1,0 +1,445 @@
+"""Run one policy on the testbed: control plane, sniffer, one worker per host, then collect.
+
+Processes (all started here, all stopped here, and all inside the testbed's namespaces, so that
+:func:`flowsched.testbed.netns.cleanup` also ends them after a crash):
+
+* the control plane on the management network: the real coordinator in the switch namespace
+  and one real agent per host (``control="agent"``, the default; TP through the NCCL plugin),
+  or, as an ablation, the minimal controller (:mod:`flowsched.testbed.minictl`,
+  ``control="mini"``);
+* the sniffer on the switch ports (:mod:`flowsched.testbed.sniff`);
+* one worker per host (:mod:`flowsched.testbed.worker`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from flowsched.metrics import FlowRecord, RunRecords
+from flowsched.policyfile import PolicyConfig
+from flowsched.testbed.netns import Topology
+from flowsched.testbed.records import RecordBuilder
+from flowsched.testbed.trace import Trace
+
+CTL_PORT = 7200
+#: seconds between starting the workers and the trace's time zero
+START_MARGIN = 3.0
+#: the agents' NIC sampling period on the testbed (their link loads are at most this old; the
+#: minimal controller samples the switch ports every policy tick). Not shorter: every changed
+#: load re-evaluates the flows on that link, and the benchmark's policies take rho from the
+#: flows' byte counters (rmlq) or not at all, so faster samples only cost CPU
+NIC_INTERVAL = 0.1
+
+
+@dataclass(slots=True)
+class TestbedRun:
+    """What one policy run measured."""
+
+    policy: str
+    records: RunRecords
+    #: (flow id, new level, decision -> first packet in the new class at the bottleneck, s)
+    promotions: list[tuple[int, int, float]] = field(default_factory=list)
+    #: per transfer: its open at the trace time -> the control plane's first level received
+    #: (the SDK open round trip with the agent, or the minimal controller's answer), s
+    admission: list[float] = field(default_factory=list)
+    #: bytes per htb class minor on each switch port during the run
+    class_bytes: dict[str, dict[int, int]] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    control: str = "agent"
+    wall_seconds: float = 0.0
+    #: CPU seconds (user + system) of the control plane and the sniffer during the run
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+
+
+def _python(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
+
+
+@contextlib.contextmanager
+def _processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+
+
+def run_policy(
+    topo: Topology,
+    trace: Trace,
+    cfg: PolicyConfig,
+    policy_path: Path,
+    workdir: Path,
+    *,
+    control: str = "agent",
+) -> TestbedRun:
+    """Run ``trace`` under the policy file ``policy_path`` and collect the measurements."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    topo.configure_classes([m.dscp for m in cfg.levels])
+    trace_path = workdir / "trace.json"
+    trace_path.write_text(trace.to_json(), encoding="utf-8")
+    started = time.monotonic()
+    before = topo.class_bytes()
+    with _processes() as procs:
+        if control == "agent":  # agents take a while to start: the trace starts after them
+            ctl = _start_control(topo, procs, policy_path, 0, trace.rate_bytes, control, workdir)
+        t0_ns = time.monotonic_ns() + int(START_MARGIN * 1e9)
+        t0_wall = time.time() + START_MARGIN
+        if control != "agent":
+            ctl = _start_control(
+                topo, procs, policy_path, t0_ns, trace.rate_bytes, control, workdir
+            )
+        sniff_out = workdir / "sniff.json"
+        sniffer = _start_sniffer(topo, procs, sniff_out)
+        workers = _start_workers(
+            topo,
+            procs,
+            trace_path,
+            policy_path,
+            workdir,
+            t0_ns,
+            t0_wall,
+            ctl,
+            control,
+            trace.duration,
+        )
+        errors = _wait_workers(workers, trace.duration * 3 + 30)
+        cpu = {_label(p): _cpu_seconds(p.pid) for p in procs if p not in workers}
+        sniffer.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            sniffer.wait(timeout=10)
+    after = topo.class_bytes()
+    journals = [_read_json(workdir / f"{h.name}.json", []) for h in topo.hosts]
+    run = collect(
+        trace, cfg.policy, journals, _read_json(sniff_out, {}), errors, [m.dscp for m in cfg.levels]
+    )
+    run.class_bytes = _class_delta(before, after)
+    run.cpu_seconds = {k: v for k, v in cpu.items() if v is not None}
+    run.control, run.wall_seconds = control, time.monotonic() - started
+    return run
+
+
+def _start_control(
+    topo: Topology,
+    procs: list[subprocess.Popen[bytes]],
+    policy: Path,
+    t0_ns: int,
+    bandwidth: float,
+    control: str,
+    workdir: Path,
+) -> str:
+    """Start the control plane; return the address the workers use (mini) or ""."""
+    if control == "agent":
+        _start_agents(topo, procs, policy, bandwidth, workdir)
+        return ""
+    address = f"{topo.switch_mgmt_ip}:{CTL_PORT}"
+    argv = _python(
+        "flowsched.testbed.minictl",
+        "--policy",
+        str(policy),
+        "--listen",
+        address,
+        "--t0-ns",
+        str(t0_ns),
+        "--bandwidth",
+        str(bandwidth),
+        "--ports",
+        json.dumps({h.name: h.switch_port for h in topo.hosts}),
+    )
+    proc = subprocess.Popen(topo.ns_command(topo.switch_ns, argv), stdout=subprocess.PIPE)
+    procs.append(proc)
+    _expect_line(proc, b"listening", "the testbed controller")
+    return address
+
+
+def _expect_line(proc: subprocess.Popen[bytes], marker: bytes, what: str) -> bytes:
+    line = proc.stdout.readline() if proc.stdout else b""
+    if marker not in line:
+        raise RuntimeError(f"{what} did not start: {line!r}")
+    return line
+
+
+def table_path(topo: Topology, host: str) -> Path:
+    """The host's agent flow table (``/dev/shm`` is shared by every namespace)."""
+    return Path(f"/dev/shm/{topo.spec.prefix}{host}-table")
+
+
+def _start_agents(
+    topo: Topology,
+    procs: list[subprocess.Popen[bytes]],
+    policy: Path,
+    bandwidth: float,
+    workdir: Path,
+) -> None:
+    """The real coordinator in the switch namespace and one real agent per host."""
+    from flowsched.protocol import write_token
+
+    token = workdir / "token"
+    write_token(token)
+    argv = [
+        sys.executable,
+        "-m",
+        "flowsched",
+        "coordinator",
+        "--policy",
+        str(policy),
+        "--listen",
+        f"{topo.switch_mgmt_ip}:0",
+        "--metrics-port",
+        "0",
+        "--token-file",
+        str(token),
+    ]
+    coord = subprocess.Popen(topo.ns_command(topo.switch_ns, argv), stdout=subprocess.PIPE)
+    procs.append(coord)
+    address = _expect_line(coord, b"listening on", "the coordinator").split()[3].decode()
+    for host in topo.hosts:
+        argv = [
+            sys.executable,
+            "-m",
+            "flowsched",
+            "agent",
+            "--coordinator",
+            address,
+            "--node",
+            host.name,
+            "--token-file",
+            str(token),
+            "--policy",
+            str(policy),
+            "--table",
+            str(table_path(topo, host.name)),
+            "--socket",
+            str(workdir / f"{host.name}.sock"),
+            "--metrics-port",
+            "-1",
+            "--interface",
+            host.data_dev,
+            "--link-bandwidth",
+            str(bandwidth),
+        ]
+        # veth pairs report 10 Gbit/s: the agents are told the shaped rate of the host links
+        env = dict(
+            os.environ,
+            FLOWSCHED_NIC_INTERVAL=str(NIC_INTERVAL),
+            FLOWSCHED_LINK_CAPACITY=repr(bandwidth),
+        )
+        agent = subprocess.Popen(topo.ns_command(host.netns, argv), stdout=subprocess.PIPE, env=env)
+        procs.append(agent)
+        _expect_line(agent, b"ready", f"the agent of {host.name}")
+
+
+def _start_sniffer(
+    topo: Topology, procs: list[subprocess.Popen[bytes]], out: Path
+) -> subprocess.Popen[bytes]:
+    ready = out.with_suffix(".ready")
+    ready.unlink(missing_ok=True)
+    argv = _python(
+        "flowsched.testbed.sniff", "--out", str(out), *(h.switch_port for h in topo.hosts)
+    )
+    proc = subprocess.Popen(topo.ns_command(topo.switch_ns, argv))
+    procs.append(proc)
+    deadline = time.monotonic() + 10
+    while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    return proc
+
+
+def _start_workers(
+    topo: Topology,
+    procs: list[subprocess.Popen[bytes]],
+    trace: Path,
+    policy: Path,
+    workdir: Path,
+    t0_ns: int,
+    t0_wall: float,
+    ctl: str,
+    control: str,
+    duration: float,
+) -> list[subprocess.Popen[bytes]]:
+    ips = json.dumps({h.name: h.data_ip for h in topo.hosts})
+    workers = []
+    for host in topo.hosts:
+        argv = _python(
+            "flowsched.testbed.worker",
+            "--trace",
+            str(trace),
+            "--host",
+            host.name,
+            "--ips",
+            ips,
+            "--t0-ns",
+            str(t0_ns),
+            "--t0-wall",
+            repr(t0_wall),
+            "--policy",
+            str(policy),
+            "--control",
+            control,
+            "--ctl",
+            ctl,
+            "--timeout",
+            str(duration * 3 + 20),
+            "--out",
+            str(workdir / f"{host.name}.json"),
+        )
+        env = dict(os.environ, FLOWSCHED_SOCKET_IFNAME=host.data_dev, FLOWSCHED_CLASS="tp")
+        if control == "agent":
+            env["FLOWSCHED_SOCKET"] = str(workdir / f"{host.name}.sock")
+            env["FLOWSCHED_TABLE"] = str(table_path(topo, host.name))
+        proc = subprocess.Popen(topo.ns_command(host.netns, argv), env=env)
+        procs.append(proc)
+        workers.append(proc)
+    return workers
+
+
+def _label(proc: subprocess.Popen[bytes]) -> str:
+    """``module`` or ``flowsched <command> --node N`` of a process started here."""
+    argv = [str(a) for a in proc.args] if isinstance(proc.args, list) else [str(proc.args)]
+    words = argv[argv.index("-m") + 1 :] if "-m" in argv else argv
+    node = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--node"]
+    return " ".join(words[:2] if words and words[0] == "flowsched" else words[:1]) + (
+        f" {node[0]}" if node else ""
+    )
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """user + system CPU seconds of a running process (None once it has exited)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_workers(workers: list[subprocess.Popen[bytes]], timeout: float) -> list[str]:
+    deadline, errors = time.monotonic() + timeout, []
+    for i, proc in enumerate(workers):
+        try:
+            code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            errors.append(f"worker h{i} did not finish within {timeout:.0f} s")
+            continue
+        if code != 0:
+            errors.append(f"worker h{i} exited with status {code}")
+    return errors
+
+
+def _read_json(path: Path, default: Any) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return default
+
+
+def _class_delta(
+    before: dict[str, dict[int, int]], after: dict[str, dict[int, int]]
+) -> dict[str, dict[int, int]]:
+    return {
+        port: {
+            minor: count - before.get(port, {}).get(minor, 0) for minor, count in classes.items()
+        }
+        for port, classes in after.items()
+    }
+
+
+def collect(
+    trace: Trace,
+    policy: str,
+    journals: list[list[dict[str, Any]]],
+    sniff: dict[str, Any],
+    errors: list[str],
+    dscp: list[int],
+) -> TestbedRun:
+    """Build the run's records and promotion latencies from the workers' journals."""
+    events = [e for journal in journals for e in journal]
+    builder = RecordBuilder(trace)
+    opened = {e["id"]: e["t"] for e in events if e["kind"] == "open"}
+    levels: dict[int, list[int]] = {}
+    for e in events:
+        if e["kind"] == "level":
+            levels.setdefault(e["id"], []).append(e["level"])
+    flows = []
+    by_id = {t.flow_id: t for t in trace.transfers}
+    for e in events:
+        if e["kind"] == "done" and e["id"] in by_id and e.get("ok", True):
+            t = by_id[e["id"]]
+            builder.transfer_done(t.flow_id, e["t"])
+            seen = levels.get(t.flow_id, [-1])
+            flows.append(
+                FlowRecord(
+                    t.flow_id,
+                    t.cls,
+                    t.size,
+                    opened.get(t.flow_id, t.start),
+                    e["t"],
+                    t.deadline,
+                    t.job,
+                    t.request,
+                    seen[0],
+                    seen[-1],
+                )
+            )
+        elif e["kind"] == "span":
+            builder.span(e["span"], e["job"], e["start"], e["end"])
+        elif e["kind"] == "error":
+            errors.append(f"flow {e['id']}: {e['error']}")
+    end = max([f.finished for f in flows] + [s.end for s in builder.spans] + [0.0])
+    run = TestbedRun(policy, builder.build(flows, end_time=end), errors=errors)
+    run.promotions = promotion_latencies(events, sniff, dscp)
+    run.admission = admission_delays(events)
+    return run
+
+
+def admission_delays(events: list[dict[str, Any]]) -> list[float]:
+    """Seconds from each transfer's open to its admission (first level in hand), sorted."""
+    opened = {e["id"]: e["t"] for e in events if e["kind"] == "open"}
+    return sorted(
+        e["t"] - opened[e["id"]] for e in events if e["kind"] == "admitted" and e["id"] in opened
+    )
+
+
+def promotion_latencies(
+    events: list[dict[str, Any]], sniff: dict[str, Any], dscp: list[int]
+) -> list[tuple[int, int, float]]:
+    """Decision -> first packet in the new class at the bottleneck, for every level change
+    that changes the flow's DSCP after its first packet."""
+    tuples = {
+        e["id"]: f"{e['src']}:{e['sport']}>{e['dst']}:{e['dport']}"
+        for e in events
+        if e["kind"] == "tuple"
+    }
+    transitions: dict[str, list[tuple[int, int]]] = {}
+    for mono, key, tos in sniff.get("transitions", []):
+        transitions.setdefault(key, []).append((mono, tos >> 2))
+    out: list[tuple[int, int, float]] = []
+    last_dscp: dict[int, int] = {}
+    for e in sorted((e for e in events if e["kind"] == "level"), key=lambda e: e["received_ns"]):
+        new, old = dscp[e["level"]], last_dscp.get(e["id"])
+        last_dscp[e["id"]] = new
+        key = tuples.get(e["id"])
+        if old is None or old == new or key not in transitions or e.get("decided_ns") is None:
+            continue
+        seen = transitions[key]
+        if not seen or seen[0][0] >= e["decided_ns"]:
+            continue  # the change came before the flow's first packet: not a promotion on the wire
+        later = [mono for mono, tos in seen if mono >= e["decided_ns"] and tos == new]
+        if later:
+            out.append((e["id"], e["level"], (later[0] - e["decided_ns"]) / 1e9))
+    return out

@@ -1,0 +1,550 @@
+"""One testbed host's workload process (runs inside the host's network namespace).
+
+It receives every transfer addressed to its host (``flowsched.transfer.Receiver``), sends its
+own transfers at their trace times with ``flowsched.transfer.send_flow`` (the socket follows
+the flow's level), and runs its rank of the TP jobs: compute, then a two-way exchange with the
+peer rank, layer after layer; an iteration waits for the experience batch it consumes.
+
+Levels come from a control plane reached through :class:`LevelClient`: the real agent through
+``flowsched.client`` (``--control agent``, the default; flows name their receiving host as
+``dst_node``, TP ranks use the NCCL plugin), or the testbed's minimal controller
+(``--control mini``, :mod:`flowsched.testbed.minictl`, an ablation). Everything the worker
+observes (opens, completions, level changes, TCP ports, spans) goes to ``--out`` as JSON at the
+end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from flowsched import policyfile, transfer
+from flowsched.model import FlowClass
+from flowsched.testbed.trace import TpJob, Trace, Transfer
+
+TRANSFER_PORT = 7000
+TP_PORT = 7100
+CHUNK = 64 * 1024
+REPORT_EVERY = 256 * 1024
+
+
+class Clock:
+    """Seconds since the run's start on CLOCK_MONOTONIC (shared by every namespace)."""
+
+    def __init__(self, t0_ns: int) -> None:
+        self.t0_ns = t0_ns
+
+    def now(self) -> float:
+        return (time.monotonic_ns() - self.t0_ns) / 1e9
+
+    def sleep_until(self, t: float) -> None:
+        delay = t - self.now()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class Journal:
+    """Thread-safe list of observations, written as one JSON document."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.events: list[dict[str, Any]] = []
+
+    def add(self, kind: str, **fields: Any) -> None:
+        with self._lock:
+            self.events.append({"kind": kind, **fields})
+
+
+class MiniHandle:
+    """A flow registered with the minimal controller (implements ``transfer.MarkedFlow``)."""
+
+    def __init__(self, client: MiniClient, flow_id: int) -> None:
+        self._client, self._id = client, flow_id
+        self._level = -1
+        self._listeners: list[Callable[[Any], None]] = []
+        self._lock = threading.Lock()
+        self.first = threading.Event()
+
+    @property
+    def id(self) -> int:
+        return self._id
+
+    @property
+    def level(self) -> int:
+        return max(self._level, 0)
+
+    @property
+    def dscp(self) -> int:
+        return int(self._client.markings[self.level].dscp)
+
+    @property
+    def so_priority(self) -> int:
+        return int(self._client.markings[self.level].so_priority)
+
+    def add_listener(self, callback: Callable[[Any], None]) -> None:
+        with self._lock:
+            self._listeners.append(callback)
+
+    def remove_listener(self, callback: Callable[[Any], None]) -> None:
+        with self._lock:
+            if callback in self._listeners:
+                self._listeners.remove(callback)
+
+    def progress(self, sent: int) -> None:
+        self._client.send({"t": "progress", "id": self._id, "sent": sent})
+
+    def set_level(self, level: int) -> None:
+        with self._lock:
+            self._level = level
+            listeners = list(self._listeners)
+        self.first.set()
+        for callback in listeners:
+            callback(self)
+
+
+class MiniClient:
+    """Connection to :mod:`flowsched.testbed.minictl` over the management network."""
+
+    def __init__(self, address: tuple[str, int], markings: Any, journal: Journal) -> None:
+        self.markings, self.journal = markings, journal
+        self._sock = socket.create_connection(address, timeout=5)
+        self._sock.settimeout(None)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._send_lock = threading.Lock()
+        self._handles: dict[int, MiniHandle] = {}
+        threading.Thread(target=self._reader, daemon=True).start()
+
+    def send(self, msg: dict[str, Any]) -> None:
+        with self._send_lock, contextlib.suppress(OSError):
+            self._sock.sendall(json.dumps(msg).encode() + b"\n")
+
+    def _reader(self) -> None:
+        with self._sock.makefile("rb") as reader:
+            for raw in reader:
+                msg = json.loads(raw)
+                handle = self._handles.get(msg["id"])
+                self.journal.add(
+                    "level",
+                    id=msg["id"],
+                    level=msg["level"],
+                    decided_ns=msg["ns"],
+                    received_ns=time.monotonic_ns(),
+                )
+                if handle is not None:
+                    handle.set_level(int(msg["level"]))
+
+    @contextlib.contextmanager
+    def flow(self, t: Transfer | None, **fields: Any) -> Iterator[MiniHandle]:
+        flow_id = t.flow_id if t is not None else int(fields["id"])
+        handle = MiniHandle(self, flow_id)
+        self._handles[flow_id] = handle
+        msg = {"t": "open", "id": flow_id, **fields}
+        if t is not None:
+            msg.update(
+                cls=t.cls,
+                size=t.size,
+                deadline=t.deadline,
+                job=t.job,
+                consumer_step=t.consumer_step,
+                request=t.request,
+                node=t.src,
+                links=[f"{t.src}.nic0.tx", f"{t.dst}.nic0.rx"],
+            )
+        self.send(msg)
+        handle.first.wait(1.0)
+        try:
+            yield handle
+        finally:
+            self.send({"t": "close", "id": flow_id})
+            self._handles.pop(flow_id, None)
+
+    def job_progress(self, job: str, step: int) -> None:
+        self.send({"t": "job", "job": job, "step": step})
+
+
+class AgentClient:
+    """The real control plane: ``flowsched.client`` talking to this host's agent."""
+
+    def __init__(self, t0_wall: float, journal: Journal) -> None:
+        from flowsched import client
+
+        self._client, self.t0_wall, self.journal = client, t0_wall, journal
+
+    @contextlib.contextmanager
+    def flow(self, t: Transfer | None, **fields: Any) -> Iterator[Any]:
+        if t is None:
+            ctx = self._client.flow(fields["cls"])
+        else:
+            deadline = None if t.deadline is None else self.t0_wall + t.deadline
+            ctx = self._client.flow(
+                t.cls,
+                bytes=t.size,
+                deadline=deadline,
+                consumer_step=t.consumer_step,
+                request=t.request,
+                dst_node=t.dst,
+            )
+        with ctx as handle:
+            flow_id = t.flow_id if t is not None else int(fields["id"])
+
+            def on_change(h: Any) -> None:
+                # decided_ns: the coordinator's decision (CLOCK_MONOTONIC, shared by every
+                # namespace of this machine), None for the first level of the flow
+                self.journal.add(
+                    "level",
+                    id=flow_id,
+                    level=h.level,
+                    decided_ns=h.decided_ns,
+                    received_ns=time.monotonic_ns(),
+                )
+
+            handle.add_listener(on_change)
+            on_change(handle)
+            yield handle
+
+    def job_progress(self, job: str, step: int) -> None:
+        self._client.job_progress(job, step)
+
+
+LevelClient = MiniClient | AgentClient
+
+
+class Worker:
+    """Runs one host's share of the trace."""
+
+    def __init__(
+        self,
+        trace: Trace,
+        host: str,
+        ips: dict[str, str],
+        clock: Clock,
+        control: LevelClient,
+        journal: Journal,
+    ) -> None:
+        self.trace, self.host, self.ips, self.clock = trace, host, ips, clock
+        self.control, self.journal = control, journal
+        self.done: dict[int, float] = {}
+        self._done_cv = threading.Condition()
+
+    def run(self, timeout: float) -> None:
+        receiver = transfer.Receiver((self.ips[self.host], TRANSFER_PORT), timeout=timeout)
+        receiver.start()
+        threading.Thread(target=self._drain, args=(receiver,), daemon=True).start()
+        tp_servers = {
+            j.job: self._tp_listener(j) for j in self.trace.tp_jobs if j.hosts[1] == self.host
+        }
+        threads = [
+            threading.Thread(target=self._send, args=(t,), daemon=True)
+            for t in self.trace.for_host(self.host)
+        ]
+        threads += [
+            threading.Thread(target=self._tp_rank, args=(j, tp_servers.get(j.job)), daemon=True)
+            for j in self.trace.tp_jobs
+            if self.host in j.hosts
+        ]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.1))
+        self._wait_receives(deadline)
+        receiver.stop()
+
+    def _wait_receives(self, deadline: float) -> None:
+        expected = {t.flow_id for t in self.trace.transfers if t.dst == self.host}
+        with self._done_cv:
+            self._done_cv.wait_for(
+                lambda: expected <= set(self.done), max(deadline - time.monotonic(), 0.1)
+            )
+
+    def _drain(self, receiver: transfer.Receiver) -> None:
+        while True:
+            stats = receiver.results.get()
+            when = (stats.completed * 1e9 - self.clock.t0_ns) / 1e9
+            self.journal.add("done", id=stats.flow_id, t=when, ok=stats.ok)
+            with self._done_cv:
+                self.done[stats.flow_id] = when
+                self._done_cv.notify_all()
+
+    def _send(self, t: Transfer) -> None:
+        self.clock.sleep_until(t.start)
+        self.journal.add("open", id=t.flow_id, t=self.clock.now())
+        try:
+            with self.control.flow(t) as handle:
+                self.journal.add("admitted", id=t.flow_id, t=self.clock.now())
+                sock = _connect_retry((self.ips[t.dst], TRANSFER_PORT), 5.0)
+                self.journal.add(
+                    "tuple",
+                    id=t.flow_id,
+                    sport=sock.getsockname()[1],
+                    dport=TRANSFER_PORT,
+                    src=self.ips[t.src],
+                    dst=self.ips[t.dst],
+                )
+                with sock:
+                    stats = transfer.send_flow(
+                        sock,
+                        t.size,
+                        flow_handle=handle,
+                        chunk=CHUNK,
+                        flow_id=t.flow_id,
+                        report_every=REPORT_EVERY,
+                    )
+                self.journal.add(
+                    "applied", id=t.flow_id, levels=[[round(m * 1e9), lv] for m, lv in stats.levels]
+                )
+        except (OSError, transfer.TransferError) as exc:
+            self.journal.add("error", id=t.flow_id, error=str(exc))
+
+    # -- TP jobs --------------------------------------------------------------------------
+
+    def _tp_listener(self, job: TpJob) -> socket.socket:
+        index = self.trace.tp_jobs.index(job)
+        return socket.create_server((self.ips[self.host], TP_PORT + index))
+
+    def _tp_connect(
+        self, job: TpJob, server: socket.socket | None
+    ) -> tuple[socket.socket, socket.socket]:
+        """(send socket, receive socket): rank 0 connects first, rank 1 accepts first."""
+        index = self.trace.tp_jobs.index(job)
+        peer = job.hosts[1] if job.hosts[0] == self.host else job.hosts[0]
+        if server is None:  # rank 0: the peer listens; it connects back on the same socket
+            out = _connect_retry((self.ips[peer], TP_PORT + index), 10.0)
+            return out, out
+        conn, _ = server.accept()
+        return conn, conn
+
+    def _tp_rank(self, job: TpJob, server: socket.socket | None) -> None:
+        sock, _ = self._tp_connect(job, server)
+        if isinstance(self.control, AgentClient):
+            self._tp_rank_plugin(job, sock)
+            return
+        recorder = self.host == (job.experience_host or job.hosts[0])
+        base_id = 1_000_000_000 + 1000 * self.trace.tp_jobs.index(job)
+        flow_id = base_id + job.hosts.index(self.host)
+        self.clock.sleep_until(job.start)
+        with self.control.flow(
+            None, id=flow_id, cls=FlowClass.TP.label, job=job.job, node=self.host
+        ) as handle:
+            for step in range(job.iterations):
+                self._tp_iteration(job, step, sock, handle, recorder)
+        sock.close()
+
+    def _tp_iteration(
+        self, job: TpJob, step: int, sock: socket.socket, handle: Any, recorder: bool
+    ) -> None:
+        needed = [
+            t.flow_id
+            for t in self.trace.transfers
+            if t.job == job.job and t.consumer_step == step and t.dst == self.host
+        ]
+        with self._done_cv:
+            self._done_cv.wait_for(lambda: all(n in self.done for n in needed), 60)
+        started = self.clock.now()
+        if recorder:
+            self.control.job_progress(job.job, step)
+        for _ in range(job.layers):
+            time.sleep(job.compute)
+            begin = self.clock.now()
+            _exchange(sock, job.message_bytes, handle)
+            if recorder:
+                self.journal.add(
+                    "span", span="collective", job=job.job, start=begin, end=self.clock.now()
+                )
+        if recorder:
+            self.journal.add(
+                "span", span="iteration", job=job.job, start=started, end=self.clock.now()
+            )
+
+    def _tp_rank_plugin(self, job: TpJob, oob: socket.socket) -> None:
+        """The TP rank through the real NCCL net plugin, driven as NCCL drives it.
+
+        The plugin finds the host's flow table through ``FLOWSCHED_TABLE`` and its class
+        through ``FLOWSCHED_CLASS=tp``; the agent reports its connections and writes their
+        levels, which the plugin applies on the next ``isend``.
+        """
+        from flowsched.nccl import plugin_path
+        from flowsched.nccl.harness import Plugin
+
+        plugin = Plugin(plugin_path(), version=11)
+        ctx = plugin.init(comm_id=0xF5E0 + self.trace.tp_jobs.index(job), traffic_class=-1)
+        send, recv = _plugin_pair(ctx, oob)
+        recorder = self.host == (job.experience_host or job.hosts[0])
+        send_buf, recv_buf = send.register(job.message_bytes), recv.register(job.message_bytes)
+        self.clock.sleep_until(job.start)
+        for step in range(job.iterations):
+            self._wait_experience(job, step)
+            started = self.clock.now()
+            if recorder:
+                self.control.job_progress(job.job, step)
+            for _ in range(job.layers):
+                time.sleep(job.compute)
+                begin = self.clock.now()
+                requests = [
+                    recv.post(recv_buf, job.message_bytes, timeout=60),
+                    send.post(send_buf, job.message_bytes, timeout=60),
+                ]
+                _wait_requests(requests, 60.0)
+                _barrier(oob)
+                if recorder:
+                    self.journal.add(
+                        "span", span="collective", job=job.job, start=begin, end=self.clock.now()
+                    )
+            if recorder:
+                self.journal.add(
+                    "span", span="iteration", job=job.job, start=started, end=self.clock.now()
+                )
+        send_buf.release()
+        recv_buf.release()
+        send.close()
+        recv.close()
+        ctx.finalize()
+        oob.close()
+
+    def _wait_experience(self, job: TpJob, step: int) -> None:
+        needed = [
+            t.flow_id
+            for t in self.trace.transfers
+            if t.job == job.job and t.consumer_step == step and t.dst == self.host
+        ]
+        with self._done_cv:
+            self._done_cv.wait_for(lambda: all(n in self.done for n in needed), 60)
+
+
+def _plugin_pair(ctx: Any, oob: socket.socket) -> tuple[Any, Any]:
+    """Both ranks listen, swap handles out of band, then alternate connect and accept."""
+    from flowsched.nccl.harness import HANDLE_SIZE
+
+    listener = ctx.listen()
+    oob.sendall(bytes(listener.handle))
+    connector = ctx.connector(_read_exact(oob, HANDLE_SIZE))
+    send = recv = None
+    deadline = time.monotonic() + 30
+    while send is None or recv is None:
+        send = send or connector.step()
+        recv = recv or listener.accept_step()
+        if time.monotonic() > deadline:
+            raise TimeoutError("plugin connect/accept did not complete")
+        time.sleep(0.001)
+    listener.close()
+    return send, recv
+
+
+def _wait_requests(requests: list[Any], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not all([r.test() for r in requests]):
+        if time.monotonic() > deadline:
+            raise TimeoutError("plugin requests did not complete")
+        time.sleep(0.0002)
+
+
+#: TCP congestion control of the testbed's data sockets (FLOWSCHED_TESTBED_CC, default bbr)
+CONGESTION = os.environ.get("FLOWSCHED_TESTBED_CC", "")
+
+
+def _connect_retry(address: tuple[str, int], timeout: float) -> socket.socket:
+    deadline = time.monotonic() + timeout
+    while True:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            if CONGESTION:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, CONGESTION.encode())
+            sock.settimeout(timeout)
+            sock.connect(address)
+            sock.settimeout(None)
+            return sock
+        except OSError:
+            sock.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _barrier(sock: socket.socket) -> None:
+    """One byte each way: the collective is complete only once BOTH ranks hold their data.
+
+    A completed send only means the bytes are in the socket buffer; without this, a rank
+    would count its collective done while its own bytes are still queued in the network.
+    """
+    sock.sendall(b"\x01")
+    _read_exact(sock, 1)
+
+
+def _exchange(sock: socket.socket, size: int, handle: Any) -> None:
+    """Send ``size`` bytes to the peer, receive its ``size`` bytes, then :func:`_barrier`."""
+    received: list[transfer.ReceiveStats] = []
+    reader = threading.Thread(target=lambda: received.append(_recv_message(sock)), daemon=True)
+    reader.start()
+    marker = transfer.SocketMarker(sock)
+    marker.apply(handle.level, handle.dscp, handle.so_priority)
+    payload = memoryview(b"\x00" * size)
+    sock.sendall(len(payload).to_bytes(8, "big"))
+    sock.sendall(payload)
+    reader.join()
+    _barrier(sock)
+
+
+def _recv_message(sock: socket.socket) -> transfer.ReceiveStats:
+    header = _read_exact(sock, 8)
+    remaining = int.from_bytes(header, "big")
+    buf = bytearray(256 * 1024)
+    while remaining:
+        n = sock.recv_into(buf, min(len(buf), remaining))
+        if n == 0:
+            raise OSError("peer closed during a collective")
+        remaining -= n
+    now = time.monotonic()
+    return transfer.ReceiveStats(0, 0, 0, True, "", now, now, now, time.time(), "", None)
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        piece = sock.recv(n - len(out))
+        if not piece:
+            raise OSError("peer closed")
+        out += piece
+    return bytes(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point (``python -m flowsched.testbed.worker ...``), started by the runner."""
+    parser = argparse.ArgumentParser(prog="flowsched.testbed.worker")
+    parser.add_argument("--trace", required=True)
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--ips", required=True, help="JSON host -> data IP")
+    parser.add_argument("--t0-ns", type=int, required=True)
+    parser.add_argument("--t0-wall", type=float, required=True)
+    parser.add_argument("--policy", required=True)
+    parser.add_argument("--control", choices=("agent", "mini"), default="agent")
+    parser.add_argument("--ctl", default="")
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    trace = Trace.from_json(Path(args.trace).read_text(encoding="utf-8"))
+    journal, clock = Journal(), Clock(args.t0_ns)
+    cfg = policyfile.load(args.policy)
+    control: LevelClient
+    if args.control == "mini":
+        host, port = args.ctl.rsplit(":", 1)
+        control = MiniClient((host, int(port)), cfg.levels, journal)
+    else:
+        control = AgentClient(args.t0_wall, journal)
+    worker = Worker(trace, args.host, json.loads(args.ips), clock, control, journal)
+    try:
+        worker.run(args.timeout)
+    finally:
+        Path(args.out).write_text(json.dumps(journal.events), encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""Topology build/teardown, crash cleanup and DSCP classification on real namespaces."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from flowsched.testbed import netns
+
+pytestmark = [pytest.mark.netns, pytest.mark.usefixtures("netns_ok")]
+
+_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    from flowsched.testbed import netns
+    with netns.testbed(netns.TopologySpec(prefix=sys.argv[1], hosts=2)):
+        print("up", flush=True)
+        time.sleep(60)
+    """
+)
+
+
+def test_up_down_leaves_nothing() -> None:
+    prefix = "fsE-t1-"
+    with netns.testbed(netns.TopologySpec(prefix=prefix, hosts=4), [46, 10]) as topo:
+        assert sorted(netns.namespaces(prefix)) == sorted(
+            [topo.switch_ns] + [h.netns for h in topo.hosts]
+        )
+    assert netns.leftovers(prefix) == []
+
+
+def test_exception_inside_tears_down() -> None:
+    prefix = "fsE-t2-"
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        netns.testbed(netns.TopologySpec(prefix=prefix, hosts=2)),
+    ):
+        raise RuntimeError("boom")
+    assert netns.leftovers(prefix) == []
+
+
+def _start_child(prefix: str) -> subprocess.Popen[str]:
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, prefix], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "up"
+    return child
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_signalled_child_cleans_up_itself(signum: int) -> None:
+    prefix = "fsE-t3-"
+    child = _start_child(prefix)
+    try:
+        child.send_signal(signum)
+        child.wait(timeout=20)
+        assert netns.leftovers(prefix) == []
+    finally:
+        child.kill()
+        netns.cleanup(prefix)
+
+
+def test_killed_child_leftovers_removed_by_cleanup() -> None:
+    prefix = "fsE-t4-"
+    child = _start_child(prefix)
+    try:
+        child.kill()
+        child.wait(timeout=10)
+        assert netns.leftovers(prefix), "SIGKILL should leave the namespaces behind"
+        removed = netns.cleanup(prefix)
+        assert any(r.startswith("netns") for r in removed)
+        assert netns.leftovers(prefix) == []
+    finally:
+        netns.cleanup(prefix)
+
+
+_SEND = textwrap.dedent(
+    """
+    import socket, sys
+    s = socket.socket()
+    s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, int(sys.argv[2]) << 2)
+    s.connect((sys.argv[1], 5000))
+    s.sendall(b"x" * 300000)
+    s.close()
+    """
+)
+_RECV = textwrap.dedent(
+    """
+    import socket
+    srv = socket.create_server(("0.0.0.0", 5000))
+    print("ready", flush=True)
+    conn, _ = srv.accept()
+    while conn.recv(65536):
+        pass
+    """
+)
+
+
+@pytest.mark.parametrize("dscp", [46, 26, 0], ids=["ef", "af31", "unmarked"])
+def test_dscp_reaches_its_htb_class(dscp: int) -> None:
+    prefix = "fsE-t5-"
+    levels = [46, 34, 26]
+    with netns.testbed(netns.TopologySpec(prefix=prefix, hosts=2), levels) as topo:
+        a, b = topo.hosts
+        rx = subprocess.Popen(
+            topo.ns_command(b.netns, [sys.executable, "-c", _RECV]),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert rx.stdout is not None and rx.stdout.readline().strip() == "ready"
+        subprocess.run(
+            topo.ns_command(a.netns, [sys.executable, "-c", _SEND, b.data_ip, str(dscp)]),
+            check=True,
+            timeout=30,
+        )
+        rx.wait(timeout=30)
+        time.sleep(0.1)
+        counters = topo.class_bytes()[f"{topo.switch_ns}/{b.switch_port}"]
+    expected = netns.level_classes(levels).get(dscp, netns.UNMARKED_CLASS)
+    assert counters[expected] >= 300000
+    others = {c: n for c, n in counters.items() if c not in (expected, 1, netns.ACK_CLASS)}
+    assert all(n < 10000 for n in others.values()), others

@@ -1,0 +1,227 @@
+"""Pure parts of the testbed: htb commands, counters, BPF, traces, replay, promotion matching."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowsched import policies
+from flowsched.metrics import summarize
+from flowsched.testbed import netns, replay, runner, sniff
+from flowsched.testbed.trace import ScenarioParams, Trace, generate, params_from_mapping
+
+TC_OUTPUT = """class htb 1:11 parent 1:1 leaf 800a: prio 1 rate 10Mbit ceil 200Mbit burst 32Kb
+ Sent 1234 bytes 3 pkt (dropped 0, overlimits 0 requeues 0)
+class htb 1:1 root rate 200Mbit ceil 200Mbit burst 32725b cburst 32725b
+ Sent 99 bytes 2 pkt (dropped 0, overlimits 0 requeues 0)
+"""
+
+
+def test_parse_class_bytes() -> None:
+    assert netns.parse_class_bytes(TC_OUTPUT) == {0x11: 1234, 0x1: 99}
+
+
+@pytest.mark.parametrize(
+    ("dscps", "expected"),
+    [
+        ([46, 40, 34], {46: 0x10, 40: 0x11, 34: 0x12}),
+        ([46, 46, 10, 10], {46: 0x10, 10: 0x11}),
+        ([0], {0: 0x10}),
+    ],
+    ids=["distinct", "shared-queues", "fair"],
+)
+def test_level_classes(dscps: list[int], expected: dict[int, int]) -> None:
+    assert netns.level_classes(dscps) == expected
+
+
+def test_level_classes_rejects_bad_dscp() -> None:
+    with pytest.raises(ValueError, match=r"levels\[1\]\.dscp"):
+        netns.level_classes([1, 64])
+
+
+def test_htb_commands_strict_priority_and_filters() -> None:
+    lines = netns.htb_commands(
+        "d0", netns.TopologySpec(rate_mbit=200, min_share=0.1), [46, 10], 1000
+    )
+    assert "classid 1:10 htb rate 20mbit ceil 200mbit prio 0" in " ".join(lines)
+    assert any("prio 1 burst" in line and "1:11" in line for line in lines)
+    assert any("match ip tos 0xb8 0xfc flowid 1:10" in line for line in lines)
+    assert any("match ip tos 0x28 0xfc flowid 1:11" in line for line in lines)
+    assert sum("bfifo limit 1000" in line for line in lines) == 4
+
+
+@pytest.mark.parametrize("prefix", ["", "has space", "x" * 10], ids=["empty", "space", "long"])
+def test_spec_rejects_bad_prefix(prefix: str) -> None:
+    with pytest.raises(ValueError, match="prefix"):
+        netns.TopologySpec(prefix=prefix)
+
+
+def test_cleanup_refuses_empty_prefix() -> None:
+    with pytest.raises(ValueError):
+        netns.cleanup("-")
+
+
+def test_bpf_program_jumps_land_on_returns() -> None:
+    program = sniff.bpf_program(4)
+    for i, (code, jt, jf, _) in enumerate(program):
+        if code == 0x15:
+            for offset in (jt, jf):
+                assert program[i + 1 + offset][0] in (0x06, 0x20, 0x28, 0x30, 0x54, 0x15)
+    assert program[-2] == (0x06, 0, 0, sniff.SNAPLEN) and program[-1] == (0x06, 0, 0, 0)
+    with pytest.raises(ValueError):
+        sniff.bpf_program(3)
+
+
+def test_parse_frame() -> None:
+    frame = bytes(12) + b"\x08\x00" + bytes([0x45, 0xB8]) + bytes(7) + b"\x06" + bytes(2)
+    frame += bytes([10, 0, 0, 1, 10, 0, 0, 2]) + (1234).to_bytes(2, "big")
+    frame += (80).to_bytes(2, "big") + bytes(16)
+    assert sniff.parse(frame) == ("10.0.0.1", 1234, "10.0.0.2", 80, 0xB8)
+    assert sniff.parse(frame[:20]) is None
+
+
+def test_trace_is_seeded_and_round_trips() -> None:
+    params = ScenarioParams(duration=3.0)
+    a, b = generate(params, 25e6, 7), generate(params, 25e6, 7)
+    assert a == b
+    assert Trace.from_json(a.to_json()) == a
+    assert generate(params, 25e6, 8).transfers != a.transfers
+    assert {t.cls for t in a.transfers} == {"kv", "experience"}
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"bogus": 1}, "testbed.bogus: unknown key"),
+        ({"load": "x"}, "testbed.load"),
+        ({"hosts": 3}, "testbed.hosts"),
+        ({"tp_layers": 1.5}, "testbed.tp_layers"),
+    ],
+    ids=["unknown", "type", "odd-hosts", "not-int"],
+)
+def test_params_validation_names_field(table: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        params_from_mapping(table)
+
+
+def test_replay_fair_vs_static_tp() -> None:
+    trace = generate(ScenarioParams(duration=3.0, load=0.6), 25e6, 1)
+    fair = summarize(replay.replay(trace, policies.create("fair", num_levels=8)))
+    static = summarize(replay.replay(trace, policies.create("static", num_levels=8)))
+    assert fair.requests == static.requests == sum(t.cls == "kv" for t in trace.transfers)
+    assert static.cct_mean is not None and fair.cct_mean is not None
+    # static puts TP on top: its collectives are never slower than under fair sharing
+    assert static.cct_mean <= fair.cct_mean
+    # a collective of one message alone takes at least message / rate
+    assert static.cct_mean >= trace.tp_jobs[0].message_bytes / trace.rate_bytes * 0.999
+
+
+def test_promotion_latency_matches_new_dscp_after_first_packet() -> None:
+    events = [
+        {"kind": "tuple", "id": 5, "src": "a", "sport": 1, "dst": "b", "dport": 2},
+        {"kind": "level", "id": 5, "level": 3, "decided_ns": 100, "received_ns": 110},
+        {"kind": "level", "id": 5, "level": 0, "decided_ns": 1000, "received_ns": 1010},
+    ]
+    sniffed = {"transitions": [[200, "a:1>b:2", 10 << 2], [1500, "a:1>b:2", 46 << 2]]}
+    dscp = [46, 40, 34, 10]
+    assert runner.promotion_latencies(events, sniffed, dscp) == [(5, 0, 500 / 1e9)]
+
+
+def test_replay_closed_form_shared_links() -> None:
+    """h0->h2 and h1->h2 share h2's ingress; h1->h3 joins at 10 ms and shares h1's egress.
+
+    Max-min: every flow gets half a link (12.5 MB/s), so the two first flows finish at
+    1.5 MB / 12.5 MB/s = 0.12 s; by then the third has sent 0.11 s x 12.5 MB/s = 1.375 MB and
+    sends the last 0.125 MB alone at 25 MB/s: 0.125 s.
+    """
+    from flowsched.testbed.trace import Transfer
+
+    transfers = [
+        Transfer(1, "kv", "h0", "h2", 0.0, 1_500_000, deadline=1.0, request="a", slo=1.0),
+        Transfer(2, "kv", "h1", "h2", 0.0, 1_500_000, deadline=1.0, request="b", slo=1.0),
+        Transfer(3, "kv", "h1", "h3", 0.01, 1_500_000, deadline=1.0, request="c", slo=1.0),
+    ]
+    trace = Trace(0, 4, 25e6, 1.0, 0.0, [], transfers)
+    records = replay.replay(trace, policies.create("fair", num_levels=1))
+    finished = {f.request: f.finished for f in records.flows}
+    assert finished == pytest.approx({"a": 0.12, "b": 0.12, "c": 0.125}, abs=1e-6)
+    assert summarize(records).slo_attainment == 1.0
+
+
+def test_bench_falls_back_to_simulator_and_says_why(
+    tmp_path: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from pathlib import Path
+
+    from flowsched.testbed import bench
+
+    monkeypatch.setattr(netns, "probe", lambda prefix="fsE-": "not running as root (test)")
+    out = Path(str(tmp_path)) / "out"
+    options = bench.BenchOptions(
+        out=out,
+        policies=("fair", "rmlq"),
+        params=ScenarioParams(duration=2.0),
+        seed=3,
+        spec=netns.TopologySpec(),
+    )
+    results = bench.run(options)
+    assert [r.testbed for r in results] == [None, None]
+    assert "testbed unavailable: not running as root (test)" in capsys.readouterr().err
+    import json
+
+    meta = json.loads((out / "results.json").read_text())["meta"]
+    assert meta["mode"] == "simulator only (not running as root (test))"
+    assert (out / "report.md").exists() and (out / "slo_attainment.png").exists()
+
+
+def test_default_control_is_the_real_control_plane() -> None:
+    """Coordinator + agents + plugin unless the minimal controller is asked for by name."""
+    import argparse
+    import inspect
+
+    from flowsched.cli import bench as bench_cli
+    from flowsched.testbed import bench
+
+    parser = argparse.ArgumentParser()
+    bench_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["bench", "contention"])
+    assert args.control == "agent" and args.ablation_policies == ""
+    assert bench.BenchOptions.__dataclass_fields__["control"].default == "agent"
+    assert inspect.signature(runner.run_policy).parameters["control"].default == "agent"
+    assert bench.other_control("agent") == "mini" and bench.other_control("mini") == "agent"
+
+
+def test_promotion_latency_skips_levels_without_a_decision_stamp() -> None:
+    """The real agent's first level (no coordinator stamp) only sets the starting class."""
+    events = [
+        {"kind": "tuple", "id": 5, "src": "a", "sport": 1, "dst": "b", "dport": 2},
+        {"kind": "level", "id": 5, "level": 3, "decided_ns": None, "received_ns": 110},
+        {"kind": "level", "id": 5, "level": 0, "decided_ns": 1000, "received_ns": 1010},
+    ]
+    sniffed = {"transitions": [[200, "a:1>b:2", 10 << 2], [1300, "a:1>b:2", 46 << 2]]}
+    assert runner.promotion_latencies(events, sniffed, [46, 40, 34, 10]) == [(5, 0, 300 / 1e9)]
+
+
+def test_table_labels_the_control_plane_of_each_row() -> None:
+    from flowsched.testbed import report
+
+    trace = generate(ScenarioParams(duration=2.0, load=0.3), 25e6, 3)
+    metrics = summarize(replay.replay(trace, policies.create("fair", num_levels=8)))
+    main = report.PolicyResult("fair", metrics, metrics, control="agent")
+    ablated = report.PolicyResult(
+        "rmlq", metrics, metrics, control="agent", ablation=metrics, ablation_control="mini"
+    )
+    sources = [row[1] for row in report.table_rows([main, ablated])]
+    assert sources == ["testbed", "sim", "testbed", "testbed, mini ctl (ablation)", "sim"]
+
+
+def test_admission_delays_pair_open_and_admitted() -> None:
+    events = [
+        {"kind": "open", "id": 1, "t": 1.0},
+        {"kind": "admitted", "id": 1, "t": 1.03},
+        {"kind": "open", "id": 2, "t": 2.0},
+        {"kind": "admitted", "id": 2, "t": 2.01},
+        {"kind": "admitted", "id": 3, "t": 5.0},  # no open recorded: ignored
+    ]
+    assert runner.admission_delays(events) == pytest.approx([0.01, 0.03])
