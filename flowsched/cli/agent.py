@@ -74,6 +74,21 @@ def register(sub: Any) -> None:
         metavar="BYTES_PER_S",
         help="capacity of links whose driver reports no speed",
     )
+    parser.add_argument(
+        "--link-capacity",
+        type=float,
+        default=None,
+        metavar="BYTES_PER_S",
+        help="node link capacity, overriding the sysfs speed (e.g. a shaped or virtual NIC; "
+        "default $FLOWSCHED_LINK_CAPACITY, else sysfs)",
+    )
+    parser.add_argument(
+        "--nic-interval",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="NIC counter sampling period (default $FLOWSCHED_NIC_INTERVAL, else 1 s)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     parser.add_argument("--no-uvloop", action="store_true", help="use the plain asyncio loop")
     parser.set_defaults(func=_run)
@@ -91,6 +106,13 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         policyfile.loads(policy_text, source=args.policy)
     if args.fallback_after <= 0:
         raise ValueError("--fallback-after must be > 0")
+    overrides: dict[str, float] = {}
+    for name in ("link_capacity", "nic_interval"):
+        value = getattr(args, name)
+        if value is not None:
+            if value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+            overrides[name] = value
     return AgentConfig(
         node=args.node,
         socket_path=args.socket or default_socket_path(),
@@ -106,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         interfaces=tuple(args.interface),
         default_bandwidth=args.link_bandwidth,
         on_ready=print_ready,
+        **overrides,  # type: ignore[arg-type]
     )
 
 

@@ -56,3 +56,24 @@ def test_table_of_another_user_is_refused(
 def test_bad_fallback_after_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(_agent(tmp_path, "--fallback-after", "0")) == 2
     assert "--fallback-after" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "field"),
+    [("--link-capacity", "25000000", "link_capacity"), ("--nic-interval", "0.1", "nic_interval")],
+    ids=["link-capacity", "nic-interval"],
+)
+def test_nic_overrides_reach_the_config(tmp_path: Path, flag: str, value: str, field: str) -> None:
+    from flowsched.cli import build_parser
+    from flowsched.cli.agent import config_from_args
+
+    config = config_from_args(build_parser().parse_args(_agent(tmp_path, flag, value)))
+    assert getattr(config, field) == float(value)
+
+
+@pytest.mark.parametrize("flag", ["--link-capacity", "--nic-interval"])
+def test_non_positive_nic_overrides_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    assert main(_agent(tmp_path, flag, "0")) == 2
+    assert flag in capsys.readouterr().err
