@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
 from flowsched.model import Context, Decision, Flow
@@ -54,3 +55,113 @@ def level_changes(flows: Iterable[Flow], decide: Callable[[Flow], int]) -> dict[
         if level != flow.level:
             changes[flow.flow_id] = Decision(level)
     return changes
+
+
+def ewma_step(value: float, sample: float, elapsed: float, window: float) -> float:
+    """``value`` moved towards ``sample`` held for ``elapsed`` s, time constant ``window``."""
+    if window <= 0:
+        return sample
+    if elapsed <= 0:
+        return value
+    return sample + (value - sample) * math.exp(-elapsed / window)
+
+
+class TrafficMeter:
+    """Windowed rates of the scheduled flows, per flow and per link, from their byte counters.
+
+    ``Context.link_load`` follows ~1 ms bursts and, read at event times (a flow opens just as a
+    collective ends), oversamples busy instants. Urgency metrics that predict the residual
+    bandwidth until a deadline hundreds of ms away want the average over a window spanning
+    several bursts, so the meter counts the bytes each flow sent between two :meth:`update`
+    calls (exact, whatever the call times) and keeps EWMAs, time constant ``window`` seconds,
+    of each flow's rate and of each link's utilization. Both are updated at the same instants
+    with the same weights, so a link's utilization minus a flow's share of it is exactly the
+    EWMA of the *other* flows' traffic. A flow starts at rate 0 (the link averages do not
+    contain it yet); a link first seen starts idle. Traffic the policy never sees (unscheduled
+    flows) is not counted.
+    """
+
+    __slots__ = ("_flow_rate", "_last_sent", "_link_bytes", "_link_util", "_then", "window")
+
+    def __init__(self, window: float) -> None:
+        if window <= 0:
+            raise ValueError(f"TrafficMeter window must be > 0, got {window}")
+        self.window = window
+        self._then: float | None = None
+        self._last_sent: dict[int, tuple[float, int]] = {}
+        self._flow_rate: dict[int, float] = {}
+        self._link_bytes: dict[str, float] = {}
+        self._link_util: dict[str, float] = {}
+
+    def open(self, flow: Flow, now: float) -> None:
+        """Start counting ``flow`` from its current ``sent`` (the meter's clock starts too)."""
+        if self._then is None:
+            self._then = now
+        if flow.flow_id not in self._last_sent:
+            self._last_sent[flow.flow_id] = (now, flow.sent)
+            self._flow_rate[flow.flow_id] = 0.0
+
+    def close(self, flow: Flow) -> None:
+        """Count ``flow``'s last bytes (into the next update) and forget it."""
+        last = self._last_sent.pop(flow.flow_id, None)
+        if last is not None:
+            self._add_link_bytes(flow, max(flow.sent - last[1], 0))
+        self._flow_rate.pop(flow.flow_id, None)
+
+    def _add_link_bytes(self, flow: Flow, sent: float) -> None:
+        for link in flow.links:
+            self._link_bytes[link] = self._link_bytes.get(link, 0.0) + sent
+
+    def _count(self, flow: Flow, now: float) -> None:
+        """Fold ``flow``'s bytes since its last count into its rate and its links' bytes."""
+        then, last = self._last_sent[flow.flow_id]
+        if now <= then:
+            return
+        sent = max(flow.sent - last, 0)
+        self._last_sent[flow.flow_id] = (now, last + sent)
+        self._add_link_bytes(flow, sent)
+        rate = self._flow_rate[flow.flow_id]
+        self._flow_rate[flow.flow_id] = ewma_step(
+            rate, sent / (now - then), now - then, self.window
+        )
+
+    def update(self, flows: Iterable[Flow], ctx: Context) -> None:
+        """Fold the bytes sent since the previous update into the averages.
+
+        Pass every active flow for exact link loads. Given a subset (a caller that re-evaluates
+        only the flows an event touched), the others' bytes are counted when they are next
+        passed or closed, i.e. a little late, which a window much longer than a flow's
+        lifetime or evaluation period absorbs.
+        """
+        then, now = self._then, ctx.now
+        if then is not None and now <= then:
+            return
+        self._then = now
+        elapsed = now - then if then is not None else 0.0
+        for flow in flows:
+            self.open(flow, now)
+            self._count(flow, now)
+        for link in set(self._link_util) | set(self._link_bytes):
+            sent = self._link_bytes.pop(link, 0.0)
+            capacity = ctx.bandwidth(link)
+            sample = sent / elapsed / capacity if elapsed > 0 and capacity > 0 else 0.0
+            util = self._link_util.get(link, 0.0)
+            self._link_util[link] = ewma_step(util, sample, elapsed, self.window)
+
+    def link_load(self, link: str) -> float:
+        """Windowed utilization of ``link`` by the scheduled flows (0 when never seen)."""
+        return self._link_util.get(link, 0.0)
+
+    def flow_rate(self, flow: Flow) -> float:
+        """Windowed rate of ``flow`` in bytes/s (0 when not counted yet)."""
+        return self._flow_rate.get(flow.flow_id, 0.0)
+
+    def others_load(self, flow: Flow, ctx: Context) -> float:
+        """Highest windowed utilization of ``flow``'s links by the *other* flows."""
+        rate = self.flow_rate(flow)
+        loads = [0.0]
+        for link in flow.links:
+            capacity = ctx.bandwidth(link)
+            own = rate / capacity if capacity > 0 else 0.0
+            loads.append(self.link_load(link) - own)
+        return max(loads)

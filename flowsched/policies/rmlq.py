@@ -39,21 +39,54 @@ spare early levels. Flows with no request, or whose request has no deadline, are
 K = 12 with T = 2.
 
 rho source (``rho_source``; the paper does not say how rho is measured): B(1 - rho) must be
-the bandwidth left *for this flow*, so the default ``"others"`` takes the bottleneck's measured
-load from ``Context.link_load`` minus the flow's own share, estimated from its progress
-(``sent``) between two evaluations; counting the flow's own traffic would make a flow that
-sends alone on a link look overloaded and promote it at once. ``"link"`` uses the link's load
-as measured, ``"none"`` uses rho = 0 (plain bandwidth, as the unofficial reproductions do).
-rho is capped at ``max_load`` so the residual never drops below (1 - max_load) x B.
+the bandwidth left *for this flow* until its deadline, so the default ``"others"`` takes, on each
+link of the flow, the utilization by the other scheduled flows, and uses the highest. It is an
+EWMA over ``rho_window`` seconds computed from the flows' byte counters
+(:class:`~flowsched.policies.common.TrafficMeter`): at each evaluation the bytes every active
+flow sent since the previous one are added to its links; the link's utilization and the flow's
+own rate are averaged with the same weights, so their difference is exactly the others'
+traffic. Why: MLU predicts the residual over the time left, hundreds of ms for a param sync,
+while ``Context.link_load`` follows ~1 ms bursts. The first version subtracted the flow's rate
+since the previous evaluation (< 1 ms) from that burst-following load: a flow briefly starved
+by a TP burst read "own share 0, link full", i.e. rho at ``max_load`` and MLU up to 10x too
+high, and never-demote made the promotion permanent; a flow opened right after a collective
+read the collective's burst as rho 0.92. Averaging ``Context.link_load`` itself over a longer
+window is no cure: it is read at event times, which cluster at bursts (a flow completes, the
+next one opens), so it oversamples busy instants. The window should span several periods of
+the periodic collective traffic so that rho reads its duty-cycle mean, not its phase. Not
+chosen: rho = the load of strictly more urgent levels (the other reading of the paper), which
+would need per-level loads. Caveats: traffic the policy does not schedule is not counted; the
+flow's siblings (flows of the same request on the same link) count as others. ``"link"``
+uses the windowed utilization including the flow's own traffic, ``"none"`` uses rho = 0
+(plain bandwidth, as the unofficial reproductions do). rho is capped at ``max_load`` so the
+residual never drops below (1 - max_load) x B.
 
-Feasibility check (Alg. 1, simplified; ``feasibility``, default off): an explicit flow whose MLU
-stays above 1 for ``feasibility_grace`` seconds cannot finish in time even with all residual
-bandwidth; its request is pruned and every explicit-deadline flow of that request moves to the
-scavenger level K-1 -- the one allowed demotion, and final. Implicit flows of a pruned request
-keep their level: other requests of the same batch wait on them. Off by default because
-pruning knowingly sacrifices requests on the strength of noisy B/rho estimates, and the paper
-treats it as a safeguard for pathological overload only. With it off, past-deadline flows stay
-at the top level (MLU infinite).
+Feasibility check (Alg. 1 at request granularity; ``feasibility``, default off): the paper
+judges a whole request (batch) against its deadline when it arrives and prunes the hopeless
+ones to a scavenger class so that they stop soaking up bandwidth (the Black Hole effect). Ours
+runs whenever a flow of a class in ``prune_classes`` (default ``kv``) is admitted or
+re-evaluated, and judges its *request*: a request whose deadline has passed is pruned at once
+(nothing is estimated there); one whose flow has MLU > 1 (it cannot finish in time even with the
+whole residual bandwidth) is pruned once that has held for ``feasibility_grace`` seconds, timed
+per request, so the grace spans the request's successive per-layer flows. A re-evaluation that
+finds every evaluated flow of the request feasible resets its timer. Pruning is final for the
+request: every flow of it in ``prune_classes``, present and future, goes to the scavenger level
+K-1 -- the one allowed demotion. Flows of other classes of a pruned request keep their level:
+other requests of the same batch wait on them. Request state outlives the request's last flow
+by ``request_memory`` seconds (per-layer flows of one request come and go), then is dropped.
+Off by default in the code because pruning sacrifices requests on the strength of B/rho
+estimates; the policy files turn it on for serving (see their comments). ``param_sync`` is not
+in the default ``prune_classes``: generation waits for a late sync, so starving it only adds
+delay. Without pruning, past-deadline flows sit at the top level (MLU infinite).
+
+Collectives first (``collectives_first``, default off = the paper's order): MFS ranks early
+flows by RLI only, so a ``tp`` collective and another RLI-0 transfer (KV reuse for the layer
+being computed, experience for the step the trainer waits on) share a level and split the link.
+With the option on, ``tp`` keeps level 1 alone and every other early flow moves down one slot.
+Why one may want it: a collective is a barrier for every GPU of its group and is short (one
+layer's or phase's exchange), so serving it first delays the other RLI-0 flow by that short
+time once, while delaying the collective stalls the whole group -- and, when that group is the
+producer of a pipeline (the rollout generating experience), everything downstream of it.
 
 Explicit flows with an unknown size or no deadline are placed as implicit flows at
 ``unknown_level`` (default R, the lowest early level); implicit flows whose job index or
@@ -61,9 +94,11 @@ consumer index is unknown likewise.
 
 Cost: ``reevaluate`` is O(N) over the flows (plus O(G log G) over the G requests when
 ``red_tiers`` > 1); flows already at the most urgent level their class can reach are skipped,
-since never-demote means nothing can change them. Per-flow state (progress samples for
-``rho_source = "others"``, infeasibility timers) lives in dicts keyed by ``flow_id`` and is
-dropped in ``release``; per-request state when the request's last flow is released.
+since never-demote means nothing can change them, but every evaluation counts the bytes of
+all flows for rho (O(N x path length)). Per-flow state (byte counter, rate EWMA) lives in dicts
+keyed by ``flow_id`` and is dropped in ``release``; per-request state (infeasibility
+timer, pruned mark) ``request_memory`` seconds after the request's last flow is released;
+per-link state (utilization EWMA) for every link seen, bounded by the topology.
 """
 
 from __future__ import annotations
@@ -74,8 +109,16 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from flowsched.model import EXPLICIT_DEADLINE, Context, Decision, Flow, FlowClass
-from flowsched.policies.argcheck import boolean, check_fields, integer, number, one_of, optional
-from flowsched.policies.common import BottleneckCache, bottleneck
+from flowsched.policies.argcheck import (
+    boolean,
+    check_fields,
+    integer,
+    list_of,
+    number,
+    one_of,
+    optional,
+)
+from flowsched.policies.common import BottleneckCache, TrafficMeter, bottleneck
 
 NAME = "rmlq"
 
@@ -89,11 +132,15 @@ class Args:
     top_threshold: float | None = None
     early_levels: int = 3
     red_tiers: int = 1
+    collectives_first: bool = False
     unknown_level: int | None = None
     rho_source: str = "others"
+    rho_window: float = 0.05
     max_load: float = 0.9
     feasibility: bool = False
     feasibility_grace: float = 0.0
+    prune_classes: tuple[str, ...] = ("kv",)
+    request_memory: float = 1.0
 
 
 _FIELDS = {
@@ -102,11 +149,15 @@ _FIELDS = {
     "top_threshold": optional(number(0.0, open_low=True)),
     "early_levels": integer(1, 62),
     "red_tiers": integer(1, 62),
+    "collectives_first": boolean,
     "unknown_level": optional(integer(0, 63)),
     "rho_source": one_of("others", "link", "none"),
+    "rho_window": number(0.0, open_low=True),
     "max_load": number(0.0, 0.99),
     "feasibility": boolean,
     "feasibility_grace": number(0.0),
+    "prune_classes": list_of(one_of(*sorted(cls.label for cls in EXPLICIT_DEADLINE))),
+    "request_memory": number(0.0),
 }
 
 
@@ -165,27 +216,44 @@ class RmlqPolicy:
             )
         #: the most urgent level each class can ever reach: a flow already there cannot change
         #: (never demote), so reevaluate skips it unless pruning may move it
-        self._floor = {cls: min(1, self.unknown_level) for cls in FlowClass}
+        #: early slots taken by the collectives ahead of the other RLI-0 flows
+        self._shift = 1 if args.collectives_first else 0
+        first_other = 1 + min(self._shift, args.early_levels - 1)
+        self._floor = {cls: min(first_other, self.unknown_level) for cls in FlowClass}
         self._floor.update({cls: 0 for cls in EXPLICIT_DEADLINE})
         self._floor[FlowClass.TP] = 1
         self._floor[FlowClass.BULK] = self.scavenger
+        self.prune_classes = frozenset(FlowClass.parse(label) for label in args.prune_classes)
         self._tier_of_request: dict[str, int] = {}
-        self._infeasible_since: dict[int, float] = {}
+        #: request -> when it was first found infeasible (cleared when found feasible again)
+        self._infeasible_since: dict[str, float] = {}
         self._pruned: set[str] = set()
         self._request_flows: dict[str, int] = {}
-        self._progress: dict[int, tuple[float, int]] = {}
-        self._share: dict[int, float] = {}
+        #: requests with no active flow -> when their last flow left (insertion = time order)
+        self._idle_requests: dict[str, float] = {}
+        self._meter = TrafficMeter(args.rho_window)
 
     @property
     def per_flow_decisions(self) -> bool:
-        """True unless RED tiers or the feasibility check make decisions depend on other flows."""
+        """True unless RED tiers or the feasibility check make decisions depend on other flows.
+
+        rho is measured from the flows' byte counters, which tolerates being given a subset:
+        a flow's bytes are counted whenever it is next evaluated or released.
+        """
         return self.args.red_tiers <= 1 and not self.args.feasibility
 
     def describe_levels(self) -> list[str]:
         """What each level 0..K-1 holds (for ``flowsched policy show``)."""
-        names = [f"top: explicit deadline, MLU >= {self.top_threshold:g} or past deadline"]
+        late = "past deadline"
+        if self.args.feasibility:
+            pruned = ", ".join(sorted(cls.label for cls in self.prune_classes)) or "none"
+            late += f" (pruned instead: {pruned})"
+        names = [f"top: explicit deadline, MLU >= {self.top_threshold:g} or {late}"]
         for slot in range(self.early_levels):
-            rli, tier = divmod(slot, self.args.red_tiers)
+            if slot < self._shift:
+                names.append("early: tp collectives (RLI 0, collectives_first)")
+                continue
+            rli, tier = divmod(slot - self._shift, self.args.red_tiers)
             red = f", RED tier {tier}" if self.args.red_tiers > 1 else ""
             if slot == self.early_levels - 1:
                 names.append(f"early: RLI {rli}{red} and every later RLI/tier")
@@ -210,9 +278,12 @@ class RmlqPolicy:
                 return self.early_levels + band
         return self.early_levels + self.mlu_bands
 
-    def rli_level(self, rli: int, tier: int = 0) -> int:
-        """Level of an early-stage flow with relative index ``rli`` in RED tier ``tier``."""
-        slot = max(rli, 0) * self.args.red_tiers + tier
+    def rli_level(self, rli: int, tier: int = 0, shift: int = 0) -> int:
+        """Level of an early-stage flow with relative index ``rli`` in RED tier ``tier``.
+
+        ``shift`` early slots are skipped (the collectives' own slot with ``collectives_first``).
+        """
+        slot = max(rli, 0) * self.args.red_tiers + tier + shift
         return 1 + min(slot, self.early_levels - 1)
 
     def flow_mlu(
@@ -222,28 +293,19 @@ class RmlqPolicy:
         remaining = flow.remaining
         if remaining is None or flow.deadline is None:
             return None
-        bandwidth, load = paths(flow) if paths is not None else bottleneck(flow, ctx)
-        return mlu(
-            remaining, flow.deadline - ctx.now, bandwidth, self._rho(flow, ctx, bandwidth, load)
-        )
+        bandwidth, _ = paths(flow) if paths is not None else bottleneck(flow, ctx)
+        return mlu(remaining, flow.deadline - ctx.now, bandwidth, self._rho(flow, ctx))
 
-    def _rho(self, flow: Flow, ctx: Context, bandwidth: float, load: float) -> float:
+    def _rho(self, flow: Flow, ctx: Context) -> float:
+        """rho of the flow's path: the windowed load of its busiest link (see module doc)."""
         source = self.args.rho_source
         if source == "none":
             return 0.0
         if source == "others":
-            load -= self._own_share(flow, ctx.now, bandwidth)
+            load = self._meter.others_load(flow, ctx)
+        else:
+            load = max((self._meter.link_load(link) for link in flow.links), default=0.0)
         return min(max(load, 0.0), self.args.max_load)
-
-    def _own_share(self, flow: Flow, now: float, bandwidth: float) -> float:
-        """The flow's own rate / B since its previous evaluation (0 on the first)."""
-        previous = self._progress.get(flow.flow_id)
-        self._progress[flow.flow_id] = (now, flow.sent)
-        if previous is None or now <= previous[0] or bandwidth <= 0:
-            return 0.0 if previous is None else self._share.get(flow.flow_id, 0.0)
-        share = max(flow.sent - previous[1], 0) / (now - previous[0]) / bandwidth
-        self._share[flow.flow_id] = share
-        return share
 
     def flow_rli(self, flow: Flow, ctx: Context) -> int | None:
         """RLI of an implicit-deadline flow (``tp``: 0), or None when unknown."""
@@ -260,28 +322,49 @@ class RmlqPolicy:
         if flow.cls in EXPLICIT_DEADLINE:
             return self.unknown_level if value is None else self.mlu_level(value)
         rli = self.flow_rli(flow, ctx)
-        return self.unknown_level if rli is None else self.rli_level(rli, tier)
+        if rli is None:
+            return self.unknown_level
+        shift = 0 if flow.cls is FlowClass.TP else self._shift
+        return self.rli_level(rli, tier, shift)
 
     # -- feasibility and RED --------------------------------------------------------------------
 
     def _request_key(self, flow: Flow) -> str:
         return flow.request if flow.request is not None else f"#flow-{flow.flow_id}"
 
-    def _check_feasible(self, flow: Flow, value: float | None, now: float) -> None:
-        if not self.args.feasibility or value is None:
-            return
+    def _infeasible(self, flow: Flow, value: float | None, now: float) -> bool | None:
+        """Whether the request of ``flow`` looks hopeless now (None: not judged)."""
+        if not self.args.feasibility or value is None or flow.cls not in self.prune_classes:
+            return None
+        key = self._request_key(flow)
+        if key in self._pruned:
+            return True
+        if flow.deadline is not None and flow.deadline <= now and (flow.remaining or 0) > 0:
+            self._pruned.add(key)  # certain, not estimated: no grace
+            return True
         if value <= 1.0:
-            self._infeasible_since.pop(flow.flow_id, None)
-            return
-        since = self._infeasible_since.setdefault(flow.flow_id, now)
+            return False
+        since = self._infeasible_since.setdefault(key, now)
         if now - since >= self.args.feasibility_grace:
-            self._pruned.add(self._request_key(flow))
+            self._pruned.add(key)
+        return True
 
     def is_pruned(self, flow: Flow) -> bool:
-        """True when ``flow`` is an explicit-deadline flow of a pruned request."""
-        if not self._pruned or flow.cls not in EXPLICIT_DEADLINE:
+        """True when ``flow`` (of a class in ``prune_classes``) belongs to a pruned request."""
+        if not self._pruned or flow.cls not in self.prune_classes:
             return False
         return self._request_key(flow) in self._pruned
+
+    def _forget_idle_requests(self, now: float) -> None:
+        """Drop the state of requests that have had no flow for ``request_memory`` seconds."""
+        idle = self._idle_requests
+        while idle:
+            request, since = next(iter(idle.items()))
+            if now - since < self.args.request_memory:
+                return
+            del idle[request]
+            self._pruned.discard(request)
+            self._infeasible_since.pop(request, None)
 
     def _red_tiers(self, deadlines: Mapping[str, list[float]]) -> dict[str, int]:
         tiers = self.args.red_tiers
@@ -304,19 +387,26 @@ class RmlqPolicy:
         level = flow.level
         if level < 0 or level > self._floor[flow.cls]:
             return False
-        return not (self.args.feasibility and flow.cls in EXPLICIT_DEADLINE)
+        return not (self.args.feasibility and flow.cls in self.prune_classes)
 
     def admit(self, flow: Flow, ctx: Context) -> Decision:
         if flow.request is not None:
+            self._idle_requests.pop(flow.request, None)
             self._request_flows[flow.request] = self._request_flows.get(flow.request, 0) + 1
+        if self.args.rho_source != "none":
+            self._meter.open(flow, ctx.now)
         value = self.flow_mlu(flow, ctx) if flow.cls in EXPLICIT_DEADLINE else None
-        self._check_feasible(flow, value, ctx.now)
+        self._infeasible(flow, value, ctx.now)
         return Decision(self._decide(flow, ctx, value))
 
     def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
         active = flows if isinstance(flows, list | tuple) else list(flows)
+        self._forget_idle_requests(ctx.now)
+        if self.args.rho_source != "none":
+            self._meter.update(active, ctx)
         values: dict[int, float | None] = {}
         deadlines: dict[str, list[float]] = {}
+        verdicts: dict[str, bool] = {}
         want_red = self.args.red_tiers > 1
         paths = BottleneckCache(ctx)
         for flow in active:
@@ -326,7 +416,13 @@ class RmlqPolicy:
                 continue
             if flow.cls in EXPLICIT_DEADLINE:
                 value = values[flow.flow_id] = self.flow_mlu(flow, ctx, paths)
-                self._check_feasible(flow, value, ctx.now)
+                verdict = self._infeasible(flow, value, ctx.now)
+                if verdict is not None:
+                    key = self._request_key(flow)
+                    verdicts[key] = verdicts.get(key, False) or verdict
+        for key, infeasible in verdicts.items():
+            if not infeasible:
+                self._infeasible_since.pop(key, None)
         self._tier_of_request = self._red_tiers(deadlines)
         changes: dict[int, Decision] = {}
         for flow in active:
@@ -338,19 +434,22 @@ class RmlqPolicy:
         return changes
 
     def release(self, flow: Flow, ctx: Context) -> None:
-        self._infeasible_since.pop(flow.flow_id, None)
-        self._progress.pop(flow.flow_id, None)
-        self._share.pop(flow.flow_id, None)
+        self._meter.close(flow)
         if flow.request is None:
-            self._pruned.discard(self._request_key(flow))
+            key = self._request_key(flow)
+            self._pruned.discard(key)
+            self._infeasible_since.pop(key, None)
             return
         left = self._request_flows.pop(flow.request, 1) - 1
         if left > 0:
             self._request_flows[flow.request] = left
-        else:
-            self._pruned.discard(flow.request)
+        elif flow.request in self._pruned or flow.request in self._infeasible_since:
+            self._idle_requests[flow.request] = ctx.now
 
 
 def new(args: Mapping[str, Any], *, num_levels: int) -> RmlqPolicy:
     """Build an :class:`RmlqPolicy` from validated ``args``."""
-    return RmlqPolicy(Args(**args), num_levels)
+    fields = dict(args)
+    if "prune_classes" in fields:
+        fields["prune_classes"] = tuple(fields["prune_classes"])
+    return RmlqPolicy(Args(**fields), num_levels)
