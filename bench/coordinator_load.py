@@ -33,6 +33,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -530,6 +531,8 @@ def main() -> int:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     args.rates = [float(rate) for rate in args.rates.split(",")]
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the coordinator child is stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with contextlib.suppress(OSError, AttributeError):
         os.sched_setaffinity(0, {args.loadgen_cpu})
     try:

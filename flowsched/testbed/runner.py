@@ -179,6 +179,13 @@ def table_path(topo: Topology, host: str) -> Path:
     return Path(f"/dev/shm/{topo.spec.prefix}{host}-table")
 
 
+def _spawn_daemon(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """Start a daemon whose ready line we read from stdout and whose log goes to ``log``
+    (kept with the run's journals, off the user's terminal)."""
+    with log.open("ab") as sink:
+        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=sink)
+
+
 def _start_agents(
     topo: Topology,
     procs: list[subprocess.Popen[bytes]],
@@ -205,7 +212,7 @@ def _start_agents(
         "--token-file",
         str(token),
     ]
-    coord = subprocess.Popen(topo.ns_command(topo.switch_ns, argv), stdout=subprocess.PIPE)
+    coord = _spawn_daemon(topo.ns_command(topo.switch_ns, argv), workdir / "coordinator.log")
     procs.append(coord)
     address = _expect_line(coord, b"listening on", "the coordinator").split()[3].decode()
     for host in topo.hosts:
@@ -232,14 +239,13 @@ def _start_agents(
             host.data_dev,
             "--link-bandwidth",
             str(bandwidth),
+            # veth pairs report 10 Gbit/s: the agents are told the shaped rate of the host links
+            "--link-capacity",
+            repr(bandwidth),
+            "--nic-interval",
+            str(NIC_INTERVAL),
         ]
-        # veth pairs report 10 Gbit/s: the agents are told the shaped rate of the host links
-        env = dict(
-            os.environ,
-            FLOWSCHED_NIC_INTERVAL=str(NIC_INTERVAL),
-            FLOWSCHED_LINK_CAPACITY=repr(bandwidth),
-        )
-        agent = subprocess.Popen(topo.ns_command(host.netns, argv), stdout=subprocess.PIPE, env=env)
+        agent = _spawn_daemon(topo.ns_command(host.netns, argv), workdir / f"agent-{host.name}.log")
         procs.append(agent)
         _expect_line(agent, b"ready", f"the agent of {host.name}")
 
