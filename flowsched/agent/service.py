@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any
@@ -46,6 +45,7 @@ from flowsched.protocol import (
 from flowsched.protocol.aio import AgentLink, HandshakeError, LinkClosed, connect_agent
 from flowsched.shm import layout
 from flowsched.shm.table import FlowTable, monotonic_ns
+from flowsched.signals import wait_for_signal
 
 log = logging.getLogger("flowsched.agent")
 
@@ -495,15 +495,6 @@ async def serve(
         info = await agent.start()
         if config.on_ready is not None:
             config.on_ready(info)
-        await (shutdown_trigger or _signal_trigger)()
+        await (shutdown_trigger or wait_for_signal)()
     finally:
         await agent.stop()
-
-
-async def _signal_trigger() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()

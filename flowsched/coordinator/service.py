@@ -13,10 +13,8 @@ the next tick, the tick is skipped (counted as an overrun): the effective period
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
-import signal
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
@@ -43,6 +41,7 @@ from flowsched.protocol import (
     NicLoad,
     Resync,
 )
+from flowsched.signals import wait_for_signal
 
 log = logging.getLogger("flowsched.coordinator")
 
@@ -284,15 +283,6 @@ async def serve(
     if config.on_ready is not None:
         config.on_ready(addresses)
     try:
-        await (shutdown_trigger or _signal_trigger)()
+        await (shutdown_trigger or wait_for_signal)()
     finally:
         await coordinator.stop()
-
-
-async def _signal_trigger() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
