@@ -91,7 +91,9 @@ class TrafficMeter:
         self._last_sent: dict[int, tuple[float, int]] = {}
         self._flow_rate: dict[int, float] = {}
         self._link_bytes: dict[str, float] = {}
-        self._link_util: dict[str, float] = {}
+        #: link -> (utilization, as of when); decayed lazily, so an update costs only the
+        #: links that carried bytes (a link with no bytes just decays: exp(-dt/w) composes)
+        self._link_util: dict[str, tuple[float, float]] = {}
 
     def open(self, flow: Flow, now: float) -> None:
         """Start counting ``flow`` from its current ``sent`` (the meter's clock starts too)."""
@@ -141,16 +143,21 @@ class TrafficMeter:
         for flow in flows:
             self.open(flow, now)
             self._count(flow, now)
-        for link in set(self._link_util) | set(self._link_bytes):
-            sent = self._link_bytes.pop(link, 0.0)
+        for link, sent in self._link_bytes.items():
             capacity = ctx.bandwidth(link)
             sample = sent / elapsed / capacity if elapsed > 0 and capacity > 0 else 0.0
-            util = self._link_util.get(link, 0.0)
-            self._link_util[link] = ewma_step(util, sample, elapsed, self.window)
+            util = self._decayed(link, then if then is not None else now)
+            self._link_util[link] = (ewma_step(util, sample, elapsed, self.window), now)
+        self._link_bytes.clear()
+
+    def _decayed(self, link: str, when: float) -> float:
+        """``link``'s utilization at ``when``, decayed from its last update (no bytes since)."""
+        util, since = self._link_util.get(link, (0.0, when))
+        return ewma_step(util, 0.0, when - since, self.window)
 
     def link_load(self, link: str) -> float:
         """Windowed utilization of ``link`` by the scheduled flows (0 when never seen)."""
-        return self._link_util.get(link, 0.0)
+        return self._decayed(link, self._then) if self._then is not None else 0.0
 
     def flow_rate(self, flow: Flow) -> float:
         """Windowed rate of ``flow`` in bytes/s (0 when not counted yet)."""
