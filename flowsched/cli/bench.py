@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_POLICIES = "fair,static,edf,rmlq"
+#: traces per benchmark: one run on this 2-core testbed varies by several percent of SLO
+#: attainment from run to run (fair most), so the default pools three seeds
+DEFAULT_SEEDS = 3
 
 
 def register(sub: Any) -> None:
@@ -32,7 +35,14 @@ def register(sub: Any) -> None:
         default=None,
         help="TOML file with a [testbed] table (default bench/contention/scenario.toml)",
     )
-    contention.add_argument("--seed", type=int, default=1)
+    contention.add_argument("--seed", type=int, default=1, help="first seed (default 1)")
+    contention.add_argument(
+        "--seeds",
+        type=int,
+        default=DEFAULT_SEEDS,
+        help="run N traces (seed, seed+1, ...), every policy on each, and pool them "
+        f"(default {DEFAULT_SEEDS})",
+    )
     contention.add_argument("--duration", type=float, default=None, help="seconds of trace")
     contention.add_argument(
         "--load", type=float, default=None, help="KV load on each decode host's ingress link (0..1)"
@@ -91,6 +101,7 @@ def _contention(args: argparse.Namespace) -> int:
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
         params=params,
         seed=args.seed,
+        seeds=args.seeds,
         spec=netns.TopologySpec(
             hosts=params.hosts,
             rate_mbit=args.rate_mbit,
@@ -102,6 +113,9 @@ def _contention(args: argparse.Namespace) -> int:
         ablation_policies=tuple(p.strip() for p in args.ablation_policies.split(",") if p.strip()),
         command=bench.command_line(sys.argv[3:] if len(sys.argv) > 3 else []),
     )
+    if args.seeds < 1:
+        print("flowsched bench contention: --seeds must be at least 1", file=sys.stderr)
+        return 2
     try:
         for name in options.policies:
             bench.policy_path(name)

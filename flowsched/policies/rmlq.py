@@ -88,6 +88,14 @@ layer's or phase's exchange), so serving it first delays the other RLI-0 flow by
 time once, while delaying the collective stalls the whole group -- and, when that group is the
 producer of a pipeline (the rollout generating experience), everything downstream of it.
 
+Promotion lead (``promotion_lead``, seconds, default 0): a level change takes effect on the
+wire only after the decision reaches the sender and the flow's packets already queued in the
+old class have drained, which the fluid model of the paper treats as instant. MLU counts the
+time left to the deadline minus this lead, so a flow is promoted that much earlier, and a flow
+within the lead of its deadline takes the top level. Set it to the measured decision -> wire
+latency of the deployment (``flowsched bench contention`` reports it); the feasibility check's
+past-deadline rule still uses the deadline itself.
+
 Explicit flows with an unknown size or no deadline are placed as implicit flows at
 ``unknown_level`` (default R, the lowest early level); implicit flows whose job index or
 consumer index is unknown likewise.
@@ -141,6 +149,7 @@ class Args:
     feasibility_grace: float = 0.0
     prune_classes: tuple[str, ...] = ("kv",)
     request_memory: float = 1.0
+    promotion_lead: float = 0.0
 
 
 _FIELDS = {
@@ -158,6 +167,7 @@ _FIELDS = {
     "feasibility_grace": number(0.0),
     "prune_classes": list_of(one_of(*sorted(cls.label for cls in EXPLICIT_DEADLINE))),
     "request_memory": number(0.0),
+    "promotion_lead": number(0.0),
 }
 
 
@@ -294,7 +304,8 @@ class RmlqPolicy:
         if remaining is None or flow.deadline is None:
             return None
         bandwidth, _ = paths(flow) if paths is not None else bottleneck(flow, ctx)
-        return mlu(remaining, flow.deadline - ctx.now, bandwidth, self._rho(flow, ctx))
+        time_left = flow.deadline - ctx.now - self.args.promotion_lead
+        return mlu(remaining, time_left, bandwidth, self._rho(flow, ctx))
 
     def _rho(self, flow: Flow, ctx: Context) -> float:
         """rho of the flow's path: the windowed load of its busiest link (see module doc)."""

@@ -10,7 +10,7 @@ from typing import TextIO
 
 from flowsched import policyfile
 from flowsched import report as shared_report
-from flowsched.metrics import RunRecords, summarize
+from flowsched.metrics import RunMetrics, RunRecords
 from flowsched.testbed import netns, replay, report, runner
 from flowsched.testbed.trace import ScenarioParams, Trace, Transfer, generate
 
@@ -35,6 +35,14 @@ class BenchOptions:
     control: str = "agent"
     #: policies run a second time with the other control plane (an ablation, after the rest)
     ablation_policies: tuple[str, ...] = ()
+    #: how many traces: seeds ``seed``, ``seed + 1``, ... Every policy runs every trace (seed
+    #: by seed, all policies of a seed back to back) and the records of all are pooled
+    seeds: int = 1
+
+    @property
+    def seed_list(self) -> list[int]:
+        """The seeds of the traces, in the order they run."""
+        return list(range(self.seed, self.seed + max(1, self.seeds)))
 
 
 def other_control(control: str) -> str:
@@ -69,23 +77,32 @@ class Progress:
 
 def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.PolicyResult]:
     """Run the benchmark and write its report into ``options.out``."""
-    trace = generate(options.params, options.spec.rate_bytes, options.seed)
+    traces = [generate(options.params, options.spec.rate_bytes, s) for s in options.seed_list]
     reason = None if options.simulate_only else netns.probe(options.spec.prefix)
     if reason is not None:
         print(f"testbed unavailable: {reason}; running the simulator only", file=sys.stderr)
     steps = 1 if reason or options.simulate_only else 2
     extra = 0 if reason or options.simulate_only else len(options.ablation_policies)
-    progress = Progress(len(options.policies) * steps + extra)
+    progress = Progress(len(traces) * (len(options.policies) * steps + extra))
+    results = [report.PolicyResult(name, None, RunMetrics()) for name in options.policies]
     if reason is not None or options.simulate_only:
-        results = [_simulate(trace, name, progress) for name in options.policies]
+        for trace in traces:
+            for result in results:
+                result.seeds.append(_simulate(trace, result.policy, progress))
         mode = "simulator only" + (f" ({reason})" if reason else "")
     else:
-        results = _testbed(options, trace, progress)
+        _testbed(options, traces, results, progress)
         mode = "testbed + simulator replay"
     progress.close()
-    meta = _meta(options, trace, mode, results)
+    for result in results:
+        result.pool()
+    meta = _meta(options, traces, mode, results)
     paths = report.write(results, meta, options.out)
     print(report.render_table(report.table_rows(results)), file=stream)
+    header, rows = report.seed_rows(results)
+    if len(header) > 4:
+        print("\nSLO attainment seed by seed:", file=stream)
+        print(report.render_table(rows, columns=header), file=stream)
     promo = report.promotion_summary(results)
     if promo.get("count"):
         print(
@@ -97,11 +114,11 @@ def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.Polic
     return results
 
 
-def _simulate(trace: Trace, name: str, progress: Progress) -> report.PolicyResult:
+def _simulate(trace: Trace, name: str, progress: Progress) -> report.SeedRun:
     cfg = policyfile.load(policy_path(name))
     records = replay.replay(trace, cfg.make_policy(), timer_period=cfg.timer_period)
-    progress.step(f"{name}: simulator")
-    return report.PolicyResult(name, None, summarize(records), sim_records=records)
+    progress.step(f"{name}: simulator, seed {trace.seed}")
+    return report.SeedRun(trace.seed, records)
 
 
 def calibration_trace(rate_bytes: float, size: int = 1_500_000, count: int = 8) -> Trace:
@@ -132,38 +149,60 @@ def calibrate(
     }
 
 
-def _testbed(options: BenchOptions, trace: Trace, progress: Progress) -> list[report.PolicyResult]:
-    results = []
+def _testbed(
+    options: BenchOptions,
+    traces: list[Trace],
+    results: list[report.PolicyResult],
+    progress: Progress,
+) -> None:
     work = options.out / "work"
+    other = other_control(options.control)
     with netns.testbed(options.spec) as topo:
         if options.calibrate:
             CALIBRATION.update(
-                calibrate(topo, trace.rate_bytes, work / "calibration", options.control)
+                calibrate(topo, traces[0].rate_bytes, work / "calibration", options.control)
             )
-        for name in options.policies:
-            path = policy_path(name)
-            cfg = policyfile.load(path)
-            measured = runner.run_policy(
-                topo, trace, cfg, path, work / name, control=options.control
-            )
-            progress.step(f"{name}: testbed")
-            result = _simulate(trace, name, progress)
-            result.testbed = summarize(measured.records)
-            result.testbed_records = measured.records
-            result.promotions = [p[2] for p in measured.promotions]
-            result.class_bytes = measured.class_bytes
-            result.errors = measured.errors
-            result.wall_seconds = measured.wall_seconds
-            result.cpu_seconds = measured.cpu_seconds
-            result.admission = measured.admission
-            result.control = options.control
-            results.append(result)
-        other = other_control(options.control)
-        for result in results:
-            if result.policy in options.ablation_policies:
-                _ablation_run(topo, trace, result, work / f"{result.policy}-{other}", other)
-                progress.step(f"{result.policy}: testbed, {other} control (ablation)")
-    return results
+        for trace in traces:
+            suffix = f"-seed{trace.seed}" if len(traces) > 1 else ""
+            for result in results:
+                records = _testbed_run(
+                    topo, trace, result, work / f"{result.policy}{suffix}", options
+                )
+                progress.step(f"{result.policy}: testbed, seed {trace.seed}")
+                result.seeds.append(_simulate(trace, result.policy, progress))
+                result.seeds[-1].testbed_records = records
+            for result in results:
+                if result.policy in options.ablation_policies:
+                    path = work / f"{result.policy}-{other}{suffix}"
+                    _ablation_run(topo, trace, result, path, other)
+                    progress.step(f"{result.policy}: testbed, {other} control (ablation)")
+
+
+def _testbed_run(
+    topo: netns.Topology,
+    trace: Trace,
+    result: report.PolicyResult,
+    work: Path,
+    options: BenchOptions,
+) -> RunRecords:
+    """One policy on one trace on the testbed: returns its records; the other measurements
+    accumulate in ``result``."""
+    path = policy_path(result.policy)
+    measured = runner.run_policy(
+        topo, trace, policyfile.load(path), path, work, control=options.control
+    )
+    result.promotions += [p[2] for p in measured.promotions]
+    for port, classes in measured.class_bytes.items():
+        total = result.class_bytes.setdefault(port, {})
+        for minor, count in classes.items():
+            total[minor] = total.get(minor, 0) + count
+    result.errors += [f"seed {trace.seed}: {e}" for e in measured.errors]
+    result.wall_seconds += measured.wall_seconds
+    for name, seconds in measured.cpu_seconds.items():
+        result.cpu_seconds[name] = round(result.cpu_seconds.get(name, 0.0) + seconds, 2)
+    result.admission = sorted(result.admission + measured.admission)
+    result.control = options.control
+    return measured.records
 
 
 def _ablation_run(
@@ -177,16 +216,18 @@ def _ablation_run(
             topo, trace, policyfile.load(path), path, work, control=control
         )
     except (RuntimeError, OSError) as exc:
-        result.errors.append(f"ablation ({control} control): {exc}")
+        result.errors.append(f"seed {trace.seed}, ablation ({control} control): {exc}")
         return
-    result.ablation = summarize(measured.records)
-    result.ablation_records = measured.records
-    result.ablation_promotions = [p[2] for p in measured.promotions]
-    result.errors += [f"ablation ({control} control): {e}" for e in measured.errors]
+    run = next(s for s in result.seeds if s.seed == trace.seed)
+    run.ablation_records = measured.records
+    result.ablation_promotions += [p[2] for p in measured.promotions]
+    result.errors += [
+        f"seed {trace.seed}, ablation ({control} control): {e}" for e in measured.errors
+    ]
 
 
 def _meta(
-    options: BenchOptions, trace: Trace, mode: str, results: list[report.PolicyResult]
+    options: BenchOptions, traces: list[Trace], mode: str, results: list[report.PolicyResult]
 ) -> dict[str, object]:
     spec = options.spec
     return {
@@ -198,10 +239,11 @@ def _meta(
             f"switch port, {spec.min_share:.0%} guaranteed per class, switch queues "
             f"{spec.switch_queue_bytes // 1000} kB per class."
         ),
-        "seed": trace.seed,
-        "duration": trace.duration,
-        "load": trace.load,
-        "flows": len(trace.transfers),
+        "seed": traces[0].seed,
+        "seeds": [t.seed for t in traces],
+        "duration": traces[0].duration,
+        "load": traces[0].load,
+        "flows": sum(len(t.transfers) for t in traces),
         "rate_mbit": spec.rate_mbit,
         "control": options.control,
         "ablation_policies": list(options.ablation_policies),
@@ -245,7 +287,7 @@ def _notes(results: list[report.PolicyResult]) -> list[str]:
             f"simulator ({c['overhead_s'] * 1e3:+.1f} ms: connection setup, admission, TCP slow "
             "start, digest and acknowledgement)."
         )
-    notes += [_gap_note(r) for r in results if r.testbed_records and r.sim_records]
+    notes += [_gap_note(r) for r in results if r.testbed_records is not None]
     admitted = [r for r in results if r.admission]
     if admitted:
         notes.append(
@@ -279,9 +321,24 @@ def _pct(ordered: list[float], q: float) -> float:
 
 def kv_gap(testbed: RunRecords, sim: RunRecords) -> tuple[int, float] | None:
     """(matched KV flows, median testbed - simulator completion time in seconds)."""
+    gaps = sorted(_kv_gaps(testbed, sim))
+    return (len(gaps), gaps[len(gaps) // 2]) if gaps else None
+
+
+def _kv_gaps(testbed: RunRecords, sim: RunRecords) -> list[float]:
     sim_fct = {f.request: f.fct for f in sim.flows if f.cls == "kv"}
-    gaps = sorted(
+    return [
         f.fct - sim_fct[f.request] for f in testbed.flows if f.cls == "kv" and f.request in sim_fct
+    ]
+
+
+def pooled_kv_gap(result: report.PolicyResult) -> tuple[int, float] | None:
+    """:func:`kv_gap` over every seed of ``result`` (requests are matched within a seed)."""
+    gaps = sorted(
+        g
+        for run in result.seeds
+        if run.testbed_records is not None
+        for g in _kv_gaps(run.testbed_records, run.sim_records)
     )
     return (len(gaps), gaps[len(gaps) // 2]) if gaps else None
 
@@ -293,8 +350,7 @@ def top_share(records: RunRecords) -> float | None:
 
 
 def _gap_note(r: report.PolicyResult) -> str:
-    assert r.testbed_records is not None and r.sim_records is not None
-    gap = kv_gap(r.testbed_records, r.sim_records)
+    gap = pooled_kv_gap(r)
     if gap is None:
         return f"{r.policy}: no KV flow completed on both."
     return (

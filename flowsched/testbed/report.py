@@ -4,18 +4,42 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flowsched import report as shared_report
-from flowsched.metrics import RunMetrics, RunRecords
+from flowsched.metrics import RunMetrics, RunRecords, merge, summarize
 from flowsched.report import Outcome
 
 
 @dataclass(slots=True)
+class SeedRun:
+    """One policy on one seed's trace: the simulator replay and, when run, the testbed."""
+
+    seed: int
+    sim_records: RunRecords
+    testbed_records: RunRecords | None = None
+    ablation_records: RunRecords | None = None
+
+    @property
+    def testbed_attainment(self) -> float | None:
+        """SLO attainment of this seed's testbed run (None without one)."""
+        if self.testbed_records is None:
+            return None
+        return summarize(self.testbed_records).slo_attainment
+
+    @property
+    def sim_attainment(self) -> float | None:
+        """SLO attainment of this seed's simulator replay."""
+        return summarize(self.sim_records).slo_attainment
+
+
+@dataclass(slots=True)
 class PolicyResult:
-    """One policy's testbed and simulator metrics on the same trace."""
+    """One policy's testbed and simulator metrics on the same traces (pooled over the seeds
+    in ``seeds``; the records of every seed are kept for the per-seed view)."""
 
     policy: str
     testbed: RunMetrics | None
@@ -38,6 +62,22 @@ class PolicyResult:
     ablation_promotions: list[float] = field(default_factory=list)
     ablation_records: RunRecords | None = None
     ablation_control: str = ""
+    #: every seed's runs, in the order they ran
+    seeds: list[SeedRun] = field(default_factory=list)
+
+    def pool(self) -> None:
+        """Set the pooled records and metrics from ``seeds`` (every request of every seed)."""
+        sims = [s.sim_records for s in self.seeds]
+        self.sim_records = merge(sims)
+        self.sim = summarize(self.sim_records)
+        tbs = [s.testbed_records for s in self.seeds if s.testbed_records is not None]
+        if tbs:
+            self.testbed_records = merge(tbs)
+            self.testbed = summarize(self.testbed_records)
+        ablations = [s.ablation_records for s in self.seeds if s.ablation_records is not None]
+        if ablations:
+            self.ablation_records = merge(ablations)
+            self.ablation = summarize(self.ablation_records)
 
 
 def _fmt(value: float | None, scale: float = 1.0, digits: int = 3) -> str:
@@ -97,13 +137,15 @@ def table_rows(results: list[PolicyResult]) -> list[list[str]]:
     return rows
 
 
-def render_table(rows: list[list[str]], markdown: bool = False) -> str:
-    """Aligned text table (or a markdown table)."""
+def render_table(
+    rows: list[list[str]], markdown: bool = False, columns: Sequence[str] = COLUMNS
+) -> str:
+    """Aligned text table (or a markdown table) of ``rows`` under ``columns``."""
     if markdown:
-        lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths, strict=True))]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
 
@@ -119,6 +161,41 @@ def agreement_rows(results: list[PolicyResult]) -> list[list[str]]:
         for r in results
         if r.testbed is not None
     ]
+
+
+def seed_rows(results: list[PolicyResult]) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the per-seed SLO attainment table (testbed, else simulator)."""
+    seeds = sorted({s.seed for r in results for s in r.seeds})
+    header = ["policy", "source", *(f"seed {s}" for s in seeds), "pooled"]
+    rows = []
+    for r in results:
+        by_seed = {s.seed: s for s in r.seeds}
+        for source in ("testbed", "sim"):
+            values = [_seed_attainment(by_seed.get(s), source) for s in seeds]
+            if all(v is None for v in values):
+                continue
+            pooled = _attainment(r, source)
+            rows.append([r.policy, source, *(_fmt(v) for v in values), _fmt(pooled)])
+    return header, rows
+
+
+def _seed_attainment(run: SeedRun | None, source: str) -> float | None:
+    if run is None:
+        return None
+    return run.testbed_attainment if source == "testbed" else run.sim_attainment
+
+
+def seed_ratios(results: list[PolicyResult], source: str = "testbed") -> dict[str, list[float]]:
+    """rmlq's SLO attainment over fair's and static's, seed by seed."""
+    by = {r.policy: {s.seed: s for s in r.seeds} for r in results}
+    out: dict[str, list[float]] = {}
+    for name in ("fair", "static"):
+        for seed, run in sorted(by.get("rmlq", {}).items()):
+            rm = _seed_attainment(run, source)
+            other = _seed_attainment(by.get(name, {}).get(seed), source)
+            if rm is not None and other:
+                out.setdefault(name, []).append(rm / other)
+    return out
 
 
 def promotion_summary(results: list[PolicyResult]) -> dict[str, Any]:
@@ -164,6 +241,14 @@ def to_json(results: list[PolicyResult], meta: dict[str, Any]) -> dict[str, Any]
                 },
                 "errors": r.errors,
                 "wall_seconds": r.wall_seconds,
+                "per_seed": [
+                    {
+                        "seed": run.seed,
+                        "testbed_slo_attainment": run.testbed_attainment,
+                        "sim_slo_attainment": run.sim_attainment,
+                    }
+                    for run in r.seeds
+                ],
             }
             for r in results
         },
@@ -220,6 +305,15 @@ def headline(results: list[PolicyResult]) -> list[str]:
         ]
         if parts:
             lines.append(f"- {source}: rmlq attains {rm:.3f}, i.e. " + ", ".join(parts) + ".")
+        ratios = seed_ratios(results, source)
+        if len(ratios.get("fair", [])) > 1:
+            lines.append(
+                f"  - {source}, seed by seed: rmlq / fair = "
+                + ", ".join(f"{x:.2f}" for x in ratios["fair"])
+                + "; rmlq / static = "
+                + ", ".join(f"{x:.2f}" for x in ratios.get("static", []))
+                + "."
+            )
     return [*lines, ""] if lines else []
 
 
@@ -240,14 +334,18 @@ def markdown(results: list[PolicyResult], meta: dict[str, Any]) -> str:
         "",
         f"Mode: {meta['mode']}. {meta['setup']}",
         "",
-        f"Trace: seed {meta['seed']}, {meta['duration']} s, KV load {meta['load']} of each "
-        f"decode host's ingress link, {meta['flows']} transfers, link rate "
+        f"Trace: {_seed_text(meta)}, {meta['duration']} s each, KV load {meta['load']} of "
+        f"each decode host's ingress link, {meta['flows']} transfers, link rate "
         f"{meta['rate_mbit']} Mbit/s.",
         "",
         render_table(table_rows(results), markdown=True),
         "",
         *headline(results),
     ]
+    header, rows = seed_rows(results)
+    if len(header) > 4:
+        lines += ["SLO attainment seed by seed:", ""]
+        lines += [render_table(rows, markdown=True, columns=header), ""]
     agreement = agreement_rows(results)
     if agreement:
         lines += [
@@ -274,6 +372,13 @@ def markdown(results: list[PolicyResult], meta: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _seed_text(meta: dict[str, Any]) -> str:
+    seeds = meta.get("seeds") or [meta["seed"]]
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    return f"seeds {', '.join(str(s) for s in seeds)} (every policy runs every seed; pooled)"
 
 
 def write(results: list[PolicyResult], meta: dict[str, Any], out: Path) -> list[Path]:

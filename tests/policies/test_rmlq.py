@@ -153,6 +153,17 @@ def test_promotion_as_deadline_nears() -> None:
     assert seen == [4, 0, 0]
 
 
+@pytest.mark.parametrize(
+    ("lead", "now", "level"),
+    [(0.0, 0.5, 4), (0.3, 0.5, 0), (0.3, 0.0, 4), (0.0, 0.0, 5), (0.3, 0.71, 0), (0.0, 0.71, 4)],
+    ids=["no-lead", "lead-promotes", "lead-band", "no-lead-band2", "inside-lead", "no-lead-0.71"],
+)
+def test_promotion_lead_counts_the_actuation_delay(lead: float, now: float, level: int) -> None:
+    # 1e8 bytes due at t=1 on 1e9 B/s: MLU = 1e8 / ((1 - now - lead) x 1e9)
+    flow = build_flow(cls="kv", size=int(1e8), deadline=1.0)
+    assert policy(promotion_lead=lead).admit(flow, ctx(now)).level == level
+
+
 def test_never_demotes_when_urgency_drops() -> None:
     pol = policy()
     flow = build_flow(cls="kv", size=int(6e8), deadline=1.0)

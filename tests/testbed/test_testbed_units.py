@@ -6,7 +6,7 @@ import pytest
 
 from flowsched import policies
 from flowsched.metrics import summarize
-from flowsched.testbed import netns, replay, runner, sniff
+from flowsched.testbed import bench, netns, replay, runner, sniff
 from flowsched.testbed.trace import ScenarioParams, Trace, generate, params_from_mapping
 
 TC_OUTPUT = """class htb 1:11 parent 1:1 leaf 800a: prio 1 rate 10Mbit ceil 200Mbit burst 32Kb
@@ -225,3 +225,56 @@ def test_admission_delays_pair_open_and_admitted() -> None:
         {"kind": "admitted", "id": 3, "t": 5.0},  # no open recorded: ignored
     ]
     assert runner.admission_delays(events) == pytest.approx([0.01, 0.03])
+
+
+def test_bench_pools_every_seed_and_reports_each(
+    tmp_path: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--seeds N: every policy runs each seed's trace; metrics pool all requests of all seeds."""
+    import json
+    from pathlib import Path
+
+    from flowsched.testbed import bench
+
+    monkeypatch.setattr(netns, "probe", lambda prefix="fsE-": "not running as root (test)")
+    out = Path(str(tmp_path)) / "out"
+    params = ScenarioParams(duration=2.0)
+    options = bench.BenchOptions(
+        out=out,
+        policies=("fair", "rmlq"),
+        params=params,
+        seed=4,
+        seeds=2,
+        spec=netns.TopologySpec(),
+    )
+    results = bench.run(options)
+    singles = {
+        seed: [r.sim for r in bench.run(replace_options(options, out, seed))] for seed in (4, 5)
+    }
+    for i, result in enumerate(results):
+        assert [s.seed for s in result.seeds] == [4, 5]
+        assert result.sim.requests == singles[4][i].requests + singles[5][i].requests
+        met = sum(
+            round((singles[s][i].slo_attainment or 0.0) * singles[s][i].requests) for s in (4, 5)
+        )
+        assert result.sim.slo_attainment == pytest.approx(met / result.sim.requests)
+        assert [run.sim_attainment for run in result.seeds] == [
+            singles[4][i].slo_attainment,
+            singles[5][i].slo_attainment,
+        ]
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["meta"]["seeds"] == [4, 5]
+    assert [p["seed"] for p in doc["policies"]["rmlq"]["per_seed"]] == [4, 5]
+    text = (out / "report.md").read_text()
+    assert "seeds 4, 5" in text and "SLO attainment seed by seed" in text
+    assert "seed 4 | seed 5 | pooled" in text
+
+
+def replace_options(options: bench.BenchOptions, out: object, seed: int) -> bench.BenchOptions:
+    """The same options for one seed, written elsewhere."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    return replace(options, out=Path(str(out)).parent / f"single{seed}", seed=seed, seeds=1)
