@@ -341,6 +341,23 @@ def test_feasibility_prunes_hopeless_request_after_grace() -> None:
     assert not pol._pruned and not pol._infeasible_since and not pol._request_flows
 
 
+@pytest.mark.parametrize(("load", "pruned"), [("rho", True), ("none", False)])
+def test_feasibility_load_judges_against_residual_or_whole_link(load: str, pruned: bool) -> None:
+    # another flow keeps link a (1e9 B/s) 75% busy; 6e8 bytes due in 1 s: MLU 0.6 on the whole
+    # link (feasible at the top level), 2.4 on the residual 25% (hopeless for "rho")
+    links = {"link_bandwidth": {"a": B}, "link_load": {"a": 0.0}}
+    pol = policy(feasibility=True, rho_window=0.01, feasibility_load=load)
+    other = build_flow(9, cls="bulk", size=10**12, links=("a",))
+    pol.admit(other, ctx(0.0, **links))
+    other.sent = int(0.75 * B * 0.1)
+    pol.reevaluate([other], ctx(0.1, **links))
+    flow = _explicit(1, "r", 6e8)
+    flow.links, flow.deadline = ("a",), 1.1
+    flow.level = pol.admit(flow, ctx(0.1, **links)).level
+    assert flow.level == (7 if pruned else 0)
+    assert pol.is_pruned(flow) is pruned
+
+
 def _per_layer(flow_id: int, request: str = "r", *, size: float = 1e6, **fields: Any) -> Flow:
     fields.setdefault("deadline", 1.0)
     return build_flow(flow_id, cls="kv", size=int(size), request=request, **fields)
@@ -444,6 +461,8 @@ def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -
         ({"rho_window": 0}, "policy.args.rho_window"),
         ({"prune_classes": ["tp"]}, "policy.args.prune_classes[0]"),
         ({"request_memory": -1}, "policy.args.request_memory"),
+        ({"promotion_lead": -0.1}, "policy.args.promotion_lead"),
+        ({"feasibility_load": "others"}, "policy.args.feasibility_load"),
     ],
     ids=[
         "E",
@@ -454,6 +473,8 @@ def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -
         "rho-window-zero",
         "prune-implicit-class",
         "request-memory",
+        "promotion-lead-negative",
+        "feasibility-load",
     ],
 )
 def test_validate_names_field(args: dict[str, Any], fragment: str) -> None:
