@@ -1,4 +1,4 @@
-"""The contention benchmark: every policy on one seeded trace, on the testbed and in the sim."""
+"""The contention benchmark: every policy on the same seeded traces, on the testbed and in sim."""
 
 from __future__ import annotations
 
@@ -319,12 +319,6 @@ def _pct(ordered: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def kv_gap(testbed: RunRecords, sim: RunRecords) -> tuple[int, float] | None:
-    """(matched KV flows, median testbed - simulator completion time in seconds)."""
-    gaps = sorted(_kv_gaps(testbed, sim))
-    return (len(gaps), gaps[len(gaps) // 2]) if gaps else None
-
-
 def _kv_gaps(testbed: RunRecords, sim: RunRecords) -> list[float]:
     sim_fct = {f.request: f.fct for f in sim.flows if f.cls == "kv"}
     return [
@@ -333,7 +327,9 @@ def _kv_gaps(testbed: RunRecords, sim: RunRecords) -> list[float]:
 
 
 def pooled_kv_gap(result: report.PolicyResult) -> tuple[int, float] | None:
-    """:func:`kv_gap` over every seed of ``result`` (requests are matched within a seed)."""
+    """(matched KV flows, median testbed - simulator completion time in seconds) over every
+    seed of ``result``; a testbed flow is matched with the simulated flow of its request in the
+    same seed's replay."""
     gaps = sorted(
         g
         for run in result.seeds

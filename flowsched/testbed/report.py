@@ -164,7 +164,7 @@ def agreement_rows(results: list[PolicyResult]) -> list[list[str]]:
 
 
 def seed_rows(results: list[PolicyResult]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the per-seed SLO attainment table (testbed, else simulator)."""
+    """Header and rows of the per-seed SLO attainment table (testbed and simulator rows)."""
     seeds = sorted({s.seed for r in results for s in r.seeds})
     header = ["policy", "source", *(f"seed {s}" for s in seeds), "pooled"]
     rows = []

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from flowsched import policies
@@ -147,29 +152,31 @@ def test_replay_closed_form_shared_links() -> None:
     assert summarize(records).slo_attainment == 1.0
 
 
+def _without_testbed(
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, **fields: Any
+) -> bench.BenchOptions:
+    """Options of a 2 s fair + rmlq benchmark on a machine that cannot build the testbed."""
+    monkeypatch.setattr(netns, "probe", lambda prefix="fsE-": "not running as root (test)")
+    fields.setdefault("seed", 3)
+    return bench.BenchOptions(
+        out=Path(str(tmp_path)) / "out",
+        policies=("fair", "rmlq"),
+        params=ScenarioParams(duration=2.0),
+        spec=netns.TopologySpec(),
+        **fields,
+    )
+
+
 def test_bench_falls_back_to_simulator_and_says_why(
     tmp_path: pytest.TempPathFactory,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from pathlib import Path
-
-    from flowsched.testbed import bench
-
-    monkeypatch.setattr(netns, "probe", lambda prefix="fsE-": "not running as root (test)")
-    out = Path(str(tmp_path)) / "out"
-    options = bench.BenchOptions(
-        out=out,
-        policies=("fair", "rmlq"),
-        params=ScenarioParams(duration=2.0),
-        seed=3,
-        spec=netns.TopologySpec(),
-    )
+    options = _without_testbed(tmp_path, monkeypatch)
+    out = options.out
     results = bench.run(options)
     assert [r.testbed for r in results] == [None, None]
     assert "testbed unavailable: not running as root (test)" in capsys.readouterr().err
-    import json
-
     meta = json.loads((out / "results.json").read_text())["meta"]
     assert meta["mode"] == "simulator only (not running as root (test))"
     assert (out / "report.md").exists() and (out / "slo_attainment.png").exists()
@@ -181,12 +188,11 @@ def test_default_control_is_the_real_control_plane() -> None:
     import inspect
 
     from flowsched.cli import bench as bench_cli
-    from flowsched.testbed import bench
 
     parser = argparse.ArgumentParser()
     bench_cli.register(parser.add_subparsers())
     args = parser.parse_args(["bench", "contention"])
-    assert args.control == "agent" and args.ablation_policies == ""
+    assert args.control == "agent" and args.ablation_policies == "" and args.seeds == 3
     assert bench.BenchOptions.__dataclass_fields__["control"].default == "agent"
     assert inspect.signature(runner.run_policy).parameters["control"].default == "agent"
     assert bench.other_control("agent") == "mini" and bench.other_control("mini") == "agent"
@@ -228,27 +234,11 @@ def test_admission_delays_pair_open_and_admitted() -> None:
 
 
 def test_bench_pools_every_seed_and_reports_each(
-    tmp_path: pytest.TempPathFactory,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """--seeds N: every policy runs each seed's trace; metrics pool all requests of all seeds."""
-    import json
-    from pathlib import Path
-
-    from flowsched.testbed import bench
-
-    monkeypatch.setattr(netns, "probe", lambda prefix="fsE-": "not running as root (test)")
-    out = Path(str(tmp_path)) / "out"
-    params = ScenarioParams(duration=2.0)
-    options = bench.BenchOptions(
-        out=out,
-        policies=("fair", "rmlq"),
-        params=params,
-        seed=4,
-        seeds=2,
-        spec=netns.TopologySpec(),
-    )
+    options = _without_testbed(tmp_path, monkeypatch, seed=4, seeds=2)
+    out = options.out
     results = bench.run(options)
     singles = {
         seed: [r.sim for r in bench.run(replace_options(options, out, seed))] for seed in (4, 5)
@@ -272,9 +262,13 @@ def test_bench_pools_every_seed_and_reports_each(
     assert "seed 4 | seed 5 | pooled" in text
 
 
-def replace_options(options: bench.BenchOptions, out: object, seed: int) -> bench.BenchOptions:
+def replace_options(options: bench.BenchOptions, out: Path, seed: int) -> bench.BenchOptions:
     """The same options for one seed, written elsewhere."""
-    from dataclasses import replace
-    from pathlib import Path
+    return replace(options, out=out.parent / f"single{seed}", seed=seed, seeds=1)
 
-    return replace(options, out=Path(str(out)).parent / f"single{seed}", seed=seed, seeds=1)
+
+def test_bench_cli_refuses_zero_seeds(capsys: pytest.CaptureFixture[str]) -> None:
+    from flowsched.cli import main
+
+    assert main(["bench", "contention", "--seeds", "0", "--simulate-only"]) == 2
+    assert "--seeds must be at least 1" in capsys.readouterr().err
