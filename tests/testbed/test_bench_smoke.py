@@ -31,10 +31,12 @@ def test_bench_contention_smoke(tmp_path: Path) -> None:
             "fair,rmlq",
             "--ablation-policies",
             "rmlq",
+            "--seeds",
+            "2",
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -57,6 +59,8 @@ def test_bench_contention_smoke(tmp_path: Path) -> None:
         tb = entry["testbed"]
         assert tb["requests"] > 0 and tb["slo_attainment"] is not None
         assert tb["cct_mean"] is not None
+        assert [run["seed"] for run in entry["per_seed"]] == [1, 2]
+        assert all(run["testbed_slo_attainment"] is not None for run in entry["per_seed"])
     # rmlq also ran with the minimal controller, labelled as an ablation
     ablation = data["policies"]["rmlq"]
     assert ablation["ablation_control"] == "mini"
@@ -77,6 +81,8 @@ def test_simulate_only_needs_no_root(tmp_path: Path) -> None:
             str(out),
             "--duration",
             "2",
+            "--seeds",
+            "1",
             "--simulate-only",
         ],
         capture_output=True,
