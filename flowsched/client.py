@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from flowsched.model import FlowClass
-from flowsched.protocol import sdk
+from flowsched.protocol import is_name, sdk
 
 log = logging.getLogger("flowsched.client")
 
@@ -441,9 +441,12 @@ def open_flow(
     """
     flow_class = FlowClass.parse(cls) if isinstance(cls, str) else FlowClass(cls)
     _check_arguments(bytes, deadline, peer)
-    if dst_node is not None and not (
-        isinstance(dst_node, str) and 0 < len(dst_node) <= sdk.MAX_NODE and dst_node.isprintable()
-    ):
+    for name, value in (("job", job), ("request", request)):
+        if value is not None and not is_name(value):
+            raise ValueError(f"{name} must be a printable name of 1..255 characters, got {value!r}")
+    if consumer_step is not None and not _count(consumer_step):
+        raise ValueError(f"consumer_step must be an integer >= 0, got {consumer_step!r}")
+    if dst_node is not None and not is_name(dst_node, sdk.MAX_NODE):
         raise ValueError(f"dst_node must be a printable node name, got {dst_node!r}")
     if job is None and consumer_step is not None:
         job = _last_job  # the job this process last reported with job_progress()
@@ -465,6 +468,11 @@ def open_flow(
     except Exception:  # never into the application
         log.exception("flowsched: opening the flow at the agent failed; using static defaults")
     return handle
+
+
+def _count(value: object) -> bool:
+    """A step, layer or consumer index as the protocol carries it: an integer >= 0."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_arguments(size: int | None, deadline: float | None, peer: int | None) -> None:
@@ -511,8 +519,11 @@ def job_progress(
     job: str, step: int, layer: int | None = None, *, socket_path: str | None = None
 ) -> bool:
     """Tell the agent that ``job`` reached ``step`` (and ``layer``); False if no agent got it."""
-    if not job or not isinstance(step, int):
-        raise ValueError("job must be a non-empty string and step an integer")
+    if not is_name(job) or not _count(step) or not (layer is None or _count(layer)):
+        raise ValueError(
+            "job must be a printable name, step and layer integers >= 0, "
+            f"got {job!r}, {step!r}, {layer!r}"
+        )
     global _last_job
     _last_job = job
     conn = connection(socket_path)

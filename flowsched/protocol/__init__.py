@@ -6,7 +6,7 @@ handshake (hello -> challenge -> auth -> welcome, HMAC-SHA256 over a shared toke
 maximum frame size; the asyncio adapter for agents is :mod:`flowsched.protocol.aio`.
 """
 
-from flowsched.protocol._codec import decode_body, encode_body
+from flowsched.protocol._codec import I64_MAX, MAX_NAME, U64_MAX, decode_body, encode_body, is_name
 from flowsched.protocol._connection import NEED_DATA, PEER_CLOSED, Connection, Event, Sentinel
 from flowsched.protocol._framing import DEFAULT_MAX_FRAME_SIZE, ReceiveBuffer, frame
 from flowsched.protocol._messages import (
@@ -44,11 +44,14 @@ from flowsched.protocol.auth import (
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",
     "DEFAULT_TOKEN_PATH",
+    "I64_MAX",
+    "MAX_NAME",
     "MESSAGE_TYPES",
     "NEED_DATA",
     "PEER_CLOSED",
     "PROTOCOL_VERSION",
     "TRANSITIONS",
+    "U64_MAX",
     "Auth",
     "Challenge",
     "Connection",
@@ -80,6 +83,7 @@ __all__ = [
     "decode_body",
     "encode_body",
     "frame",
+    "is_name",
     "load_token",
     "verify_mac",
     "write_token",

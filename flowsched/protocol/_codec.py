@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgpack
 
@@ -49,6 +49,13 @@ MAC_SIZE = 32
 
 _MISSING = object()
 _CLASSES = {c.label: c for c in FlowClass}
+
+
+def is_name(value: object, max_len: int = MAX_NAME) -> TypeGuard[str]:
+    """True for what the protocol accepts as a name (node, job, request, link): printable text
+    of 1..``max_len`` characters. Whoever forwards names into the protocol (the agent's SDK
+    server) checks them with this, so that a bad name is refused where it came from."""
+    return type(value) is str and 0 < len(value) <= max_len and value.isprintable()
 
 
 def _bad(path: str, expected: str, value: object) -> LocalProtocolError:
@@ -114,7 +121,7 @@ class _Fields:
 
     def name(self, name: str, optional: bool = False) -> Any:
         value = self.text(name, MAX_NAME, optional)
-        if value is not None and (not value or not value.isprintable()):
+        if value is not None and not is_name(value):
             raise LocalProtocolError(
                 f"{self._path}.{name}: expected a non-empty printable name", code="bad_field"
             )
@@ -188,9 +195,9 @@ def _flow_open(item: object, path: str) -> FlowOpen:
 
 
 def _link_name(item: object, path: str) -> str:
-    if type(item) is not str or not 0 < len(item) <= MAX_NAME or not item.isprintable():
-        raise _bad(path, f"a printable link name of 1..{MAX_NAME} characters", item)
-    return item
+    if is_name(item):
+        return item
+    raise _bad(path, f"a printable link name of 1..{MAX_NAME} characters", item)
 
 
 _set_progress_id = vars(FlowProgress)["id"].__set__

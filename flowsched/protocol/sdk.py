@@ -35,13 +35,19 @@ from typing import Any, ClassVar
 import msgpack
 
 from flowsched.model import FlowClass
-from flowsched.protocol import LocalProtocolError, ReceiveBuffer, frame
+from flowsched.protocol import (
+    I64_MAX,
+    MAX_NAME,
+    U64_MAX,
+    LocalProtocolError,
+    ReceiveBuffer,
+    frame,
+    is_name,
+)
 
 MAX_SDK_FRAME = 64 * 1024
-MAX_TEXT = 255
+MAX_TEXT = MAX_NAME
 U32_MAX = 2**32 - 1
-U64_MAX = 2**64 - 1
-I64_MAX = 2**63 - 1
 #: longest node name in ``open.dst_node`` (its link id ``<node>:rx`` must fit a protocol name)
 MAX_NODE = 128
 
@@ -134,25 +140,29 @@ SdkMessage = Open | Progress | Close | JobProgress | Opened | Level | Error
 CLIENT_MESSAGES: dict[str, type[Any]] = {m.TYPE: m for m in (Open, Progress, Close, JobProgress)}
 AGENT_MESSAGES: dict[str, type[Any]] = {m.TYPE: m for m in (Opened, Level, Error)}
 
-# field name -> (kind, low, high); kind in "u" (int range), "f" (finite float >= 0), "s" (text)
+# field name -> (kind, low, high); kind in "u" (int range), "f" (finite float >= 0), "s" (text
+# of low..high characters), "n" (a protocol name of at most high characters, see is_name).
+# Whatever the agent forwards to the coordinator (job, request, dst_node, consumer_index, step,
+# layer) must pass the coordinator's own checks too: a value the coordinator refuses would close
+# the agent's connection, and the resync after reconnecting would carry it again.
 _RULES: dict[str, tuple[str, float, float]] = {
     "ref": ("u", 0, U32_MAX),
     "id": ("u", 0, U64_MAX),
     "sent": ("u", 0, U64_MAX),
     "size": ("u", 0, U64_MAX),
     "deadline": ("f", 0, math.inf),
-    "consumer_index": ("u", -I64_MAX, I64_MAX),
-    "step": ("u", -I64_MAX, I64_MAX),
-    "layer": ("u", -I64_MAX, I64_MAX),
+    "consumer_index": ("u", 0, I64_MAX),
+    "step": ("u", 0, I64_MAX),
+    "layer": ("u", 0, I64_MAX),
     "peer": ("u", -1, 2**31 - 1),
     "level": ("u", 0, 255),
     "dscp": ("u", 0, 63),
     "so_priority": ("u", 0, U32_MAX),
     "nccl_traffic_class": ("u", -(2**31), 2**31 - 1),
     "cls": ("s", 1, 32),
-    "job": ("s", 1, MAX_TEXT),
-    "request": ("s", 1, MAX_TEXT),
-    "dst_node": ("s", 1, MAX_NODE),
+    "job": ("n", 1, MAX_TEXT),
+    "request": ("n", 1, MAX_TEXT),
+    "dst_node": ("n", 1, MAX_NODE),
     "decided_at": ("f", 0, math.inf),
     "decided_ns": ("u", 0, I64_MAX),
     "code": ("s", 1, MAX_TEXT),
@@ -220,15 +230,20 @@ def _check(msg_type: str, name: str, value: Any, *, optional: bool) -> Any:
         if type(value) not in (int, float) or not math.isfinite(value) or value < low:
             raise SdkProtocolError(f"{where}: expected a finite number >= {low:g}")
         value = float(value)
+    elif kind == "n":
+        if not is_name(value, int(high)):
+            raise SdkProtocolError(
+                f"{where}: expected a printable name of 1..{int(high)} characters"
+            )
     elif type(value) is not str or not low <= len(value) <= high:
         raise SdkProtocolError(f"{where}: expected text of {int(low)}..{int(high)} characters")
     return value
 
 
 def _check_node(node: str | None) -> None:
-    # the node becomes part of a link id sent to the coordinator, which accepts printable
-    # names only: refuse here, so one client's bad name never breaks the agent's uplink
-    if node is not None and (not node.isprintable() or node != node.strip()):
+    # printable is checked with the other names; a node name with surrounding blanks would
+    # make a link id no agent reports
+    if node is not None and node != node.strip():
         raise SdkProtocolError("open.dst_node: expected a printable node name")
 
 

@@ -169,6 +169,9 @@ def test_static_default_follows_the_embedded_policy() -> None:
         pytest.param({"bytes": -1}, "bytes", id="negative-bytes"),
         pytest.param({"deadline": "soon"}, "deadline", id="text-deadline"),
         pytest.param({"peer": -3}, "peer", id="bad-peer"),
+        pytest.param({"job": "a\nb"}, "job", id="job-not-printable"),
+        pytest.param({"request": ""}, "request", id="empty-request"),
+        pytest.param({"consumer_step": -1}, "consumer_step", id="negative-consumer-step"),
     ],
 )
 def test_argument_errors_raise(kwargs: dict[str, object], message: str, tmp_path: Path) -> None:
@@ -276,3 +279,13 @@ def test_send_with_flow_names_the_destination(agent: AgentThread) -> None:
         result = receiver.results.get(timeout=5)
     assert result.ok and stats.bytes == 200_000
     assert opened == [("n1:tx", "h2:rx")]
+
+
+@pytest.mark.parametrize(
+    ("job", "step", "layer"), [("a\nb", 1, None), ("", 1, None), ("j", -1, None), ("j", 1, -2)]
+)
+def test_job_progress_refuses_what_the_coordinator_would(
+    job: str, step: int, layer: int | None
+) -> None:
+    with pytest.raises(ValueError, match="job must be"):
+        client.job_progress(job, step, layer, socket_path="/nonexistent/agent.sock")

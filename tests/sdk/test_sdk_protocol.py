@@ -7,14 +7,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flowsched.protocol import sdk
+from flowsched.model import FlowClass
+from flowsched.protocol import FlowOpen, JobProgress, Resync, decode_body, encode_body, sdk
 
 ROUND_TRIP = [
     pytest.param(sdk.Open(1, "kv", 10, 5.5, None, "job", "req-1", 3), "agent", id="open-full"),
     pytest.param(sdk.Open(7, "tp"), "agent", id="open-minimal"),
     pytest.param(sdk.Progress(2**64 - 1, 5), "agent", id="progress"),
     pytest.param(sdk.Close(9, 0), "agent", id="close"),
-    pytest.param(sdk.JobProgress("j", -1, 4), "agent", id="job-progress"),
+    pytest.param(sdk.JobProgress("j", 0, 4), "agent", id="job-progress"),
     pytest.param(sdk.Opened(1, 99, 3, 46, 6, 5), "client", id="opened"),
     pytest.param(sdk.Level(99, 0, 46, 6), "client", id="level"),
     pytest.param(sdk.Level(99, 0, 46, 6, 1.7e9, 123_456_789), "client", id="level-decided"),
@@ -63,6 +64,18 @@ BAD = [
     pytest.param(
         {"t": "open", "ref": 1, "cls": "kv", "dst_node": "x" * 200}, "open.dst_node", id="long-node"
     ),
+    # refused here because the coordinator would refuse them from the agent (see _RULES)
+    pytest.param({"t": "open", "ref": 1, "cls": "kv", "job": "a\nb"}, "open.job", id="job-ctrl"),
+    pytest.param(
+        {"t": "open", "ref": 1, "cls": "kv", "request": "r\x00"}, "open.request", id="request-nul"
+    ),
+    pytest.param(
+        {"t": "open", "ref": 1, "cls": "experience", "consumer_index": -1},
+        "open.consumer_index",
+        id="negative-consumer",
+    ),
+    pytest.param({"t": "job_progress", "job": "j", "step": -1}, "job_progress.step", id="neg-step"),
+    pytest.param({"t": "job_progress", "job": "j\tk", "step": 1}, "job_progress.job", id="job-tab"),
 ]
 
 
@@ -98,3 +111,60 @@ def test_random_bytes_never_crash(data: bytes) -> None:
             pass
     except sdk.SdkProtocolError:
         pass
+
+
+_names = st.one_of(st.none(), st.text(max_size=300), st.sampled_from(["j", "h2", " h2", "a\x7f"]))
+_ints = st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1))
+
+
+@given(
+    job=_names,
+    request=_names,
+    dst_node=_names,
+    consumer_index=_ints,
+    step=st.integers(-(2**63), 2**64 - 1),
+    layer=_ints,
+)
+def test_what_the_agent_accepts_the_coordinator_accepts(
+    job: str | None,
+    request: str | None,
+    dst_node: str | None,
+    consumer_index: int | None,
+    step: int,
+    layer: int | None,
+) -> None:
+    """Every SDK open / job_progress the agent decodes, forwarded as the agent forwards it,
+    decodes at the coordinator: otherwise one client's value closes the agent's connection,
+    and the resync after each reconnect carries it again (a reconnect loop for the node)."""
+    bodies = [
+        {"t": "open", "ref": 1, "cls": "experience", "job": job, "request": request},
+        {"t": "open", "ref": 2, "cls": "kv", "consumer_index": consumer_index},
+        {"t": "open", "ref": 3, "cls": "kv", "dst_node": dst_node},
+        {"t": "job_progress", "job": job, "step": step, "layer": layer},
+    ]
+    for body in bodies:
+        decoder = sdk.SdkDecoder("agent")
+        decoder.feed(_frame({k: v for k, v in body.items() if v is not None}))
+        try:
+            message = decoder.next_message()
+        except sdk.SdkProtocolError:
+            continue
+        if isinstance(message, sdk.Open):
+            links = () if message.dst_node is None else (f"{message.dst_node}:rx",)
+            forwarded: Resync | JobProgress = Resync(
+                (
+                    FlowOpen(
+                        1,
+                        FlowClass.parse(message.cls),
+                        0.0,
+                        job=message.job,
+                        consumer_index=message.consumer_index,
+                        request=message.request,
+                        links=links,
+                    ),
+                )
+            )
+        else:
+            assert isinstance(message, sdk.JobProgress)
+            forwarded = JobProgress(message.job, message.step, message.layer)
+        assert decode_body(encode_body(forwarded)) == forwarded
