@@ -88,7 +88,8 @@ def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.Polic
     if reason is not None or options.simulate_only:
         for trace in traces:
             for result in results:
-                result.seeds.append(_simulate(trace, result.policy, progress))
+                sim = _simulate(trace, result.policy, progress)
+                result.seeds.append(report.SeedRun(trace.seed, sim))
         mode = "simulator only" + (f" ({reason})" if reason else "")
     else:
         _testbed(options, traces, results, progress)
@@ -114,11 +115,11 @@ def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.Polic
     return results
 
 
-def _simulate(trace: Trace, name: str, progress: Progress) -> report.SeedRun:
+def _simulate(trace: Trace, name: str, progress: Progress) -> RunRecords:
     cfg = policyfile.load(policy_path(name))
     records = replay.replay(trace, cfg.make_policy(), timer_period=cfg.timer_period)
     progress.step(f"{name}: simulator, seed {trace.seed}")
-    return report.SeedRun(trace.seed, records)
+    return records
 
 
 def calibration_trace(rate_bytes: float, size: int = 1_500_000, count: int = 8) -> Trace:
@@ -169,8 +170,8 @@ def _testbed(
                     topo, trace, result, work / f"{result.policy}{suffix}", options
                 )
                 progress.step(f"{result.policy}: testbed, seed {trace.seed}")
-                result.seeds.append(_simulate(trace, result.policy, progress))
-                result.seeds[-1].testbed_records = records
+                sim = _simulate(trace, result.policy, progress)
+                result.seeds.append(report.SeedRun(trace.seed, sim, records))
             for result in results:
                 if result.policy in options.ablation_policies:
                     path = work / f"{result.policy}-{other}{suffix}"

@@ -22,18 +22,14 @@ class SeedRun:
     sim_records: RunRecords
     testbed_records: RunRecords | None = None
     ablation_records: RunRecords | None = None
+    #: SLO attainment of the replay and of the testbed run (None without one), set once here
+    sim_attainment: float | None = field(init=False)
+    testbed_attainment: float | None = field(init=False)
 
-    @property
-    def testbed_attainment(self) -> float | None:
-        """SLO attainment of this seed's testbed run (None without one)."""
-        if self.testbed_records is None:
-            return None
-        return summarize(self.testbed_records).slo_attainment
-
-    @property
-    def sim_attainment(self) -> float | None:
-        """SLO attainment of this seed's simulator replay."""
-        return summarize(self.sim_records).slo_attainment
+    def __post_init__(self) -> None:
+        self.sim_attainment = summarize(self.sim_records).slo_attainment
+        tb = self.testbed_records
+        self.testbed_attainment = None if tb is None else summarize(tb).slo_attainment
 
 
 @dataclass(slots=True)

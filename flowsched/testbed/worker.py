@@ -341,13 +341,7 @@ class Worker:
     def _tp_iteration(
         self, job: TpJob, step: int, sock: socket.socket, handle: Any, recorder: bool
     ) -> None:
-        needed = [
-            t.flow_id
-            for t in self.trace.transfers
-            if t.job == job.job and t.consumer_step == step and t.dst == self.host
-        ]
-        with self._done_cv:
-            self._done_cv.wait_for(lambda: all(n in self.done for n in needed), 60)
+        self._wait_experience(job, step)
         started = self.clock.now()
         if recorder:
             self.control.job_progress(job.job, step)
