@@ -33,6 +33,7 @@ from flowsched.policies.argcheck import (
     one_of,
 )
 from flowsched.policies.base import Policy
+from flowsched.shm.layout import MAX_CLASS_MAP
 
 #: NCCL's ``ncclNetCommConfig.trafficClass`` is an int; -1 means "not set". We accept 0..255.
 MAX_TRAFFIC_CLASS = 255
@@ -181,7 +182,16 @@ def from_mapping(document: Mapping[str, Any], source: str = "<mapping>") -> Poli
     queues = _queues(document, hw_queues, errors)
     if errors:
         raise PolicyFileError(errors)
-    return _build(document, source, classes, queues)
+    config = _build(document, source, classes, queues)
+    mapped = sum(len(rule.traffic_classes) for rule in config.classes.values())
+    if mapped > MAX_CLASS_MAP:  # the agent could not hand the rest to the plugin
+        raise PolicyFileError(
+            [
+                f"classes: {mapped} traffic_classes in all (defaults included); the node's "
+                f"flow table maps at most {MAX_CLASS_MAP}"
+            ]
+        )
+    return config
 
 
 # -- field specifications ---------------------------------------------------------------------
@@ -435,7 +445,7 @@ def _construction_errors(name: str, args: dict[str, Any], num_levels: int) -> li
     """Errors that depend on K (e.g. too few levels for the policy's layout)."""
     try:
         policies.create(name, args, num_levels=num_levels)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, ArithmeticError) as exc:  # e.g. thresholds overflow
         return [str(exc) if str(exc).startswith("policy") else f"policy: {exc}"]
     return []
 

@@ -261,11 +261,13 @@ def _expected_type(hint: Any) -> type:
 
 
 def _out_of_range(key: str, value: float) -> bool:
+    if isinstance(value, float) and not math.isfinite(value):
+        return True
     if key in _FRACTIONS:
         return not 0.0 <= value <= 1.0 or (key == "gpu_efficiency" and value == 0)
     if key in _POSITIVE:
         return value <= 0
-    return value < 0 or (isinstance(value, float) and not math.isfinite(value))
+    return value < 0
 
 
 def _range_text(key: str) -> str:

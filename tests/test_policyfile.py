@@ -190,6 +190,16 @@ BAD_FILES = [
     ),
     ("bad-toml", "[policy\nname = 1", ["invalid TOML"]),
     (
+        "more-traffic-classes-than-the-table-maps",
+        MINIMAL + "[classes.kv]\ntraffic_classes = [" + ", ".join(map(str, range(10, 50))) + "]\n",
+        ["classes: 45 traffic_classes in all"],
+    ),
+    (
+        "thresholds-overflow",
+        '[policy]\nname = "sjf"\n[policy.args]\nbase = 1e308\nratio = 1e308\n',
+        ["policy"],
+    ),
+    (
         "all-errors-collected",
         MINIMAL + "num_levels = 99\n[policy.args]\nU = -1\n[classes.kv]\ndeadline = 0\n",
         ["policy.num_levels", "policy.args.U", "classes.kv.deadline"],

@@ -59,17 +59,27 @@ def specs(names: list[str], policy_file: Path | None, default_levels: int) -> li
             f"flowsched sim: unknown policy {unknown[0]!r} (known: {', '.join(policies.names())})"
         )
     if policy_file is None:
-        return [PolicySpec(name, {}, default_levels) for name in names]
-    from flowsched import policyfile
+        built = [PolicySpec(name, {}, default_levels) for name in names]
+    else:
+        from flowsched import policyfile
 
-    try:
-        cfg = policyfile.load(policy_file)
-    except (OSError, ValueError) as exc:
-        raise SystemExit(f"flowsched sim: {policy_file}: {exc}") from None
-    return [
-        PolicySpec(name, cfg.args if name == cfg.policy else {}, cfg.num_levels, cfg.timer_period)
-        for name in names
-    ]
+        try:
+            cfg = policyfile.load(policy_file)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"flowsched sim: {policy_file}: {exc}") from None
+        built = [
+            PolicySpec(
+                name, cfg.args if name == cfg.policy else {}, cfg.num_levels, cfg.timer_period
+            )
+            for name in names
+        ]
+    for spec in built:  # e.g. rmlq needs K >= early_levels + 3: say so before any run
+        try:
+            spec.build()
+        except ValueError as exc:
+            where = f"{spec.name} with K={spec.num_levels}"
+            raise SystemExit(f"flowsched sim: {where}: {exc}") from None
+    return built
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -78,3 +78,10 @@ def test_sim_pools_several_seeds(tmp_path: Path, capsys: pytest.CaptureFixture[s
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["seeds"] == [3, 4]
     assert data["runs"][0]["metrics"]["requests"] == 48
+
+
+def test_sim_rejects_too_few_levels_for_the_policy_before_running(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY + "[sim]\nnum_levels = 4\n")
+    with pytest.raises(SystemExit, match="rmlq with K=4"):
+        main(["sim", str(path), "--policies", "fair,rmlq", "--loads", "0.5"])
