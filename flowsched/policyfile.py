@@ -22,7 +22,7 @@ from typing import Any
 
 from flowsched import policies
 from flowsched.model import EXPLICIT_DEADLINE, FlowClass
-from flowsched.policies import hwqueues
+from flowsched.policies import hwqueues, static
 from flowsched.policies.argcheck import (
     Checker,
     check_fields,
@@ -48,16 +48,6 @@ MAX_HW_QUEUES = 8
 #: EF, CS5, AF41, AF31, AF21, AF11, CS1, LE (RFC 8622 lower effort). DSCP 0 (best effort) is
 #: left to untagged traffic so that a capture can tell scheduled from unscheduled packets.
 DEFAULT_DSCPS = (46, 40, 34, 26, 18, 10, 8, 1)
-
-#: Static default level per class (today's practice with per-communicator traffic classes),
-#: clamped to K-1; bulk always uses K-1.
-DEFAULT_CLASS_LEVELS = {
-    FlowClass.TP: 0,
-    FlowClass.KV: 1,
-    FlowClass.PARAM_SYNC: 2,
-    FlowClass.KV_REUSE: 2,
-    FlowClass.EXPERIENCE: 3,
-}
 
 
 class PolicyFileError(ValueError):
@@ -316,11 +306,10 @@ def _duplicate_traffic_classes(found: Mapping[FlowClass, Mapping[str, Any]]) -> 
 def default_class_rule(cls: FlowClass, num_levels: int) -> ClassRule:
     """The rule a class gets when the file does not mention it.
 
-    trafficClass value = the class id (``tp`` 0 ... ``bulk`` 5), static default level from
-    :data:`DEFAULT_CLASS_LEVELS` (clamped to K-1; ``bulk`` at K-1), no default deadline.
+    trafficClass value = the class id (``tp`` 0 ... ``bulk`` 5), the ``static`` policy's
+    default level (:func:`flowsched.policies.static.default_level`), no default deadline.
     """
-    level = DEFAULT_CLASS_LEVELS.get(cls, num_levels - 1)
-    return ClassRule((int(cls),), min(level, num_levels - 1), None)
+    return ClassRule((int(cls),), static.default_level(cls, num_levels), None)
 
 
 # -- hardware queues and markings -------------------------------------------------------------

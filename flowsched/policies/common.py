@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Iterable
 
 from flowsched.model import Context, Decision, Flow
 
 
-def bottleneck(flow: Flow, ctx: Context) -> tuple[float, float]:
-    """``(B, rho)`` of the flow's path: the smallest capacity and the highest load on its links.
-
-    A flow with no known links uses ``ctx.default_bandwidth`` and a load of 0.
-    """
+def bottleneck(flow: Flow, ctx: Context) -> float:
+    """B of the flow's path: the smallest capacity on its links (``ctx.default_bandwidth``
+    for a flow with no known links). The load of a path is the policy's own business (rmlq
+    measures it with a :class:`TrafficMeter`)."""
     if not flow.links:
-        return ctx.default_bandwidth, 0.0
-    bandwidth = min(ctx.bandwidth(link) for link in flow.links)
-    load = max(ctx.load(link) for link in flow.links)
-    return bandwidth, load
+        return ctx.default_bandwidth
+    return min(ctx.bandwidth(link) for link in flow.links)
 
 
 class BottleneckCache:
@@ -27,9 +25,9 @@ class BottleneckCache:
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
-        self._known: dict[tuple[str, ...], tuple[float, float]] = {}
+        self._known: dict[tuple[str, ...], float] = {}
 
-    def __call__(self, flow: Flow) -> tuple[float, float]:
+    def __call__(self, flow: Flow) -> float:
         found = self._known.get(flow.links)
         if found is None:
             found = self._known[flow.links] = bottleneck(flow, self._ctx)
@@ -45,6 +43,61 @@ def rank_band(rank: int, count: int, levels: int) -> int:
     if count <= levels:
         return rank
     return rank * levels // count
+
+
+class RankedLevels:
+    """Rank-banded levels by a per-flow key (smaller = more urgent): ``edf`` and ``llf``.
+
+    Flows with a key take levels ``0..K-2`` by rank (:func:`rank_band`), the others level K-1.
+    :meth:`admit` ranks a new flow against the keys of the last evaluation (a sorted list;
+    O(log N) plus the insert), :meth:`reevaluate` ranks every flow afresh.
+    """
+
+    __slots__ = ("_bands", "_key_of", "_sorted", "num_levels")
+
+    def __init__(self, num_levels: int) -> None:
+        self.num_levels = num_levels
+        self._bands = max(num_levels - 1, 1)
+        self._sorted: list[float] = []
+        self._key_of: dict[int, float] = {}
+
+    def admit(self, flow: Flow, key: float | None) -> Decision:
+        """The level of a new flow whose key is ``key`` (None: level K-1)."""
+        if key is None:
+            return Decision(self.num_levels - 1)
+        rank = bisect.bisect_left(self._sorted, key)
+        bisect.insort(self._sorted, key)
+        self._key_of[flow.flow_id] = key
+        return Decision(rank_band(rank, len(self._sorted), self._bands))
+
+    def reevaluate(
+        self, flows: Iterable[Flow], key: Callable[[Flow], float | None]
+    ) -> dict[int, Decision]:
+        """Rank ``flows`` by ``key``; the decisions that change a flow's level."""
+        ranked: list[tuple[float, Flow]] = []
+        changes: dict[int, Decision] = {}
+        for flow in flows:
+            value = key(flow)
+            if value is not None:
+                ranked.append((value, flow))
+            elif flow.level != self.num_levels - 1:
+                changes[flow.flow_id] = Decision(self.num_levels - 1)
+        ranked.sort(key=lambda item: item[0])
+        self._sorted = [value for value, _ in ranked]
+        self._key_of = {flow.flow_id: value for value, flow in ranked}
+        for rank, (_, flow) in enumerate(ranked):
+            level = rank_band(rank, len(ranked), self._bands)
+            if level != flow.level:
+                changes[flow.flow_id] = Decision(level)
+        return changes
+
+    def release(self, flow: Flow) -> None:
+        """Forget ``flow``'s key."""
+        value = self._key_of.pop(flow.flow_id, None)
+        if value is not None:
+            index = bisect.bisect_left(self._sorted, value)
+            if index < len(self._sorted) and self._sorted[index] == value:
+                del self._sorted[index]
 
 
 def level_changes(flows: Iterable[Flow], decide: Callable[[Flow], int]) -> dict[int, Decision]:

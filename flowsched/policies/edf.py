@@ -12,14 +12,13 @@ flow is not parked at the bottom until the next reevaluation.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from flowsched.model import EXPLICIT_DEADLINE, Context, Decision, Flow
 from flowsched.policies.argcheck import check_fields
-from flowsched.policies.common import rank_band
+from flowsched.policies.common import RankedLevels
 
 NAME = "edf"
 
@@ -46,9 +45,7 @@ class EdfPolicy:
 
     def __init__(self, args: Args, num_levels: int) -> None:
         self.num_levels = num_levels
-        self._deadline_levels = max(num_levels - 1, 1)
-        self._sorted: list[float] = []
-        self._deadline_of: dict[int, float] = {}
+        self._ranks = RankedLevels(num_levels)
 
     def describe_levels(self) -> list[str]:
         """What each level holds (for ``flowsched policy show``)."""
@@ -56,38 +53,17 @@ class EdfPolicy:
         return [*ranked, "everything else (fair)"][-self.num_levels :]
 
     def admit(self, flow: Flow, ctx: Context) -> Decision:
-        if not has_explicit_deadline(flow):
-            return Decision(self.num_levels - 1)
-        assert flow.deadline is not None
-        rank = bisect.bisect_left(self._sorted, flow.deadline)
-        bisect.insort(self._sorted, flow.deadline)
-        self._deadline_of[flow.flow_id] = flow.deadline
-        return Decision(rank_band(rank, len(self._sorted), self._deadline_levels))
+        return self._ranks.admit(flow, _deadline(flow))
 
     def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
-        ranked: list[tuple[float, Flow]] = []
-        changes: dict[int, Decision] = {}
-        for flow in flows:
-            if has_explicit_deadline(flow):
-                assert flow.deadline is not None
-                ranked.append((flow.deadline, flow))
-            elif flow.level != self.num_levels - 1:
-                changes[flow.flow_id] = Decision(self.num_levels - 1)
-        ranked.sort(key=lambda item: item[0])
-        self._sorted = [deadline for deadline, _ in ranked]
-        self._deadline_of = {flow.flow_id: deadline for deadline, flow in ranked}
-        for rank, (_, flow) in enumerate(ranked):
-            level = rank_band(rank, len(ranked), self._deadline_levels)
-            if level != flow.level:
-                changes[flow.flow_id] = Decision(level)
-        return changes
+        return self._ranks.reevaluate(flows, _deadline)
 
     def release(self, flow: Flow, ctx: Context) -> None:
-        deadline = self._deadline_of.pop(flow.flow_id, None)
-        if deadline is not None:
-            index = bisect.bisect_left(self._sorted, deadline)
-            if index < len(self._sorted) and self._sorted[index] == deadline:
-                del self._sorted[index]
+        self._ranks.release(flow)
+
+
+def _deadline(flow: Flow) -> float | None:
+    return flow.deadline if has_explicit_deadline(flow) else None
 
 
 def new(args: Mapping[str, Any], *, num_levels: int) -> EdfPolicy:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from flowsched.model import Context, Decision, Flow
+from flowsched.policies.argcheck import check_fields, integer, optional
 
 NAME = "fair"
 
@@ -27,11 +28,7 @@ class Args:
 
 def validate(args: Mapping[str, Any], path: str) -> list[str]:
     """Field-path errors for ``args`` (empty when valid)."""
-    errors = [f"{path}.{key}: unknown key" for key in args if key != "level"]
-    level = args.get("level")
-    if level is not None and (not isinstance(level, int) or isinstance(level, bool) or level < 0):
-        errors.append(f"{path}.level: expected a non-negative integer, got {level!r}")
-    return errors
+    return check_fields(args, path, {"level": optional(integer(0))})
 
 
 class FairPolicy:

@@ -14,7 +14,6 @@ into the latest-start times of the last reevaluation.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from typing import Any, ClassVar
 
 from flowsched.model import Context, Decision, Flow
 from flowsched.policies.argcheck import check_fields
-from flowsched.policies.common import BottleneckCache, bottleneck, rank_band
+from flowsched.policies.common import BottleneckCache, RankedLevels, bottleneck
 
 NAME = "llf"
 
@@ -47,7 +46,7 @@ def latest_start(flow: Flow, ctx: Context, paths: BottleneckCache | None = None)
     deadline = true_deadline(flow)
     if deadline is None:
         return None
-    bandwidth, _ = paths(flow) if paths is not None else bottleneck(flow, ctx)
+    bandwidth = paths(flow) if paths is not None else bottleneck(flow, ctx)
     remaining = flow.remaining or 0
     if remaining and bandwidth <= 0:
         return -math.inf  # cannot progress at all: as urgent as it gets
@@ -67,9 +66,7 @@ class LlfPolicy:
 
     def __init__(self, args: Args, num_levels: int) -> None:
         self.num_levels = num_levels
-        self._ranked_levels = max(num_levels - 1, 1)
-        self._starts: list[float] = []
-        self._start_of: dict[int, float] = {}
+        self._ranks = RankedLevels(num_levels)
 
     def describe_levels(self) -> list[str]:
         """What each level holds (for ``flowsched policy show``)."""
@@ -77,39 +74,14 @@ class LlfPolicy:
         return [*ranked, "no deadline"][-self.num_levels :]
 
     def admit(self, flow: Flow, ctx: Context) -> Decision:
-        start = latest_start(flow, ctx)
-        if start is None:
-            return Decision(self.num_levels - 1)
-        rank = bisect.bisect_left(self._starts, start)
-        bisect.insort(self._starts, start)
-        self._start_of[flow.flow_id] = start
-        return Decision(rank_band(rank, len(self._starts), self._ranked_levels))
+        return self._ranks.admit(flow, latest_start(flow, ctx))
 
     def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
-        ranked: list[tuple[float, Flow]] = []
-        changes: dict[int, Decision] = {}
         paths = BottleneckCache(ctx)
-        for flow in flows:
-            start = latest_start(flow, ctx, paths)
-            if start is not None:
-                ranked.append((start, flow))
-            elif flow.level != self.num_levels - 1:
-                changes[flow.flow_id] = Decision(self.num_levels - 1)
-        ranked.sort(key=lambda item: item[0])
-        self._starts = [start for start, _ in ranked]
-        self._start_of = {flow.flow_id: start for start, flow in ranked}
-        for rank, (_, flow) in enumerate(ranked):
-            level = rank_band(rank, len(ranked), self._ranked_levels)
-            if level != flow.level:
-                changes[flow.flow_id] = Decision(level)
-        return changes
+        return self._ranks.reevaluate(flows, lambda flow: latest_start(flow, ctx, paths))
 
     def release(self, flow: Flow, ctx: Context) -> None:
-        start = self._start_of.pop(flow.flow_id, None)
-        if start is not None:
-            index = bisect.bisect_left(self._starts, start)
-            if index < len(self._starts) and self._starts[index] == start:
-                del self._starts[index]
+        self._ranks.release(flow)
 
 
 def new(args: Mapping[str, Any], *, num_levels: int) -> LlfPolicy:

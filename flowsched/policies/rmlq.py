@@ -315,7 +315,7 @@ class RmlqPolicy:
         remaining = flow.remaining
         if remaining is None or flow.deadline is None:
             return None
-        bandwidth, _ = paths(flow) if paths is not None else bottleneck(flow, ctx)
+        bandwidth = paths(flow) if paths is not None else bottleneck(flow, ctx)
         time_left = flow.deadline - ctx.now - self.args.promotion_lead
         return mlu(remaining, time_left, bandwidth, self._rho(flow, ctx) if rho else 0.0)
 

@@ -30,6 +30,14 @@ DEFAULT_LEVELS = {
 }
 
 
+def default_level(cls: FlowClass, num_levels: int) -> int:
+    """``cls``'s level in the default mapping, clamped to K-1 (``bulk``: K-1).
+
+    Also the class defaults of policy files (``default_level``: the plugin's level without an
+    agent), so that "no agent" and the ``static`` policy agree."""
+    return min(DEFAULT_LEVELS.get(cls, num_levels - 1), num_levels - 1)
+
+
 @dataclass(frozen=True, slots=True)
 class Args:
     """Arguments of ``static``: ``levels`` maps class labels to levels (0 = most urgent)."""
@@ -53,7 +61,7 @@ class StaticPolicy:
         self.num_levels = num_levels
         self._level: dict[FlowClass, int] = {}
         for cls in FlowClass:
-            default = min(DEFAULT_LEVELS.get(cls, num_levels - 1), num_levels - 1)
+            default = default_level(cls, num_levels)
             level = args.levels.get(cls.label, default)
             if not 0 <= level < num_levels:
                 raise ValueError(

@@ -186,7 +186,7 @@ def test_edf_admit_ranks_among_known_deadlines() -> None:
     assert pol.admit(build_flow(2, cls="kv", deadline=1.0), ctx()).level == 0
     assert pol.admit(build_flow(3, cls="kv", deadline=6.0), ctx()).level == 1  # rank 2 of 3
     pol.release(build_flow(2, cls="kv", deadline=1.0), ctx())
-    assert pol._sorted == [5.0, 6.0]
+    assert pol._ranks._sorted == [5.0, 6.0]
 
 
 # -- karuna ---------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def test_llf_admit_uses_latest_start_times() -> None:
     assert pol.admit(build_flow(2, cls="kv", deadline=2.0, size=int(1e9)), ctx()).level == 0
     assert pol.admit(build_flow(3, cls="kv", deadline=5.0), ctx()).level == 1
     pol.release(build_flow(2, cls="kv", deadline=2.0, size=int(1e9)), ctx())
-    assert pol._starts == [5.0, 9.0]
+    assert pol._ranks._sorted == [5.0, 9.0]
 
 
 @given(remaining=st.integers(0, 10**13), num_levels=st.integers(1, 12))
