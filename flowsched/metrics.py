@@ -11,7 +11,8 @@ Conventions:
   requests that never finished count as misses;
 * earliness = deadline - completion (positive = finished unnecessarily early, negative = miss),
   as in the MFS paper; ``earliness_pos_mean`` averages only the non-negative part;
-* records flagged ``warmup`` are excluded from every statistic.
+* records flagged ``warmup`` (requests, spans, deadline transfers) are excluded from every
+  statistic; flow records carry no such flag, so ``flows`` and ``class_fct`` count every flow.
 """
 
 from __future__ import annotations

@@ -133,8 +133,12 @@ def best_baseline(outcomes: Iterable[Outcome], load: float, exclude: str) -> Out
     return max(candidates, key=lambda o: o.metrics.slo_attainment or 0.0, default=None)
 
 
-def markdown(outcomes: Sequence[Outcome], meta: dict[str, Any] | None = None) -> str:
-    """A short markdown report: what ran, the table, the plots."""
+def markdown(
+    outcomes: Sequence[Outcome],
+    meta: dict[str, Any] | None = None,
+    plots: Sequence[str] = ("attainment.png", "iteration.png"),
+) -> str:
+    """A short markdown report: what ran, the table, the ``plots`` (file names)."""
     meta = meta or {}
     lines = [f"# flowsched comparison: {meta.get('scenario', '')}", ""]
     lines += [f"- {key}: {value}" for key, value in meta.items()]
@@ -143,7 +147,8 @@ def markdown(outcomes: Sequence[Outcome], meta: dict[str, Any] | None = None) ->
         "Oracle rows (`llf`) use perfect knowledge and are a reference, not a competitor.",
         "",
     ]
-    lines += ["![attainment](attainment.png)", "", "![iteration](iteration.png)", ""]
+    for name in plots:
+        lines += [f"![{name.removesuffix('.png')}]({name})", ""]
     return "\n".join(lines)
 
 
@@ -220,20 +225,22 @@ def write_all(
 ) -> list[Path]:
     """Write ``results.json``, ``report.md`` and the PNG plots into ``out_dir``; return paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "results.json", out_dir / "report.md"]
-    written[0].write_text(json.dumps(to_json(outcomes, meta), indent=2) + "\n")
-    written[1].write_text(markdown(outcomes, meta))
+    plots: list[Path] = []
     for name, attr, label, scale in (
         ("attainment.png", "slo_attainment", "SLO attainment (%)", 100.0),
         ("iteration.png", "iteration_mean", "iteration time (ms)", 1e3),
     ):
         if plot_vs_load(out_dir / name, outcomes, attr, label, scale):
-            written.append(out_dir / name)
+            plots.append(out_dir / name)
+    summary = [p.name for p in plots]  # the report links only the plots that were drawn
     for load in sorted({o.load for o in outcomes}):
         path = out_dir / f"cdf_load{load:g}.png"
         if plot_cdfs(path, outcomes, load):
-            written.append(path)
-    return written
+            plots.append(path)
+    written = [out_dir / "results.json", out_dir / "report.md"]
+    written[0].write_text(json.dumps(to_json(outcomes, meta), indent=2) + "\n")
+    written[1].write_text(markdown(outcomes, meta, summary))
+    return written + plots
 
 
 # --------------------------------------------------------------------------- progress

@@ -67,6 +67,8 @@ def test_write_all_writes_json_markdown_and_pngs(tmp_path: Path) -> None:
     for path in written:
         assert path.stat().st_size > 0
     assert (tmp_path / "out" / "attainment.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "(attainment.png)" in report and "iteration.png" not in report  # only drawn plots
 
 
 def test_progress_bar_without_tty_writes_one_line_per_step() -> None:
