@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flowsched.testbed.bench import BenchOptions
+    from flowsched.testbed.trace import ScenarioParams
 
 DEFAULT_POLICIES = "fair,static,edf,rmlq"
 #: traces per benchmark: one run on this 2-core testbed varies by several percent of SLO
@@ -82,44 +85,10 @@ def register(sub: Any) -> None:
 
 def _contention(args: argparse.Namespace) -> int:
     from flowsched.testbed import bench, netns
-    from flowsched.testbed.trace import load_params
 
-    scenario = args.scenario or (bench.BENCH_DIR / "scenario.toml")
     try:
-        params = load_params(scenario if Path(scenario).exists() else None)
+        options = _options(args)
     except (OSError, ValueError) as exc:
-        print(f"flowsched bench contention: {exc}", file=sys.stderr)
-        return 2
-    overrides = {
-        k: v
-        for k, v in (("duration", args.duration), ("load", args.load), ("hosts", args.hosts))
-        if v is not None
-    }
-    params = replace(params, **overrides)
-    options = bench.BenchOptions(
-        out=Path(args.out),
-        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
-        params=params,
-        seed=args.seed,
-        seeds=args.seeds,
-        spec=netns.TopologySpec(
-            hosts=params.hosts,
-            rate_mbit=args.rate_mbit,
-            min_share=args.min_share,
-            switch_queue_bytes=args.switch_queue_kb * 1000,
-        ),
-        simulate_only=args.simulate_only,
-        control=args.control,
-        ablation_policies=tuple(p.strip() for p in args.ablation_policies.split(",") if p.strip()),
-        command=bench.command_line(sys.argv[3:] if len(sys.argv) > 3 else []),
-    )
-    if args.seeds < 1:
-        print("flowsched bench contention: --seeds must be at least 1", file=sys.stderr)
-        return 2
-    try:
-        for name in options.policies:
-            bench.policy_path(name)
-    except FileNotFoundError as exc:
         print(f"flowsched bench contention: {exc}", file=sys.stderr)
         return 2
     try:
@@ -134,3 +103,72 @@ def _contention(args: argparse.Namespace) -> int:
         print(f"flowsched bench contention: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _options(args: argparse.Namespace) -> BenchOptions:
+    """The validated :class:`~flowsched.testbed.bench.BenchOptions` of the command line;
+    OSError or ValueError (naming the option or field) when something is wrong."""
+    from flowsched.testbed import bench, netns
+
+    if args.seeds < 1:
+        raise ValueError("--seeds must be at least 1")
+    policies, ablation = _policy_names(args)
+    params = _params(args)
+    return bench.BenchOptions(
+        out=Path(args.out),
+        policies=policies,
+        params=params,
+        seed=args.seed,
+        seeds=args.seeds,
+        spec=netns.TopologySpec(
+            hosts=params.hosts,
+            rate_mbit=args.rate_mbit,
+            min_share=args.min_share,
+            switch_queue_bytes=args.switch_queue_kb * 1000,
+        ),
+        simulate_only=args.simulate_only,
+        control=args.control,
+        ablation_policies=ablation,
+        command=bench.command_line(sys.argv[3:] if len(sys.argv) > 3 else []),
+    )
+
+
+def _policy_names(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``--policies`` (each with its benchmark policy file) and ``--ablation-policies`` (a
+    subset of them)."""
+    from flowsched.testbed import bench
+
+    policies, ablation = _names(args.policies), _names(args.ablation_policies)
+    if not policies:
+        raise ValueError("--policies: no policy given")
+    for name in policies:
+        bench.policy_path(name)
+    unknown = [name for name in ablation if name not in policies]
+    if unknown:
+        raise ValueError(
+            f"--ablation-policies: {', '.join(unknown)} not in --policies ({', '.join(policies)})"
+        )
+    return policies, ablation
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+def _params(args: argparse.Namespace) -> ScenarioParams:
+    """The scenario: ``--scenario`` (which must exist), else the repository's default file when
+    there is one, else the built-in defaults; ``--duration/--load/--hosts`` on top."""
+    from flowsched.testbed import bench
+    from flowsched.testbed.trace import load_params
+
+    scenario: Path | None = Path(args.scenario) if args.scenario else None
+    if scenario is not None and not scenario.is_file():
+        raise FileNotFoundError(f"--scenario: {scenario}: no such file")
+    if scenario is None and (bench.BENCH_DIR / "scenario.toml").exists():
+        scenario = bench.BENCH_DIR / "scenario.toml"
+    overrides = {
+        k: v
+        for k, v in (("duration", args.duration), ("load", args.load), ("hosts", args.hosts))
+        if v is not None
+    }
+    return load_params(scenario, overrides)

@@ -137,10 +137,10 @@ def calibrate(
     trace = calibration_trace(rate_bytes)
     path = policy_path("fair")
     run = runner.run_policy(topo, trace, policyfile.load(path), path, work, control=control)
-    fcts = sorted(f.fct for f in run.records.flows)
+    fcts = [f.fct for f in run.records.flows]
     if not fcts:
         return {}
-    size, median = trace.transfers[0].size, fcts[len(fcts) // 2]
+    size, median = trace.transfers[0].size, report.nearest_rank(fcts, 0.5)
     return {
         "size": size,
         "ideal_s": size / rate_bytes,
@@ -158,7 +158,7 @@ def _testbed(
 ) -> None:
     work = options.out / "work"
     other = other_control(options.control)
-    with netns.testbed(options.spec) as topo:
+    with netns.testbed(options.spec, probed=True) as topo:  # run() has probed
         if options.calibrate:
             CALIBRATION.update(
                 calibrate(topo, traces[0].rate_bytes, work / "calibration", options.control)
@@ -295,8 +295,8 @@ def _notes(results: list[report.PolicyResult]) -> list[str]:
             "Admission on the testbed (a transfer's open -> its first level in hand; the "
             "simulator admits instantly), median / p90: "
             + ", ".join(
-                f"{r.policy} {_pct(r.admission, 0.5) * 1e3:.1f} / "
-                f"{_pct(r.admission, 0.9) * 1e3:.1f} ms"
+                f"{r.policy} {report.nearest_rank(r.admission, 0.5) * 1e3:.1f} / "
+                f"{report.nearest_rank(r.admission, 0.9) * 1e3:.1f} ms"
                 for r in admitted
             )
             + "."
@@ -316,10 +316,6 @@ def _notes(results: list[report.PolicyResult]) -> list[str]:
     return notes
 
 
-def _pct(ordered: list[float], q: float) -> float:
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def _kv_gaps(testbed: RunRecords, sim: RunRecords) -> list[float]:
     sim_fct = {f.request: f.fct for f in sim.flows if f.cls == "kv"}
     return [
@@ -331,13 +327,13 @@ def pooled_kv_gap(result: report.PolicyResult) -> tuple[int, float] | None:
     """(matched KV flows, median testbed - simulator completion time in seconds) over every
     seed of ``result``; a testbed flow is matched with the simulated flow of its request in the
     same seed's replay."""
-    gaps = sorted(
+    gaps = [
         g
         for run in result.seeds
         if run.testbed_records is not None
         for g in _kv_gaps(run.testbed_records, run.sim_records)
-    )
-    return (len(gaps), gaps[len(gaps) // 2]) if gaps else None
+    ]
+    return (len(gaps), report.nearest_rank(gaps, 0.5)) if gaps else None
 
 
 def top_share(records: RunRecords) -> float | None:
@@ -367,7 +363,7 @@ def _ablation_note(r: report.PolicyResult) -> str:
             f"{r.control} control plane. "
         )
     if r.ablation_promotions:
-        med = sorted(r.ablation_promotions)[len(r.ablation_promotions) // 2]
+        med = report.nearest_rank(r.ablation_promotions, 0.5)
         text += (
             f"Decision -> first packet in the new class at the switch: median "
             f"{med * 1e3:.1f} ms over {len(r.ablation_promotions)} changes."

@@ -76,6 +76,8 @@ class TopologySpec:
             raise ValueError(f"rate_mbit: {self.rate_mbit} is outside 1..10000")
         if not 0.0 <= self.min_share <= 0.2:
             raise ValueError(f"min_share: {self.min_share} is outside 0..0.2")
+        if self.switch_queue_bytes < 1:
+            raise ValueError(f"switch_queue_bytes: {self.switch_queue_bytes} is not positive")
 
     @property
     def rate_bytes(self) -> float:
@@ -377,6 +379,8 @@ def probe(prefix: str = "fsE-") -> str | None:
     if os.geteuid() != 0:
         return "not running as root (network namespaces and tc need CAP_NET_ADMIN)"
     netns = f"{prefix}probe"
+    # a probe killed half-way leaves its namespace behind, and `ip netns add` would then fail
+    _run(["ip", "netns", "del", netns], check=False)
     try:
         _run(["ip", "netns", "add", netns])
         _ip_batch(netns, ["link add probe0 type veth peer name probe1", "link set probe0 up"])
@@ -416,15 +420,50 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+#: signals held back while the testbed is torn down
+_TEARDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 @contextlib.contextmanager
-def testbed(spec: TopologySpec, dscp_by_level: Sequence[int] = (0,)) -> Iterator[Topology]:
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGTERM and SIGINT until the block ends, then deliver them as usual.
+
+    The teardown runs in here: a second Ctrl-C or SIGTERM (an impatient user, a supervisor
+    escalating) must not cut it short and leave namespaces behind. Outside the main thread
+    nothing is needed: Python runs signal handlers, and so raises, in the main thread only.
+    """
+    held: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        held.append(signum)
+
+    try:
+        previous = {signum: signal.signal(signum, hold) for signum in _TEARDOWN_SIGNALS}
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            # None: a handler set outside Python, which cannot be put back
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        for pending in dict.fromkeys(held):  # once each, in order of arrival
+            signal.raise_signal(pending)
+
+
+@contextlib.contextmanager
+def testbed(
+    spec: TopologySpec, dscp_by_level: Sequence[int] = (0,), *, probed: bool = False
+) -> Iterator[Topology]:
     """Build the testbed for ``spec``, yield it, and always remove everything it made.
 
     Leftovers of an earlier crashed run with the same prefix are removed first. SIGTERM is
     turned into an exception while the testbed is up (main thread only), so Ctrl-C, SIGTERM and
-    errors all run the teardown.
+    errors all run the teardown, and signals that arrive during the teardown wait for its end.
+    ``probed=True`` skips :func:`probe` when the caller has just run it (and it succeeded).
     """
-    reason = probe(spec.prefix)
+    reason = None if probed else probe(spec.prefix)
     if reason is not None:
         raise TestbedUnavailable(reason)
     cleanup(spec.prefix)
@@ -434,4 +473,5 @@ def testbed(spec: TopologySpec, dscp_by_level: Sequence[int] = (0,)) -> Iterator
             _build(topo, dscp_by_level)
             yield topo
         finally:
-            cleanup(spec.prefix)
+            with _signals_deferred():
+                cleanup(spec.prefix)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -194,15 +194,29 @@ def seed_ratios(results: list[PolicyResult], source: str = "testbed") -> dict[st
     return out
 
 
+def nearest_rank(values: Iterable[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` by nearest rank: the sorted value at index
+    ``floor(q * n)``, capped at the last (so q = 0.5 of an even count is the upper middle one).
+
+    Every percentile the contention report prints, except the promotion medians (the mean of
+    the two middle values, :func:`statistics.median`), comes from here. Raises ValueError for
+    no values.
+    """
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("no values")
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def promotion_summary(results: list[PolicyResult]) -> dict[str, Any]:
     """Median / p90 / count of measured promotion latencies over all policies (seconds)."""
-    values = sorted(v for r in results for v in r.promotions)
+    values = [v for r in results for v in r.promotions]
     if not values:
         return {"count": 0}
     return {
         "count": len(values),
         "median": statistics.median(values),
-        "p90": values[min(len(values) - 1, int(0.9 * len(values)))],
+        "p90": nearest_rank(values, 0.9),
         "by_policy": {
             r.policy: (statistics.median(r.promotions) if r.promotions else None) for r in results
         },
@@ -212,9 +226,8 @@ def promotion_summary(results: list[PolicyResult]) -> dict[str, Any]:
 def _quantiles(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
-    ordered = sorted(values)
-    p50, p90 = (ordered[min(len(ordered) - 1, int(q * len(ordered)))] for q in (0.5, 0.9))
-    return {"p50": p50, "p90": p90, "count": float(len(ordered))}
+    p50, p90 = (nearest_rank(values, q) for q in (0.5, 0.9))
+    return {"p50": p50, "p90": p90, "count": float(len(values))}
 
 
 def to_json(results: list[PolicyResult], meta: dict[str, Any]) -> dict[str, Any]:
@@ -262,13 +275,16 @@ def plot(results: list[PolicyResult], out: Path, load: float) -> list[Path]:
 
     paths = []
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    names = [r.policy for r in results]
     xs = range(len(results))
-    tb = [(r.testbed.slo_attainment or 0.0) if r.testbed else 0.0 for r in results]
-    sim = [r.sim.slo_attainment or 0.0 for r in results]
-    ax.bar([x - 0.2 for x in xs], tb, 0.4, label="testbed")
-    ax.bar([x + 0.2 for x in xs], sim, 0.4, label="simulator")
-    ax.set_xticks(list(xs), names)
+    bars = [("simulator", [r.sim.slo_attainment or 0.0 for r in results])]
+    if any(r.testbed is not None for r in results):  # no testbed bars in simulator-only mode
+        tb = [(r.testbed.slo_attainment or 0.0) if r.testbed else 0.0 for r in results]
+        bars.insert(0, ("testbed", tb))
+    width = 0.8 / len(bars)
+    for i, (label, values) in enumerate(bars):
+        offset = (i - (len(bars) - 1) / 2) * width
+        ax.bar([x + offset for x in xs], values, width, label=label)
+    ax.set_xticks(list(xs), [r.policy for r in results])
     ax.set_ylabel("KV TTFT SLO attainment")
     ax.set_ylim(0, 1)
     ax.legend()
@@ -320,8 +336,17 @@ def _attainment(result: PolicyResult | None, source: str) -> float | None:
     return metrics.slo_attainment if metrics is not None else None
 
 
-def markdown(results: list[PolicyResult], meta: dict[str, Any]) -> str:
-    """The short markdown report (``report.md``)."""
+#: alt text of each plot :func:`plot` may write, in the order the report shows them
+PLOT_TITLES = {
+    "slo_attainment.png": "SLO attainment",
+    "cdf_testbed.png": "testbed CDFs",
+    "cdf_sim.png": "simulator CDFs",
+}
+
+
+def markdown(results: list[PolicyResult], meta: dict[str, Any], plots: Sequence[str] = ()) -> str:
+    """The short markdown report (``report.md``), linking the plots named in ``plots`` (the
+    file names :func:`plot` wrote)."""
     promo = promotion_summary(results)
     lines = [
         "# Contention benchmark",
@@ -360,13 +385,10 @@ def markdown(results: list[PolicyResult], meta: dict[str, Any]) -> str:
         )
         lines.append("")
     lines += [f"- {note}" for note in meta.get("notes", [])]
-    lines += [
-        "",
-        "![SLO attainment](slo_attainment.png)",
-        "",
-        "![testbed CDFs](cdf_testbed.png)",
-        "",
-    ]
+    lines.append("")
+    for name, title in PLOT_TITLES.items():
+        if name in plots:
+            lines += [f"![{title}]({name})", ""]
     return "\n".join(lines)
 
 
@@ -382,5 +404,6 @@ def write(results: list[PolicyResult], meta: dict[str, Any], out: Path) -> list[
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "report.md"]
     paths[0].write_text(json.dumps(to_json(results, meta), indent=1), encoding="utf-8")
-    paths[1].write_text(markdown(results, meta), encoding="utf-8")
-    return paths + plot(results, out, float(meta.get("load", 0.0)))
+    plots = plot(results, out, float(meta.get("load", 0.0)))
+    paths[1].write_text(markdown(results, meta, [p.name for p in plots]), encoding="utf-8")
+    return paths + plots

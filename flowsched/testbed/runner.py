@@ -405,7 +405,7 @@ def collect(
         elif e["kind"] == "span":
             builder.span(e["span"], e["job"], e["start"], e["end"])
         elif e["kind"] == "error":
-            errors.append(f"flow {e['id']}: {e['error']}")
+            errors.append(f"{e.get('what') or 'flow ' + str(e['id'])}: {e['error']}")
     end = max([f.finished for f in flows] + [s.end for s in builder.spans] + [0.0])
     run = TestbedRun(policy, builder.build(flows, end_time=end), errors=errors)
     run.promotions = promotion_latencies(events, sniff, dscp)

@@ -21,6 +21,7 @@ import json
 import math
 import random
 import tomllib
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,15 +117,32 @@ class ScenarioParams:
 _PARAM_FIELDS = set(ScenarioParams.__dataclass_fields__)
 
 
-def load_params(path: str | Path | None) -> ScenarioParams:
-    """Scenario parameters from the ``[testbed]`` table of a TOML file (defaults when None)."""
-    if path is None:
-        return ScenarioParams()
-    document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    return params_from_mapping(document.get("testbed", {}), str(path))
+def load_params(
+    path: str | Path | None, overrides: Mapping[str, Any] | None = None
+) -> ScenarioParams:
+    """Scenario parameters from the ``[testbed]`` table of a TOML file (defaults when None)
+    with ``overrides`` (e.g. command-line values) on top; the merged table is validated as a
+    whole by :func:`params_from_mapping`. OSError when the file cannot be read, ValueError
+    (naming the field) when it or an override is invalid."""
+    table: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        table, source = document.get("testbed", {}), str(path)
+        if not isinstance(table, dict):
+            raise ValueError(f"{source}: testbed: expected a table, got {table!r}")
+    if overrides:
+        table, source = {**table, **overrides}, f"{source} + command line"
+    return params_from_mapping(table, source)
 
 
-def params_from_mapping(table: dict[str, Any], source: str = "<scenario>") -> ScenarioParams:
+#: fields that divide or bound a loop of :func:`generate`: zero would crash it or never end
+_POSITIVE = ("duration", "kv_mean_bytes", "tp_layers", "param_sync_period")
+#: host counts the testbed builds: prefill and decode halves, at most TopologySpec's 16
+MIN_HOSTS, MAX_HOSTS = 4, 16
+
+
+def params_from_mapping(table: Mapping[str, Any], source: str = "<scenario>") -> ScenarioParams:
     """Validate a ``[testbed]`` table; ValueError names the bad field."""
     defaults = ScenarioParams()
     values: dict[str, Any] = {}
@@ -134,17 +152,37 @@ def params_from_mapping(table: dict[str, Any], source: str = "<scenario>") -> Sc
         expected = type(getattr(defaults, key))
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{source}: testbed.{key}: expected a number, got {value!r}")
-        if value < 0 or (expected is int and value != int(value)):
+        if not math.isfinite(value) or value < 0 or (expected is int and value != int(value)):
             raise ValueError(
                 f"{source}: testbed.{key}: expected a non-negative {expected.__name__}"
             )
         values[key] = expected(value)
     params = ScenarioParams(**{**asdict(defaults), **values})
-    if params.hosts < 4 or params.hosts % 2:
-        raise ValueError(f"{source}: testbed.hosts: need an even number >= 4, got {params.hosts}")
+    _check_ranges(params, source)
+    return params
+
+
+def _check_ranges(params: ScenarioParams, source: str) -> None:
+    if not MIN_HOSTS <= params.hosts <= MAX_HOSTS or params.hosts % 2:
+        raise ValueError(
+            f"{source}: testbed.hosts: need an even number in {MIN_HOSTS}..{MAX_HOSTS}, "
+            f"got {params.hosts}"
+        )
     if not 0 < params.load < 2:
         raise ValueError(f"{source}: testbed.load: expected 0 < load < 2, got {params.load}")
-    return params
+    for key in _POSITIVE:
+        if getattr(params, key) <= 0:
+            raise ValueError(f"{source}: testbed.{key}: must be > 0, got {getattr(params, key)}")
+    if params.tp_compute == 0 and params.tp_message_bytes == 0:
+        raise ValueError(
+            f"{source}: testbed.tp_compute, testbed.tp_message_bytes: a TP layer takes no time "
+            "when both are 0"
+        )
+    if params.kv_min_bytes > params.kv_max_bytes:
+        raise ValueError(
+            f"{source}: testbed.kv_min_bytes: {params.kv_min_bytes} is above "
+            f"testbed.kv_max_bytes ({params.kv_max_bytes})"
+        )
 
 
 def generate(params: ScenarioParams, rate_bytes: float, seed: int) -> Trace:

@@ -237,16 +237,17 @@ class Worker:
     def run(self, timeout: float) -> None:
         receiver = transfer.Receiver((self.ips[self.host], TRANSFER_PORT), timeout=timeout)
         receiver.start()
-        threading.Thread(target=self._drain, args=(receiver,), daemon=True).start()
+        self._thread(f"receiver on {self.host}", self._drain, receiver).start()
         tp_servers = {
             j.job: self._tp_listener(j) for j in self.trace.tp_jobs if j.hosts[1] == self.host
         }
         threads = [
-            threading.Thread(target=self._send, args=(t,), daemon=True)
-            for t in self.trace.for_host(self.host)
+            self._thread(f"flow {t.flow_id}", self._send, t) for t in self.trace.for_host(self.host)
         ]
         threads += [
-            threading.Thread(target=self._tp_rank, args=(j, tp_servers.get(j.job)), daemon=True)
+            self._thread(
+                f"TP job {j.job}, rank on {self.host}", self._tp_rank, j, tp_servers.get(j.job)
+            )
             for j in self.trace.tp_jobs
             if self.host in j.hosts
         ]
@@ -257,6 +258,18 @@ class Worker:
             thread.join(max(deadline - time.monotonic(), 0.1))
         self._wait_receives(deadline)
         receiver.stop()
+
+    def _thread(self, what: str, target: Callable[..., None], *args: Any) -> threading.Thread:
+        """A daemon thread running ``target(*args)`` whose exception becomes an ``error`` event
+        (the run's errors), so a failed thread never leaves the report silently short."""
+
+        def guarded() -> None:
+            try:
+                target(*args)
+            except Exception as exc:  # any failure of the thread must reach the journal
+                self.journal.add("error", what=what, error=f"{type(exc).__name__}: {exc}")
+
+        return threading.Thread(target=guarded, name=what, daemon=True)
 
     def _wait_receives(self, deadline: float) -> None:
         expected = {t.flow_id for t in self.trace.transfers if t.dst == self.host}
@@ -270,6 +283,14 @@ class Worker:
             stats = receiver.results.get()
             when = (stats.completed * 1e9 - self.clock.t0_ns) / 1e9
             self.journal.add("done", id=stats.flow_id, t=when, ok=stats.ok)
+            if not stats.ok:
+                # still marked done below, so a TP iteration waiting for it goes on; the failure
+                # shows in the run's errors instead
+                self.journal.add(
+                    "error",
+                    id=stats.flow_id,
+                    error=f"received {stats.bytes} of {stats.expected} bytes: {stats.error}",
+                )
             with self._done_cv:
                 self.done[stats.flow_id] = when
                 self._done_cv.notify_all()
@@ -327,36 +348,38 @@ class Worker:
         if isinstance(self.control, AgentClient):
             self._tp_rank_plugin(job, sock)
             return
-        recorder = self.host == (job.experience_host or job.hosts[0])
         base_id = 1_000_000_000 + 1000 * self.trace.tp_jobs.index(job)
         flow_id = base_id + job.hosts.index(self.host)
         self.clock.sleep_until(job.start)
-        with self.control.flow(
-            None, id=flow_id, cls=FlowClass.TP.label, job=job.job, node=self.host
-        ) as handle:
-            for step in range(job.iterations):
-                self._tp_iteration(job, step, sock, handle, recorder)
-        sock.close()
+        with (
+            sock,
+            self.control.flow(
+                None, id=flow_id, cls=FlowClass.TP.label, job=job.job, node=self.host
+            ) as handle,
+        ):
+            self._tp_iterations(job, lambda: _exchange(sock, job.message_bytes, handle))
 
-    def _tp_iteration(
-        self, job: TpJob, step: int, sock: socket.socket, handle: Any, recorder: bool
-    ) -> None:
-        self._wait_experience(job, step)
-        started = self.clock.now()
-        if recorder:
-            self.control.job_progress(job.job, step)
-        for _ in range(job.layers):
-            time.sleep(job.compute)
-            begin = self.clock.now()
-            _exchange(sock, job.message_bytes, handle)
+    def _tp_iterations(self, job: TpJob, exchange: Callable[[], None]) -> None:
+        """The rank's iterations: each waits for its experience, then ``layers`` times computes
+        and runs ``exchange`` (one collective); the recording rank journals the spans."""
+        recorder = self.host == (job.experience_host or job.hosts[0])
+        for step in range(job.iterations):
+            self._wait_experience(job, step)
+            started = self.clock.now()
+            if recorder:
+                self.control.job_progress(job.job, step)
+            for _ in range(job.layers):
+                time.sleep(job.compute)
+                begin = self.clock.now()
+                exchange()
+                if recorder:
+                    self.journal.add(
+                        "span", span="collective", job=job.job, start=begin, end=self.clock.now()
+                    )
             if recorder:
                 self.journal.add(
-                    "span", span="collective", job=job.job, start=begin, end=self.clock.now()
+                    "span", span="iteration", job=job.job, start=started, end=self.clock.now()
                 )
-        if recorder:
-            self.journal.add(
-                "span", span="iteration", job=job.job, start=started, end=self.clock.now()
-            )
 
     def _tp_rank_plugin(self, job: TpJob, oob: socket.socket) -> None:
         """The TP rank through the real NCCL net plugin, driven as NCCL drives it.
@@ -368,40 +391,21 @@ class Worker:
         from flowsched.nccl import plugin_path
         from flowsched.nccl.harness import Plugin
 
-        plugin = Plugin(plugin_path(), version=11)
-        ctx = plugin.init(comm_id=0xF5E0 + self.trace.tp_jobs.index(job), traffic_class=-1)
-        send, recv = _plugin_pair(ctx, oob)
-        recorder = self.host == (job.experience_host or job.hosts[0])
-        send_buf, recv_buf = send.register(job.message_bytes), recv.register(job.message_bytes)
-        self.clock.sleep_until(job.start)
-        for step in range(job.iterations):
-            self._wait_experience(job, step)
-            started = self.clock.now()
-            if recorder:
-                self.control.job_progress(job.job, step)
-            for _ in range(job.layers):
-                time.sleep(job.compute)
-                begin = self.clock.now()
-                requests = [
-                    recv.post(recv_buf, job.message_bytes, timeout=60),
-                    send.post(send_buf, job.message_bytes, timeout=60),
-                ]
-                _wait_requests(requests, 60.0)
-                _barrier(oob)
-                if recorder:
-                    self.journal.add(
-                        "span", span="collective", job=job.job, start=begin, end=self.clock.now()
-                    )
-            if recorder:
-                self.journal.add(
-                    "span", span="iteration", job=job.job, start=started, end=self.clock.now()
-                )
-        send_buf.release()
-        recv_buf.release()
-        send.close()
-        recv.close()
-        ctx.finalize()
-        oob.close()
+        with oob:
+            plugin = Plugin(plugin_path(), version=11)
+            ctx = plugin.init(comm_id=0xF5E0 + self.trace.tp_jobs.index(job), traffic_class=-1)
+            send, recv = _plugin_pair(ctx, oob)
+            send_buf, recv_buf = send.register(job.message_bytes), recv.register(job.message_bytes)
+            self.clock.sleep_until(job.start)
+            self._tp_iterations(
+                job,
+                lambda: _plugin_exchange(send, recv, (send_buf, recv_buf), oob, job.message_bytes),
+            )
+            send_buf.release()
+            recv_buf.release()
+            send.close()
+            recv.close()
+            ctx.finalize()
 
     def _wait_experience(self, job: TpJob, step: int) -> None:
         needed = [
@@ -430,6 +434,16 @@ def _plugin_pair(ctx: Any, oob: socket.socket) -> tuple[Any, Any]:
         time.sleep(0.001)
     listener.close()
     return send, recv
+
+
+def _plugin_exchange(
+    send: Any, recv: Any, buffers: tuple[Any, Any], oob: socket.socket, size: int
+) -> None:
+    """One collective through the plugin: ``size`` bytes each way, then :func:`_barrier`."""
+    send_buf, recv_buf = buffers
+    requests = [recv.post(recv_buf, size, timeout=60), send.post(send_buf, size, timeout=60)]
+    _wait_requests(requests, 60.0)
+    _barrier(oob)
 
 
 def _wait_requests(requests: list[Any], timeout: float) -> None:

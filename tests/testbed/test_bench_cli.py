@@ -1,0 +1,128 @@
+"""``flowsched bench contention``: every bad option or scenario is refused (exit 2, a message
+naming the field) before anything runs; good ones reach the benchmark validated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowsched.cli import main
+from flowsched.testbed import bench
+from flowsched.testbed.trace import MAX_HOSTS, load_params, params_from_mapping
+
+
+@pytest.fixture
+def ran(monkeypatch: pytest.MonkeyPatch) -> list[bench.BenchOptions]:
+    """The options bench.run was called with (it runs nothing)."""
+    calls: list[bench.BenchOptions] = []
+
+    def run(options: bench.BenchOptions, *args: Any) -> list[Any]:
+        calls.append(options)
+        return []
+
+    monkeypatch.setattr(bench, "run", run)
+    return calls
+
+
+def _scenario(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "scenario.toml"
+    path.write_text(f"[testbed]\n{body}\n", encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "scenario", "message"),
+    [
+        (["--scenario", "/nonexistent/scenario.toml"], None, "--scenario: /nonexistent"),
+        ([], "param_sync_period = 0", "testbed.param_sync_period: must be > 0"),
+        ([], "kv_mean_bytes = 0", "testbed.kv_mean_bytes: must be > 0"),
+        ([], "tp_layers = 0", "testbed.tp_layers: must be > 0"),
+        ([], "tp_compute = 0\ntp_message_bytes = 0", "testbed.tp_compute"),
+        ([], "duration = inf", "testbed.duration"),
+        ([], "kv_min_bytes = 7000000", "testbed.kv_min_bytes"),
+        (["--duration", "0"], None, "testbed.duration: must be > 0"),
+        (["--duration", "-1"], None, "testbed.duration"),
+        (["--load", "0"], None, "testbed.load"),
+        (["--hosts", "17"], None, "testbed.hosts"),
+        (["--hosts", "18"], None, "testbed.hosts"),
+        (["--hosts", "2"], None, "testbed.hosts"),
+        (["--rate-mbit", "0"], None, "rate_mbit"),
+        (["--min-share", "0.5"], None, "min_share"),
+        (["--switch-queue-kb", "0"], None, "switch_queue_bytes"),
+        (["--seeds", "0"], None, "--seeds must be at least 1"),
+        (["--policies", " , "], None, "--policies"),
+        (["--policies", "nosuch"], None, "nosuch"),
+        (
+            ["--policies", "fair,rmlq", "--ablation-policies", "rmlq,static"],
+            None,
+            "--ablation-policies: static not in --policies",
+        ),
+    ],
+    ids=[
+        "missing-scenario",
+        "sync-period-0",
+        "kv-mean-0",
+        "tp-layers-0",
+        "tp-layer-no-time",
+        "duration-inf",
+        "kv-min-above-max",
+        "duration-0",
+        "duration-negative",
+        "load-0",
+        "hosts-17",
+        "hosts-18",
+        "hosts-2",
+        "rate-0",
+        "min-share",
+        "switch-queue-0",
+        "seeds-0",
+        "no-policies",
+        "unknown-policy",
+        "ablation-not-run",
+    ],
+)
+def test_refused_with_a_message_naming_the_field(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    ran: list[bench.BenchOptions],
+    argv: list[str],
+    scenario: str | None,
+    message: str,
+) -> None:
+    if scenario is not None:
+        argv = ["--scenario", _scenario(tmp_path, scenario), *argv]
+    assert main(["bench", "contention", "--simulate-only", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert ran == []
+
+
+def test_overrides_apply_on_top_of_the_scenario(
+    tmp_path: Path, ran: list[bench.BenchOptions]
+) -> None:
+    path = _scenario(tmp_path, "hosts = 6\nduration = 9.0\nload = 0.4\nparam_sync_period = 2.0")
+    argv = ["--scenario", path, "--load", "0.7", "--hosts", "8", "--ablation-policies", "rmlq"]
+    assert main(["bench", "contention", *argv]) == 0
+    options = ran[0]
+    assert (options.params.hosts, options.params.duration, options.params.load) == (8, 9.0, 0.7)
+    assert options.params.param_sync_period == 2.0 and options.spec.hosts == 8
+    assert options.ablation_policies == ("rmlq",)
+
+
+def test_without_scenario_the_default_file_is_used(ran: list[bench.BenchOptions]) -> None:
+    assert main(["bench", "contention", "--simulate-only"]) == 0
+    assert ran[0].params == load_params(bench.BENCH_DIR / "scenario.toml")
+
+
+@pytest.mark.parametrize("hosts", [4, 6, MAX_HOSTS], ids=["4", "6", "max"])
+def test_even_host_counts_up_to_the_topology_limit(hosts: int) -> None:
+    assert params_from_mapping({"hosts": hosts}).hosts == hosts
+
+
+def test_testbed_must_be_a_table(tmp_path: Path) -> None:
+    path = tmp_path / "scenario.toml"
+    path.write_text("testbed = 1\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="testbed: expected a table"):
+        load_params(path)

@@ -1,0 +1,113 @@
+"""The contention report: which plots it draws and links, and its one percentile rule."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from matplotlib.figure import Figure
+
+from flowsched import policies
+from flowsched.metrics import RunMetrics
+from flowsched.testbed import replay, report
+from flowsched.testbed.trace import ScenarioParams, generate
+
+META = {
+    "command": "flowsched bench contention",
+    "mode": "test",
+    "setup": "none.",
+    "seed": 1,
+    "seeds": [1],
+    "duration": 1.0,
+    "load": 0.5,
+    "flows": 0,
+    "rate_mbit": 200.0,
+}
+
+
+def _results(testbed: bool) -> list[report.PolicyResult]:
+    """fair and static on one short trace; the testbed rows are the replay again."""
+    trace = generate(ScenarioParams(duration=1.0, load=0.5), 25e6, 1)
+    results = []
+    for name in ("fair", "static"):
+        records = replay.replay(trace, policies.create(name, num_levels=8))
+        result = report.PolicyResult(name, None, RunMetrics())
+        result.seeds.append(report.SeedRun(1, records, records if testbed else None))
+        result.pool()
+        results.append(result)
+    return results
+
+
+@pytest.fixture
+def legends(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
+    """File name -> legend labels of every figure saved while the test runs."""
+    saved: dict[str, list[str]] = {}
+    original = Figure.savefig
+
+    def savefig(self: Figure, fname: Any, *args: Any, **kwargs: Any) -> None:
+        legend = self.axes[0].get_legend() if self.axes else None
+        saved[Path(fname).name] = [t.get_text() for t in legend.get_texts()] if legend else []
+        original(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return saved
+
+
+@pytest.mark.parametrize(
+    ("testbed", "plots", "bars"),
+    [
+        (False, {"slo_attainment.png", "cdf_sim.png"}, ["simulator"]),
+        (
+            True,
+            {"slo_attainment.png", "cdf_testbed.png", "cdf_sim.png"},
+            ["testbed", "simulator"],
+        ),
+    ],
+    ids=["simulator-only", "testbed"],
+)
+def test_report_links_and_draws_only_what_exists(
+    tmp_path: Path,
+    legends: dict[str, list[str]],
+    testbed: bool,
+    plots: set[str],
+    bars: list[str],
+) -> None:
+    paths = report.write(_results(testbed), META, tmp_path)
+    written = {p.name for p in paths if p.suffix == ".png"}
+    assert written == plots == {p.name for p in tmp_path.glob("*.png")}
+    linked = re.findall(r"!\[[^]]*\]\(([^)]+)\)", (tmp_path / "report.md").read_text())
+    assert sorted(linked) == sorted(plots)
+    assert legends["slo_attainment.png"] == bars
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        ([3.0, 1.0, 2.0], 0.5, 2.0),
+        ([4.0, 1.0, 3.0, 2.0], 0.5, 3.0),
+        ([float(v) for v in range(1, 11)], 0.9, 10.0),
+        ([float(v) for v in range(1, 21)], 0.9, 19.0),
+        ([5.0], 0.9, 5.0),
+        ([1.0, 2.0], 1.0, 2.0),
+    ],
+    ids=["odd-median", "even-median-upper", "p90-of-10", "p90-of-20", "one", "q1"],
+)
+def test_nearest_rank(values: list[float], q: float, expected: float) -> None:
+    assert report.nearest_rank(values, q) == expected
+
+
+def test_nearest_rank_needs_values() -> None:
+    with pytest.raises(ValueError, match="no values"):
+        report.nearest_rank([], 0.5)
+
+
+def test_summaries_use_nearest_rank() -> None:
+    """The admission quantiles and the promotion p90 (the promotion median stays the mean of
+    the two middle values)."""
+    result = report.PolicyResult("fair", None, RunMetrics(), admission=[0.4, 0.1, 0.3, 0.2])
+    result.promotions = [0.4, 0.1, 0.3, 0.2]
+    assert report._quantiles(result.admission) == {"p50": 0.3, "p90": 0.4, "count": 4.0}
+    summary = report.promotion_summary([result])
+    assert (summary["median"], summary["p90"]) == (pytest.approx(0.25), 0.4)

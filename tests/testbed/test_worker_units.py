@@ -1,0 +1,199 @@
+"""The testbed worker in one process on loopback (no namespaces): TP ranks over both paths,
+and every failure of a worker thread reaching the journal and so the run's errors."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from flowsched import nccl, transfer
+from flowsched.nccl import harness
+from flowsched.testbed import worker
+from flowsched.testbed.runner import collect
+from flowsched.testbed.trace import TpJob, Trace, Transfer
+
+IPS = {"h0": "127.0.0.1", "h1": "127.0.0.1"}
+
+
+def _trace(iterations: int = 2, layers: int = 3, transfers: list[Transfer] | None = None) -> Trace:
+    job = TpJob("tp0", ("h0", "h1"), iterations, layers, 0.001, 4000, experience_host="h1")
+    return Trace(1, 2, 25e6, 1.0, 0.5, [job], transfers or [])
+
+
+class MiniControl:
+    """Stands in for the minimal controller: every flow at level 0, progress remembered."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    @contextlib.contextmanager
+    def flow(self, t: Transfer | None, **fields: Any) -> Iterator[Any]:
+        yield SimpleNamespace(level=0, dscp=0, so_priority=0)
+
+    def job_progress(self, job: str, step: int) -> None:
+        self.steps.append(step)
+
+
+class AgentControl(worker.AgentClient):
+    """Selects the worker's plugin path without an agent to talk to."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def job_progress(self, job: str, step: int) -> None:
+        self.steps.append(step)
+
+
+@pytest.fixture(autouse=True)
+def _free_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Receivers on an ephemeral port; the TP listener on a port that was free just now."""
+    monkeypatch.setattr(worker, "TRANSFER_PORT", 0)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(worker, "TP_PORT", probe.getsockname()[1])
+
+
+def _run_ranks(trace: Trace, controls: dict[str, Any], timeout: float = 10.0) -> worker.Journal:
+    """Both hosts' workers, each in a thread, sharing one journal (as collect() pools them)."""
+    journal, clock = worker.Journal(), worker.Clock(time.monotonic_ns())
+    threads = [
+        threading.Thread(
+            target=worker.Worker(trace, host, IPS, clock, control, journal).run, args=(timeout,)
+        )
+        for host, control in controls.items()
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout + 5)
+    return journal
+
+
+def _errors(trace: Trace, journal: worker.Journal) -> list[str]:
+    return collect(trace, "fair", [journal.events], {}, [], [0]).errors
+
+
+def _spans(journal: worker.Journal, kind: str) -> int:
+    return sum(e["kind"] == "span" and e["span"] == kind for e in journal.events)
+
+
+def test_socket_ranks_run_every_layer_of_every_iteration() -> None:
+    trace = _trace(iterations=2, layers=3)
+    recorder, peer = MiniControl(), MiniControl()
+    journal = _run_ranks(trace, {"h0": peer, "h1": recorder})
+    assert _errors(trace, journal) == []
+    assert (_spans(journal, "collective"), _spans(journal, "iteration")) == (6, 2)
+    assert (recorder.steps, peer.steps) == ([0, 1], [])
+
+
+class FakePlugin:
+    """The NCCL plugin as the worker drives it; ``fail_at`` = the post that raises."""
+
+    posts = 0
+    fail_at: int | None = None
+
+    def __init__(self, path: object, version: int) -> None:
+        self.ctx = SimpleNamespace(finalize=lambda: None)
+
+    def init(self, comm_id: int, traffic_class: int) -> Any:
+        return self.ctx
+
+    @classmethod
+    def post(cls, buf: object, size: int, timeout: float) -> Any:
+        cls.posts += 1
+        if cls.posts == cls.fail_at:
+            raise harness.PluginError("isend", 3)
+        return SimpleNamespace(test=lambda: True)
+
+
+def _fake_comm() -> Any:
+    buffer = SimpleNamespace(release=lambda: None)
+    return SimpleNamespace(register=lambda size: buffer, post=FakePlugin.post, close=lambda: None)
+
+
+@pytest.fixture
+def fake_plugin(monkeypatch: pytest.MonkeyPatch) -> type[FakePlugin]:
+    """The plugin path with a fake plugin; the ranks' out-of-band link is a socketpair."""
+    FakePlugin.posts, FakePlugin.fail_at = 0, None
+    monkeypatch.setattr(nccl, "plugin_path", lambda: "libfake.so")
+    monkeypatch.setattr(harness, "Plugin", FakePlugin)
+    monkeypatch.setattr(worker, "_plugin_pair", lambda ctx, oob: (_fake_comm(), _fake_comm()))
+    ends = dict(zip(("h0", "h1"), socket.socketpair(), strict=True))
+
+    def connect(self: worker.Worker, job: TpJob, server: object) -> tuple[Any, Any]:
+        return ends[self.host], ends[self.host]
+
+    monkeypatch.setattr(worker.Worker, "_tp_connect", connect)
+    monkeypatch.setattr(worker.Worker, "_tp_listener", lambda self, job: None)
+    return FakePlugin
+
+
+def test_plugin_ranks_run_every_layer_of_every_iteration(fake_plugin: type[FakePlugin]) -> None:
+    trace = _trace(iterations=2, layers=3)
+    recorder = AgentControl()
+    journal = _run_ranks(trace, {"h0": AgentControl(), "h1": recorder})
+    assert _errors(trace, journal) == []
+    assert (_spans(journal, "collective"), _spans(journal, "iteration")) == (6, 2)
+    assert (
+        recorder.steps == [0, 1] and fake_plugin.posts == 2 * 2 * 3 * 2
+    )  # ranks x iterations x layers x (recv, send)
+
+
+def test_plugin_rank_failure_mid_run_is_an_error(fake_plugin: type[FakePlugin]) -> None:
+    """A post that raises on one rank: both ranks' failures reach the run's errors."""
+    fake_plugin.fail_at = 5
+    trace = _trace(iterations=2, layers=3)
+    journal = _run_ranks(trace, {"h0": AgentControl(), "h1": AgentControl()})
+    errors = _errors(trace, journal)
+    assert any("PluginError" in e and "isend" in e for e in errors), errors
+    # the other rank loses its peer in the middle of a collective (closed pipe or socket)
+    assert sorted(e.split(":")[0] for e in errors) == [
+        "TP job tp0, rank on h0",
+        "TP job tp0, rank on h1",
+    ]
+    assert _spans(journal, "iteration") < 2
+
+
+@pytest.mark.parametrize("control", [MiniControl, AgentControl], ids=["socket-rank", "plugin-rank"])
+def test_failed_tp_rank_reaches_the_errors(
+    monkeypatch: pytest.MonkeyPatch, control: Callable[[], Any]
+) -> None:
+    """The rank's connection (socket path) or its plugin (plugin path) fails to come up."""
+
+    def boom(*args: object) -> Any:
+        raise OSError("peer unreachable")
+
+    if control is MiniControl:
+        monkeypatch.setattr(worker.Worker, "_tp_connect", boom)
+    else:
+        monkeypatch.setattr(nccl, "plugin_path", boom)
+        pair = socket.socketpair()
+        monkeypatch.setattr(worker.Worker, "_tp_connect", lambda self, job, server: pair)
+    trace = _trace()
+    journal = _run_ranks(trace, {"h0": control()}, timeout=2.0)
+    assert _errors(trace, journal) == ["TP job tp0, rank on h0: OSError: peer unreachable"]
+
+
+def test_failed_receive_is_an_error_but_the_iteration_goes_on() -> None:
+    """A transfer that arrived broken still releases the iteration waiting for it."""
+    experience = Transfer(7, "experience", "h0", "h1", 0.0, 1000, job="tp0", consumer_step=0)
+    trace = _trace(transfers=[experience])
+    journal, clock = worker.Journal(), worker.Clock(time.monotonic_ns())
+    rank = worker.Worker(trace, "h1", IPS, clock, MiniControl(), journal)
+    now = time.monotonic()
+    broken = transfer.ReceiveStats(7, 600, 1000, False, "", now, now, now, 0.0, "", "reset")
+    receiver = SimpleNamespace(results=queue.Queue[transfer.ReceiveStats]())
+    receiver.results.put(broken)
+    threading.Thread(target=rank._drain, args=(receiver,), daemon=True).start()
+    started = time.monotonic()
+    rank._wait_experience(trace.tp_jobs[0], 0)
+    assert time.monotonic() - started < 5 and 7 in rank.done
+    assert _errors(trace, journal) == ["flow 7: received 600 of 1000 bytes: reset"]
