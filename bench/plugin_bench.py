@@ -7,8 +7,9 @@ Measures, alternating plugin and baseline runs so that both see the same machine
     harness as NCCL's proxy does, 8 requests in flight) vs bench/plain_tcp.c (one blocking
     TCP connection); goal >= 0.9x;
   * 8-byte round-trip latency (ping-pong), goal <= 1.5x;
-  * the per-isend cost of the priority check: one atomic load of the slot's level from a
-    mapped table plus the compare (nccl_plugin/bench/prio_read_bench.c), in ns.
+  * the per-isend cost of the priority check: relaxed loads of the slot's level and of the
+    table's config_seq from a mapped table plus the compares
+    (nccl_plugin/bench/prio_read_bench.c), in ns.
 The plugin runs with a real flow table (so every isend reads shared memory), loopback only.
 Reports medians over the trials and the ratios; nothing is hard-coded.
 

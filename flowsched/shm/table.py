@@ -316,11 +316,16 @@ class FlowTable:
 
     # ----------------------------------------------------------------- config (seqlock)
     def write_config(self, cfg: TableConfig) -> None:
-        """Rewrite the config area and ``num_levels`` under the ``config_seq`` seqlock."""
+        """Rewrite the config area and ``num_levels`` under the ``config_seq`` seqlock.
+
+        The area is packed before ``config_seq`` turns odd, so that the seqlock is held only
+        for the copy itself: a reader that finds it odd must retry or use an older copy.
+        """
+        area = _pack_config(cfg)
         seq_index = 28 // 4
         seq = self._u32[seq_index]
         self._u32[seq_index] = (seq + 1) | 1  # odd: being written
-        self._mm[_CONFIG_START:_CONFIG_END] = _pack_config(cfg)
+        self._mm[_CONFIG_START:_CONFIG_END] = area
         self._put("num_levels", cfg.num_levels)
         self._u32[seq_index] = ((seq + 1) | 1) + 1  # even again: stable
 

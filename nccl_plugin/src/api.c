@@ -13,7 +13,9 @@ static int fs_host_mr;
 
 /* NCCL's error convention: SystemError for OS and network failures, InternalError for
  * misuse by NCCL, InvalidUsage for user or configuration errors, RemoteError when the peer
- * went away. */
+ * went away or cannot be reached. A connect that is still refused, timed out or unroutable
+ * after its retries is a RemoteError, as in NCCL's own socket transport: the fault lies with
+ * the peer (or the path to it), not with this process. */
 static ncclResult_t result_of(int rc, const char* what) {
   if (rc >= 0) {
     return ncclSuccess;
@@ -34,6 +36,10 @@ static ncclResult_t result_of(int rc, const char* what) {
     case EPIPE:
     case ECONNABORTED:
     case EPROTO:
+    case ECONNREFUSED:
+    case ETIMEDOUT:
+    case EHOSTUNREACH:
+    case ENETUNREACH:
       res = ncclRemoteError;
       break;
     default:
@@ -76,7 +82,7 @@ ncclResult_t fs_api_init_ctx(void** ctx, uint64_t comm_id, int traffic_class,
 
 ncclResult_t fs_api_finalize(void* ctx) {
   FS_REQUIRE(ctx != NULL, "finalize");
-  fs_context_destroy(ctx);
+  fs_context_finalize(ctx);
   return ncclSuccess;
 }
 

@@ -107,6 +107,7 @@ static struct fs_context* context_alloc(uint64_t comm_id, int32_t traffic_class)
   if (ctx != NULL) {
     ctx->comm_id = comm_id;
     ctx->traffic_class = traffic_class;
+    atomic_init(&ctx->refs, 1); /* the owner's */
     pthread_mutex_init(&ctx->lock, NULL);
   }
   return ctx;
@@ -151,18 +152,29 @@ int fs_context_create(uint64_t comm_id, int32_t traffic_class, ncclDebugLogger_t
   return 0;
 }
 
-void fs_context_destroy(struct fs_context* ctx) {
+void fs_context_retain(struct fs_context* ctx) {
+  atomic_fetch_add_explicit(&ctx->refs, 1, memory_order_relaxed);
+}
+
+void fs_context_release(struct fs_context* ctx) {
+  /* acq_rel: every holder's last use of the context happens before the free */
+  if (atomic_fetch_sub_explicit(&ctx->refs, 1, memory_order_acq_rel) != 1) {
+    return;
+  }
+  pthread_mutex_destroy(&ctx->lock);
+  free(ctx);
+  fs_global_release();
+}
+
+void fs_context_finalize(struct fs_context* ctx) {
   pthread_mutex_lock(&ctx->lock);
   int open = ctx->comms != NULL;
   pthread_mutex_unlock(&ctx->lock);
   if (open) {
     FS_WARN("finalize of comm 0x%llx with connections still open",
             (unsigned long long)ctx->comm_id);
-    return; /* keep the context alive: its connections still point at it */
   }
-  pthread_mutex_destroy(&ctx->lock);
-  free(ctx);
-  fs_global_release();
+  fs_context_release(ctx); /* the connections and listen comms keep it alive until they close */
 }
 
 void fs_context_set_net_attr(struct fs_context* ctx, uint32_t op, uint32_t algo, uint32_t proto) {

@@ -1,5 +1,5 @@
 /* SPDX-License-Identifier: Apache-2.0
- * Process-wide state (refcounted) and per-communicator contexts.
+ * Process-wide state (refcounted) and per-communicator contexts (refcounted).
  *
  * NCCL >= 2.28 calls init/finalize once per communicator (v11+) and may dlclose the library
  * when the last one is finalized, so the global state is built by the first reference and
@@ -7,11 +7,17 @@
  * listen comms and connections each hold one reference, so the table is never unmapped under
  * a live connection. The v10 API has no finalize: its process-wide context keeps a reference
  * until the library is unloaded.
+ *
+ * A context is itself referenced by its owner (released by finalize), by each of its listen
+ * comms and by each of its connections, finished or still being connected or assembled, all
+ * of which read it. The last release frees it and drops its global reference, so finalize
+ * may come before closeListen or before a pending connect completes.
  */
 #ifndef FLOWSCHED_CONTEXT_H
 #define FLOWSCHED_CONTEXT_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 #include "nccl/common.h"
@@ -23,6 +29,7 @@ struct fs_comm;
 struct fs_context {
   uint64_t comm_id;
   int32_t traffic_class;
+  atomic_int refs; /* owner + listen comms + connections */
   pthread_mutex_t lock; /* guards the fields below (service and progress threads) */
   struct fs_comm* comms; /* open connections created through this context */
   uint32_t net_op, net_algo, net_proto; /* latest setNetAttr hint (0 = none seen) */
@@ -41,7 +48,12 @@ int fs_global_v10_context(ncclDebugLogger_t logger, struct fs_context** out);
 
 int fs_context_create(uint64_t comm_id, int32_t traffic_class, ncclDebugLogger_t logger,
                       struct fs_context** out);
-void fs_context_destroy(struct fs_context* ctx);
+/* NCCL's finalize: drop the owner's reference (the context lives on while comms use it). */
+void fs_context_finalize(struct fs_context* ctx);
+/* Take a reference for a listen comm or a connection. */
+void fs_context_retain(struct fs_context* ctx);
+/* Drop a reference; the last one frees the context and releases its global reference. */
+void fs_context_release(struct fs_context* ctx);
 /* Record a setNetAttr hint and copy it into the slots of the context's connections. */
 void fs_context_set_net_attr(struct fs_context* ctx, uint32_t op, uint32_t algo, uint32_t proto);
 void fs_context_add_comm(struct fs_context* ctx, struct fs_comm* comm);

@@ -13,16 +13,36 @@
 #include "class_defaults.h"
 #include "log.h"
 
+/* Synchronization. NCCL calls in from several threads at once: service threads (listen,
+ * connect, accept: slot claims and class resolution) and progress threads (isend, test: level
+ * and config changes), across all communicators of the process.
+ *  - `lock` serializes mapping, unmapping and slot claims. `base` is published with an atomic
+ *    store so that readers outside the lock see either NULL or a fully validated mapping; the
+ *    mapping is torn down only by the last global reference, when no connection exists.
+ *  - `config_lock` guards the cached config (`config`, `config_seq`, `config_valid`). Every
+ *    read of the config goes through it: the cache is refreshed from the shared area (under
+ *    the agent's seqlock) only when config_seq moved, and is used as is while the agent holds
+ *    the seqlock, so a rewrite in progress never makes a connection fall back to the
+ *    compiled-in defaults once one consistent copy was read. The lock is taken on connection
+ *    setup and on level or config changes, never on the per-message path. Order: `lock`
+ *    before `config_lock` (only fs_table_detach takes both). */
 static struct {
   pthread_mutex_t lock;
-  uint8_t* base;
+  uint8_t* _Atomic base;
   size_t size;
   uint32_t num_slots;
   _Atomic uint32_t claim_cursor;
   atomic_int warned_missing;
   atomic_int warned_corrupt;
   atomic_int warned_full;
-} fs_table = {.lock = PTHREAD_MUTEX_INITIALIZER};
+  pthread_mutex_t config_lock;
+  struct fs_table_config config; /* last consistent copy (sanitized) */
+  uint32_t config_seq;           /* the config_seq it was read at */
+  int config_valid;              /* 0 until one consistent copy was read */
+} fs_table = {.lock = PTHREAD_MUTEX_INITIALIZER, .config_lock = PTHREAD_MUTEX_INITIALIZER};
+
+/* What a flow watches when no table was mapped at its opening: a config_seq that never moves. */
+static const _Atomic uint32_t fs_no_table_config_seq = 0;
 
 uint64_t fs_now_ns(void) {
   struct timespec ts;
@@ -88,9 +108,9 @@ static int table_map(const char* path) {
                  path, problem);
     return -EPROTO;
   }
-  fs_table.base = base;
   fs_table.size = (size_t)st.st_size;
   fs_table.num_slots = ((struct fs_table_header*)base)->num_slots;
+  fs_table.base = base; /* last: published to readers outside the lock */
   FS_INFO(NCCL_INIT | NCCL_NET, "flow table %s mapped (%u slots)", path, fs_table.num_slots);
   return 0;
 }
@@ -110,6 +130,9 @@ void fs_table_detach(void) {
   fs_table.base = NULL;
   fs_table.size = 0;
   fs_table.num_slots = 0;
+  pthread_mutex_lock(&fs_table.config_lock);
+  fs_table.config_valid = 0; /* a later mapping may be another agent's table */
+  pthread_mutex_unlock(&fs_table.config_lock);
   pthread_mutex_unlock(&fs_table.lock);
 }
 
@@ -128,8 +151,9 @@ static void config_defaults(struct fs_table_config* out) {
   }
 }
 
-/* Copy the config area under its seqlock; 0 on a consistent copy. */
-static int config_copy(const struct fs_table_header* hdr, struct fs_table_config* out) {
+/* Copy the config area under its seqlock; 0 on a consistent copy, taken at *seq_out. */
+static int config_copy(const struct fs_table_header* hdr, struct fs_table_config* out,
+                       uint32_t* seq_out) {
   for (int attempt = 0; attempt < 100; attempt++) {
     uint32_t seq = atomic_load_explicit(&hdr->config_seq, memory_order_acquire);
     if (seq & 1u) {
@@ -143,26 +167,57 @@ static int config_copy(const struct fs_table_header* hdr, struct fs_table_config
     memcpy(out->level_marking, hdr->level_marking, sizeof(out->level_marking));
     atomic_thread_fence(memory_order_acquire);
     if (atomic_load_explicit(&hdr->config_seq, memory_order_relaxed) == seq) {
+      *seq_out = seq;
       return 0;
     }
   }
   return -EAGAIN;
 }
 
+/* A consistent copy the plugin cannot use (num_levels out of range) means the defaults. */
+static void config_sanitize(struct fs_table_config* cfg) {
+  if (cfg->num_levels == 0 || cfg->num_levels > FS_TABLE_MAX_LEVELS) {
+    config_defaults(cfg);
+    return;
+  }
+  cfg->from_table = 1;
+  if (cfg->num_class_map > FS_TABLE_MAX_CLASS_MAP) {
+    cfg->num_class_map = FS_TABLE_MAX_CLASS_MAP;
+  }
+}
+
+/* The cached config, refreshed first if config_seq moved; NULL when no table is mapped or no
+ * consistent copy was ever read. Caller holds config_lock. */
+static const struct fs_table_config* config_current_locked(void) {
+  const struct fs_table_header* hdr = table_header();
+  if (hdr == NULL) {
+    return NULL;
+  }
+  uint32_t seq = atomic_load_explicit(&hdr->config_seq, memory_order_relaxed);
+  if (fs_table.config_valid && seq == fs_table.config_seq) {
+    return &fs_table.config;
+  }
+  struct fs_table_config fresh;
+  uint32_t read_at = 0;
+  if (config_copy(hdr, &fresh, &read_at) == 0) {
+    config_sanitize(&fresh);
+    fs_table.config = fresh;
+    fs_table.config_seq = read_at;
+    fs_table.config_valid = 1;
+  }
+  /* else: the agent is rewriting the area; keep using the previous copy */
+  return fs_table.config_valid ? &fs_table.config : NULL;
+}
+
 void fs_table_config(struct fs_table_config* out) {
-  struct fs_table_header* hdr = table_header();
-  if (hdr == NULL || config_copy(hdr, out) != 0) {
+  pthread_mutex_lock(&fs_table.config_lock);
+  const struct fs_table_config* cur = config_current_locked();
+  if (cur != NULL) {
+    *out = *cur;
+  } else {
     config_defaults(out);
-    return;
   }
-  out->from_table = 1;
-  if (out->num_levels == 0 || out->num_levels > FS_TABLE_MAX_LEVELS) {
-    config_defaults(out);
-    return;
-  }
-  if (out->num_class_map > FS_TABLE_MAX_CLASS_MAP) {
-    out->num_class_map = FS_TABLE_MAX_CLASS_MAP;
-  }
+  pthread_mutex_unlock(&fs_table.config_lock);
 }
 
 int fs_table_class_for_traffic_class(const struct fs_table_config* cfg, int32_t traffic_class) {
@@ -238,11 +293,14 @@ void fs_flow_open(struct fs_flow* flow, const struct fs_flow_info* info) {
       FS_WARN_ONCE(fs_table.warned_full, "flow table full: new connections are not reported");
     }
   }
+  struct fs_table_header* hdr = table_header();
+  flow->config_seq = hdr != NULL ? &hdr->config_seq : &fs_no_table_config_seq;
   pthread_mutex_unlock(&fs_table.lock);
   flow->slot = slot != NULL ? slot : &flow->local;
   slot_fill(flow->slot, info);
   atomic_store_explicit(&flow->slot->state, FS_SLOT_ACTIVE, memory_order_release);
   flow->seen_level = FS_LEVEL_UNSET;
+  flow->seen_config_seq = FS_CONFIG_SEQ_NONE;
   flow->class_id = info->class_id;
 }
 
@@ -252,18 +310,36 @@ void fs_flow_close(struct fs_flow* flow) {
   }
 }
 
-uint32_t fs_flow_effective_level(const struct fs_flow* flow, uint32_t raw,
-                                 struct fs_level_marking* marking) {
-  struct fs_table_config cfg;
-  fs_table_config(&cfg);
+static uint32_t level_resolve(const struct fs_table_config* cfg, uint16_t class_id, uint32_t raw,
+                              struct fs_level_marking* marking) {
   uint32_t level = raw;
   if (level == FS_LEVEL_UNSET) {
-    level = flow->class_id < FS_TABLE_MAX_CLASSES ? cfg.default_level[flow->class_id] : 0;
+    level = class_id < FS_TABLE_MAX_CLASSES ? cfg->default_level[class_id] : 0;
   }
-  if (level >= cfg.num_levels) {
-    level = cfg.num_levels - 1;
+  if (level >= cfg->num_levels) {
+    level = cfg->num_levels - 1;
   }
-  *marking = cfg.level_marking[level];
+  *marking = cfg->level_marking[level];
+  return level;
+}
+
+/* Resolved in place on the cached config (no copy of the area per level change). */
+uint32_t fs_flow_effective_level(const struct fs_flow* flow, uint32_t raw,
+                                 struct fs_level_marking* marking, uint32_t* config_seq) {
+  struct fs_table_config defaults;
+  pthread_mutex_lock(&fs_table.config_lock);
+  const struct fs_table_config* cfg = config_current_locked();
+  if (flow->config_seq == &fs_no_table_config_seq) {
+    *config_seq = 0; /* the constant it watches: nothing to re-apply */
+  } else {
+    *config_seq = cfg != NULL ? fs_table.config_seq : FS_CONFIG_SEQ_NONE;
+  }
+  if (cfg == NULL) {
+    config_defaults(&defaults);
+    cfg = &defaults;
+  }
+  uint32_t level = level_resolve(cfg, flow->class_id, raw, marking);
+  pthread_mutex_unlock(&fs_table.config_lock);
   return level;
 }
 

@@ -124,11 +124,19 @@ struct fs_flow_info {
   uint32_t net_op, net_algo, net_proto;
 };
 
+/* config_seq value that no stable config area has (it is odd): "no consistent copy used". */
+#define FS_CONFIG_SEQ_NONE 0xFFFFFFFFu
+
 /* A connection's binding to its slot (a table slot, or `local` when there is no table). */
 struct fs_flow {
   struct fs_table_slot* slot;
   struct fs_table_slot local;
-  uint32_t seen_level; /* raw `level` value last acted on */
+  /* The config_seq word this flow watches: the mapped table's, or a constant 0 when no table
+   * was mapped when the flow opened. The mapping outlives the flow (it holds a global
+   * reference), so the pointer stays valid. */
+  const _Atomic uint32_t* config_seq;
+  uint32_t seen_level;      /* raw `level` value last acted on */
+  uint32_t seen_config_seq; /* config_seq of the config `marking` was computed from */
   uint16_t class_id;
   struct fs_level_marking marking; /* what the sockets carry now */
 };
@@ -137,7 +145,9 @@ struct fs_flow {
 int fs_table_attach(const char* path);
 /* Unmap the table (global teardown). */
 void fs_table_detach(void);
-/* Snapshot of the config area, or the compiled defaults when no table is attached. */
+/* The config in force: the last consistent copy of the config area (re-read only when
+ * config_seq moved), or the compiled defaults when no table is attached or no consistent copy
+ * was ever read. */
 void fs_table_config(struct fs_table_config* out);
 /* Class id for an NCCL trafficClass, or -1 when the map names none. */
 int fs_table_class_for_traffic_class(const struct fs_table_config* cfg, int32_t traffic_class);
@@ -145,17 +155,25 @@ int fs_table_class_for_traffic_class(const struct fs_table_config* cfg, int32_t 
 void fs_flow_open(struct fs_flow* flow, const struct fs_flow_info* info);
 /* Mark the slot CLOSED (bytes final). */
 void fs_flow_close(struct fs_flow* flow);
-/* Effective level and marking for a raw slot `level` value. */
+/* Effective level and marking for a raw slot `level` value; *config_seq receives the value
+ * of the flow's config_seq word that the result corresponds to (FS_CONFIG_SEQ_NONE when the
+ * table's config area could not be read consistently yet). */
 uint32_t fs_flow_effective_level(const struct fs_flow* flow, uint32_t raw,
-                                 struct fs_level_marking* marking);
+                                 struct fs_level_marking* marking, uint32_t* config_seq);
 /* Record that `level` now is on the sockets. */
 void fs_flow_applied(struct fs_flow* flow, uint32_t level);
 uint64_t fs_now_ns(void);
 
-/* Hot path: has the agent's level changed since we last acted on it? One atomic load. */
+/* Hot path: must the sockets' marking be recomputed? Yes when the agent wrote another level
+ * into the slot, or when it rewrote the config area (a new DSCP table, new class defaults)
+ * since the marking was computed. Two relaxed loads and compares, no branch on the config:
+ * the config_seq load is only a hint (the recompute re-reads the area under its seqlock), and
+ * an odd config_seq (a rewrite in progress) is not acted on, so one rewrite costs one
+ * recompute, taken once the writer is done. */
 static inline int fs_flow_level_changed(struct fs_flow* flow, uint32_t* raw) {
   *raw = atomic_load_explicit(&flow->slot->level, memory_order_relaxed);
-  return *raw != flow->seen_level;
+  uint32_t seq = atomic_load_explicit(flow->config_seq, memory_order_relaxed);
+  return (*raw != flow->seen_level) | (((seq & 1u) == 0) & (seq != flow->seen_config_seq));
 }
 
 /* Hot path: account one message. */

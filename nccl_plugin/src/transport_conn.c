@@ -100,8 +100,10 @@ static int handle_get_addr(const struct fs_handle* h, struct fs_addr* addr) {
 
 static void comm_apply_initial_level(struct fs_comm* comm) {
   struct fs_level_marking marking;
-  uint32_t level = fs_flow_effective_level(&comm->flow, FS_LEVEL_UNSET, &marking);
+  uint32_t config_seq = FS_CONFIG_SEQ_NONE;
+  uint32_t level = fs_flow_effective_level(&comm->flow, FS_LEVEL_UNSET, &marking, &config_seq);
   comm->flow.marking = marking;
+  comm->flow.seen_config_seq = config_seq;
   fs_flow_applied(&comm->flow, level);
 }
 
@@ -116,6 +118,7 @@ static struct fs_comm* comm_new(struct fs_context* ctx, int dev, int is_send, in
     free(comm);
     return NULL;
   }
+  fs_context_retain(ctx);
   comm->is_send = is_send;
   comm->dev = dev;
   comm->ctx = ctx;
@@ -148,7 +151,9 @@ static void comm_free(struct fs_comm* comm) {
     }
   }
   fs_flow_close(&comm->flow);
+  struct fs_context* ctx = comm->ctx;
   free(comm);
+  fs_context_release(ctx);
   fs_global_release();
 }
 
@@ -175,6 +180,7 @@ int fs_listen(struct fs_context* ctx, int dev, void* handle, struct fs_listen_co
     rc = rc != 0 ? rc : -ENOMEM;
     goto fail;
   }
+  fs_context_retain(ctx);
   *lcomm = (struct fs_listen_comm){.fd = fd, .dev = dev, .ctx = ctx,
                                    .nsocks = (int)params->nsocks,
                                    .chunk = (size_t)params->chunk_size,
@@ -367,7 +373,7 @@ int fs_connect(struct fs_context* ctx, int dev, int32_t traffic_class, void* han
     return rc;
   }
   *out = st->comm;
-  fs_context_add_comm(ctx, st->comm);
+  fs_context_add_comm(st->comm->ctx, st->comm); /* the context it holds a reference on */
   connect_state_free(st, 0);
   return 0;
 }
@@ -504,7 +510,9 @@ int fs_close_listen(struct fs_listen_comm* lcomm) {
     }
   }
   close(lcomm->fd);
+  struct fs_context* ctx = lcomm->ctx;
   free(lcomm);
+  fs_context_release(ctx);
   fs_global_release();
   return 0;
 }

@@ -244,17 +244,26 @@ static int marking_equal(const struct fs_level_marking* a, const struct fs_level
   return a->dscp == b->dscp && a->so_priority == b->so_priority;
 }
 
+/* Recompute the marking for the slot's level `raw` under the config in force. A new level
+ * is always recorded as applied; a rewritten config only when it moved the effective level
+ * (e.g. a new default for the class), so applied_ns keeps meaning "when this level began". */
 static void comm_apply_level(struct fs_comm* comm, uint32_t raw) {
   struct fs_level_marking marking;
-  uint32_t level = fs_flow_effective_level(&comm->flow, raw, &marking);
+  uint32_t config_seq = FS_CONFIG_SEQ_NONE;
+  uint32_t level = fs_flow_effective_level(&comm->flow, raw, &marking, &config_seq);
   if (!marking_equal(&marking, &comm->flow.marking)) {
     for (int i = 0; i <= comm->nsocks; i++) {
       fs_sock_apply_marking(comm->fds[i], comm->family, &marking);
     }
     comm->flow.marking = marking;
   }
+  uint32_t applied = atomic_load_explicit(&comm->flow.slot->applied_level, memory_order_relaxed);
+  int record = raw != comm->flow.seen_level || level != applied;
   comm->flow.seen_level = raw;
-  fs_flow_applied(&comm->flow, level);
+  comm->flow.seen_config_seq = config_seq;
+  if (record) {
+    fs_flow_applied(&comm->flow, level);
+  }
 }
 
 void fs_comm_poll_level(struct fs_comm* comm) {

@@ -16,6 +16,10 @@
  *                                         sends setNetAttr hints on the same contexts
  *   harness PLUGIN.so cycles VERSION      init/finalize cycles, then dlclose/dlopen cycles
  *   harness PLUGIN.so errors VERSION      misuse returns NCCL error codes, never crashes
+ *   harness PLUGIN.so lifetime VERSION    finalize before the context's listen comm, open
+ *                                         connections or pending connect are closed: they
+ *                                         keep working, and the context is freed by the last
+ *                                         close (v11/v12; run under ASan+LSan by make check)
  *   harness PLUGIN.so bw SIZE COUNT [V]   benchmark: streaming throughput (JSON line)
  *   harness PLUGIN.so rtt COUNT [V]       benchmark: 8-byte round trip (JSON line)
  *
@@ -591,6 +595,77 @@ static int test_errors(int version) {
   return 0;
 }
 
+/* ---- context lifetime: finalize while the context is still in use ----------------------- */
+
+/* finalize(owner) with a listen comm of `owner` open: a peer connects, accept still works on
+ * the listen comm (it reads the context), and data flows on the accepted connection. */
+static void lifetime_listen_outlives_finalize(struct net* n, void* peer) {
+  void* owner = net_init(n, 0xA1, -1);
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void *lcomm = NULL, *scomm = NULL, *rcomm = NULL;
+  net_listen(n, owner, handle, &lcomm);
+  net_finalize(n, owner);
+  double deadline = now_s() + TIMEOUT_S;
+  while (scomm == NULL || rcomm == NULL) {
+    if (scomm == NULL) NCHECK(net_connect_step(n, peer, handle, -1, &scomm));
+    if (rcomm == NULL) NCHECK(CALL(n, accept, lcomm, &rcomm, NULL));
+    CHECK(now_s() < deadline, "connect/accept after finalize timed out");
+  }
+  NCHECK(CALL(n, closeListen, lcomm));
+  pump_pair(n, scomm, rcomm, 5000, 31);
+  NCHECK(CALL(n, closeSend, scomm));
+  NCHECK(CALL(n, closeRecv, rcomm)); /* the owner context's last reference */
+}
+
+/* finalize(owner) with both ends of a connection open: they keep working until closed. */
+static void lifetime_comms_outlive_finalize(struct net* n) {
+  void* owner = net_init(n, 0xA2, -1);
+  void *scomm, *rcomm;
+  connect_alternating(n, owner, &scomm, &rcomm);
+  net_finalize(n, owner);
+  pump_pair(n, scomm, rcomm, 70000, 32);
+  NCHECK(CALL(n, closeSend, scomm));
+  NCHECK(CALL(n, closeRecv, rcomm)); /* the owner context's last reference */
+}
+
+/* finalize(owner) while its connect is still retrying a refused address: the pending
+ * connection keeps the context; when the retries run out, the failure frees both. */
+static void lifetime_pending_connect_outlives_finalize(struct net* n, void* peer) {
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void* lcomm = NULL;
+  net_listen(n, peer, handle, &lcomm);
+  NCHECK(CALL(n, closeListen, lcomm)); /* nothing listens there any more: refused */
+  void* owner = net_init(n, 0xA3, -1);
+  void* scomm = NULL;
+  NCHECK(net_connect_step(n, owner, handle, -1, &scomm));
+  CHECK(scomm == NULL, "a connect to a closed port completed");
+  net_finalize(n, owner);
+  ncclResult_t res = ncclSuccess;
+  double deadline = now_s() + TIMEOUT_S;
+  while (res == ncclSuccess) {
+    res = net_connect_step(n, owner, handle, -1, &scomm); /* NCCL's retry, same arguments */
+    CHECK(scomm == NULL, "a connect to a closed port completed");
+    CHECK(now_s() < deadline, "refused connect never gave up");
+  }
+  CHECK(res == ncclRemoteError, "refused connect returned %d", (int)res);
+}
+
+static int test_lifetime(int version) {
+  if (version == 10) {
+    return 0; /* one process-wide context, no finalize */
+  }
+  setenv("FLOWSCHED_CONNECT_RETRIES", "3", 1); /* read by the first init below */
+  struct net n;
+  net_open(&n, version);
+  void* peer = net_init(&n, 0xB0, -1);
+  lifetime_listen_outlives_finalize(&n, peer);
+  lifetime_comms_outlive_finalize(&n);
+  lifetime_pending_connect_outlives_finalize(&n, peer);
+  net_finalize(&n, peer);
+  net_close(&n);
+  unsetenv("FLOWSCHED_CONNECT_RETRIES");
+  return 0;
+}
 
 /* ---- benchmarks (bench/plugin_bench.py runs these next to bench/plain_tcp.c) ------------ */
 
@@ -768,6 +843,8 @@ static int run_one(const char* name, int version) {
     rc = test_cycles(version);
   } else if (strcmp(name, "errors") == 0) {
     rc = test_errors(version);
+  } else if (strcmp(name, "lifetime") == 0) {
+    rc = test_lifetime(version);
   } else {
     fprintf(stderr, "unknown test %s\n", name);
     return 2;
@@ -779,7 +856,8 @@ static int run_one(const char* name, int version) {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    fprintf(stderr, "usage: %s PLUGIN.so all|transfer|alternate|contexts|cycles|errors [VERSION]\n",
+    fprintf(stderr,
+            "usage: %s PLUGIN.so all|transfer|alternate|contexts|cycles|errors|lifetime [VERSION]\n",
             argv[0]);
     return 2;
   }
@@ -794,7 +872,8 @@ int main(int argc, char** argv) {
   if (strcmp(argv[2], "all") != 0) {
     return run_one(argv[2], argc > 3 ? atoi(argv[3]) : 11);
   }
-  static const char* const tests[] = {"transfer", "alternate", "contexts", "cycles", "errors"};
+  static const char* const tests[] = {"transfer", "alternate", "contexts", "cycles", "errors",
+                                      "lifetime"};
   for (int version = 10; version <= 12; version++) {
     for (size_t t = 0; t < sizeof(tests) / sizeof(tests[0]); t++) {
       if (run_one(tests[t], version) != 0) {

@@ -49,14 +49,35 @@ class TestTable:
         values = value if isinstance(value, tuple) else (value,)
         struct.pack_into(fmt, self.mem, base + off, *values)
 
+    def get(self, name: str) -> int:
+        """A scalar header field."""
+        off, fmt = HEADER[name]
+        value: int = struct.unpack_from(fmt, self.mem, off)[0]
+        return value
+
     def configure(
         self,
         class_map: dict[int, int] | None = None,
         default_level: tuple[int, ...] = (0, 3, 2, 1, 2, 7),
         fallback_class: int = 0,
         num_levels: int = 8,
+        dscp: tuple[int, ...] = DSCP,
     ) -> None:
-        """(Re)write the header and config area, like an agent starting up."""
+        """(Re)write the header and config area, like an agent starting up: under the
+        config_seq seqlock (odd while written, then even and larger than before)."""
+        seq = self.get("config_seq")
+        self.put("config_seq", (seq + 1) | 1)
+        self._write_config(class_map, default_level, fallback_class, num_levels, dscp)
+        self.put("config_seq", ((seq + 1) | 1) + 1)
+
+    def _write_config(
+        self,
+        class_map: dict[int, int] | None,
+        default_level: tuple[int, ...],
+        fallback_class: int,
+        num_levels: int,
+        dscp: tuple[int, ...],
+    ) -> None:
         for name, value in (
             ("magic", layout.MAGIC),
             ("version", layout.VERSION),
@@ -80,8 +101,8 @@ class TestTable:
         self.put("default_level", tuple(levels))
         marks: list[int] = []
         for level in range(layout.MAX_LEVELS):
-            i = min(level, len(DSCP) - 1)
-            marks += [DSCP[i], SO_PRIORITY[i]]
+            i = min(level, len(SO_PRIORITY) - 1)
+            marks += [dscp[min(level, len(dscp) - 1)], SO_PRIORITY[i]]
         self.put("level_marking", tuple(marks))
 
     def corrupt(self) -> None:

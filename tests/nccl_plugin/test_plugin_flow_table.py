@@ -4,12 +4,13 @@ level changes reaching the sockets, setNetAttr hints, and running without a usab
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from plugin_table import TestTable
+from plugin_table import DSCP, TestTable
 
 from flowsched.model import FlowClass
 from flowsched.nccl.harness import (
@@ -216,3 +217,122 @@ def test_interoperates_with_the_agent_table_module(plugin_env: Path, fresh_lib: 
         assert agent.slot(slot.index).state == layout.SLOT_CLOSED
     finally:
         agent.close()
+
+
+# ---- following the agent's config area (config_seq seqlock) ---------------------------------
+
+
+def socket_fds() -> set[int]:
+    """The socket file descriptors open in this process."""
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+        except OSError:
+            continue  # closed meanwhile (e.g. the listdir descriptor itself)
+    return fds
+
+
+def dscps(fds: set[int]) -> set[int]:
+    """The DSCP values the IPv4 TCP sockets among ``fds`` carry."""
+    found = set()
+    for fd in fds:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            if sock.family == socket.AF_INET and sock.type == socket.SOCK_STREAM:
+                found.add(sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) >> 2)
+    return found
+
+
+def test_rewritten_marking_reaches_open_connections(table: TestTable, fresh_lib: Path) -> None:
+    """The agent rewrites the level -> DSCP table (e.g. the coordinator pushed its policy):
+    connections already open carry the new DSCP from their next message on, although their
+    level did not change."""
+    before = socket_fds()
+    plugin, ctx, send, recv = open_pair(fresh_lib)
+    mine = socket_fds() - before
+    assert len(mine) == 6  # control + 2 data sockets, each end
+    loopback_message(send, recv, b"x" * 5000)
+    assert dscps(mine) == {DSCP[0]}
+    table.configure(dscp=(12, *DSCP[1:]))
+    loopback_message(send, recv, b"x" * 5000)
+    assert dscps(mine) == {12}
+    send_index = next(i for i, s in table.slots() if s["direction"] == layout.DIR_SEND)
+    table.set_level(send_index, 0)  # the same level, written again: nothing to do
+    table.configure(dscp=(20, *DSCP[1:]))
+    loopback_message(send, recv, b"x" * 5000)
+    assert dscps(mine) == {20}
+    close_pair(plugin, ctx, send, recv)
+
+
+def test_rewritten_default_level_reaches_open_connections(
+    table: TestTable, fresh_lib: Path
+) -> None:
+    plugin, ctx, send, recv = open_pair(fresh_lib)  # class tp: default level 0
+    assert {s["applied_level"] for _, s in table.slots()} == {0}
+    table.configure(default_level=(3, 3, 2, 1, 2, 7))
+    loopback_message(send, recv, b"after the rewrite")
+    for _, slot in table.slots():
+        assert slot["level"] == layout.LEVEL_UNSET and slot["applied_level"] == 3
+    send_index = next(i for i, s in table.slots() if s["direction"] == layout.DIR_SEND)
+    table.set_level(send_index, 5)  # a level the agent wrote still wins over the default
+    loopback_message(send, recv, b"promoted")
+    assert table.slot(send_index)["applied_level"] == 5
+    close_pair(plugin, ctx, send, recv)
+
+
+def test_rewrite_in_progress_uses_the_last_consistent_config(
+    table: TestTable, fresh_lib: Path
+) -> None:
+    """While the agent holds the seqlock (odd config_seq), a new connection resolves its
+    class and level with the config the plugin last read, not the compiled-in defaults
+    (which would map trafficClass 5 to bulk, level 7, for the connection's whole life)."""
+    table.configure(class_map={5: FlowClass.KV})
+    plugin = Plugin(fresh_lib, 11)
+    ctx = plugin.init(comm_id=1, traffic_class=5)
+    first = connect_pair(ctx)
+    assert {(s["class_id"], s["applied_level"]) for _, s in table.slots()} == {(FlowClass.KV, 1)}
+    for comm in first:
+        comm.close()  # the context keeps the table mapped, as a live communicator does
+    table.put("config_seq", table.get("config_seq") + 1)  # the agent starts a rewrite
+    send, recv = connect_pair(ctx)
+    active = table.slots(layout.SLOT_ACTIVE)
+    assert len(active) == 2
+    assert {(s["class_id"], s["applied_level"]) for _, s in active} == {(FlowClass.KV, 1)}
+    close_pair(plugin, ctx, send, recv)
+
+
+def test_config_first_read_during_a_rewrite_is_adopted_once_it_completes(
+    table: TestTable, fresh_lib: Path
+) -> None:
+    """With no consistent copy ever read, the compiled-in defaults apply; once the rewrite
+    completes, open connections take the table's levels (their class stays as resolved)."""
+    table.configure(class_map={5: FlowClass.KV}, default_level=(0, 3, 2, 1, 2, 4))
+    seq = table.get("config_seq")
+    table.put("config_seq", seq + 1)  # odd before the plugin ever reads the table
+    plugin, ctx, send, recv = open_pair(fresh_lib, tc=5)
+    assert {(s["class_id"], s["applied_level"]) for _, s in table.slots()} == {(FlowClass.BULK, 7)}
+    loopback_message(send, recv, b"still being written")
+    assert {s["applied_level"] for _, s in table.slots()} == {7}
+    table.put("config_seq", seq + 2)  # the rewrite is done
+    loopback_message(send, recv, b"done")
+    assert {(s["class_id"], s["applied_level"]) for _, s in table.slots()} == {(FlowClass.BULK, 4)}
+    close_pair(plugin, ctx, send, recv)
+
+
+def test_config_area_is_reread_only_when_config_seq_moves(
+    table: TestTable, fresh_lib: Path
+) -> None:
+    """The plugin keeps its copy of the config area until config_seq changes (the layout
+    allows rewrites only under the seqlock), so a level change copies nothing."""
+    plugin, ctx, send, recv = open_pair(fresh_lib)
+    send_index = next(i for i, s in table.slots() if s["direction"] == layout.DIR_SEND)
+    table._write_config(None, (0, 3, 2, 1, 2, 7), 0, 2, DSCP)  # num_levels 8 -> 2, no seqlock
+    table.set_level(send_index, 6)
+    loopback_message(send, recv, b"x")
+    assert table.slot(send_index)["applied_level"] == 6  # not clamped to 1: old copy in use
+    table.configure(num_levels=2)  # the same, under the seqlock
+    table.set_level(send_index, 5)
+    loopback_message(send, recv, b"x")
+    assert table.slot(send_index)["applied_level"] == 1
+    close_pair(plugin, ctx, send, recv)

@@ -10,8 +10,10 @@ import threading
 from pathlib import Path
 
 import pytest
+from plugin_table import TestTable
 
 from flowsched.nccl.harness import Plugin, PluginError, connect_pair, loopback_message, stream
+from flowsched.shm import layout
 
 PEER = Path(__file__).with_name("plugin_peer.py")
 VERSIONS = [10, 11, 12]
@@ -125,6 +127,56 @@ def test_truncated_receive_is_invalid_usage(plugin_env: Path, plugin_lib: Path) 
     recv.close()
     ctx.finalize()
     plugin.close()
+
+
+@pytest.mark.parametrize("retries", [0, 2], ids=["no-retry", "after-retries"])
+def test_refused_connect_is_remote_error(
+    plugin_env: Path, fresh_lib: Path, monkeypatch: pytest.MonkeyPatch, retries: int
+) -> None:
+    """A peer that refuses the connection (also after the retries) is ncclRemoteError, as in
+    NCCL's own socket transport, not a local ncclSystemError."""
+    monkeypatch.setenv("FLOWSCHED_CONNECT_RETRIES", str(retries))
+    plugin = Plugin(fresh_lib, 11)
+    ctx = plugin.init(comm_id=3)
+    listener = ctx.listen()
+    listener.close()  # nothing listens on that port any more
+    try:
+        with pytest.raises(PluginError) as err:
+            ctx.connect(listener.handle, timeout=10)
+        assert err.value.call == "connect" and err.value.code == 6  # ncclRemoteError
+    finally:
+        ctx.finalize()
+        plugin.close()
+
+
+@pytest.mark.parametrize("version", [11, 12], ids=["v11", "v12"])
+def test_finalize_before_listen_and_connections_are_closed(
+    plugin_env: Path, fresh_lib: Path, version: int
+) -> None:
+    """finalize may come before closeListen and before the context's connections close: the
+    listen comm still accepts for the finalized context (its commId and trafficClass reach the
+    accepted connection's slot) and the connections keep working. The ASan harness
+    (`harness lifetime`, run by `make -C nccl_plugin check`) checks the same for memory."""
+    table = TestTable(plugin_env)
+    plugin = Plugin(fresh_lib, version)
+    owner = plugin.init(comm_id=0xA1, traffic_class=2)
+    peer = plugin.init(comm_id=0xB2)
+    listener = owner.listen()
+    owner.finalize()
+    connector = peer.connector(listener.handle)
+    send, recv = None, None
+    while send is None or recv is None:
+        send = send or connector.step()
+        recv = recv or listener.accept_step()
+    listener.close()
+    assert loopback_message(send, recv, b"after finalize" * 1000) == b"after finalize" * 1000
+    accepted = [s for _, s in table.slots() if s["direction"] == layout.DIR_RECV]
+    assert [(s["comm_id"], s["traffic_class"]) for s in accepted] == [(0xA1, 2)]
+    send.close()
+    recv.close()
+    peer.finalize()
+    plugin.close()
+    table.close()
 
 
 def test_properties_as_nccl_requires(plugin_env: Path, plugin_lib: Path) -> None:

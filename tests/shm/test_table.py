@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flowsched.shm import layout as L
+from flowsched.shm import table as table_module
 from flowsched.shm.table import (
     EmulatedPluginSlot,
     FlowTable,
@@ -70,6 +71,28 @@ def test_create_round_trips_config_and_header(table_path: str) -> None:
     assert header["agent_pid"] == 4242 and header["num_levels"] == 4
     assert header["config_seq"] % 2 == 0 and header["config_seq"] > 0
     assert os.path.getsize(table_path) == L.table_size(16)
+
+
+def test_write_config_holds_the_seqlock_only_for_the_copy(
+    table_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The config area is packed before config_seq turns odd: a plugin that opens a
+    connection meanwhile must not find the seqlock busy for the (slow) packing."""
+    seq_while_packing: list[int] = []
+    pack = table_module._pack_config
+
+    def spy(cfg: TableConfig) -> bytes:
+        seq_while_packing.append(table.header()["config_seq"])
+        return pack(cfg)
+
+    monkeypatch.setattr(table_module, "_pack_config", spy)
+    table, _ = FlowTable.create_or_attach(table_path, num_slots=2)
+    with table:
+        for _ in range(3):
+            table.write_config(CONFIG)
+        assert seq_while_packing == [0, 2, 4]  # even: stable while packing
+        assert table.header()["config_seq"] == 6
+        assert table.read_config().markings == CONFIG.markings
 
 
 def test_reattach_keeps_slots_and_bumps_generation(table_path: str) -> None:
