@@ -20,7 +20,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from flowsched.coordinator.exposition import make_handler
+from flowsched.coordinator.exposition import start_metrics_server
 from flowsched.model import FlowClass
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ class AgentCollector(Collector):
             ),
         ):
             family = HistogramMetricFamily(name, text, labels=["node"])
-            family.add_metric([node], hist.cumulative(), sum_value=hist.total)
+            family.add_metric([node], hist.cumulative(), sum_value=hist.sum)
             yield family
         updates = CounterMetricFamily(
             "flowsched_agent_level_updates",
@@ -187,6 +187,6 @@ async def start_http(
     """Serve ``GET /metrics`` for ``agent`` on ``host:port`` (0 = any free port)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(AgentCollector(agent))
-    server = await asyncio.start_server(make_handler(registry), host, port)
+    server = await start_metrics_server(registry, host, port)
     bound = server.sockets[0].getsockname()
     return server, (str(bound[0]), int(bound[1]))

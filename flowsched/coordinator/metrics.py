@@ -7,8 +7,7 @@ into metric families when Prometheus scrapes.
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client.core import (
@@ -18,7 +17,8 @@ from prometheus_client.core import (
     Metric,
 )
 
-from flowsched.coordinator.state import SLACK_BUCKETS, ClusterState
+from flowsched.coordinator.histogram import Histogram
+from flowsched.coordinator.state import ClusterState
 
 #: Buckets (seconds) of the decision-latency histogram: 50 us .. 1 s.
 LATENCY_BUCKETS = (
@@ -26,47 +26,6 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 PREFIX = "flowsched_coordinator"
-
-
-class Histogram:
-    """A bucket array with cumulative export; ``observe`` is one bisect and two adds."""
-
-    __slots__ = ("bounds", "count", "counts", "sum")
-
-    def __init__(self, bounds: Sequence[float]) -> None:
-        self.bounds = tuple(bounds)
-        self.counts = [0] * (len(self.bounds) + 1)
-        self.sum = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        """Add one observation."""
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        """``[(le, cumulative count), ...]`` ending with ``+Inf``, as Prometheus wants."""
-        return _cumulative(self.bounds, self.counts)
-
-    def quantile(self, q: float) -> float:
-        """Upper bound of the bucket holding quantile ``q`` (an over-estimate; inf if beyond)."""
-        target = q * self.count
-        running = 0
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            running += count
-            if running >= target and running:
-                return bound
-        return float("inf")
-
-
-def _cumulative(bounds: Sequence[float], counts: Sequence[int]) -> list[tuple[str, float]]:
-    out: list[tuple[str, float]] = []
-    running = 0
-    for bound, count in zip((*bounds, float("inf")), counts, strict=True):
-        running += count
-        out.append(("+Inf" if bound == float("inf") else repr(bound), running))
-    return out
 
 
 @dataclass(slots=True)
@@ -169,7 +128,7 @@ class CoordinatorCollector:
             f"{PREFIX}_completion_slack_seconds",
             "Deadline minus completion time of closed deadline flows (negative = missed).",
         )
-        family.add_metric([], _cumulative(SLACK_BUCKETS, stats.slack_counts), stats.slack_sum)
+        family.add_metric([], stats.slack.cumulative(), stats.slack.sum)
         return family
 
     def _latency(self) -> Iterator[Metric]:

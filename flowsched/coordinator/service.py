@@ -24,12 +24,8 @@ from prometheus_client import CollectorRegistry
 from flowsched.coordinator.config import Addresses, CoordinatorConfig
 from flowsched.coordinator.connection import READ_SIZE, AgentConnection, TimedStreamReader
 from flowsched.coordinator.exposition import start_metrics_server
-from flowsched.coordinator.metrics import (
-    LATENCY_BUCKETS,
-    CoordinatorCollector,
-    Histogram,
-    LiveCounters,
-)
+from flowsched.coordinator.histogram import Histogram
+from flowsched.coordinator.metrics import LATENCY_BUCKETS, CoordinatorCollector, LiveCounters
 from flowsched.coordinator.state import ClusterState
 from flowsched.protocol import (
     Flows,

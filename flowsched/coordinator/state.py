@@ -28,6 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from flowsched.coordinator.histogram import SLACK_BUCKETS, Histogram
 from flowsched.model import Context, Decision, Flow, FlowClass
 from flowsched.policies.base import Policy
 from flowsched.protocol import (
@@ -41,8 +42,6 @@ from flowsched.protocol import (
 
 #: Flows of the timer sweep evaluated between two checks of its time budget.
 SWEEP_STEP = 32
-#: Buckets (seconds) of the slack-at-completion histogram: deadline - completion time.
-SLACK_BUCKETS = (-10.0, -1.0, -0.1, -0.01, 0.0, 0.01, 0.1, 1.0, 10.0, 100.0)
 
 
 @dataclass(slots=True)
@@ -58,8 +57,12 @@ class Stats:
     #: timer ticks that found the previous sweep unfinished (the effective period stretched)
     sweep_overruns: int = 0
     completed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
-    slack_counts: list[int] = field(default_factory=lambda: [0] * (len(SLACK_BUCKETS) + 1))
-    slack_sum: float = 0.0
+    slack: Histogram = field(default_factory=lambda: Histogram(SLACK_BUCKETS))
+
+    @property
+    def slack_counts(self) -> list[int]:
+        """Closed deadline flows per slack bucket (the last: beyond every bound)."""
+        return self.slack.counts
 
 
 class ClusterState:
@@ -363,8 +366,7 @@ class ClusterState:
             return
         slack = flow.deadline - closed_at
         self.stats.completed[(flow.cls.label, "met" if slack >= 0 else "missed")] += 1
-        self.stats.slack_counts[_bucket(slack)] += 1
-        self.stats.slack_sum += slack
+        self.stats.slack.observe(slack)
 
     # -- views for metrics -------------------------------------------------------------------
 
@@ -374,10 +376,3 @@ class ClusterState:
         for flow in self.flows.values():
             counts[(flow.cls, flow.level)] += 1
         return counts
-
-
-def _bucket(value: float) -> int:
-    for index, bound in enumerate(SLACK_BUCKETS):
-        if value <= bound:
-            return index
-    return len(SLACK_BUCKETS)

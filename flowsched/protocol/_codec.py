@@ -204,18 +204,10 @@ _set_progress_id = vars(FlowProgress)["id"].__set__
 _set_progress_sent = vars(FlowProgress)["sent"].__set__
 
 
-def _new_progress(fid: int, sent: int) -> FlowProgress:
-    # Same object as FlowProgress(fid, sent), built through the slot descriptors: the frozen
-    # dataclass __init__ costs 3x more, and this is the per-entry hot path of the coordinator.
-    progress: FlowProgress = object.__new__(FlowProgress)
-    _set_progress_id(progress, fid)
-    _set_progress_sent(progress, sent)
-    return progress
-
-
 def _progress_entries(items: list[Any], path: str) -> tuple[FlowProgress, ...]:
-    # The per-entry hot loop of the coordinator, inlined; anything unusual falls back to the
-    # checked path, which names the bad entry.
+    # The per-entry hot loop of the coordinator, inlined: each entry is built through the slot
+    # descriptors (the frozen dataclass __init__ costs 3x more); anything unusual falls back to
+    # the checked path, which names the bad entry.
     out: list[FlowProgress] = []
     append, new = out.append, object.__new__
     for item in items:
@@ -233,13 +225,7 @@ def _progress_entries(items: list[Any], path: str) -> tuple[FlowProgress, ...]:
 
 
 def _flow_progress(item: object, path: str) -> FlowProgress:
-    # Fast path: the hot message of the protocol. Anything unusual takes the checked path below,
-    # which produces the precise error.
-    if type(item) is dict and len(item) == 2:
-        fid = item.get("id")
-        sent = item.get("sent")
-        if type(fid) is int and type(sent) is int and 0 <= fid <= U64_MAX and 0 <= sent <= U64_MAX:
-            return _new_progress(fid, sent)
+    # the checked path, taken only when _progress_entries met an unusual entry
     f = _Fields(item, path, _PROGRESS_FIELDS)
     progress = FlowProgress(f.integer("id", 0, U64_MAX), f.integer("sent", 0, U64_MAX))
     f.finish()
