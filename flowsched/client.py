@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from flowsched.model import FlowClass
-from flowsched.protocol import is_name, sdk
+from flowsched.protocol import sdk
 
 log = logging.getLogger("flowsched.client")
 
@@ -440,22 +440,16 @@ def open_flow(
     the receiver). Argument errors raise ValueError; an absent or failing agent never raises.
     """
     flow_class = FlowClass.parse(cls) if isinstance(cls, str) else FlowClass(cls)
-    _check_arguments(bytes, deadline, peer)
-    for name, value in (("job", job), ("request", request)):
-        if value is not None and not is_name(value):
-            raise ValueError(f"{name} must be a printable name of 1..255 characters, got {value!r}")
-    if consumer_step is not None and not _count(consumer_step):
-        raise ValueError(f"consumer_step must be an integer >= 0, got {consumer_step!r}")
-    if dst_node is not None and not is_name(dst_node, sdk.MAX_NODE):
-        raise ValueError(f"dst_node must be a printable node name, got {dst_node!r}")
+    request_template = sdk.Open(
+        0, flow_class.label, bytes, deadline, consumer_step, job, request, peer, dst_node
+    )
+    _check_open(request_template)
     if job is None and consumer_step is not None:
         job = _last_job  # the job this process last reported with job_progress()
     conn = connection(socket_path)
     handle = FlowHandle(flow_class, static_marking(flow_class), conn)
     try:
-        handle._request = sdk.Open(
-            0, flow_class.label, bytes, deadline, consumer_step, job, request, peer, dst_node
-        )
+        handle._request = dataclasses.replace(request_template, job=job)
         if conn.ensure_connected():
             req = dataclasses.replace(handle._request, ref=conn.next_ref())
             reply = conn.open(req, handle)
@@ -470,18 +464,20 @@ def open_flow(
     return handle
 
 
-def _count(value: object) -> bool:
-    """A step, layer or consumer index as the protocol carries it: an integer >= 0."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+#: open_flow() arguments whose names differ from the ``open`` message's fields
+_ARGUMENT_NAMES = {"size": "bytes", "consumer_index": "consumer_step"}
 
 
-def _check_arguments(size: int | None, deadline: float | None, peer: int | None) -> None:
-    if size is not None and (not isinstance(size, int) or size < 0):
-        raise ValueError(f"bytes must be a non-negative integer, got {size!r}")
-    if deadline is not None and not (isinstance(deadline, int | float) and deadline >= 0):
-        raise ValueError(f"deadline must be absolute seconds (time.time()), got {deadline!r}")
-    if peer is not None and (not isinstance(peer, int) or peer < -1):
-        raise ValueError(f"peer must be a rank >= 0, got {peer!r}")
+def _check_open(request: sdk.Open) -> None:
+    """Refuse what the agent's SDK decoder would refuse (it would drop the whole connection)."""
+    try:
+        sdk.check_message(request)
+    except sdk.SdkProtocolError as exc:
+        field = exc.field or "open"
+        name = _ARGUMENT_NAMES.get(field, field)
+        value = getattr(request, field, None)
+        reason = str(exc).split(": ", 1)[-1]
+        raise ValueError(f"{name} is invalid ({reason}), got {value!r}") from None
 
 
 @contextlib.contextmanager
@@ -519,11 +515,13 @@ def job_progress(
     job: str, step: int, layer: int | None = None, *, socket_path: str | None = None
 ) -> bool:
     """Tell the agent that ``job`` reached ``step`` (and ``layer``); False if no agent got it."""
-    if not is_name(job) or not _count(step) or not (layer is None or _count(layer)):
+    try:
+        sdk.check_message(sdk.JobProgress(job, step, layer))
+    except sdk.SdkProtocolError as exc:
         raise ValueError(
-            "job must be a printable name, step and layer integers >= 0, "
-            f"got {job!r}, {step!r}, {layer!r}"
-        )
+            "job must be a printable name, step and layer integers in 0..2**63-1, "
+            f"got {job!r}, {step!r}, {layer!r} ({exc})"
+        ) from None
     global _last_job
     _last_job = job
     conn = connection(socket_path)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from flowsched.protocol import is_name
+from flowsched.protocol.sdk import MAX_NODE
 from flowsched.shm import layout
 
 DEFAULT_TABLE = "/dev/shm/flowsched-table"
@@ -17,7 +20,7 @@ def default_nic_interval() -> float:
         value = float(os.environ.get("FLOWSCHED_NIC_INTERVAL", "1.0"))
     except ValueError:
         return 1.0
-    return value if value > 0 else 1.0
+    return value if _positive(value) else 1.0
 
 
 def default_link_capacity() -> float | None:
@@ -26,12 +29,41 @@ def default_link_capacity() -> float | None:
         value = float(os.environ.get("FLOWSCHED_LINK_CAPACITY", "0"))
     except ValueError:
         return None
-    return value if value > 0 else None
+    return value if _positive(value) else None
 
 
 def default_table_path() -> str:
     """``$FLOWSCHED_TABLE`` or ``/dev/shm/flowsched-table``."""
     return os.environ.get("FLOWSCHED_TABLE") or DEFAULT_TABLE
+
+
+def _positive(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return math.isfinite(value) and value > 0
+
+
+class AgentConfigError(ValueError):
+    """An invalid :class:`AgentConfig` field (``field`` names it)."""
+
+    def __init__(self, field_name: str, problem: str) -> None:
+        super().__init__(f"{field_name}: {problem}")
+        self.field = field_name
+        self.problem = problem
+
+
+#: fields that must be finite numbers > 0 (a zero bandwidth divides by zero in the NIC loop,
+#: an infinite or NaN interval spins or never wakes)
+_POSITIVE_FIELDS = (
+    "fallback_after",
+    "default_bandwidth",
+    "poll_interval",
+    "report_interval",
+    "progress_interval",
+    "nic_interval",
+    "reconnect_interval",
+    "connect_timeout",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,3 +113,25 @@ class AgentConfig:
     reconnect_interval: float = 0.1
     connect_timeout: float = 2.0
     on_ready: Callable[[ReadyInfo], None] | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse values that would fail later, far from their cause.
+
+        Raises:
+            AgentConfigError: naming the bad field.
+        """
+        if not is_name(self.node, MAX_NODE) or self.node != self.node.strip():
+            raise AgentConfigError(
+                "node",
+                f"expected a printable name of 1..{MAX_NODE} characters without surrounding "
+                f"blanks (the coordinator's link ids are built from it), got {self.node!r}",
+            )
+        for name in _POSITIVE_FIELDS:
+            _check_positive(name, getattr(self, name))
+        if self.link_capacity is not None:
+            _check_positive("link_capacity", self.link_capacity)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not _positive(value):
+        raise AgentConfigError(name, f"expected a finite number > 0, got {value!r}")

@@ -24,13 +24,22 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from flowsched.model import Flow, FlowClass
-from flowsched.protocol import FlowClose, FlowOpen, FlowProgress, Flows
+from flowsched.protocol import U64_MAX, FlowClose, FlowOpen, FlowProgress, Flows, Resync
 from flowsched.shm import layout
 from flowsched.shm.table import SlotSnapshot
 
 SlotKey = tuple[int, int]
+_T = TypeVar("_T")
+
+#: flow opens per ``flows``/``resync`` frame. An agent's open is at most ~3.9 KB on the wire
+#: (job and request of 255 four-byte characters, three links of a 128-character node name), so
+#: 200 of them stay far below the 1 MiB default frame limit.
+MAX_OPENS_PER_FRAME = 200
+#: progress or close entries per ``flows`` frame (each well under 64 bytes)
+MAX_ENTRIES_PER_FRAME = 8192
 
 
 @dataclass(slots=True)
@@ -56,7 +65,12 @@ class SdkFlow:
     peer: int | None
     app_sent: int = 0
     slot_bytes_done: int = 0  # bytes of linked slots that have closed or unlinked
+    slot_bytes_live: int = 0  # bytes the linked slots moved since they were linked
     slots: set[SlotKey] = field(default_factory=set)
+
+    def sent(self) -> int:
+        """Bytes of the flow so far, capped at the protocol's u64 counter."""
+        return min(self.app_sent + self.slot_bytes_done + self.slot_bytes_live, U64_MAX)
 
 
 class FlowRegistry:
@@ -78,6 +92,8 @@ class FlowRegistry:
         self.flows: dict[int, Flow] = {}
         self.slots: dict[SlotKey, SlotConn] = {}
         self.sdk: dict[int, SdkFlow] = {}
+        #: a plugin connection's own flow -> its slot (set_level finds the slot without a scan)
+        self._own_slot: dict[int, SlotKey] = {}
         self.job_index: dict[str, int] = {}
         self._ids = itertools.count(((id_prefix & 0xFFFFFF) << 40) | 1)
         self._default_deadline = default_deadline
@@ -109,6 +125,7 @@ class FlowRegistry:
             self._pending_opens[flow_id] = _open_message(flow)
         self._closes.append(FlowClose(flow_id, flow.sent, now))
         self._reported.pop(flow_id, None)
+        self._own_slot.pop(flow_id, None)
         self.closed_total += 1
         self._closed_flows.append(flow)
         return flow
@@ -261,6 +278,7 @@ class FlowRegistry:
         flow.sent = conn.bytes - conn.base
         flow.attrs["slot"] = conn.key[0]
         conn.flow_id = flow.flow_id
+        self._own_slot[flow.flow_id] = conn.key
 
     def _matches(self, conn: SlotConn, sdk_id: int) -> bool:
         info = self.sdk[sdk_id]
@@ -284,16 +302,20 @@ class FlowRegistry:
     def _update_bytes(self, conn: SlotConn, nbytes: int) -> None:
         if nbytes == conn.bytes:
             return
-        conn.bytes = nbytes
+        grown, conn.bytes = nbytes - conn.bytes, nbytes
         if conn.flow_id is not None:
             self.flows[conn.flow_id].sent = nbytes - conn.base
         elif conn.linked_to is not None:
-            self._refresh_sdk(conn.linked_to)
+            # the per-scan hot path of a flow carried by many connections: add, do not re-sum
+            info = self.sdk[conn.linked_to]
+            info.slot_bytes_live += grown
+            self.flows[conn.linked_to].sent = info.sent()
 
     def _refresh_sdk(self, sdk_id: int) -> None:
+        """Re-sum the linked slots (after a link, unlink or application progress)."""
         info = self.sdk[sdk_id]
-        live = sum(self.slots[k].bytes - self.slots[k].base for k in info.slots)
-        self.flows[sdk_id].sent = info.app_sent + info.slot_bytes_done + live
+        info.slot_bytes_live = sum(self.slots[k].bytes - self.slots[k].base for k in info.slots)
+        self.flows[sdk_id].sent = info.sent()
 
     def _end(self, conn: SlotConn, now: float) -> None:
         del self.slots[conn.key]
@@ -323,10 +345,8 @@ class FlowRegistry:
         flow.level = level
         if flow_id in self.sdk:
             return sorted(self.sdk[flow_id].slots)
-        slot = flow.attrs.get("slot")
-        if slot is None:
-            return []
-        return [k for k, c in self.slots.items() if k[0] == slot and c.flow_id == flow_id]
+        key = self._own_slot.get(flow_id)
+        return [key] if key is not None else []
 
     # ------------------------------------------------------------------ reporting
     def take_batch(self, *, progress: bool = True) -> Flows | None:
@@ -359,6 +379,33 @@ class FlowRegistry:
         opens = tuple(_open_message(f, with_level=True) for f in self.flows.values())
         self._reported = {o.id: o.sent for o in opens}
         return opens
+
+
+def split_batch(batch: Flows) -> list[Flows]:
+    """``batch`` as frames that each fit the frame limit, opens first (a close or progress
+    entry must never reach the coordinator before its flow's open)."""
+    if len(batch.opens) <= MAX_OPENS_PER_FRAME and (
+        len(batch.progress) + len(batch.closes) <= MAX_ENTRIES_PER_FRAME
+    ):
+        return [batch]
+    frames = [Flows(part, (), ()) for part in _chunks(batch.opens, MAX_OPENS_PER_FRAME)]
+    frames += [Flows((), part, ()) for part in _chunks(batch.progress, MAX_ENTRIES_PER_FRAME)]
+    frames += [Flows((), (), part) for part in _chunks(batch.closes, MAX_ENTRIES_PER_FRAME)]
+    return frames
+
+
+def resync_frames(opens: tuple[FlowOpen, ...]) -> list[Resync | Flows]:
+    """A complete flow set as frames that each fit the frame limit: a ``resync`` with the first
+    opens (the coordinator drops the node's other flows), then ``flows`` opens for the rest
+    (admitted like new flows, keeping the level each carries)."""
+    parts = list(_chunks(opens, MAX_OPENS_PER_FRAME)) or [()]
+    frames: list[Resync | Flows] = [Resync(parts[0])]
+    frames += [Flows(part, (), ()) for part in parts[1:]]
+    return frames
+
+
+def _chunks(items: tuple[_T, ...], size: int) -> Iterable[tuple[_T, ...]]:
+    return (items[start : start + size] for start in range(0, len(items), size))
 
 
 def _open_message(flow: Flow, *, with_level: bool = False) -> FlowOpen:

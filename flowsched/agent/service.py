@@ -5,10 +5,13 @@ One asyncio loop runs everything, so the flow registry needs no locks:
 * ``_poll_table`` scans the shared-memory table every few ms (plugin connections become flows,
   closed slots are reported and freed, slots of dead processes reaped);
 * ``_uplink`` keeps the authenticated connection to the coordinator: after each (re)connect it
-  sends a ``resync`` with the complete flow set, then batches of opens/progress/closes, job
-  progress, NIC load and heartbeats, and applies the ``levels`` it receives;
-* ``_fallback`` runs the same policy locally (``make_policy()``) once the coordinator has been
-  silent for ``fallback_after`` seconds, and stops when it returns;
+  sends a ``resync`` with the complete flow set (split into frames that fit the frame limit),
+  then batches of opens/progress/closes, job progress, NIC load and heartbeats, and applies
+  the ``levels`` it receives. After a failed or ended session it waits ``reconnect_interval``,
+  doubling up to ``MAX_RECONNECT_BACKOFF``; no error of one session ends the loop;
+* ``_fallback_watch`` runs the same policy locally (``make_policy()``) once nothing has been
+  received from the coordinator for ``fallback_after`` seconds (a handshake alone does not
+  count), and stops when the coordinator's next message arrives;
 * the SDK server (:mod:`flowsched.agent.sdk_server`) opens and closes SDK flows.
 """
 
@@ -24,7 +27,7 @@ from typing import Any
 
 from flowsched import policyfile, rdma
 from flowsched.agent.config import AgentConfig, ReadyInfo
-from flowsched.agent.flows import FlowRegistry, SlotKey
+from flowsched.agent.flows import FlowRegistry, SlotKey, resync_frames, split_batch
 from flowsched.agent.metrics import start_http
 from flowsched.agent.nic import NicMonitor, default_interfaces
 from flowsched.agent.policy_view import PolicyView
@@ -39,7 +42,6 @@ from flowsched.protocol import (
     NicLoad,
     NicLoadEntry,
     ProtocolError,
-    Resync,
     load_token,
 )
 from flowsched.protocol.aio import AgentLink, HandshakeError, LinkClosed, connect_agent
@@ -55,6 +57,12 @@ SILENCE_HEARTBEATS = 3
 #: the local policy re-evaluates at the policy's timer period, but not more often than this
 #: (one node's flows do not need a 1 ms sweep; events such as opens are handled at once)
 MIN_LOCAL_PERIOD = 0.01
+#: the pause between reconnects doubles after each failed or ended session up to this (s) ...
+MAX_RECONNECT_BACKOFF = 1.0
+#: ... and starts again at ``reconnect_interval`` after a session that lasted this long (s)
+HEALTHY_SESSION = 5.0
+#: the least pause after the coordinator refused the handshake (wrong token, version)
+REFUSED_PAUSE = 1.0
 
 
 class Agent:
@@ -249,46 +257,71 @@ class Agent:
 
     # ------------------------------------------------------------------ coordinator link
     async def _uplink(self) -> None:
+        backoff = self.config.reconnect_interval
+        while True:
+            started = time.monotonic()
+            pause = 0.0
+            try:
+                pause = await self._connect_and_serve()
+            except Exception:  # a bug in one session must never end the uplink for good
+                log.exception("coordinator session failed")
+            if time.monotonic() - started >= HEALTHY_SESSION:
+                backoff = self.config.reconnect_interval
+            await asyncio.sleep(max(backoff, pause))
+            backoff = min(backoff * 2, max(MAX_RECONNECT_BACKOFF, self.config.reconnect_interval))
+
+    async def _connect_and_serve(self) -> float:
+        """One connection attempt and, when the handshake succeeds, one session; returns the
+        least pause before the next attempt."""
         assert self.config.coordinator is not None
         host, port = self.config.coordinator
         token = self._token or load_token(self.config.token_file)
-        while True:
-            try:
-                link = await connect_agent(
-                    host,
-                    port,
-                    node=self.config.node,
-                    token=token,
-                    timeout=self.config.connect_timeout,
-                )
-            except HandshakeError as exc:
-                log.error("coordinator %s:%d refused us: %s", host, port, exc)
-                await asyncio.sleep(max(self.config.reconnect_interval, 1.0))
-                continue
-            except (OSError, TimeoutError):
-                await asyncio.sleep(self.config.reconnect_interval)
-                continue
-            try:
-                await self._session(link)
-            except (LinkClosed, ProtocolError, OSError, TimeoutError) as exc:
-                log.warning("coordinator link lost: %s", exc)
-            finally:
-                self.connected = False
-                self.table_flag_connected(False if self.fallback is not None else None)
-                await link.close()
+        try:
+            link = await connect_agent(
+                host, port, node=self.config.node, token=token,
+                timeout=self.config.connect_timeout,
+            )  # fmt: skip
+        except HandshakeError as exc:
+            log.error("coordinator %s:%d refused us: %s", host, port, exc)
+            return REFUSED_PAUSE
+        except (OSError, TimeoutError):
+            return 0.0
+        try:
+            await self._session(link)
+        except (LinkClosed, ProtocolError, OSError, TimeoutError) as exc:
+            self._log_link_lost(exc)
+        finally:
+            self.connected = False
+            self.table_flag_connected(False if self.fallback is not None else None)
+            await link.close()
+        return 0.0
+
+    def _log_link_lost(self, exc: Exception) -> None:
+        error = exc.error if isinstance(exc, LinkClosed) else None
+        if error is not None and error.code == "replaced":
+            log.error(
+                "the coordinator replaced this connection: another agent uses --node %s "
+                "(every agent needs its own node name)",
+                self.config.node,
+            )
+        else:
+            log.warning("coordinator link lost: %s", str(exc) or type(exc).__name__)
 
     async def _session(self, link: AgentLink) -> None:
         assert self.registry is not None and link.welcome is not None
         self._adopt_policy(link.welcome.policy_toml)
         self._heartbeat_interval = link.welcome.heartbeat_interval or 0.2
-        self._last_rx = time.monotonic()
-        await link.send(Resync(self.registry.resync_opens()))
+        for message in resync_frames(self.registry.resync_opens()):
+            await link.send(message)
         for update in self._latest_jobs():
             await link.send(update)
         self.stats["resyncs_sent"] += 1
         self.stats["connects"] += 1
         self.connected = True
-        self._leave_fallback()
+        if self.fallback is None:
+            self.table_flag_connected(True)
+        # a running local policy stops with the coordinator's first message, not here: a
+        # coordinator that ends every session right after the handshake must not stop it
         log.info("connected to the coordinator; resync sent (%d flows)", len(self.registry.flows))
         receiver = asyncio.create_task(self._receive(link))
         sender = asyncio.create_task(self._send(link))
@@ -306,6 +339,8 @@ class Agent:
         while True:
             message = await link.recv(timeout=max(silence, 0.3))
             self._last_rx = time.monotonic()
+            if self.fallback is not None:
+                self._leave_fallback()
             if isinstance(message, Levels) and self.fallback is None:
                 self.telemetry.level_updates += len(message.updates)
                 decided = {u.id: (u.decided_at, u.decided_ns) for u in message.updates}
@@ -320,8 +355,8 @@ class Agent:
             if with_progress:
                 next_progress = now + self.config.progress_interval
             batch = self.registry.take_batch(progress=with_progress)
-            if batch is not None:
-                await link.send(batch)
+            for part in split_batch(batch) if batch is not None else ():
+                await link.send(part)
                 self.stats["batches_sent"] += 1
             for update in self._take_job_updates():
                 await link.send(update)
@@ -368,10 +403,16 @@ class Agent:
     async def _nic_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.nic_interval)
-            samples = self.nic.sample()
-            if samples:
-                entries = tuple(NicLoadEntry(s.link, s.bandwidth, s.load) for s in samples)
-                self._pending_nic = NicLoad(entries)
+            try:
+                self._sample_nic()
+            except Exception:
+                log.exception("NIC sample failed")
+
+    def _sample_nic(self) -> None:
+        samples = self.nic.sample()
+        if samples:
+            entries = tuple(NicLoadEntry(s.link, s.bandwidth, s.load) for s in samples)
+            self._pending_nic = NicLoad(entries)
 
     def table_flag_connected(self, on: bool | None) -> None:
         """Set FLAG_COORDINATOR_CONNECTED (None: leave it)."""
@@ -381,19 +422,27 @@ class Agent:
     # ------------------------------------------------------------------ local fallback
     async def _fallback_watch(self) -> None:
         while True:
-            if self.fallback is None and not self.connected:
-                due = self._last_rx + self.config.fallback_after
-                wait = due - time.monotonic()
-                if wait <= 0:
-                    self._enter_fallback(time.monotonic() - self._last_rx)
-                else:
-                    await asyncio.sleep(min(wait, 0.05))
-                    continue
-            if self.fallback is not None:
-                await asyncio.sleep(max(self.view.cfg.timer_period, MIN_LOCAL_PERIOD))
-                self._reevaluate()
-            else:
-                await asyncio.sleep(0.02)
+            try:
+                pause = self._fallback_step()
+            except Exception:  # one failing policy run must not end the fallback for good
+                log.exception("local policy step failed")
+                pause = max(self.view.cfg.timer_period, MIN_LOCAL_PERIOD)
+            await asyncio.sleep(pause)
+
+    def _fallback_step(self) -> float:
+        """Start the local policy when the coordinator is silent, or run it once; returns the
+        seconds until the next step."""
+        local_period: float = max(self.view.cfg.timer_period, MIN_LOCAL_PERIOD)
+        if self.fallback is not None:
+            self._reevaluate()
+            return local_period
+        if self.connected:
+            return 0.02
+        wait = self._last_rx + self.config.fallback_after - time.monotonic()
+        if wait > 0:
+            return min(wait, 0.05)
+        self._enter_fallback(time.monotonic() - self._last_rx)
+        return local_period
 
     def _context(self) -> Context:
         assert self.registry is not None

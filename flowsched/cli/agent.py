@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from flowsched.agent import AgentConfig, ReadyInfo, default_table_path, serve
+from flowsched.agent.config import AgentConfigError
 from flowsched.cli._common import host_port, loop_factory, setup_logging
 from flowsched.client import default_socket_path
 from flowsched.protocol import TokenFileError, load_token
@@ -104,15 +105,30 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         from flowsched import policyfile
 
         policyfile.loads(policy_text, source=args.policy)
-    if args.fallback_after <= 0:
-        raise ValueError("--fallback-after must be > 0")
-    overrides: dict[str, float] = {}
-    for name in ("link_capacity", "nic_interval"):
-        value = getattr(args, name)
-        if value is not None:
-            if value <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
-            overrides[name] = value
+    overrides = {
+        name: getattr(args, name)
+        for name in ("link_capacity", "nic_interval")
+        if getattr(args, name) is not None
+    }
+    try:
+        return _config(args, policy_text, overrides)
+    except AgentConfigError as exc:  # name the flag, not the config field
+        raise ValueError(f"{_FLAGS.get(exc.field, exc.field)}: {exc.problem}") from None
+
+
+#: AgentConfig fields set from flags whose names differ
+_FLAGS = {
+    "node": "--node",
+    "fallback_after": "--fallback-after",
+    "default_bandwidth": "--link-bandwidth",
+    "link_capacity": "--link-capacity",
+    "nic_interval": "--nic-interval",
+}
+
+
+def _config(
+    args: argparse.Namespace, policy_text: str | None, overrides: dict[str, float]
+) -> AgentConfig:
     return AgentConfig(
         node=args.node,
         socket_path=args.socket or default_socket_path(),

@@ -57,11 +57,19 @@ def _run(args: argparse.Namespace) -> int:
             per_flow_decisions={"auto": None, "yes": True, "no": False}[args.per_flow_policy],
         )  # fmt: skip
     except (TokenFileError, ValueError) as exc:
-        print(f"flowsched coordinator: {exc}", file=sys.stderr)
+        print(f"flowsched coordinator: {_flag_named(str(exc))}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=loop_factory(args.no_uvloop)) as runner:
         runner.run(serve(config))
     return 0
+
+
+def _flag_named(message: str) -> str:
+    """A config error names the field (``idle_timeout: ...``): name the flag instead."""
+    field, sep, rest = message.partition(":")
+    if sep and field in ("idle_timeout", "handshake_timeout"):
+        return f"--{field.replace('_', '-')}:{rest}"
+    return message
 
 
 def _print_ready(addresses: Addresses) -> None:

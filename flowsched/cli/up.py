@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import dataclasses
 import os
 import shlex
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -19,11 +18,13 @@ from typing import Any
 
 from flowsched.agent import AgentConfig, ReadyInfo, default_table_path
 from flowsched.agent import serve as serve_agent
-from flowsched.cli._common import loop_factory, setup_logging
+from flowsched.agent.config import AgentConfigError
+from flowsched.cli._common import host_port, loop_factory, setup_logging
 from flowsched.client import default_socket_path
 from flowsched.coordinator import Addresses, CoordinatorConfig
 from flowsched.coordinator import serve as serve_coordinator
 from flowsched.protocol import DEFAULT_TOKEN_PATH, TokenFileError, load_token, write_token
+from flowsched.signals import wait_for_signal
 
 
 def register(sub: Any) -> None:
@@ -35,7 +36,7 @@ def register(sub: Any) -> None:
         "print the environment to export for NCCL. Runs until Ctrl-C.",
     )
     parser.add_argument("--policy", metavar="FILE", help="policy file (default: embedded)")
-    parser.add_argument("--listen", default="127.0.0.1:7711", metavar="HOST:PORT")
+    parser.add_argument("--listen", default="127.0.0.1:7711", type=host_port, metavar="HOST:PORT")
     parser.add_argument(
         "--metrics-port", type=int, default=9711, metavar="N", help="coordinator metrics (0 = any)"
     )
@@ -93,48 +94,56 @@ def environment(table: str, sock: str) -> list[str]:
 
 def _run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    host, _, port = args.listen.rpartition(":")
+    host, port = args.listen
     try:
         token_file = ensure_token(args.token_file)
         coord = CoordinatorConfig.from_policy_file(
-            args.policy,
-            load_token(token_file),
-            host=host or "127.0.0.1",
-            port=int(port),
+            args.policy, load_token(token_file), host=host, port=port,
             metrics_port=args.metrics_port,
-        )
+        )  # fmt: skip
+        agent_cfg = _agent_config(args, token_file, coord.policy_text or None)
+    except AgentConfigError as exc:
+        print(f"flowsched up: --{exc.field}: {exc.problem}", file=sys.stderr)
+        return 2
     except (TokenFileError, ValueError, OSError) as exc:
         print(f"flowsched up: {exc}", file=sys.stderr)
         return 2
     with asyncio.Runner(loop_factory=loop_factory(args.no_uvloop)) as runner:
-        runner.run(_up(args, coord, token_file))
+        runner.run(_up(coord, agent_cfg))
     return 0
 
 
-async def _up(args: argparse.Namespace, coord: CoordinatorConfig, token_file: str) -> None:
+def _agent_config(args: argparse.Namespace, token_file: str, policy: str | None) -> AgentConfig:
+    # checked before anything starts; the coordinator's address is filled in once it listens
+    return AgentConfig(
+        node=args.node,
+        socket_path=args.socket or default_socket_path(),
+        table_path=args.table or default_table_path(),
+        token_file=token_file,
+        policy_text=policy,
+        metrics_port=args.agent_metrics_port,
+    )
+
+
+async def _up(coord: CoordinatorConfig, agent_cfg: AgentConfig) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+    signals = asyncio.create_task(wait_for_signal())
+    signals.add_done_callback(lambda _: stop.set())
     ready: asyncio.Future[Addresses] = loop.create_future()
     coord.on_ready = ready.set_result
     coordinator = asyncio.create_task(serve_coordinator(coord, shutdown_trigger=stop.wait))
     addresses = await asyncio.wait_for(ready, 10)
-    agent_cfg = AgentConfig(
-        node=args.node,
-        socket_path=args.socket or default_socket_path(),
-        table_path=args.table or default_table_path(),
+    agent_cfg = dataclasses.replace(
+        agent_cfg,
         coordinator=(addresses.host, addresses.port),
-        token_file=token_file,
-        policy_text=coord.policy_text or None,
-        metrics_port=args.agent_metrics_port,
         on_ready=lambda info: _print(addresses, info),
     )
     agent = asyncio.create_task(serve_agent(agent_cfg, shutdown_trigger=stop.wait))
     done, _ = await asyncio.wait({coordinator, agent}, return_when=asyncio.FIRST_COMPLETED)
     stop.set()  # one ended (Ctrl-C, or a failure): stop the other cleanly too
-    await asyncio.gather(coordinator, agent, return_exceptions=True)
+    signals.cancel()
+    await asyncio.gather(coordinator, agent, signals, return_exceptions=True)
     for task in done:
         task.result()
 

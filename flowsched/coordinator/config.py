@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib.resources
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from flowsched.policies.base import Policy
-from flowsched.protocol import DEFAULT_MAX_FRAME_SIZE
+from flowsched.protocol import DEFAULT_MAX_FRAME_SIZE, Welcome, encode_body
 
 SECONDS = 1.0
 MIB = 1 << 20
@@ -64,6 +65,22 @@ class CoordinatorConfig:
     sweep_duty: float = 0.5
     on_ready: Callable[[Addresses], None] | None = None
 
+    def __post_init__(self) -> None:
+        """Refuse timeouts that would drop healthy agents or never fire.
+
+        Raises:
+            ValueError: naming the bad field.
+        """
+        for name in ("heartbeat_interval", "idle_timeout", "handshake_timeout", "grace_period"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value!r}")
+        if self.idle_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"idle_timeout: {self.idle_timeout:g} s must exceed the heartbeat interval "
+                f"({self.heartbeat_interval:g} s) at which agents send heartbeats"
+            )
+
     @classmethod
     def from_policy_file(
         cls, path: str | Path | None, token: bytes, **kwargs: object
@@ -84,6 +101,15 @@ class CoordinatorConfig:
             except (OSError, UnicodeDecodeError) as exc:
                 raise policyfile.PolicyFileError([f"{path}: cannot read: {exc}"]) from None
         policy = policyfile.loads(text, source=source)
+        welcome = encode_body(Welcome(text, policy.timer_period, 0.0))
+        if len(welcome) > DEFAULT_MAX_FRAME_SIZE:  # no agent could ever complete a handshake
+            raise policyfile.PolicyFileError(
+                [
+                    f"{source}: the coordinator sends the policy file to every agent, and this "
+                    f"one ({len(text.encode())} bytes) does not fit in a protocol frame "
+                    f"({DEFAULT_MAX_FRAME_SIZE} bytes)"
+                ]
+            )
         return cls(
             token=token,
             policy_factory=policy.make_policy,

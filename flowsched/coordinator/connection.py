@@ -199,10 +199,13 @@ class AgentConnection:
             return
         self._writer.write(self._conn.send(message))
 
-    def abort(self, code: str, reason: str) -> None:
-        """End this connection from outside (replaced by a newer one, stuck, shutdown)."""
+    def abort(self, code: str, reason: str, *, tell_peer: bool = False) -> None:
+        """End this connection from outside (replaced by a newer one, stuck, shutdown);
+        ``tell_peer`` sends the agent an ``error`` frame saying why first."""
         if self._abort is None:
             self._abort = ConnectionClosed(code, reason)
+            if tell_peer:
+                self._send_error(code, reason)
             self._writer.close()
 
     # -- closing -----------------------------------------------------------------------------
@@ -217,5 +220,8 @@ class AgentConnection:
             "closing connection peer=%s node=%s state=%s: %s: %s",
             self.peer, self._conn.node, self._conn.state.value, code, reason,
         )  # fmt: skip
+        self._send_error(code, reason)
+
+    def _send_error(self, code: str, reason: str) -> None:
         if self._conn.state is not State.CLOSED and not self._writer.transport.is_closing():
             self._writer.write(self._conn.send_error(code, reason))

@@ -147,7 +147,12 @@ class Coordinator:
         assert node is not None
         old = self.sessions.get(node)
         if old is not None:
-            old.abort("replaced", "a newer connection from the same node took over")
+            log.warning(
+                "node %s: the connection from %s replaces the one from %s (if this repeats, "
+                "two agents use the same --node name)",
+                node, connection.peer, old.peer,
+            )  # fmt: skip
+            old.abort("replaced", "a newer connection from the same node took over", tell_peer=True)
         self.sessions[node] = connection
         handle = self._expiry.pop(node, None)
         if handle is not None:

@@ -53,7 +53,12 @@ MAX_NODE = 128
 
 
 class SdkProtocolError(ValueError):
-    """A malformed SDK frame; the message names the message type and field."""
+    """A malformed SDK frame; the message names the message type and field (``field``: the
+    bad field's name, when one is to blame)."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +200,18 @@ def decode_body(body: bytes, allowed: dict[str, type[Any]]) -> SdkMessage:
     return _build(cls, data)
 
 
+def check_message(message: SdkMessage) -> None:
+    """Check ``message`` with exactly the rules the decoder applies to it on receipt (the
+    client checks what it is about to send: the agent drops a connection that sends a bad
+    frame).
+
+    Raises:
+        SdkProtocolError: naming the first bad field (``.field``).
+    """
+    values = {f.name: getattr(message, f.name) for f in fields(message)}
+    _build(type(message), {name: v for name, v in values.items() if v is not None})
+
+
 def _no_ext(code: int, data: bytes) -> object:
     raise SdkProtocolError(f"msgpack extension type {code} is not allowed")
 
@@ -225,18 +242,20 @@ def _check(msg_type: str, name: str, value: Any, *, optional: bool) -> Any:
     where = f"{msg_type}.{name}"
     if kind == "u":
         if type(value) is not int or not low <= value <= high:
-            raise SdkProtocolError(f"{where}: expected an integer in {int(low)}..{int(high)}")
+            raise SdkProtocolError(f"{where}: expected an integer in {int(low)}..{int(high)}", name)
     elif kind == "f":
         if type(value) not in (int, float) or not math.isfinite(value) or value < low:
-            raise SdkProtocolError(f"{where}: expected a finite number >= {low:g}")
+            raise SdkProtocolError(f"{where}: expected a finite number >= {low:g}", name)
         value = float(value)
     elif kind == "n":
         if not is_name(value, int(high)):
             raise SdkProtocolError(
-                f"{where}: expected a printable name of 1..{int(high)} characters"
+                f"{where}: expected a printable name of 1..{int(high)} characters", name
             )
     elif type(value) is not str or not low <= len(value) <= high:
-        raise SdkProtocolError(f"{where}: expected text of {int(low)}..{int(high)} characters")
+        raise SdkProtocolError(
+            f"{where}: expected text of {int(low)}..{int(high)} characters", name
+        )
     return value
 
 
@@ -244,14 +263,14 @@ def _check_node(node: str | None) -> None:
     # printable is checked with the other names; a node name with surrounding blanks would
     # make a link id no agent reports
     if node is not None and node != node.strip():
-        raise SdkProtocolError("open.dst_node: expected a printable node name")
+        raise SdkProtocolError("open.dst_node: expected a printable node name", "dst_node")
 
 
 def _check_class(label: str) -> None:
     try:
         FlowClass.parse(label)
     except ValueError as exc:
-        raise SdkProtocolError(f"open.cls: {exc}") from None
+        raise SdkProtocolError(f"open.cls: {exc}", "cls") from None
 
 
 class SdkDecoder:

@@ -77,3 +77,21 @@ def test_non_positive_nic_overrides_are_refused(
 ) -> None:
     assert main(_agent(tmp_path, flag, "0")) == 2
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        pytest.param(("--fallback-after", "nan"), "--fallback-after", id="nan-fallback"),
+        pytest.param(("--link-capacity", "inf"), "--link-capacity", id="inf-capacity"),
+        pytest.param(("--link-bandwidth", "0"), "--link-bandwidth", id="zero-bandwidth"),
+        pytest.param(("--nic-interval", "inf"), "--nic-interval", id="inf-nic-interval"),
+        pytest.param(("--node", " n1"), "--node", id="node-with-blank"),
+        pytest.param(("--node", "n" * 129), "--node", id="node-too-long"),
+    ],
+)
+def test_values_that_would_fail_later_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, str], named: str
+) -> None:
+    assert main(_agent(tmp_path, *flags)) == 2
+    assert named in capsys.readouterr().err

@@ -223,3 +223,32 @@ def test_nic_settings_from_environment(
         monkeypatch.setenv(key, value)
     config = AgentConfig(node="n", socket_path="/nonexistent/s")
     assert (config.nic_interval, config.link_capacity) == (nic_interval, capacity)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        pytest.param({"node": "n\t1"}, "node", id="node-not-printable"),
+        pytest.param({"node": "n1 "}, "node", id="node-trailing-blank"),
+        pytest.param({"node": "n" * 129}, "node", id="node-too-long"),
+        pytest.param({"link_capacity": float("inf")}, "link_capacity", id="inf-capacity"),
+        pytest.param({"link_capacity": 0.0}, "link_capacity", id="zero-capacity"),
+        pytest.param({"default_bandwidth": 0.0}, "default_bandwidth", id="zero-bandwidth"),
+        pytest.param({"fallback_after": float("nan")}, "fallback_after", id="nan-fallback"),
+        pytest.param({"nic_interval": -1.0}, "nic_interval", id="negative-nic-interval"),
+        pytest.param({"poll_interval": float("inf")}, "poll_interval", id="inf-poll"),
+        pytest.param({"reconnect_interval": 0}, "reconnect_interval", id="zero-reconnect"),
+    ],
+)
+def test_config_refuses_values_that_would_fail_later(
+    tmp_path: Path, overrides: dict[str, object], field: str
+) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        _config(tmp_path, **overrides)
+
+
+def test_environment_infinity_is_not_a_nic_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLOWSCHED_NIC_INTERVAL", "inf")
+    monkeypatch.setenv("FLOWSCHED_LINK_CAPACITY", "inf")
+    config = AgentConfig(node="n", socket_path="/nonexistent/s")
+    assert (config.nic_interval, config.link_capacity) == (1.0, None)

@@ -6,8 +6,25 @@ import dataclasses
 
 import pytest
 
-from flowsched.agent.flows import FlowRegistry
+from flowsched import policies
+from flowsched.agent.flows import (
+    MAX_OPENS_PER_FRAME,
+    FlowRegistry,
+    resync_frames,
+    split_batch,
+)
+from flowsched.coordinator.state import ClusterState
 from flowsched.model import FlowClass
+from flowsched.protocol import (
+    DEFAULT_MAX_FRAME_SIZE,
+    U64_MAX,
+    FlowOpen,
+    LocalProtocolError,
+    Resync,
+    encode_body,
+    frame,
+)
+from flowsched.protocol.sdk import MAX_NODE
 from flowsched.shm import layout
 from flowsched.shm.table import SlotSnapshot
 
@@ -237,3 +254,112 @@ def test_custom_destination_links(reg: FlowRegistry) -> None:
     custom = FlowRegistry(node="a", links=("a:tx",), id_prefix=1, links_to=lambda d: (d,))
     flow, _ = custom.open_sdk(1, FlowClass.KV, 5.0, dst_node="b")
     assert flow.links == ("b",)
+
+
+def test_sdk_flow_bytes_are_capped_at_the_protocol_counter(reg: FlowRegistry) -> None:
+    # the application may report U64_MAX itself; the slots it carries add more
+    reg.observe([slot(0, nbytes=1000)], 1.0, 0)
+    flow, linked = reg.open_sdk(PID, FlowClass.EXPERIENCE, 2.0)
+    assert linked == [(0, 1)]
+    reg.sdk_progress(flow.flow_id, PID, U64_MAX)
+    reg.observe([slot(0, nbytes=1500)], 3.0, 0)
+    assert flow.sent == U64_MAX
+    batch = reg.take_batch()
+    assert batch is not None
+    encode_body(batch)  # raised OverflowError in msgpack, which killed the uplink
+    encode_body(Resync(reg.resync_opens()))
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        pytest.param([(0, 50), (1, 70), (0, 90), (1, 70), (0, 200)], id="two-slots-grow"),
+        pytest.param([(0, 10), (2, 5), (0, 10), (1, 400)], id="unchanged-and-torn-reads"),
+    ],
+)
+def test_sdk_flow_bytes_added_per_slot_match_a_full_sum(
+    reg: FlowRegistry, steps: list[tuple[int, int]]
+) -> None:
+    counts = {0: 5, 1: 7, 2: 3}
+    reg.observe([slot(i, nbytes=n) for i, n in counts.items()], 1.0, 0)
+    flow, _ = reg.open_sdk(PID, FlowClass.EXPERIENCE, 2.0)
+    reg.sdk_progress(flow.flow_id, PID, 11)
+    for index, nbytes in steps:
+        counts[index] = nbytes
+        reg.observe([slot(i, nbytes=n) for i, n in counts.items()], 3.0, 0)
+        live = sum(c.bytes - c.base for c in reg.slots.values() if c.linked_to == flow.flow_id)
+        assert flow.sent == 11 + live
+    reg.observe([slot(i, nbytes=n) for i, n in counts.items() if i != 1], 4.0, 0)  # 1 ends
+    live = sum(c.bytes - c.base for c in reg.slots.values() if c.linked_to == flow.flow_id)
+    assert flow.sent == 11 + live + reg.sdk[flow.flow_id].slot_bytes_done
+
+
+def test_set_level_of_a_plugin_flow_names_its_slot(reg: FlowRegistry) -> None:
+    reg.observe([slot(i, nbytes=1) for i in range(64)], 1.0, 0)
+    for key, conn in list(reg.slots.items()):
+        assert conn.flow_id is not None
+        assert reg.set_level(conn.flow_id, 3) == [key]
+        assert reg.set_level(conn.flow_id, 3) == []  # unchanged: nothing to rewrite
+    own = reg.slots[5, 1].flow_id
+    assert own is not None
+    reg.open_sdk(PID, FlowClass.EXPERIENCE, 2.0)  # links every slot: their own flows close
+    assert reg.set_level(own, 1) == []
+    sdk_id = next(iter(reg.sdk))
+    released = reg.close_sdk(sdk_id, PID, None, 3.0)
+    again = reg.slots[5, 1].flow_id
+    assert len(released) == 64 and again is not None and again != own
+    assert reg.set_level(again, 2) == [(5, 1)]
+
+
+def _big_registry(count: int) -> FlowRegistry:
+    reg = FlowRegistry(node="n" * MAX_NODE, links=("n" * MAX_NODE + ":tx",), id_prefix=1)
+    for i in range(count):
+        reg.open_sdk(
+            PID, FlowClass.KV, 1.0, size=10**9, deadline=4e9, job=f"{i:07d}" + "é" * 248,
+            request=f"{i:07d}" + "€" * 248, dst_node="d" * MAX_NODE,
+        )  # fmt: skip
+        reg.set_level(max(reg.flows), i % 8)
+    return reg
+
+
+def test_a_resync_larger_than_one_frame_is_split_and_rebuilds_the_coordinator_state() -> None:
+    reg = _big_registry(1500)
+    frames = resync_frames(reg.resync_opens())
+    assert len(frames) > 1 and isinstance(frames[0], Resync)
+    for message in frames:  # each frame fits the default limit (a Resync of all did not)
+        frame(encode_body(message), DEFAULT_MAX_FRAME_SIZE)
+    with pytest.raises(LocalProtocolError):
+        frame(encode_body(Resync(reg.resync_opens())), DEFAULT_MAX_FRAME_SIZE)
+    state = ClusterState(policies.create("fair", {}, num_levels=8))
+    state.resync(reg.node, (_stale_open(),), 0.5)  # a flow of the previous connection
+    for message in frames:
+        if isinstance(message, Resync):
+            state.resync(reg.node, message.opens, 2.0)
+        else:
+            assert not (message.progress or message.closes)
+            state.open_flows(reg.node, message.opens, 2.0)
+    assert set(state.by_node[reg.node]) == set(reg.flows)  # the stale flow is gone
+
+
+def _stale_open() -> FlowOpen:
+    return FlowOpen(id=1, cls=FlowClass.KV, opened_at=0.0, sent=0)
+
+
+def test_a_large_batch_is_split_with_every_open_before_any_close(reg: FlowRegistry) -> None:
+    reg.observe([slot(i, nbytes=1) for i in range(3)], 1.0, 0)
+    reg.take_batch()
+    for i in range(MAX_OPENS_PER_FRAME * 2 + 5):
+        flow, _ = reg.open_sdk(PID + 1, FlowClass.KV, 2.0)
+        if i % 2:
+            reg.close_sdk(flow.flow_id, PID + 1, 5, 2.5)
+    reg.observe([slot(i, nbytes=9) for i in range(3)], 3.0, 0)
+    batch = reg.take_batch()
+    assert batch is not None
+    frames = split_batch(batch)
+    assert len(frames) > 2
+    assert [o for f in frames for o in f.opens] == list(batch.opens)
+    assert [c for f in frames for c in f.closes] == list(batch.closes)
+    assert [p for f in frames for p in f.progress] == list(batch.progress)
+    last_open = max(i for i, f in enumerate(frames) if f.opens)
+    assert all(not f.closes and not f.progress for f in frames[: last_open + 1])
+    assert split_batch(frames[-1]) == [frames[-1]]  # a small batch stays one frame

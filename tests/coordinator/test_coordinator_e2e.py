@@ -313,3 +313,15 @@ def test_refuses_to_start_with_a_group_readable_token(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "lets group/other access it" in result.stderr
+
+
+def test_refuses_an_idle_timeout_below_the_heartbeat_interval(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flowsched.cli import main
+
+    write_token(tmp_path / "token")
+    args = ["coordinator", "--token-file", str(tmp_path / "token"), "--listen", "127.0.0.1:0",
+            "--metrics-port", "0", "--idle-timeout", "0.1"]  # fmt: skip
+    assert main(args) == 2
+    assert "--idle-timeout" in capsys.readouterr().err

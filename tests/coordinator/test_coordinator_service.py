@@ -7,6 +7,7 @@ import logging
 import re
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from coordinator_helpers import TOKEN, running_coordinator
@@ -263,3 +264,54 @@ async def test_a_new_coordinator_rebuilds_state_from_resyncs_within_two_seconds(
         finally:
             await asyncio.gather(*(link.close() for link in links))
     assert rebuilt < 2.0, f"rebuilding {agents * flows_per_agent} flows took {rebuilt:.2f} s"
+
+
+@pytest.mark.asyncio
+async def test_a_replaced_connection_is_told_why(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="flowsched.coordinator")
+    async with running_coordinator() as coordinator:
+        old = await _connect(coordinator, "n1")
+        new = await _connect(coordinator, "n1")
+        try:
+            with pytest.raises(LinkClosed) as closed:
+                while True:
+                    await old.recv(2.0)
+            assert closed.value.error is not None and closed.value.error.code == "replaced"
+            assert "two agents use the same --node name" in caplog.text
+        finally:
+            await old.close()
+            await new.close()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        pytest.param({"idle_timeout": 0.2}, "idle_timeout", id="idle-equals-heartbeat"),
+        pytest.param({"idle_timeout": 0.1}, "idle_timeout", id="idle-below-heartbeat"),
+        pytest.param({"heartbeat_interval": 0.0}, "heartbeat_interval", id="zero-heartbeat"),
+        pytest.param({"idle_timeout": float("nan")}, "idle_timeout", id="nan-idle"),
+        pytest.param({"handshake_timeout": float("inf")}, "handshake_timeout", id="inf-handshake"),
+    ],
+)
+def test_config_refuses_timeouts_that_cannot_work(overrides: dict[str, float], field: str) -> None:
+    from coordinator_helpers import BytesPolicy
+
+    from flowsched.coordinator import CoordinatorConfig
+
+    with pytest.raises(ValueError, match=field):
+        CoordinatorConfig(token=TOKEN, policy_factory=BytesPolicy, **overrides)  # type: ignore[arg-type]
+
+
+def test_policy_file_too_big_for_the_welcome_frame_is_refused(tmp_path: Path) -> None:
+    """The coordinator hands its policy file to every agent in one frame: a file that cannot
+    fit would let the coordinator start and every agent's handshake fail, forever."""
+    from flowsched.coordinator.config import CoordinatorConfig
+    from flowsched.policyfile import PolicyFileError
+
+    samples = ", ".join(str(1000 + i) for i in range(150_000))
+    path = tmp_path / "huge.toml"
+    path.write_text(f'[policy]\nname = "pias"\n[policy.args]\nsize_samples = [{samples}]\n')
+    with pytest.raises(PolicyFileError, match="does not fit in a protocol frame"):
+        CoordinatorConfig.from_policy_file(path, TOKEN)
+    path.write_text('[policy]\nname = "pias"\n[policy.args]\nsize_samples = [1000, 2000]\n')
+    assert CoordinatorConfig.from_policy_file(path, TOKEN).policy_text == path.read_text()

@@ -15,6 +15,7 @@ from flowsched import client
 from flowsched.agent import AgentConfig
 from flowsched.agent.threaded import AgentThread
 from flowsched.model import FlowClass
+from flowsched.protocol import sdk
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
 
@@ -289,3 +290,36 @@ def test_job_progress_refuses_what_the_coordinator_would(
 ) -> None:
     with pytest.raises(ValueError, match="job must be"):
         client.job_progress(job, step, layer, socket_path="/nonexistent/agent.sock")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        pytest.param({"deadline": float("inf")}, "deadline", id="infinite-deadline"),
+        pytest.param({"deadline": float("nan")}, "deadline", id="nan-deadline"),
+        pytest.param({"deadline": True}, "deadline", id="bool-deadline"),
+        pytest.param({"bytes": True}, "bytes", id="bool-bytes"),
+        pytest.param({"bytes": 2**64}, "bytes", id="bytes-beyond-u64"),
+        pytest.param({"peer": 2**31}, "peer", id="peer-beyond-i32"),
+        pytest.param({"consumer_step": 2**63, "job": "j"}, "consumer_step", id="step-beyond-i64"),
+        pytest.param({"dst_node": "n" * 129}, "dst_node", id="dst-node-too-long"),
+        pytest.param({"dst_node": " h2"}, "dst_node", id="dst-node-blank"),
+    ],
+)
+def test_open_refuses_what_the_agent_decoder_refuses(
+    kwargs: dict[str, object], field: str, tmp_path: Path
+) -> None:
+    request = sdk.Open(0, "kv", **{_OPEN_FIELDS.get(k, k): v for k, v in kwargs.items()})  # type: ignore[arg-type]
+    # the agent would drop the connection (a count beyond u64 cannot even be encoded)
+    with pytest.raises((sdk.SdkProtocolError, OverflowError)):
+        sdk.decode_body(sdk.encode(request)[4:], sdk.CLIENT_MESSAGES)
+    with pytest.raises(ValueError, match=f"^{field}"):
+        client.open_flow("kv", socket_path=str(tmp_path / "x"), **kwargs)  # type: ignore[arg-type]
+
+
+_OPEN_FIELDS = {"bytes": "size", "consumer_step": "consumer_index"}
+
+
+def test_job_progress_refuses_a_step_beyond_the_protocol() -> None:
+    with pytest.raises(ValueError, match="job must be"):
+        client.job_progress("j", 2**63, socket_path="/nonexistent/agent.sock")
