@@ -257,22 +257,28 @@ class Agent:
 
     # ------------------------------------------------------------------ coordinator link
     async def _uplink(self) -> None:
-        backoff = self.config.reconnect_interval
+        interval = self.config.reconnect_interval
+        backoff = interval
         while True:
             started = time.monotonic()
-            pause = 0.0
+            pause: float | None = 0.0
             try:
                 pause = await self._connect_and_serve()
             except Exception:  # a bug in one session must never end the uplink for good
                 log.exception("coordinator session failed")
+            if pause is None:  # no coordinator listening: retry at the plain interval, so a
+                backoff = interval  # restarted coordinator gets its agents back at once
+                await asyncio.sleep(interval)
+                continue
             if time.monotonic() - started >= HEALTHY_SESSION:
-                backoff = self.config.reconnect_interval
+                backoff = interval
             await asyncio.sleep(max(backoff, pause))
-            backoff = min(backoff * 2, max(MAX_RECONNECT_BACKOFF, self.config.reconnect_interval))
+            backoff = min(backoff * 2, max(MAX_RECONNECT_BACKOFF, interval))
 
-    async def _connect_and_serve(self) -> float:
-        """One connection attempt and, when the handshake succeeds, one session; returns the
-        least pause before the next attempt."""
+    async def _connect_and_serve(self) -> float | None:
+        """One connection attempt and, when the handshake succeeds, one session. Returns the
+        least pause before the next attempt, or None when nothing answered (no coordinator
+        listening): sessions that end, and refused handshakes, back off; absence does not."""
         assert self.config.coordinator is not None
         host, port = self.config.coordinator
         token = self._token or load_token(self.config.token_file)
@@ -285,7 +291,7 @@ class Agent:
             log.error("coordinator %s:%d refused us: %s", host, port, exc)
             return REFUSED_PAUSE
         except (OSError, TimeoutError):
-            return 0.0
+            return None
         try:
             await self._session(link)
         except (LinkClosed, ProtocolError, OSError, TimeoutError) as exc:
