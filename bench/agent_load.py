@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ def scan_cost(num_active: int, rounds: int) -> tuple[float, float, float]:
         registry.observe_counts(table.busy_slots(), table.slot, time.time(), monotonic_ns())
         registry.take_batch()
         scans, batches, base = [], [], []
-        slot_struct = struct.Struct("<IIQQiiIHBxQQQQIIIIQQI20x")
+        slot_struct = layout.SLOT_STRUCT
         for _ in range(rounds):
             for s in slots:
                 s.send(4096)

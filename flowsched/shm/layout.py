@@ -174,3 +174,23 @@ def _check_layout() -> None:
 
 
 _check_layout()
+
+
+def _whole(fields: tuple[tuple[str, int, str], ...], size: int) -> struct.Struct:
+    """One struct over a whole block: ``fields`` in offset order, gaps as pad bytes."""
+    parts, end = [], 0
+    for _, offset, fmt in fields:
+        parts.append(f"{offset - end}x" if offset > end else "")
+        parts.append(fmt.lstrip("<"))
+        end = offset + struct.calcsize(fmt)
+    return struct.Struct("<" + "".join(parts) + (f"{size - end}x" if size > end else ""))
+
+
+#: byte offset of every header field, and of every slot field relative to its slot
+HEADER_OFFSET = {name: offset for name, offset, _ in HEADER_FIELDS}
+SLOT_OFFSET = {name: offset for name, offset, _ in SLOT_FIELDS}
+#: the whole 128-byte slot in one struct, fields in SLOT_FIELDS order (one unpack per snapshot)
+SLOT_STRUCT = _whole(SLOT_FIELDS, SLOT_SIZE)
+#: the config area the agent rewrites under the config_seq seqlock: num_class_map .. level_marking
+CONFIG_START = HEADER_OFFSET["num_class_map"]
+CONFIG_END = HEADER_OFFSET["level_marking"] + struct.calcsize(HEADER_FIELDS[-1][2])

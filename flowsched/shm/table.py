@@ -44,11 +44,19 @@ from flowsched.shm import layout as L
 
 _HEADER = {name: (offset, struct.Struct(fmt)) for name, offset, fmt in L.HEADER_FIELDS}
 _SLOT = {name: (offset, struct.Struct(fmt)) for name, offset, fmt in L.SLOT_FIELDS}
-_SLOT_STRUCT = struct.Struct(
-    "<IIQQiiIHBxQQQQIIIIQQI20x"
-)  # the whole 128-byte slot, field order as in layout.SLOT_FIELDS
-_CONFIG_START = 64
-_CONFIG_END = 480
+_SLOT_STRUCT = L.SLOT_STRUCT
+_CONFIG_START, _CONFIG_END = L.CONFIG_START, L.CONFIG_END
+# Word indexes for the aligned single-word loads and stores (memoryview casts of the map):
+# header words are indexes into the whole table, slot words are added to slot_offset // size.
+_H32 = {name: L.HEADER_OFFSET[name] // 4 for name in ("agent_pid", "config_seq", "flags")}
+_HEARTBEAT64 = L.HEADER_OFFSET["heartbeat_ns"] // 8
+_S32 = {name: L.SLOT_OFFSET[name] // 4 for name in ("state", "pid", "level")}
+_S64 = {name: L.SLOT_OFFSET[name] // 8 for name in ("claim_seq", "bytes", "level_set_ns")}
+#: offsets inside the config area (what _pack_config / _unpack_config handle)
+_AREA = {
+    name: L.HEADER_OFFSET[name] - _CONFIG_START
+    for name in ("class_map", "default_level", "level_marking")
+}
 _CONFIG_RETRIES = 10_000
 #: a table whose agent pid is alive and whose heartbeat is younger than this has a live owner
 LIVE_AGENT_SECONDS = 2.0
@@ -298,20 +306,20 @@ class FlowTable:
 
     def heartbeat(self, now_ns: int | None = None) -> None:
         """Refresh ``heartbeat_ns`` (the agent calls this about every 100 ms)."""
-        self._u64[40 // 8] = monotonic_ns() if now_ns is None else now_ns
+        self._u64[_HEARTBEAT64] = monotonic_ns() if now_ns is None else now_ns
 
     def set_flag(self, flag: int, on: bool) -> None:
         """Set or clear one ``FLAG_*`` bit (aligned 4-byte store)."""
-        flags = self._u32[48 // 4]
-        self._u32[48 // 4] = (flags | flag) if on else (flags & ~flag)
+        flags = self._u32[_H32["flags"]]
+        self._u32[_H32["flags"]] = (flags | flag) if on else (flags & ~flag)
 
     def flags(self) -> int:
         """The current ``flags`` word."""
-        return self._u32[48 // 4]
+        return self._u32[_H32["flags"]]
 
     def detach(self) -> None:
         """Mark the table as having no agent (clean agent shutdown; slots are kept)."""
-        self._u32[24 // 4] = 0
+        self._u32[_H32["agent_pid"]] = 0
         self.set_flag(L.FLAG_AGENT_ATTACHED | L.FLAG_COORDINATOR_CONNECTED, False)
 
     # ----------------------------------------------------------------- config (seqlock)
@@ -322,7 +330,7 @@ class FlowTable:
         for the copy itself: a reader that finds it odd must retry or use an older copy.
         """
         area = _pack_config(cfg)
-        seq_index = 28 // 4
+        seq_index = _H32["config_seq"]
         seq = self._u32[seq_index]
         self._u32[seq_index] = (seq + 1) | 1  # odd: being written
         self._mm[_CONFIG_START:_CONFIG_END] = area
@@ -332,12 +340,12 @@ class FlowTable:
     def read_config(self) -> TableConfig:
         """Read the config area consistently (retries while a writer holds the seqlock)."""
         for _ in range(_CONFIG_RETRIES):
-            before = self._u32[28 // 4]
+            before = self._u32[_H32["config_seq"]]
             if before & 1:
                 continue
             raw = bytes(self._mm[_CONFIG_START:_CONFIG_END])
             num_levels = self._get("num_levels")
-            if self._u32[28 // 4] == before:
+            if self._u32[_H32["config_seq"]] == before:
                 return _unpack_config(raw, num_levels)
         raise TableError(f"flow table {self.path}: config seqlock never stabilized")
 
@@ -346,12 +354,16 @@ class FlowTable:
         """A consistent copy of slot ``index``, or None when it is FREE or being claimed."""
         self._check_index(index)
         off = L.slot_offset(index)
+        w32, w64 = off // 4, off // 8
         for _ in range(100):
-            state, seq = self._u32[off // 4], self._u64[(off + 8) // 8]
+            state, seq = self._u32[w32 + _S32["state"]], self._u64[w64 + _S64["claim_seq"]]
             if state not in (L.SLOT_ACTIVE, L.SLOT_CLOSED):
                 return None
             values = _SLOT_STRUCT.unpack_from(self._mm, off)
-            if self._u32[off // 4] == state and self._u64[(off + 8) // 8] == seq:
+            if (
+                self._u32[w32 + _S32["state"]] == state
+                and self._u64[w64 + _S64["claim_seq"]] == seq
+            ):
                 return SlotSnapshot(index, *values)
         return None  # the slot kept changing under us: skip it this round
 
@@ -370,11 +382,12 @@ class FlowTable:
         re-read with :meth:`slot` before acting on anything but a byte count.
         """
         step32, step64 = L.SLOT_SIZE // 4, L.SLOT_SIZE // 8
-        states = self._u32[L.HEADER_SIZE // 4 :: step32].tolist()
+        first32, first64 = L.HEADER_SIZE // 4, L.HEADER_SIZE // 8
+        states = self._u32[first32 + _S32["state"] :: step32].tolist()
         if not any(states):
             return []
-        seqs = self._u64[(L.HEADER_SIZE + 8) // 8 :: step64].tolist()
-        counts = self._u64[(L.HEADER_SIZE + 40) // 8 :: step64].tolist()
+        seqs = self._u64[first64 + _S64["claim_seq"] :: step64].tolist()
+        counts = self._u64[first64 + _S64["bytes"] :: step64].tolist()
         busy = itertools.compress(range(len(states)), states)  # C speed over FREE (0) slots
         return [
             (i, states[i], seqs[i], counts[i])
@@ -385,7 +398,7 @@ class FlowTable:
     def slot_state(self, index: int) -> int:
         """The raw ``state`` word of slot ``index``."""
         self._check_index(index)
-        return int(self._u32[L.slot_offset(index) // 4])
+        return int(self._u32[L.slot_offset(index) // 4 + _S32["state"]])
 
     def set_level(self, index: int, level: int, now_ns: int | None = None) -> None:
         """Write slot ``index``'s level: one aligned 4-byte store, then ``level_set_ns``."""
@@ -393,16 +406,17 @@ class FlowTable:
         if not (0 <= level < L.MAX_LEVELS or level == L.LEVEL_UNSET):
             raise ValueError(f"level {level} not in 0..{L.MAX_LEVELS - 1}")
         off = L.slot_offset(index)
-        self._u32[(off + 32) // 4] = level
-        self._u64[(off + 96) // 8] = monotonic_ns() if now_ns is None else now_ns
+        self._u32[off // 4 + _S32["level"]] = level
+        self._u64[off // 8 + _S64["level_set_ns"]] = monotonic_ns() if now_ns is None else now_ns
 
     def release_slot(self, index: int, claim_seq: int) -> bool:
         """CLOSED -> FREE for the connection ``(index, claim_seq)``; False if it is not that one."""
         self._check_index(index)
         off = L.slot_offset(index)
-        if self._u32[off // 4] != L.SLOT_CLOSED or self._u64[(off + 8) // 8] != claim_seq:
+        state, seq = off // 4 + _S32["state"], off // 8 + _S64["claim_seq"]
+        if self._u32[state] != L.SLOT_CLOSED or self._u64[seq] != claim_seq:
             return False
-        self._u32[off // 4] = L.SLOT_FREE
+        self._u32[state] = L.SLOT_FREE
         return True
 
     def reap_dead(self) -> list[SlotSnapshot]:
@@ -413,14 +427,13 @@ class FlowTable:
         reaped: list[SlotSnapshot] = []
         for index in range(self.num_slots):
             off = L.slot_offset(index)
-            state = self._u32[off // 4]
-            if state == L.SLOT_FREE:
+            state = off // 4 + _S32["state"]
+            if self._u32[state] == L.SLOT_FREE:
                 continue
-            pid = self._u32[(off + 4) // 4]
-            if pid_alive(pid):
+            if pid_alive(self._u32[off // 4 + _S32["pid"]]):
                 continue
             snap = SlotSnapshot(index, *_SLOT_STRUCT.unpack_from(self._mm, off))
-            self._u32[off // 4] = L.SLOT_FREE
+            self._u32[state] = L.SLOT_FREE
             reaped.append(snap)
         return reaped
 
@@ -453,7 +466,7 @@ class FlowTable:
             self._put(name, value)
         self.num_slots = num_slots
         for index in range(num_slots):
-            self._u32[(L.slot_offset(index) + 32) // 4] = L.LEVEL_UNSET
+            self._u32[L.slot_offset(index) // 4 + _S32["level"]] = L.LEVEL_UNSET
         self.heartbeat()
         self._put("magic", L.MAGIC)  # last: a reader that sees the magic sees the rest
         return AttachInfo(created=True, generation=1, previous_agent_pid=0)
@@ -554,11 +567,13 @@ def _pack_config(cfg: TableConfig) -> bytes:
     area = bytearray(_CONFIG_END - _CONFIG_START)
     struct.pack_into("<II", area, 0, len(cfg.class_map), cfg.fallback_class)
     for i, (tc, cid) in enumerate(cfg.class_map):
-        L.CLASS_MAP_ENTRY.pack_into(area, 72 - 64 + i * 8, tc, cid)
+        L.CLASS_MAP_ENTRY.pack_into(area, _AREA["class_map"] + i * 8, tc, cid)
     for cid in range(L.MAX_CLASSES):
-        area[328 - 64 + cid] = cfg.default_level(cid)
+        area[_AREA["default_level"] + cid] = cfg.default_level(cid)
     for lvl, m in enumerate(cfg.markings):
-        L.LEVEL_MARKING_ENTRY.pack_into(area, 352 - 64 + lvl * 8, m.dscp, m.so_priority)
+        L.LEVEL_MARKING_ENTRY.pack_into(
+            area, _AREA["level_marking"] + lvl * 8, m.dscp, m.so_priority
+        )
     return bytes(area)
 
 
@@ -566,10 +581,13 @@ def _unpack_config(raw: bytes, num_levels: int) -> TableConfig:
     count, fallback = struct.unpack_from("<II", raw, 0)
     if count > L.MAX_CLASS_MAP or not 1 <= num_levels <= L.MAX_LEVELS:
         raise TableError(f"corrupt config area: num_class_map {count}, num_levels {num_levels}")
-    class_map = tuple(L.CLASS_MAP_ENTRY.unpack_from(raw, 8 + i * 8) for i in range(count))
-    defaults = tuple(min(raw[264 + cid], num_levels - 1) for cid in range(L.MAX_CLASSES))
+    class_map = tuple(
+        L.CLASS_MAP_ENTRY.unpack_from(raw, _AREA["class_map"] + i * 8) for i in range(count)
+    )
+    base = _AREA["default_level"]
+    defaults = tuple(min(raw[base + cid], num_levels - 1) for cid in range(L.MAX_CLASSES))
     markings = tuple(
-        LevelMarking(*L.LEVEL_MARKING_ENTRY.unpack_from(raw, 288 + lvl * 8))
+        LevelMarking(*L.LEVEL_MARKING_ENTRY.unpack_from(raw, _AREA["level_marking"] + lvl * 8))
         for lvl in range(num_levels)
     )
     return TableConfig(num_levels, markings, class_map, fallback, defaults)
