@@ -214,6 +214,8 @@ class FlowTable:
         self._u32 = memoryview(mm).cast("I")
         self._u64 = memoryview(mm).cast("Q")
         self.num_slots = self._get("num_slots")
+        #: CLAIMED slots with a dead pid at the last reap_dead: index -> (pid, claim_seq)
+        self._claimed_seen: dict[int, tuple[int, int]] = {}
 
     # ----------------------------------------------------------------- opening and closing
     @classmethod
@@ -422,19 +424,32 @@ class FlowTable:
     def reap_dead(self) -> list[SlotSnapshot]:
         """Free the CLAIMED/ACTIVE/CLOSED slots whose pid no longer exists; return what they held.
 
-        The returned snapshots let the caller report the connections as closed.
+        The returned snapshots let the caller report the connections as closed. Liveness is
+        judged by pid, so the agent and the plugins must share a pid namespace.
         """
         reaped: list[SlotSnapshot] = []
+        claimed: dict[int, tuple[int, int]] = {}
         for index in range(self.num_slots):
             off = L.slot_offset(index)
             state = off // 4 + _S32["state"]
-            if self._u32[state] == L.SLOT_FREE:
+            current = self._u32[state]
+            if current == L.SLOT_FREE:
                 continue
-            if pid_alive(self._u32[off // 4 + _S32["pid"]]):
+            pid = self._u32[off // 4 + _S32["pid"]]
+            if pid_alive(pid):
                 continue
+            if current == L.SLOT_CLAIMED:
+                # The plugin writes its pid just after claiming, so a fresh claim still shows
+                # the previous (dead) owner's pid: reap a CLAIMED slot only when it sat
+                # unchanged since the previous pass (its claimer died before filling it).
+                mark = (pid, self._u64[off // 8 + _S64["claim_seq"]])
+                if self._claimed_seen.get(index) != mark:
+                    claimed[index] = mark
+                    continue
             snap = SlotSnapshot(index, *_SLOT_STRUCT.unpack_from(self._mm, off))
             self._u32[state] = L.SLOT_FREE
             reaped.append(snap)
+        self._claimed_seen = claimed
         return reaped
 
     # ----------------------------------------------------------------- internals

@@ -233,7 +233,6 @@ int fs_table_class_for_traffic_class(const struct fs_table_config* cfg, int32_t 
   return -1;
 }
 
-/* CAS one slot from `from` to CLAIMED, scanning from a per-process cursor. */
 /* An agent is alive when it set its pid and refreshed its heartbeat within the last second. */
 static int agent_alive(void) {
   const struct fs_table_header* hdr = table_header();
@@ -241,6 +240,9 @@ static int agent_alive(void) {
   return hdr->agent_pid != 0 && beat != 0 && fs_now_ns() - beat < 1000000000ull;
 }
 
+/* CAS one slot from `from` to CLAIMED, scanning from a per-process cursor. The pid is written
+ * after the CAS (slot_fill): until then the slot names its previous owner, which the agent's
+ * reaper allows for. */
 static struct fs_table_slot* slot_claim_from(uint32_t from) {
   uint32_t n = fs_table.num_slots;
   uint32_t start = (atomic_fetch_add(&fs_table.claim_cursor, 1) + (uint32_t)getpid() * 7919u) % n;

@@ -158,6 +158,29 @@ def test_reap_dead_frees_slots_of_exited_processes(table_path: str) -> None:
         assert table.slot_state(alive.index) == L.SLOT_ACTIVE
 
 
+def test_a_fresh_claim_showing_the_previous_owners_pid_is_not_reaped(table_path: str) -> None:
+    """Between its claim and its pid store, a plugin's slot still names the previous (dead)
+    owner: a CLAIMED slot is reaped only if it sat unchanged since the previous pass."""
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead_pid = int(child.stdout)
+    table, _ = FlowTable.create_or_attach(table_path, num_slots=2)
+    with table:
+        off = L.slot_offset(0)
+        table._u32[off // 4] = L.SLOT_CLAIMED  # what the plugin's CAS does
+        table._u32[off // 4 + 1] = dead_pid  # the previous owner's pid, not yet overwritten
+        assert table.reap_dead() == []
+        assert table.slot_state(0) == L.SLOT_CLAIMED
+        table._u64[off // 8 + 1] += 1  # claimed again in between: a new claim, wait again
+        assert table.reap_dead() == []
+        reaped = table.reap_dead()  # unchanged since the last pass: its claimer died
+        assert [s.index for s in reaped] == [0] and table.slot_state(0) == L.SLOT_FREE
+
+
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
