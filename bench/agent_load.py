@@ -14,17 +14,16 @@ memory from /proc. Goal from the issue: an agent under 100 MiB.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from flowsched.agent.flows import FlowRegistry
 from flowsched.shm import layout
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable, monotonic_ns
+from flowsched.testbed.procstat import memory_mib, running_cpu_seconds
 
 
 def scan_cost(num_active: int, rounds: int) -> tuple[float, float, float]:
@@ -56,18 +55,6 @@ def scan_cost(num_active: int, rounds: int) -> tuple[float, float, float]:
     return statistics.median(scans), statistics.median(batches), statistics.median(base)
 
 
-def _proc_cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _proc_rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def live_agent(num_active: int, seconds: float) -> tuple[float, float, float]:
     """(idle CPU %, loaded CPU %, RSS MiB) of a real agent process."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,18 +66,18 @@ def live_agent(num_active: int, seconds: float) -> tuple[float, float, float]:
             assert proc.stdout is not None
             proc.stdout.readline()  # ready line
             time.sleep(1.0)
-            c0 = _proc_cpu_seconds(proc.pid)
+            c0 = running_cpu_seconds(proc.pid)
             time.sleep(seconds / 2)
-            idle = (_proc_cpu_seconds(proc.pid) - c0) / (seconds / 2) * 100
+            idle = (running_cpu_seconds(proc.pid) - c0) / (seconds / 2) * 100
             table = FlowTable.open(f"{tmp}/table", writable=True)
             slots = [EmulatedPluginSlot(table, class_id=i % 6) for i in range(num_active)]
-            c1, t1 = _proc_cpu_seconds(proc.pid), time.monotonic()
+            c1, t1 = running_cpu_seconds(proc.pid), time.monotonic()
             while time.monotonic() - t1 < seconds:
                 for s in slots:
                     s.send(65536)
                 time.sleep(0.01)
-            loaded = (_proc_cpu_seconds(proc.pid) - c1) / (time.monotonic() - t1) * 100
-            rss = _proc_rss_mib(proc.pid)
+            loaded = (running_cpu_seconds(proc.pid) - c1) / (time.monotonic() - t1) * 100
+            rss = memory_mib(proc.pid)[0]
             for s in slots:
                 s.close()
             del slots

@@ -59,6 +59,7 @@ from flowsched.protocol import (
     frame,
     write_token,
 )
+from flowsched.testbed.procstat import memory_mib, running_cpu_seconds
 
 CLASS_MIX = ("tp", "tp", "tp", "experience", "experience", "param_sync", "kv", "kv", "kv", "bulk")
 DRAIN_TIMEOUT = 120.0
@@ -233,27 +234,15 @@ def scrape(address: str, pid: int) -> Scrape:
         agents=total(r"flowsched_coordinator_agents_connected"),
         sweeps=total(r"flowsched_coordinator_timer_sweeps_total"),
         overruns=total(r"flowsched_coordinator_timer_overruns_total"),
-        cpu_seconds=cpu_seconds(pid),
+        cpu_seconds=running_cpu_seconds(pid),
         when=time.monotonic(),
     )
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def preemptions(pid: int) -> int:
     """Times the kernel took the CPU away from the coordinator (involuntary switches)."""
     status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"nonvoluntary_ctxt_switches:\s+(\d+)", status)[1])  # type: ignore[index]
-
-
-def rss_mib(pid: int) -> tuple[float, float]:
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss = int(re.search(r"VmRSS:\s+(\d+) kB", status)[1])  # type: ignore[index]
-    peak = int(re.search(r"VmHWM:\s+(\d+) kB", status)[1])  # type: ignore[index]
-    return rss / 1024, peak / 1024
 
 
 def quantile(before: Scrape, after: Scrape, q: float, histogram: str = "latency") -> float:
@@ -393,7 +382,7 @@ async def run_mode(args: argparse.Namespace, batched: bool, workdir: Path) -> Mo
         for rate in args.rates:
             log(f"{mode}: latency phase ({rate:g} events/s offered, {args.duration:g} s)")
             points.append(await latency_point(coordinator, pid, agents, batched, args, rate))
-        rss, peak = rss_mib(pid)
+        rss, peak = memory_mib(pid)
         final = await asyncio.to_thread(scrape, coordinator.metrics, pid)
         return ModeResult(
             mode=mode,

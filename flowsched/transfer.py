@@ -329,11 +329,11 @@ def receive_flow(sock: socket.socket, *, timeout: float = 60.0) -> ReceiveStats:
     sock.settimeout(timeout)
     stats = ReceiveStats(0, 0, 0, False, "", started, 0.0, 0.0, 0.0, _peer_name(sock))
     try:
-        magic, _, stats.expected, stats.flow_id = HEADER.unpack(_recv_exact(sock, HEADER.size))
+        magic, _, stats.expected, stats.flow_id = HEADER.unpack(recv_exact(sock, HEADER.size))
         if magic != MAGIC:
             return _finish(stats, f"bad magic {magic!r}")
         digest = _read_body(sock, stats)
-        trailer = _recv_exact(sock, DIGEST_SIZE) if stats.bytes == stats.expected else b""
+        trailer = recv_exact(sock, DIGEST_SIZE) if stats.bytes == stats.expected else b""
     except (OSError, TransferError, struct.error) as exc:
         return _finish(stats, f"connection lost after {stats.bytes} bytes: {exc}")
     stats.digest = digest.hexdigest()
@@ -373,7 +373,8 @@ def _peer_name(sock: socket.socket) -> str:
         return "?"
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``sock``; :class:`TransferError` if the peer closes first."""
     out = bytearray()
     while len(out) < n:
         piece = sock.recv(n - len(out))

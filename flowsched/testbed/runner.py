@@ -28,6 +28,7 @@ from typing import Any
 from flowsched.metrics import FlowRecord, RunRecords
 from flowsched.policyfile import PolicyConfig
 from flowsched.testbed.netns import Topology
+from flowsched.testbed.procstat import cpu_seconds
 from flowsched.testbed.records import RecordBuilder
 from flowsched.testbed.trace import Trace
 
@@ -119,7 +120,7 @@ def run_policy(
             trace.duration,
         )
         errors = _wait_workers(workers, trace.duration * 3 + 30)
-        cpu = {_label(p): _cpu_seconds(p.pid) for p in procs if p not in workers}
+        cpu = {_label(p): cpu_seconds(p.pid) for p in procs if p not in workers}
         sniffer.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             sniffer.wait(timeout=10)
@@ -322,15 +323,6 @@ def _label(proc: subprocess.Popen[bytes]) -> str:
     return " ".join(words[:2] if words and words[0] == "flowsched" else words[:1]) + (
         f" {node[0]}" if node else ""
     )
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """user + system CPU seconds of a running process (None once it has exited)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _wait_workers(workers: list[subprocess.Popen[bytes]], timeout: float) -> list[str]:

@@ -423,7 +423,7 @@ def _plugin_pair(ctx: Any, oob: socket.socket) -> tuple[Any, Any]:
 
     listener = ctx.listen()
     oob.sendall(bytes(listener.handle))
-    connector = ctx.connector(_read_exact(oob, HANDLE_SIZE))
+    connector = ctx.connector(transfer.recv_exact(oob, HANDLE_SIZE))
     send = recv = None
     deadline = time.monotonic() + 30
     while send is None or recv is None:
@@ -483,7 +483,7 @@ def _barrier(sock: socket.socket) -> None:
     would count its collective done while its own bytes are still queued in the network.
     """
     sock.sendall(b"\x01")
-    _read_exact(sock, 1)
+    transfer.recv_exact(sock, 1)
 
 
 def _exchange(sock: socket.socket, size: int, handle: Any) -> None:
@@ -501,7 +501,7 @@ def _exchange(sock: socket.socket, size: int, handle: Any) -> None:
 
 
 def _recv_message(sock: socket.socket) -> transfer.ReceiveStats:
-    header = _read_exact(sock, 8)
+    header = transfer.recv_exact(sock, 8)
     remaining = int.from_bytes(header, "big")
     buf = bytearray(256 * 1024)
     while remaining:
@@ -511,16 +511,6 @@ def _recv_message(sock: socket.socket) -> transfer.ReceiveStats:
         remaining -= n
     now = time.monotonic()
     return transfer.ReceiveStats(0, 0, 0, True, "", now, now, now, time.time(), "", None)
-
-
-def _read_exact(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        piece = sock.recv(n - len(out))
-        if not piece:
-            raise OSError("peer closed")
-        out += piece
-    return bytes(out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -272,3 +272,22 @@ def test_bench_cli_refuses_zero_seeds(capsys: pytest.CaptureFixture[str]) -> Non
 
     assert main(["bench", "contention", "--seeds", "0", "--simulate-only"]) == 2
     assert "--seeds must be at least 1" in capsys.readouterr().err
+
+
+def test_procstat_reads_this_process_and_knows_an_exited_one() -> None:
+    import os
+    import subprocess
+    import sys
+
+    from flowsched.testbed import procstat
+
+    child = subprocess.run([sys.executable, "-c", "pass"], check=True)
+    assert child.returncode == 0
+    rss, peak = procstat.memory_mib(os.getpid())
+    assert 0 < rss <= peak
+    assert (procstat.cpu_seconds(os.getpid()) or 0.0) > 0
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    assert procstat.cpu_seconds(dead.pid) is None
+    with pytest.raises(ProcessLookupError):
+        procstat.running_cpu_seconds(dead.pid)
