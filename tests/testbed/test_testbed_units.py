@@ -281,8 +281,6 @@ def test_procstat_reads_this_process_and_knows_an_exited_one() -> None:
 
     from flowsched.testbed import procstat
 
-    child = subprocess.run([sys.executable, "-c", "pass"], check=True)
-    assert child.returncode == 0
     rss, peak = procstat.memory_mib(os.getpid())
     assert 0 < rss <= peak
     assert (procstat.cpu_seconds(os.getpid()) or 0.0) > 0
