@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -176,7 +177,8 @@ def _serve_conn(ctl: Controller, conn: socket.socket) -> None:
             try:
                 ctl.handle(json.loads(raw), conn)
             except (ValueError, KeyError, TypeError) as exc:
-                print(f"minictl: bad message {raw[:80]!r}: {exc}", flush=True)
+                # stderr: stdout is the ready line's pipe, which nobody reads afterwards
+                print(f"minictl: bad message {raw[:80]!r}: {exc}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,8 @@ START_MARGIN = 3.0
 #: load re-evaluates the flows on that link, and the benchmark's policies take rho from the
 #: flows' byte counters (rmlq) or not at all, so faster samples only cost CPU
 NIC_INTERVAL = 0.1
+#: seconds the run's processes get to exit on SIGTERM before they are killed
+STOP_GRACE = 2.0
 
 
 @dataclass(slots=True)
@@ -72,12 +74,20 @@ def _processes() -> Iterator[list[subprocess.Popen[bytes]]]:
     try:
         yield procs
     finally:
+        # SIGTERM first: the daemons shut down cleanly on it (an agent detaches its table);
+        # whatever is still running after a grace period is killed
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=5)
 
 
 def run_policy(
