@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,8 @@ class SimAgent:
             size = (1 << 30) if cls == "param_sync" else (64 << 20)
             deadline = now + (30.0 if cls == "param_sync" else 2.0)
         if cls == "experience":
-            job, consumer = f"job-{hash(self.node) % 16}", 3
+            # a stable job per node (str hash() changes from run to run)
+            job, consumer = f"job-{zlib.crc32(self.node.encode()) % 16}", 3
         return {
             "id": wire_id, "cls": cls, "opened_at": now, "sent": 0, "size": size,
             "deadline": deadline, "job": job, "consumer_index": consumer, "request": None,
@@ -326,6 +328,7 @@ class CoordinatorProcess:
             r"flowsched-coordinator listening on (\S+):(\d+) metrics (\S+)\n", line
         )
         if not found:
+            self.stop()  # do not leave it running behind the error
             raise RuntimeError(f"coordinator did not start: {line!r}")
         self.host, self.port, self.metrics = found[1], int(found[2]), found[3]
 
