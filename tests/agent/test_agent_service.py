@@ -7,10 +7,11 @@ import socket
 import stat
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agent_helpers import wait_until
 
 from flowsched import client
 from flowsched.agent import AgentConfig
@@ -47,14 +48,6 @@ def agent(tmp_path: Path) -> Iterator[AgentThread]:
         running.stop()
 
 
-def _wait(predicate: Callable[[], object], timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
-
-
 def test_socket_and_table_are_private(agent: AgentThread) -> None:
     info = agent.ready
     assert info is not None
@@ -67,11 +60,11 @@ def test_local_policy_levels_reach_plugin_slots(agent: AgentThread) -> None:
     assert agent.ready is not None
     table = FlowTable.open(agent.ready.table, writable=True)
     try:
-        _wait(lambda: agent.agent.fallback is not None)  # no coordinator configured
+        wait_until(lambda: agent.agent.fallback is not None)  # no coordinator configured
         assert not table.flags() & layout.FLAG_COORDINATOR_CONNECTED
         conn = EmulatedPluginSlot(table, class_id=int(FlowClass.TP))
         conn.send(1000)
-        _wait(lambda: conn.raw_level() != layout.LEVEL_UNSET)
+        wait_until(lambda: conn.raw_level() != layout.LEVEL_UNSET)
         registry = agent.agent.registry
         assert registry is not None
         flow_id = registry.slots[conn.index, conn.claim_seq].flow_id
@@ -84,7 +77,7 @@ def test_local_policy_levels_reach_plugin_slots(agent: AgentThread) -> None:
 
 def test_deadline_flow_is_promoted_by_the_local_policy(agent: AgentThread) -> None:
     assert agent.ready is not None
-    _wait(lambda: agent.agent.fallback is not None)
+    wait_until(lambda: agent.agent.fallback is not None)
     levels: list[int] = []
     # MLU = 2e9 B / (1.5 s x 25e9 B/s) = 0.053 at first: a deferred band, promoted as t shrinks
     with client.flow(
@@ -123,7 +116,7 @@ def test_a_bad_sdk_client_does_not_harm_others(agent: AgentThread) -> None:
         registry = agent.agent.registry
         assert registry is not None and good.id in registry.flows
         good.progress(5)
-        _wait(lambda: registry.flows[good.id].sent == 5)  # type: ignore[index]
+        wait_until(lambda: registry.flows[good.id].sent == 5)  # type: ignore[index]
 
 
 def test_disconnecting_client_closes_its_flows(agent: AgentThread) -> None:
@@ -132,7 +125,7 @@ def test_disconnecting_client_closes_its_flows(agent: AgentThread) -> None:
     registry = agent.agent.registry
     assert registry is not None and handle.id in registry.flows
     client.connection(agent.ready.socket).close()
-    _wait(lambda: handle.id not in registry.flows)
+    wait_until(lambda: handle.id not in registry.flows)
 
 
 def test_restart_reattaches_and_keeps_levels(tmp_path: Path) -> None:
@@ -141,7 +134,7 @@ def test_restart_reattaches_and_keeps_levels(tmp_path: Path) -> None:
     table = FlowTable.open(info.table, writable=True)
     try:
         conn = EmulatedPluginSlot(table, class_id=int(FlowClass.PARAM_SYNC))
-        _wait(lambda: conn.raw_level() != layout.LEVEL_UNSET)
+        wait_until(lambda: conn.raw_level() != layout.LEVEL_UNSET)
         level = conn.raw_level()
         first.stop()
         assert table.header()["agent_pid"] == 0
@@ -152,10 +145,10 @@ def test_restart_reattaches_and_keeps_levels(tmp_path: Path) -> None:
             assert conn.raw_level() == level  # untouched across the restart
             registry = second.agent.registry
             assert registry is not None
-            _wait(lambda: (conn.index, conn.claim_seq) in registry.slots)
+            wait_until(lambda: (conn.index, conn.claim_seq) in registry.slots)
             conn.send(10)
             flow_id = registry.slots[conn.index, conn.claim_seq].flow_id
-            _wait(lambda: registry.flows[flow_id].sent == 10)  # type: ignore[index]
+            wait_until(lambda: registry.flows[flow_id].sent == 10)  # type: ignore[index]
         finally:
             second.stop()
     finally:
@@ -177,12 +170,12 @@ def test_second_agent_on_the_same_socket_is_refused(agent: AgentThread, tmp_path
 
 def test_metrics_count_completions_and_local_decisions(agent: AgentThread) -> None:
     assert agent.ready is not None and agent.ready.metrics is not None
-    _wait(lambda: agent.agent.fallback is not None)
+    wait_until(lambda: agent.agent.fallback is not None)
     with client.flow("kv", bytes=10, deadline=time.time() + 60, socket_path=agent.ready.socket):
         pass
     with client.flow("kv", bytes=10, deadline=time.time() - 1, socket_path=agent.ready.socket):
         pass
-    _wait(lambda: sum(agent.agent.telemetry.completions.values()) == 2)
+    wait_until(lambda: sum(agent.agent.telemetry.completions.values()) == 2)
     host, port = agent.ready.metrics
     body = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
     assert 'flowsched_agent_completed_flows_total{class="kv",deadline="met",node="n1"} 1.0' in body

@@ -6,11 +6,12 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from agent_helpers import wait_until
 from prometheus_client import CollectorRegistry
 
 from flowsched.agent import AgentConfig
@@ -69,14 +70,6 @@ def _agent(tmp_path: Path, port: int, token_file: Path, name: str, **overrides: 
     return AgentThread(AgentConfig(**settings))
 
 
-def _wait(predicate: Callable[[], object], timeout: float = 5.0) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
-
-
 def test_a_failing_session_does_not_end_the_uplink(
     coordinator: tuple[CoordinatorThread, int, Path],
     tmp_path: Path,
@@ -94,7 +87,7 @@ def test_a_failing_session_does_not_end_the_uplink(
 
     monkeypatch.setattr(Agent, "_session", fail_once)
     with _agent(tmp_path, port, token_file, "a") as agent:
-        _wait(lambda: agent.agent.connected)
+        wait_until(lambda: agent.agent.connected)
         assert len(calls) >= 2
 
 
@@ -129,9 +122,9 @@ def test_the_local_policy_starts_while_the_coordinator_keeps_ending_sessions(
 
     monkeypatch.setattr(Coordinator, "attach", end_at_once)
     with _agent(tmp_path, port, token_file, "a", fallback_after=0.5) as agent:
-        _wait(lambda: agent.agent.fallback is not None, timeout=3.0)
+        wait_until(lambda: agent.agent.fallback is not None, timeout=3.0)
         before = agent.agent.stats["connects"]
-        _wait(lambda: agent.agent.stats["connects"] >= before + 2, timeout=5.0)
+        wait_until(lambda: agent.agent.stats["connects"] >= before + 2, timeout=5.0)
         # the sessions that ended after their handshake did not stop the local policy
         assert agent.agent.fallback is not None
         assert agent.agent.stats["fallback_switches"] == 1
@@ -165,4 +158,4 @@ def test_nic_loop_survives_a_failing_sample(tmp_path: Path) -> None:
             agent._pending_nic = None
 
         running.run(install)
-        _wait(lambda: len(failures) == 2 and agent._pending_nic is not None)
+        wait_until(lambda: len(failures) == 2 and agent._pending_nic is not None)

@@ -43,6 +43,18 @@ def table_path(tmp_path: Path) -> str:
     return str(tmp_path / "table")
 
 
+@pytest.fixture
+def dead_pid() -> int:
+    """The pid of a process that has exited."""
+    child = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(child.stdout)
+
+
 def test_slot_struct_matches_layout_fields(table_path: str) -> None:
     table, _ = FlowTable.create_or_attach(table_path, num_slots=2)
     with table:
@@ -139,14 +151,7 @@ def test_close_release_and_reuse(table_path: str) -> None:
         assert second.index == first.index and second.claim_seq == first.claim_seq + 1
 
 
-def test_reap_dead_frees_slots_of_exited_processes(table_path: str) -> None:
-    child = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    dead_pid = int(child.stdout)
+def test_reap_dead_frees_slots_of_exited_processes(table_path: str, dead_pid: int) -> None:
     table, _ = FlowTable.create_or_attach(table_path, num_slots=4)
     with table:
         alive = EmulatedPluginSlot(table)
@@ -158,16 +163,11 @@ def test_reap_dead_frees_slots_of_exited_processes(table_path: str) -> None:
         assert table.slot_state(alive.index) == L.SLOT_ACTIVE
 
 
-def test_a_fresh_claim_showing_the_previous_owners_pid_is_not_reaped(table_path: str) -> None:
+def test_a_fresh_claim_showing_the_previous_owners_pid_is_not_reaped(
+    table_path: str, dead_pid: int
+) -> None:
     """Between its claim and its pid store, a plugin's slot still names the previous (dead)
     owner: a CLAIMED slot is reaped only if it sat unchanged since the previous pass."""
-    child = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    dead_pid = int(child.stdout)
     table, _ = FlowTable.create_or_attach(table_path, num_slots=2)
     with table:
         off = L.slot_offset(0)
