@@ -6,14 +6,24 @@ venv=${1:-.venv}
 cd "$(dirname "$0")/.."
 
 need_apt=()
-for tool in ip:iproute2 tc:iproute2 gcc:gcc make:make ethtool:ethtool nm:binutils; do
-  command -v "${tool%%:*}" >/dev/null 2>&1 || need_apt+=("${tool##*:}")
+# prometheus/promtool, etcd and iperf3 are the real servers the tests start (deploy rules and
+# dashboard, coordinator election, testbed traffic); each test skips with the reason without them.
+for tool in ip:iproute2 tc:iproute2 gcc:gcc make:make ethtool:ethtool nm:binutils \
+    prometheus:prometheus promtool:prometheus etcd:etcd-server iperf3:iperf3; do
+  command -v "${tool%%:*}" >/dev/null 2>&1 || case " ${need_apt[*]-} " in *" ${tool##*:} "*) ;; *) need_apt+=("${tool##*:}") ;; esac
 done
 if ((${#need_apt[@]})); then
   if [ "$(id -u)" = 0 ]; then
     echo "setup: installing Debian packages: ${need_apt[*]}"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+    # No daemons started by the packages: the tests start their own instances on free ports.
+    own_policy_rc=0
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+      printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d
+      own_policy_rc=1
+    fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+    if [ "$own_policy_rc" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
   else
     echo "setup: missing ${need_apt[*]} and not root; some tests will be skipped" >&2
   fi
