@@ -7,8 +7,9 @@ lag behind the trainer):
   TP ring all-reduce among rollout nodes (``tp`` class); after each chunk its experience is
   streamed to the trainer nodes (``experience`` class, consumer = the train step that reads it);
 * trainer iteration ``i`` has ``steps_per_iteration`` steps; step ``s`` waits for all of its
-  experience, then runs ``phases_per_step`` phases of compute + TP ring all-reduce among the
-  trainer nodes (the next phase waits for the collective);
+  experience (every chunk of the generation that maps to it, streamed or not yet), then runs
+  ``phases_per_step`` phases of compute + TP ring all-reduce among the trainer nodes (the next
+  phase waits for the collective);
 * after iteration ``i`` the trainers send the new weights to every rollout node
   (``param_sync``); generation ``i + 1 + staleness`` cannot start before it has arrived, so its
   deadline is the expected start of that generation.
@@ -127,7 +128,6 @@ class RlWorkload:
             gen * cfg.steps_per_iteration + chunk * cfg.steps_per_iteration // cfg.generation_chunks
         )
         size = self.plan.experience_bytes / cfg.generation_chunks / len(self.rollouts)
-        self._experience_left[step] = self._experience_left.get(step, 0) + len(self.rollouts)
         for k, src in enumerate(self.rollouts):
             dst = self.trainers[k % len(self.trainers)]
             nic = (chunk + k) % cfg.nics_per_node
@@ -148,8 +148,26 @@ class RlWorkload:
         per_step = self.cfg.phases_per_step * self.cfg.phase_compute_ms / 1e3
         return self.sim.now + max(step - current, 0) * per_step
 
+    def _experience_pending(self, step: int) -> int:
+        """Experience flows of ``step`` not yet arrived, counting chunks not streamed yet.
+
+        A step consumes every chunk of its generation that maps to it, so it must wait for all
+        of them, not only for the ones streamed so far (a fast trainer would otherwise start
+        the step mid-generation and its iteration, hence the param sync, would end early).
+        """
+        if step not in self._experience_left:
+            cfg = self.cfg
+            local = step % cfg.steps_per_iteration
+            chunks = sum(
+                1
+                for c in range(cfg.generation_chunks)
+                if c * cfg.steps_per_iteration // cfg.generation_chunks == local
+            )
+            self._experience_left[step] = chunks * len(self.rollouts)
+        return self._experience_left[step]
+
     def _experience_arrived(self, step: int) -> None:
-        self._experience_left[step] -= 1
+        self._experience_left[step] = self._experience_pending(step) - 1
         if self._experience_left[step] == 0 and self._step_waiting == step:
             self._run_step(step)
 
@@ -158,7 +176,7 @@ class RlWorkload:
         self.sim.set_job_index(TRAINER_JOB, step)
         if step // self.cfg.steps_per_iteration >= self.cfg.iterations:
             return
-        if self._experience_left.get(step, -1) != 0:
+        if self._experience_pending(step) != 0:
             self._step_waiting = step
             return
         self._run_step(step)
@@ -197,16 +215,19 @@ class RlWorkload:
         self._param_sync(iteration)
 
     def _sync_deadline(self, iteration: int) -> float:
-        """Expected start of the generation that needs these weights."""
+        """Expected start of the generation that needs these weights.
+
+        That is the end of the generation before it: known once it has started, else
+        extrapolated at the nominal pace from the last generation that has started.
+        """
         gen = iteration + 1 + self.cfg.staleness
         previous = gen - 1
         if previous in self._gen_started:
             return self._gen_started[previous] + self.gen_nominal
-        known = max(self._gen_started.values(), default=self.sim.now)
-        return (
-            max(known, self.sim.now)
-            + (previous - max(self._gen_started, default=0) + 1) * self.gen_nominal
-        )
+        if not self._gen_started:
+            return self.sim.now + (previous + 1) * self.gen_nominal
+        last = max(self._gen_started)
+        return self._gen_started[last] + (previous - last + 1) * self.gen_nominal
 
     def _param_sync(self, iteration: int) -> None:
         cfg = self.cfg

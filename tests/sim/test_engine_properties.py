@@ -1,11 +1,12 @@
-"""Hypothesis properties of the engine: bytes conserved, work conservation at every event,
-levels in range, and no level change inside a message."""
+"""Hypothesis properties of the engine: bytes conserved, no link above its capacity and work
+conservation at every event, levels in range, and no level change inside a message."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Mapping
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -63,8 +64,21 @@ class Checker:
         self.t = sim.now
         self.rates = {fid: s.rate for fid, s in sim.active.items()}
         self.states.update(sim.active)
+        self._check_capacity(sim)
         for state in sim.active.values():
             self._check_work_conserving(sim, state)
+
+    def _check_capacity(self, sim: Simulator) -> None:
+        """The flows' own rates (not the engine's cached link totals) fit every link."""
+        used: dict[int, float] = {}
+        for state in sim.active.values():
+            for link in state.links:
+                used[link] = used.get(link, 0.0) + state.rate
+        for link, rate in used.items():
+            if rate > sim.capacity[link] * (1 + 1e-9) + 1e-9:
+                self.violations.append(
+                    f"t={sim.now} link {sim.link_names[link]} at {rate / sim.capacity[link]:.3%}"
+                )
 
     def _check_work_conserving(self, sim: Simulator, state: ActiveFlow) -> None:
         if state.remaining <= 1e-9 or (state.cap is not None and state.rate >= state.cap - 1e-9):
@@ -140,3 +154,16 @@ def test_incremental_allocation_matches_full_recomputation(flows: list, seed: in
         sim.at(start, lambda s=size, p=tuple(links): sim.open_flow(FlowClass.BULK, s, p))
     sim.run()
     assert not mismatches, mismatches[:3]
+
+
+def test_the_checker_catches_an_over_booking_allocator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capacity check must fail an allocator that gives every flow the whole link."""
+    import flowsched.sim.engine as engine
+
+    def over_book(flows: Iterable[ActiveFlow], levels: Iterable[int], residual: dict) -> None:
+        for state in flows:
+            state.rate = min(residual[link] for link in state.links)
+
+    monkeypatch.setattr(engine, "allocate_levels", over_book)
+    _, checker = _simulate([(0.0, 100, ["a"]), (0.0, 100, ["a", "b"])], seed=1, chunk=0)
+    assert any("link a at" in v for v in checker.violations), checker.violations

@@ -69,6 +69,35 @@ def test_serving_flows_follow_the_layer_dag() -> None:
     assert len(reuse) % 4 == 0
 
 
+def test_kv_reuse_fetches_feed_the_layers_that_read_them() -> None:
+    """Requests routed away from the instance holding their prefix fetch it (Stage 1), one flow
+    per layer, from the holder to the serving instance; a layer computes only after its fetch."""
+    text = SMALL_SERVING.format(instances=2, requests=30) + "router_max_wait_tokens = 0\n"
+    scen = scenario.parse(text)
+    result = run(scen, PolicySpec("fair"), load=0.9)
+    records = result.records
+    assert all(r.finished is not None for r in records.requests)
+    reuse = [f for f in records.flows if f.cls == "kv_reuse"]
+    fetched = {f.request for f in reuse}
+    assert fetched, "some requests must be served away from their prefix holder"
+    assert scen.serving is not None
+    trace = {r.request_id: r for r in scenario.serving_trace(scen.serving, 0.9, 1)}
+    for request in fetched:
+        flows = [f for f in reuse if f.request == request]
+        assert len(flows) == scen.serving.layers
+        expected = trace[str(request)].reused_tokens * scen.serving.kv_bytes_per_token_layer
+        assert all(f.size == expected for f in flows)
+    # layer l's KV leaves when layer l has computed, which needs layer l's fetches: by then the
+    # fetches of layers 0..l of every remote request of the batch have arrived
+    for job in {f.job for f in reuse}:
+        remote = len({f.request for f in reuse if f.job == job})
+        layer_ends = sorted({f.opened for f in records.flows if f.cls == "kv" and f.job == job})
+        assert len(layer_ends) == scen.serving.layers
+        for layer, end in enumerate(layer_ends):
+            arrived = sum(f.finished <= end for f in reuse if f.job == job)
+            assert arrived >= (layer + 1) * remote, (job, layer)
+
+
 def test_rl_runs_at_generation_pace_when_the_network_is_light() -> None:
     scen = scenario.parse(SMALL_RL)
     result = run(scen, PolicySpec("fair"), load=0.2)
@@ -86,6 +115,26 @@ def test_rl_generation_waits_for_a_late_param_sync() -> None:
     assert heavy.deadline_miss_rate is not None and heavy.deadline_miss_rate > 0.5
     assert heavy.iteration_mean is not None and light.iteration_mean is not None
     assert heavy.iteration_mean > 1.5 * light.iteration_mean
+
+
+def test_param_sync_slack_stays_below_one_generation() -> None:
+    """Closed form: iteration i ends one train step after generation i does (that step needs
+    the generation's last chunk), and its sync is due when generation i + 1 + staleness starts,
+    i.e. when generation i + staleness ends. With staleness 1 and a light network the slack at
+    completion is therefore one generation period minus at least the last step's compute."""
+    cfg = scenario.parse(SMALL_RL)
+    assert cfg.rl is not None
+    fast_trainer = dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, phase_compute_ms=5.0))
+    assert fast_trainer.rl is not None
+    result = run(fast_trainer, PolicySpec("fair"), load=0.3)
+    generation = fast_trainer.rl.generation_ms / 1e3
+    last_step = fast_trainer.rl.phases_per_step * fast_trainer.rl.phase_compute_ms / 1e3
+    syncs = result.records.deadlines
+    assert len(syncs) == fast_trainer.rl.iterations
+    for sync in syncs:
+        assert sync.finished is not None
+        slack = sync.deadline - sync.finished
+        assert 0 < slack <= generation - last_step, (sync, slack)
 
 
 def test_rl_step_waits_for_its_experience() -> None:
