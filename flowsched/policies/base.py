@@ -14,6 +14,14 @@ A policy may also set ``per_flow_decisions = True`` (an optional attribute, read
 ``getattr``): it promises that a flow's decision depends only on that flow and the Context, so
 a caller may pass any subset of the active flows to ``reevaluate`` (the coordinator then
 re-evaluates only the flows an event touched instead of every flow).
+
+A policy may also define ``next_change(flow, ctx) -> float | None`` (optional, found with
+``getattr``): the earliest time at which ``flow``'s decision may change by time alone, with
+nothing reported in between (no progress, job step, link load or other flow), given what the
+policy knew at its last evaluation of ``flow``; None = never. A caller that re-evaluates a flow
+when its inputs change and when this time comes (the coordinator's promotion timers) needs no
+periodic sweep. It must not be later than the true change (an early answer only costs a
+re-evaluation that changes nothing); policies without it are swept periodically.
 """
 
 from __future__ import annotations

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
-from flowsched.model import Context, Decision, Flow
+from flowsched.model import EXPLICIT_DEADLINE, Context, Decision, Flow, FlowClass
+from flowsched.policies.argcheck import Checker, boolean, list_of, one_of
 
 
 def bottleneck(flow: Flow, ctx: Context) -> float:
@@ -48,40 +50,63 @@ def rank_band(rank: int, count: int, levels: int) -> int:
 class RankedLevels:
     """Rank-banded levels by a per-flow key (smaller = more urgent): ``edf`` and ``llf``.
 
-    Flows with a key take levels ``0..K-2`` by rank (:func:`rank_band`), the others level K-1.
-    :meth:`admit` ranks a new flow against the keys of the last evaluation (a sorted list;
-    O(log N) plus the insert), :meth:`reevaluate` ranks every flow afresh.
+    Flows with a key take the ranked levels by rank (:func:`rank_band`), the others the
+    ``rest`` level. Without a late-dropping rule the ranked levels are 0..K-2 and the rest is
+    K-1; with one (``late`` given) the ranked levels are 0..K-3, the rest K-2 and late flows
+    the scavenger level K-1, below everything. :meth:`admit` ranks a new flow against the keys
+    of the last evaluation (a sorted list; O(log N) plus the insert), :meth:`reevaluate` ranks
+    every flow afresh.
     """
 
-    __slots__ = ("_bands", "_key_of", "_sorted", "num_levels")
+    __slots__ = ("_bands", "_key_of", "_late", "_sorted", "num_levels", "rest")
 
-    def __init__(self, num_levels: int) -> None:
+    def __init__(self, num_levels: int, late: LateDrop | None = None) -> None:
         self.num_levels = num_levels
-        self._bands = max(num_levels - 1, 1)
+        self._late = late if late is not None and late.enabled else None
+        self.rest = num_levels - 1 if self._late is None else max(num_levels - 2, 0)
+        self._bands = max(self.rest, 1)
         self._sorted: list[float] = []
         self._key_of: dict[int, float] = {}
 
-    def admit(self, flow: Flow, key: float | None) -> Decision:
-        """The level of a new flow whose key is ``key`` (None: level K-1)."""
-        if key is None:
+    def describe(self, ranked: str, rest: str) -> list[str]:
+        """``describe_levels`` lines: ``ranked`` bands, then ``rest``, then the late flows."""
+        lines = []
+        for level in range(self.num_levels):
+            parts = [f"{ranked}, rank band {level}"] if level < self._bands else []
+            parts += [rest] if level == self.rest else []
+            if self._late is not None and level == self.num_levels - 1:
+                parts.append(f"late {self._late.describe()} (drop_late)")
+            lines.append("; ".join(parts) or "-")
+        return lines
+
+    def _dropped(self, flow: Flow, now: float) -> bool:
+        return self._late is not None and self._late.dropped(flow, now)
+
+    def admit(self, flow: Flow, key: float | None, now: float = 0.0) -> Decision:
+        """The level of a new flow whose key is ``key`` (None: the rest level)."""
+        if self._dropped(flow, now):
             return Decision(self.num_levels - 1)
+        if key is None:
+            return Decision(self.rest)
         rank = bisect.bisect_left(self._sorted, key)
         bisect.insort(self._sorted, key)
         self._key_of[flow.flow_id] = key
         return Decision(rank_band(rank, len(self._sorted), self._bands))
 
     def reevaluate(
-        self, flows: Iterable[Flow], key: Callable[[Flow], float | None]
+        self, flows: Iterable[Flow], key: Callable[[Flow], float | None], now: float = 0.0
     ) -> dict[int, Decision]:
         """Rank ``flows`` by ``key``; the decisions that change a flow's level."""
         ranked: list[tuple[float, Flow]] = []
         changes: dict[int, Decision] = {}
         for flow in flows:
-            value = key(flow)
+            value = None if self._dropped(flow, now) else key(flow)
             if value is not None:
                 ranked.append((value, flow))
-            elif flow.level != self.num_levels - 1:
-                changes[flow.flow_id] = Decision(self.num_levels - 1)
+                continue
+            level = self.num_levels - 1 if self._dropped(flow, now) else self.rest
+            if flow.level != level:
+                changes[flow.flow_id] = Decision(level)
         ranked.sort(key=lambda item: item[0])
         self._sorted = [value for value, _ in ranked]
         self._key_of = {flow.flow_id: value for value, flow in ranked}
@@ -98,6 +123,68 @@ class RankedLevels:
             index = bisect.bisect_left(self._sorted, value)
             if index < len(self._sorted) and self._sorted[index] == value:
                 del self._sorted[index]
+
+
+def is_late(flow: Flow, now: float) -> bool:
+    """True when ``flow``'s explicit deadline has passed with bytes (or an unknown size) left.
+
+    Flows of one request carry the request's deadline, so this is also "its request is late".
+    """
+    deadline = flow.deadline
+    return deadline is not None and deadline <= now and flow.remaining != 0
+
+
+#: the classes late-dropping applies to by default: P2D transfers (a late param sync still
+#: gates the next generation, so dropping it would only add delay)
+DROP_CLASSES = ("kv",)
+#: ``drop_classes`` values a policy file may name
+DROP_CLASS_LABELS = tuple(sorted(cls.label for cls in EXPLICIT_DEADLINE))
+
+
+#: validators of the late-dropping arguments, for the ``validate`` of the policies that offer it
+LATE_DROP_FIELDS: dict[str, Checker] = {
+    "drop_late": boolean,
+    "drop_classes": list_of(one_of(*DROP_CLASS_LABELS)),
+}
+
+
+def late_drop_fields(args: Mapping[str, Any]) -> dict[str, Any]:
+    """``args`` with ``drop_classes`` as a tuple (TOML gives a list), for an ``Args(**...)``."""
+    fields = dict(args)
+    if "drop_classes" in fields:
+        fields["drop_classes"] = tuple(fields["drop_classes"])
+    return fields
+
+
+class LateDrop:
+    """The late-dropping rule of the baselines (``drop_late``, ``drop_classes`` arguments).
+
+    A flow of a class in ``drop_classes`` whose explicit deadline has passed goes to the
+    scavenger level K-1 and stays there: its SLO is lost whatever the network does, and above
+    the scavenger it would only delay the traffic still on time. This is the rule ``rmlq``
+    applies to past-deadline requests (its feasibility pruning), available to any baseline in
+    one line of a policy file (``drop_late = true``) so that comparisons isolate the ranking.
+    """
+
+    __slots__ = ("classes", "enabled")
+
+    def __init__(self, enabled: bool, classes: Iterable[str] = DROP_CLASSES) -> None:
+        self.enabled = enabled
+        self.classes = frozenset(FlowClass.parse(label) for label in classes)
+
+    def dropped(self, flow: Flow, now: float) -> bool:
+        """True when ``flow`` belongs on the scavenger level at ``now``."""
+        return self.enabled and flow.cls in self.classes and is_late(flow, now)
+
+    def describe(self) -> str:
+        """The classes dropped, for ``describe_levels`` (e.g. ``"kv"``)."""
+        return ", ".join(sorted(cls.label for cls in self.classes)) or "none"
+
+    def next_change(self, flow: Flow) -> float | None:
+        """When :meth:`dropped` turns true by time alone (the deadline), or None."""
+        if self.enabled and flow.cls in self.classes and flow.remaining != 0:
+            return flow.deadline
+        return None
 
 
 def level_changes(flows: Iterable[Flow], decide: Callable[[Flow], int]) -> dict[int, Decision]:

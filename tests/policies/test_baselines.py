@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -231,11 +232,13 @@ def test_llf_ranks_by_laxity() -> None:
     flows = [
         build_flow(1, cls="kv", deadline=10.0, size=int(5e9)),  # laxity 10 - 5 = 5
         build_flow(2, cls="kv", deadline=4.0, size=0),  # laxity 4
-        build_flow(3, cls="tp", oracle_deadline=8.0, size=int(1e9)),  # laxity 7
+        # a collective's deadline is its isolated completion, 0 + 1 s: laxity 0 (its
+        # oracle_deadline, the consumer's start, is ignored)
+        build_flow(3, cls="tp", oracle_deadline=8.0, size=int(1e9)),
         build_flow(4, cls="bulk"),  # no deadline
         build_flow(5, cls="kv", deadline=4.5, oracle_deadline=20.0),  # oracle wins: laxity 20
     ]
-    assert levels("llf", flows) == [1, 0, 2, 7, 3]
+    assert levels("llf", flows) == [2, 1, 0, 7, 3]
     assert llf.laxity(flows[0], ctx(1.0)) == pytest.approx(4.0)
 
 
@@ -272,3 +275,118 @@ def test_llf_zero_bandwidth_is_most_urgent() -> None:
     pol = create("llf", num_levels=8)
     decisions = pol.reevaluate(flows, ctx(link_bandwidth={"dead": 0.0}))
     assert {fid: d.level for fid, d in decisions.items()} == {1: 1, 2: 0}
+
+
+@pytest.mark.parametrize(
+    ("flow", "now", "expected"),
+    [
+        # opened at 1 s, 1e9 bytes at 1e9 B/s: deadline 2 s; held back until 1.5 s with 0.2e9
+        # sent, it can finish at 2.3 s: laxity -0.3 s
+        (build_flow(1, cls="tp", opened_at=1.0, size=int(1e9), sent=int(2e8)), 1.5, -0.3),
+        (build_flow(1, cls="tp", opened_at=1.0, size=int(1e9)), 1.0, 0.0),  # fresh: laxity 0
+        (build_flow(1, cls="tp", opened_at=1.0), 1.5, -0.5),  # size unknown: due when opened
+        (build_flow(1, cls="tp", opened_at=1.0, size=int(1e9), oracle_deadline=1.0), 1.0, 0.0),
+    ],
+    ids=["held-back", "fresh", "unknown-size", "oracle-deadline-ignored"],
+)
+def test_llf_collective_deadline_is_its_isolated_completion(
+    flow: Flow, now: float, expected: float
+) -> None:
+    assert llf.laxity(flow, ctx(now)) == pytest.approx(expected)
+
+
+# -- late-dropping baselines ----------------------------------------------------------------
+
+LATE_DROP_POLICIES = ("static", "edf", "llf")
+
+
+def late_flows() -> list[Flow]:
+    """At now = 2: kv 1 is late, kv 2 on time, kv 3 late but done, param_sync 4 late, tp 5."""
+    return [
+        build_flow(1, cls="kv", size=100, deadline=1.0, request="r1"),
+        build_flow(2, cls="kv", size=100, deadline=3.0, request="r2"),
+        build_flow(3, cls="kv", size=100, sent=100, deadline=1.0, request="r3"),
+        build_flow(4, cls="param_sync", size=100, deadline=1.5),
+        build_flow(5, cls="tp", size=100),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "expected"),
+    [
+        ("static", {}, [1, 1, 1, 2, 0]),
+        ("static", {"drop_late": True}, [7, 1, 1, 2, 0]),
+        ("static", {"drop_late": True, "drop_classes": ["kv", "param_sync"]}, [7, 1, 1, 7, 0]),
+        ("static", {"drop_late": True, "drop_classes": []}, [1, 1, 1, 2, 0]),
+        # edf: ranks 1 < 1.5 < 3 (kv 3's deadline too), fair level K-1 for tp
+        ("edf", {}, [0, 3, 1, 2, 7]),
+        # drop_late: ranks on 0..5, everything else on 6, late kv on the scavenger level 7
+        ("edf", {"drop_late": True}, [7, 2, 0, 1, 6]),
+        # llf: latest starts kv 1 -> 1 - 1e-7, kv 3 -> 1, param_sync 1.5, kv 2 3, tp 0 + 1e-7
+        ("llf", {}, [1, 4, 2, 3, 0]),
+        ("llf", {"drop_late": True}, [7, 3, 1, 2, 0]),
+    ],
+    ids=[
+        "static",
+        "static-drop",
+        "static-drop-both",
+        "static-drop-none",
+        "edf",
+        "edf-drop",
+        "llf",
+        "llf-drop",
+    ],
+)
+def test_late_dropping(name: str, args: dict[str, Any], expected: list[int]) -> None:
+    assert levels(name, late_flows(), now=2.0, **args) == expected
+    admitted = create(name, args, num_levels=8)
+    first = admitted.admit(late_flows()[0], ctx(2.0)).level
+    assert (first == 7) == (expected[0] == 7)  # admission drops a late flow too
+
+
+@pytest.mark.parametrize("name", LATE_DROP_POLICIES)
+def test_late_dropping_turns_on_at_the_deadline(name: str) -> None:
+    flow = build_flow(1, cls="kv", size=100, deadline=1.0)
+    policy = create(name, {"drop_late": True}, num_levels=8)
+    flow.level = policy.admit(flow, ctx(0.5)).level
+    assert flow.level < 7
+    assert policy.next_change(flow, ctx(0.5)) == 1.0  # type: ignore[attr-defined]
+    assert policy.reevaluate([flow], ctx(1.0))[1].level == 7
+    flow.level = 7
+    assert policy.reevaluate([flow], ctx(1.5)) == {}  # stays dropped
+    plain = create(name, {}, num_levels=8)
+    assert plain.next_change(flow, ctx(0.5)) is None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", LATE_DROP_POLICIES)
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ({"drop_late": "yes"}, "policy.args.drop_late: expected true or false"),
+        ({"drop_late": 1}, "policy.args.drop_late: expected true or false"),
+        ({"drop_classes": ["tp"]}, "policy.args.drop_classes[0]: expected one of 'kv'"),
+        ({"drop_classes": "kv"}, "policy.args.drop_classes: expected a list"),
+    ],
+    ids=["string", "int", "implicit-class", "not-a-list"],
+)
+def test_late_dropping_arguments_are_validated(
+    name: str, args: dict[str, Any], fragment: str
+) -> None:
+    with pytest.raises(ValueError, match=re.escape(fragment)):
+        create(name, args)
+
+
+@pytest.mark.parametrize(
+    ("name", "num_levels", "expected"),
+    [
+        ("static", 4, ["tp", "kv", "param_sync, kv_reuse", "experience, bulk; late kv"]),
+        ("edf", 3, ["explicit deadlines, rank band 0", "everything else (fair)",
+                    "late kv (drop_late)"]),
+        ("edf", 2, ["explicit deadlines, rank band 0; everything else (fair)",
+                    "late kv (drop_late)"]),
+    ],
+    ids=["static", "edf-K3", "edf-K2"],
+)  # fmt: skip
+def test_late_dropping_in_describe_levels(name: str, num_levels: int, expected: list[str]) -> None:
+    policy = create(name, {"drop_late": True}, num_levels=num_levels)
+    assert policy.describe_levels() == expected  # type: ignore[attr-defined]
