@@ -2,7 +2,9 @@
 
 Shared by ``flowsched sim`` and the testbed. Input is a list of :class:`Outcome` (one policy at
 one load); nothing here knows how the outcome was produced. Plots use matplotlib's Agg backend
-(no display needed). Oracle policies (``llf``) are shown as reference rows, never ranked.
+(no display needed). The ideal-network bound is shown first as the ceiling, oracle policies
+(``llf``) last as references; neither is ranked. Tables, JSON and plots use the same units
+(ms, %), and every plot names its scenario, loads and seeds and gives each policy one colour.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class Outcome:
     ccts: list[float] = field(default_factory=list)
     oracle: bool = False
     wall_s: float = 0.0
+    #: the ideal-network bound: a ceiling, never a competitor
+    bound: bool = False
+    #: the metrics of each seed (for error bars); empty when only pooled records exist
+    per_seed: list[RunMetrics] = field(default_factory=list)
 
     @classmethod
     def from_records(
@@ -40,8 +46,10 @@ class Outcome:
         *,
         oracle: bool = False,
         wall_s: float = 0.0,
+        bound: bool = False,
+        seeds: Sequence[RunRecords] = (),
     ) -> Outcome:
-        """Summarize ``records`` into an outcome."""
+        """Summarize ``records`` (pooled) and each of ``seeds`` into an outcome."""
         return cls(
             policy,
             load,
@@ -50,7 +58,21 @@ class Outcome:
             collective_values(records),
             oracle,
             wall_s,
+            bound,
+            [summarize(r) for r in seeds] if len(seeds) > 1 else [],
         )
+
+    @property
+    def display(self) -> str:
+        """The row name: ``ideal (bound)``, ``llf (oracle)`` or the policy."""
+        if self.bound:
+            return f"{self.policy} (bound)"
+        return f"{self.policy} (oracle)" if self.oracle else self.policy
+
+    def spread(self, attr: str) -> tuple[float, float] | None:
+        """(min, max) of ``attr`` over the seeds, or None with fewer than two seeds."""
+        values = [v for m in self.per_seed if (v := getattr(m, attr)) is not None]
+        return (min(values), max(values)) if len(values) > 1 else None
 
 
 # --------------------------------------------------------------------------- table
@@ -64,6 +86,14 @@ _COLUMNS: list[tuple[str, str, float, str]] = [
     ("miss", "deadline_miss_rate", 100.0, "{:.1f}%"),
     ("early+ ms", "earliness_pos_mean", 1e3, "{:.2f}"),
 ]
+#: JSON key suffix of each scale: the JSON carries the table's numbers in the table's units
+_UNIT = {100.0: "pct", 1e3: "ms"}
+#: metrics the table does not show, with their JSON units
+_EXTRA: list[tuple[str, float]] = [
+    ("ttft_mean", 1e3),
+    ("cct_p99", 1e3),
+    ("earliness_mean", 1e3),
+]
 
 
 def _cell(metrics: RunMetrics, attr: str, scale: float, fmt: str) -> str:
@@ -75,17 +105,36 @@ def _used_columns(outcomes: Sequence[Outcome]) -> list[tuple[str, str, float, st
     return [c for c in _COLUMNS if any(getattr(o.metrics, c[1]) is not None for o in outcomes)]
 
 
+def _order(outcome: Outcome) -> int:
+    return 0 if outcome.bound else 2 if outcome.oracle else 1
+
+
+def vs_bound(outcome: Outcome, outcomes: Iterable[Outcome]) -> float | None:
+    """``outcome``'s SLO attainment / the ideal bound's at the same load (None if either lacks)."""
+    bound = next((o for o in outcomes if o.bound and o.load == outcome.load), None)
+    mine = outcome.metrics.slo_attainment
+    if bound is None or mine is None or not bound.metrics.slo_attainment:
+        return None
+    return mine / bound.metrics.slo_attainment
+
+
 def table(outcomes: Sequence[Outcome], title: str = "") -> str:
-    """A fixed-width comparison table: one block per load, competitors first, oracles last."""
+    """A fixed-width comparison table: one block per load, the ideal bound first (the ceiling),
+    competitors next, oracles last; ``x ideal`` = SLO attainment / the bound's."""
     columns = _used_columns(outcomes)
-    header = ["load", "policy", *(c[0] for c in columns)]
+    ratio = any(o.bound for o in outcomes) and any(
+        o.metrics.slo_attainment is not None for o in outcomes
+    )
+    header = ["load", "policy", *(c[0] for c in columns), *(["x ideal"] if ratio else [])]
     rows: list[list[str]] = []
     for load in sorted({o.load for o in outcomes}):
         at_load = [o for o in outcomes if o.load == load]
-        for outcome in sorted(at_load, key=lambda o: o.oracle):
-            name = f"{outcome.policy} (oracle)" if outcome.oracle else outcome.policy
+        for outcome in sorted(at_load, key=_order):
             cells = [_cell(outcome.metrics, *c[1:]) for c in columns]
-            rows.append([f"{load:g}", name, *cells])
+            if ratio:
+                value = vs_bound(outcome, at_load)
+                cells.append("-" if value is None else f"{value:.2f}")
+            rows.append([f"{load:g}", outcome.display, *cells])
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [title] if title else []
     lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)))
@@ -104,12 +153,30 @@ def to_json(outcomes: Sequence[Outcome], meta: dict[str, Any] | None = None) -> 
                 "policy": o.policy,
                 "load": o.load,
                 "oracle": o.oracle,
+                "bound": o.bound,
                 "wall_s": round(o.wall_s, 3),
-                "metrics": _finite(o.metrics.to_dict()),
+                "vs_ideal": vs_bound(o, outcomes),
+                "metrics": _finite(json_metrics(o.metrics)),
+                "per_seed": [_finite(json_metrics(m)) for m in o.per_seed],
             }
             for o in outcomes
         ],
     }
+
+
+def json_metrics(metrics: RunMetrics) -> dict[str, Any]:
+    """``metrics`` in the table's units, each key named with its unit (``ttft_p50_ms``)."""
+    data: dict[str, Any] = {"requests": metrics.requests, "iterations": metrics.iterations}
+    data["deadline_transfers"] = metrics.deadline_transfers
+    data["flows"] = metrics.flows
+    for attr, scale in [(c[1], c[2]) for c in _COLUMNS] + _EXTRA:
+        value = getattr(metrics, attr)
+        data[f"{attr}_{_UNIT[scale]}"] = None if value is None else value * scale
+    data["class_fct_ms"] = {
+        cls: {k: v if k == "count" else v * 1e3 for k, v in stats.items()}
+        for cls, stats in metrics.class_fct.items()
+    }
+    return data
 
 
 def _finite(value: Any) -> Any:
@@ -144,7 +211,10 @@ def markdown(
     lines += [f"- {key}: {value}" for key, value in meta.items()]
     lines += ["", "```", table(outcomes), "```", ""]
     lines += [
-        "Oracle rows (`llf`) use perfect knowledge and are a reference, not a competitor.",
+        "The `ideal (bound)` row is the ceiling, not a competitor: every KV, KV-reuse, param-sync "
+        "and experience flow on a private full-rate path, the collectives alone on the real "
+        "links. `x ideal` = SLO attainment / the bound's. Oracle rows (`llf`) use perfect "
+        "knowledge and are a reference, not a competitor. Times in ms, ratios in %.",
         "",
     ]
     for name in plots:
@@ -162,37 +232,93 @@ def _pyplot() -> Any:
     return plt
 
 
+#: a fixed colour per known policy name, so a policy looks the same in every plot
+_PALETTE = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+    "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#8c6d31", "#843c39", "#7b4173",
+)  # fmt: skip
+_KNOWN = (
+    "ideal", "rmlq", "fair", "static", "static+late", "edf", "edf+late", "sjf", "pias",
+    "karuna", "llf", "llf+late", "rmlq+late", "karuna+late", "sjf+late", "pias+late",
+)  # fmt: skip
+
+
+def colour(policy: str) -> str:
+    """The colour of ``policy`` in every plot (known names fixed, others by a stable hash)."""
+    if policy in _KNOWN:
+        return _PALETTE[_KNOWN.index(policy) % len(_PALETTE)]
+    return _PALETTE[sum(policy.encode()) % len(_PALETTE)]
+
+
+def _style(outcome: Outcome) -> dict[str, Any]:
+    return {
+        "color": colour(outcome.policy),
+        "linestyle": ":" if outcome.bound else "--" if outcome.oracle else "-",
+        "label": outcome.display,
+    }
+
+
+def plot_title(meta: dict[str, Any] | None, loads: Iterable[float]) -> str:
+    """``scenario, load(s) ..., seeds ...`` from the report's ``meta``."""
+    meta = meta or {}
+    loads = sorted(set(loads))
+    load_text = "load " + ", ".join(f"{x:g}" for x in loads) if loads else ""
+    seeds = meta.get("seeds") or []
+    seed_text = (
+        f"seed {seeds[0]}"
+        if len(seeds) == 1
+        else f"seeds {seeds[0]}-{seeds[-1]} (bars: min-max)"
+        if seeds
+        else ""
+    )
+    return ", ".join(x for x in (str(meta.get("scenario", "")), load_text, seed_text) if x)
+
+
 def plot_vs_load(
-    path: Path, outcomes: Sequence[Outcome], attr: str, ylabel: str, scale: float
+    path: Path,
+    outcomes: Sequence[Outcome],
+    attr: str,
+    ylabel: str,
+    scale: float,
+    meta: dict[str, Any] | None = None,
 ) -> bool:
-    """Line plot of ``metrics.<attr>`` against load, one line per policy; False if no data."""
-    series: dict[str, list[tuple[float, float]]] = {}
+    """``metrics.<attr>`` against load, one line (one colour) per policy, min-max error bars
+    across seeds; False if no data."""
+    series: dict[str, list[Outcome]] = {}
     for o in outcomes:
         value = getattr(o.metrics, attr)
         if value is not None and math.isfinite(value):
-            series.setdefault(o.policy + (" (oracle)" if o.oracle else ""), []).append(
-                (o.load, value * scale)
-            )
+            series.setdefault(o.display, []).append(o)
     if not series:
         return False
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, points in sorted(series.items()):
-        xs, ys = zip(*sorted(points), strict=True)
-        ax.plot(xs, ys, marker="o", linestyle="--" if "oracle" in name else "-", label=name)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for runs in sorted(series.values(), key=lambda r: (_order(r[0]), r[0].policy)):
+        runs = sorted(runs, key=lambda o: o.load)
+        xs = [o.load for o in runs]
+        ys = [getattr(o.metrics, attr) * scale for o in runs]
+        low, high = [], []
+        for o, y in zip(runs, ys, strict=True):
+            spread = o.spread(attr)
+            low.append(y - spread[0] * scale if spread else 0.0)
+            high.append(spread[1] * scale - y if spread else 0.0)
+        ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, **_style(runs[0]))
     ax.set_xlabel("load")
     ax.set_ylabel(ylabel)
+    ax.set_title(plot_title(meta, (o.load for o in outcomes)), fontsize=9)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
 
 
-def plot_cdfs(path: Path, outcomes: Sequence[Outcome], load: float) -> bool:
+def plot_cdfs(
+    path: Path, outcomes: Sequence[Outcome], load: float, meta: dict[str, Any] | None = None
+) -> bool:
     """CDFs of TTFT and collective completion time at ``load``; False if no samples."""
-    at_load = [o for o in outcomes if o.load == load]
+    at_load = sorted((o for o in outcomes if o.load == load), key=_order)
     panels = [
         (name, attr)
         for name, attr in (("TTFT (ms)", "ttfts"), ("collective (ms)", "ccts"))
@@ -207,13 +333,13 @@ def plot_cdfs(path: Path, outcomes: Sequence[Outcome], load: float) -> bool:
             values = sorted(v * 1e3 for v in getattr(o, attr))
             if values:
                 ys = [(i + 1) / len(values) for i in range(len(values))]
-                ax.plot(values, ys, label=o.policy, linestyle="--" if o.oracle else "-")
+                ax.plot(values, ys, **_style(o))
         ax.set_xlabel(name)
         ax.set_ylabel("CDF")
         ax.set_xscale("log")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"load {load:g}")
+        ax.legend(fontsize=7)
+    fig.suptitle(plot_title(meta, [load]).replace(" (bars: min-max)", " pooled"), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -230,12 +356,12 @@ def write_all(
         ("attainment.png", "slo_attainment", "SLO attainment (%)", 100.0),
         ("iteration.png", "iteration_mean", "iteration time (ms)", 1e3),
     ):
-        if plot_vs_load(out_dir / name, outcomes, attr, label, scale):
+        if plot_vs_load(out_dir / name, outcomes, attr, label, scale, meta):
             plots.append(out_dir / name)
     summary = [p.name for p in plots]  # the report links only the plots that were drawn
     for load in sorted({o.load for o in outcomes}):
         path = out_dir / f"cdf_load{load:g}.png"
-        if plot_cdfs(path, outcomes, load):
+        if plot_cdfs(path, outcomes, load, meta):
             plots.append(path)
     written = [out_dir / "results.json", out_dir / "report.md"]
     written[0].write_text(json.dumps(to_json(outcomes, meta), indent=2) + "\n")
@@ -257,11 +383,15 @@ class Progress:
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
 
     def line(self, label: str) -> str:
-        """The bar text for the current state."""
+        """The bar text for the current state, with the time left estimated from the pace of
+        the units done so far (``eta ?`` before the first one)."""
         filled = self.width * self.done // self.total
         elapsed = time.monotonic() - self.started
         bar = "#" * filled + "." * (self.width - filled)
-        return f"[{bar}] {self.done}/{self.total} {elapsed:6.1f}s {label}"
+        eta = "?"
+        if self.done:
+            eta = _duration(elapsed / self.done * (self.total - self.done))
+        return f"[{bar}] {self.done}/{self.total} {elapsed:6.1f}s eta {eta} {label}"
 
     def step(self, label: str) -> None:
         """Announce that the next unit (``label``) starts."""
@@ -281,3 +411,13 @@ class Progress:
     def _write(self, text: str) -> None:
         self.stream.write(("\r" + text + "\x1b[K") if self._tty else text + "\n")
         self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    """``42s``, ``3m05s`` or ``1h02m``."""
+    total = max(round(seconds), 0)
+    if total < 60:
+        return f"{total}s"
+    if total < 3600:
+        return f"{total // 60}m{total % 60:02d}s"
+    return f"{total // 3600}h{total % 3600 // 60:02d}m"

@@ -6,6 +6,8 @@ import io
 import json
 from pathlib import Path
 
+import pytest
+
 from flowsched.metrics import RequestRecord, RunMetrics, RunRecords, SpanRecord
 from flowsched.report import Outcome, Progress, best_baseline, table, to_json, write_all
 
@@ -48,9 +50,11 @@ def test_json_is_plain_and_drops_non_finite_values() -> None:
     bad = Outcome("x", 0.1, RunMetrics(ttft_p50=float("inf")))
     data = to_json([*OUTCOMES, bad], {"scenario": "s"})
     text = json.dumps(data, allow_nan=False)
-    assert json.loads(text)["runs"][-1]["metrics"]["ttft_p50"] is None
+    assert json.loads(text)["runs"][-1]["metrics"]["ttft_p50_ms"] is None
     assert data["meta"] == {"scenario": "s"}
-    assert data["runs"][0]["metrics"]["slo_attainment"] == 0.8
+    # the table's units: % and ms
+    assert data["runs"][0]["metrics"]["slo_attainment_pct"] == 80.0
+    assert data["runs"][0]["metrics"]["cct_mean_ms"] == pytest.approx(3.0)
 
 
 def test_write_all_writes_json_markdown_and_pngs(tmp_path: Path) -> None:
@@ -79,5 +83,45 @@ def test_progress_bar_without_tty_writes_one_line_per_step() -> None:
     bar.advance("b done")
     bar.close()
     lines = stream.getvalue().splitlines()
-    assert lines[0].startswith("[........] 0/4")
+    assert lines[0].startswith("[........] 0/4") and " eta ? " in lines[0]
     assert lines[-1].startswith("[####....] 2/4") and lines[-1].endswith("b done")
+    assert " eta 0s " in lines[-1] or " eta " in lines[-1]
+
+
+def test_progress_eta_extrapolates_the_pace_so_far(monkeypatch: pytest.MonkeyPatch) -> None:
+    import flowsched.report as report
+
+    clock = [100.0]
+    monkeypatch.setattr(report.time, "monotonic", lambda: clock[0])
+    bar = Progress(10, stream=io.StringIO())
+    clock[0] = 130.0
+    bar.advance()
+    bar.advance()
+    bar.advance()  # 3 units in 30 s: 7 left -> 70 s
+    assert " eta 1m10s " in bar.line("x")
+
+
+def test_bound_first_oracles_last_and_ratio_to_the_bound() -> None:
+    bound = _outcome("ideal", 0.5, 1.0)
+    bound.bound = True
+    text = table([*OUTCOMES, bound])
+    block = [line for line in text.splitlines() if line.startswith("0.5 ")]
+    assert [line.split()[1] for line in block] == ["ideal", "rmlq", "fair", "llf"]
+    assert "ideal (bound)" in block[0] and "x ideal" in text.splitlines()[0]
+    assert block[1].split()[-1] == "0.80"
+
+
+def test_plots_have_one_colour_per_policy_and_seed_error_bars(tmp_path: Path) -> None:
+    from flowsched.metrics import merge
+    from flowsched.report import colour, plot_title, plot_vs_load
+
+    seeds = [
+        RunRecords(requests=[RequestRecord("a", 0.0, 1.0, 0.5 if met else 2.0)])
+        for met in (True, False)
+    ]
+    outcome = Outcome.from_records("rmlq", 0.5, merge(seeds), seeds=seeds)
+    assert outcome.spread("slo_attainment") == (0.0, 1.0)
+    assert colour("rmlq") != colour("edf") and colour("rmlq") == colour("rmlq")
+    meta = {"scenario": "pd", "seeds": [1, 2]}
+    assert plot_title(meta, [0.5, 0.7]) == "pd, load 0.5, 0.7, seeds 1-2 (bars: min-max)"
+    assert plot_vs_load(tmp_path / "a.png", [outcome], "slo_attainment", "%", 100.0, meta)

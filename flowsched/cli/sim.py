@@ -1,4 +1,9 @@
-"""``flowsched sim``: run a scenario under several policies and loads, compare, write a report."""
+"""``flowsched sim``: run a scenario under several policies and loads, compare, write a report.
+
+Policy names are the registry's, plus ``ideal`` (the ideal-network bound, a ceiling) and
+``NAME+late`` (NAME with the one-line late-dropping rule, ``drop_late = true``). Ctrl-C stops
+after the run in progress is abandoned: the finished policy/load pairs are still reported.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,16 @@ from typing import Any
 
 from flowsched import policies, scenario
 from flowsched.metrics import merge
+from flowsched.policies import hwqueues
 from flowsched.report import Outcome, Progress, table, write_all
-from flowsched.sim.run import PolicySpec, run
+from flowsched.sim.run import IDEAL, PolicySpec, ideal_spec, run
 
-DEFAULT_POLICIES = "rmlq,fair,static,edf,sjf,pias,karuna,llf"
+DEFAULT_POLICIES = "ideal,rmlq,fair,static,static+late,edf,edf+late,sjf,pias,karuna,llf,llf+late"
+#: suffix of a baseline with late-dropping, and the arguments it adds
+LATE_SUFFIX = "+late"
+LATE_ARGS = {"drop_late": True}
+#: hardware queues a fabric offers when no policy file says (switches have 8 at best)
+DEFAULT_HW_QUEUES = 8
 
 
 def register(sub: Any) -> None:
@@ -52,32 +63,46 @@ def _floats(text: str) -> list[float]:
 
 
 def specs(names: list[str], policy_file: Path | None, default_levels: int) -> list[PolicySpec]:
-    """One :class:`PolicySpec` per name; a policy file sets K, the timer and its policy's args."""
-    unknown = [n for n in names if n not in policies.names()]
+    """One :class:`PolicySpec` per name; a policy file sets K, the hardware queues, the timer
+    and its policy's args. Every run's K levels are compressed into the hardware queues."""
+    base_names = [n.removesuffix(LATE_SUFFIX) for n in names if n != IDEAL]
+    unknown = [n for n in base_names if n not in policies.names()]
     if unknown:
+        known = ", ".join([IDEAL, *policies.names()])
         raise SystemExit(
-            f"flowsched sim: unknown policy {unknown[0]!r} (known: {', '.join(policies.names())})"
+            f"flowsched sim: unknown policy {unknown[0]!r} (known: {known}, each also as NAME+late)"
         )
-    if policy_file is None:
-        built = [PolicySpec(name, {}, default_levels) for name in names]
-    else:
+    levels, timer, file_args, file_policy = default_levels, None, {}, None
+    queues = hwqueues.table(default_levels, min(default_levels, DEFAULT_HW_QUEUES))
+    if policy_file is not None:
         from flowsched import policyfile
 
         try:
             cfg = policyfile.load(policy_file)
         except (OSError, ValueError) as exc:
             raise SystemExit(f"flowsched sim: {policy_file}: {exc}") from None
-        built = [
-            PolicySpec(
-                name, cfg.args if name == cfg.policy else {}, cfg.num_levels, cfg.timer_period
-            )
-            for name in names
-        ]
+        levels, timer, file_args, file_policy = (
+            cfg.num_levels,
+            cfg.timer_period,
+            cfg.args,
+            cfg.policy,
+        )
+        queues = cfg.level_queue
+    built = []
+    for name in names:
+        if name == IDEAL:
+            built.append(ideal_spec(levels))
+            continue
+        base = name.removesuffix(LATE_SUFFIX)
+        args = dict(file_args) if base == file_policy else {}
+        if name.endswith(LATE_SUFFIX):
+            args.update(LATE_ARGS)
+        built.append(PolicySpec(base, args, levels, timer, label=name, level_queue=queues))
     for spec in built:  # e.g. rmlq needs K >= early_levels + 3: say so before any run
         try:
             spec.build()
         except ValueError as exc:
-            where = f"{spec.name} with K={spec.num_levels}"
+            where = f"{spec.title} with K={spec.num_levels}"
             raise SystemExit(f"flowsched sim: {where}: {exc}") from None
     return built
 
@@ -93,10 +118,21 @@ def _run(args: argparse.Namespace) -> int:
     first = args.seed if args.seed is not None else scen.scenario.seed
     seeds = list(range(first, first + max(args.seeds, 1)))
     runs = specs(names, args.policy_file, scen.sim.num_levels)
-    outcomes = _compare(scen, runs, loads, seeds, quiet=args.quiet)
+    outcomes: list[Outcome] = []
+    interrupted = False
+    try:
+        _compare(scen, runs, loads, seeds, outcomes, quiet=args.quiet)
+    except KeyboardInterrupt:
+        interrupted = True
+        print(
+            f"\nflowsched sim: interrupted; reporting the {len(outcomes)} finished "
+            "policy/load pairs",
+            file=sys.stderr,
+        )
     seed_text = f"seed {first}" if len(seeds) == 1 else f"seeds {seeds[0]}..{seeds[-1]} pooled"
-    print(table(outcomes, f"{scen.scenario.name} ({scen.kind}), {seed_text}"))
-    if args.out is not None:
+    if outcomes:
+        print(table(outcomes, f"{scen.scenario.name} ({scen.kind}), {seed_text}"))
+    if args.out is not None and outcomes:
         meta = {
             "scenario": scen.scenario.name,
             "kind": scen.kind,
@@ -105,10 +141,11 @@ def _run(args: argparse.Namespace) -> int:
             "policies": names,
             "loads": loads,
             "policy_file": str(args.policy_file) if args.policy_file else None,
+            "complete": not interrupted,
         }
         for path in write_all(args.out, outcomes, meta):
             print(f"wrote {path}")
-    return 0
+    return 130 if interrupted else 0
 
 
 def _compare(
@@ -116,28 +153,36 @@ def _compare(
     runs: list[PolicySpec],
     loads: list[float],
     seeds: list[int],
+    outcomes: list[Outcome],
     *,
     quiet: bool,
-) -> list[Outcome]:
-    """Every policy at every load; the records of all seeds are pooled into one outcome."""
+) -> None:
+    """Every policy at every load, appended to ``outcomes`` as each pair finishes (so an
+    interrupted comparison keeps what is done); the seeds' records are pooled per pair."""
     progress = None if quiet else Progress(len(runs) * len(loads) * len(seeds))
-    outcomes = []
-    for load in loads:
-        for spec in runs:
-            results = []
-            for seed in seeds:
-                label = f"{spec.name} @ load {load:g}, seed {seed}"
-                if progress:
-                    progress.step(label)
-                results.append(run(scen, spec, load, seed))
-                if progress:
-                    progress.advance(f"{label} ({results[-1].wall_s:.1f}s)")
-            records = merge(r.records for r in results)
-            oracle = spec.name in policies.ORACLES
-            wall = sum(r.wall_s for r in results)
-            outcomes.append(
-                Outcome.from_records(spec.name, load, records, oracle=oracle, wall_s=wall)
-            )
-    if progress:
-        progress.close()
-    return outcomes
+    try:
+        for load in loads:
+            for spec in runs:
+                results = []
+                for seed in seeds:
+                    label = f"{spec.title} @ load {load:g}, seed {seed}"
+                    if progress:
+                        progress.step(label)
+                    results.append(run(scen, spec, load, seed))
+                    if progress:
+                        progress.advance(f"{label} ({results[-1].wall_s:.1f}s)")
+                records = [r.records for r in results]
+                outcomes.append(
+                    Outcome.from_records(
+                        spec.title,
+                        load,
+                        merge(records),
+                        oracle=spec.name in policies.ORACLES and not spec.bound,
+                        wall_s=sum(r.wall_s for r in results),
+                        bound=spec.bound,
+                        seeds=records,
+                    )
+                )
+    finally:
+        if progress:
+            progress.close()

@@ -16,6 +16,11 @@ Model
   multiple of ``chunk_bytes`` (one message never spans two levels). ``chunk_bytes = 0`` models
   infinitesimal messages (changes apply at once).
 * ``Context.link_load`` is an EWMA (time constant ``load_tau``) of each link's utilization.
+* Hardware queues: ``SimConfig.level_queue`` maps each policy level to the switch queue that
+  carries it (:mod:`flowsched.policies.hwqueues`); rates follow the queues, so levels that share
+  a queue share it max-min fairly, as a switch serves them. The records keep the policy levels.
+* Private paths: flows of the classes in ``SimConfig.private_classes`` each get a link of their
+  own at their path's bottleneck rate (the ideal-network bound: they never contend).
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ class SimConfig:
     timer_period: float = 1e-3
     load_tau: float = 1e-3
     default_bandwidth: float = 25e9
+    #: hardware queue of each level (empty: one queue per level)
+    level_queue: tuple[int, ...] = ()
+    #: classes whose flows travel on a private full-rate path (the ideal-network bound)
+    private_classes: frozenset[FlowClass] = frozenset()
 
 
 @dataclass(slots=True, eq=False)
@@ -64,6 +73,8 @@ class ActiveFlow:
     target: float = 0.0
     pending: Decision | None = None
     first_level: int = -1
+    #: the hardware queue carrying ``level`` (what the allocator ranks by)
+    queue: int = 0
     #: sent-byte offsets at which a level/cap change was applied (for invariant checks)
     changes_at: list[float] = field(default_factory=list)
 
@@ -129,10 +140,13 @@ class Simulator:
         """
         flow = Flow(next(self._ids), cls, self.now, size=int(size), links=links, **fields)  # type: ignore[arg-type]
         link_ids = tuple(self._link_index[name] for name in links)
+        if cls in self.config.private_classes and link_ids:
+            link_ids = (self._private_link(flow.flow_id, link_ids),)
         state = ActiveFlow(flow, link_ids, 0, None, float(size), self.now, on_done)
         decision = self.policy.admit(flow, self._context())
         self._check_level(decision)
         state.level, state.cap, state.first_level = decision.level, decision.rate, decision.level
+        state.queue = self._queue(decision.level)
         flow.level = decision.level
         if not link_ids or size <= 0:
             self._finish(state)
@@ -140,9 +154,25 @@ class Simulator:
         self.active[flow.flow_id] = state
         for link in link_ids:
             self._on_link[link][flow.flow_id] = state
-        self._touch(link_ids, state.level)
+        self._touch(link_ids, state.queue)
         self._arm_timer()
         return flow
+
+    def _private_link(self, flow_id: int, links: tuple[int, ...]) -> int:
+        """A new link for one flow, at the bottleneck rate of ``links``."""
+        name = f"private{flow_id}"
+        self._link_index[name] = len(self.link_names)
+        self.link_names.append(name)
+        self.capacity.append(min(self.capacity[link] for link in links))
+        self._bandwidth[name] = self.capacity[-1]
+        for column in (self._link_rate, self._ewma, self._ewma_t):
+            column.append(0.0)
+        self._on_link.append({})
+        return self._link_index[name]
+
+    def _queue(self, level: int) -> int:
+        table = self.config.level_queue
+        return table[level] if level < len(table) else level
 
     def set_job_index(self, job: str, index: int) -> None:
         """Report job progress (the ``L_curr`` of RLI); triggers a re-evaluation."""
@@ -209,7 +239,7 @@ class Simulator:
         del self.active[state.flow.flow_id]
         for link in state.links:
             del self._on_link[link][state.flow.flow_id]
-        self._touch(state.links, state.level)
+        self._touch(state.links, state.queue)
         state.rate = 0.0
         self._finish(state)
         self._request_reevaluate()
@@ -297,20 +327,21 @@ class Simulator:
         self._reschedule(state)
 
     def _apply(self, state: ActiveFlow, decision: Decision) -> None:
-        old_level = state.level
+        old_queue = state.queue
         if self._record_changes:
             state.changes_at.append(float(state.flow.size or 0) - state.remaining)
         state.pending = None
         state.target = 0.0
         state.level, state.cap = decision.level, decision.rate
+        state.queue = self._queue(decision.level)
         state.flow.level = decision.level
-        self._touch(state.links, min(old_level, decision.level))
+        self._touch(state.links, min(old_queue, state.queue))
         self._reschedule(state)
 
     # ----------------------------------------------------------------- rates
-    def _touch(self, links: tuple[int, ...], level: int) -> None:
+    def _touch(self, links: tuple[int, ...], queue: int) -> None:
         self._dirty.update(links)
-        self._dirty_level = min(self._dirty_level, level)
+        self._dirty_level = min(self._dirty_level, queue)
 
     def _materialize(self, state: ActiveFlow) -> None:
         if state.t_mark != self.now:
@@ -324,13 +355,13 @@ class Simulator:
             self._push(when, _FLOW, state, state.version)
 
     def _component(self) -> tuple[list[ActiveFlow], set[int]]:
-        """Flows at level >= the dirty level connected to the dirty links, and their links."""
+        """Flows at queue >= the dirty queue connected to the dirty links, and their links."""
         level = self._dirty_level
         links, flows = set(self._dirty), {}
         stack = list(self._dirty)
         while stack:
             for flow_id, state in self._on_link[stack.pop()].items():
-                if state.level >= level and flow_id not in flows:
+                if state.queue >= level and flow_id not in flows:
                     flows[flow_id] = state
                     for other in state.links:
                         if other not in links:
@@ -348,7 +379,7 @@ class Simulator:
         self._dirty_level = math.inf
         residual = self._residual(links, level)
         old = [s.rate for s in flows]
-        allocate_levels(flows, [s.level for s in flows], residual)
+        allocate_levels(flows, [s.queue for s in flows], residual)
         now = self.now
         for state, rate in zip(flows, old, strict=True):
             if state.rate != rate:
@@ -364,7 +395,7 @@ class Simulator:
     def _residual(self, links: set[int], level: float) -> dict[int, float]:
         residual = {}
         for link in links:
-            used = sum(s.rate for s in self._on_link[link].values() if s.level < level)
+            used = sum(s.rate for s in self._on_link[link].values() if s.queue < level)
             residual[link] = max(self.capacity[link] - used, 0.0)
         return residual
 

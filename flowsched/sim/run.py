@@ -9,6 +9,7 @@ from typing import Any
 
 from flowsched import policies
 from flowsched.metrics import RunMetrics, RunRecords, summarize
+from flowsched.model import FlowClass
 from flowsched.policies.base import Policy
 from flowsched.scenario import Scenario, rl_plan, serving_trace
 from flowsched.sim.engine import SimConfig, Simulator
@@ -16,19 +17,52 @@ from flowsched.sim.rl import RlWorkload
 from flowsched.sim.serving import ServingWorkload
 from flowsched.sim.topology import Topology
 
+#: what the ideal-network bound takes off the shared links: P2D and Stage-1 KV transfers, the
+#: RL param sync and experience (every deferrable transfer); collectives stay on the real links
+IDEAL_PRIVATE = frozenset(
+    {FlowClass.KV, FlowClass.KV_REUSE, FlowClass.PARAM_SYNC, FlowClass.EXPERIENCE}
+)
+#: the label of the ideal-network bound in tables and plots
+IDEAL = "ideal"
+
 
 @dataclass(frozen=True, slots=True)
 class PolicySpec:
-    """How to build a policy for a run: registry name, arguments, number of levels, timer."""
+    """How to build a policy for a run: registry name, arguments, levels, timer, hw queues.
+
+    ``label`` names the run in reports (default: ``name``); ``level_queue`` maps levels to the
+    hardware queues that carry them (empty: one queue per level); ``private_classes`` puts those
+    classes on private full-rate paths (only the ideal-network bound does).
+    """
 
     name: str
     args: Mapping[str, Any] = field(default_factory=dict)
     num_levels: int = 8
     timer_period: float | None = None
+    label: str = ""
+    level_queue: tuple[int, ...] = ()
+    private_classes: frozenset[FlowClass] = frozenset()
+
+    @property
+    def title(self) -> str:
+        """The name reports show."""
+        return self.label or self.name
+
+    @property
+    def bound(self) -> bool:
+        """True for the ideal-network bound (a ceiling, never a competitor)."""
+        return bool(self.private_classes)
 
     def build(self) -> Policy:
         """A fresh policy object (runs never share policy state)."""
         return policies.create(self.name, dict(self.args), num_levels=self.num_levels)
+
+
+def ideal_spec(num_levels: int) -> PolicySpec:
+    """The ideal-network bound: every KV, KV-reuse, param-sync and experience flow on a private
+    full-rate path, collectives first (``static``) on the real links. No scheduler can beat it:
+    the collectives see no other traffic and every deferrable transfer runs at line rate."""
+    return PolicySpec("static", {}, num_levels, label=IDEAL, private_classes=IDEAL_PRIVATE)
 
 
 @dataclass(slots=True)
@@ -82,6 +116,8 @@ def sim_config(scenario: Scenario, spec: PolicySpec) -> SimConfig:
         chunk_bytes=scenario.sim.chunk_kib * 1024,
         timer_period=timer,
         load_tau=scenario.sim.load_tau_ms / 1e3,
+        level_queue=spec.level_queue,
+        private_classes=spec.private_classes,
     )
 
 
@@ -113,5 +149,5 @@ def run(
     metrics = summarize(sim.records)
     wall = time.perf_counter() - started
     return RunResult(
-        spec.name, load, sim.records, metrics, wall, len(sim.records.flows), sim.events_processed
+        spec.title, load, sim.records, metrics, wall, len(sim.records.flows), sim.events_processed
     )

@@ -85,3 +85,33 @@ def test_sim_rejects_too_few_levels_for_the_policy_before_running(tmp_path: Path
     path.write_text(TINY + "[sim]\nnum_levels = 4\n")
     with pytest.raises(SystemExit, match="rmlq with K=4"):
         main(["sim", str(path), "--policies", "fair,rmlq", "--loads", "0.5"])
+
+
+def test_interrupted_sim_reports_the_finished_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during the third run: the two finished policy/load pairs are still written."""
+    import flowsched.cli.sim as sim_cli
+
+    real_run, calls = sim_cli.run, [0]
+
+    def run_then_interrupt(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return real_run(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sim_cli, "run", run_then_interrupt)
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY.replace("requests = 24", "requests = 6"))
+    out = tmp_path / "out"
+    status = main(
+        ["sim", str(path), "--policies", "ideal,fair,static", "--loads", "0.4", "--out", str(out)]
+    )
+    assert status == 130
+    captured = capsys.readouterr()
+    assert "interrupted" in captured.err and " eta " in captured.err
+    assert "ideal (bound)" in captured.out and "fair" in captured.out
+    data = json.loads((out / "results.json").read_text())
+    assert [r["policy"] for r in data["runs"]] == ["ideal", "fair"]
+    assert data["meta"]["complete"] is False

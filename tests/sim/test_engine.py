@@ -195,3 +195,29 @@ def test_oversubscribed_uplink_is_shared_by_the_node_nics() -> None:
     _open(sim, 0, 10**9, topo.path("n0", 0, "n1", 0))
     _open(sim, 0, 10**9, topo.path("n0", 1, "n1", 1))
     assert _finish_times(sim) == pytest.approx({1: 2.0, 2: 2.0})
+
+
+def test_levels_sharing_a_hardware_queue_share_it_fairly() -> None:
+    """Levels 1 and 2 compressed into one queue share the link max-min, as a switch would;
+    level 0 keeps its own queue and strict priority over them."""
+    config = SimConfig(chunk_bytes=0, timer_period=0.0, level_queue=(0, 1, 1, 2))
+    sim = Simulator({"a": 100.0}, FixedPolicy(), config)
+    _open(sim, 0.0, 100, ("a",), level=1)
+    _open(sim, 0.0, 100, ("a",), level=2)
+    _open(sim, 0.0, 50, ("a",), level=0)
+    finish = _finish_times(sim)
+    assert finish == {3: 0.5, 1: 2.5, 2: 2.5}
+    levels = {r.flow_id: r.last_level for r in sim.records.flows}
+    assert levels == {1: 1, 2: 2, 3: 0}, "records keep the policy's levels"
+
+
+def test_private_classes_get_a_full_rate_link_of_their_own() -> None:
+    """The ideal-network bound: KV flows each get the bottleneck rate of their path and leave
+    the shared links to the collectives."""
+    config = SimConfig(chunk_bytes=0, timer_period=0.0, private_classes=frozenset({FlowClass.KV}))
+    sim = Simulator({"a": 100.0, "b": 50.0}, FixedPolicy(), config)
+    for _ in range(3):
+        sim.at(0.0, lambda: sim.open_flow(FlowClass.KV, 100, ("a", "b"), consumer_index=3))
+    sim.at(0.0, lambda: sim.open_flow(FlowClass.TP, 100, ("a",), consumer_index=3))
+    finish = _finish_times(sim)
+    assert finish == {1: 2.0, 2: 2.0, 3: 2.0, 4: 1.0}
