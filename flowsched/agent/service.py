@@ -32,7 +32,7 @@ from flowsched.agent.metrics import start_http
 from flowsched.agent.nic import NicMonitor, default_interfaces
 from flowsched.agent.policy_view import PolicyView
 from flowsched.agent.sdk_server import SdkServer
-from flowsched.agent.telemetry import Telemetry
+from flowsched.agent.telemetry import SlotTelemetry, Telemetry
 from flowsched.model import Context, Decision, Flow
 from flowsched.policies.base import Policy
 from flowsched.protocol import (
@@ -106,6 +106,9 @@ class Agent:
         }
         self.ready: ReadyInfo | None = None
         self.telemetry = Telemetry()
+        self.slot_telemetry = SlotTelemetry()
+        #: slots holding a connection (ACTIVE or CLOSED) at the last table scan
+        self.slots_used = 0
         self.rdma_devices: list[str] = []
         self._token: bytes | None = None
         self._socket_bound = False
@@ -195,14 +198,32 @@ class Agent:
     def scan_table(self) -> None:
         """One scan: new, progressing and closed plugin connections."""
         assert self.table is not None and self.registry is not None
+        busy = self.table.busy_slots()
         changed, ended = self.registry.observe_counts(
-            self.table.busy_slots(), self.table.slot, time.time(), monotonic_ns()
+            busy, self.table.slot, time.time(), monotonic_ns()
         )
+        self._slot_metrics(busy)
         for key in ended:
             self.table.release_slot(*key)
         self._after_registry_change()
         for key in changed:
             self.write_slot(key)
+
+    def _slot_metrics(self, busy: list[tuple[int, int, int, int]]) -> None:
+        assert self.table is not None and self.registry is not None
+        self.slots_used = len(busy)
+        if busy:
+            columns = {name: self.table.slot_column(name) for name in SlotTelemetry.COLUMNS}
+            self.slot_telemetry.scan(busy, columns, self.registry.slots)
+
+    def readiness(self) -> str | None:
+        """None when ready (``/readyz``): started and connected to a coordinator, or running
+        the local policy on purpose (no ``--coordinator``); else the reason."""
+        if self.ready is None:
+            return "starting"
+        if self.config.coordinator is None or self.connected:
+            return None
+        return "no coordinator connection" + (" (local policy running)" if self.fallback else "")
 
     def _reap(self) -> None:
         assert self.table is not None

@@ -1,31 +1,151 @@
-"""Counters and histograms the agent keeps for its metrics (plain data, no I/O)."""
+"""What the agent measures for its metrics (plain data; no I/O beyond reading the table).
+
+* :class:`Telemetry`: closed flows (deadline met / missed, how late, how early), the local
+  policy's decision latency, level updates received.
+* :class:`SlotTelemetry`: from the plugin's words in the flow table, on every table scan:
+  bytes sent per class and level in force, and the level-apply latency (the agent wrote a
+  level into a slot, ``level_set_ns`` -> the plugin applied it to the connection's sockets at
+  its next message, ``applied_ns``; one CLOCK_MONOTONIC clock, so exact).
+
+Histograms are prometheus_client's; they are observed per closed flow or per level change,
+not per message.
+"""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from flowsched.coordinator.histogram import SLACK_BUCKETS, Histogram
+from prometheus_client import Histogram
+from prometheus_client.core import Metric
+
 from flowsched.model import Flow
+from flowsched.shm import layout
+
+if TYPE_CHECKING:
+    from flowsched.agent.flows import SlotConn
 
 #: seconds spent in one local-policy call (admit batch or reevaluate)
 LATENCY_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1)
+#: seconds a missed deadline was missed by, or a met one met early
+DEADLINE_BUCKETS = (0.001, 0.01, 0.1, 1.0, 10.0, 100.0)
+#: seconds from a level written into a slot to the plugin applying it (its next message)
+APPLY_BUCKETS = (1e-4, 1e-3, 1e-2, 0.1, 0.5, 1.0, 5.0, 30.0)
+
+PREFIX = "flowsched_agent"
+
+
+def _histogram(name: str, text: str, buckets: tuple[float, ...]) -> Histogram:
+    return Histogram(f"{PREFIX}_{name}", text, buckets=buckets, registry=None)
 
 
 @dataclass(slots=True)
 class Telemetry:
-    """Completions (deadline met / missed), slack, local decision latency, level updates."""
+    """Completions (deadline met / missed), lateness, earliness, local decision latency."""
 
     completions: Counter[tuple[str, str]] = field(default_factory=Counter)
-    slack: Histogram = field(default_factory=lambda: Histogram(SLACK_BUCKETS))
-    decision_latency: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
+    lateness: Histogram = field(
+        default_factory=lambda: _histogram(
+            "deadline_lateness_seconds",
+            "Completion minus deadline of closed flows that missed it.",
+            DEADLINE_BUCKETS,
+        )
+    )
+    earliness: Histogram = field(
+        default_factory=lambda: _histogram(
+            "deadline_earliness_seconds",
+            "Deadline minus completion of closed flows that met it.",
+            DEADLINE_BUCKETS,
+        )
+    )
+    decision_latency: Histogram = field(
+        default_factory=lambda: _histogram(
+            "local_decision_latency_seconds",
+            "Time of one local-policy call (fallback mode).",
+            LATENCY_BUCKETS,
+        )
+    )
     level_updates: int = 0
 
     def completed(self, flow: Flow, now: float) -> None:
-        """Record a closed flow: deadline met / missed / none, and its slack."""
+        """Record a closed flow: deadline met / missed / none, and by how much."""
         if flow.deadline is None:
             self.completions[flow.cls.label, "none"] += 1
             return
         slack = flow.deadline - now
-        self.completions[flow.cls.label, "met" if slack >= 0 else "missed"] += 1
-        self.slack.observe(slack)
+        if slack >= 0:
+            self.completions[flow.cls.label, "met"] += 1
+            self.earliness.observe(slack)
+        else:
+            self.completions[flow.cls.label, "missed"] += 1
+            self.lateness.observe(-slack)
+
+    def histograms(self) -> Iterator[Metric]:
+        """The histogram families, for the collector."""
+        for hist in (self.lateness, self.earliness, self.decision_latency):
+            yield from hist.collect()
+
+
+@dataclass(slots=True)
+class _SlotSeen:
+    cls: str
+    bytes: int
+    applied_ns: int
+
+
+class SlotTelemetry:
+    """Bytes sent per (class, level) and level-apply latency, read from the plugins' slots.
+
+    ``scan`` runs after each table scan of the agent with the busy slots' ``(index, state,
+    claim_seq, bytes)``, the table's :data:`COLUMNS` and the connections the agent knows.
+    Bytes that grew since the previous scan count for the level the plugin had applied at
+    this scan (a level changes only at a message boundary, and scans are a few ms apart).
+    The first scan only takes a baseline: bytes moved before this agent started are not its.
+    """
+
+    COLUMNS = ("applied_level", "applied_ns", "level_set_ns")
+
+    def __init__(self) -> None:
+        self.sent: Counter[tuple[str, str]] = Counter()
+        self.apply_latency = _histogram(
+            "level_apply_latency_seconds",
+            "From the agent writing a level into a connection's slot to the plugin applying "
+            "it to the sockets (at the connection's next message).",
+            APPLY_BUCKETS,
+        )
+        self._seen: dict[tuple[int, int], _SlotSeen] = {}
+        self._primed = False
+
+    def scan(
+        self,
+        busy: Iterable[tuple[int, int, int, int]],
+        columns: Mapping[str, list[int]],
+        conns: Mapping[tuple[int, int], SlotConn],
+    ) -> None:
+        """Account one scan (``conns``: the connections the agent tracks, by ``(index,
+        claim_seq)``; others are skipped until it does)."""
+        applied_level, applied_ns = columns["applied_level"], columns["applied_ns"]
+        level_set_ns = columns["level_set_ns"]
+        seen: dict[tuple[int, int], _SlotSeen] = {}
+        for index, _state, seq, nbytes in busy:
+            before = self._seen.get((index, seq))
+            if before is None:
+                conn = conns.get((index, seq))
+                if conn is None or conn.direction != layout.DIR_SEND:
+                    continue
+                start = nbytes if not self._primed else 0
+                before = _SlotSeen(conn.cls.label, start, 0)
+            now = _SlotSeen(before.cls, max(nbytes, before.bytes), applied_ns[index])
+            seen[index, seq] = now
+            if now.bytes > before.bytes:
+                level = applied_level[index]
+                label = "unset" if level == layout.LEVEL_UNSET else str(level)
+                self.sent[now.cls, label] += now.bytes - before.bytes
+            set_ns = level_set_ns[index]
+            # the first application of the slot's latest level write
+            if now.applied_ns != before.applied_ns and before.applied_ns < set_ns <= now.applied_ns:
+                self.apply_latency.observe((now.applied_ns - set_ns) / 1e9)
+        self._seen = seen
+        self._primed = True

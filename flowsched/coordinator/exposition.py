@@ -1,7 +1,12 @@
-"""A tiny asyncio HTTP endpoint serving one Prometheus registry (``GET /metrics``).
+"""A tiny asyncio HTTP endpoint: one Prometheus registry and the health probes.
 
-Served on the coordinator's own event loop, so a scrape reads the flow table between two
-events and never races with it (a scrape thread would).
+``GET /metrics`` (also ``/``): the registry in the text format. ``GET /healthz`` (alias
+``/livez``): 200 whenever the event loop answers; it never depends on a peer, so an outage of
+the coordinator or etcd never restarts every pod. ``GET /readyz``: 200 when the daemon's
+``ready()`` callback returns None, else 503 with the reason it returned.
+
+Served on the daemon's own event loop, so a scrape reads the flow table between two events
+and never races with it (a scrape thread would).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 log = logging.getLogger(__name__)
 
 _Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+#: returns None when the daemon is ready, else a one-line reason why not
+Readiness = Callable[[], str | None]
 
 REQUEST_TIMEOUT = 5.0
 _MAX_REQUEST = 16 * 1024
@@ -23,14 +30,15 @@ _HTTP_ERRORS = (
 )  # fmt: skip
 
 
-def make_handler(registry: CollectorRegistry) -> _Handler:
-    """An ``asyncio.start_server`` callback answering ``GET /metrics`` from ``registry``."""
+def make_handler(registry: CollectorRegistry, ready: Readiness | None = None) -> _Handler:
+    """An ``asyncio.start_server`` callback answering ``/metrics`` from ``registry`` and the
+    probes (``ready`` None: ready as soon as it listens)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT):
                 head = await reader.readuntil(b"\r\n\r\n")
-            status, body, ctype = _respond(head, registry)
+            status, body, ctype = _respond(head, registry, ready)
             writer.write(_response(status, body, ctype))
             async with asyncio.timeout(REQUEST_TIMEOUT):
                 await writer.drain()
@@ -42,14 +50,24 @@ def make_handler(registry: CollectorRegistry) -> _Handler:
     return handle
 
 
-def _respond(head: bytes, registry: CollectorRegistry) -> tuple[str, bytes, str]:
+def _respond(
+    head: bytes, registry: CollectorRegistry, ready: Readiness | None
+) -> tuple[str, bytes, str]:
     parts = head.split(b"\r\n", 1)[0].split()
     if len(parts) != 3 or parts[0] not in (b"GET", b"HEAD"):
-        return "405 Method Not Allowed", b"only GET /metrics\n", "text/plain"
-    if parts[1].split(b"?")[0] not in (b"/metrics", b"/"):
-        return "404 Not Found", b"try /metrics\n", "text/plain"
-    body = b"" if parts[0] == b"HEAD" else generate_latest(registry)
-    return "200 OK", body, CONTENT_TYPE_LATEST
+        return "405 Method Not Allowed", b"only GET\n", "text/plain"
+    path = parts[1].split(b"?")[0]
+    if path in (b"/metrics", b"/"):
+        body = b"" if parts[0] == b"HEAD" else generate_latest(registry)
+        return "200 OK", body, CONTENT_TYPE_LATEST
+    if path in (b"/healthz", b"/livez"):
+        return "200 OK", b"ok\n", "text/plain"
+    if path == b"/readyz":
+        reason = ready() if ready is not None else None
+        if reason is None:
+            return "200 OK", b"ready\n", "text/plain"
+        return "503 Service Unavailable", f"not ready: {reason}\n".encode(), "text/plain"
+    return "404 Not Found", b"try /metrics, /healthz or /readyz\n", "text/plain"
 
 
 def _response(status: str, body: bytes, content_type: str) -> bytes:
@@ -60,6 +78,9 @@ def _response(status: str, body: bytes, content_type: str) -> bytes:
     return head.encode() + body
 
 
-async def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> asyncio.Server:
-    """Listen on ``host:port`` (0 = any free port) and serve ``registry``."""
-    return await asyncio.start_server(make_handler(registry), host, port, limit=_MAX_REQUEST)
+async def start_metrics_server(
+    registry: CollectorRegistry, host: str, port: int, *, ready: Readiness | None = None
+) -> asyncio.Server:
+    """Listen on ``host:port`` (0 = any free port); serve ``registry`` and the probes."""
+    handler = make_handler(registry, ready)
+    return await asyncio.start_server(handler, host, port, limit=_MAX_REQUEST)

@@ -1,7 +1,11 @@
-"""The one fixed-bucket histogram of flowsched's metrics (coordinator and agent).
+"""The coordinator's hot-path histogram, and its deadline lateness / earliness pair.
 
-Observing is one bisect and two adds, cheap enough for the hot paths; Prometheus gets the
-cumulative form at scrape time.
+The coordinator observes one decision latency per received frame and one deadline outcome
+per closed flow, inside its event handling (about 3 us per event at saturation, see
+README). ``prometheus_client.Histogram.observe`` takes a lock and walks the buckets:
+``python bench/histogram_observe.py`` measured 1.53 us per observe against 0.20 us for this
+bisect-and-add (14 buckets, same run). Elsewhere (the agent) flowsched uses
+prometheus_client's Histogram; both export the same cumulative form.
 """
 
 from __future__ import annotations
@@ -9,9 +13,10 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-#: Buckets (seconds) of the slack-at-completion histograms: deadline - completion time
-#: (negative = missed).
-SLACK_BUCKETS = (-10.0, -1.0, -0.1, -0.01, 0.0, 0.01, 0.1, 1.0, 10.0, 100.0)
+#: Buckets (seconds) of the lateness (completion after the deadline) and earliness
+#: (completion before it) histograms. Both observe non-negative values only, so their
+#: ``_sum`` never goes down (a signed "slack" histogram's would).
+DEADLINE_BUCKETS = (0.001, 0.01, 0.1, 1.0, 10.0, 100.0)
 
 
 class Histogram:
@@ -49,3 +54,25 @@ class Histogram:
             if running >= target and running:
                 return bound
         return float("inf")
+
+
+class DeadlineSlack:
+    """Closed deadline flows: how late the missed ones were, how early the met ones."""
+
+    __slots__ = ("early", "late")
+
+    def __init__(self, bounds: Sequence[float] = DEADLINE_BUCKETS) -> None:
+        self.late = Histogram(bounds)
+        self.early = Histogram(bounds)
+
+    def observe(self, slack: float) -> None:
+        """Record ``slack`` = deadline - completion time (negative: missed by ``-slack``)."""
+        if slack < 0:
+            self.late.observe(-slack)
+        else:
+            self.early.observe(slack)
+
+    @property
+    def counts(self) -> list[int]:
+        """Per-bucket counts, lateness buckets first, then earliness buckets."""
+        return self.late.counts + self.early.counts

@@ -2,7 +2,8 @@
 
 Nothing here runs on the hot paths: the service keeps plain integer counters and a bucket
 array (:class:`Histogram`), and :class:`CoordinatorCollector` turns them, and the flow table,
-into metric families when Prometheus scrapes.
+into metric families when Prometheus scrapes. Names follow the Prometheus conventions (base
+units, ``_total`` counters, ``_ratio`` for 0..1); the list is in docs/deploy.md.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry, Info, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -17,6 +19,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from flowsched import __version__
 from flowsched.coordinator.histogram import Histogram
 from flowsched.coordinator.state import ClusterState
 
@@ -26,6 +29,16 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 PREFIX = "flowsched_coordinator"
+
+
+def register_standard_collectors(registry: CollectorRegistry) -> None:
+    """Add ``flowsched_build_info`` and prometheus_client's process and platform collectors
+    (``process_*``, ``python_info``) to a daemon's own registry."""
+    Info("flowsched_build", "flowsched version of this daemon.", registry=registry).info(
+        {"version": __version__}
+    )
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
 
 
 @dataclass(slots=True)
@@ -59,7 +72,7 @@ class CoordinatorCollector:
         yield self._active_flows()
         yield from self._counters()
         yield self._completed()
-        yield self._slack()
+        yield from self._slack()
         yield from self._latency()
         yield from self._links()
         agents = GaugeMetricFamily(f"{PREFIX}_agents_connected", "Authenticated agents.")
@@ -122,14 +135,15 @@ class CoordinatorCollector:
             family.add_metric([cls, outcome], count)
         return family
 
-    def _slack(self) -> Metric:
-        stats = self._state.stats
-        family = HistogramMetricFamily(
-            f"{PREFIX}_completion_slack_seconds",
-            "Deadline minus completion time of closed deadline flows (negative = missed).",
-        )
-        family.add_metric([], stats.slack.cumulative(), stats.slack.sum)
-        return family
+    def _slack(self) -> Iterator[Metric]:
+        slack = self._state.stats.slack
+        for name, hist, text in (
+            ("lateness", slack.late, "Completion minus deadline of flows that missed it."),
+            ("earliness", slack.early, "Deadline minus completion of flows that met it."),
+        ):
+            family = HistogramMetricFamily(f"{PREFIX}_deadline_{name}_seconds", text)
+            family.add_metric([], hist.cumulative(), hist.sum)
+            yield family
 
     def _latency(self) -> Iterator[Metric]:
         hist = self._live.decision_latency
@@ -148,13 +162,17 @@ class CoordinatorCollector:
 
     def _links(self) -> Iterator[Metric]:
         util = GaugeMetricFamily(
-            f"{PREFIX}_link_utilization", "Reported link load rho (0..1).", labels=["link"]
+            f"{PREFIX}_link_utilization_ratio", "Reported link load rho (0..1).", labels=["link"]
         )
         bandwidth = GaugeMetricFamily(
-            f"{PREFIX}_link_bandwidth_bytes", "Reported link capacity (bytes/s).", labels=["link"]
+            f"{PREFIX}_link_bandwidth_bytes_per_second",
+            "Reported link capacity.",
+            labels=["link"],
         )
         for link, load in sorted(self._state.link_load.items()):
             util.add_metric([link], load)
-            bandwidth.add_metric([link], self._state.link_bandwidth.get(link, 0.0))
+            capacity = self._state.link_bandwidth.get(link)
+            if capacity is not None:  # absent, not 0, while no agent has reported it
+                bandwidth.add_metric([link], capacity)
         yield util
         yield bandwidth

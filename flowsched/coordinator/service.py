@@ -25,7 +25,12 @@ from flowsched.coordinator.config import Addresses, CoordinatorConfig
 from flowsched.coordinator.connection import READ_SIZE, AgentConnection, TimedStreamReader
 from flowsched.coordinator.exposition import start_metrics_server
 from flowsched.coordinator.histogram import Histogram
-from flowsched.coordinator.metrics import LATENCY_BUCKETS, CoordinatorCollector, LiveCounters
+from flowsched.coordinator.metrics import (
+    LATENCY_BUCKETS,
+    CoordinatorCollector,
+    LiveCounters,
+    register_standard_collectors,
+)
 from flowsched.coordinator.state import ClusterState
 from flowsched.protocol import (
     Flows,
@@ -67,6 +72,7 @@ class Coordinator:
         )
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(CoordinatorCollector(self.state, self.live, self.agent_count))
+        register_standard_collectors(self.registry)
         self.sessions: dict[str, AgentConnection] = {}
         self._expiry: dict[str, asyncio.TimerHandle] = {}
         self._arrivals: list[float] = []
@@ -81,6 +87,10 @@ class Coordinator:
         """Agents with an established connection now."""
         return len(self.sessions)
 
+    def readiness(self) -> str | None:
+        """None when ready to take agents (``/readyz``), else the reason why not."""
+        return None if self.addresses is not None else "starting"
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> Addresses:
@@ -93,7 +103,7 @@ class Coordinator:
         metrics_host = metrics_port = None
         if config.metrics_port is not None:
             metrics = await start_metrics_server(
-                self.registry, config.metrics_host, config.metrics_port
+                self.registry, config.metrics_host, config.metrics_port, ready=self.readiness
             )
             self._servers.append(metrics)
             metrics_host, metrics_port = metrics.sockets[0].getsockname()[:2]

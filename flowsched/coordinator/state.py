@@ -28,7 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from flowsched.coordinator.histogram import SLACK_BUCKETS, Histogram
+from flowsched.coordinator.histogram import DeadlineSlack
 from flowsched.model import Context, Decision, Flow, FlowClass
 from flowsched.policies.base import Policy
 from flowsched.protocol import (
@@ -57,11 +57,11 @@ class Stats:
     #: timer ticks that found the previous sweep unfinished (the effective period stretched)
     sweep_overruns: int = 0
     completed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
-    slack: Histogram = field(default_factory=lambda: Histogram(SLACK_BUCKETS))
+    slack: DeadlineSlack = field(default_factory=DeadlineSlack)
 
     @property
     def slack_counts(self) -> list[int]:
-        """Closed deadline flows per slack bucket (the last: beyond every bound)."""
+        """Closed deadline flows per lateness bucket, then per earliness bucket."""
         return self.slack.counts
 
 

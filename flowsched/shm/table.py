@@ -397,6 +397,18 @@ class FlowTable:
             if states[i] == L.SLOT_ACTIVE or states[i] == L.SLOT_CLOSED
         ]
 
+    def slot_column(self, name: str) -> list[int]:
+        """Field ``name`` (a u32 or u64 slot field) of every slot in index order, in one strided
+        copy. As with :meth:`busy_slots`, values of different slots and fields may come from
+        different moments (the agent's metrics read ``applied_*`` this way on every scan)."""
+        fmt = next((f for n, _, f in L.SLOT_FIELDS if n == name), None)
+        if fmt not in ("<I", "<Q"):
+            raise ValueError(f"slot field {name!r} is not a u32 or u64 field")
+        width = 4 if fmt == "<I" else 8
+        words = self._u32 if width == 4 else self._u64
+        first = (L.HEADER_SIZE + L.SLOT_OFFSET[name]) // width
+        return words[first :: L.SLOT_SIZE // width].tolist()  # type: ignore[no-any-return]
+
     def slot_state(self, index: int) -> int:
         """The raw ``state`` word of slot ``index``."""
         self._check_index(index)

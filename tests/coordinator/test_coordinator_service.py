@@ -102,10 +102,13 @@ async def test_metrics_endpoint_reflects_live_state() -> None:
     assert 'flowsched_coordinator_active_flows{class="kv",level="0"} 1.0' in text
     assert "flowsched_coordinator_agents_connected 1.0" in text
     assert 'flowsched_coordinator_completed_flows_total{class="kv",deadline="met"} 1.0' in text
-    assert 'flowsched_coordinator_link_utilization{link="eth0"} 0.25' in text
+    assert 'flowsched_coordinator_link_utilization_ratio{link="eth0"} 0.25' in text
+    assert 'flowsched_coordinator_link_bandwidth_bytes_per_second{link="eth0"} 1.25e+10' in text
     assert 'flowsched_coordinator_events_total{kind="open"} 2.0' in text
     assert "flowsched_coordinator_decision_latency_seconds_count" in text
-    assert "flowsched_coordinator_completion_slack_seconds_bucket" in text
+    assert "flowsched_coordinator_deadline_earliness_seconds_count 1.0" in text
+    assert "flowsched_coordinator_deadline_lateness_seconds_count 0.0" in text
+    assert 'flowsched_build_info{version="' in text and "process_cpu_seconds_total" in text
 
 
 @pytest.mark.asyncio

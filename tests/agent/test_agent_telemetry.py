@@ -1,0 +1,99 @@
+"""SlotTelemetry: bytes sent per class and level, and the level-apply latency histogram, read
+from a real flow table driven by the plugin's emulation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import Histogram
+
+from flowsched.agent.flows import SlotConn
+from flowsched.agent.telemetry import SlotTelemetry, Telemetry
+from flowsched.model import Flow, FlowClass
+from flowsched.shm import layout
+from flowsched.shm.table import EmulatedPluginSlot, FlowTable
+
+
+def _count(hist: Histogram) -> float:
+    (family,) = hist.collect()
+    return next(s.value for s in family.samples if s.name.endswith("_count"))
+
+
+def _sum(hist: Histogram) -> float:
+    (family,) = hist.collect()
+    return next(s.value for s in family.samples if s.name.endswith("_sum"))
+
+
+class _Node:
+    """A table, the plugin slots on it and the connections the agent knows."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.table, _ = FlowTable.create_or_attach(str(tmp_path / "table"), num_slots=16)
+        self.conns: dict[tuple[int, int], SlotConn] = {}
+        self.telemetry = SlotTelemetry()
+
+    def connect(self, cls: FlowClass, direction: int = layout.DIR_SEND) -> EmulatedPluginSlot:
+        slot = EmulatedPluginSlot(self.table, class_id=int(cls), direction=direction)
+        key = (slot.index, slot.claim_seq)
+        self.conns[key] = SlotConn(key, 1, cls, -1, direction, 0, 0)
+        return slot
+
+    def scan(self) -> None:
+        columns = {name: self.table.slot_column(name) for name in SlotTelemetry.COLUMNS}
+        self.telemetry.scan(self.table.busy_slots(), columns, self.conns)
+
+
+def test_bytes_count_for_the_level_applied_and_each_write_is_timed_once(tmp_path: Path) -> None:
+    node = _Node(tmp_path)
+    tp = node.connect(FlowClass.TP)
+    tp.send(7000)
+    node.scan()  # the first scan is a baseline: bytes from before the agent are not counted
+    assert node.telemetry.sent == {}
+    node.table.set_level(tp.index, 3)
+    tp.send(1000)  # the plugin applies level 3 at this message
+    node.scan()
+    assert node.telemetry.sent == {("tp", "3"): 1000}
+    assert _count(node.telemetry.apply_latency) == 1
+    tp.send(10)  # same level: bytes counted, no new latency sample
+    node.scan()
+    assert _count(node.telemetry.apply_latency) == 1
+    node.table.set_level(tp.index, 1)
+    node.scan()  # written, not yet applied (no message since)
+    assert _count(node.telemetry.apply_latency) == 1
+    tp.send(500)
+    node.scan()
+    assert node.telemetry.sent == {("tp", "3"): 1010, ("tp", "1"): 500}
+    assert _count(node.telemetry.apply_latency) == 2
+    assert 0 <= _sum(node.telemetry.apply_latency) < 5.0
+
+
+def test_receives_and_unknown_connections_are_not_counted(tmp_path: Path) -> None:
+    node = _Node(tmp_path)
+    node.scan()
+    rx = node.connect(FlowClass.KV, direction=layout.DIR_RECV)
+    stranger = EmulatedPluginSlot(node.table, class_id=int(FlowClass.BULK))
+    rx.send(100)
+    stranger.send(100)
+    node.scan()
+    assert node.telemetry.sent == {}
+
+
+def test_a_connection_opened_after_the_baseline_counts_from_zero(tmp_path: Path) -> None:
+    node = _Node(tmp_path)
+    node.scan()
+    kv = node.connect(FlowClass.KV)
+    kv.send(300)  # no level written: the class default, applied by the plugin
+    node.scan()
+    default = node.table.read_config().default_level(int(FlowClass.KV))
+    assert node.telemetry.sent == {("kv", str(default)): 300}
+    assert _count(node.telemetry.apply_latency) == 0  # a default is not an agent write
+
+
+def test_closed_flows_split_into_met_missed_lateness_and_earliness() -> None:
+    telemetry = Telemetry()
+    for deadline in (None, 10.0, 12.5, 8.0):
+        flow = Flow(flow_id=1, cls=FlowClass.KV, opened_at=0.0, deadline=deadline)
+        telemetry.completed(flow, now=10.0)
+    assert telemetry.completions == {("kv", "none"): 1, ("kv", "met"): 2, ("kv", "missed"): 1}
+    assert (_count(telemetry.earliness), _sum(telemetry.earliness)) == (2, 2.5)
+    assert (_count(telemetry.lateness), _sum(telemetry.lateness)) == (1, 2.0)
