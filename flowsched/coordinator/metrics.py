@@ -58,14 +58,21 @@ class CoordinatorCollector:
         state: the cluster state (flow table, link loads, counters).
         live: service counters (decision latency, frames, rejected connections).
         agents_connected: returns the number of authenticated agent connections now.
+        leadership: returns (leading, epoch) now (see flowsched.coordinator.election); None:
+            always the leader, epoch 0 (no election).
     """
 
     def __init__(
-        self, state: ClusterState, live: LiveCounters, agents_connected: Callable[[], int]
+        self,
+        state: ClusterState,
+        live: LiveCounters,
+        agents_connected: Callable[[], int],
+        leadership: Callable[[], tuple[bool, int]] | None = None,
     ) -> None:
         self._state = state
         self._live = live
         self._agents = agents_connected
+        self._leadership = leadership
 
     def collect(self) -> Iterator[Metric]:
         """The metric families (called by the registry on each scrape)."""
@@ -78,6 +85,22 @@ class CoordinatorCollector:
         agents = GaugeMetricFamily(f"{PREFIX}_agents_connected", "Authenticated agents.")
         agents.add_metric([], self._agents())
         yield agents
+        yield from self._leader()
+
+    def _leader(self) -> Iterator[Metric]:
+        leading, epoch = self._leadership() if self._leadership is not None else (True, 0)
+        leader = GaugeMetricFamily(
+            f"{PREFIX}_leader", "1 while this coordinator is the elected leader (or runs alone)."
+        )
+        leader.add_metric([], 1.0 if leading else 0.0)
+        yield leader
+        token = GaugeMetricFamily(
+            f"{PREFIX}_epoch",
+            "Fencing token of this leadership: etcd create revision of the leader key (0: no "
+            "election, or standing by).",
+        )
+        token.add_metric([], float(epoch))
+        yield token
 
     def _active_flows(self) -> Metric:
         family = GaugeMetricFamily(

@@ -121,6 +121,11 @@ class Welcome:
     timer_period: float
     server_time: float
     heartbeat_interval: float = 0.2
+    #: the leadership's fencing token (etcd create revision of the leader key; 0 = no
+    #: election): an agent refuses a coordinator whose epoch is below one it already followed
+    epoch: int = 0
+    #: the etcd cluster id that ``epoch`` belongs to (epochs compare only within one cluster)
+    cluster: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +179,8 @@ class Levels:
 
     TYPE: ClassVar[str] = "levels"
     updates: tuple[LevelUpdate, ...] = ()
+    #: the sender's leadership epoch (see :class:`Welcome`); agents drop stale ones
+    epoch: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +189,8 @@ class Heartbeat:
 
     TYPE: ClassVar[str] = "heartbeat"
     t_sent: float
+    #: coordinator -> agent: the leadership epoch (see :class:`Welcome`); agents send 0
+    epoch: int = 0
 
 
 Message = (

@@ -1,0 +1,406 @@
+"""Leader election of coordinators through etcd 3.4+ (lease + transaction), with fencing.
+
+Every coordinator started with ``--etcd`` is a candidate. The recipe (docs/ha.md has the why):
+
+* campaign: grant a *fresh* lease (TTL ``lease_ttl``), then one transaction "if the leader key
+  does not exist, put it (value: this coordinator's agent address) on that lease, else read
+  it". Winning makes the key's create revision this leadership's **epoch**, the fencing token
+  stamped on every message to agents (revisions only grow in an etcd cluster);
+* standby: watch the key from the revision after the losing read, for its deletion only
+  (lease expired, revoked, or deleted), then campaign again; a standby also re-reads the key
+  every few TTLs in case the watch stream died silently;
+* leader: keep the lease alive every TTL/4 and give up once a keepalive reports the lease gone
+  or no keepalive succeeded for TTL minus a margin (the lease may have expired at etcd);
+* graceful stop revokes the lease: a standby's watch sees the deletion within milliseconds;
+* :meth:`EtcdElection.depose` revokes a dead leader's lease (the standby checked that nothing
+  listens on its address any more): leases are fresh per campaign, so this can only end the
+  leadership it names.
+
+The client is ``etcd3gw`` (HTTP/JSON gateway, no gRPC), an optional dependency
+(``pip install 'flowsched[ha]'``) imported only here and only when ``--etcd`` is used. Its
+calls block, so they run in worker threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from etcd3gw.client import Etcd3Client
+
+log = logging.getLogger("flowsched.coordinator.election")
+
+#: the election key is ``KEY_PREFIX + name``
+KEY_PREFIX = "/flowsched/leader/"
+#: keepalives per TTL (etcd3's own clients renew at TTL/3; more often costs nothing here)
+KEEPALIVES_PER_TTL = 4
+#: a leader steps down this share of the TTL before its lease may have expired at etcd
+STEP_DOWN_MARGIN = 0.25
+#: a standby re-reads the key at least every this many TTLs (a silently dead watch stream)
+RECHECK_TTLS = 5
+
+
+class ElectionError(RuntimeError):
+    """etcd is unusable for the election (bad URL, missing client library, refused)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Leader:
+    """Who leads, as read from the leader key."""
+
+    address: str
+    #: the key's create revision: the leadership's fencing token
+    epoch: int
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class Leadership:
+    """This candidate's won leadership."""
+
+    epoch: int
+    #: etcd's cluster id: epochs compare only within one etcd cluster
+    cluster: int
+    lease: int
+
+
+def parse_endpoint(url: str) -> tuple[str, str, int]:
+    """``http://host:2379`` -> (protocol, host, port).
+
+    Raises:
+        ElectionError: not an http(s) URL with a host.
+    """
+    parsed = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ElectionError(f"--etcd: expected http(s)://HOST[:PORT], got {url!r}")
+    try:
+        port = parsed.port or 2379
+    except ValueError:
+        raise ElectionError(f"--etcd: bad port in {url!r}") from None
+    return parsed.scheme, parsed.hostname, port
+
+
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+class EtcdElection:
+    """One candidate in the election ``name`` (see the module docstring).
+
+    Args:
+        endpoint: an etcd client URL (``http://127.0.0.1:2379``).
+        name: the election (coordinators of one cluster share it).
+        address: this coordinator's agent address, published while it leads.
+        lease_ttl: lease TTL in whole seconds (etcd grants at least about 2 s).
+        request_timeout: seconds allowed for each etcd request.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        name: str,
+        address: str,
+        lease_ttl: int = 2,
+        request_timeout: float | None = None,
+    ) -> None:
+        if not isinstance(lease_ttl, int) or lease_ttl < 1:
+            raise ElectionError(f"--lease-ttl: expected whole seconds >= 1, got {lease_ttl!r}")
+        if not name or "/" in name or not name.isprintable():
+            raise ElectionError(f"--election-name: expected a printable name without '/': {name!r}")
+        self.protocol, self.host, self.port = parse_endpoint(endpoint)
+        self.key = KEY_PREFIX + name
+        self.address = address
+        self.ttl = lease_ttl
+        self.timeout = request_timeout or max(0.2, lease_ttl / KEEPALIVES_PER_TTL)
+        self._client = self._new_client()
+        self._keepalive_client = self._new_client()
+        #: the leader last seen (None: nobody, or not known yet)
+        self.leader: Leader | None = None
+        self._recheck = asyncio.Event()
+
+    def _new_client(self) -> Etcd3Client:
+        try:
+            from etcd3gw.client import Etcd3Client
+        except ImportError:
+            raise ElectionError(
+                "--etcd needs the etcd3gw package: pip install 'flowsched[ha]'"
+            ) from None
+        return Etcd3Client(
+            host=self.host, port=self.port, protocol=self.protocol, timeout=self.timeout,
+            api_path="/v3/",  # etcd >= 3.4; skips a /version round trip per client
+        )  # fmt: skip
+
+    # -- blocking etcd calls (run in threads) --------------------------------------------------
+
+    def _post(self, client: Etcd3Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        result: dict[str, Any] = client.post(client.get_url(path), json=body)
+        return result
+
+    def _try_once(self) -> tuple[Leadership | None, int]:
+        """Grant a fresh lease and run the campaign transaction once.
+
+        Returns (leadership or None, the revision the read saw).
+        """
+        lease = int(self._post(self._client, "/lease/grant", {"TTL": self.ttl})["ID"])
+        key = _b64(self.key)
+        txn = {
+            "compare": [{"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
+            "success": [{"request_put": {"key": key, "value": _b64(self.address), "lease": lease}}],
+            "failure": [{"request_range": {"key": key}}],
+        }
+        reply = self._post(self._client, "/kv/txn", txn)
+        header = reply["header"]
+        revision = int(header["revision"])
+        if reply.get("succeeded"):
+            self.leader = Leader(self.address, revision, lease)
+            return Leadership(revision, int(header.get("cluster_id", 0)), lease), revision
+        self._revoke(self._client, lease)  # never used: do not leave it to expire
+        self.leader = self._leader_from(reply["responses"][0]["response_range"])
+        return None, revision
+
+    @staticmethod
+    def _leader_from(response_range: dict[str, Any]) -> Leader | None:
+        kvs = response_range.get("kvs") or []
+        if not kvs:
+            return None
+        kv = kvs[0]
+        address = base64.b64decode(kv.get("value", "")).decode(errors="replace")
+        return Leader(address, int(kv["create_revision"]), int(kv.get("lease", 0)))
+
+    def _revoke(self, client: Etcd3Client, lease: int) -> None:
+        with contextlib.suppress(Exception):  # an expired lease is as good as revoked
+            self._post(client, "/kv/lease/revoke", {"ID": lease})
+
+    def _keepalive(self, lease: int) -> int:
+        reply = self._post(self._keepalive_client, "/lease/keepalive", {"ID": lease})
+        return int(reply.get("result", {}).get("TTL", -1))
+
+    def _open_watch(self, revision: int) -> tuple[Iterator[Any], Callable[[], None]]:
+        """Watch the key's deletions after ``revision`` (a dedicated client: the stream stays
+        open while the standby waits)."""
+        client = self._new_client()
+        client.timeout = None
+        events, cancel = client.watch(self.key, start_revision=revision + 1, filters=["NOPUT"])
+        return events, cancel
+
+    # -- the election, as coroutines ----------------------------------------------------------
+
+    async def campaign(self) -> Leadership:
+        """Wait until this candidate leads; returns the leadership (epoch = fencing token).
+
+        etcd errors are logged and retried every TTL/4: a coordinator that cannot reach etcd
+        stays a standby.
+        """
+        while True:
+            try:
+                won, revision = await asyncio.to_thread(self._try_once)
+            except Exception as exc:
+                log.warning("etcd %s:%d: campaign failed: %s", self.host, self.port, exc)
+                await asyncio.sleep(self.ttl / KEEPALIVES_PER_TTL)
+                continue
+            if won is not None:
+                log.info("elected leader of %s (epoch %d)", self.key, won.epoch)
+                return won
+            log.info("standby: %s leads (epoch %s)", self._leader_text(), self._epoch_text())
+            await self._wait_for_vacancy(revision)
+
+    async def _wait_for_vacancy(self, revision: int) -> None:
+        self._recheck.clear()
+        try:
+            events, cancel = await asyncio.wait_for(
+                asyncio.to_thread(self._open_watch, revision), self.timeout
+            )
+        except Exception as exc:
+            log.warning("etcd watch failed: %s", exc or type(exc).__name__)
+            await asyncio.sleep(self.ttl / KEEPALIVES_PER_TTL)
+            return
+        deleted = asyncio.ensure_future(asyncio.to_thread(next, events, None))
+        recheck = asyncio.ensure_future(self._recheck.wait())
+        try:
+            await asyncio.wait(
+                {deleted, recheck}, timeout=RECHECK_TTLS * self.ttl,
+                return_when=asyncio.FIRST_COMPLETED,
+            )  # fmt: skip
+        finally:
+            cancel()  # ends the iteration, so the thread waiting in next() returns
+            recheck.cancel()
+
+    async def hold(self, leadership: Leadership) -> None:
+        """Keep the lease alive; returns once leadership is (or may be) lost."""
+        period = self.ttl / KEEPALIVES_PER_TTL
+        give_up_after = self.ttl * (1.0 - STEP_DOWN_MARGIN)
+        last_good = time.monotonic()
+        while True:
+            sent = time.monotonic()
+            try:
+                ttl = await asyncio.wait_for(
+                    asyncio.to_thread(self._keepalive, leadership.lease), self.timeout
+                )
+            except Exception as exc:
+                ttl = None
+                log.warning("etcd keepalive failed: %s", exc or type(exc).__name__)
+            if ttl is not None and ttl <= 0:
+                log.error("lost leadership (epoch %d): the lease is gone", leadership.epoch)
+                return
+            if ttl is not None:
+                last_good = sent  # the lease runs at least TTL from when this was sent
+            elif time.monotonic() - last_good >= give_up_after:
+                log.error(
+                    "lost leadership (epoch %d): no keepalive succeeded for %.2f s",
+                    leadership.epoch, time.monotonic() - last_good,
+                )  # fmt: skip
+                return
+            await asyncio.sleep(max(0.0, sent + period - time.monotonic()))
+
+    async def resign(self, leadership: Leadership) -> None:
+        """Give leadership up now (graceful stop): a standby takes over at once."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                asyncio.to_thread(self._revoke, self._client, leadership.lease), self.timeout
+            )
+        log.info("resigned leadership (epoch %d)", leadership.epoch)
+
+    async def depose(self, leader: Leader) -> None:
+        """End ``leader``'s leadership by revoking its lease (its process is gone), then let
+        the campaign re-check at once instead of waiting for the watch."""
+        log.warning(
+            "nothing listens on the leader's address %s any more: revoking its lease "
+            "(epoch %d) instead of waiting up to %d s for it to expire",
+            leader.address, leader.epoch, self.ttl,
+        )  # fmt: skip
+        client = self._new_client()  # the campaign may be using the others in its thread
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                asyncio.to_thread(self._revoke, client, leader.lease), self.timeout
+            )
+        self._recheck.set()
+
+    def _leader_text(self) -> str:
+        return self.leader.address if self.leader is not None else "nobody"
+
+    def _epoch_text(self) -> str:
+        return str(self.leader.epoch) if self.leader is not None else "-"
+
+
+class LeadershipLost(RuntimeError):
+    """This coordinator led and may no longer: it must stop deciding (and exits)."""
+
+
+#: a standby checks the leader's address at most this often (agents knocking on its door)
+PROBE_INTERVAL = 0.2
+#: seconds a probe connection to the leader's address may take
+PROBE_TIMEOUT = 0.5
+
+
+def split_address(address: str) -> tuple[str, int] | None:
+    """``host:port`` or ``[v6]:port`` -> (host, port); None when malformed."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) <= 65535 or not host:
+        return None
+    return host.strip("[]"), int(port)
+
+
+async def refuses_connections(address: str) -> bool:
+    """True only when a TCP connect to ``address`` is actively refused: no process listens
+    there (a crashed coordinator on a live host). A timeout or unreachable host says nothing:
+    the host may be partitioned with the coordinator alive, so only its lease may end it."""
+    target = split_address(address)
+    if target is None:
+        return False
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT):
+            _, writer = await asyncio.open_connection(*target)
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    return False
+
+
+class Candidacy:
+    """A coordinator's part in the election: it leads, or it refuses agents with a redirect.
+
+    While standing by it answers each agent's handshake with :meth:`refusal` (the leader's
+    address and epoch), and checks at most every :data:`PROBE_INTERVAL` whether the leader's
+    address still has a listener: agents knocking here usually means they lost the leader, and
+    a refused connection means its process is gone, so the lease is revoked at once instead of
+    running out (docs/ha.md).
+    """
+
+    def __init__(self, election: EtcdElection) -> None:
+        self.election = election
+        self.leadership: Leadership | None = None
+        self._last_probe = 0.0
+        self._probe: asyncio.Task[None] | None = None
+
+    @property
+    def epoch(self) -> int:
+        """The fencing token while leading, else 0."""
+        return self.leadership.epoch if self.leadership is not None else 0
+
+    @property
+    def cluster(self) -> int:
+        """The etcd cluster id while leading, else 0."""
+        return self.leadership.cluster if self.leadership is not None else 0
+
+    def refusal(self) -> str | None:
+        """None while leading; otherwise the ``not_leader`` reason sent to an agent."""
+        if self.leadership is not None:
+            return None
+        leader = self.election.leader
+        if leader is None:
+            return "no leader elected yet"
+        self._check_leader(leader)
+        return f"leader={leader.address} epoch={leader.epoch}"
+
+    def _check_leader(self, leader: Leader) -> None:
+        now = time.monotonic()
+        if (self._probe is not None and not self._probe.done()) or (
+            now - self._last_probe < PROBE_INTERVAL
+        ):
+            return
+        self._last_probe = now
+        self._probe = asyncio.ensure_future(self._depose_if_gone(leader))
+
+    async def _depose_if_gone(self, leader: Leader) -> None:
+        # our own address on a key we do not hold: a previous run of this coordinator that
+        # died within one TTL (the address is ours, so nothing else can be listening there)
+        gone = leader.address == self.election.address
+        gone = gone or await refuses_connections(leader.address)
+        if gone and self.election.leader == leader:  # (unless somebody replaced it meanwhile)
+            await self.election.depose(leader)
+
+    async def run(self, stop: Awaitable[object]) -> None:
+        """Stand by, lead once elected, until ``stop`` completes (then resign).
+
+        Raises:
+            LeadershipLost: leadership ended without ``stop`` (the lease is gone or could not
+                be renewed in time): the caller must stop deciding at once.
+        """
+        stopping = asyncio.ensure_future(stop)
+        campaign = asyncio.ensure_future(self.election.campaign())
+        hold: asyncio.Future[None] | None = None
+        try:
+            await asyncio.wait({campaign, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not campaign.done():
+                return
+            self.leadership = campaign.result()
+            hold = asyncio.ensure_future(self.election.hold(self.leadership))
+            await asyncio.wait({hold, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not stopping.done():
+                raise LeadershipLost(f"lost leadership (epoch {self.leadership.epoch})")
+            hold.cancel()
+            await self.election.resign(self.leadership)
+        finally:
+            for task in (campaign, stopping, hold, self._probe):
+                if task is not None:
+                    task.cancel()

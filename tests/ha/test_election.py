@@ -1,0 +1,172 @@
+"""The etcd election against a real etcd: campaign, standby, resign, expiry, depose, fencing."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from flowsched.coordinator.election import (
+    Candidacy,
+    ElectionError,
+    EtcdElection,
+    LeadershipLost,
+    refuses_connections,
+    split_address,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("ftp://x", "n", "a:1", 2), "--etcd"),
+        (("http://x:99999", "n", "a:1", 2), "--etcd"),
+        (("http://x", "a/b", "a:1", 2), "--election-name"),
+        (("http://x", "", "a:1", 2), "--election-name"),
+        (("http://x", "n", "a:1", 0), "--lease-ttl"),
+    ],
+)
+def test_bad_settings_are_refused_naming_the_flag(args: tuple[object, ...], message: str) -> None:
+    with pytest.raises(ElectionError, match=message):
+        EtcdElection(*args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("h:1", ("h", 1)),
+        ("[::1]:7711", ("::1", 7711)),
+        ("h", None),
+        ("h:0", None),
+        (":7711", None),
+        ("h:x", None),
+    ],
+)
+def test_split_address(text: str, expected: tuple[str, int] | None) -> None:
+    assert split_address(text) == expected
+
+
+@pytest.mark.asyncio
+async def test_one_leads_the_other_waits_and_takes_over_on_resign(etcd_url: str) -> None:
+    first = EtcdElection(etcd_url, "t", "first:1")
+    second = EtcdElection(etcd_url, "t", "second:1")
+    won = await first.campaign()
+    waiting = asyncio.ensure_future(second.campaign())
+    holding = asyncio.ensure_future(first.hold(won))
+    await asyncio.sleep(2.5)  # longer than the TTL: the keepalives hold the lease
+    assert not waiting.done() and not holding.done()
+    assert second.leader is not None and second.leader.address == "first:1"
+    assert second.leader.epoch == won.epoch
+    holding.cancel()
+    resigned = time.monotonic()
+    await first.resign(won)
+    taken = await asyncio.wait_for(waiting, 5)
+    handover = time.monotonic() - resigned
+    assert taken.epoch > won.epoch  # the fencing token only grows
+    assert taken.lease != won.lease  # a fresh lease per campaign
+    assert taken.cluster == won.cluster != 0
+    assert handover < 1.0, handover  # a watch round trip, not a TTL
+    print(f"\nhandover after resign: {handover * 1e3:.0f} ms")
+
+
+@pytest.mark.asyncio
+async def test_a_silent_leader_is_replaced_once_its_lease_expires(etcd_url: str) -> None:
+    dead = EtcdElection(etcd_url, "t", "dead:1", lease_ttl=2)
+    await dead.campaign()  # and never a keepalive: a crashed host
+    started = time.monotonic()
+    taken = await asyncio.wait_for(EtcdElection(etcd_url, "t", "b:1").campaign(), 10)
+    elapsed = time.monotonic() - started
+    assert taken.epoch > 0
+    assert 1.0 < elapsed < 6.0, elapsed  # about the TTL plus etcd's expiry scan
+    print(f"\ntakeover by lease expiry at TTL 2: {elapsed:.2f} s")
+
+
+@pytest.mark.asyncio
+async def test_deposing_revokes_only_the_named_leadership(etcd_url: str) -> None:
+    old = EtcdElection(etcd_url, "t", "old:1")
+    won = await old.campaign()
+    standby = EtcdElection(etcd_url, "t", "standby:1")
+    waiting = asyncio.ensure_future(standby.campaign())
+    while standby.leader is None:
+        await asyncio.sleep(0.01)
+    stale = standby.leader
+    started = time.monotonic()
+    await standby.depose(stale)
+    taken = await asyncio.wait_for(waiting, 5)
+    assert taken.epoch > won.epoch
+    assert time.monotonic() - started < 1.0
+    # the old leader learns it at its next keepalive: the lease is gone
+    await asyncio.wait_for(old.hold(won), 5)
+    # deposing the stale leadership again cannot touch the new one (a different lease)
+    await EtcdElection(etcd_url, "t", "late:1").depose(stale)
+    assert await asyncio.to_thread(standby._keepalive, taken.lease) > 0
+
+
+@pytest.mark.asyncio
+async def test_candidacy_raises_when_its_lease_is_revoked(etcd_url: str) -> None:
+    candidacy = Candidacy(EtcdElection(etcd_url, "t", "c:1"))
+    never = asyncio.get_running_loop().create_future()
+    running = asyncio.ensure_future(candidacy.run(never))
+    while candidacy.leadership is None:
+        await asyncio.sleep(0.01)
+    assert candidacy.refusal() is None and candidacy.epoch > 0
+    leadership = candidacy.leadership
+    other = EtcdElection(etcd_url, "t", "other:1")
+    await asyncio.to_thread(other._revoke, other._client, leadership.lease)
+    with pytest.raises(LeadershipLost):
+        await asyncio.wait_for(running, 5)
+
+
+@pytest.mark.asyncio
+async def test_a_standby_redirects_and_deposes_a_leader_whose_port_is_closed(
+    etcd_url: str,
+) -> None:
+    with socket.socket() as closed:  # a port nothing listens on: a crashed coordinator
+        closed.bind(("127.0.0.1", 0))
+        dead_address = f"127.0.0.1:{closed.getsockname()[1]}"
+    assert await refuses_connections(dead_address)
+    dead = EtcdElection(etcd_url, "t", dead_address)
+    won = await dead.campaign()
+    standby = Candidacy(EtcdElection(etcd_url, "t", "127.0.0.1:1"))
+    never = asyncio.get_running_loop().create_future()
+    running = asyncio.ensure_future(standby.run(never))
+    while standby.election.leader is None:
+        await asyncio.sleep(0.01)
+    started = time.monotonic()
+    assert standby.refusal() == f"leader={dead_address} epoch={won.epoch}"  # and a probe
+    while standby.leadership is None:
+        await asyncio.sleep(0.005)
+    elapsed = time.monotonic() - started
+    assert standby.leadership.epoch > won.epoch
+    assert elapsed < 1.0, elapsed  # not the 2 s TTL
+    never.set_result(None)
+    await asyncio.wait_for(running, 5)  # stops and resigns
+
+
+@pytest.mark.asyncio
+async def test_a_listening_leader_is_not_deposed(etcd_url: str) -> None:
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    address = "127.0.0.1:{}".format(server.sockets[0].getsockname()[1])
+    try:
+        assert not await refuses_connections(address)
+        leader = EtcdElection(etcd_url, "t", address)
+        won = await leader.campaign()
+        holding = asyncio.ensure_future(leader.hold(won))
+        standby = Candidacy(EtcdElection(etcd_url, "t", "127.0.0.1:2"))
+        never = asyncio.get_running_loop().create_future()
+        running = asyncio.ensure_future(standby.run(never))
+        while standby.election.leader is None:
+            await asyncio.sleep(0.01)
+        for _ in range(3):
+            assert standby.refusal() is not None
+            await asyncio.sleep(0.3)
+        assert standby.leadership is None and not holding.done()
+        never.set_result(None)
+        await asyncio.wait_for(running, 5)
+        holding.cancel()
+    finally:
+        server.close()
