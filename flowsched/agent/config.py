@@ -12,6 +12,8 @@ from flowsched.protocol.sdk import MAX_NODE
 from flowsched.shm import layout
 
 DEFAULT_TABLE = "/dev/shm/flowsched-table"
+#: the most slots a flow table may have (FlowTable.create_or_attach refuses more)
+MAX_NUM_SLOTS = 1 << 24
 
 
 def default_nic_interval() -> float:
@@ -90,6 +92,9 @@ class AgentConfig:
     socket_path: str
     table_path: str = DEFAULT_TABLE
     coordinator: tuple[str, int] | None = None
+    #: further coordinators of a high-availability group (``--coordinator a,b,c``): the agent
+    #: follows whichever of them is the elected leader (docs/ha.md)
+    coordinators: tuple[tuple[str, int], ...] = ()
     token_file: str | None = None
     policy_text: str | None = None
     metrics_host: str = "127.0.0.1"
@@ -112,6 +117,11 @@ class AgentConfig:
     nic_interval: float = field(default_factory=default_nic_interval)
     reconnect_interval: float = 0.1
     connect_timeout: float = 2.0
+    #: interface whose egress gets the policy's strict-priority classes at start and on every
+    #: policy change (``flowsched qos apply``); None = leave the host's qdiscs alone
+    qos_dev: str | None = None
+    #: rate (bit/s) those classes shape at; None = the interface's speed from sysfs
+    qos_rate: int | None = None
     on_ready: Callable[[ReadyInfo], None] | None = None
 
     def __post_init__(self) -> None:
@@ -130,6 +140,10 @@ class AgentConfig:
             _check_positive(name, getattr(self, name))
         if self.link_capacity is not None:
             _check_positive("link_capacity", self.link_capacity)
+        if not 1 <= self.num_slots <= MAX_NUM_SLOTS:
+            raise AgentConfigError(
+                "num_slots", f"expected 1..{MAX_NUM_SLOTS} slots, got {self.num_slots!r}"
+            )
 
 
 def _check_positive(name: str, value: object) -> None:

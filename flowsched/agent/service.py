@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any
 
-from flowsched import policyfile, rdma
+from flowsched import policyfile, qos, rdma
 from flowsched.agent.config import AgentConfig, ReadyInfo
 from flowsched.agent.flows import FlowRegistry, SlotKey, resync_frames, split_batch
 from flowsched.agent.metrics import start_http
@@ -119,6 +119,8 @@ class Agent:
         cfg = self.config
         if cfg.coordinator is not None:
             self._token = load_token(cfg.token_file)  # refuse a missing or loose token first
+        if cfg.qos_dev is not None:
+            self._apply_qos(self.view.cfg)  # asked for and impossible: refuse to start
         self.rdma_devices = [d.name for d in rdma.discover_devices()]
         log.info("RDMA devices: %s", ", ".join(self.rdma_devices) or "none (or no pyverbs)")
         generation = self._attach_table()
@@ -409,6 +411,19 @@ class Agent:
         if self.table is not None:
             self.table.write_config(self.view.table_config())
         log.info("policy from the coordinator: %s", cfg.summary())
+        if self.config.qos_dev is not None:
+            try:  # a few tc calls (~10 ms), only when the policy changes
+                self._apply_qos(cfg)
+            except (qos.QosError, qos.QosInputError) as exc:
+                log.error("host QoS on %s not updated for the new policy: %s",
+                          self.config.qos_dev, exc)  # fmt: skip
+
+    def _apply_qos(self, cfg: policyfile.PolicyConfig) -> None:
+        """Converge ``--qos-dev``'s egress classes to the policy's hardware queues."""
+        dev = self.config.qos_dev
+        assert dev is not None
+        changed = qos.apply(qos.plan_for_policy(dev, cfg, self.config.qos_rate))
+        log.info("host QoS on %s: %s", dev, f"{len(changed)} changes" if changed else "in place")
 
     def job_progress(self, job: str, step: int, layer: int | None) -> None:
         """Record job progress (SDK); forwarded to the coordinator, fed to the local policy."""

@@ -1,29 +1,43 @@
 """The ``flowsched`` command: one module per subcommand under ``flowsched.cli``.
 
 Each module exports ``register(subparsers)``, which adds its parser and sets ``func`` to a
-callable taking the parsed arguments and returning the exit status.
+callable taking the parsed arguments and returning the exit status (0 ok, 1 failure at run
+time, 2 bad input: see :mod:`flowsched.cli._common`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from collections.abc import Sequence
 
+from flowsched.cli._common import (
+    EXIT_INTERRUPTED,
+    EXIT_STATUS_HELP,
+    Parser,
+    add_version,
+    fail,
+)
+
 #: subcommand modules, in the order they appear in ``flowsched --help``
-_SUBCOMMANDS = ("up", "coordinator", "agent", "sim", "bench", "policy", "plugin")
+_SUBCOMMANDS = ("up", "coordinator", "agent", "sim", "bench", "policy", "plugin", "qos")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser (exposed for tests and for documentation)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="flowsched",
         description="Network flow scheduler for large-model GPU clusters.",
+        epilog=EXIT_STATUS_HELP,
     )
+    add_version(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _SUBCOMMANDS:
         importlib.import_module(f"flowsched.cli.{name}").register(sub)
+    for command in sub.choices.values():  # --version and the exit codes on every subcommand
+        if "--version" not in command._option_string_actions:
+            add_version(command)
+        command.epilog = command.epilog or EXIT_STATUS_HELP
     return parser
 
 
@@ -34,6 +48,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status: int = args.func(args)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return fail("flowsched", "interrupted", EXIT_INTERRUPTED)
     return status

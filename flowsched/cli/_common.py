@@ -1,21 +1,177 @@
-"""Helpers shared by the daemon subcommands (argument types, logging, the event loop)."""
+"""Helpers shared by the subcommands: the exit-status convention, argument types, checks of
+addresses and paths made before a daemon starts, logging and the event loop.
+
+Every subcommand exits 0 on success, 1 on a failure at run time and 2 on bad input (a flag,
+a file, an address), always with one line on stderr that names the problem.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import grp
 import logging
 import os
+import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, NoReturn
+
+import flowsched
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+EXIT_STATUS_HELP = (
+    "exit status: 0 success; 1 failure at run time (a daemon that failed after it started, a "
+    "tc or plugin error); 2 bad input (an invalid flag, file, address or port: one line names "
+    "it); 130 interrupted."
+)
+
+#: longest unix socket path (sun_path is 108 bytes with its terminating NUL)
+MAX_UNIX_PATH = 107
+#: errno values that mean "this address cannot be bound" (bad input, not a crash)
+_BIND_ERRORS = {errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL, errno.EPERM}
+
+
+class UsageError(ValueError):
+    """Bad input: the message names the flag and the problem (exit status 2)."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``flowsched agent: --slots: ... (see --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print one line naming the problem and exit 2 (argparse prints the whole usage)."""
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def version() -> str:
+    """``flowsched X.Y.Z`` (Python and platform too: what a bug report needs)."""
+    return f"flowsched {flowsched.__version__} (Python {sys.version.split()[0]}, {sys.platform})"
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    """Add ``--version`` to ``parser``."""
+    parser.add_argument("--version", action="version", version=version())
+
+
+# -- argument types ---------------------------------------------------------------------------
+
+
+def port(text: str) -> int:
+    """argparse type for a TCP port, 0 (any free port) .. 65535."""
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0..65535, got {text!r}")
+    return int(text)
+
+
+def port_or_off(text: str) -> int:
+    """A port, or -1 for "off"."""
+    return -1 if text.strip() == "-1" else port(text)
+
+
+def positive_int(text: str) -> int:
+    """argparse type for an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
 
 
 def host_port(text: str) -> tuple[str, int]:
     """argparse type for ``HOST:PORT`` (``[v6addr]:PORT`` too; an empty host is 127.0.0.1)."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not port_text.isdigit() or int(port_text) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port 0..65535, got {text!r}")
+    return host.strip("[]") or "127.0.0.1", int(port_text)
+
+
+# -- checks before a daemon starts (raise UsageError) ----------------------------------------
+
+
+def resolve(flag: str, host: str) -> list[tuple[int, str]]:
+    """(family, address) of every address ``host`` resolves to; UsageError if none."""
+    try:
+        infos = socket.getaddrinfo(
+            host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise UsageError(f"{flag}: cannot resolve host {host!r} ({reason})") from None
+    return list(dict.fromkeys((family, str(addr[0])) for family, _, _, _, addr in infos))
+
+
+def check_bindable(flag: str, host: str, port_number: int, host_flag: str | None = None) -> None:
+    """Bind ``host:port`` once and release it, so that a taken or privileged port, or an
+    address of another machine, is reported before anything starts."""
+    for family, address in resolve(host_flag or flag, host):
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind((address, port_number))
+            except OSError as exc:
+                raise UsageError(bind_problem(flag, host, port_number, exc)) from None
+
+
+def bind_problem(flag: str, host: str, port_number: int, exc: OSError) -> str:
+    """One line for a failed bind, naming the flag."""
+    where = f"{flag} {host}:{port_number}"
+    if exc.errno == errno.EADDRINUSE:
+        return f"{where}: port {port_number} is already in use (another flowsched?)"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (
+            f"{where}: port {port_number} is privileged: it needs root (CAP_NET_BIND_SERVICE);"
+            " use a port >= 1024"
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return f"{where}: {host} is not an address of this machine"
+    return f"{where}: cannot bind ({exc.strerror or exc})"
+
+
+def check_parent_dir(flag: str, path: str) -> None:
+    """UsageError unless the directory that will hold ``path`` exists."""
+    parent = Path(path).expanduser().absolute().parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {path}: directory {parent} does not exist")
+
+
+def check_socket_path(flag: str, path: str) -> None:
+    """UsageError when ``path`` is too long for a unix socket."""
+    size = len(os.fsencode(os.path.abspath(path)))
+    if size > MAX_UNIX_PATH:
+        raise UsageError(
+            f"{flag}: the path is {size} bytes long; a unix socket path has at most {MAX_UNIX_PATH}"
+        )
+
+
+def check_interface(flag: str, name: str) -> None:
+    """UsageError unless ``name`` is a network interface of this namespace."""
+    try:
+        socket.if_nametoindex(name)
+    except OSError:
+        raise UsageError(f"{flag}: no network interface named {name!r}") from None
+
+
+def check_group(flag: str, name: str) -> None:
+    """UsageError unless ``name`` is a group of this machine."""
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        raise UsageError(f"{flag}: no group named {name!r}") from None
+
+
+# -- running ----------------------------------------------------------------------------------
 
 
 def setup_logging(level: str) -> None:
@@ -38,3 +194,79 @@ def loop_factory(disabled: bool) -> Callable[[], asyncio.AbstractEventLoop] | No
         return None
     factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
     return factory
+
+
+def run_daemon(prog: str, main: Callable[[], Coroutine[Any, Any, None]], no_uvloop: bool) -> int:
+    """Run ``main()`` on the event loop; a bind that failed anyway (a race with the checks)
+    ends with one line and status 2, not a traceback."""
+    try:
+        with asyncio.Runner(loop_factory=loop_factory(no_uvloop)) as runner:
+            runner.run(main())
+    except UsageError as exc:
+        return fail(prog, str(exc))
+    except OSError as exc:
+        if exc.errno not in _BIND_ERRORS:
+            raise
+        return fail(prog, str(exc))
+    return EXIT_OK
+
+
+def fail(prog: str, message: str, status: int = EXIT_USAGE) -> int:
+    """Print ``prog: message`` on one line and return ``status``."""
+    print(f"{prog}: {' '.join(message.split())}", file=sys.stderr)
+    return status
+
+
+# -- metrics endpoint flags (B1) ---------------------------------------------------------------
+
+#: fixed default metrics ports, so that the port in Prometheus's ``instance`` label stays put;
+#: outside 9100-9999, which the Prometheus wiki's default port allocations fill (exporters of
+#: internal applications should stay out of it; docs/deploy.md)
+COORDINATOR_METRICS_PORT = 19711
+AGENT_METRICS_PORT = 19712
+
+
+def add_metrics_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """``--metrics-bind HOST[:PORT]`` and ``--metrics-port N`` (``/metrics``, ``/healthz``,
+    ``/readyz``); read them back with :func:`metrics_address`."""
+    parser.add_argument(
+        "--metrics-bind",
+        default=None,
+        metavar="HOST[:PORT]",
+        help=f"address of /metrics, /healthz and /readyz (default 127.0.0.1:{default_port}; "
+        "0.0.0.0 or [::] = every address)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=port_or_off,
+        default=None,
+        metavar="N",
+        help="port only, overriding --metrics-bind's (0 = any free port, -1 = off)",
+    )
+    parser.add_argument("--metrics-host", default=None, help=argparse.SUPPRESS)  # older flag
+    parser.set_defaults(metrics_default_port=default_port)
+
+
+def metrics_address(args: argparse.Namespace) -> tuple[str, int] | None:
+    """(host, port) of the metrics endpoint the flags ask for, None when it is off.
+
+    Raises UsageError naming the flag for a malformed ``--metrics-bind``.
+    """
+    host, port_number = args.metrics_host or "127.0.0.1", int(args.metrics_default_port)
+    if args.metrics_bind is not None:
+        text = args.metrics_bind
+        with_port = "]:" in text if text.startswith("[") else text.count(":") == 1
+        if with_port:  # HOST:PORT or [V6]:PORT; else a bare host (a bare IPv6 has 2+ colons)
+            try:
+                host, port_number = host_port(text)
+            except argparse.ArgumentTypeError:
+                raise UsageError(f"--metrics-bind: expected HOST[:PORT], got {text!r}") from None
+        else:
+            host = text.strip("[]")
+        if not host:
+            raise UsageError(f"--metrics-bind: no host in {text!r}")
+    if args.metrics_port is not None:
+        if args.metrics_port < 0:
+            return None
+        port_number = args.metrics_port
+    return host, port_number

@@ -3,18 +3,37 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
+from flowsched import qos
 from flowsched.agent import AgentConfig, ReadyInfo, default_table_path, serve
 from flowsched.agent.config import AgentConfigError
-from flowsched.cli._common import host_port, loop_factory, setup_logging
+from flowsched.agent.sdk_server import SocketPathError
+from flowsched.cli._common import (
+    AGENT_METRICS_PORT,
+    EXIT_FAILURE,
+    UsageError,
+    add_metrics_flags,
+    check_bindable,
+    check_group,
+    check_interface,
+    check_parent_dir,
+    check_socket_path,
+    fail,
+    host_port,
+    metrics_address,
+    positive_int,
+    resolve,
+    run_daemon,
+    setup_logging,
+)
 from flowsched.client import default_socket_path
 from flowsched.protocol import TokenFileError, load_token
+from flowsched.qos import link_speed
 from flowsched.shm import layout
+from flowsched.shm.table import TableError
 
 
 def register(sub: Any) -> None:
@@ -27,9 +46,10 @@ def register(sub: Any) -> None:
     )
     parser.add_argument(
         "--coordinator",
-        type=host_port,
-        metavar="HOST:PORT",
-        help="coordinator address (omit to run the policy locally only)",
+        type=host_ports,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="coordinator address, or the addresses of an etcd-elected group (the agent follows"
+        " the leader; docs/ha.md); omit to run the policy locally only",
     )
     parser.add_argument("--node", default=socket.gethostname(), help="node name (default: host)")
     parser.add_argument("--token-file", metavar="F", help="default ~/.config/flowsched/token")
@@ -51,15 +71,14 @@ def register(sub: Any) -> None:
         help="SDK socket (default $FLOWSCHED_SOCKET or a per-user path)",
     )
     parser.add_argument("--group", default=None, help="group allowed to use table and socket")
-    parser.add_argument("--slots", type=int, default=layout.DEFAULT_NUM_SLOTS, metavar="N")
     parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
+        "--slots",
+        type=positive_int,
+        default=layout.DEFAULT_NUM_SLOTS,
         metavar="N",
-        help="0 = any free port, -1 = no metrics",
+        help="flow table slots: connections and SDK flows at once (default %(default)s)",
     )
-    parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST")
+    add_metrics_flags(parser, AGENT_METRICS_PORT)
     parser.add_argument("--fallback-after", type=float, default=1.0, metavar="SECONDS")
     parser.add_argument(
         "--interface",
@@ -90,9 +109,26 @@ def register(sub: Any) -> None:
         metavar="SECONDS",
         help="NIC counter sampling period (default $FLOWSCHED_NIC_INTERVAL, else 1 s)",
     )
+    parser.add_argument(
+        "--qos-dev",
+        metavar="IFACE",
+        help="install the policy's strict-priority egress classes on IFACE at start and on every "
+        "policy change (as `flowsched qos apply`; needs CAP_NET_ADMIN)",
+    )
+    parser.add_argument(
+        "--qos-rate",
+        type=qos_rate,
+        metavar="RATE",
+        help="rate those classes shape at, e.g. 25gbit (default: IFACE's link speed)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     parser.add_argument("--no-uvloop", action="store_true", help="use the plain asyncio loop")
     parser.set_defaults(func=_run)
+
+
+def host_ports(text: str) -> list[tuple[str, int]]:
+    """argparse type for ``HOST:PORT[,HOST:PORT...]`` (several: an HA coordinator group)."""
+    return [host_port(part.strip()) for part in text.split(",")]
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
@@ -111,9 +147,30 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         if getattr(args, name) is not None
     }
     try:
-        return _config(args, policy_text, overrides)
+        config = _config(args, policy_text, overrides)
     except AgentConfigError as exc:  # name the flag, not the config field
         raise ValueError(f"{_FLAGS.get(exc.field, exc.field)}: {exc.problem}") from None
+    preflight(config)
+    return config
+
+
+def preflight(config: AgentConfig, metrics_flag: str = "--metrics-port") -> None:
+    """Refuse, before anything starts, what would make the agent fail: raises UsageError."""
+    check_parent_dir("--table", config.table_path)
+    check_socket_path("--socket", config.socket_path)
+    for name in config.interfaces:
+        check_interface("--interface", name)
+    if config.qos_dev is not None:
+        check_interface("--qos-dev", config.qos_dev)
+        if config.qos_rate is None and link_speed(config.qos_dev) is None:
+            raise UsageError(f"--qos-rate: {config.qos_dev} reports no link speed; give one")
+    if config.group is not None:
+        check_group("--group", config.group)
+    if config.coordinator is not None:
+        for host, _ in (config.coordinator, *config.coordinators):
+            resolve("--coordinator", host)
+    if config.metrics_port is not None:
+        check_bindable(metrics_flag, config.metrics_host, config.metrics_port, "--metrics-host")
 
 
 #: AgentConfig fields set from flags whose names differ
@@ -123,26 +180,31 @@ _FLAGS = {
     "default_bandwidth": "--link-bandwidth",
     "link_capacity": "--link-capacity",
     "nic_interval": "--nic-interval",
+    "num_slots": "--slots",
 }
 
 
 def _config(
     args: argparse.Namespace, policy_text: str | None, overrides: dict[str, float]
 ) -> AgentConfig:
+    metrics = metrics_address(args)
     return AgentConfig(
         node=args.node,
         socket_path=args.socket or default_socket_path(),
         table_path=args.table or default_table_path(),
-        coordinator=args.coordinator,
+        coordinator=args.coordinator[0] if args.coordinator else None,
+        coordinators=tuple(args.coordinator[1:]) if args.coordinator else (),
         token_file=args.token_file,
         policy_text=policy_text,
-        metrics_host=args.metrics_host,
-        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        metrics_host=metrics[0] if metrics else "127.0.0.1",
+        metrics_port=metrics[1] if metrics else None,
         fallback_after=args.fallback_after,
         num_slots=args.slots,
         group=args.group,
         interfaces=tuple(args.interface),
         default_bandwidth=args.link_bandwidth,
+        qos_dev=args.qos_dev,
+        qos_rate=args.qos_rate,
         on_ready=print_ready,
         **overrides,  # type: ignore[arg-type]
     )
@@ -163,17 +225,21 @@ def _run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except (TokenFileError, ValueError, OSError) as exc:
-        print(f"flowsched agent: {exc}", file=sys.stderr)
-        return 2
+        return fail(PROG, str(exc))
     try:
-        with asyncio.Runner(loop_factory=loop_factory(args.no_uvloop)) as runner:
-            runner.run(serve(config))
-    except Exception as exc:  # startup failures (table, socket) end with a clear message
-        from flowsched.agent.sdk_server import SocketPathError
-        from flowsched.shm.table import TableError
+        return run_daemon(PROG, lambda: serve(config), args.no_uvloop)
+    except (TableError, SocketPathError, PermissionError) as exc:  # table or socket in the way
+        return fail(PROG, str(exc))
+    except qos.QosError as exc:  # --qos-dev asked for and tc refused
+        return fail(PROG, f"--qos-dev: {exc}", EXIT_FAILURE)
 
-        if not isinstance(exc, TableError | SocketPathError | PermissionError):
-            raise
-        print(f"flowsched agent: {exc}", file=sys.stderr)
-        return 2
-    return 0
+
+PROG = "flowsched agent"
+
+
+def qos_rate(text: str) -> int:
+    """argparse type for ``--qos-rate``."""
+    try:
+        return qos.parse_rate(text)
+    except qos.QosInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--rate: ")) from None

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import sys
 from typing import Any
 
-from flowsched.cli._common import host_port, loop_factory, setup_logging
+from flowsched.cli._common import (
+    COORDINATOR_METRICS_PORT,
+    EXIT_FAILURE,
+    add_metrics_flags,
+    check_bindable,
+    fail,
+    host_port,
+    metrics_address,
+    run_daemon,
+    setup_logging,
+)
 from flowsched.coordinator import Addresses, CoordinatorConfig, serve
+from flowsched.coordinator.election import ElectionError, EtcdElection, LeadershipLost
 from flowsched.protocol import TokenFileError, load_token
 
 
@@ -21,8 +30,7 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--policy", metavar="FILE", help="policy file (default: embedded default)")
     parser.add_argument("--listen", default="127.0.0.1:7711", type=host_port, metavar="HOST:PORT")
-    parser.add_argument("--metrics-port", type=int, default=9711, metavar="N", help="0 = any")
-    parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST")
+    add_metrics_flags(parser, COORDINATOR_METRICS_PORT)
     parser.add_argument("--token-file", metavar="F", help="default ~/.config/flowsched/token")
     parser.add_argument(
         "--idle-timeout", type=float, default=2.0, metavar="S",
@@ -41,6 +49,24 @@ def register(sub: Any) -> None:
         help="yes: the policy decides each flow on its own, so events re-evaluate only the flows"
         " they touch (true of rmlq with red_tiers = 1, sjf, fair, static); auto: ask the policy",
     )  # fmt: skip
+    ha = parser.add_argument_group(
+        "high availability", "several coordinators elect one leader through etcd (docs/ha.md)"
+    )
+    ha.add_argument("--etcd", metavar="URL", help="etcd client URL, e.g. http://10.0.0.5:2379")
+    ha.add_argument(
+        "--election-name", default="flowsched", metavar="NAME",
+        help="coordinators of one cluster share it (default: flowsched)",
+    )  # fmt: skip
+    ha.add_argument(
+        "--lease-ttl", type=int, default=2, metavar="S",
+        help="leader lease TTL in whole seconds (default 2: a silent leader host is replaced "
+        "after about this long, a crashed leader process within a few hundred ms)",
+    )  # fmt: skip
+    ha.add_argument(
+        "--advertise", metavar="HOST:PORT",
+        help="address agents and standbys reach this coordinator at (default: --listen, or "
+        "this host's name for a wildcard address)",
+    )  # fmt: skip
     parser.add_argument("--no-uvloop", action="store_true", help="use the plain asyncio loop")
     parser.set_defaults(func=_run)
 
@@ -50,18 +76,33 @@ def _run(args: argparse.Namespace) -> int:
     try:
         token = load_token(args.token_file)
         host, port = args.listen
+        metrics_host, metrics_port = metrics_address(args) or ("127.0.0.1", None)
         config = CoordinatorConfig.from_policy_file(
-            args.policy, token, host=host, port=port, metrics_host=args.metrics_host,
-            metrics_port=args.metrics_port, batching=not args.no_batch, on_ready=_print_ready,
+            args.policy, token, host=host, port=port, metrics_host=metrics_host,
+            metrics_port=metrics_port, batching=not args.no_batch, on_ready=_print_ready,
             idle_timeout=args.idle_timeout, handshake_timeout=args.handshake_timeout,
             per_flow_decisions={"auto": None, "yes": True, "no": False}[args.per_flow_policy],
+            etcd=args.etcd, election_name=args.election_name, lease_ttl=args.lease_ttl,
+            advertise=args.advertise,
         )  # fmt: skip
-    except (TokenFileError, ValueError) as exc:
-        print(f"flowsched coordinator: {_flag_named(str(exc))}", file=sys.stderr)
-        return 2
-    with asyncio.Runner(loop_factory=loop_factory(args.no_uvloop)) as runner:
-        runner.run(serve(config))
-    return 0
+        preflight(config)
+    except (TokenFileError, ValueError) as exc:  # UsageError and PolicyFileError too
+        return fail("flowsched coordinator", _flag_named(str(exc)))
+    except ElectionError as exc:
+        return fail("flowsched coordinator", str(exc))
+    try:
+        return run_daemon("flowsched coordinator", lambda: serve(config), args.no_uvloop)
+    except LeadershipLost as exc:  # it stopped deciding; restarted, it comes back as a standby
+        return fail("flowsched coordinator", f"{exc}: exiting", EXIT_FAILURE)
+
+
+def preflight(config: CoordinatorConfig) -> None:
+    """Refuse a taken, privileged or foreign address before anything starts (UsageError)."""
+    check_bindable("--listen", config.host, config.port)
+    if config.etcd is not None:  # the URL, TTL, name and the etcd3gw package (ElectionError)
+        EtcdElection(config.etcd, config.election_name, "", config.lease_ttl)
+    if config.metrics_port is not None:
+        check_bindable("--metrics-port", config.metrics_host, config.metrics_port, "--metrics-host")
 
 
 def _flag_named(message: str) -> str:

@@ -12,14 +12,23 @@ import dataclasses
 import os
 import shlex
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
 from flowsched.agent import AgentConfig, ReadyInfo, default_table_path
 from flowsched.agent import serve as serve_agent
 from flowsched.agent.config import AgentConfigError
-from flowsched.cli._common import host_port, loop_factory, setup_logging
+from flowsched.cli._common import (
+    AGENT_METRICS_PORT,
+    COORDINATOR_METRICS_PORT,
+    check_bindable,
+    fail,
+    host_port,
+    port,
+    run_daemon,
+    setup_logging,
+)
+from flowsched.cli.agent import preflight as agent_preflight
 from flowsched.client import default_socket_path
 from flowsched.coordinator import Addresses, CoordinatorConfig
 from flowsched.coordinator import serve as serve_coordinator
@@ -38,9 +47,19 @@ def register(sub: Any) -> None:
     parser.add_argument("--policy", metavar="FILE", help="policy file (default: embedded)")
     parser.add_argument("--listen", default="127.0.0.1:7711", type=host_port, metavar="HOST:PORT")
     parser.add_argument(
-        "--metrics-port", type=int, default=9711, metavar="N", help="coordinator metrics (0 = any)"
+        "--metrics-port",
+        type=port,
+        default=COORDINATOR_METRICS_PORT,
+        metavar="N",
+        help="coordinator metrics on 127.0.0.1 (0 = any free port)",
     )
-    parser.add_argument("--agent-metrics-port", type=int, default=0, metavar="N")
+    parser.add_argument(
+        "--agent-metrics-port",
+        type=port,
+        default=AGENT_METRICS_PORT,
+        metavar="N",
+        help="agent metrics on 127.0.0.1 (0 = any free port)",
+    )
     parser.add_argument("--node", default=socket.gethostname())
     parser.add_argument(
         "--token-file",
@@ -94,23 +113,25 @@ def environment(table: str, sock: str) -> list[str]:
 
 def _run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
-    host, port = args.listen
+    host, listen_port = args.listen
     try:
+        check_bindable("--listen", host, listen_port)  # before the token file is created
+        check_bindable("--metrics-port", "127.0.0.1", args.metrics_port)
         token_file = ensure_token(args.token_file)
         coord = CoordinatorConfig.from_policy_file(
-            args.policy, load_token(token_file), host=host, port=port,
+            args.policy, load_token(token_file), host=host, port=listen_port,
             metrics_port=args.metrics_port,
         )  # fmt: skip
         agent_cfg = _agent_config(args, token_file, coord.policy_text or None)
+        agent_preflight(agent_cfg, metrics_flag="--agent-metrics-port")
     except AgentConfigError as exc:
-        print(f"flowsched up: --{exc.field}: {exc.problem}", file=sys.stderr)
-        return 2
+        return fail(PROG, f"--{exc.field.replace('_', '-')}: {exc.problem}")
     except (TokenFileError, ValueError, OSError) as exc:
-        print(f"flowsched up: {exc}", file=sys.stderr)
-        return 2
-    with asyncio.Runner(loop_factory=loop_factory(args.no_uvloop)) as runner:
-        runner.run(_up(coord, agent_cfg))
-    return 0
+        return fail(PROG, str(exc))
+    return run_daemon(PROG, lambda: _up(coord, agent_cfg), args.no_uvloop)
+
+
+PROG = "flowsched up"
 
 
 def _agent_config(args: argparse.Namespace, token_file: str, policy: str | None) -> AgentConfig:
@@ -133,7 +154,14 @@ async def _up(coord: CoordinatorConfig, agent_cfg: AgentConfig) -> None:
     ready: asyncio.Future[Addresses] = loop.create_future()
     coord.on_ready = ready.set_result
     coordinator = asyncio.create_task(serve_coordinator(coord, shutdown_trigger=stop.wait))
-    addresses = await asyncio.wait_for(ready, 10)
+    started: set[asyncio.Future[Any]] = {ready, coordinator}
+    await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():  # the coordinator ended before it listened: its error, at once
+        signals.cancel()
+        await asyncio.gather(signals, return_exceptions=True)
+        coordinator.result()
+        return
+    addresses = ready.result()
     agent_cfg = dataclasses.replace(
         agent_cfg,
         coordinator=(addresses.host, addresses.port),

@@ -1,0 +1,159 @@
+"""Every bad input the daemons can get ends with status 2 and one line naming it.
+
+Table-driven: each case runs the real ``flowsched`` command in a subprocess (as a user would)
+and checks the exit status, that stderr is exactly one line without a traceback, and that the
+line names the problem.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import flowsched
+from flowsched.protocol import write_token
+
+ROOT = Path(__file__).resolve().parents[2]
+TAKEN = "{taken}"  # replaced by a port that a listening socket holds during the test
+
+
+@pytest.fixture(scope="module")
+def taken_port() -> Iterator[int]:
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    write_token(tmp_path / "token")
+    return tmp_path
+
+
+def _run(
+    args: list[str], workdir: Path, taken: int, *, prefix: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    argv = [a.replace(TAKEN, str(taken)).replace("{dir}", str(workdir)) for a in args]
+    env = {**os.environ, "HOME": str(workdir), "FLOWSCHED_NO_UVLOOP": "1"}
+    return subprocess.run(
+        [*prefix, sys.executable, "-m", "flowsched", *argv],
+        capture_output=True, text=True, timeout=60, cwd=workdir, env=env,
+    )  # fmt: skip
+
+
+AGENT = ["agent", "--table", "{dir}/table", "--socket", "{dir}/agent.sock", "--metrics-port", "0"]
+COORD = ["coordinator", "--token-file", "{dir}/token", "--listen", "127.0.0.1:0",
+         "--metrics-port", "0"]  # fmt: skip
+UP = ["up", "--token-file", "{dir}/token", "--table", "{dir}/table", "--socket",
+      "{dir}/agent.sock", "--listen", "127.0.0.1:0", "--metrics-port", "0",
+      "--agent-metrics-port", "0"]  # fmt: skip
+
+CASES = {
+    # flowsched coordinator
+    "coordinator-listen-taken": ([*COORD, "--listen", f"127.0.0.1:{TAKEN}"], "already in use"),
+    "coordinator-listen-port-range": ([*COORD, "--listen", "127.0.0.1:99999"], "0..65535"),
+    "coordinator-listen-unresolvable": (
+        [*COORD, "--listen", "no-such-host.invalid:0"], "cannot resolve host"),
+    "coordinator-listen-foreign-address": (
+        [*COORD, "--listen", "192.0.2.1:0"], "not an address of this machine"),
+    "coordinator-metrics-taken": ([*COORD, "--metrics-port", TAKEN], "already in use"),
+    "coordinator-metrics-port-range": ([*COORD, "--metrics-port", "99999"], "0..65535"),
+    "coordinator-missing-policy": ([*COORD, "--policy", "{dir}/nope.toml"], "cannot read"),
+    "coordinator-missing-token": (
+        [*COORD, "--token-file", "{dir}/missing-token"], "missing-token"),
+    # flowsched agent
+    "agent-metrics-taken": ([*AGENT, "--metrics-port", TAKEN], "already in use"),
+    "agent-metrics-port-range": ([*AGENT, "--metrics-port", "99999"], "0..65535"),
+    "agent-metrics-host-unresolvable": (
+        [*AGENT, "--metrics-host", "no-such-host.invalid"], "--metrics-host: cannot resolve"),
+    "agent-slots-zero": ([*AGENT, "--slots", "0"], "--slots"),
+    "agent-slots-too-many": ([*AGENT, "--slots", str(1 << 25)], "--slots"),
+    "agent-table-missing-dir": (
+        [*AGENT, "--table", "{dir}/missing/table"], "does not exist"),
+    "agent-socket-too-long": (
+        [*AGENT, "--socket", "{dir}/" + "s" * 120], "unix socket path has at most 107"),
+    "agent-interface-missing": (
+        [*AGENT, "--interface", "nosuchif0"], "no network interface named 'nosuchif0'"),
+    "agent-qos-dev-missing": ([*AGENT, "--qos-dev", "nosuchif0"], "--qos-dev"),
+    "agent-qos-rate-bad": ([*AGENT, "--qos-rate", "fast"], "--qos-rate"),
+    "agent-group-missing": ([*AGENT, "--group", "no-such-group-x"], "no group named"),
+    "agent-coordinator-unresolvable": (
+        [*AGENT, "--token-file", "{dir}/token", "--coordinator", "no-such-host.invalid:7711"],
+        "--coordinator: cannot resolve host"),
+    "agent-coordinator-port-range": (
+        [*AGENT, "--coordinator", "127.0.0.1:70000"], "0..65535"),
+    # flowsched up
+    "up-listen-taken": ([*UP, "--listen", f"127.0.0.1:{TAKEN}"], "already in use"),
+    "up-metrics-taken": ([*UP, "--metrics-port", TAKEN], "already in use"),
+    "up-agent-metrics-taken": ([*UP, "--agent-metrics-port", TAKEN], "--agent-metrics-port"),
+    "up-metrics-port-range": ([*UP, "--metrics-port", "99999"], "0..65535"),
+    "up-table-missing-dir": ([*UP, "--table", "{dir}/missing/table"], "does not exist"),
+    "up-slots-in-policy-missing": ([*UP, "--policy", "{dir}/nope.toml"], "cannot read"),
+    # others
+    "qos-dev-missing": (["qos", "show", "--dev", "nosuchif0"], "no network interface"),
+    "unknown-subcommand": (["frobnicate"], "invalid choice"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), list(CASES.values()), ids=list(CASES))
+def test_bad_input_exits_2_with_one_line(
+    args: list[str], message: str, workdir: Path, taken_port: int
+) -> None:
+    proc = _run(args, workdir, taken_port)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert message in proc.stderr
+    assert not (workdir / "table").exists()  # refused before anything started
+
+
+def test_up_fails_at_once_when_its_port_is_taken(workdir: Path, taken_port: int) -> None:
+    started = time.monotonic()
+    proc = _run([*UP, "--listen", f"127.0.0.1:{TAKEN}"], workdir, taken_port)
+    assert proc.returncode == 2
+    assert time.monotonic() - started < 5.0  # it used to wait 10 s for the coordinator
+
+
+@pytest.mark.parametrize("command", ["coordinator", "agent"])
+def test_privileged_port_is_named(command: str, workdir: Path, taken_port: int) -> None:
+    prefix: tuple[str, ...] = ()
+    if os.geteuid() == 0:  # root may bind port 80: take the capability away
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv cannot drop CAP_NET_BIND_SERVICE")
+        prefix = ("setpriv", "--bounding-set", "-net_bind_service")
+    if command == "coordinator":
+        args = [*COORD, "--listen", "127.0.0.1:80"]
+    else:
+        args = [*AGENT, "--metrics-port", "80"]
+    proc = _run(args, workdir, taken_port, prefix=prefix)
+    assert proc.returncode == 2, proc.stderr
+    assert "port 80 is privileged" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "command", [[], ["up"], ["coordinator"], ["agent"], ["sim"], ["bench"], ["policy"],
+                ["plugin"], ["qos"]],
+)  # fmt: skip
+def test_version_everywhere(command: list[str], workdir: Path, taken_port: int) -> None:
+    proc = _run([*command, "--version"], workdir, taken_port)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"flowsched {flowsched.__version__} ")
+
+
+def test_help_documents_the_exit_statuses(workdir: Path, taken_port: int) -> None:
+    proc = _run(["--help"], workdir, taken_port)
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "exit status: 0 success; 1 failure at run time" in text
+    assert "2 bad input" in text
