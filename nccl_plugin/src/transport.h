@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0
- * The TCP transport: one control socket plus `nsocks` data sockets per connection.
+ * The TCP transport: one control socket plus `nsocks` data sockets per connection, the data
+ * sockets served by `nthreads` helper threads (NCCL's Socket transport layout).
  *
  * Wire protocol (per connection, in posting order; NCCL matches sends and receives FIFO):
  *  - every socket starts with a 40-byte hello (magic, socket index, nsocks, chunk and inline
@@ -7,23 +8,32 @@
  *    sockets of one connection, whatever order they arrive in;
  *  - each message sends a 16-byte header {u64 size, u32 magic, u32 seq} on the control
  *    socket, followed by the payload itself when size <= inline size;
- *  - larger payloads are cut into chunks of `chunk` bytes dealt round-robin over the data
- *    sockets, starting at socket (seq % nsocks); both sides derive the same placement.
+ *  - larger payloads are cut into chunks of max(min_chunk, size / nsocks) bytes dealt
+ *    round-robin over the data sockets, starting at socket (seq % nsocks); both sides derive
+ *    the same placement from the size.
  *
- * All sockets are non-blocking and all I/O happens inside isend/irecv/test on the caller's
- * thread (NCCL's progress thread), so a level change (setsockopt) never waits behind a large
- * blocking send, and connect/accept never block (their state lives in the handle and in the
- * listen comm, as NCCL's retry contract requires).
+ * Threads. NCCL's progress thread runs isend/irecv/test: it posts requests, moves the control
+ * stream (headers, inline payloads) and applies level changes (setsockopt). The data sockets
+ * belong to helper threads (socket s to helper s % nthreads) that move the chunks on
+ * non-blocking sockets and sleep in poll() when their sockets would block or have no work;
+ * the progress thread publishes new work with a release store of `data_limit` and wakes a
+ * helper through its eventfd only when that helper said it is going to sleep. Helpers publish
+ * how far each socket got (`sock_done`). With nthreads = 0 the progress thread moves the
+ * data itself inside test(). connect/accept never block (their state lives in the handle and
+ * in the listen comm, as NCCL's retry contract requires).
  */
 #ifndef FLOWSCHED_TRANSPORT_H
 #define FLOWSCHED_TRANSPORT_H
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "flow_table.h"
 
 #define FS_MAX_SOCKS 16
+#define FS_MAX_THREADS 16
 #define FS_MAX_REQUESTS 64 /* NCCL needs >= 32 outstanding per comm */
 #define FS_MAX_PENDING (2 * (FS_MAX_SOCKS + 1))
 #define FS_MAX_ASSEMBLIES 4
@@ -42,7 +52,7 @@ struct fs_hello {
   uint32_t magic;
   uint32_t index; /* 0..nsocks-1: data socket; nsocks: control socket */
   uint32_t nsocks;
-  uint32_t chunk;
+  uint32_t chunk; /* min_chunk */
   uint32_t inline_max;
   int32_t traffic_class;
   uint64_t nonce;
@@ -57,6 +67,11 @@ struct fs_request {
   size_t size;     /* send: message size; recv: received size once the header arrived */
   size_t capacity; /* recv: posted buffer size */
   struct fs_msg_header hdr;
+  /* For the data sockets (read by helper threads): the size of message pub_seq - 1, once
+   * known. A socket that has no chunk in a message may reach it only after the message
+   * completed and its request slot was reused; pub_seq tells it so (see request_size_of). */
+  _Atomic uint64_t pub_seq;
+  _Atomic uint64_t pub_size;
 };
 
 /* Where one data socket is in its share of the message stream. */
@@ -66,12 +81,21 @@ struct fs_sock_progress {
   size_t off;   /* bytes done in that chunk */
 };
 
+struct fs_helper {
+  struct fs_comm* comm;
+  int index;            /* serves data sockets index, index + stride, ... */
+  int stride;           /* the number of helpers wanted */
+  int efd;              /* eventfd: work arrived or stop */
+  _Atomic int sleeping; /* 1 while the helper may be blocked in poll() */
+  pthread_t thread;
+};
+
 struct fs_comm {
   int is_send;
   int family;
   int dev;
   int nsocks;
-  size_t chunk;
+  size_t min_chunk;
   size_t inline_max;
   int fds[FS_MAX_SOCKS + 1]; /* fds[nsocks] is the control socket */
   uint64_t posted;           /* messages posted so far */
@@ -80,8 +104,14 @@ struct fs_comm {
   uint64_t hdr_seq; /* recv: messages whose size is known */
   size_t cbuf_off, cbuf_len; /* recv: unparsed control bytes are cbuf[cbuf_off, cbuf_len) */
   uint8_t cbuf[FS_CTRL_BUF];
-  struct fs_sock_progress sock[FS_MAX_SOCKS];
+  struct fs_sock_progress sock[FS_MAX_SOCKS]; /* owned by the socket's helper */
   struct fs_request reqs[FS_MAX_REQUESTS];
+  int nthreads;                      /* helpers running (0: test() moves the data) */
+  _Atomic uint64_t data_limit;       /* messages whose data sockets may move */
+  _Atomic uint64_t sock_done[FS_MAX_SOCKS]; /* each socket's progress seq, published */
+  _Atomic int helper_error;          /* -errno from a helper */
+  _Atomic int stop;
+  struct fs_helper helpers[FS_MAX_THREADS];
   int error; /* sticky -errno: a broken connection stays broken */
   int peer_rank_known;
   int32_t traffic_class;
@@ -109,7 +139,7 @@ struct fs_listen_comm {
   int fd;
   int dev;
   int nsocks;
-  size_t chunk;
+  size_t min_chunk;
   size_t inline_max;
   struct fs_context* ctx;
   struct fs_pending pending[FS_MAX_PENDING];
@@ -127,6 +157,11 @@ int fs_isend(struct fs_comm* comm, void* data, size_t size, int tag, struct fs_r
 int fs_irecv(struct fs_comm* comm, void* data, size_t capacity, int tag, struct fs_request** out);
 int fs_test(struct fs_request* req, int* done, size_t* size);
 int fs_close_comm(struct fs_comm* comm);
+/* Start the connection's helper threads (a complete connection, before NCCL sees it); on
+ * failure the connection moves its data on the progress thread instead. */
+void fs_comm_start_helpers(struct fs_comm* comm);
+/* Stop and join them (before the sockets are closed). */
+void fs_comm_stop_helpers(struct fs_comm* comm);
 int fs_close_listen(struct fs_listen_comm* lcomm);
 /* Copy a setNetAttr hint into the connection's slot. */
 void fs_comm_record_net_attr(struct fs_comm* comm, uint32_t op, uint32_t algo, uint32_t proto);

@@ -182,13 +182,13 @@ int fs_listen(struct fs_context* ctx, int dev, void* handle, struct fs_listen_co
   }
   fs_context_retain(ctx);
   *lcomm = (struct fs_listen_comm){.fd = fd, .dev = dev, .ctx = ctx,
-                                   .nsocks = (int)params->nsocks,
-                                   .chunk = (size_t)params->chunk_size,
+                                   .nsocks = fs_params_data_sockets(params),
+                                   .min_chunk = (size_t)params->min_chunk_size,
                                    .inline_max = (size_t)params->inline_size};
   struct fs_handle* h = handle;
   memset(h, 0, NCCL_NET_HANDLE_MAXSIZE);
   *h = (struct fs_handle){.magic = FS_HANDLE_MAGIC, .stage = FS_STAGE_NEW,
-                          .nsocks = (uint32_t)lcomm->nsocks, .chunk = (uint32_t)lcomm->chunk,
+                          .nsocks = (uint32_t)lcomm->nsocks, .chunk = (uint32_t)lcomm->min_chunk,
                           .inline_max = (uint32_t)lcomm->inline_max};
   handle_set_addr(h, &addr);
   *out = lcomm;
@@ -218,7 +218,7 @@ static int connect_state_new(struct fs_context* ctx, int dev, int32_t traffic_cl
   struct fs_comm* comm = st->comm;
   comm->family = h->family;
   comm->nsocks = (int)h->nsocks;
-  comm->chunk = h->chunk;
+  comm->min_chunk = h->chunk;
   comm->inline_max = h->inline_max;
   comm->nonce = random_nonce();
   st->fd = -1;
@@ -289,7 +289,7 @@ static int connect_check_socket(struct fs_connect_state* st) {
   }
   struct fs_comm* comm = st->comm;
   st->hello = (struct fs_hello){.magic = FS_HELLO_MAGIC, .index = (uint32_t)st->index,
-                                .nsocks = (uint32_t)comm->nsocks, .chunk = (uint32_t)comm->chunk,
+                                .nsocks = (uint32_t)comm->nsocks, .chunk = (uint32_t)comm->min_chunk,
                                 .inline_max = (uint32_t)comm->inline_max,
                                 .traffic_class = comm->traffic_class, .nonce = comm->nonce,
                                 .comm_id = comm->comm_id};
@@ -373,6 +373,7 @@ int fs_connect(struct fs_context* ctx, int dev, int32_t traffic_class, void* han
     return rc;
   }
   *out = st->comm;
+  fs_comm_start_helpers(st->comm);
   fs_context_add_comm(st->comm->ctx, st->comm); /* the context it holds a reference on */
   connect_state_free(st, 0);
   return 0;
@@ -416,7 +417,7 @@ static int pending_read_hello(struct fs_pending* p) {
 
 static int hello_valid(const struct fs_listen_comm* lcomm, const struct fs_hello* hello) {
   return hello->magic == FS_HELLO_MAGIC && hello->nsocks == (uint32_t)lcomm->nsocks &&
-         hello->chunk == lcomm->chunk && hello->inline_max == lcomm->inline_max &&
+         hello->chunk == lcomm->min_chunk && hello->inline_max == lcomm->inline_max &&
          hello->index <= hello->nsocks;
 }
 
@@ -443,7 +444,7 @@ static struct fs_assembly* assembly_for(struct fs_listen_comm* lcomm, const stru
     return NULL;
   }
   comm->nsocks = lcomm->nsocks;
-  comm->chunk = lcomm->chunk;
+  comm->min_chunk = lcomm->min_chunk;
   comm->inline_max = lcomm->inline_max;
   comm->nonce = hello->nonce;
   *free_slot = (struct fs_assembly){.used = 1, .nonce = hello->nonce, .comm = comm};
@@ -495,6 +496,7 @@ int fs_accept(struct fs_listen_comm* lcomm, struct fs_comm** out) {
     *out = accept_place(lcomm, &placed);
   }
   if (*out != NULL) {
+    fs_comm_start_helpers(*out);
     fs_context_add_comm(lcomm->ctx, *out);
   }
   return 0;
@@ -518,6 +520,7 @@ int fs_close_listen(struct fs_listen_comm* lcomm) {
 }
 
 int fs_close_comm(struct fs_comm* comm) {
+  fs_comm_stop_helpers(comm);
   fs_context_remove_comm(comm->ctx, comm);
   comm_free(comm);
   return 0;

@@ -1,15 +1,19 @@
 /* SPDX-License-Identifier: Apache-2.0
- * Data path: isend/irecv post requests, test() moves bytes on non-blocking sockets.
+ * Data path: isend/irecv post requests; test() moves the control stream and reports
+ * completion; helper threads (or test() itself when there are none) move the chunks.
  * The priority check is one relaxed atomic load of the slot's level per isend, and per test
  * unless FLOWSCHED_LEVEL_AT_BOUNDARY=1. Checking in test() lets a connection that is starved
  * with its request queue full see a promotion without first finishing a whole message at the
  * starved rate. On TCP this does not add reordering that a message-boundary rule would avoid:
  * every message of a connection shares the same byte stream, so a DSCP change reorders (at
  * most) across the old and new switch queue whether or not it falls on a message boundary. */
+#include <poll.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "context.h"
@@ -61,6 +65,14 @@ static size_t inline_bytes(const struct fs_comm* comm, size_t size) {
   return size <= comm->inline_max ? size : 0;
 }
 
+/* One chunk per data socket, none smaller than min_chunk (NCCL's rule), so that a message
+ * uses every socket once it is large enough and small ones do not pay for splitting. */
+static size_t chunk_size(const struct fs_comm* comm, size_t size) {
+  size_t n = (size_t)comm->nsocks;
+  size_t even = size / n + (size % n != 0);
+  return even > comm->min_chunk ? even : comm->min_chunk;
+}
+
 /* Where socket `s`'s k-th chunk of message `seq` lies; 0 when the socket has no more. */
 static int chunk_of(const struct fs_comm* comm, size_t size, uint64_t seq, int s, uint64_t k,
                     size_t* off, size_t* len) {
@@ -68,15 +80,40 @@ static int chunk_of(const struct fs_comm* comm, size_t size, uint64_t seq, int s
     return 0;
   }
   uint64_t n = (uint64_t)comm->nsocks;
-  uint64_t nchunks = (size + comm->chunk - 1) / comm->chunk;
+  size_t chunk = chunk_size(comm, size);
+  uint64_t nchunks = (size + chunk - 1) / chunk;
   uint64_t first = ((uint64_t)s + n - seq % n) % n;
   uint64_t c = first + k * n;
   if (c >= nchunks) {
     return 0;
   }
-  *off = (size_t)(c * comm->chunk);
-  *len = size - *off < comm->chunk ? size - *off : comm->chunk;
+  *off = (size_t)(c * chunk);
+  *len = size - *off < chunk ? size - *off : chunk;
   return 1;
+}
+
+/* Does socket `s` carry part of message `seq` of `size` bytes? */
+static int socket_has_chunk(const struct fs_comm* comm, size_t size, uint64_t seq, int s) {
+  size_t off, len;
+  return chunk_of(comm, size, seq, s, 0, &off, &len);
+}
+
+/* Make message `seq`'s size visible to the data sockets (before data_limit moves). */
+static void request_publish_size(struct fs_request* req, uint64_t seq, size_t size) {
+  atomic_store_explicit(&req->pub_size, size, memory_order_relaxed);
+  atomic_store_explicit(&req->pub_seq, seq + 1, memory_order_release);
+}
+
+/* The size of message `seq` as seen from a data socket: 1 and *size, or 0 when the request
+ * slot already holds a later message. That happens only to a socket without a chunk in
+ * `seq` (a message cannot complete before its sockets moved their chunks), so it skips. */
+static int request_size_of(struct fs_request* req, uint64_t seq, size_t* size) {
+  if (atomic_load_explicit(&req->pub_seq, memory_order_acquire) != seq + 1) {
+    return 0;
+  }
+  *size = (size_t)atomic_load_explicit(&req->pub_size, memory_order_relaxed);
+  atomic_thread_fence(memory_order_acquire);
+  return atomic_load_explicit(&req->pub_seq, memory_order_relaxed) == seq + 1;
 }
 
 /* ---- control stream --------------------------------------------------------------------- */
@@ -122,6 +159,7 @@ static int ctrl_check_header(struct fs_comm* comm, struct fs_request* req) {
     return -EMSGSIZE;
   }
   req->size = (size_t)req->hdr.size;
+  request_publish_size(req, req->seq, req->size);
   comm->hdr_seq = req->seq + 1;
   return 0;
 }
@@ -183,8 +221,8 @@ static int data_progress(struct fs_comm* comm, int s, uint64_t limit) {
   struct fs_sock_progress* p = &comm->sock[s];
   while (p->seq < limit) {
     struct fs_request* req = req_at(comm, p->seq);
-    size_t off = 0, len = 0;
-    if (!chunk_of(comm, req->size, p->seq, s, p->k, &off, &len)) {
+    size_t size = 0, off = 0, len = 0;
+    if (!request_size_of(req, p->seq, &size) || !chunk_of(comm, size, p->seq, s, p->k, &off, &len)) {
       *p = (struct fs_sock_progress){.seq = p->seq + 1};
       continue;
     }
@@ -208,14 +246,161 @@ static int data_progress(struct fs_comm* comm, int s, uint64_t limit) {
   return 0;
 }
 
+/* ---- helper threads --------------------------------------------------------------------- */
+
+static void helper_wake(struct fs_helper* h) {
+  if (atomic_exchange(&h->sleeping, 0)) {
+    uint64_t one = 1;
+    ssize_t n = write(h->efd, &one, sizeof(one));
+    (void)n; /* a full counter (impossible) still wakes it */
+  }
+}
+
+/* Let the data sockets move messages below `limit`, waking the helpers that have a chunk in
+ * them. A helper that is busy is not woken: it reads data_limit before it sleeps. */
+static void data_publish(struct fs_comm* comm, uint64_t limit) {
+  uint64_t from = atomic_load_explicit(&comm->data_limit, memory_order_relaxed);
+  if (limit == from) {
+    return;
+  }
+  atomic_store(&comm->data_limit, limit); /* seq_cst: pairs with the helper's sleeping flag */
+  if (comm->nthreads == 0) {
+    return;
+  }
+  uint32_t wake = 0;
+  for (uint64_t seq = from; seq < limit; seq++) {
+    size_t size = req_at(comm, seq)->size;
+    for (int s = 0; s < comm->nsocks; s++) {
+      if (socket_has_chunk(comm, size, seq, s)) {
+        wake |= 1u << (s % comm->nthreads);
+      }
+    }
+  }
+  for (int t = 0; t < comm->nthreads; t++) {
+    if (wake & (1u << t)) {
+      helper_wake(&comm->helpers[t]);
+    }
+  }
+}
+
+static void helper_fail(struct fs_comm* comm, int rc) {
+  int expected = 0;
+  atomic_compare_exchange_strong(&comm->helper_error, &expected, rc);
+}
+
+/* One pass over the helper's sockets; fills `pfd` with the sockets that would block. */
+static int helper_pass(struct fs_helper* h, uint64_t limit, struct pollfd* pfd, int* np) {
+  struct fs_comm* comm = h->comm;
+  *np = 0;
+  for (int s = h->index; s < comm->nsocks; s += h->stride) {
+    int rc = data_progress(comm, s, limit);
+    atomic_store_explicit(&comm->sock_done[s], comm->sock[s].seq, memory_order_release);
+    if (rc < 0) {
+      return rc;
+    }
+    if (comm->sock[s].seq < limit) {
+      pfd[(*np)++] = (struct pollfd){.fd = comm->fds[s], .events = comm->is_send ? POLLOUT : POLLIN};
+    }
+  }
+  return 0;
+}
+
+static void helper_drain(int efd) {
+  uint64_t count;
+  ssize_t n = read(efd, &count, sizeof(count));
+  (void)n; /* EAGAIN: someone else's wake-up was already consumed */
+}
+
+static void* helper_main(void* arg) {
+  struct fs_helper* h = arg;
+  struct fs_comm* comm = h->comm;
+  struct pollfd pfd[FS_MAX_SOCKS + 1];
+  while (!atomic_load_explicit(&comm->stop, memory_order_acquire)) {
+    uint64_t limit = atomic_load_explicit(&comm->data_limit, memory_order_acquire);
+    int np = 0;
+    int rc = helper_pass(h, limit, pfd, &np);
+    if (rc < 0) {
+      helper_fail(comm, rc);
+      break;
+    }
+    /* Say we may sleep, then look once more: a publish after this sees the flag and wakes
+     * us through the eventfd; one before it shows in data_limit. */
+    atomic_store(&h->sleeping, 1);
+    if (atomic_load(&comm->data_limit) != limit || atomic_load(&comm->stop)) {
+      atomic_store(&h->sleeping, 0);
+      continue;
+    }
+    pfd[np] = (struct pollfd){.fd = h->efd, .events = POLLIN};
+    int n = poll(pfd, (nfds_t)np + 1, -1);
+    atomic_store(&h->sleeping, 0);
+    if (n > 0 && (pfd[np].revents & POLLIN)) {
+      helper_drain(h->efd);
+    }
+  }
+  return NULL;
+}
+
+void fs_comm_start_helpers(struct fs_comm* comm) {
+  int want = (int)fs_global_params()->nthreads;
+  want = want < comm->nsocks ? want : comm->nsocks;
+  int started = 0;
+  for (; started < want; started++) {
+    struct fs_helper* h = &comm->helpers[started];
+    *h = (struct fs_helper){.comm = comm, .index = started, .stride = want};
+    h->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (h->efd < 0) {
+      break;
+    }
+    if (pthread_create(&h->thread, NULL, helper_main, h) != 0) {
+      close(h->efd);
+      break;
+    }
+  }
+  comm->nthreads = started;
+  if (started < want) {
+    static atomic_int warned;
+    FS_WARN_ONCE(warned, "cannot start helper threads (%s): moving data on NCCL's progress "
+                 "thread", fs_errstr(errno));
+    fs_comm_stop_helpers(comm); /* all or none: socket ownership depends on the count */
+  }
+}
+
+void fs_comm_stop_helpers(struct fs_comm* comm) {
+  if (comm->nthreads == 0) {
+    return;
+  }
+  atomic_store(&comm->stop, 1);
+  for (int t = 0; t < comm->nthreads; t++) {
+    atomic_store(&comm->helpers[t].sleeping, 1);
+    helper_wake(&comm->helpers[t]);
+  }
+  for (int t = 0; t < comm->nthreads; t++) {
+    pthread_join(comm->helpers[t].thread, NULL);
+    close(comm->helpers[t].efd);
+  }
+  for (int s = 0; s < comm->nsocks; s++) {
+    atomic_store_explicit(&comm->sock_done[s], comm->sock[s].seq, memory_order_relaxed);
+  }
+  comm->nthreads = 0;
+  atomic_store(&comm->stop, 0);
+}
+
+/* ---- progress on NCCL's thread ---------------------------------------------------------- */
+
 static int comm_progress(struct fs_comm* comm) {
   if (comm->error != 0) {
     return comm->error;
   }
   int rc = comm->is_send ? ctrl_send_progress(comm) : ctrl_recv_progress(comm);
   uint64_t limit = comm->is_send ? comm->posted : comm->hdr_seq;
-  for (int s = 0; s < comm->nsocks && rc == 0; s++) {
-    rc = data_progress(comm, s, limit);
+  data_publish(comm, limit);
+  if (comm->nthreads == 0) {
+    for (int s = 0; s < comm->nsocks && rc == 0; s++) {
+      rc = data_progress(comm, s, limit);
+      atomic_store_explicit(&comm->sock_done[s], comm->sock[s].seq, memory_order_relaxed);
+    }
+  } else if (rc == 0) {
+    rc = atomic_load_explicit(&comm->helper_error, memory_order_relaxed);
   }
   if (rc < 0) {
     comm->error = rc;
@@ -226,12 +411,15 @@ static int comm_progress(struct fs_comm* comm) {
   return rc;
 }
 
-static int request_complete(const struct fs_comm* comm, const struct fs_request* req) {
+/* Complete when its header went through and every socket with a chunk in it is past it
+ * (the acquire loads make the helpers' bytes visible before NCCL reads the buffer). */
+static int request_complete(struct fs_comm* comm, const struct fs_request* req) {
   if (comm->ctrl_seq <= req->seq) {
     return 0;
   }
   for (int s = 0; s < comm->nsocks; s++) {
-    if (comm->sock[s].seq <= req->seq) {
+    if (atomic_load_explicit(&comm->sock_done[s], memory_order_acquire) <= req->seq &&
+        socket_has_chunk(comm, req->size, req->seq, s)) {
       return 0;
     }
   }
@@ -295,6 +483,9 @@ static struct fs_request* request_post(struct fs_comm* comm, void* data, size_t 
   req->size = size;
   req->capacity = size;
   req->hdr = (struct fs_msg_header){.size = size, .magic = FS_MSG_MAGIC, .seq = (uint32_t)req->seq};
+  if (comm->is_send) {
+    request_publish_size(req, req->seq, size);
+  }
   if (!comm->peer_rank_known) {
     comm->peer_rank_known = 1;
     atomic_store_explicit(&comm->flow.slot->peer_rank, tag, memory_order_relaxed);
