@@ -52,3 +52,14 @@ static void param_str(char* out, size_t cap, const char* env, const char* def) {
 void fs_params_load(struct fs_params* params) {
   FS_PARAMS(FS_PARAM_LOAD_INT, FS_PARAM_LOAD_STR)
 }
+
+int fs_params_data_sockets(const struct fs_params* params) {
+  int64_t threads = params->nthreads > 0 ? params->nthreads : 1;
+  int64_t socks = threads * params->nsocks_per_thread;
+  return socks > 16 ? 16 : (int)socks;
+}
+
+void fs_param_peek(const char* env, char* out, size_t cap) {
+  const char* text = env_lookup(env);
+  snprintf(out, cap, "%s", text != NULL && strlen(text) < cap ? text : "");
+}

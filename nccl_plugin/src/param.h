@@ -12,18 +12,24 @@
 #include <stdint.h>
 
 #define FS_PARAMS(FS_PARAM_INT, FS_PARAM_STR)                                                    \
-  /* Data sockets per connection, in addition to the control socket. More sockets help on   \
-   * real NICs with several queues; 2 is enough on loopback. */                               \
-  FS_PARAM_INT(nsocks, "FLOWSCHED_NSOCKS", 2, 1, 16, "data sockets per connection")            \
-  /* Bytes handed to one data socket before moving to the next (bounded so that a level     \
-   * change never waits behind one huge write). */                                           \
-  FS_PARAM_INT(chunk_size, "FLOWSCHED_CHUNK_SIZE", 512 * 1024, 4096, 64 * 1024 * 1024,         \
-               "chunk size in bytes")                                                         \
+  /* Helper threads per connection that move the data sockets' bytes (NCCL's               \
+   * NCCL_SOCKET_NTHREADS); 0 = every byte is moved on NCCL's progress thread inside test(). \
+   * They sleep in poll() when their sockets would block, so they never spin on a shared core. */ \
+  FS_PARAM_INT(nthreads, "FLOWSCHED_SOCKET_NTHREADS", 2, 0, 16, "helper threads per connection") \
+  /* Data sockets per helper thread (NCCL's NCCL_NSOCKS_PERTHREAD); a connection has         \
+   * max(1, threads) x this many data sockets (at most 16) plus the control socket. */        \
+  FS_PARAM_INT(nsocks_per_thread, "FLOWSCHED_NSOCKS_PERTHREAD", 1, 1, 16,                      \
+               "data sockets per helper thread")                                              \
+  /* A message is cut into one chunk per data socket, but no chunk is smaller than this      \
+   * (NCCL's NCCL_SOCKET_MIN_TASKSIZE), so small messages use fewer sockets. */               \
+  FS_PARAM_INT(min_chunk_size, "FLOWSCHED_MIN_CHUNK_SIZE", 64 * 1024, 4096, 64 * 1024 * 1024,  \
+               "smallest chunk in bytes")                                                     \
   /* Messages up to this size travel whole on the control socket with their header. */      \
   FS_PARAM_INT(inline_size, "FLOWSCHED_INLINE_SIZE", 1024, 0, 4096, "inline threshold, bytes") \
-  /* TCP_NOTSENT_LOWAT on data sockets: caps bytes queued in the kernel but not yet sent, so \
-   * a new DSCP reaches the wire quickly (0 = leave the kernel default). */                   \
-  FS_PARAM_INT(notsent_lowat, "FLOWSCHED_NOTSENT_LOWAT", 1024 * 1024, 0, 1 << 30,             \
+  /* TCP_NOTSENT_LOWAT on data sockets (0 = kernel default: no limit). Linux builds the IP   \
+   * header at transmission time with the socket's current TOS, so unsent bytes leave with a \
+   * new DSCP anyway; a limit only adds wake-ups (see docs/nccl-plugin-transport.md). */       \
+  FS_PARAM_INT(notsent_lowat, "FLOWSCHED_NOTSENT_LOWAT", 0, 0, 1 << 30,                         \
                "TCP_NOTSENT_LOWAT in bytes")                                                  \
   /* SO_SNDBUF / SO_RCVBUF for data sockets (0 = kernel autotuning). */                       \
   FS_PARAM_INT(sock_buf, "FLOWSCHED_SOCK_BUF", 0, 0, 1 << 30, "socket buffer bytes")           \
@@ -59,5 +65,7 @@ struct fs_params {
 
 /* Read every knob from the environment (called once per initialisation of the plugin). */
 void fs_params_load(struct fs_params* params);
+/* Data sockets per connection: max(1, nthreads) x nsocks_per_thread, at most 16. */
+int fs_params_data_sockets(const struct fs_params* params);
 
 #endif
