@@ -58,8 +58,3 @@ int fs_params_data_sockets(const struct fs_params* params) {
   int64_t socks = threads * params->nsocks_per_thread;
   return socks > 16 ? 16 : (int)socks;
 }
-
-void fs_param_peek(const char* env, char* out, size_t cap) {
-  const char* text = env_lookup(env);
-  snprintf(out, cap, "%s", text != NULL && strlen(text) < cap ? text : "");
-}
