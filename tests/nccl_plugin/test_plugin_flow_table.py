@@ -336,3 +336,45 @@ def test_config_area_is_reread_only_when_config_seq_moves(
     loopback_message(send, recv, b"x")
     assert table.slot(send_index)["applied_level"] == 1
     close_pair(plugin, ctx, send, recv)
+
+
+# ---- levels at and beyond K, and the agent's heartbeat ------------------------------------
+
+
+@pytest.mark.parametrize("num_levels", [8, 3])
+def test_levels_at_or_beyond_k_are_clamped_to_k_minus_1(
+    table: TestTable, fresh_lib: Path, num_levels: int
+) -> None:
+    """Level K (one past the last) and anything larger run at K-1, with K-1's DSCP."""
+    table.configure(num_levels=num_levels)
+    plugin, ctx, send, recv = open_pair(fresh_lib)
+    index = next(i for i, s in table.slots() if s["direction"] == layout.DIR_SEND)
+    last = num_levels - 1
+    for level, expected in (
+        (last, last),
+        (0, 0),
+        (num_levels, last),
+        (0, 0),
+        (num_levels + 1, last),
+    ):
+        table.set_level(index, level)
+        loopback_message(send, recv, b"level %d" % level)
+        assert table.slot(index)["applied_level"] == expected, level
+        assert dscps(socket_fds()) >= {DSCP[expected]}
+    close_pair(plugin, ctx, send, recv)
+
+
+def test_full_table_reuses_closed_slots_of_a_dead_agent(plugin_env: Path, fresh_lib: Path) -> None:
+    """An agent that died leaves its pid in the header, but its heartbeat stops: after a
+    second without one, the plugin takes CLOSED slots again (nobody else will free them)."""
+    table = TestTable(plugin_env, num_slots=2)
+    try:
+        plugin, ctx, send, recv = open_pair(fresh_lib, comm_id=7)
+        close_pair(plugin, ctx, send, recv)
+        table.put("agent_pid", os.getpid())
+        table.put("heartbeat_ns", time.monotonic_ns() - 3_000_000_000)
+        plugin, ctx, send, recv = open_pair(fresh_lib, comm_id=8)
+        assert {s["comm_id"] for _, s in table.slots(layout.SLOT_ACTIVE)} == {8}
+        close_pair(plugin, ctx, send, recv)
+    finally:
+        table.close()
