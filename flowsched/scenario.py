@@ -14,7 +14,8 @@ Public API:
 * :func:`resolve` turns a name (``pd-serving``) or a path into a file path;
 * :func:`serving_trace` and :func:`rl_plan` generate the seeded, load-scaled workload that both
   the simulator and the testbed replay;
-* :func:`serving_arrival_rate` / :func:`isolated_ttft` expose the load and SLO rules.
+* :func:`serving_arrival_rate` / :func:`isolated_ttft` expose the load and SLO rules;
+  :func:`network_utilization` the offered load of each group of links.
 """
 
 from __future__ import annotations
@@ -95,6 +96,17 @@ class ServingSection:
     slo_factor: float = 3.0
     warmup_requests: int = 100
     requests: int = 300
+    #: remote KV store (Mooncake-style) servers holding the prefixes no instance caches
+    kv_store_nodes: int = 0
+    kv_store_nics: int = 2
+    kv_store_prefix: str = "s"
+    #: the hottest ``cached_groups`` prefix groups are cached on the prefill instances (group g
+    #: on instance g mod instances: the victim units); the others live in the KV store.
+    #: 0 = every group is cached on an instance (no store)
+    cached_groups: int = 0
+    #: what load 1.0 means: "compute" (the instances busy all the time) or "network" (the most
+    #: loaded group of links offered its capacity; see :func:`network_utilization`)
+    load_basis: str = "compute"
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +183,9 @@ _POSITIVE = {
     "num_levels",
     "reuse_concentration",
     "staleness",
+    "kv_store_nics",
 }
+_CHOICES = {"load_basis": ("compute", "network")}
 _FRACTIONS = {"reuse_mean", "gpu_efficiency"}
 
 
@@ -217,9 +231,27 @@ def parse(text: str, path: str | None = None) -> Scenario:
     built = {
         key: _build(cls, data[key], key, errors) for key, cls in sections.items() if key in data
     }
+    if built.get("serving") is not None:
+        errors += _serving_errors(built["serving"])
     if errors:
         raise ScenarioError(errors)
     return Scenario(path=path, **built)
+
+
+def _serving_errors(cfg: ServingSection) -> list[str]:
+    """Cross-field rules of ``[serving]``."""
+    errors = []
+    if cfg.cached_groups and not cfg.kv_store_nodes:
+        errors.append(
+            "serving.cached_groups: the uncached prefix groups need a KV store "
+            "(set serving.kv_store_nodes > 0)"
+        )
+    if cfg.cached_groups > cfg.prefix_groups:
+        errors.append(
+            f"serving.cached_groups: {cfg.cached_groups} is more than "
+            f"serving.prefix_groups ({cfg.prefix_groups})"
+        )
+    return errors
 
 
 def _build(cls: type, table: Any, path: str, errors: list[str]) -> Any:
@@ -249,6 +281,9 @@ def _check_value(value: Any, hint: Any, path: str, errors: list[str]) -> Any:
         errors.append(f"{path}: expected {expected.__name__}, got {value!r}")
         return None
     key = path.rsplit(".", 1)[-1]
+    if key in _CHOICES and value not in _CHOICES[key]:
+        errors.append(f"{path}: {value!r} is not one of {', '.join(_CHOICES[key])}")
+        return None
     if isinstance(value, int | float) and _out_of_range(key, value):
         errors.append(f"{path}: {value!r} is out of range ({_range_text(key)})")
     return value
@@ -320,22 +355,80 @@ def a2a_cross_bytes(cfg: ServingSection, new_tokens: int) -> float:
     return new_tokens * cfg.a2a_bytes_per_token_layer * remote
 
 
-def isolated_ttft(cfg: ServingSection, prompt_tokens: int, new_tokens: int) -> float:
-    """Contention-free TTFT of a request served alone on the instance holding its prefix.
+def store_held(cfg: ServingSection, group: int) -> bool:
+    """True when prefix ``group`` lives in the remote KV store (no instance caches it)."""
+    return cfg.kv_store_nodes > 0 and cfg.cached_groups > 0 and group >= cfg.cached_groups
+
+
+def isolated_ttft(
+    cfg: ServingSection, prompt_tokens: int, new_tokens: int, remote_tokens: int = 0
+) -> float:
+    """Contention-free TTFT of a request served alone (the "TTFT at low load" of the SLO).
 
     Per layer: compute, then the all-to-all at full NIC speed; the P2D KV of each layer overlaps
-    the next layer, so only the last layer's P2D adds: ``L x (C + A2A) + P2D_layer``.
+    the next layer, so only the last layer's P2D adds: ``L x (C + A2A) + P2D_layer``. A prefix
+    that must be fetched (``remote_tokens`` > 0, the KV store's prefixes) adds the first layer's
+    fetch, and a layer cannot be shorter than its fetch (the lookahead overlaps the others).
     """
     nic = cfg.nic_gbps * 1e9 / 8
     nics = cfg.servers_per_instance * cfg.nics_per_server
     a2a = a2a_cross_bytes(cfg, new_tokens) / nics / nic
     p2d = prompt_tokens * cfg.kv_bytes_per_token_layer / nic
-    per_layer = layer_compute_time(cfg, new_tokens) + a2a
-    return cfg.layers * per_layer + max(p2d - per_layer, 0.0) * cfg.layers + p2d
+    fetch = remote_tokens * cfg.kv_bytes_per_token_layer / nic
+    per_layer = max(layer_compute_time(cfg, new_tokens) + a2a, fetch)
+    return fetch + cfg.layers * per_layer + max(p2d - per_layer, 0.0) * cfg.layers + p2d
+
+
+def _mean_prompt(cfg: ServingSection) -> float:
+    """E[prompt tokens]: the lognormal's mean with the clip at ``max_prompt_tokens``."""
+    sigma = cfg.prompt_sigma
+    mu = math.log(cfg.mean_prompt_tokens) - sigma**2 / 2
+    if sigma <= 0:
+        return min(cfg.mean_prompt_tokens, cfg.max_prompt_tokens)
+    cut = math.log(cfg.max_prompt_tokens)
+
+    def phi(x: float) -> float:
+        return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+    below = math.exp(mu + sigma**2 / 2) * phi((cut - mu - sigma**2) / sigma)
+    return below + cfg.max_prompt_tokens * (1 - phi((cut - mu) / sigma))
+
+
+def _store_share(cfg: ServingSection) -> float:
+    """The fraction of requests whose prefix lives in the KV store (Zipf popularity)."""
+    weights = [(g + 1) ** -cfg.prefix_zipf for g in range(cfg.prefix_groups)]
+    held = sum(w for g, w in enumerate(weights) if store_held(cfg, g))
+    return float(held / sum(weights))
+
+
+def network_utilization(cfg: ServingSection) -> dict[str, float]:
+    """Offered utilization of each group of links at 1 request/s (mean request, uniform spread).
+
+    ``decode ingress``: the P2D KV; ``prefill egress`` / ``prefill ingress``: the all-to-all
+    plus P2D out / Stage-1 in; ``store egress``: Stage-1 fetches of store-held prefixes. Fetches
+    of prefixes cached on another instance (router overflow) depend on the queues and are not
+    counted, so this is a lower bound where the router overflows often.
+    """
+    nic = cfg.nic_gbps * 1e9 / 8
+    layers, kv = cfg.layers, cfg.kv_bytes_per_token_layer
+    prompt = _mean_prompt(cfg)
+    new = prompt * (1 - cfg.reuse_mean)
+    p2d = prompt * kv * layers
+    a2a = a2a_cross_bytes(cfg, 1) * new * layers
+    fetched = _store_share(cfg) * prompt * cfg.reuse_mean * kv * layers
+    prefill_links = cfg.instances * cfg.servers_per_instance * cfg.nics_per_server * nic
+    groups = {
+        "decode ingress": p2d / (cfg.decode_servers * cfg.decode_nics * nic),
+        "prefill egress": (a2a + p2d) / prefill_links,
+        "prefill ingress": (a2a + fetched) / prefill_links,
+    }
+    if cfg.kv_store_nodes:
+        groups["store egress"] = fetched / (cfg.kv_store_nodes * cfg.kv_store_nics * nic)
+    return groups
 
 
 def serving_capacity(cfg: ServingSection) -> float:
-    """Requests/s the prefill instances sustain at the mean request size (load 1.0).
+    """Requests/s the prefill instances sustain at the mean request size (compute load 1.0).
 
     Mean isolated busy time per request = L x (C + A2A) at the mean new-token count; the
     instances work in parallel.
@@ -348,7 +441,11 @@ def serving_capacity(cfg: ServingSection) -> float:
 
 
 def serving_arrival_rate(cfg: ServingSection, load: float) -> float:
-    """Poisson arrival rate (requests/s) for ``load`` (fraction of :func:`serving_capacity`)."""
+    """Poisson arrival rate (requests/s) for ``load``: a fraction of :func:`serving_capacity`
+    (``load_basis = "compute"``), or the rate at which the most loaded group of links of
+    :func:`network_utilization` is offered ``load`` x its capacity (``"network"``)."""
+    if cfg.load_basis == "network":
+        return load / max(network_utilization(cfg).values())
     return load * serving_capacity(cfg)
 
 
@@ -374,7 +471,8 @@ def serving_trace(cfg: ServingSection, load: float, seed: int) -> list[Request]:
         reused = min(int(prompt * reuse), prompt - 1)
         group = rng.choices(range(cfg.prefix_groups), weights)[0]
         now += gap / rate
-        slo = cfg.slo_factor * isolated_ttft(cfg, prompt, prompt - reused)
+        remote = reused if store_held(cfg, group) else 0
+        slo = cfg.slo_factor * isolated_ttft(cfg, prompt, prompt - reused, remote)
         requests.append(Request(f"q{i}", now, prompt, reused, group, slo, i < cfg.warmup_requests))
     return requests
 

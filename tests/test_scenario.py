@@ -54,6 +54,17 @@ BAD_FILES = [
     ("not-a-table", '[scenario]\nname = "x"\nserving = 3\n', "scenario.serving: unknown key"),
     ("bad-toml", "[scenario\n", "invalid TOML"),
     ("table-is-a-number", 'serving = 3\n[scenario]\nname = "x"\n', "serving: expected a table"),
+    (
+        "load-basis",
+        MINIMAL + 'load_basis = "gpu"\n',
+        "serving.load_basis: 'gpu' is not one of compute, network",
+    ),
+    ("store-missing", MINIMAL + "cached_groups = 2\n", "serving.cached_groups: the uncached"),
+    (
+        "cached-too-many",
+        MINIMAL + "cached_groups = 20\nkv_store_nodes = 1\n",
+        "serving.cached_groups: 20 is more than serving.prefix_groups (16)",
+    ),
 ]
 
 
@@ -70,11 +81,11 @@ def test_all_errors_are_reported_together() -> None:
     assert len(errors) == 3
 
 
-@pytest.mark.parametrize("name", ["pd-serving", "rl-disaggregated", "mixed"])
+@pytest.mark.parametrize("name", ["pd-serving", "rl-disaggregated", "mixed", "pd-serving-paper"])
 def test_bundled_scenarios_parse(name: str) -> None:
     scen = scenario.load(name)
     assert scen.scenario.name == name
-    assert scen.kind == name
+    assert scen.kind == name.removesuffix("-paper")
 
 
 def test_unknown_scenario_name_lists_the_bundled_ones() -> None:
@@ -114,6 +125,39 @@ def test_slo_is_the_factor_times_the_isolated_ttft() -> None:
     request = scenario.serving_trace(cfg, 0.5, seed=3)[0]
     alone = scenario.isolated_ttft(cfg, request.prompt_tokens, request.new_tokens)
     assert request.slo == pytest.approx(cfg.slo_factor * alone)
+
+
+def test_network_load_offers_the_bottleneck_its_share() -> None:
+    """load_basis = network: at load x the busiest link group is offered x of its capacity,
+    measured on the trace's own bytes (P2D into the decode NICs here)."""
+    cfg = dataclasses.replace(
+        scenario.ServingSection(),
+        requests=6000,
+        warmup_requests=0,
+        decode_servers=1,
+        decode_nics=1,
+        load_basis="network",
+    )
+    groups = scenario.network_utilization(cfg)
+    assert max(groups, key=lambda g: groups[g]) == "decode ingress"
+    trace = scenario.serving_trace(cfg, 0.6, seed=2)
+    p2d_bytes = sum(r.prompt_tokens for r in trace) * cfg.kv_bytes_per_token_layer * cfg.layers
+    capacity = cfg.nic_gbps * 1e9 / 8
+    assert p2d_bytes / trace[-1].arrival / capacity == pytest.approx(0.6, rel=0.06)
+
+
+def test_store_held_prefixes_are_fetched_in_the_isolated_ttft() -> None:
+    cfg = dataclasses.replace(scenario.ServingSection(), kv_store_nodes=1, cached_groups=2)
+    assert not scenario.store_held(cfg, 1) and scenario.store_held(cfg, 2)
+    local = scenario.isolated_ttft(cfg, 2000, 700)
+    fetched = scenario.isolated_ttft(cfg, 2000, 700, remote_tokens=1300)
+    nic = cfg.nic_gbps * 1e9 / 8
+    assert fetched - local >= 1300 * cfg.kv_bytes_per_token_layer / nic
+    trace = scenario.serving_trace(cfg, 0.5, seed=4)
+    for request in trace[:50]:
+        remote = request.reused_tokens if request.prefix_group >= 2 else 0
+        alone = scenario.isolated_ttft(cfg, request.prompt_tokens, request.new_tokens, remote)
+        assert request.slo == pytest.approx(cfg.slo_factor * alone)
 
 
 @pytest.mark.parametrize("load", [0.3, 0.8, 1.0])

@@ -19,6 +19,13 @@ from flowsched.report import Outcome, Progress, table, write_all
 from flowsched.sim.run import IDEAL, PolicySpec, ideal_spec, run
 
 DEFAULT_POLICIES = "ideal,rmlq,fair,static,static+late,edf,edf+late,sjf,pias,karuna,llf,llf+late"
+#: ``flowsched sim paper``: the MFS paper's serving setting with the paper's comparison
+PAPER = {
+    "scenario": "pd-serving-paper",
+    "policies": "ideal,rmlq,static,static+late,edf,edf+late,llf,llf+late",
+    "loads": "0.5,0.6,0.7",
+    "seeds": 3,
+}
 #: suffix of a baseline with late-dropping, and the arguments it adds
 LATE_SUFFIX = "+late"
 LATE_ARGS = {"drop_late": True}
@@ -34,12 +41,27 @@ def register(sub: Any) -> None:
         description="Run SCENARIO (a path or a name from bench/scenarios) under each policy at "
         "each load; print a comparison table and write JSON, markdown and PNG plots to --out.",
     )
-    parser.add_argument("scenario", help="scenario file or bundled name (e.g. pd-serving)")
-    parser.add_argument("--policies", default=DEFAULT_POLICIES, help="comma-separated policy names")
-    parser.add_argument("--loads", default="0.3,0.5,0.7,0.9", help="comma-separated load values")
+    parser.add_argument(
+        "scenario",
+        help="scenario file or bundled name (e.g. pd-serving), or 'paper': the MFS paper's "
+        f"setting ({PAPER['scenario']}, loads {PAPER['loads']}, {PAPER['seeds']} seeds, "
+        "the paper's comparison; about an hour on 2 cores)",
+    )
+    parser.add_argument(
+        "--policies",
+        default=None,
+        help=f"comma-separated policy names, 'ideal' (the bound) and NAME+late "
+        f"(default {DEFAULT_POLICIES})",
+    )
+    parser.add_argument(
+        "--loads", default=None, help="comma-separated load values (default 0.3,0.5,0.7,0.9)"
+    )
     parser.add_argument("--seed", type=int, default=None, help="trace seed (default: the file's)")
     parser.add_argument(
-        "--seeds", type=int, default=1, help="run N seeds (seed, seed+1, ...) and pool them"
+        "--seeds",
+        type=int,
+        default=None,
+        help="run N seeds (seed, seed+1, ...) and pool them (default 1)",
     )
     parser.add_argument("--out", type=Path, default=None, help="directory for JSON/markdown/PNG")
     parser.add_argument(
@@ -107,7 +129,21 @@ def specs(names: list[str], policy_file: Path | None, default_levels: int) -> li
     return built
 
 
+def _defaults(args: argparse.Namespace) -> None:
+    """Fill in what the command line left out (``paper`` has its own defaults)."""
+    paper = args.scenario == "paper"
+    if paper:
+        args.scenario = PAPER["scenario"]
+    if args.policies is None:
+        args.policies = PAPER["policies"] if paper else DEFAULT_POLICIES
+    if args.loads is None:
+        args.loads = PAPER["loads"] if paper else "0.3,0.5,0.7,0.9"
+    if args.seeds is None:
+        args.seeds = PAPER["seeds"] if paper else 1
+
+
 def _run(args: argparse.Namespace) -> int:
+    _defaults(args)
     try:
         scen = scenario.load(args.scenario)
     except scenario.ScenarioError as exc:

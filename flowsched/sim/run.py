@@ -99,6 +99,10 @@ def _nodes(scenario: Scenario) -> list[tuple[str, int, float]]:
         nodes += [
             (f"{s.decode_prefix}{i}", s.decode_nics, s.nic_gbps) for i in range(s.decode_servers)
         ]
+        nodes += [
+            (f"{s.kv_store_prefix}{i}", s.kv_store_nics, s.nic_gbps)
+            for i in range(s.kv_store_nodes)
+        ]
     if (r := scenario.rl) is not None:
         nodes += [
             (f"{r.trainer_prefix}{i}", r.nics_per_node, r.nic_gbps) for i in range(r.trainer_nodes)

@@ -2,17 +2,19 @@
 
 Per batch on one prefill instance and per layer ``l`` (reference notes, section 6):
 
-* Stage 1 (``kv_reuse``): reused KV blocks held by another instance (the "victim" that holds a
-  hot prefix) are fetched per layer, ``lookahead`` layers ahead; layer ``l`` waits for them.
+* Stage 1 (``kv_reuse``): reused KV blocks held elsewhere -- by another instance (the "victim"
+  that caches a hot prefix) or by the remote KV store (the prefixes no instance caches) -- are
+  fetched per layer, ``lookahead`` layers ahead; layer ``l`` waits for them.
 * compute ``C_l`` (roofline, :func:`flowsched.scenario.layer_compute_time`);
 * Stage 2 (``tp`` class): the EP all-to-all (dispatch + combine) between the instance's servers,
   one flow per (source NIC, destination NIC) pair; layer ``l + 1`` waits for it;
 * Stage 3 (``kv``): the layer's KV of every request goes to its decode server; the request's
   TTFT ends with its last P2D byte; deadline = arrival + SLO.
 
-Routing is KV-cache aware: a request goes to the instance holding its prefix unless that
-instance already has more than ``router_max_wait_tokens`` waiting, else to the least loaded
-instance, which then fetches the reused prefix remotely (Stage 1). Batches take waiting
+Routing is KV-cache aware: a request goes to the instance caching its prefix unless that
+instance already has more than ``router_max_wait_tokens`` waiting, else (and always for a
+store-held prefix) to the least loaded instance, which then fetches the reused prefix remotely
+(Stage 1). Batches take waiting
 requests in arrival order up to ``batch_tokens`` new tokens (vLLM-like).
 """
 
@@ -28,6 +30,7 @@ from flowsched.scenario import (
     ServingSection,
     a2a_cross_bytes,
     layer_compute_time,
+    store_held,
 )
 from flowsched.sim.engine import Simulator
 from flowsched.sim.topology import Topology
@@ -39,6 +42,7 @@ class _Batch:
     instance: int
     requests: list[Request]
     gpu_of: dict[str, int]
+    #: request -> where its prefix is fetched from: an instance index, or -1 - store node
     remote: dict[str, int]
     layer: int = 0
     pending_reuse: dict[int, int] = field(default_factory=dict)
@@ -81,6 +85,9 @@ class ServingWorkload:
         return f"{cfg.prefill_prefix}{server}", nic
 
     def _holder(self, request: Request) -> int:
+        """The instance caching the request's prefix, or ``-1 - n`` for KV-store node n."""
+        if store_held(self.cfg, request.prefix_group):
+            return -1 - request.prefix_group % self.cfg.kv_store_nodes
         return request.prefix_group % self.cfg.instances
 
     def _arrive(self, request: Request) -> None:
@@ -90,7 +97,7 @@ class ServingWorkload:
         holder = self._holder(request)
         waiting = [sum(r.new_tokens for r in q) for q in self.queues]
         target = holder
-        if waiting[holder] > self.cfg.router_max_wait_tokens:
+        if holder < 0 or waiting[holder] > self.cfg.router_max_wait_tokens:
             target = min(range(self.cfg.instances), key=lambda i: (waiting[i], i))
         self.queues[target].append(request)
         self._decode_of[request.request_id] = int(request.request_id[1:]) % self.cfg.decode_servers
@@ -136,7 +143,11 @@ class ServingWorkload:
         cfg = self.cfg
         size = request.reused_tokens * cfg.kv_bytes_per_token_layer
         gpus = cfg.servers_per_instance * cfg.gpus_per_server
-        src, src_nic = self._server(holder, int(request.request_id[1:]) % gpus)
+        number = int(request.request_id[1:])
+        if holder < 0:
+            src, src_nic = f"{cfg.kv_store_prefix}{-1 - holder}", number % cfg.kv_store_nics
+        else:
+            src, src_nic = self._server(holder, number % gpus)
         dst, dst_nic = self._server(batch.instance, batch.gpu_of[request.request_id])
         links = self.topo.path(src, src_nic, dst, dst_nic)
         batch.pending_reuse[layer] = batch.pending_reuse.get(layer, 0) + 1

@@ -115,3 +115,22 @@ def test_interrupted_sim_reports_the_finished_runs(
     data = json.loads((out / "results.json").read_text())
     assert [r["policy"] for r in data["runs"]] == ["ideal", "fair"]
     assert data["meta"]["complete"] is False
+
+
+def test_paper_is_the_pd_serving_paper_comparison() -> None:
+    import argparse
+
+    from flowsched import scenario
+    from flowsched.cli.sim import PAPER, _defaults
+
+    args = argparse.Namespace(scenario="paper", policies=None, loads=None, seeds=None)
+    _defaults(args)
+    assert args.scenario == "pd-serving-paper" and args.seeds == 3
+    assert args.loads == "0.5,0.6,0.7"
+    names = args.policies.split(",")
+    assert names[0] == "ideal" and {"static+late", "edf+late", "llf+late"} <= set(names)
+    scen = scenario.load(PAPER["scenario"])
+    assert scen.serving is not None and scen.serving.requests >= 1000
+    explicit = argparse.Namespace(scenario="paper", policies="fair", loads="0.5", seeds=1)
+    _defaults(explicit)
+    assert (explicit.policies, explicit.loads, explicit.seeds) == ("fair", "0.5", 1)

@@ -147,3 +147,31 @@ def test_rl_step_waits_for_its_experience() -> None:
     first_tp = min(f.opened for f in result.records.flows if f.cls == "tp" and f.job == "trainer")
     first_batch = [f for f in experience if f.opened < 0.06]
     assert first_tp >= max(f.finished for f in first_batch)
+
+
+def test_store_held_prefixes_are_fetched_from_the_kv_store() -> None:
+    """Prefixes no instance caches come from the KV store node, for every request that reuses
+    one, wherever the router puts it; cached prefixes never touch the store."""
+    text = (
+        SMALL_SERVING.format(instances=2, requests=30) + "kv_store_nodes = 1\ncached_groups = 1\n"
+    )
+    scen = scenario.parse(text)
+    assert scen.serving is not None
+    seen: dict[str, set[str]] = {}
+
+    def observe(sim: object) -> None:
+        for state in sim.active.values():  # type: ignore[attr-defined]
+            if state.flow.cls.label == "kv_reuse":
+                seen.setdefault(state.flow.request, set()).add(state.flow.links[0].split(".")[0])
+
+    result = run(scen, PolicySpec("fair"), load=0.5, observer=observe)
+    trace = {r.request_id: r for r in scenario.serving_trace(scen.serving, 0.5, 1)}
+    stored = {rid for rid, r in trace.items() if r.prefix_group >= 1}
+    assert stored, "the trace must reuse store-held prefixes"
+    reuse = [f for f in result.records.flows if f.cls == "kv_reuse"]
+    for rid in stored:
+        assert sum(f.request == rid for f in reuse) == scen.serving.layers
+        assert seen[rid] == {"s0"}
+    assert all(
+        sources <= {"p0", "p1", "p2", "p3"} for r, sources in seen.items() if r not in stored
+    )
