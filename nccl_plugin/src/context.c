@@ -223,7 +223,9 @@ int fs_class_parse(const char* text) {
 
 uint16_t fs_class_resolve(int32_t traffic_class) {
   const struct fs_params* params = fs_global_params();
-  fs_table_attach(params->table_path);
+  if (params->table_path[0] != '\0') { /* empty: no table (the standalone inner build) */
+    fs_table_attach(params->table_path);
+  }
   struct fs_table_config cfg;
   fs_table_config(&cfg);
   int cls = fs_table_class_for_traffic_class(&cfg, traffic_class);

@@ -1,5 +1,6 @@
 /* SPDX-License-Identifier: Apache-2.0
- * Per-version NCCL adapters and the exported tables: the only symbols of the library.
+ * Per-version NCCL adapters of the TCP transport and its tables (exports.c copies them into
+ * the exported ncclNetPlugin_vN tables when no inner plugin is wrapped).
  * Each adapter converts arguments and calls the API boundary (api.c). Optional entries that a
  * host-memory TCP plugin does not need (regMrDmaBuf, getDeviceMr, irecvConsumed, makeVDevice)
  * are NULL, which NCCL checks before calling. */
@@ -10,7 +11,6 @@
 #include "nccl/net_v11.h"
 #include "nccl/net_v12.h"
 
-#define FS_EXPORT __attribute__((visibility("default")))
 #define FS_PLUGIN_NAME "flowsched"
 
 /* Fields shared by every property struct version. */
@@ -166,9 +166,9 @@ static ncclResult_t fs_set_net_attr_v11(void* ctx, ncclNetAttr_v11_t* attr) {
   return fs_api_set_net_attr(ctx, attr->op, attr->algo, attr->proto);
 }
 
-/* ---- exported tables -------------------------------------------------------------------- */
+/* ---- the TCP transport's tables (exports.c exports them, or the wrapper's) ------------------ */
 
-FS_EXPORT const ncclNet_v10_t ncclNetPlugin_v10 = {
+const ncclNet_v10_t fs_tcp_net_v10 = {
     .name = FS_PLUGIN_NAME,
     .init = fs_init_v10,
     .devices = fs_devices,
@@ -191,7 +191,7 @@ FS_EXPORT const ncclNet_v10_t ncclNetPlugin_v10 = {
     .makeVDevice = NULL,
 };
 
-FS_EXPORT const ncclNet_v11_t ncclNetPlugin_v11 = {
+const ncclNet_v11_t fs_tcp_net_v11 = {
     .name = FS_PLUGIN_NAME,
     .init = fs_init_v11,
     .devices = fs_devices,
@@ -216,7 +216,7 @@ FS_EXPORT const ncclNet_v11_t ncclNetPlugin_v11 = {
     .setNetAttr = fs_set_net_attr_v11,
 };
 
-FS_EXPORT const ncclNet_v12_t ncclNetPlugin_v12 = {
+const ncclNet_v12_t fs_tcp_net_v12 = {
     .name = FS_PLUGIN_NAME,
     .init = fs_init_v11,
     .devices = fs_devices,

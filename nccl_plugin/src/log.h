@@ -14,10 +14,17 @@ void fs_log(ncclDebugLogLevel level, unsigned long flags, const char* file, int 
 /* Text for an errno value (thread-safe, static storage). */
 const char* fs_errstr(int errnum);
 
+/* The plugin's name in its own log lines ("fstcp" for the standalone inner build). */
+#ifdef FS_INNER_BUILD
+#define FS_LOG_PREFIX "NET/fstcp: "
+#else
+#define FS_LOG_PREFIX "NET/flowsched: "
+#endif
+
 #define FS_WARN(fmt, ...) \
-  fs_log(NCCL_LOG_WARN, NCCL_NET, __FILE__, __LINE__, "NET/flowsched: " fmt, ##__VA_ARGS__)
+  fs_log(NCCL_LOG_WARN, NCCL_NET, __FILE__, __LINE__, FS_LOG_PREFIX fmt, ##__VA_ARGS__)
 #define FS_INFO(flags, fmt, ...) \
-  fs_log(NCCL_LOG_INFO, (flags), __FILE__, __LINE__, "NET/flowsched: " fmt, ##__VA_ARGS__)
+  fs_log(NCCL_LOG_INFO, (flags), __FILE__, __LINE__, FS_LOG_PREFIX fmt, ##__VA_ARGS__)
 
 /* Warn at most once per flag (flags live in the global state and reset on re-initialisation). */
 #define FS_WARN_ONCE(flag, fmt, ...)                  \

@@ -8,8 +8,24 @@
 
 #include "log.h"
 
+/* The standalone inner build (libnccl-net-fstcp.so, FS_INNER_BUILD) reads FSTCP_* instead of
+ * FLOWSCHED_*: wrapped by the flowsched library in the same process, it must not take the
+ * wrapper's knobs (FLOWSCHED_NET_INNER would make it load itself, FLOWSCHED_TABLE would claim
+ * a second slot per connection). NCCL_* names are shared. */
+static const char* env_lookup(const char* env) {
+#ifdef FS_INNER_BUILD
+  static const char prefix[] = "FLOWSCHED_";
+  if (strncmp(env, prefix, sizeof(prefix) - 1) == 0) {
+    char name[128];
+    snprintf(name, sizeof(name), "FSTCP_%s", env + sizeof(prefix) - 1);
+    return getenv(name);
+  }
+#endif
+  return getenv(env);
+}
+
 static int64_t param_int(const char* env, int64_t def, int64_t lo, int64_t hi) {
-  const char* text = getenv(env);
+  const char* text = env_lookup(env);
   if (text == NULL || *text == '\0') {
     return def;
   }
@@ -31,7 +47,7 @@ static int64_t param_int(const char* env, int64_t def, int64_t lo, int64_t hi) {
 }
 
 static void param_str(char* out, size_t cap, const char* env, const char* def) {
-  const char* text = getenv(env);
+  const char* text = env_lookup(env);
   if (text == NULL) {
     text = def;
   } else {
@@ -57,4 +73,9 @@ int fs_params_data_sockets(const struct fs_params* params) {
   int64_t threads = params->nthreads > 0 ? params->nthreads : 1;
   int64_t socks = threads * params->nsocks_per_thread;
   return socks > 16 ? 16 : (int)socks;
+}
+
+void fs_param_peek(const char* env, char* out, size_t cap) {
+  const char* text = env_lookup(env);
+  snprintf(out, cap, "%s", text != NULL && strlen(text) < cap ? text : "");
 }

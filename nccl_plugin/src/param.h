@@ -9,7 +9,16 @@
 #ifndef FLOWSCHED_PARAM_H
 #define FLOWSCHED_PARAM_H
 
+#include <stddef.h>
 #include <stdint.h>
+
+/* The standalone inner build has no table unless FSTCP_TABLE names one: the wrapper owns the
+ * connection's slot. */
+#ifdef FS_INNER_BUILD
+#define FS_DEFAULT_TABLE ""
+#else
+#define FS_DEFAULT_TABLE "/dev/shm/flowsched-table"
+#endif
 
 #define FS_PARAMS(FS_PARAM_INT, FS_PARAM_STR)                                                    \
   /* Helper threads per connection that move the data sockets' bytes (NCCL's               \
@@ -50,9 +59,30 @@
    * kv, kv_reuse, bulk) or a class id. Empty = tp. */                                        \
   FS_PARAM_STR(class_name, "FLOWSCHED_CLASS", "", "flow class of this process's connections") \
   /* The node's shared-memory flow table written by the agent. */                            \
-  FS_PARAM_STR(table_path, "FLOWSCHED_TABLE", "/dev/shm/flowsched-table", "flow table path")  \
+  FS_PARAM_STR(table_path, "FLOWSCHED_TABLE", FS_DEFAULT_TABLE, "flow table path")          \
   /* Interfaces to use: prefixes separated by commas, '^' to exclude, '=' for exact names. */ \
   FS_PARAM_STR(socket_ifname, "FLOWSCHED_SOCKET_IFNAME", "", "interface selection")           \
+  /* Wrapping mode: the NCCL net plugin to load and forward to (a path, a file name, or a    \
+   * plugin name X for libnccl-net-X.so, as NCCL_NET_PLUGIN). Empty = our TCP transport.     \
+   * Read when the first communicator initialises the library. */                          \
+  FS_PARAM_STR(net_inner, "FLOWSCHED_NET_INNER", "", "inner net plugin to wrap")              \
+  /* 1 = give the inner plugin the traffic class of the connection's class (the ToS byte of \
+   * its level's DSCP); 0 = pass NCCL's trafficClass through unchanged. */                   \
+  FS_PARAM_INT(inner_tc, "FLOWSCHED_INNER_TC", 1, 0, 1, "set the inner's trafficClass")      \
+  /* Host-side permit (gating): -1 = as the policy file says, else on in wrapping mode and  \
+   * off for the TCP transport; 0 = off; 1 = on. */                                          \
+  FS_PARAM_INT(gating, "FLOWSCHED_GATING", -1, -1, 1, "defer less urgent sends")              \
+  /* Starvation guard: a level that got less than this share (per mille) of a device's    \
+   * bytes over the window may send anyway. -1 = the policy file's value, else 50. */        \
+  FS_PARAM_INT(gate_min_share, "FLOWSCHED_GATE_MIN_SHARE", -1, -1, 1000,                     \
+               "guaranteed share per level, per mille")                                       \
+  /* The window over which shares are measured (decayed by half each window), in us. */     \
+  FS_PARAM_INT(gate_window_us, "FLOWSCHED_GATE_WINDOW_US", -1, -1, 10000000,                 \
+               "share window in microseconds")                                                \
+  /* Starvation guard: a send deferred this long goes anyway (0 = no age bound), in us.    \
+   * Bounds any cross-node dependency on a deferred send. */                                 \
+  FS_PARAM_INT(gate_max_defer_us, "FLOWSCHED_GATE_MAX_DEFER_US", -1, -1, 10000000,           \
+               "longest deferral in microseconds")                                            \
   /* Fallback for the interface selection when FLOWSCHED_SOCKET_IFNAME is unset. */           \
   FS_PARAM_STR(nccl_socket_ifname, "NCCL_SOCKET_IFNAME", "", "NCCL's interface selection")
 
@@ -65,6 +95,8 @@ struct fs_params {
 
 /* Read every knob from the environment (called once per initialisation of the plugin). */
 void fs_params_load(struct fs_params* params);
+/* One string knob read now, without logging (the mode decision before any logger exists). */
+void fs_param_peek(const char* env, char* out, size_t cap);
 /* Data sockets per connection: max(1, nthreads) x nsocks_per_thread, at most 16. */
 int fs_params_data_sockets(const struct fs_params* params);
 

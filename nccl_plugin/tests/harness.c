@@ -1,7 +1,10 @@
 /* SPDX-License-Identifier: Apache-2.0
  * C harness that drives the plugin exactly as NCCL does, without NCCL or a GPU.
  *
- *   harness PLUGIN.so all                 every test below, for v10, v11 and v12
+ *   harness PLUGIN.so all                 every test below, for v8, v9, v10, v11 and v12
+ *                                         (v8/v9 through a v10-shaped shim below; the
+ *                                         table's name must be $HARNESS_PLUGIN_NAME, default
+ *                                         "flowsched")
  *   harness PLUGIN.so transfer VERSION    two processes over the chosen interface: a
  *                                         "service" thread does listen/connect/accept/regMr,
  *                                         a "progress" thread keeps up to 8 isend/irecv in
@@ -20,12 +23,19 @@
  *                                         connections or pending connect are closed: they
  *                                         keep working, and the context is freed by the last
  *                                         close (v11/v12; run under ASan+LSan by make check)
+ *   harness PLUGIN.so marking VERSION     after each level change written to a flow table, every
+ *                                         connected socket's IP_TOS/IPV6_TCLASS and SO_PRIORITY
+ *                                         (getsockopt) are the level's marking
  *   harness PLUGIN.so bw SIZE COUNT [V]   benchmark: streaming throughput (JSON line)
  *   harness PLUGIN.so rtt COUNT [V]       benchmark: 8-byte round trip (JSON line)
  *
  * Exit status 0 when every check passed.
  */
 #include <dlfcn.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/ip.h>
+#include <stdatomic.h>
 #include <pthread.h>
 #include <sched.h>
 #include <signal.h>
@@ -34,6 +44,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -42,6 +53,9 @@
 #include "nccl/net_v10.h"
 #include "nccl/net_v11.h"
 #include "nccl/net_v12.h"
+#include "flow_table.h"
+#include "nccl/net_v8.h"
+#include "nccl/net_v9.h"
 
 #define STEPS 8
 #define TIMEOUT_S 60
@@ -83,22 +97,110 @@ static void logger(ncclDebugLogLevel level, unsigned long flags, const char* fil
 
 static const char* g_plugin_path;
 
+/* ---- v8/v9: the same calls through a v10-shaped shim (NCCL's own shims do the same) ------ */
+
+static const ncclNet_v8_t* g_v8;
+static const ncclNet_v9_t* g_v9;
+
+#define LEGACY(fn, ...) (g_v9 != NULL ? g_v9->fn(__VA_ARGS__) : g_v8->fn(__VA_ARGS__))
+
+static ncclResult_t s_init(ncclDebugLogger_t log_fn, ncclProfilerCallback_t prof) {
+  (void)prof;
+  return LEGACY(init, log_fn);
+}
+static ncclResult_t s_devices(int* ndev) { return LEGACY(devices, ndev); }
+static ncclResult_t s_props(int dev, ncclNetProperties_v10_t* out) {
+  memset(out, 0, sizeof(*out));
+  if (g_v9 != NULL) {
+    ncclNetProperties_v9_t p;
+    ncclResult_t res = g_v9->getProperties(dev, &p);
+    memcpy(out, &p, sizeof(p)); /* v9 and v10 properties are the same struct */
+    return res;
+  }
+  ncclNetProperties_v8_t p;
+  ncclResult_t res = g_v8->getProperties(dev, &p);
+  out->name = p.name;
+  out->pciPath = p.pciPath;
+  out->guid = p.guid;
+  out->ptrSupport = p.ptrSupport;
+  out->regIsGlobal = p.regIsGlobal;
+  out->speed = p.speed;
+  out->port = p.port;
+  out->latency = p.latency;
+  out->maxComms = p.maxComms;
+  out->maxRecvs = p.maxRecvs;
+  out->netDeviceType = p.netDeviceType;
+  out->netDeviceVersion = p.netDeviceVersion;
+  out->maxP2pBytes = NCCL_MAX_NET_SIZE_V8;
+  return res;
+}
+static ncclResult_t s_listen(int dev, void* handle, void** l) { return LEGACY(listen, dev, handle, l); }
+static ncclResult_t s_connect(int dev, ncclNetCommConfig_v10_t* cfg, void* handle, void** s,
+                              ncclNetDeviceHandle_t** dh) {
+  (void)cfg; /* v8/v9 carry no trafficClass */
+  return LEGACY(connect, dev, handle, s, dh);
+}
+static ncclResult_t s_accept(void* l, void** r, ncclNetDeviceHandle_t** dh) {
+  return LEGACY(accept, l, r, dh);
+}
+static ncclResult_t s_reg_mr(void* c, void* d, size_t sz, int type, void** mh) {
+  return LEGACY(regMr, c, d, sz, type, mh);
+}
+static ncclResult_t s_dereg_mr(void* c, void* mh) { return LEGACY(deregMr, c, mh); }
+static ncclResult_t s_isend(void* s, void* d, size_t size, int tag, void* mh, void* ph, void** req) {
+  (void)ph;
+  if (g_v9 != NULL) return g_v9->isend(s, d, size, tag, mh, req);
+  return g_v8->isend(s, d, (int)size, tag, mh, req);
+}
+static ncclResult_t s_irecv(void* r, int n, void** d, size_t* sizes, int* tags, void** mhs,
+                            void** phs, void** req) {
+  (void)phs;
+  if (g_v9 != NULL) return g_v9->irecv(r, n, d, sizes, tags, mhs, req);
+  int isizes[8];
+  for (int i = 0; i < n && i < 8; i++) isizes[i] = (int)sizes[i];
+  *req = NULL; /* NCCL's v8 shim clears the optional-completion hint */
+  return g_v8->irecv(r, n, d, isizes, tags, mhs, req);
+}
+static ncclResult_t s_iflush(void* r, int n, void** d, int* sizes, void** mhs, void** req) {
+  return LEGACY(iflush, r, n, d, sizes, mhs, req);
+}
+static ncclResult_t s_test(void* req, int* done, int* sizes) { return LEGACY(test, req, done, sizes); }
+static ncclResult_t s_close_send(void* c) { return LEGACY(closeSend, c); }
+static ncclResult_t s_close_recv(void* c) { return LEGACY(closeRecv, c); }
+static ncclResult_t s_close_listen(void* c) { return LEGACY(closeListen, c); }
+
+static const ncclNet_v10_t g_legacy_shim = {
+    .init = s_init, .devices = s_devices, .getProperties = s_props, .listen = s_listen,
+    .connect = s_connect, .accept = s_accept, .regMr = s_reg_mr, .deregMr = s_dereg_mr,
+    .isend = s_isend, .irecv = s_irecv, .iflush = s_iflush, .test = s_test,
+    .closeSend = s_close_send, .closeRecv = s_close_recv, .closeListen = s_close_listen,
+};
+
+static const char* plugin_name(void) {
+  const char* name = getenv("HARNESS_PLUGIN_NAME");
+  return name != NULL ? name : "flowsched";
+}
+
 static void net_open(struct net* n, int version) {
   memset(n, 0, sizeof(*n));
-  n->version = version;
+  n->version = version < 10 ? 10 : version; /* v8/v9 run through the v10-shaped shim */
   n->lib = dlopen(g_plugin_path, RTLD_NOW | RTLD_LOCAL);
   CHECK(n->lib != NULL, "dlopen: %s", dlerror());
   char sym[32];
   snprintf(sym, sizeof(sym), "ncclNetPlugin_v%d", version);
   void* table = dlsym(n->lib, sym);
   CHECK(table != NULL, "%s missing", sym);
-  if (version == 10) {
+  g_v8 = version == 8 ? table : NULL;
+  g_v9 = version == 9 ? table : NULL;
+  const char* name = *(const char* const*)table; /* every version starts with its name */
+  CHECK(strcmp(name, plugin_name()) == 0, "name %s", name);
+  if (version < 10) {
+    n->v10 = &g_legacy_shim;
+  } else if (version == 10) {
     n->v10 = table;
-    CHECK(strcmp(n->v10->name, "flowsched") == 0, "name %s", n->v10->name);
   } else {
     n->v11 = table;
     n->v12 = version == 12 ? table : NULL;
-    CHECK(strcmp(n->v11->name, "flowsched") == 0, "name %s", n->v11->name);
   }
 }
 
@@ -532,7 +634,7 @@ static int test_cycles(int version) {
   for (int reload = 0; reload < 3; reload++) {
     struct net n;
     net_open(&n, version);
-    int rounds = version == 10 ? 1 : 4;
+    int rounds = version <= 10 ? 1 : 4;
     for (int i = 0; i < rounds; i++) {
       void* ctx = net_init(&n, 100 + (uint64_t)i, -1);
       void *scomm, *rcomm;
@@ -651,10 +753,11 @@ static void lifetime_pending_connect_outlives_finalize(struct net* n, void* peer
 }
 
 static int test_lifetime(int version) {
-  if (version == 10) {
+  if (version <= 10) {
     return 0; /* one process-wide context, no finalize */
   }
   setenv("FLOWSCHED_CONNECT_RETRIES", "3", 1); /* read by the first init below */
+  setenv("FSTCP_CONNECT_RETRIES", "3", 1);   /* the same for the wrapped fstcp */
   struct net n;
   net_open(&n, version);
   void* peer = net_init(&n, 0xB0, -1);
@@ -664,6 +767,124 @@ static int test_lifetime(int version) {
   net_finalize(&n, peer);
   net_close(&n);
   unsetenv("FLOWSCHED_CONNECT_RETRIES");
+  unsetenv("FSTCP_CONNECT_RETRIES");
+  return 0;
+}
+
+/* ---- levels on the wire: after a level change the sockets carry its marking ------------- */
+
+#define MARK_LEVELS 5
+static const uint8_t k_mark_dscp[MARK_LEVELS] = {46, 34, 26, 18, 10};
+static const int k_mark_prio[MARK_LEVELS] = {6, 4, 3, 2, 1};
+
+/* A flow table as the agent writes it: every slot FREE, five levels with distinct markings. */
+static struct fs_table_header* marking_table_create(const char* path, size_t* size) {
+  const uint32_t nslots = 16;
+  *size = FS_TABLE_HEADER_SIZE + (size_t)nslots * FS_TABLE_SLOT_SIZE;
+  int fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  CHECK(fd >= 0 && ftruncate(fd, (off_t)*size) == 0, "cannot create %s", path);
+  struct fs_table_header* hdr = mmap(NULL, *size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  CHECK(hdr != MAP_FAILED, "mmap %s", path);
+  hdr->magic = FS_TABLE_MAGIC;
+  hdr->version = FS_TABLE_VERSION;
+  hdr->header_size = FS_TABLE_HEADER_SIZE;
+  hdr->slot_size = FS_TABLE_SLOT_SIZE;
+  hdr->num_slots = nslots;
+  hdr->num_levels = MARK_LEVELS;
+  for (int i = 0; i < MARK_LEVELS; i++) {
+    hdr->level_marking[i].dscp = k_mark_dscp[i];
+    hdr->level_marking[i].so_priority = (uint32_t)k_mark_prio[i];
+  }
+  atomic_store(&hdr->config_seq, 2); /* one complete write */
+  return hdr;
+}
+
+static struct fs_table_slot* marking_slot(struct fs_table_header* hdr, uint32_t i) {
+  return (struct fs_table_slot*)((uint8_t*)hdr + FS_TABLE_HEADER_SIZE + (size_t)i * FS_TABLE_SLOT_SIZE);
+}
+
+/* Every connected TCP socket of this process must carry `level`'s DSCP and SO_PRIORITY, as
+ * the kernel reports them (getsockopt), not as the plugin says it applied them. */
+static int sockets_check_marking(int level) {
+  int checked = 0;
+  for (int fd = 3; fd < 4096; fd++) {
+    int type = 0;
+    socklen_t len = sizeof(type);
+    if (getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &len) != 0 || type != SOCK_STREAM) {
+      continue;
+    }
+    struct sockaddr_storage peer;
+    socklen_t plen = sizeof(peer);
+    if (getpeername(fd, (struct sockaddr*)&peer, &plen) != 0) {
+      continue; /* a listener, or not connected */
+    }
+    int tos = -1, prio = -1;
+    len = sizeof(tos);
+    if (peer.ss_family == AF_INET6) {
+      CHECK(getsockopt(fd, IPPROTO_IPV6, IPV6_TCLASS, &tos, &len) == 0, "IPV6_TCLASS");
+    } else {
+      CHECK(getsockopt(fd, IPPROTO_IP, IP_TOS, &tos, &len) == 0, "IP_TOS");
+    }
+    len = sizeof(prio);
+    CHECK(getsockopt(fd, SOL_SOCKET, SO_PRIORITY, &prio, &len) == 0, "SO_PRIORITY");
+    CHECK((tos >> 2) == k_mark_dscp[level] && prio == k_mark_prio[level],
+          "socket %d at level %d carries DSCP %d, SO_PRIORITY %d (expected %d, %d)", fd, level,
+          tos >> 2, prio, k_mark_dscp[level], k_mark_prio[level]);
+    checked++;
+  }
+  return checked;
+}
+
+static int test_marking(int version) {
+  if (getenv("FLOWSCHED_NET_INNER") != NULL) {
+    return 0; /* wrapping mode: the inner plugin owns the sockets */
+  }
+  char path[64];
+  snprintf(path, sizeof(path), "/dev/shm/flowsched-harness-%d", (int)getpid());
+  size_t size = 0;
+  struct fs_table_header* hdr = marking_table_create(path, &size);
+  const char* saved = getenv("FLOWSCHED_TABLE");
+  char* saved_copy = saved != NULL ? strdup(saved) : NULL;
+  setenv("FLOWSCHED_TABLE", path, 1); /* read by the first init below */
+  struct net n;
+  net_open(&n, version);
+  void* ctx = net_init(&n, 0x3A4B, -1);
+  void *scomm, *rcomm;
+  connect_alternating(&n, ctx, &scomm, &rcomm);
+  static const int levels[] = {3, 0, 4, 1};
+  for (size_t i = 0; i < sizeof(levels) / sizeof(levels[0]); i++) {
+    int active = 0;
+    for (uint32_t s = 0; s < hdr->num_slots; s++) {
+      struct fs_table_slot* slot = marking_slot(hdr, s);
+      if (atomic_load(&slot->state) == FS_SLOT_ACTIVE) {
+        atomic_store(&slot->level, (uint32_t)levels[i]);
+        active++;
+      }
+    }
+    CHECK(active == 2, "%d active slots, expected the pair's 2", active);
+    pump_pair(&n, scomm, rcomm, 100000 + i, 300 + i); /* the next messages on both ends */
+    for (uint32_t s = 0; s < hdr->num_slots; s++) {
+      struct fs_table_slot* slot = marking_slot(hdr, s);
+      if (atomic_load(&slot->state) == FS_SLOT_ACTIVE) {
+        CHECK(atomic_load(&slot->applied_level) == (uint32_t)levels[i], "applied_level");
+      }
+    }
+    int checked = sockets_check_marking(levels[i]);
+    CHECK(checked >= 4, "only %d connected sockets found", checked);
+  }
+  NCHECK(CALL(&n, closeSend, scomm));
+  NCHECK(CALL(&n, closeRecv, rcomm));
+  net_finalize(&n, ctx);
+  net_close(&n);
+  munmap(hdr, size);
+  unlink(path);
+  if (saved_copy != NULL) {
+    setenv("FLOWSCHED_TABLE", saved_copy, 1);
+    free(saved_copy);
+  } else {
+    unsetenv("FLOWSCHED_TABLE");
+  }
   return 0;
 }
 
@@ -836,13 +1057,15 @@ static int run_one(const char* name, int version) {
   if (strcmp(name, "transfer") == 0) {
     rc = two_processes(version, 1);
   } else if (strcmp(name, "contexts") == 0) {
-    rc = two_processes(version, version == 10 ? 1 : 2);
+    rc = two_processes(version, version <= 10 ? 1 : 2);
   } else if (strcmp(name, "alternate") == 0) {
     rc = test_alternate(version);
   } else if (strcmp(name, "cycles") == 0) {
     rc = test_cycles(version);
   } else if (strcmp(name, "errors") == 0) {
     rc = test_errors(version);
+  } else if (strcmp(name, "marking") == 0) {
+    rc = test_marking(version);
   } else if (strcmp(name, "lifetime") == 0) {
     rc = test_lifetime(version);
   } else {
@@ -873,8 +1096,8 @@ int main(int argc, char** argv) {
     return run_one(argv[2], argc > 3 ? atoi(argv[3]) : 11);
   }
   static const char* const tests[] = {"transfer", "alternate", "contexts", "cycles", "errors",
-                                      "lifetime"};
-  for (int version = 10; version <= 12; version++) {
+                                      "lifetime", "marking"};
+  for (int version = 8; version <= 12; version++) {
     for (size_t t = 0; t < sizeof(tests) / sizeof(tests[0]); t++) {
       if (run_one(tests[t], version) != 0) {
         return 1;

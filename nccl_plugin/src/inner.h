@@ -1,0 +1,64 @@
+/* SPDX-License-Identifier: Apache-2.0
+ * The inner net plugin of the wrapping mode: dlopen, symbol probe, and one calling
+ * convention whatever table version the inner exports.
+ *
+ * FLOWSCHED_NET_INNER is resolved like NCCL_NET_PLUGIN: the value as given (a path, or a file
+ * name found through the library search path), then libnccl-net-<value>.so when the value has
+ * no '/' and is not of the form lib*.so. The highest ncclNetPlugin_vN (12 down to 8) wins.
+ *
+ * The calling convention is v12's with two changes: init and connect carry the trafficClass
+ * to use, because v10 takes it at connect, v11/v12 at init, and v8/v9 not at all. For inners
+ * older than v11 (no context, no finalize), init is refcounted and the context is a constant
+ * non-NULL marker, as NCCL's own compatibility shims do. Entries the inner lacks are NULL.
+ * Argument conversion (size_t <-> int sizes of v8, property structs, vDevice props) happens
+ * here; a size a v8 inner cannot carry is ncclInternalError, as in NCCL's v8 shim.
+ */
+#ifndef FLOWSCHED_INNER_H
+#define FLOWSCHED_INNER_H
+
+#include "nccl/net_v12.h"
+
+struct fs_inner_ops {
+  ncclResult_t (*init)(void** ctx, uint64_t comm_id, int traffic_class, ncclDebugLogger_t logger,
+                       ncclProfilerCallback_t prof);
+  ncclResult_t (*devices)(int* ndev);
+  ncclResult_t (*getProperties)(int dev, ncclNetProperties_v12_t* props);
+  ncclResult_t (*listen)(void* ctx, int dev, void* handle, void** listenComm);
+  ncclResult_t (*connect)(void* ctx, int dev, int traffic_class, void* handle, void** sendComm,
+                          ncclNetDeviceHandle_t** sendDevComm);
+  ncclResult_t (*accept)(void* listenComm, void** recvComm, ncclNetDeviceHandle_t** recvDevComm);
+  ncclResult_t (*regMr)(void* comm, void* data, size_t size, int type, void** mhandle);
+  ncclResult_t (*regMrDmaBuf)(void* comm, void* data, size_t size, int type, uint64_t offset,
+                              int fd, void** mhandle);
+  ncclResult_t (*deregMr)(void* comm, void* mhandle);
+  ncclResult_t (*isend)(void* sendComm, void* data, size_t size, int tag, void* mhandle,
+                        void* phandle, void** request);
+  ncclResult_t (*irecv)(void* recvComm, int n, void** data, size_t* sizes, int* tags,
+                        void** mhandles, void** phandles, void** request);
+  ncclResult_t (*iflush)(void* recvComm, int n, void** data, int* sizes, void** mhandles,
+                         void** request);
+  ncclResult_t (*test)(void* request, int* done, int* sizes);
+  ncclResult_t (*closeSend)(void* sendComm);
+  ncclResult_t (*closeRecv)(void* recvComm);
+  ncclResult_t (*closeListen)(void* listenComm);
+  ncclResult_t (*getDeviceMr)(void* comm, void* mhandle, void** dptr_mhandle);
+  ncclResult_t (*irecvConsumed)(void* recvComm, int n, void* request);
+  ncclResult_t (*makeVDevice)(int* d, ncclNetVDeviceProps_v12_t* props);
+  ncclResult_t (*finalize)(void* ctx);
+  ncclResult_t (*setNetAttr)(void* ctx, ncclNetAttr_v12_t* attr);
+};
+
+struct fs_inner {
+  void* lib;
+  int version;       /* the table bound: 8..12 */
+  const char* name;  /* the inner table's name (its own storage) */
+  char path[512];    /* what dlopen opened */
+  struct fs_inner_ops ops;
+};
+
+/* Load the inner plugin named by `spec` (0, or -errno with a message in err). */
+int fs_inner_load(const char* spec, struct fs_inner* out, char* err, size_t errlen);
+/* dlclose it (after the last use). */
+void fs_inner_unload(struct fs_inner* inner);
+
+#endif

@@ -1,0 +1,151 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "permit.h"
+
+#include <string.h>
+#include <time.h>
+
+struct gate_dev {
+  _Atomic int64_t inflight[FS_GATE_LEVELS];
+  _Atomic uint64_t window_start_ns;
+  _Atomic uint64_t bytes[FS_GATE_LEVELS]; /* decayed bytes started per level */
+  _Atomic uint64_t total;
+};
+
+static struct {
+  _Atomic int enabled;
+  _Atomic uint32_t min_share_permille;
+  _Atomic uint64_t window_ns;
+  _Atomic uint64_t max_defer_ns;
+  struct gate_dev devs[FS_GATE_MAX_DEVS];
+  _Atomic uint64_t permits, deferrals, guard_share, guard_age, max_wait_ns;
+} fs_gate;
+
+void fs_gate_configure(const struct fs_gate_params* params) {
+  atomic_store(&fs_gate.min_share_permille, params->min_share_permille);
+  atomic_store(&fs_gate.window_ns, params->window_ns > 0 ? params->window_ns : 1);
+  atomic_store(&fs_gate.max_defer_ns, params->max_defer_ns);
+  atomic_store(&fs_gate.enabled, params->enabled);
+}
+
+int fs_gate_enabled(void) {
+  return atomic_load_explicit(&fs_gate.enabled, memory_order_relaxed);
+}
+
+static int in_range(int dev, uint32_t level) {
+  return dev >= 0 && dev < FS_GATE_MAX_DEVS && level < FS_GATE_LEVELS;
+}
+
+static int more_urgent_in_flight(const struct gate_dev* d, uint32_t level) {
+  for (uint32_t l = 0; l < level; l++) {
+    if (atomic_load_explicit(&d->inflight[l], memory_order_relaxed) > 0) {
+      return 1;
+    }
+  }
+  return 0;
+}
+
+/* Halve the shares once per window, so they follow the recent past (one thread wins). */
+static void window_decay(struct gate_dev* d, uint64_t now_ns) {
+  uint64_t start = atomic_load_explicit(&d->window_start_ns, memory_order_relaxed);
+  uint64_t window = atomic_load_explicit(&fs_gate.window_ns, memory_order_relaxed);
+  if (now_ns - start < window ||
+      !atomic_compare_exchange_strong(&d->window_start_ns, &start, now_ns)) {
+    return;
+  }
+  for (int l = 0; l < FS_GATE_LEVELS; l++) {
+    atomic_store_explicit(&d->bytes[l], atomic_load(&d->bytes[l]) / 2, memory_order_relaxed);
+  }
+  atomic_store_explicit(&d->total, atomic_load(&d->total) / 2, memory_order_relaxed);
+}
+
+static int below_share(const struct gate_dev* d, uint32_t level) {
+  uint64_t share = atomic_load_explicit(&fs_gate.min_share_permille, memory_order_relaxed);
+  uint64_t total = atomic_load_explicit(&d->total, memory_order_relaxed);
+  uint64_t mine = atomic_load_explicit(&d->bytes[level], memory_order_relaxed);
+  return share > 0 && total > 0 && mine * 1000 < share * total;
+}
+
+static void stat_max(_Atomic uint64_t* slot, uint64_t value) {
+  uint64_t cur = atomic_load_explicit(slot, memory_order_relaxed);
+  while (value > cur && !atomic_compare_exchange_weak(slot, &cur, value)) {
+  }
+}
+
+static int permit_now(struct fs_gate_conn* conn, uint64_t now_ns, _Atomic uint64_t* guard) {
+  if (guard != NULL) {
+    atomic_fetch_add_explicit(guard, 1, memory_order_relaxed);
+  }
+  if (conn->deferred_since_ns != 0) {
+    stat_max(&fs_gate.max_wait_ns, now_ns - conn->deferred_since_ns);
+    conn->deferred_since_ns = 0;
+  }
+  return 1;
+}
+
+static uint64_t now_ns_monotonic(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+int fs_gate_permit(struct fs_gate_conn* conn, int dev, uint32_t level) {
+  if (!fs_gate_enabled() || !in_range(dev, level) || level == 0) {
+    conn->deferred_since_ns = 0;
+    return 1;
+  }
+  struct gate_dev* d = &fs_gate.devs[dev];
+  if (!more_urgent_in_flight(d, level)) {
+    /* the clock is read only on the contended path */
+    return conn->deferred_since_ns == 0 ? 1 : permit_now(conn, now_ns_monotonic(), NULL);
+  }
+  uint64_t now_ns = now_ns_monotonic();
+  window_decay(d, now_ns);
+  if (below_share(d, level)) {
+    return permit_now(conn, now_ns, &fs_gate.guard_share);
+  }
+  uint64_t max_defer = atomic_load_explicit(&fs_gate.max_defer_ns, memory_order_relaxed);
+  if (conn->deferred_since_ns == 0) {
+    conn->deferred_since_ns = now_ns;
+  } else if (max_defer > 0 && now_ns - conn->deferred_since_ns >= max_defer) {
+    return permit_now(conn, now_ns, &fs_gate.guard_age);
+  }
+  atomic_fetch_add_explicit(&fs_gate.deferrals, 1, memory_order_relaxed);
+  return 0;
+}
+
+void fs_gate_started(int dev, uint32_t level, size_t bytes) {
+  atomic_fetch_add_explicit(&fs_gate.permits, 1, memory_order_relaxed);
+  if (!in_range(dev, level)) {
+    return;
+  }
+  struct gate_dev* d = &fs_gate.devs[dev];
+  atomic_fetch_add_explicit(&d->inflight[level], 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&d->bytes[level], bytes, memory_order_relaxed);
+  atomic_fetch_add_explicit(&d->total, bytes, memory_order_relaxed);
+}
+
+void fs_gate_done(int dev, uint32_t level) {
+  if (in_range(dev, level)) {
+    atomic_fetch_sub_explicit(&fs_gate.devs[dev].inflight[level], 1, memory_order_relaxed);
+  }
+}
+
+void fs_gate_stats(struct fs_gate_stats* out) {
+  out->permits = atomic_load(&fs_gate.permits);
+  out->deferrals = atomic_load(&fs_gate.deferrals);
+  out->guard_share = atomic_load(&fs_gate.guard_share);
+  out->guard_age = atomic_load(&fs_gate.guard_age);
+  out->max_wait_ns = atomic_load(&fs_gate.max_wait_ns);
+}
+
+void fs_gate_reset(void) {
+  for (int i = 0; i < FS_GATE_MAX_DEVS; i++) {
+    struct gate_dev* d = &fs_gate.devs[i];
+    for (int l = 0; l < FS_GATE_LEVELS; l++) {
+      atomic_store(&d->inflight[l], 0);
+      atomic_store(&d->bytes[l], 0);
+    }
+    atomic_store(&d->total, 0);
+    atomic_store(&d->window_start_ns, 0);
+  }
+}

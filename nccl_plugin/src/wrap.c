@@ -1,0 +1,738 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#include "wrap.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "class_defaults.h"
+#include "context.h"
+#include "flow_table.h"
+#include "inner.h"
+#include "log.h"
+#include "param.h"
+#include "permit.h"
+
+#define FS_WRAP_MAX_INNER_CTX 8 /* traffic classes per communicator (one per class at most) */
+#define FS_WRAP_MAX_PENDING 64  /* connects in progress per communicator */
+#define FS_WRAP_REQ_BLOCK 32
+#define FS_DEFAULT_MIN_SHARE 50       /* per mille */
+#define FS_DEFAULT_WINDOW_US 100000   /* 100 ms */
+#define FS_DEFAULT_MAX_DEFER_US 50000 /* 50 ms */
+
+struct fs_wrap_ctx {
+  uint64_t comm_id;
+  int32_t traffic_class; /* NCCL's (v11/v12 init; UNDEF for the legacy context) */
+  atomic_int refs;       /* owner + listen comms + connections + connects in progress */
+  pthread_mutex_t lock;  /* inner contexts, pending handles, the attribute below */
+  int ninner;
+  struct {
+    int traffic_class;
+    void* ctx;
+  } inner[FS_WRAP_MAX_INNER_CTX];
+  void* pending[FS_WRAP_MAX_PENDING]; /* NCCL's handle buffers of connects in progress */
+  int npending;
+  uint32_t net_op, net_algo, net_proto; /* latest setNetAttr: stamped on the next connection */
+};
+
+struct fs_wrap_listen {
+  void* inner;
+  struct fs_wrap_ctx* ctx;
+  int dev;
+};
+
+struct fs_wrap_comm;
+
+enum fs_wrap_req_kind { FS_REQ_SEND = 0, FS_REQ_RECV = 1, FS_REQ_FLUSH = 2 };
+
+struct fs_wrap_req {
+  void* inner;
+  struct fs_wrap_comm* comm;
+  size_t bytes; /* send: message size */
+  uint32_t level;
+  int n;
+  int kind;
+  int done; /* recv: test reported done, waiting for irecvConsumed */
+  struct fs_wrap_req* next_free;
+};
+
+struct fs_wrap_req_block {
+  struct fs_wrap_req_block* next;
+  struct fs_wrap_req reqs[FS_WRAP_REQ_BLOCK];
+};
+
+struct fs_wrap_comm {
+  void* inner;
+  int is_send;
+  int dev;
+  struct fs_wrap_ctx* ctx;
+  uint32_t level; /* effective level, re-read on every isend */
+  struct fs_flow flow;
+  struct fs_gate_conn gate;
+  struct fs_wrap_req* free_reqs; /* touched by NCCL's progress thread only */
+  struct fs_wrap_req_block* blocks;
+};
+
+static struct {
+  pthread_mutex_t lock;
+  int state; /* 0 = not set up, 1 = ready, < 0 = -errno of the failed setup */
+  struct fs_inner inner;
+  struct fs_params params;
+  struct fs_wrap_ctx* legacy;
+  atomic_int warned_class;
+} fs_wrap = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+/* ---- setup -------------------------------------------------------------------------------- */
+
+static int64_t knob_or(int64_t value, int64_t def) {
+  return value >= 0 ? value : def;
+}
+
+static void gate_setup(const struct fs_params* p) {
+  struct fs_gate_params g = {
+      .enabled = p->gating != 0, /* -1 (unset): on in wrapping mode */
+      .min_share_permille = (uint32_t)knob_or(p->gate_min_share, FS_DEFAULT_MIN_SHARE),
+      .window_ns = (uint64_t)knob_or(p->gate_window_us, FS_DEFAULT_WINDOW_US) * 1000,
+      .max_defer_ns = (uint64_t)knob_or(p->gate_max_defer_us, FS_DEFAULT_MAX_DEFER_US) * 1000,
+  };
+  fs_gate_configure(&g);
+  FS_INFO(NCCL_INIT | NCCL_NET,
+          "permit %s: guard share %u per mille over %llu us, longest deferral %llu us",
+          g.enabled ? "on" : "off", g.min_share_permille,
+          (unsigned long long)(g.window_ns / 1000), (unsigned long long)(g.max_defer_ns / 1000));
+}
+
+int fs_wrap_setup(ncclDebugLogger_t logger) {
+  fs_log_set_logger(logger);
+  pthread_mutex_lock(&fs_wrap.lock);
+  if (fs_wrap.state == 0) {
+    fs_params_load(&fs_wrap.params);
+    char err[768];
+    int rc = fs_inner_load(fs_wrap.params.net_inner, &fs_wrap.inner, err, sizeof(err));
+    if (rc < 0) {
+      FS_WARN("FLOWSCHED_NET_INNER=%s: cannot load the inner net plugin: %s",
+              fs_wrap.params.net_inner, err);
+      fs_wrap.state = rc;
+    } else {
+      FS_INFO(NCCL_INIT | NCCL_NET, "wrapping inner net plugin %s (ncclNetPlugin_v%d) from %s",
+              fs_wrap.inner.name, fs_wrap.inner.version, fs_wrap.inner.path);
+      if (fs_wrap.params.table_path[0] != '\0') {
+        fs_table_attach(fs_wrap.params.table_path);
+      }
+      gate_setup(&fs_wrap.params);
+      fs_wrap.state = 1;
+    }
+  }
+  int state = fs_wrap.state;
+  pthread_mutex_unlock(&fs_wrap.lock);
+  return state < 0 ? state : 0;
+}
+
+const struct fs_inner* fs_wrap_inner(void) {
+  return &fs_wrap.inner;
+}
+
+static void wrap_ctx_free(struct fs_wrap_ctx* ctx);
+
+/* On dlclose (NCCL 2.27+ unloads after the last communicator): finalize what is left and
+ * unload the inner. */
+__attribute__((destructor)) static void fs_wrap_unload(void) {
+  pthread_mutex_lock(&fs_wrap.lock);
+  if (fs_wrap.legacy != NULL) {
+    wrap_ctx_free(fs_wrap.legacy);
+    fs_wrap.legacy = NULL;
+  }
+  if (fs_wrap.state == 1) {
+    struct fs_gate_stats st;
+    fs_gate_stats(&st);
+    FS_INFO(NCCL_NET, "permit: %llu sends, %llu deferrals, guard share %llu, guard age %llu, "
+            "longest wait %llu us", (unsigned long long)st.permits,
+            (unsigned long long)st.deferrals, (unsigned long long)st.guard_share,
+            (unsigned long long)st.guard_age, (unsigned long long)(st.max_wait_ns / 1000));
+    fs_table_detach();
+    fs_inner_unload(&fs_wrap.inner);
+  }
+  fs_wrap.state = 0;
+  pthread_mutex_unlock(&fs_wrap.lock);
+}
+
+/* ---- classes and traffic classes ------------------------------------------------------------ */
+
+static uint16_t wrap_class(int32_t traffic_class, struct fs_table_config* cfg) {
+  fs_table_config(cfg);
+  int cls = fs_table_class_for_traffic_class(cfg, traffic_class);
+  if (cls < 0 && fs_wrap.params.class_name[0] != '\0') {
+    cls = fs_class_parse(fs_wrap.params.class_name);
+    if (cls < 0) {
+      FS_WARN_ONCE(fs_wrap.warned_class, "FLOWSCHED_CLASS=%s is not a flow class; using tp",
+                   fs_wrap.params.class_name);
+    }
+  }
+  if (cls < 0) {
+    cls = cfg->from_table && cfg->fallback_class < FS_TABLE_MAX_CLASSES ? (int)cfg->fallback_class
+                                                                       : FS_CLASS_TP;
+  }
+  return (uint16_t)cls;
+}
+
+/* The inner's trafficClass for a connection of NCCL trafficClass `nccl_tc`: the ToS byte of its
+ * class's default level (the hardware queue the policy gives the class), or NCCL's value. */
+static int inner_traffic_class(int32_t nccl_tc) {
+  if (!fs_wrap.params.inner_tc) {
+    return nccl_tc;
+  }
+  struct fs_table_config cfg;
+  uint16_t cls = wrap_class(nccl_tc, &cfg);
+  uint32_t level = cls < FS_TABLE_MAX_CLASSES ? cfg.default_level[cls] : 0;
+  if (level >= cfg.num_levels) {
+    level = cfg.num_levels - 1;
+  }
+  return (int)(cfg.level_marking[level].dscp & 0x3f) << 2;
+}
+
+/* ---- contexts -------------------------------------------------------------------------------- */
+
+static struct fs_wrap_ctx* wrap_ctx_new(uint64_t comm_id, int32_t traffic_class) {
+  struct fs_wrap_ctx* ctx = calloc(1, sizeof(*ctx));
+  if (ctx != NULL) {
+    ctx->comm_id = comm_id;
+    ctx->traffic_class = traffic_class;
+    atomic_init(&ctx->refs, 1);
+    pthread_mutex_init(&ctx->lock, NULL);
+  }
+  return ctx;
+}
+
+static void wrap_ctx_free(struct fs_wrap_ctx* ctx) {
+  for (int i = 0; i < ctx->ninner; i++) {
+    if (fs_wrap.inner.ops.finalize != NULL) {
+      fs_wrap.inner.ops.finalize(ctx->inner[i].ctx);
+    }
+  }
+  pthread_mutex_destroy(&ctx->lock);
+  free(ctx);
+}
+
+static void wrap_ctx_retain(struct fs_wrap_ctx* ctx) {
+  atomic_fetch_add_explicit(&ctx->refs, 1, memory_order_relaxed);
+}
+
+/* The last reference finalizes the inner contexts: nothing of ours uses them any more. */
+static void wrap_ctx_release(struct fs_wrap_ctx* ctx) {
+  if (atomic_fetch_sub_explicit(&ctx->refs, 1, memory_order_acq_rel) == 1) {
+    wrap_ctx_free(ctx);
+  }
+}
+
+/* The inner context that carries `tc` (created on first use; v11/v12 take the class at init). */
+static ncclResult_t inner_ctx_for(struct fs_wrap_ctx* ctx, int tc, void** out) {
+  ncclResult_t res = ncclSuccess;
+  pthread_mutex_lock(&ctx->lock);
+  int i = 0;
+  while (i < ctx->ninner && ctx->inner[i].traffic_class != tc) {
+    i++;
+  }
+  if (i == ctx->ninner) {
+    if (i == FS_WRAP_MAX_INNER_CTX) {
+      i = 0; /* more classes than slots: share the first context */
+    } else {
+      void* ictx = NULL;
+      res = fs_wrap.inner.ops.init(&ictx, ctx->comm_id, tc, NULL, NULL);
+      if (res == ncclSuccess) {
+        ctx->inner[i].traffic_class = tc;
+        ctx->inner[i].ctx = ictx;
+        ctx->ninner++;
+      }
+    }
+  }
+  *out = res == ncclSuccess ? ctx->inner[i].ctx : NULL;
+  pthread_mutex_unlock(&ctx->lock);
+  return res;
+}
+
+static ncclResult_t setup_result(ncclDebugLogger_t logger) {
+  int rc = fs_wrap_setup(logger);
+  return rc == 0 ? ncclSuccess : rc == -ENOENT || rc == -ELOOP ? ncclInvalidUsage : ncclSystemError;
+}
+
+/* A new context with its first inner context (the inner's init result is NCCL's). */
+static ncclResult_t wrap_ctx_create(uint64_t comm_id, int32_t nccl_tc, ncclDebugLogger_t logger,
+                                    ncclProfilerCallback_t prof, struct fs_wrap_ctx** out) {
+  *out = NULL;
+  ncclResult_t res = setup_result(logger);
+  if (res != ncclSuccess) {
+    return res;
+  }
+  struct fs_wrap_ctx* ctx = wrap_ctx_new(comm_id, nccl_tc);
+  if (ctx == NULL) {
+    return ncclSystemError;
+  }
+  int tc = inner_traffic_class(nccl_tc);
+  void* ictx = NULL;
+  res = fs_wrap.inner.ops.init(&ictx, comm_id, tc, logger, prof);
+  if (res != ncclSuccess) {
+    FS_WARN("inner net plugin %s: init failed (ncclResult %d)", fs_wrap.inner.name, (int)res);
+    pthread_mutex_destroy(&ctx->lock);
+    free(ctx);
+    return res;
+  }
+  ctx->inner[0].traffic_class = tc;
+  ctx->inner[0].ctx = ictx;
+  ctx->ninner = 1;
+  *out = ctx;
+  FS_INFO(NCCL_INIT | NCCL_NET,
+          "flowsched over %s (v%d): comm 0x%llx trafficClass %d, inner trafficClass %d",
+          fs_wrap.inner.name, fs_wrap.inner.version, (unsigned long long)comm_id, nccl_tc, tc);
+  return ncclSuccess;
+}
+
+ncclResult_t fs_wrap_init(void** ctx, uint64_t comm_id, int traffic_class,
+                          ncclDebugLogger_t logger, ncclProfilerCallback_t prof) {
+  if (ctx == NULL) {
+    return ncclInternalError;
+  }
+  struct fs_wrap_ctx* c = NULL;
+  ncclResult_t res = wrap_ctx_create(comm_id, traffic_class, logger, prof, &c);
+  *ctx = c;
+  return res;
+}
+
+ncclResult_t fs_wrap_init_legacy(ncclDebugLogger_t logger, ncclProfilerCallback_t prof) {
+  pthread_mutex_lock(&fs_wrap.lock);
+  int have = fs_wrap.legacy != NULL;
+  pthread_mutex_unlock(&fs_wrap.lock);
+  if (have) {
+    return ncclSuccess;
+  }
+  struct fs_wrap_ctx* c = NULL;
+  ncclResult_t res = wrap_ctx_create(0, NCCL_NET_TRAFFIC_CLASS_UNDEF, logger, prof, &c);
+  if (res != ncclSuccess) {
+    return res;
+  }
+  pthread_mutex_lock(&fs_wrap.lock);
+  if (fs_wrap.legacy == NULL) {
+    fs_wrap.legacy = c;
+    c = NULL;
+  }
+  pthread_mutex_unlock(&fs_wrap.lock);
+  if (c != NULL) {
+    wrap_ctx_free(c); /* another thread won the race */
+  }
+  return ncclSuccess;
+}
+
+void* fs_wrap_legacy_ctx(void) {
+  return fs_wrap.legacy;
+}
+
+ncclResult_t fs_wrap_finalize(void* ctx) {
+  if (ctx == NULL) {
+    return ncclSuccess; /* after a failed init */
+  }
+  wrap_ctx_release(ctx);
+  return ncclSuccess;
+}
+
+ncclResult_t fs_wrap_devices(int* ndev) {
+  return fs_wrap.inner.ops.devices(ndev);
+}
+
+ncclResult_t fs_wrap_get_properties(int dev, ncclNetProperties_v12_t* props) {
+  return fs_wrap.inner.ops.getProperties(dev, props);
+}
+
+ncclResult_t fs_wrap_make_vdevice(int* d, ncclNetVDeviceProps_v12_t* props) {
+  return fs_wrap.inner.ops.makeVDevice(d, props);
+}
+
+ncclResult_t fs_wrap_set_net_attr(void* ctx, ncclNetAttr_v12_t* attr) {
+  struct fs_wrap_ctx* c = ctx;
+  if (c == NULL || attr == NULL) {
+    return ncclInternalError;
+  }
+  ncclResult_t res = ncclSuccess;
+  pthread_mutex_lock(&c->lock);
+  c->net_op = attr->op;
+  c->net_algo = attr->algo;
+  c->net_proto = attr->proto;
+  for (int i = 0; i < c->ninner && res == ncclSuccess; i++) {
+    if (fs_wrap.inner.ops.setNetAttr != NULL) {
+      res = fs_wrap.inner.ops.setNetAttr(c->inner[i].ctx, attr);
+    }
+  }
+  pthread_mutex_unlock(&c->lock);
+  return res;
+}
+
+/* ---- connections ------------------------------------------------------------------------------ */
+
+static void comm_update_level(struct fs_wrap_comm* comm) {
+  uint32_t raw;
+  if (fs_flow_level_changed(&comm->flow, &raw)) {
+    struct fs_level_marking marking;
+    uint32_t config_seq = FS_CONFIG_SEQ_NONE;
+    uint32_t level = fs_flow_effective_level(&comm->flow, raw, &marking, &config_seq);
+    int record = raw != comm->flow.seen_level || level != comm->level;
+    comm->flow.seen_level = raw;
+    comm->flow.seen_config_seq = config_seq;
+    comm->flow.marking = marking;
+    comm->level = level;
+    if (record) {
+      fs_flow_applied(&comm->flow, level);
+    }
+  }
+}
+
+static struct fs_wrap_comm* comm_new(struct fs_wrap_ctx* ctx, void* inner, int is_send, int dev,
+                                     int32_t nccl_tc) {
+  struct fs_wrap_comm* comm = calloc(1, sizeof(*comm));
+  if (comm == NULL) {
+    return NULL;
+  }
+  struct fs_table_config cfg;
+  pthread_mutex_lock(&ctx->lock);
+  struct fs_flow_info info = {
+      .comm_id = ctx->comm_id,
+      .peer_rank = -1,
+      .traffic_class = nccl_tc,
+      .class_id = wrap_class(nccl_tc, &cfg),
+      .direction = is_send ? FS_DIR_SEND : FS_DIR_RECV,
+      .dev = (uint32_t)dev,
+      .net_op = ctx->net_op,
+      .net_algo = ctx->net_algo,
+      .net_proto = ctx->net_proto,
+  };
+  pthread_mutex_unlock(&ctx->lock);
+  comm->inner = inner;
+  comm->is_send = is_send;
+  comm->dev = dev;
+  comm->ctx = ctx;
+  wrap_ctx_retain(ctx);
+  fs_flow_open(&comm->flow, &info);
+  comm->level = UINT32_MAX;
+  comm_update_level(comm);
+  return comm;
+}
+
+static void comm_free(struct fs_wrap_comm* comm) {
+  fs_flow_close(&comm->flow);
+  while (comm->blocks != NULL) {
+    struct fs_wrap_req_block* next = comm->blocks->next;
+    free(comm->blocks);
+    comm->blocks = next;
+  }
+  struct fs_wrap_ctx* ctx = comm->ctx;
+  free(comm);
+  wrap_ctx_release(ctx);
+}
+
+ncclResult_t fs_wrap_listen(void* ctx, int dev, void* handle, void** listen_comm) {
+  struct fs_wrap_ctx* c = ctx;
+  if (c == NULL || listen_comm == NULL) {
+    return ncclInternalError;
+  }
+  *listen_comm = NULL;
+  void* ictx = NULL;
+  ncclResult_t res = inner_ctx_for(c, inner_traffic_class(c->traffic_class), &ictx);
+  struct fs_wrap_listen* l = res == ncclSuccess ? calloc(1, sizeof(*l)) : NULL;
+  if (res != ncclSuccess || l == NULL) {
+    return res != ncclSuccess ? res : ncclSystemError;
+  }
+  res = fs_wrap.inner.ops.listen(ictx, dev, handle, &l->inner);
+  if (res != ncclSuccess || l->inner == NULL) {
+    free(l);
+    return res != ncclSuccess ? res : ncclInternalError;
+  }
+  l->ctx = c;
+  l->dev = dev;
+  wrap_ctx_retain(c);
+  *listen_comm = l;
+  return ncclSuccess;
+}
+
+/* Track NCCL's handle buffer of a connect in progress: it holds a context reference, so a
+ * finalize during the retries never frees what the next retry reads. */
+static void pending_set(struct fs_wrap_ctx* ctx, void* handle, int in_progress) {
+  pthread_mutex_lock(&ctx->lock);
+  int i = 0;
+  while (i < ctx->npending && ctx->pending[i] != handle) {
+    i++;
+  }
+  int found = i < ctx->npending;
+  if (in_progress && !found && ctx->npending < FS_WRAP_MAX_PENDING) {
+    ctx->pending[ctx->npending++] = handle;
+    wrap_ctx_retain(ctx);
+  } else if (!in_progress && found) {
+    ctx->pending[i] = ctx->pending[--ctx->npending];
+  }
+  pthread_mutex_unlock(&ctx->lock);
+  if (!in_progress && found) {
+    wrap_ctx_release(ctx);
+  }
+}
+
+ncclResult_t fs_wrap_connect(void* ctx, int dev, int traffic_class, void* handle, void** send_comm,
+                             ncclNetDeviceHandle_t** dev_comm) {
+  struct fs_wrap_ctx* c = ctx;
+  if (c == NULL || send_comm == NULL || handle == NULL) {
+    return ncclInternalError;
+  }
+  *send_comm = NULL;
+  if (traffic_class == FS_WRAP_TC_OF_CTX) {
+    traffic_class = c->traffic_class;
+  }
+  int tc = inner_traffic_class(traffic_class);
+  void* ictx = NULL;
+  ncclResult_t res = inner_ctx_for(c, tc, &ictx);
+  void* inner = NULL;
+  if (res == ncclSuccess) {
+    res = fs_wrap.inner.ops.connect(ictx, dev, tc, handle, &inner, dev_comm);
+  }
+  if (res != ncclSuccess || inner == NULL) {
+    pending_set(c, handle, res == ncclSuccess);
+    return res;
+  }
+  struct fs_wrap_comm* comm = comm_new(c, inner, 1, dev, traffic_class);
+  pending_set(c, handle, 0);
+  if (comm == NULL) {
+    fs_wrap.inner.ops.closeSend(inner);
+    return ncclSystemError;
+  }
+  *send_comm = comm;
+  return ncclSuccess;
+}
+
+ncclResult_t fs_wrap_accept(void* listen_comm, void** recv_comm, ncclNetDeviceHandle_t** dev_comm) {
+  struct fs_wrap_listen* l = listen_comm;
+  if (l == NULL || recv_comm == NULL) {
+    return ncclInternalError;
+  }
+  *recv_comm = NULL;
+  void* inner = NULL;
+  ncclResult_t res = fs_wrap.inner.ops.accept(l->inner, &inner, dev_comm);
+  if (res != ncclSuccess || inner == NULL) {
+    return res;
+  }
+  struct fs_wrap_comm* comm = comm_new(l->ctx, inner, 0, l->dev, l->ctx->traffic_class);
+  if (comm == NULL) {
+    fs_wrap.inner.ops.closeRecv(inner);
+    return ncclSystemError;
+  }
+  *recv_comm = comm;
+  return ncclSuccess;
+}
+
+ncclResult_t fs_wrap_close_listen(void* listen_comm) {
+  struct fs_wrap_listen* l = listen_comm;
+  if (l == NULL) {
+    return ncclSuccess;
+  }
+  ncclResult_t res = fs_wrap.inner.ops.closeListen(l->inner);
+  struct fs_wrap_ctx* ctx = l->ctx;
+  free(l);
+  wrap_ctx_release(ctx);
+  return res;
+}
+
+static ncclResult_t close_comm(struct fs_wrap_comm* comm, ncclResult_t (*inner_close)(void*)) {
+  if (comm == NULL) {
+    return ncclSuccess;
+  }
+  ncclResult_t res = inner_close(comm->inner);
+  comm_free(comm);
+  return res;
+}
+
+ncclResult_t fs_wrap_close_send(void* send_comm) {
+  return close_comm(send_comm, fs_wrap.inner.ops.closeSend);
+}
+
+ncclResult_t fs_wrap_close_recv(void* recv_comm) {
+  return close_comm(recv_comm, fs_wrap.inner.ops.closeRecv);
+}
+
+/* ---- memory registration: the comm is unwrapped, the mhandle is the inner's -------------- */
+
+ncclResult_t fs_wrap_reg_mr(void* comm, void* data, size_t size, int type, void** mhandle) {
+  struct fs_wrap_comm* c = comm;
+  return c == NULL ? ncclInternalError : fs_wrap.inner.ops.regMr(c->inner, data, size, type, mhandle);
+}
+
+ncclResult_t fs_wrap_reg_mr_dmabuf(void* comm, void* data, size_t size, int type, uint64_t offset,
+                                   int fd, void** mhandle) {
+  struct fs_wrap_comm* c = comm;
+  return c == NULL ? ncclInternalError
+                   : fs_wrap.inner.ops.regMrDmaBuf(c->inner, data, size, type, offset, fd, mhandle);
+}
+
+ncclResult_t fs_wrap_dereg_mr(void* comm, void* mhandle) {
+  struct fs_wrap_comm* c = comm;
+  return c == NULL ? ncclInternalError : fs_wrap.inner.ops.deregMr(c->inner, mhandle);
+}
+
+ncclResult_t fs_wrap_get_device_mr(void* comm, void* mhandle, void** dptr_mhandle) {
+  struct fs_wrap_comm* c = comm;
+  return c == NULL ? ncclInternalError
+                   : fs_wrap.inner.ops.getDeviceMr(c->inner, mhandle, dptr_mhandle);
+}
+
+/* ---- requests ------------------------------------------------------------------------------- */
+
+static struct fs_wrap_req* req_get(struct fs_wrap_comm* comm) {
+  if (comm->free_reqs == NULL) {
+    struct fs_wrap_req_block* b = calloc(1, sizeof(*b));
+    if (b == NULL) {
+      return NULL;
+    }
+    b->next = comm->blocks;
+    comm->blocks = b;
+    for (int i = 0; i < FS_WRAP_REQ_BLOCK; i++) {
+      b->reqs[i].next_free = comm->free_reqs;
+      comm->free_reqs = &b->reqs[i];
+    }
+  }
+  struct fs_wrap_req* req = comm->free_reqs;
+  comm->free_reqs = req->next_free;
+  memset(req, 0, sizeof(*req));
+  req->comm = comm;
+  return req;
+}
+
+static void req_put(struct fs_wrap_req* req) {
+  struct fs_wrap_comm* comm = req->comm;
+  req->inner = NULL;
+  req->next_free = comm->free_reqs;
+  comm->free_reqs = req;
+}
+
+ncclResult_t fs_wrap_isend(void* send_comm, void* data, size_t size, int tag, void* mhandle,
+                           void* phandle, void** request) {
+  struct fs_wrap_comm* comm = send_comm;
+  if (request == NULL || comm == NULL || !comm->is_send) {
+    return ncclInternalError;
+  }
+  *request = NULL;
+  comm_update_level(comm); /* one atomic load unless the agent moved the level */
+  if (!fs_gate_permit(&comm->gate, comm->dev, comm->level)) {
+    return ncclSuccess; /* deferred: NCCL calls again with the same arguments */
+  }
+  struct fs_wrap_req* req = req_get(comm);
+  if (req == NULL) {
+    return ncclSystemError;
+  }
+  void* inner = NULL;
+  ncclResult_t res = fs_wrap.inner.ops.isend(comm->inner, data, size, tag, mhandle, phandle, &inner);
+  if (res != ncclSuccess || inner == NULL) {
+    req_put(req);
+    return res;
+  }
+  if (atomic_load_explicit(&comm->flow.slot->peer_rank, memory_order_relaxed) < 0) {
+    atomic_store_explicit(&comm->flow.slot->peer_rank, tag, memory_order_relaxed);
+  }
+  fs_gate_started(comm->dev, comm->level, size);
+  req->inner = inner;
+  req->kind = FS_REQ_SEND;
+  req->bytes = size;
+  req->level = comm->level;
+  *request = req;
+  return ncclSuccess;
+}
+
+ncclResult_t fs_wrap_irecv(void* recv_comm, int n, void** data, size_t* sizes, int* tags,
+                           void** mhandles, void** phandles, void** request) {
+  struct fs_wrap_comm* comm = recv_comm;
+  if (request == NULL) {
+    return ncclInternalError;
+  }
+  void* inner = *request; /* NCCL's optional-completion hint (0x1) goes in as it came */
+  *request = NULL;
+  if (comm == NULL || comm->is_send) {
+    return ncclInternalError;
+  }
+  struct fs_wrap_req* req = req_get(comm);
+  if (req == NULL) {
+    return ncclSystemError;
+  }
+  ncclResult_t res =
+      fs_wrap.inner.ops.irecv(comm->inner, n, data, sizes, tags, mhandles, phandles, &inner);
+  if (res != ncclSuccess || inner == NULL) {
+    req_put(req);
+    return res;
+  }
+  req->inner = inner;
+  req->kind = FS_REQ_RECV;
+  req->n = n;
+  *request = req;
+  return ncclSuccess;
+}
+
+ncclResult_t fs_wrap_iflush(void* recv_comm, int n, void** data, int* sizes, void** mhandles,
+                            void** request) {
+  struct fs_wrap_comm* comm = recv_comm;
+  if (request == NULL || comm == NULL) {
+    return ncclInternalError;
+  }
+  *request = NULL;
+  struct fs_wrap_req* req = req_get(comm);
+  if (req == NULL) {
+    return ncclSystemError;
+  }
+  void* inner = NULL;
+  ncclResult_t res = fs_wrap.inner.ops.iflush(comm->inner, n, data, sizes, mhandles, &inner);
+  if (res != ncclSuccess || inner == NULL) {
+    req_put(req); /* NULL: nothing to wait for (never a retry) */
+    return res;
+  }
+  req->inner = inner;
+  req->kind = FS_REQ_FLUSH;
+  *request = req;
+  return ncclSuccess;
+}
+
+ncclResult_t fs_wrap_test(void* request, int* done, int* sizes) {
+  struct fs_wrap_req* req = request;
+  if (req == NULL || req->inner == NULL || done == NULL) {
+    return ncclInternalError;
+  }
+  struct fs_wrap_comm* comm = req->comm;
+  ncclResult_t res = fs_wrap.inner.ops.test(req->inner, done, sizes);
+  if (res != ncclSuccess) {
+    if (req->kind == FS_REQ_SEND) {
+      fs_gate_done(comm->dev, req->level); /* a failed send no longer holds others back */
+      req->kind = FS_REQ_FLUSH;
+    }
+    return res;
+  }
+  if (!*done) {
+    return ncclSuccess;
+  }
+  if (req->kind == FS_REQ_SEND) {
+    fs_gate_done(comm->dev, req->level);
+    fs_flow_account(&comm->flow, req->bytes, fs_now_ns());
+  } else if (req->kind == FS_REQ_RECV) {
+    uint64_t bytes = 0;
+    for (int i = 0; sizes != NULL && i < req->n; i++) {
+      bytes += sizes[i] > 0 ? (uint64_t)sizes[i] : 0;
+    }
+    fs_flow_account(&comm->flow, bytes, fs_now_ns());
+    if (fs_wrap.inner.ops.irecvConsumed != NULL) {
+      req->done = 1; /* NCCL hands it to irecvConsumed later: keep the box until then */
+      return ncclSuccess;
+    }
+  }
+  req_put(req);
+  return ncclSuccess;
+}
+
+ncclResult_t fs_wrap_irecv_consumed(void* recv_comm, int n, void* request) {
+  struct fs_wrap_comm* comm = recv_comm;
+  struct fs_wrap_req* req = request;
+  if (comm == NULL || req == NULL || req->comm != comm) {
+    return ncclInternalError;
+  }
+  ncclResult_t res = fs_wrap.inner.ops.irecvConsumed(comm->inner, n, req->inner);
+  req_put(req);
+  return res;
+}

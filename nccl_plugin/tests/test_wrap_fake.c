@@ -1,0 +1,539 @@
+/* SPDX-License-Identifier: Apache-2.0
+ * The wrapping mode against the recording fake inner plugin (fake_inner.c):
+ *
+ *   test_wrap_fake OUTER.so FAKE12.so FAKE10.so FAKE8.so
+ *
+ *  - forwarding: every call reaches the inner with every argument (comms and contexts
+ *    unwrapped, handles, mhandles, device handles, phandles, the arrays of a grouped receive,
+ *    the 0x1 receive hint, iflush, getDeviceMr, irecvConsumed, makeVDevice, setNetAttr,
+ *    finalize), through the exported v12 table and through v10 and v8 (conversions);
+ *  - properties pass through (ptrSupport CUDA|DMABUF, speed, latency, maxRecvs, ...), and
+ *    the optional entries are present exactly when the inner has them;
+ *  - the inner gets the traffic class of the connection's class (ToS of its level's DSCP);
+ *  - inner tables v10 and v8 (trafficClass at connect; int sizes, hint cleared);
+ *  - a failing inner init or connect is NCCL's error code, and a missing inner too;
+ *  - the permit: deferral while a more urgent send is in flight, lifted by a promotion (a
+ *    level written into the flow table) and by completion, the age bound, the share guard.
+ * Exit status 0 when every check passed. */
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "fake_inner.h"
+#include "flow_table.h"
+#include "nccl/net_v10.h"
+#include "nccl/net_v12.h"
+#include "nccl/net_v8.h"
+
+#define CHECK(cond, ...)                                                    \
+  do {                                                                      \
+    if (!(cond)) {                                                          \
+      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);       \
+      fprintf(stderr, __VA_ARGS__);                                         \
+      fprintf(stderr, "\n");                                                \
+      exit(1);                                                              \
+    }                                                                       \
+  } while (0)
+#define OK(call) CHECK((call) == ncclSuccess, "%s", #call)
+
+static const char* g_outer;
+static struct fake_state* g_fake;
+static void* g_fake_lib;
+static void* g_outer_lib;
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Load the fake (ours to steer) and a fresh copy of the outer library reading the env now. */
+static void* load(const char* fake, const char* sym) {
+  setenv("FLOWSCHED_NET_INNER", fake, 1);
+  g_fake_lib = dlopen(fake, RTLD_NOW | RTLD_LOCAL);
+  CHECK(g_fake_lib != NULL, "dlopen fake: %s", dlerror());
+  g_fake = dlsym(g_fake_lib, "fake_state");
+  CHECK(g_fake != NULL, "fake_state");
+  g_fake->ncalls = 0;
+  g_outer_lib = dlopen(g_outer, RTLD_NOW | RTLD_LOCAL);
+  CHECK(g_outer_lib != NULL, "dlopen outer: %s", dlerror());
+  void* table = dlsym(g_outer_lib, sym);
+  CHECK(table != NULL, "%s", sym);
+  return table;
+}
+
+static void unload(void) {
+  CHECK(dlclose(g_outer_lib) == 0, "dlclose outer");
+  CHECK(dlclose(g_fake_lib) == 0, "dlclose fake");
+  unsetenv("FLOWSCHED_NET_INNER");
+}
+
+/* The last recorded call named `fn`. */
+static struct fake_call* last(const char* fn) {
+  for (int i = g_fake->ncalls - 1; i >= 0; i--) {
+    if (strcmp(g_fake->calls[i].fn, fn) == 0) return &g_fake->calls[i];
+  }
+  CHECK(0, "no call to %s recorded", fn);
+  return NULL;
+}
+
+static int count(const char* fn) {
+  int n = 0;
+  for (int i = 0; i < g_fake->ncalls; i++) n += strcmp(g_fake->calls[i].fn, fn) == 0;
+  return n;
+}
+
+static void* connect12(const ncclNet_v12_t* net, void* ctx, char* handle, void** inner_comm) {
+  void* scomm = NULL;
+  ncclNetDeviceHandle_t* dh = NULL;
+  int calls = 0;
+  while (scomm == NULL) {
+    OK(net->connect(ctx, 1, handle, &scomm, &dh));
+    struct fake_call* c = last("connect");
+    CHECK(c->handle == handle && c->dev == 1 && c->devcomm == &dh, "connect args");
+    CHECK(++calls < 10, "connect never completed");
+  }
+  *inner_comm = last("connect")->comm;
+  return scomm;
+}
+
+/* ---- the exported v12 table over a v12 inner: every call, every argument ---------------- */
+
+static void check_props12(const ncclNetProperties_v12_t* p, int dev) {
+  CHECK(strcmp(p->name, dev ? "fake1" : "fake0") == 0 && strcmp(p->pciPath, "/sys/devices/fake") == 0,
+        "names");
+  CHECK(p->guid == 0x1234500u + (uint64_t)dev && p->ptrSupport == 7 && p->regIsGlobal == 1 &&
+            p->forceFlush == 1 && p->speed == 400000 && p->port == 3 && p->latency == 1.5f &&
+            p->maxComms == 777 && p->maxRecvs == 8 && p->netDeviceType == NCCL_NET_DEVICE_HOST,
+        "props of dev %d", dev);
+  CHECK(p->vProps.ndevs == 1 && p->vProps.devs[0] == dev && p->maxP2pBytes == 1ULL << 33 &&
+            p->maxCollBytes == 1ULL << 29 && p->maxMultiRequestSize == 4 && p->railId == 2 &&
+            p->planeId == 1,
+        "v9+ props of dev %d", dev);
+}
+
+static void forwarding_v12(const char* fake) {
+  const ncclNet_v12_t* net = load(fake, "ncclNetPlugin_v12");
+  CHECK(strcmp(net->name, "flowsched") == 0, "name");
+  ncclNetCommConfig_v12_t cfg = {.trafficClass = 2}; /* param_sync: level 2, DSCP 34 */
+  void* ctx = NULL;
+  OK(net->init(&ctx, 0xC0FFEE, &cfg, NULL, NULL));
+  struct fake_call* init = last("init");
+  CHECK(init->comm_id == 0xC0FFEE && init->tc == 34 << 2, "inner init tc %d", init->tc);
+  void* ictx = init->ctx;
+  CHECK(net->regMrDmaBuf && net->getDeviceMr && net->irecvConsumed && net->makeVDevice &&
+            net->setNetAttr,
+        "optional entries of an inner that has them");
+  int ndev = 0;
+  OK(net->devices(&ndev));
+  CHECK(ndev == 2, "ndev %d", ndev);
+  for (int d = 0; d < ndev; d++) {
+    ncclNetProperties_v12_t p;
+    OK(net->getProperties(d, &p));
+    check_props12(&p, d);
+  }
+  ncclNetAttr_v12_t attr;
+  memset(&attr, 0xff, sizeof(attr));
+  attr.op = 0x60;
+  attr.algo = 2;
+  attr.proto = 4;
+  OK(net->setNetAttr(ctx, &attr));
+  struct fake_call* a = last("setNetAttr");
+  CHECK(a->ctx == ictx && a->op == 0x60 && a->algo == 2 && a->proto == 4, "setNetAttr");
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void* lcomm = NULL;
+  OK(net->listen(ctx, 1, handle, &lcomm));
+  CHECK(last("listen")->ctx == ictx && last("listen")->handle == handle && (unsigned char)handle[0] == 0x5a,
+        "listen args");
+  g_fake->connect_nulls = 2; /* the inner answers NULL twice: NCCL's retry with the same handle */
+  void* iscomm = NULL;
+  void* scomm = connect12(net, ctx, handle, &iscomm);
+  CHECK(count("connect") == 3 && last("connect")->ctx == ictx, "connect retried on the inner ctx");
+  void* rcomm = NULL;
+  ncclNetDeviceHandle_t* dh = NULL;
+  OK(net->accept(lcomm, &rcomm, &dh));
+  CHECK(rcomm != NULL && last("accept")->comm == last("listen")->comm &&
+            last("accept")->devcomm == &dh,
+        "accept gets the inner listen comm and NCCL's device-handle pointer");
+  OK(net->closeListen(lcomm));
+  CHECK(last("closeListen")->comm == last("listen")->comm, "closeListen");
+
+  /* registration: the comm is unwrapped, the mhandle is the inner's own */
+  char buf[4096];
+  void* mh = NULL;
+  OK(net->regMr(scomm, buf, sizeof(buf), NCCL_PTR_CUDA, &mh));
+  struct fake_call* r = last("regMr");
+  CHECK(r->comm == iscomm && r->data == buf && r->size == sizeof(buf) && r->type == NCCL_PTR_CUDA &&
+            mh == r->mhandle,
+        "regMr");
+  void* mh2 = NULL;
+  OK(net->regMrDmaBuf(rcomm, buf, 100, NCCL_PTR_CUDA, 4096, 17, &mh2));
+  r = last("regMrDmaBuf");
+  CHECK(r->comm != iscomm && r->offset == 4096 && r->fd == 17 && r->size == 100 && mh2 == r->mhandle,
+        "regMrDmaBuf");
+  void* irecv_comm = r->comm;
+  void* dptr = NULL;
+  OK(net->getDeviceMr(rcomm, mh2, &dptr));
+  CHECK(last("getDeviceMr")->comm == irecv_comm && last("getDeviceMr")->mhandle == mh2 &&
+            dptr == (void*)0xD0D0,
+        "getDeviceMr");
+
+  /* isend: every argument, a boxed request, the size at test */
+  int phandle_target;
+  void* req = NULL;
+  OK(net->isend(scomm, buf, 3000, 5, mh, &phandle_target, &req));
+  r = last("isend");
+  CHECK(req != NULL && req != r->request && r->comm == iscomm && r->data == buf && r->size == 3000 &&
+            r->tag == 5 && r->mhandle == mh && r->phandle == &phandle_target,
+        "isend args");
+  int done = 0, size = -1;
+  OK(net->test(req, &done, &size));
+  CHECK(done && size == 3000 && last("test")->request == r->request, "test of the send");
+
+  /* irecv n=3 with the 0x1 hint: arrays and hint reach the inner as they are */
+  void* datas[3] = {buf, buf + 100, buf + 200};
+  size_t sizes[3] = {100, 60, 40};
+  int tags[3] = {1, 2, 3};
+  void* mhs[3] = {mh2, mh2, mh2};
+  int ph[3];
+  void* phs[3] = {&ph[0], &ph[1], &ph[2]};
+  req = (void*)NCCL_NET_OPTIONAL_RECV_COMPLETION;
+  OK(net->irecv(rcomm, 3, datas, sizes, tags, mhs, phs, &req));
+  r = last("irecv");
+  CHECK(r->n == 3 && r->comm == irecv_comm && r->request_in == (void*)0x1 && req != NULL &&
+            req != (void*)0x1 && req != r->request,
+        "irecv");
+  for (int i = 0; i < 3; i++) {
+    CHECK(r->datas[i] == datas[i] && r->sizes[i] == sizes[i] && r->tags[i] == tags[i] &&
+              r->mhandles[i] == mh2 && r->phandles[i] == phs[i],
+          "irecv element %d", i);
+  }
+  void* inner_rreq = r->request;
+  int rsizes[64] = {0};
+  OK(net->test(req, &done, rsizes));
+  CHECK(done && rsizes[0] == 50 && rsizes[1] == 30 && rsizes[2] == 20, "grouped sizes");
+  OK(net->irecvConsumed(rcomm, 3, req)); /* NCCL passes the cached request after test */
+  CHECK(last("irecvConsumed")->request == inner_rreq && last("irecvConsumed")->comm == irecv_comm &&
+            last("irecvConsumed")->n == 3,
+        "irecvConsumed gets the inner's request");
+
+  /* iflush: a request to test, then NULL (nothing to wait for) passed on as NULL */
+  int fsizes[2] = {10, 20};
+  OK(net->iflush(rcomm, 2, datas, fsizes, mhs, &req));
+  CHECK(req != NULL && last("iflush")->isizes[1] == 20 && last("iflush")->datas[1] == datas[1], "iflush");
+  OK(net->test(req, &done, NULL));
+  CHECK(done, "flush done");
+  req = (void*)0x99;
+  OK(net->iflush(rcomm, 2, datas, fsizes, mhs, &req));
+  CHECK(req == NULL, "a NULL iflush request stays NULL");
+
+  ncclNetVDeviceProps_v12_t vp = {.ndevs = 2, .devs = {0, 1}};
+  int vdev = -1;
+  OK(net->makeVDevice(&vdev, &vp));
+  CHECK(vdev == 2 && last("makeVDevice")->vdevs == 2 && last("makeVDevice")->tags[1] == 1, "makeVDevice");
+  OK(net->deregMr(scomm, mh));
+  CHECK(last("deregMr")->comm == iscomm && last("deregMr")->mhandle == mh, "deregMr");
+  OK(net->closeSend(scomm));
+  CHECK(last("close")->comm == iscomm, "closeSend");
+  OK(net->closeRecv(rcomm));
+  CHECK(last("close")->comm == irecv_comm, "closeRecv");
+  OK(net->finalize(ctx));
+  CHECK(last("finalize")->ctx == ictx, "finalize reaches the inner ctx");
+
+  /* failures: the inner's code, never a crash */
+  g_fake->fail_init = ncclSystemError;
+  void* bad = (void*)0x1;
+  CHECK(net->init(&bad, 1, &cfg, NULL, NULL) == ncclSystemError && bad == NULL, "failing init");
+  OK(net->finalize(bad));
+  g_fake->fail_init = 0;
+  OK(net->init(&ctx, 2, NULL, NULL, NULL));
+  CHECK(last("init")->tc == 46 << 2, "no config: tp, level 0, DSCP 46");
+  g_fake->fail_connect = ncclRemoteError;
+  void* none = (void*)0x1;
+  CHECK(net->connect(ctx, 0, handle, &none, NULL) == ncclRemoteError && none == NULL, "failing connect");
+  g_fake->fail_connect = 0;
+  OK(net->finalize(ctx));
+  unload();
+  printf("ok forwarding (exported v12, inner v12)\n");
+}
+
+/* ---- exported v8 over the v12 inner: int sizes, v8 properties, no optional extras ------- */
+
+static void forwarding_v8_export(const char* fake) {
+  const ncclNet_v8_t* net = load(fake, "ncclNetPlugin_v8");
+  OK(net->init(NULL));
+  CHECK(net->getDeviceMr != NULL && net->irecvConsumed != NULL, "v8 optional entries");
+  ncclNetProperties_v8_t p;
+  OK(net->getProperties(1, &p));
+  CHECK(p.ptrSupport == 7 && p.regIsGlobal == 1 && p.speed == 400000 && p.maxRecvs == 8 &&
+            p.latency == 1.5f && p.guid == 0x1234501u,
+        "v8 props");
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void *lcomm = NULL, *scomm = NULL, *rcomm = NULL;
+  OK(net->listen(0, handle, &lcomm));
+  while (scomm == NULL) OK(net->connect(0, handle, &scomm, NULL));
+  CHECK(last("init")->tc == 46 << 2, "v8 export: the inner still gets the class's TC");
+  OK(net->accept(lcomm, &rcomm, NULL));
+  char buf[64];
+  void* req = NULL;
+  OK(net->isend(scomm, buf, 33, 4, NULL, &req));
+  CHECK(req != NULL && last("isend")->size == 33 && last("isend")->phandle == NULL, "v8 isend");
+  int done = 0, size = 0;
+  OK(net->test(req, &done, &size));
+  void* datas[2] = {buf, buf + 32};
+  int sizes[2] = {32, 30};
+  int tags[2] = {0, 1};
+  void* mhs[2] = {NULL, NULL};
+  OK(net->irecv(rcomm, 2, datas, sizes, tags, mhs, &req));
+  CHECK(last("irecv")->sizes[1] == 30 && last("irecv")->n == 2, "v8 irecv sizes widened");
+  int got[2] = {0, 0};
+  OK(net->test(req, &done, got));
+  CHECK(done && got[0] == 16 && got[1] == 15, "v8 sizes");
+  OK(net->irecvConsumed(rcomm, 2, req));
+  OK(net->closeSend(scomm));
+  OK(net->closeRecv(rcomm));
+  OK(net->closeListen(lcomm));
+  unload();
+  printf("ok forwarding (exported v8, inner v12)\n");
+}
+
+/* ---- older inners: v10 takes the TC at connect; v8 has int sizes and no hint ------------- */
+
+static void inner_v10(const char* fake) {
+  const ncclNet_v12_t* net = load(fake, "ncclNetPlugin_v12");
+  ncclNetCommConfig_v12_t cfg = {.trafficClass = 5}; /* bulk: level 7, DSCP 1 */
+  void* ctx = NULL;
+  OK(net->init(&ctx, 9, &cfg, NULL, NULL));
+  CHECK(net->setNetAttr != NULL && net->makeVDevice != NULL, "v10 inner: makeVDevice kept");
+  ncclNetProperties_v12_t p;
+  OK(net->getProperties(0, &p));
+  CHECK(p.speed == 400000 && p.maxP2pBytes == 1ULL << 33 && p.railId == -1 && p.planeId == -1 &&
+            p.maxMultiRequestSize == 1,
+        "v10 inner props: v12 defaults for the new fields");
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void* iscomm = NULL;
+  void* scomm = connect12(net, ctx, handle, &iscomm);
+  CHECK(last("connect")->tc == 1 << 2, "v10 inner gets the class's TC at connect (%d)", last("connect")->tc);
+  OK(net->closeSend(scomm));
+  OK(net->finalize(ctx));
+  unload();
+  printf("ok inner v10 (trafficClass at connect)\n");
+}
+
+static void inner_v8(const char* fake) {
+  const ncclNet_v12_t* net = load(fake, "ncclNetPlugin_v12");
+  void* ctx = NULL;
+  OK(net->init(&ctx, 9, NULL, NULL, NULL));
+  CHECK(net->makeVDevice == NULL && net->irecvConsumed != NULL, "v8 inner: no makeVDevice");
+  ncclNetProperties_v12_t p;
+  OK(net->getProperties(1, &p));
+  CHECK(p.maxP2pBytes == 1ULL << 30 && p.vProps.ndevs == 1 && p.vProps.devs[0] == 1 &&
+            p.forceFlush == 0 && p.regIsGlobal == 1,
+        "v8 inner props");
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void* iscomm = NULL;
+  void* scomm = connect12(net, ctx, handle, &iscomm);
+  void *lcomm = NULL, *rcomm = NULL;
+  OK(net->listen(ctx, 0, handle, &lcomm));
+  OK(net->accept(lcomm, &rcomm, NULL));
+  char buf[64];
+  void* req = NULL;
+  OK(net->isend(scomm, buf, 40, 1, NULL, NULL, &req));
+  CHECK(last("isend")->size == 40, "v8 isend");
+  int done = 0, size = 0;
+  OK(net->test(req, &done, &size));
+  CHECK(net->isend(scomm, buf, (2ULL << 30), 1, NULL, NULL, &req) == ncclInternalError && req == NULL,
+        "a v8 inner cannot carry 2 GiB");
+  void* datas[1] = {buf};
+  size_t sizes[1] = {64};
+  int tags[1] = {1};
+  void* mhs[1] = {NULL};
+  req = (void*)NCCL_NET_OPTIONAL_RECV_COMPLETION;
+  OK(net->irecv(rcomm, 1, datas, sizes, tags, mhs, NULL, &req));
+  CHECK(last("irecv")->request_in == NULL && last("irecv")->isizes[0] == 64, "v8: hint cleared");
+  OK(net->test(req, &done, &size));
+  OK(net->irecvConsumed(rcomm, 1, req));
+  OK(net->closeSend(scomm));
+  OK(net->closeRecv(rcomm));
+  OK(net->closeListen(lcomm));
+  OK(net->finalize(ctx));
+  unload();
+  printf("ok inner v8 (int sizes, hint cleared, v12 defaults)\n");
+}
+
+static void missing_inner(void) {
+  setenv("FLOWSCHED_NET_INNER", "surely-not-a-plugin", 1);
+  void* lib = dlopen(g_outer, RTLD_NOW | RTLD_LOCAL);
+  CHECK(lib != NULL, "dlopen outer");
+  const ncclNet_v12_t* net = dlsym(lib, "ncclNetPlugin_v12");
+  void* ctx = (void*)0x1;
+  CHECK(net->init(&ctx, 1, NULL, NULL, NULL) == ncclInvalidUsage && ctx == NULL, "missing inner");
+  CHECK(net->devices == NULL, "a failed init leaves the table unfilled");
+  dlclose(lib);
+  setenv("FLOWSCHED_NET_INNER", g_outer, 1); /* itself: refused, no recursion */
+  lib = dlopen(g_outer, RTLD_NOW | RTLD_LOCAL);
+  net = dlsym(lib, "ncclNetPlugin_v12");
+  CHECK(net->init(&ctx, 1, NULL, NULL, NULL) == ncclInvalidUsage, "wrapping itself");
+  dlclose(lib);
+  unsetenv("FLOWSCHED_NET_INNER");
+  printf("ok missing or recursive inner: ncclInvalidUsage\n");
+}
+
+/* ---- the permit ---------------------------------------------------------------------------- */
+
+/* A flow table as the agent writes it (no live agent), to promote a connection. */
+static struct fs_table_header* table_create(const char* path, int nslots) {
+  size_t size = FS_TABLE_HEADER_SIZE + (size_t)nslots * FS_TABLE_SLOT_SIZE;
+  int fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0600);
+  CHECK(fd >= 0 && ftruncate(fd, (off_t)size) == 0, "table file");
+  struct fs_table_header* h = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  CHECK(h != MAP_FAILED, "mmap");
+  static const uint8_t dscp[8] = {46, 40, 34, 26, 18, 10, 8, 1};
+  static const uint8_t defaults[6] = {0, 3, 2, 1, 2, 7};
+  h->magic = FS_TABLE_MAGIC;
+  h->version = FS_TABLE_VERSION;
+  h->header_size = FS_TABLE_HEADER_SIZE;
+  h->slot_size = FS_TABLE_SLOT_SIZE;
+  h->num_slots = (uint32_t)nslots;
+  h->num_levels = 8;
+  h->num_class_map = 6;
+  for (uint32_t i = 0; i < 6; i++) {
+    h->class_map[i] = (struct fs_class_map_entry){.traffic_class = (int32_t)i, .class_id = i};
+    h->default_level[i] = defaults[i];
+  }
+  for (int i = 0; i < 8; i++) h->level_marking[i].dscp = dscp[i];
+  atomic_store(&h->config_seq, 2);
+  return h;
+}
+
+static struct fs_table_slot* slot_of(struct fs_table_header* h, int32_t tc) {
+  for (uint32_t i = 0; i < h->num_slots; i++) {
+    struct fs_table_slot* s =
+        (struct fs_table_slot*)((char*)h + FS_TABLE_HEADER_SIZE + i * FS_TABLE_SLOT_SIZE);
+    if (atomic_load(&s->state) == FS_SLOT_ACTIVE && s->traffic_class == tc && s->direction == FS_DIR_SEND) {
+      return s;
+    }
+  }
+  CHECK(0, "no send slot with trafficClass %d", tc);
+  return NULL;
+}
+
+static void* send_comm(const ncclNet_v12_t* net, int tc, void** ctx) {
+  ncclNetCommConfig_v12_t cfg = {.trafficClass = tc};
+  OK(net->init(ctx, (uint64_t)tc + 100, &cfg, NULL, NULL));
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void* inner = NULL;
+  return connect12(net, *ctx, handle, &inner);
+}
+
+static int isend_count(void) { return count("isend"); }
+
+static void permit(const char* fake) {
+  char path[] = "/tmp/fs-wrap-table-XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0, "mkstemp");
+  close(fd);
+  struct fs_table_header* h = table_create(path, 16);
+  setenv("FLOWSCHED_TABLE", path, 1);
+  setenv("FLOWSCHED_GATE_MIN_SHARE", "0", 1);
+  setenv("FLOWSCHED_GATE_MAX_DEFER_US", "30000", 1);
+  const ncclNet_v12_t* net = load(fake, "ncclNetPlugin_v12");
+  void *hctx, *lctx;
+  void* hs = send_comm(net, 0, &hctx); /* tp: level 0 */
+  void* ls = send_comm(net, 5, &lctx); /* bulk: level 7 */
+  char buf[256];
+  g_fake->complete_sends = 0;
+  void *hreq = NULL, *lreq = NULL;
+  OK(net->isend(hs, buf, 100, 0, NULL, NULL, &hreq));
+  CHECK(hreq != NULL, "the urgent send starts");
+  int before = isend_count();
+  OK(net->isend(ls, buf, 100, 0, NULL, NULL, &lreq));
+  CHECK(lreq == NULL && isend_count() == before, "deferred without reaching the inner");
+  /* promotion: the agent writes level 0 into the bulk connection's slot */
+  struct fs_table_slot* lslot = slot_of(h, 5);
+  atomic_store(&lslot->level, 0);
+  OK(net->isend(ls, buf, 100, 0, NULL, NULL, &lreq));
+  CHECK(lreq != NULL && atomic_load(&lslot->applied_level) == 0, "a promotion lifts the deferral");
+  int done = 0, size = 0;
+  g_fake->complete_sends = 1;
+  OK(net->test(lreq, &done, &size));
+  g_fake->complete_sends = 0;
+  /* demoted again: the age bound lets it through after 30 ms */
+  atomic_store(&lslot->level, 7);
+  double t0 = now_s();
+  lreq = NULL;
+  int tries = 0;
+  while (lreq == NULL) {
+    OK(net->isend(ls, buf, 100, 0, NULL, NULL, &lreq));
+    tries++;
+    CHECK(now_s() - t0 < 5, "the age bound never fired");
+  }
+  double waited = now_s() - t0;
+  CHECK(waited >= 0.029 && tries > 1, "age bound after %.3f s, %d tries", waited, tries);
+  g_fake->complete_sends = 1;
+  OK(net->test(lreq, &done, &size));
+  /* completion of the urgent send lifts the deferral at once */
+  lreq = NULL;
+  OK(net->test(hreq, &done, &size));
+  CHECK(done, "urgent send done");
+  OK(net->isend(ls, buf, 100, 0, NULL, NULL, &lreq));
+  CHECK(lreq != NULL, "nothing urgent in flight: no deferral");
+  OK(net->test(lreq, &done, &size));
+  OK(net->closeSend(hs));
+  OK(net->closeSend(ls));
+  OK(net->finalize(hctx));
+  OK(net->finalize(lctx));
+  unload();
+  printf("ok permit: deferral, promotion, age bound (%.1f ms), completion\n", waited * 1e3);
+
+  /* the share guard alone: a level below its share of the device's bytes may send */
+  setenv("FLOWSCHED_GATE_MIN_SHARE", "500", 1);
+  setenv("FLOWSCHED_GATE_MAX_DEFER_US", "0", 1);
+  net = load(fake, "ncclNetPlugin_v12");
+  hs = send_comm(net, 0, &hctx);
+  ls = send_comm(net, 5, &lctx);
+  g_fake->complete_sends = 0;
+  OK(net->isend(hs, buf, 200, 0, NULL, NULL, &hreq));
+  OK(net->isend(ls, buf, 200, 0, NULL, NULL, &lreq));
+  CHECK(lreq != NULL, "no bytes yet for bulk: the share guard lets it through");
+  void* lreq2 = NULL;
+  for (int i = 0; i < 100; i++) {
+    OK(net->isend(ls, buf, 200, 0, NULL, NULL, &lreq2));
+    CHECK(lreq2 == NULL, "at its share (50%%) bulk is deferred (try %d)", i);
+  }
+  g_fake->complete_sends = 1;
+  OK(net->test(hreq, &done, &size));
+  OK(net->test(lreq, &done, &size));
+  OK(net->closeSend(hs));
+  OK(net->closeSend(ls));
+  OK(net->finalize(hctx));
+  OK(net->finalize(lctx));
+  unload();
+  unsetenv("FLOWSCHED_GATE_MIN_SHARE");
+  unsetenv("FLOWSCHED_GATE_MAX_DEFER_US");
+  unsetenv("FLOWSCHED_TABLE");
+  munmap(h, FS_TABLE_HEADER_SIZE + 16 * FS_TABLE_SLOT_SIZE);
+  unlink(path);
+  printf("ok permit: share guard\n");
+}
+
+int main(int argc, char** argv) {
+  if (argc < 5) {
+    fprintf(stderr, "usage: %s OUTER.so FAKE12.so FAKE10.so FAKE8.so\n", argv[0]);
+    return 2;
+  }
+  g_outer = argv[1];
+  forwarding_v12(argv[2]);
+  forwarding_v8_export(argv[2]);
+  inner_v10(argv[3]);
+  inner_v8(argv[4]);
+  missing_inner();
+  permit(argv[2]);
+  return 0;
+}
