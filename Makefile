@@ -3,18 +3,24 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test lint typecheck plugin plugin-test pytest bench clean
+.PHONY: setup demo wheel test lint typecheck plugin plugin-test pytest bench clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/setup.sh $(wildcard setup.py) $(wildcard nccl_plugin/src/*) $(wildcard nccl_plugin/include/nccl/*.h)
+$(VENV)/.installed: pyproject.toml scripts/setup.sh scripts/constraints.txt $(wildcard setup.py) $(wildcard nccl_plugin/src/*) $(wildcard nccl_plugin/include/nccl/*.h)
 	bash scripts/setup.sh $(VENV)
 	touch $@
 
 # The main job: the contention benchmark on the embedded local testbed (falls back to the
 # simulator, and says so, without root or the needed kernel features).
+# (the plots need the `plot` extra: matplotlib; `make setup` installs it, this makes sure)
 demo: setup
+	$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/python -m pip install -q 'matplotlib>=3.8'
 	$(BIN)/flowsched bench contention --out results/contention
+
+# A wheel in dist/ (with the plugin when a C compiler is there; FLOWSCHED_SKIP_PLUGIN=1 without)
+wheel: setup
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w dist .
 
 lint: setup
 	$(BIN)/ruff check flowsched tests bench

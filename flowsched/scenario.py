@@ -30,8 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: directory of the bundled scenarios (repository checkout)
-SCENARIO_DIR = Path(__file__).resolve().parent.parent / "bench" / "scenarios"
+from flowsched.data import data_path
+
+#: directory of the bundled scenarios (package data; bench/scenarios links to it)
+SCENARIO_DIR = data_path("scenarios")
 
 
 class ScenarioError(ValueError):

@@ -33,4 +33,6 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 "$venv/bin/python" -m pip install -q --upgrade pip
-"$venv/bin/python" -m pip install -q -e '.[dev,torch]'
+# plot: matplotlib for the sim/bench PNGs (the daemons do not need it); constraints.txt pins
+# torch to the locally stored CPU wheel while the extra accepts a range
+"$venv/bin/python" -m pip install -q -e '.[dev,torch,plot]' --constraint scripts/constraints.txt

@@ -10,12 +10,13 @@ from typing import TextIO
 
 from flowsched import policyfile
 from flowsched import report as shared_report
+from flowsched.data import data_path
 from flowsched.metrics import RunMetrics, RunRecords
 from flowsched.testbed import netns, replay, report, runner
 from flowsched.testbed.trace import ScenarioParams, Trace, Transfer, generate
 
-#: bench/contention/ in a repository checkout
-BENCH_DIR = Path(__file__).resolve().parent.parent.parent / "bench" / "contention"
+#: the benchmark's scenario.toml and policies/ (package data; bench/contention links to it)
+BENCH_DIR = data_path("contention")
 
 
 @dataclass(frozen=True, slots=True)

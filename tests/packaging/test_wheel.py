@@ -1,0 +1,136 @@
+"""A built wheel works outside the checkout, and the daemons import no plotting library.
+
+The wheel is built from a copy of the working tree (tracked and untracked, not ignored files)
+without the C plugin (``FLOWSCHED_SKIP_PLUGIN=1``: this is about the Python package and its
+data), installed into a fresh virtual environment whose only other path is the site-packages of
+the interpreter running the tests (for msgpack, matplotlib, ...: no network), and run from an
+unrelated directory: ``flowsched sim pd-serving`` and the contention benchmark's simulator-only
+mode must find their bundled scenarios and policy files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "flowsched" / "data"
+
+
+def _copy_checkout(dest: Path) -> None:
+    listing = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.decode().split("\0")  # fmt: skip
+    for name in filter(None, listing):
+        source = ROOT / name
+        if not source.exists() and not source.is_symlink():
+            continue  # deleted in the working tree
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if source.is_symlink():
+            target.symlink_to(os.readlink(source))
+        elif source.is_file():
+            shutil.copy2(source, target)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout to list the source files")
+    pytest.importorskip("setuptools", reason="building the wheel needs setuptools")
+    src, dist = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
+    _copy_checkout(src)
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--no-index", "-w", str(dist), str(src)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "FLOWSCHED_SKIP_PLUGIN": "1"},
+    )  # fmt: skip
+    assert build.returncode == 0, build.stdout + build.stderr
+    assert "Warning" not in build.stderr, build.stderr  # setuptools' deprecation warnings
+    (built,) = dist.glob("flowsched-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    env_dir = tmp_path_factory.mktemp("venv")
+    venv.create(env_dir, with_pip=False)
+    purelib = Path(
+        sysconfig.get_paths(vars={"base": str(env_dir), "platbase": str(env_dir)})["purelib"]
+    )
+    # dependencies from the running interpreter (a .pth line adds a path; the .pth files there,
+    # such as this checkout's editable install, are not processed)
+    (purelib / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install",
+         "--no-deps", "--no-index", str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stdout + install.stderr
+    return env_dir
+
+
+def test_the_wheel_carries_every_shipped_data_file(wheel: Path) -> None:
+    names = set(zipfile.ZipFile(wheel).namelist())
+    shipped = {
+        str(p.relative_to(ROOT))
+        for pattern in ("policies/*.toml", "scenarios/*.toml", "contention/**/*.toml")
+        for p in DATA.glob(pattern)
+    }
+    assert {"flowsched/data/scenarios/pd-serving.toml",
+            "flowsched/data/contention/scenario.toml",
+            "flowsched/data/contention/policies/rmlq.toml"} <= shipped  # fmt: skip
+    assert shipped <= names
+
+
+def _flowsched(env_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(env_dir / "bin" / "flowsched"), *args],
+        cwd=cwd, capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
+    )  # fmt: skip
+
+
+def test_the_installed_package_runs_outside_the_checkout(installed: Path, tmp_path: Path) -> None:
+    where = subprocess.run(
+        [str(installed / "bin" / "python"), "-c", "import flowsched; print(flowsched.__file__)"],
+        cwd=tmp_path, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert where.startswith(str(installed)), where  # the wheel's copy, not the checkout
+
+    sim = _flowsched(installed, tmp_path, "sim", "pd-serving", "--policies", "fair",
+                     "--loads", "0.1", "--quiet", "--out", "sim")  # fmt: skip
+    assert sim.returncode == 0, sim.stderr
+    assert (tmp_path / "sim" / "results.json").is_file()
+
+    bench = _flowsched(installed, tmp_path, "bench", "contention", "--simulate-only",
+                       "--seeds", "1", "--duration", "5", "--policies", "fair,rmlq",
+                       "--out", "bench")  # fmt: skip
+    assert bench.returncode == 0, bench.stderr
+    assert (tmp_path / "bench" / "results.json").is_file()
+
+    listing = _flowsched(installed, tmp_path, "policy", "list")
+    assert "policies/default.toml" in listing.stdout
+
+
+def test_the_daemons_import_no_plotting_or_array_library() -> None:
+    code = (
+        "import sys\n"
+        "from flowsched.cli import build_parser\n"
+        "import flowsched.agent, flowsched.coordinator, flowsched.client, flowsched.qos\n"
+        "build_parser()\n"
+        "heavy = sorted(m for m in ('matplotlib', 'numpy', 'torch') if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == ""
