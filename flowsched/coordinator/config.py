@@ -52,6 +52,12 @@ class CoordinatorConfig:
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     #: bytes queued for one agent before it is considered stuck and disconnected
     send_buffer_limit: int = 8 * MIB
+    #: agent connections served at once (handshakes included); the open-file limit may lower
+    #: it (see flowsched.coordinator.service)
+    max_connections: int = 16384
+    #: connections still in their handshake; at the cap the oldest one makes room. Sized for
+    #: every agent of a large cluster reconnecting at once (a coordinator takeover).
+    max_unauthenticated: int = 2048
     batching: bool = True
     #: whether the policy decides each flow on its own (then events re-evaluate only the flows
     #: they touch); None asks the policy's ``per_flow_decisions`` attribute (default False:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, SupportsIndex
 
 from flowsched.protocol import (
+    HANDSHAKE_MAX_FRAME_SIZE,
     NEED_DATA,
     PEER_CLOSED,
     Connection,
@@ -39,6 +40,11 @@ CONNECTION_ERRORS = (ConnectionResetError, BrokenPipeError, ConnectionAbortedErr
 READ_SIZE = 1 << 14
 #: after a read timeout, how long to let the loop poll again before declaring the agent idle
 IDLE_RECHECK = 0.05
+#: bytes taken from the socket per receive before the peer authenticated: a whole handshake
+#: frame, so that a flood of peers sending big first frames leaves their bytes in the kernel
+HANDSHAKE_CHUNK = HANDSHAKE_MAX_FRAME_SIZE + 4
+#: bytes per receive once authenticated (the StreamReader pauses the socket at twice this)
+ESTABLISHED_CHUNK = 4 * READ_SIZE
 
 
 class TimedStreamReader(asyncio.StreamReader):
@@ -49,6 +55,13 @@ class TimedStreamReader(asyncio.StreamReader):
     """
 
     last_data = 0.0
+    #: bytes the transport may receive into the buffer at once (see BoundedReaderProtocol)
+    chunk = HANDSHAKE_CHUNK
+
+    def authenticated(self) -> None:
+        """The peer authenticated: receive in large chunks and buffer up to the usual limit."""
+        self.chunk = ESTABLISHED_CHUNK
+        self._limit = 2 * READ_SIZE  # type: ignore[attr-defined]  # StreamReader's own limit
 
     def feed_data(self, data: Iterable[SupportsIndex]) -> None:
         self.last_data = time.perf_counter()
@@ -57,6 +70,51 @@ class TimedStreamReader(asyncio.StreamReader):
     def has_buffered_data(self) -> bool:
         """Whether bytes are waiting to be read (then a timeout is our backlog, not idleness)."""
         return bool(self._buffer)  # type: ignore[attr-defined]  # StreamReader's own buffer
+
+
+class BoundedReaderProtocol(asyncio.BufferedProtocol):
+    """Serves a StreamReaderProtocol, but the transport receives into a ``reader.chunk`` buffer.
+
+    A plain protocol gets whatever the socket holds (up to 256 KiB per receive with uvloop)
+    before anyone looks at it: 1,500 peers each sending the start of a 1 MiB first frame then
+    cost 64 KiB or more of memory each at once. Receiving at most one handshake frame per call
+    (the reader pauses the socket at twice that) leaves an unauthenticated peer's bytes in the
+    kernel. This wraps rather than subclasses StreamReaderProtocol: uvloop treats any
+    ``asyncio.Protocol`` as unbuffered. ``shared`` is one buffer for every connection of a
+    loop: the transport calls ``get_buffer`` and ``buffer_updated`` back to back for one
+    connection at a time.
+    """
+
+    def __init__(
+        self,
+        reader: TimedStreamReader,
+        client_connected_cb: Callable[[asyncio.StreamReader, asyncio.StreamWriter], None],
+        shared: bytearray,
+    ) -> None:
+        self._inner = asyncio.StreamReaderProtocol(reader, client_connected_cb)
+        self._reader = reader
+        self._shared = shared
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._inner.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._inner.resume_writing()
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self._shared)[: self._reader.chunk]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._inner.data_received(bytes(self._shared[:nbytes]))
 
 
 class ConnectionClosed(Exception):
@@ -94,8 +152,13 @@ class AgentConnection:
         """Handshake, then read messages until the connection ends; never raises."""
         established = False
         try:
-            await self._handshake()
+            # one deadline for the whole handshake: a peer dripping a byte now and then
+            # cannot keep an unauthenticated connection open past it
+            async with asyncio.timeout(self._config.handshake_timeout):
+                await self._handshake()
             established = True
+            if isinstance(self._reader, TimedStreamReader):
+                self._reader.authenticated()
             self._coordinator.attach(self)
             await self._read_loop()
         except RemoteProtocolError as exc:
@@ -117,28 +180,26 @@ class AgentConnection:
             if isinstance(reader, TimedStreamReader):
                 return f"no byte for {time.perf_counter() - reader.last_data:.1f} s"
             return f"no frame for {self._config.idle_timeout:g} s"
-        return f"handshake step took over {self._config.handshake_timeout:g} s"
+        return f"handshake not finished within {self._config.handshake_timeout:g} s"
 
     # -- handshake ---------------------------------------------------------------------------
 
     async def _handshake(self) -> None:
-        timeout = self._config.handshake_timeout
-        hello = await self._next_message(timeout)
+        hello = await self._next_message()
         assert isinstance(hello, Hello)  # the state table allows nothing else first
         self._writer.write(self._conn.challenge())
-        await self._next_message(timeout)  # auth: the MAC is checked by the Connection
+        await self._next_message()  # auth: the MAC is checked by the Connection
         config = self._config
         welcome = Welcome(
             config.policy_text, config.timer_period, time.time(), config.heartbeat_interval
         )
         self._writer.write(self._conn.send(welcome))
 
-    async def _next_message(self, timeout: float) -> Message:
+    async def _next_message(self) -> Message:
         while True:
             event = self._conn.next_event()
             if event is NEED_DATA:
-                async with asyncio.timeout(timeout):
-                    self._conn.receive_data(await self._reader.read(READ_SIZE))
+                self._conn.receive_data(await self._reader.read(READ_SIZE))
                 continue
             return self._message_or_close(event)
 
@@ -215,11 +276,12 @@ class AgentConnection:
             code, reason = self._abort.code, self._abort.reason
         self._coordinator.count_rejection(code)
         level = logging.INFO if code in ("peer_closed", "shutdown", "replaced") else logging.WARNING
-        log.log(
-            level,
-            "closing connection peer=%s node=%s state=%s: %s: %s",
-            self.peer, self._conn.node, self._conn.state.value, code, reason,
-        )  # fmt: skip
+        text = "closing connection peer=%s node=%s state=%s: %s: %s"
+        args = (self.peer, self._conn.node, self._conn.state.value, code, reason)
+        if established:
+            log.log(level, text, *args)
+        else:  # a flood of bad peers must not flood the log: once, then at a falling rate
+            self._coordinator.repeat_log.log(f"handshake:{code}", level, text, *args)
         self._send_error(code, reason)
 
     def _send_error(self, code: str, reason: str) -> None:

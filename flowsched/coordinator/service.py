@@ -8,6 +8,14 @@ most one ``levels`` frame per turn. A periodic timer (the policy's ``timer_perio
 every flow with a deadline for re-evaluation; per-flow policies take that sweep in chunks so
 that an event never waits behind a whole pass over the table. When a sweep is still running at
 the next tick, the tick is skipped (counted as an overrun): the effective period stretches.
+
+Connections are bounded so that no flood locks agents or scrapes out: at start the open-file
+limit is raised to the hard limit, and the agents' listener may use that budget minus a reserve
+for the process and the metrics listener's own connections. Unauthenticated connections have a
+smaller cap of their own; when either cap is reached, the oldest unauthenticated connection
+makes room for the new one (a real agent authenticates within one round trip; a peer that
+holds a connection without authenticating is the one that goes). Only established agents
+filling the whole budget make a new connection be refused.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import resource
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
@@ -22,7 +31,13 @@ from collections.abc import Awaitable, Callable
 from prometheus_client import CollectorRegistry
 
 from flowsched.coordinator.config import Addresses, CoordinatorConfig
-from flowsched.coordinator.connection import READ_SIZE, AgentConnection, TimedStreamReader
+from flowsched.coordinator.connection import (
+    ESTABLISHED_CHUNK,
+    HANDSHAKE_CHUNK,
+    AgentConnection,
+    BoundedReaderProtocol,
+    TimedStreamReader,
+)
 from flowsched.coordinator.exposition import start_metrics_server
 from flowsched.coordinator.histogram import Histogram
 from flowsched.coordinator.metrics import (
@@ -32,6 +47,7 @@ from flowsched.coordinator.metrics import (
     register_standard_collectors,
 )
 from flowsched.coordinator.state import ClusterState
+from flowsched.lograte import RepeatLog
 from flowsched.protocol import (
     Flows,
     Heartbeat,
@@ -52,6 +68,32 @@ MAX_UPDATES_PER_FRAME = 8192
 HEARTBEAT_SLICES = 10
 #: seconds stop() waits for connections to close before cancelling them
 STOP_TIMEOUT = 2.0
+#: file descriptors left to the process itself (listeners, epoll, logs, files it opens)
+FD_RESERVE = 64
+#: concurrent connections of the metrics listener (scrapes); kept out of the agents' budget
+METRICS_MAX_CONNECTIONS = 32
+#: when the hard limit is unlimited, raise the soft limit to this
+FD_CEILING = 1 << 20
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft open-file limit to the hard limit (logged); return the soft limit now.
+
+    Every agent connection is a descriptor: under the usual 1024 soft limit a thousand
+    connections would exhaust the process and every further accept would fail.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = FD_CEILING if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("open-file limit stays at %d (raising it to %d failed: %s)", soft, target, exc)
+            return soft
+        log.info("open-file limit raised from %d to %d (the hard limit)", soft, target)
+        return target
+    log.info("open-file limit is %d (the hard limit is %s)", soft, hard)
+    return soft if soft != resource.RLIM_INFINITY else FD_CEILING
 
 
 class Coordinator:
@@ -80,6 +122,12 @@ class Coordinator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._timers: list[asyncio.Future[None]] = []
         self._connections: set[AgentConnection] = set()
+        #: connections still in their handshake, oldest first (the first to make room)
+        self._unauthenticated: dict[AgentConnection, None] = {}
+        self.max_connections = config.max_connections
+        self.max_unauthenticated = min(config.max_unauthenticated, config.max_connections)
+        self.repeat_log = RepeatLog(log)
+        self._receive_buffer = bytearray(ESTABLISHED_CHUNK)  # shared by every connection
         self._servers: list[asyncio.Server] = []
         self.addresses: Addresses | None = None
 
@@ -96,6 +144,7 @@ class Coordinator:
     async def start(self) -> Addresses:
         """Bind the agent and metrics listeners and start the timers; return the addresses."""
         config = self.config
+        self._size_connection_caps(raise_fd_limit())
         loop = asyncio.get_running_loop()
         server = await loop.create_server(self._protocol, config.host, config.port)
         self._servers.append(server)
@@ -129,25 +178,85 @@ class Coordinator:
         for handle in self._expiry.values():
             handle.cancel()
 
+    def _size_connection_caps(self, fd_limit: int) -> None:
+        budget = fd_limit - FD_RESERVE - METRICS_MAX_CONNECTIONS
+        if budget < self.config.max_connections:
+            log.warning(
+                "open-file limit %d leaves room for %d agent connections (max_connections is "
+                "%d); raise the hard limit (LimitNOFILE= in systemd) for more agents",
+                fd_limit, max(budget, 1), self.config.max_connections,
+            )  # fmt: skip
+        self.max_connections = max(min(self.config.max_connections, budget), 1)
+        self.max_unauthenticated = min(self.config.max_unauthenticated, self.max_connections)
+        log.info(
+            "connection caps: %d in all, %d unauthenticated, %d metrics",
+            self.max_connections, self.max_unauthenticated, METRICS_MAX_CONNECTIONS,
+        )  # fmt: skip
+
     def _spawn(self, coro: Awaitable[None]) -> None:
         self._timers.append(asyncio.ensure_future(coro))
 
-    def _protocol(self) -> asyncio.StreamReaderProtocol:
-        reader = TimedStreamReader(limit=2 * READ_SIZE)
-        return asyncio.StreamReaderProtocol(reader, self._accept)
+    def _protocol(self) -> BoundedReaderProtocol:
+        reader = TimedStreamReader(limit=HANDSHAKE_CHUNK)  # widened once authenticated
+        return BoundedReaderProtocol(reader, self._accept, self._receive_buffer)
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connection = AgentConnection(self, reader, writer)
+        if not self._make_room(connection):
+            writer.close()
+            return
+        self._connections.add(connection)
+        self._unauthenticated[connection] = None
         task = asyncio.ensure_future(self._serve_connection(connection))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _make_room(self, connection: AgentConnection) -> bool:
+        """Whether ``connection`` may be served: at a cap, the oldest unauthenticated
+        connection is closed for it; with none to close (established agents fill the whole
+        budget) the new one is refused."""
+        full = len(self._connections) >= self.max_connections
+        if not full and len(self._unauthenticated) < self.max_unauthenticated:
+            return True
+        if self._unauthenticated:
+            oldest = next(iter(self._unauthenticated))
+            self._forget(oldest)
+            oldest.abort("evicted", "unauthenticated connections at their cap: oldest closed")
+            self.repeat_log.log(
+                "cap:unauthenticated", logging.WARNING,
+                "unauthenticated connections at their cap (%d of %d, %d connections in all): "
+                "closing the oldest (peer %s) for a new one",
+                len(self._unauthenticated) + 1, self.max_unauthenticated,
+                len(self._connections) + 1, oldest.peer,
+            )  # fmt: skip
+            return True
+        self.count_rejection("too_many_connections")
+        self.repeat_log.log(
+            "cap:connections", logging.WARNING,
+            "connection limit reached (%d established agents): refusing %s",
+            len(self._connections), connection.peer,
+        )  # fmt: skip
+        return False
+
+    def _forget(self, connection: AgentConnection) -> None:
+        self._connections.discard(connection)
+        self._unauthenticated.pop(connection, None)
+
+    @property
+    def unauthenticated_count(self) -> int:
+        """Connections that have not finished their handshake."""
+        return len(self._unauthenticated)
+
+    @property
+    def connection_count(self) -> int:
+        """Connections served now (handshakes included)."""
+        return len(self._connections)
+
     async def _serve_connection(self, connection: AgentConnection) -> None:
-        self._connections.add(connection)
         try:
             await connection.run()
         finally:
-            self._connections.discard(connection)
+            self._forget(connection)
 
     # -- sessions ----------------------------------------------------------------------------
 
@@ -155,6 +264,7 @@ class Coordinator:
         """An agent finished its handshake; a previous connection of its node is replaced."""
         node = connection.node
         assert node is not None
+        self._unauthenticated.pop(connection, None)
         old = self.sessions.get(node)
         if old is not None:
             log.warning(

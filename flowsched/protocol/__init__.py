@@ -6,9 +6,22 @@ handshake (hello -> challenge -> auth -> welcome, HMAC-SHA256 over a shared toke
 maximum frame size; the asyncio adapter for agents is :mod:`flowsched.protocol.aio`.
 """
 
-from flowsched.protocol._codec import I64_MAX, MAX_NAME, U64_MAX, decode_body, encode_body, is_name
+from flowsched.protocol._codec import (
+    I64_MAX,
+    MAX_NAME,
+    U64_MAX,
+    decode_body,
+    encode_body,
+    is_name,
+    peek_type,
+)
 from flowsched.protocol._connection import NEED_DATA, PEER_CLOSED, Connection, Event, Sentinel
-from flowsched.protocol._framing import DEFAULT_MAX_FRAME_SIZE, ReceiveBuffer, frame
+from flowsched.protocol._framing import (
+    DEFAULT_MAX_FRAME_SIZE,
+    HANDSHAKE_MAX_FRAME_SIZE,
+    ReceiveBuffer,
+    frame,
+)
 from flowsched.protocol._messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -44,6 +57,7 @@ from flowsched.protocol.auth import (
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",
     "DEFAULT_TOKEN_PATH",
+    "HANDSHAKE_MAX_FRAME_SIZE",
     "I64_MAX",
     "MAX_NAME",
     "MESSAGE_TYPES",
@@ -85,6 +99,7 @@ __all__ = [
     "frame",
     "is_name",
     "load_token",
+    "peek_type",
     "verify_mac",
     "write_token",
 ]

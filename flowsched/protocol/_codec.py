@@ -382,7 +382,90 @@ def _body_map(message: Message) -> dict[str, Any]:
 def encode_body(message: Message) -> bytes:
     """Encode ``message`` as a msgpack body (no length prefix). Values are checked on decode,
     so :func:`encode_body` followed by :func:`decode_body` is how to validate outgoing data."""
-    body = _body_map(message)
-    body["t"] = message.TYPE
+    body = {"t": message.TYPE, **_body_map(message)}  # "t" first: see peek_type()
     data: bytes = msgpack.packb(body, use_bin_type=True)
     return data
+
+
+def peek_type(body: bytes) -> str | None:
+    """The message type of a frame body without decoding it, or None when it cannot be read
+    cheaply.
+
+    Reads the map header and then keys and scalar values up to the ``"t"`` key (our encoder
+    puts it first). Nothing is allocated for the other values, and any array or map before
+    ``"t"`` ends the peek: the receiver checks the type against its state before it pays for
+    a decode (an unauthenticated peer may only send ``hello``, ``auth`` and ``error``).
+    """
+    view = memoryview(body)
+    entries, pos = _map_header(view)
+    for _ in range(entries):
+        key, pos = _peek_str(view, pos)
+        if key is None:
+            return None
+        if key == "t":
+            return _peek_str(view, pos)[0]
+        pos = _skip_scalar(view, pos)
+        if pos < 0:
+            return None
+    return None
+
+
+def _map_header(view: memoryview) -> tuple[int, int]:
+    if not view:
+        return 0, 0
+    lead = view[0]
+    if 0x80 <= lead <= 0x8F:
+        return lead & 0x0F, 1
+    if lead == 0xDE and len(view) >= 3:
+        return int.from_bytes(view[1:3], "big"), 3
+    if lead == 0xDF and len(view) >= 5:
+        return int.from_bytes(view[1:5], "big"), 5
+    return 0, 0
+
+
+def _peek_str(view: memoryview, pos: int) -> tuple[str | None, int]:
+    """A msgpack str at ``pos`` (fixstr, str8 or str16) and the position after it."""
+    if pos >= len(view):
+        return None, -1
+    lead = view[pos]
+    if 0xA0 <= lead <= 0xBF:
+        size, start = lead & 0x1F, pos + 1
+    elif lead == 0xD9 and pos + 2 <= len(view):
+        size, start = view[pos + 1], pos + 2
+    elif lead == 0xDA and pos + 3 <= len(view):
+        size, start = int.from_bytes(view[pos + 1 : pos + 3], "big"), pos + 3
+    else:
+        return None, -1
+    if start + size > len(view) or size > MAX_NAME:
+        return None, -1
+    try:
+        return bytes(view[start : start + size]).decode(), start + size
+    except UnicodeDecodeError:
+        return None, -1
+
+
+#: msgpack lead bytes of fixed-size scalars -> total size (nil, bools, floats, ints)
+_FIXED_SIZES = {0xC0: 1, 0xC2: 1, 0xC3: 1, 0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5,
+                0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}  # fmt: skip
+#: str and bin with a length field -> size of that field
+_SIZED = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4}
+
+
+def _skip_scalar(view: memoryview, pos: int) -> int:
+    """The position after the scalar at ``pos``; -1 for a container or a truncated value."""
+    if pos >= len(view):
+        return -1
+    lead = view[pos]
+    if lead <= 0x7F or lead >= 0xE0:  # positive / negative fixint
+        return pos + 1
+    if 0xA0 <= lead <= 0xBF:
+        end = pos + 1 + (lead & 0x1F)
+    elif lead in _FIXED_SIZES:
+        end = pos + _FIXED_SIZES[lead]
+    elif lead in _SIZED:
+        width = _SIZED[lead]
+        size = int.from_bytes(view[pos + 1 : pos + 1 + width], "big")
+        end = pos + 1 + width + size
+    else:
+        return -1
+    return end if end <= len(view) else -1

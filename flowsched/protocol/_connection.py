@@ -11,8 +11,13 @@ import os
 from collections.abc import Callable
 from typing import Final
 
-from flowsched.protocol._codec import NONCE_SIZE, decode_body, encode_body
-from flowsched.protocol._framing import DEFAULT_MAX_FRAME_SIZE, ReceiveBuffer, frame
+from flowsched.protocol._codec import NONCE_SIZE, decode_body, encode_body, peek_type
+from flowsched.protocol._framing import (
+    DEFAULT_MAX_FRAME_SIZE,
+    HANDSHAKE_MAX_FRAME_SIZE,
+    ReceiveBuffer,
+    frame,
+)
 from flowsched.protocol._messages import (
     PROTOCOL_VERSION,
     Auth,
@@ -21,7 +26,7 @@ from flowsched.protocol._messages import (
     Hello,
     Message,
 )
-from flowsched.protocol._state import Role, State, next_state
+from flowsched.protocol._state import TRANSITIONS, Role, State, next_state
 from flowsched.protocol._util import LocalProtocolError, RemoteProtocolError
 from flowsched.protocol.auth import compute_mac, verify_mac
 
@@ -52,6 +57,9 @@ class Connection:
         token: the shared token. The coordinator end verifies ``auth`` MACs with it; the agent
             end uses it in :meth:`answer`. None disables the check (tests only).
         max_frame_size: largest frame body accepted or sent, in bytes.
+        handshake_frame_size: the coordinator end accepts no larger frame body until the
+            agent has authenticated (a peer that has not proven it holds the token can make
+            this end buffer at most this much).
         nonce_factory: source of the 32-byte challenge nonce (``os.urandom``).
     """
 
@@ -61,6 +69,7 @@ class Connection:
         *,
         token: bytes | None = None,
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        handshake_frame_size: int = HANDSHAKE_MAX_FRAME_SIZE,
         nonce_factory: Callable[[int], bytes] = os.urandom,
     ) -> None:
         self.role = role
@@ -71,7 +80,10 @@ class Connection:
         self._max_frame_size = max_frame_size
         self._nonce_factory = nonce_factory
         self._nonce: bytes | None = None
-        self._buffer = ReceiveBuffer(max_frame_size)
+        receive_limit = max_frame_size
+        if role is Role.COORDINATOR:  # the agent end's peer (the coordinator) sends the policy
+            receive_limit = min(handshake_frame_size, max_frame_size)
+        self._buffer = ReceiveBuffer(receive_limit)
         self._eof = False
 
     # -- sending -----------------------------------------------------------------------------
@@ -91,6 +103,8 @@ class Connection:
         data = frame(encode_body(message), self._max_frame_size)
         self._note_sent(message)
         self.state = new_state
+        if new_state is State.ESTABLISHED:  # the peer is authenticated: full-size frames
+            self._buffer.max_frame_size = self._max_frame_size
         return data
 
     def _note_sent(self, message: Message) -> None:
@@ -147,6 +161,8 @@ class Connection:
                     raise LocalProtocolError("peer closed mid-frame", code="bad_frame")
                 return PEER_CLOSED
             return NEED_DATA
+        if self.state is not State.ESTABLISHED:
+            self._check_type_before_decoding(body)
         message = decode_body(body)
         new_state = next_state(self._peer, self.state, message.TYPE)
         if new_state is None:
@@ -156,6 +172,19 @@ class Connection:
         self._check_handshake(message)
         self.state = new_state
         return message
+
+    def _check_type_before_decoding(self, body: bytes) -> None:
+        """During the handshake only a few small frames are legal: refuse anything else from
+        its type alone, so that an unauthenticated peer never gets a frame decoded and
+        validated (a well-formed 1 MiB ``flows`` frame costs milliseconds to decode)."""
+        kind = peek_type(body)
+        if kind == "error" or kind in TRANSITIONS.get((self._peer, self.state), {}):
+            return
+        what = kind if kind is not None else "frame (type unreadable)"
+        raise LocalProtocolError(
+            f"{what}: not allowed in state {self.state.value} (refused before decoding)",
+            code="bad_state",
+        )
 
     def _check_handshake(self, message: Message) -> None:
         if isinstance(message, Hello | Challenge) and message.version != PROTOCOL_VERSION:

@@ -6,6 +6,9 @@ from flowsched.protocol._util import LocalProtocolError
 
 #: Default maximum body size of one frame (bytes); both directions.
 DEFAULT_MAX_FRAME_SIZE = 1 << 20
+#: Maximum body size of a frame from a peer that has not authenticated yet (``hello`` and
+#: ``auth`` are under 300 bytes): an unauthenticated peer can make us buffer no more than this.
+HANDSHAKE_MAX_FRAME_SIZE = 4096
 HEADER_SIZE = 4
 
 
@@ -32,6 +35,15 @@ class ReceiveBuffer:
         self._buf = bytearray()
         self._start = 0
         self._max = max_frame_size
+
+    @property
+    def max_frame_size(self) -> int:
+        """Largest body accepted; applies to every frame whose header is not yet checked."""
+        return self._max
+
+    @max_frame_size.setter
+    def max_frame_size(self, value: int) -> None:
+        self._max = value
 
     def __len__(self) -> int:
         return len(self._buf) - self._start

@@ -1,0 +1,75 @@
+"""Logging a condition that repeats: once at once, then at a falling rate.
+
+A peer that keeps failing the same way (a wrong token retried every second, a flood of
+unauthenticated connections) must not fill the log, and must not vanish from it either.
+:class:`RepeatLog` logs the first occurrence of a key, then at most once per interval, the
+interval doubling after each message up to a ceiling; each message says how many occurrences
+it stands for. :meth:`RepeatLog.clear` (the condition ended) starts the key afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Key:
+    next_at: float
+    interval: float
+    suppressed: int = 0
+
+
+class RepeatLog:
+    """Rate-limits repeated log messages per key (see the module docstring).
+
+    Args:
+        logger: where the messages go.
+        first_interval: seconds between the first and the second message of a key.
+        max_interval: the interval stops doubling here.
+        clock: monotonic seconds (injected by tests).
+    """
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        *,
+        first_interval: float = 1.0,
+        max_interval: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._log = logger
+        self._first = first_interval
+        self._max = max_interval
+        self._clock = clock
+        self._keys: dict[str, _Key] = {}
+
+    def log(self, key: str, level: int, msg: str, *args: object) -> bool:
+        """Log ``msg % args`` unless ``key`` was logged too recently; True when logged.
+
+        A message that stands for suppressed occurrences ends with ``(N more since the
+        last message)``.
+        """
+        now = self._clock()
+        state = self._keys.get(key)
+        if state is None:
+            self._keys[key] = _Key(now + self._first, self._first)
+            self._log.log(level, msg, *args)
+            return True
+        if now < state.next_at:
+            state.suppressed += 1
+            return False
+        suppressed, state.suppressed = state.suppressed, 0
+        state.interval = min(state.interval * 2, self._max)
+        state.next_at = now + state.interval
+        if suppressed:
+            self._log.log(level, msg + " (%d more since the last message)", *args, suppressed)
+        else:
+            self._log.log(level, msg, *args)
+        return True
+
+    def clear(self, key: str) -> None:
+        """The condition behind ``key`` ended: its next occurrence is logged at once."""
+        self._keys.pop(key, None)

@@ -1,0 +1,161 @@
+"""Unauthenticated peers in-process: one handshake deadline, connection caps, the fd limit."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import resource
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from coordinator_helpers import TOKEN, running_coordinator
+
+from flowsched.coordinator import Coordinator
+from flowsched.coordinator.service import FD_RESERVE, METRICS_MAX_CONNECTIONS, raise_fd_limit
+from flowsched.protocol import PROTOCOL_VERSION, Connection, Heartbeat, Hello, Role
+from flowsched.protocol.aio import AgentLink, connect_agent
+
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def _connect(coordinator: Coordinator, node: str) -> AgentLink:
+    assert coordinator.addresses is not None
+    host, port = coordinator.addresses.host, coordinator.addresses.port
+    return await connect_agent(host, port, node=node, token=TOKEN, timeout=5)
+
+
+async def _wait_until(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def _raw_connections(coordinator: Coordinator, count: int) -> AsyncIterator[list[Stream]]:
+    assert coordinator.addresses is not None
+    host, port = coordinator.addresses.host, coordinator.addresses.port
+    streams = [await asyncio.open_connection(host, port) for _ in range(count)]
+    try:
+        yield streams
+    finally:
+        for _, writer in streams:
+            writer.close()
+
+
+async def _closed_by_peer(reader: asyncio.StreamReader, timeout: float) -> None:
+    async with asyncio.timeout(timeout):
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(4096):
+                pass
+
+
+@pytest.mark.asyncio
+async def test_a_byte_dripping_peer_is_cut_at_the_handshake_deadline() -> None:
+    hello = Connection(Role.AGENT, token=TOKEN).send(Hello(PROTOCOL_VERSION, "drip"))
+    async with (
+        running_coordinator(handshake_timeout=0.6) as coordinator,
+        _raw_connections(coordinator, 1) as [(reader, writer)],
+    ):
+        started = time.monotonic()
+        closed = asyncio.ensure_future(_closed_by_peer(reader, 5.0))
+        for byte in hello * 100:  # far longer than the deadline at one byte per 50 ms
+            if closed.done():
+                break
+            writer.write(bytes([byte]))
+            await asyncio.wait({closed}, timeout=0.05)
+        await closed
+        elapsed = time.monotonic() - started
+    # each byte arrives well within any per-read timeout: only a whole-handshake deadline cuts it
+    assert 0.55 <= elapsed < 1.5, elapsed
+    assert coordinator.live.rejected == {"timeout": 1}
+
+
+@pytest.mark.asyncio
+async def test_unauthenticated_connections_are_capped_and_agents_still_get_in(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="flowsched.coordinator")
+    async with running_coordinator(max_unauthenticated=8, handshake_timeout=30) as coordinator:
+        first = await _connect(coordinator, "first")
+        async with _raw_connections(coordinator, 40) as idle:
+            await _wait_until(
+                lambda: coordinator.live.rejected.get("evicted", 0) >= 32, 5, "evictions"
+            )
+            assert coordinator.unauthenticated_count <= 8
+            late = await _connect(coordinator, "late")  # evicts the oldest idle peer
+            await first.send(Heartbeat(1.0))
+            assert coordinator.agent_count() == 2
+            for reader, _ in idle[:32]:  # the oldest were closed for the newer ones
+                await _closed_by_peer(reader, 2.0)
+        await late.close()
+        await first.close()
+    assert "unauthenticated connections at their cap (8 of 8" in caplog.text
+
+
+@pytest.mark.asyncio
+async def test_established_agents_filling_the_budget_refuse_new_connections() -> None:
+    async with running_coordinator(max_connections=3) as coordinator:
+        coordinator.max_connections = 3  # what the fd budget would leave
+        links = [await _connect(coordinator, f"n{i}") for i in range(3)]
+        try:
+            async with _raw_connections(coordinator, 1) as [(reader, _)]:
+                await _closed_by_peer(reader, 2.0)
+            assert coordinator.live.rejected["too_many_connections"] == 1
+            assert coordinator.agent_count() == 3
+        finally:
+            for link in links:
+                await link.close()
+
+
+def test_the_fd_soft_limit_is_raised_to_the_hard_limit_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard < 600:
+        pytest.skip(f"needs a finite hard open-file limit above 600 (have {hard})")
+    caplog.set_level(logging.INFO, logger="flowsched.coordinator")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+    try:
+        assert raise_fd_limit() == hard
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert f"open-file limit raised from 512 to {hard} (the hard limit)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("fd_limit", "configured", "expected_total", "expected_unauthenticated"),
+    [
+        (1024, (16384, 2048), 1024 - FD_RESERVE - METRICS_MAX_CONNECTIONS, 928),
+        (1 << 20, (16384, 2048), 16384, 2048),
+        (200, (16384, 2048), 200 - FD_RESERVE - METRICS_MAX_CONNECTIONS, 104),
+        (1 << 20, (100, 500), 100, 100),
+    ],
+)
+def test_connection_caps_leave_the_metrics_listener_its_descriptors(
+    fd_limit: int,
+    configured: tuple[int, int],
+    expected_total: int,
+    expected_unauthenticated: int,
+) -> None:
+    from coordinator_helpers import BytesPolicy
+
+    from flowsched.coordinator import CoordinatorConfig
+
+    config = CoordinatorConfig(
+        token=TOKEN,
+        policy_factory=BytesPolicy,
+        max_connections=configured[0],
+        max_unauthenticated=configured[1],
+    )
+    coordinator = Coordinator(config)
+    coordinator._size_connection_caps(fd_limit)
+    assert coordinator.max_connections == expected_total
+    assert coordinator.max_unauthenticated == expected_unauthenticated
+    assert fd_limit - coordinator.max_connections >= min(
+        FD_RESERVE + METRICS_MAX_CONNECTIONS, fd_limit
+    )
