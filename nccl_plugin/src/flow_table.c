@@ -80,17 +80,42 @@ static const char* table_header_problem(const struct fs_table_header* hdr, size_
   return NULL;
 }
 
+/* Why an opened table file must not be trusted, or NULL. The table steers this process's
+ * traffic and receives its byte counts: it must be a regular file (O_NOFOLLOW refused a
+ * symbolic link already) owned by this user or by root (the agent), never by another user. */
+static const char* table_owner_problem(const struct stat* st) {
+  if (!S_ISREG(st->st_mode)) {
+    return "not a regular file";
+  }
+  if (st->st_uid != 0 && st->st_uid != geteuid()) {
+    return "owned by another user";
+  }
+  return NULL;
+}
+
 static int table_map(const char* path) {
-  int fd = open(path, O_RDWR | O_CLOEXEC);
+  int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) {
     int rc = FS_NEG_ERRNO();
-    FS_WARN_ONCE(fs_table.warned_missing,
-                 "no flow table at %s (%s): connections run at their class's default level",
-                 path, fs_errstr(-rc));
+    if (rc == -ELOOP) {
+      FS_WARN_ONCE(fs_table.warned_corrupt,
+                   "flow table %s is a symbolic link: refused, using default levels", path);
+    } else {
+      FS_WARN_ONCE(fs_table.warned_missing,
+                   "no flow table at %s (%s): connections run at their class's default level",
+                   path, fs_errstr(-rc));
+    }
     return rc;
   }
   struct stat st;
-  if (fstat(fd, &st) != 0 || (size_t)st.st_size < FS_TABLE_HEADER_SIZE) {
+  const char* untrusted = fstat(fd, &st) == 0 ? table_owner_problem(&st) : "cannot stat";
+  if (untrusted != NULL) {
+    close(fd);
+    FS_WARN_ONCE(fs_table.warned_corrupt, "flow table %s refused (%s): using default levels",
+                 path, untrusted);
+    return -EPERM;
+  }
+  if ((size_t)st.st_size < FS_TABLE_HEADER_SIZE) {
     close(fd);
     FS_WARN_ONCE(fs_table.warned_corrupt, "flow table %s is too short: using default levels", path);
     return -EPROTO;

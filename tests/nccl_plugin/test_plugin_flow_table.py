@@ -378,3 +378,41 @@ def test_full_table_reuses_closed_slots_of_a_dead_agent(plugin_env: Path, fresh_
         close_pair(plugin, ctx, send, recv)
     finally:
         table.close()
+
+
+# ---- a table nobody trustworthy wrote -----------------------------------------------------
+
+
+def _run_pair_and_list_slots(fresh_lib: Path, table: TestTable) -> list[tuple[int, dict[str, int]]]:
+    plugin, ctx, send, recv = open_pair(fresh_lib)
+    assert loopback_message(send, recv, b"still works") == b"still works"
+    close_pair(plugin, ctx, send, recv)
+    return table.slots()
+
+
+def test_table_behind_a_symbolic_link_is_refused(
+    plugin_env: Path, fresh_lib: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    real = plugin_env.with_name("real-table")
+    table = TestTable(real)
+    try:
+        plugin_env.symlink_to(real)
+        assert _run_pair_and_list_slots(fresh_lib, table) == []
+        assert any("symbolic link" in r.getMessage() for r in caplog.records)
+    finally:
+        table.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
+def test_table_owned_by_another_user_is_refused(
+    plugin_env: Path, fresh_lib: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = TestTable(plugin_env)
+    try:
+        os.chown(plugin_env, 65534, 65534)  # nobody
+        assert _run_pair_and_list_slots(fresh_lib, table) == []
+        assert any("owned by another user" in r.getMessage() for r in caplog.records)
+        os.chown(plugin_env, 0, 0)  # root (the agent) is trusted
+        assert len(_run_pair_and_list_slots(fresh_lib, table)) == 2
+    finally:
+        table.close()

@@ -207,3 +207,16 @@ def test_stream_keeps_messages_in_flight(plugin_env: Path, plugin_lib: Path) -> 
     recv.close()
     ctx.finalize()
     plugin.close()
+
+
+@pytest.mark.parametrize("version", [11, 12])
+def test_finalize_of_a_null_context_is_quiet(
+    plugin_env: Path, fresh_lib: Path, version: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NCCL may call finalize(NULL) after an init that failed: success, and no warning."""
+    plugin = Plugin(fresh_lib, version)
+    ctx = plugin.init(comm_id=5)  # sets the logger
+    assert plugin.table.finalize(None) == 0
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == []
+    ctx.finalize()
+    plugin.close()
