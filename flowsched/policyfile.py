@@ -45,9 +45,11 @@ MAX_LEVELS = 64
 MAX_HW_QUEUES = 8
 
 #: Default DSCP per hardware queue when a file gives no ``[[queues]]``, most urgent first:
-#: EF, CS5, AF41, AF31, AF21, AF11, CS1, LE (RFC 8622 lower effort). DSCP 0 (best effort) is
+#: EF, CS5, AF41, CS4, AF21, AF11, CS1, LE (RFC 8622 lower effort). DSCP 0 (best effort) is
 #: left to untagged traffic so that a capture can tell scheduled from unscheduled packets.
-DEFAULT_DSCPS = (46, 40, 34, 26, 18, 10, 8, 1)
+#: None is in 24-31 or 48-55: RoCE fabrics usually reserve DSCP 26 (lossless, PFC priority 3)
+#: and 48 (CNP, priority 6), and a switch mapping DSCP >> 3 to priorities puts those ranges there.
+DEFAULT_DSCPS = (46, 40, 34, 32, 18, 10, 8, 1)
 
 
 class PolicyFileError(ValueError):

@@ -21,8 +21,9 @@ static const uint8_t fs_default_class_level[FS_NUM_CLASSES] = {
     7, /* bulk: K-1 */
 };
 
-/* DSCP code point (0..63) and SO_PRIORITY of each level, most urgent first. */
-static const uint8_t fs_default_level_dscp[FS_DEFAULT_NUM_LEVELS] = {46, 40, 34, 26, 18, 10, 8, 1};
+/* DSCP code point (0..63) and SO_PRIORITY of each level, most urgent first (policyfile.py's
+ * DEFAULT_DSCPS: none in 24-31 or 48-55, RoCE's usual lossless and CNP code points). */
+static const uint8_t fs_default_level_dscp[FS_DEFAULT_NUM_LEVELS] = {46, 40, 34, 32, 18, 10, 8, 1};
 static const uint32_t fs_default_level_prio[FS_DEFAULT_NUM_LEVELS] = {6, 5, 4, 3, 2, 1, 0, 0};
 
 /* Default trafficClass map: value i selects class id i (tp 0 ... bulk 5). */

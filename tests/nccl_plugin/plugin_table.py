@@ -20,7 +20,7 @@ HEADER = {name: (off, fmt) for name, off, fmt in layout.HEADER_FIELDS}
 SLOT = {name: (off, fmt) for name, off, fmt in layout.SLOT_FIELDS}
 
 #: the compiled-in defaults of the plugin (nccl_plugin/src/class_defaults.h)
-DSCP = (46, 40, 34, 26, 18, 10, 8, 1)
+DSCP = (46, 40, 34, 32, 18, 10, 8, 1)
 SO_PRIORITY = (6, 5, 4, 3, 2, 1, 0, 0)
 
 
