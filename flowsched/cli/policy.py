@@ -45,7 +45,28 @@ def run_check(args: argparse.Namespace) -> int:
                 print(f"{name}: {error}")
             continue
         print(f"{name}: ok ({config.summary()})")
+        for note in roce_notes(config):
+            print(f"{name}: note: {note}")
     return status
+
+
+#: DSCP ranges RoCE fabrics usually reserve: 26 (lossless, PFC priority 3) and 48 (CNP,
+#: priority 6); a switch mapping DSCP >> 3 to priorities puts the whole ranges there
+ROCE_RANGES = ((24, 31, "RoCE's usual lossless priority 3 (DSCP 26)"),
+               (48, 55, "RoCE's usual CNP priority 6 (DSCP 48)"))  # fmt: skip
+
+
+def roce_notes(config: PolicyConfig) -> list[str]:
+    """Warnings (not errors) for queues marked with DSCPs that RoCE fabrics usually reserve."""
+    notes = []
+    for q, marking in enumerate(config.queues):
+        for low, high, what in ROCE_RANGES:
+            if low <= marking.dscp <= high:
+                notes.append(
+                    f"queues[{q}].dscp = {marking.dscp} is in {low}-{high}, {what}: on a RoCE "
+                    "fabric this TCP traffic would share that queue (see docs/qos.md)"
+                )
+    return notes
 
 
 def run_show(args: argparse.Namespace) -> int:
