@@ -177,14 +177,38 @@ void fs_context_finalize(struct fs_context* ctx) {
   fs_context_release(ctx); /* the connections and listen comms keep it alive until they close */
 }
 
+/* The last hint given on this thread. NCCL's service thread calls setNetAttr right before
+ * connect/accept, while its progress thread sends per-operation hints for the same context:
+ * a connection takes the hint its own thread gave (else the context's latest). */
+static _Thread_local struct {
+  const struct fs_context* ctx;
+  uint32_t op, algo, proto;
+} fs_thread_attr;
+
 void fs_context_set_net_attr(struct fs_context* ctx, uint32_t op, uint32_t algo, uint32_t proto) {
   pthread_mutex_lock(&ctx->lock);
   ctx->net_op = op;
   ctx->net_algo = algo;
   ctx->net_proto = proto;
-  for (struct fs_comm* comm = ctx->comms; comm != NULL; comm = comm->ctx_next) {
-    fs_comm_record_net_attr(comm, op, algo, proto);
+  pthread_mutex_unlock(&ctx->lock);
+  fs_thread_attr.ctx = ctx;
+  fs_thread_attr.op = op;
+  fs_thread_attr.algo = algo;
+  fs_thread_attr.proto = proto;
+}
+
+void fs_context_connect_attr(struct fs_context* ctx, uint32_t* op, uint32_t* algo,
+                             uint32_t* proto) {
+  if (fs_thread_attr.ctx == ctx) {
+    *op = fs_thread_attr.op;
+    *algo = fs_thread_attr.algo;
+    *proto = fs_thread_attr.proto;
+    return;
   }
+  pthread_mutex_lock(&ctx->lock);
+  *op = ctx->net_op;
+  *algo = ctx->net_algo;
+  *proto = ctx->net_proto;
   pthread_mutex_unlock(&ctx->lock);
 }
 
@@ -192,7 +216,6 @@ void fs_context_add_comm(struct fs_context* ctx, struct fs_comm* comm) {
   pthread_mutex_lock(&ctx->lock);
   comm->ctx_next = ctx->comms;
   ctx->comms = comm;
-  fs_comm_record_net_attr(comm, ctx->net_op, ctx->net_algo, ctx->net_proto);
   pthread_mutex_unlock(&ctx->lock);
 }
 

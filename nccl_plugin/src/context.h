@@ -54,8 +54,13 @@ void fs_context_finalize(struct fs_context* ctx);
 void fs_context_retain(struct fs_context* ctx);
 /* Drop a reference; the last one frees the context and releases its global reference. */
 void fs_context_release(struct fs_context* ctx);
-/* Record a setNetAttr hint and copy it into the slots of the context's connections. */
+/* Record a setNetAttr hint. It is a per-context hint that NCCL changes per operation: only
+ * connections created after it take it (as their connect-time attribute); the slots of
+ * open connections keep theirs. */
 void fs_context_set_net_attr(struct fs_context* ctx, uint32_t op, uint32_t algo, uint32_t proto);
+/* The hint a connection created now on this thread records. */
+void fs_context_connect_attr(struct fs_context* ctx, uint32_t* op, uint32_t* algo,
+                             uint32_t* proto);
 void fs_context_add_comm(struct fs_context* ctx, struct fs_comm* comm);
 void fs_context_remove_comm(struct fs_context* ctx, struct fs_comm* comm);
 

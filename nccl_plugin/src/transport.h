@@ -163,8 +163,6 @@ void fs_comm_start_helpers(struct fs_comm* comm);
 /* Stop and join them (before the sockets are closed). */
 void fs_comm_stop_helpers(struct fs_comm* comm);
 int fs_close_listen(struct fs_listen_comm* lcomm);
-/* Copy a setNetAttr hint into the connection's slot. */
-void fs_comm_record_net_attr(struct fs_comm* comm, uint32_t op, uint32_t algo, uint32_t proto);
 /* Apply the slot's level to the sockets if the agent changed it (one atomic load). */
 void fs_comm_poll_level(struct fs_comm* comm);
 

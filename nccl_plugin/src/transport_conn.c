@@ -138,6 +138,7 @@ static struct fs_comm* comm_new(struct fs_context* ctx, int dev, int is_send, in
       .direction = is_send ? FS_DIR_SEND : FS_DIR_RECV,
       .dev = (uint32_t)dev,
   };
+  fs_context_connect_attr(ctx, &info.net_op, &info.net_algo, &info.net_proto);
   fs_flow_open(&comm->flow, &info);
   comm_apply_initial_level(comm);
   return comm;

@@ -461,15 +461,6 @@ void fs_comm_poll_level(struct fs_comm* comm) {
   }
 }
 
-void fs_comm_record_net_attr(struct fs_comm* comm, uint32_t op, uint32_t algo, uint32_t proto) {
-  if (op == 0 && algo == 0 && proto == 0) {
-    return;
-  }
-  atomic_store_explicit(&comm->flow.slot->net_op, op, memory_order_relaxed);
-  atomic_store_explicit(&comm->flow.slot->net_algo, algo, memory_order_relaxed);
-  atomic_store_explicit(&comm->flow.slot->net_proto, proto, memory_order_relaxed);
-}
-
 /* ---- requests --------------------------------------------------------------------------- */
 
 static struct fs_request* request_post(struct fs_comm* comm, void* data, size_t size, int tag) {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,17 +131,45 @@ def test_level_change_is_applied_before_the_next_message(table: TestTable, fresh
     close_pair(plugin, ctx, send, recv)
 
 
-def test_set_net_attr_is_recorded_in_the_context_slots(table: TestTable, fresh_lib: Path) -> None:
-    plugin, ctx, send, recv = open_pair(fresh_lib)
+def attrs(table: TestTable) -> set[tuple[int, int, int]]:
+    return {(s["net_op"], s["net_algo"], s["net_proto"]) for _, s in table.slots()}
+
+
+def test_set_net_attr_is_kept_per_connection(table: TestTable, fresh_lib: Path) -> None:
+    """A connection records the hint given before it connected (NCCL: p2p or collective);
+    later per-operation hints on the context do not rewrite the slots of open connections."""
+    plugin = Plugin(fresh_lib, 11)
+    ctx = plugin.init(comm_id=0xABC)
     ctx.set_net_attr(op=1 << 4, algo=1 << 1, proto=1 << 2)
-    for _, slot in table.slots():
-        assert (slot["net_op"], slot["net_algo"], slot["net_proto"]) == (16, 2, 4)
-    late_send, late_recv = connect_pair(ctx)  # new connections get the latest hint
-    assert len(table.slots()) == 4
-    assert all(s["net_op"] == 16 for _, s in table.slots())
-    late_send.close()
-    late_recv.close()
-    close_pair(plugin, ctx, send, recv)
+    send, recv = connect_pair(ctx)
+    assert attrs(table) == {(16, 2, 4)}
+    ctx.set_net_attr(op=1 << 8, algo=1, proto=1)  # an all_to_all runs on the context
+    loopback_message(send, recv, b"x")
+    assert attrs(table) == {(16, 2, 4)}
+    late_send, late_recv = connect_pair(ctx)
+    late = {(s["net_op"], s["net_algo"], s["net_proto"]) for _, s in table.slots()} - {(16, 2, 4)}
+    assert late == {(256, 1, 1)}
+    for comm in (late_send, late_recv, send, recv):
+        comm.close()
+    ctx.finalize()
+    plugin.close()
+
+
+def test_connection_takes_the_hint_of_its_own_thread(table: TestTable, fresh_lib: Path) -> None:
+    """NCCL's service thread sets the connect-time hint; a per-operation hint that the
+    progress thread sets on the same context in between does not leak into the connection."""
+    plugin = Plugin(fresh_lib, 11)
+    ctx = plugin.init(comm_id=0xABD)
+    ctx.set_net_attr(op=1 << 6)  # the service thread: a p2p (send) connection follows
+    progress = threading.Thread(target=ctx.set_net_attr, kwargs={"op": 1 << 4})
+    progress.start()
+    progress.join()
+    send, recv = connect_pair(ctx)
+    assert {s["net_op"] for _, s in table.slots()} == {1 << 6}
+    send.close()
+    recv.close()
+    ctx.finalize()
+    plugin.close()
 
 
 def test_full_table_reuses_closed_slots(plugin_env: Path, fresh_lib: Path) -> None:
