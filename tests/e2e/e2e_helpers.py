@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import resource
 import select
 import signal
 import subprocess
@@ -40,15 +41,23 @@ class Service:
                 self.kill9()
 
 
-def _spawn(args: list[str], log: Path, pattern: str, timeout: float = 30.0) -> Service:
+def _spawn(
+    args: list[str], log: Path, pattern: str, timeout: float = 30.0, fd_limit: int | None = None
+) -> Service:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     err = log.open("a")
+
+    def limit_fds() -> None:  # in the child: soft and hard open-file limit
+        if fd_limit is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
     proc = subprocess.Popen(
         [sys.executable, "-m", "flowsched", *args],
         stdout=subprocess.PIPE,
         stderr=err,
         text=True,
         env=env,
+        preexec_fn=limit_fds if fd_limit is not None else None,
     )
     err.close()
     assert proc.stdout is not None
@@ -66,7 +75,16 @@ def _spawn(args: list[str], log: Path, pattern: str, timeout: float = 30.0) -> S
     raise AssertionError(f"{args[0]} did not become ready; log:\n{log.read_text()[-3000:]}")
 
 
-def start_coordinator(tmp: Path, token: Path, port: int = 0) -> Service:
+def start_coordinator(
+    tmp: Path,
+    token: Path,
+    port: int = 0,
+    *,
+    extra: tuple[str, ...] = (),
+    fd_limit: int | None = None,
+) -> Service:
+    """``flowsched coordinator`` on 127.0.0.1 (``fd_limit``: its soft and hard open-file
+    limit; ``extra``: more flags)."""
     return _spawn(
         [
             "coordinator",
@@ -78,9 +96,11 @@ def start_coordinator(tmp: Path, token: Path, port: int = 0) -> Service:
             str(token),
             "--log-level",
             "INFO",
+            *extra,
         ],
         tmp / "coordinator.log",
         r"listening on (?P<host>[\d.]+):(?P<port>\d+) metrics (?P<mhost>[\d.]+):(?P<mport>\d+)",
+        fd_limit=fd_limit,
     )
 
 
