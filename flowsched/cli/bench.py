@@ -12,6 +12,9 @@ if TYPE_CHECKING:
     from flowsched.testbed.trace import ScenarioParams
 
 DEFAULT_POLICIES = "fair,static,edf,rmlq"
+#: simulator-only rows: the ideal-network bound (the ceiling), the late-dropping baselines and
+#: the oracle; replays cost seconds, testbed runs ~35 s each (make demo stays under 10 min)
+DEFAULT_SIM_POLICIES = "ideal,static-late,edf-late,llf,llf-late"
 #: traces per benchmark: one run on this 2-core testbed varies by several percent of SLO
 #: attainment from run to run (fair most), so the default pools three seeds
 DEFAULT_SEEDS = 3
@@ -32,6 +35,13 @@ def register(sub: Any) -> None:
     contention.add_argument("--out", default="results/contention", help="output directory")
     contention.add_argument(
         "--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})"
+    )
+    contention.add_argument(
+        "--sim-policies",
+        default=DEFAULT_SIM_POLICIES,
+        help="comma-separated policies replayed in the simulator only: 'ideal' (the ideal-network "
+        "bound), a benchmark policy file's name, or a registered policy (NAME-late adds "
+        f"drop_late) (default {DEFAULT_SIM_POLICIES}; '' for none)",
     )
     contention.add_argument(
         "--scenario",
@@ -113,6 +123,10 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     if args.seeds < 1:
         raise ValueError("--seeds must be at least 1")
     policies, ablation = _policy_names(args)
+    sim_policies = tuple(n for n in _names(args.sim_policies) if n not in policies)
+    for name in sim_policies:
+        if name != bench.IDEAL:
+            bench.policy_config(name)
     params = _params(args)
     return bench.BenchOptions(
         out=Path(args.out),
@@ -129,6 +143,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         simulate_only=args.simulate_only,
         control=args.control,
         ablation_policies=ablation,
+        sim_policies=sim_policies,
         command=bench.command_line(sys.argv[3:] if len(sys.argv) > 3 else []),
     )
 

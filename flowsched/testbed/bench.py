@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from flowsched import policyfile
+from flowsched import policies, policyfile
 from flowsched import report as shared_report
 from flowsched.data import data_path
 from flowsched.metrics import RunMetrics, RunRecords
+from flowsched.sim.run import IDEAL_PRIVATE
 from flowsched.testbed import netns, replay, report, runner
 from flowsched.testbed.trace import ScenarioParams, Trace, Transfer, generate
 
@@ -39,6 +41,8 @@ class BenchOptions:
     #: how many traces: seeds ``seed``, ``seed + 1``, ... Every policy runs every trace (seed
     #: by seed, all policies of a seed back to back) and the records of all are pooled
     seeds: int = 1
+    #: policies replayed in the simulator only (the ideal bound, the oracle, more baselines)
+    sim_policies: tuple[str, ...] = ()
 
     @property
     def seed_list(self) -> list[int]:
@@ -55,12 +59,35 @@ def other_control(control: str) -> str:
 CALIBRATION: dict[str, float] = {}
 
 
+#: the ideal-network bound's name in the benchmark (simulator only)
+IDEAL = "ideal"
+#: suffix of a baseline with late-dropping (``edf-late`` = edf + ``drop_late = true``)
+LATE_SUFFIX = "-late"
+
+
 def policy_path(name: str) -> Path:
     """The benchmark's policy file for ``name`` (``bench/contention/policies/NAME.toml``)."""
     path = BENCH_DIR / "policies" / f"{name}.toml"
     if not path.exists():
         raise FileNotFoundError(f"no benchmark policy file {path}")
     return path
+
+
+def policy_config(name: str) -> policyfile.PolicyConfig:
+    """``name``'s benchmark policy file; for a registered policy without one (e.g. ``llf``,
+    ``llf-late``), static's file (the K, hardware queues, marking and timer every benchmark
+    file shares) with the policy swapped in, plus ``drop_late = true`` for ``-late``."""
+    path = BENCH_DIR / "policies" / f"{name}.toml"
+    if path.exists():
+        return policyfile.load(path)
+    base = name.removesuffix(LATE_SUFFIX)
+    if base not in policies.names():
+        raise FileNotFoundError(
+            f"no benchmark policy file {path} and no registered policy {base!r}"
+        )
+    args = {"drop_late": True} if name.endswith(LATE_SUFFIX) else {}
+    shared = policyfile.load(policy_path("static"))
+    return dataclasses.replace(shared, policy=base, args=args, source=f"{shared.source} ({name})")
 
 
 class Progress:
@@ -84,8 +111,10 @@ def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.Polic
         print(f"testbed unavailable: {reason}; running the simulator only", file=sys.stderr)
     steps = 1 if reason or options.simulate_only else 2
     extra = 0 if reason or options.simulate_only else len(options.ablation_policies)
+    extra += len(options.sim_policies)
     progress = Progress(len(traces) * (len(options.policies) * steps + extra))
     results = [report.PolicyResult(name, None, RunMetrics()) for name in options.policies]
+    sim_only = [report.PolicyResult(name, None, RunMetrics()) for name in options.sim_policies]
     if reason is not None or options.simulate_only:
         for trace in traces:
             for result in results:
@@ -95,12 +124,20 @@ def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.Polic
     else:
         _testbed(options, traces, results, progress)
         mode = "testbed + simulator replay"
+    for trace in traces:  # cheap: after the testbed, so a long replay never delays it
+        for result in sim_only:
+            result.seeds.append(
+                report.SeedRun(trace.seed, _simulate(trace, result.policy, progress))
+            )
+    results += sim_only
     progress.close()
     for result in results:
         result.pool()
     meta = _meta(options, traces, mode, results)
     paths = report.write(results, meta, options.out)
     print(report.render_table(report.table_rows(results)), file=stream)
+    for line in report.headline(results):
+        print(line, file=stream)
     header, rows = report.seed_rows(results)
     if len(header) > 4:
         print("\nSLO attainment seed by seed:", file=stream)
@@ -117,8 +154,21 @@ def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.Polic
 
 
 def _simulate(trace: Trace, name: str, progress: Progress) -> RunRecords:
-    cfg = policyfile.load(policy_path(name))
-    records = replay.replay(trace, cfg.make_policy(), timer_period=cfg.timer_period)
+    if name == IDEAL:  # the ceiling: transfers on private full-rate paths, TP alone on the links
+        cfg = policy_config("static")
+        records = replay.replay(
+            trace,
+            cfg.make_policy(),
+            timer_period=cfg.timer_period,
+            level_queue=cfg.level_queue,
+            private_classes=IDEAL_PRIVATE,
+        )
+        progress.step(f"{name}: simulator, seed {trace.seed}")
+        return records
+    cfg = policy_config(name)
+    records = replay.replay(
+        trace, cfg.make_policy(), timer_period=cfg.timer_period, level_queue=cfg.level_queue
+    )
     progress.step(f"{name}: simulator, seed {trace.seed}")
     return records
 
@@ -337,12 +387,6 @@ def pooled_kv_gap(result: report.PolicyResult) -> tuple[int, float] | None:
     return (len(gaps), report.nearest_rank(gaps, 0.5)) if gaps else None
 
 
-def top_share(records: RunRecords) -> float | None:
-    """Fraction of KV flows admitted at level 0."""
-    kv = [f for f in records.flows if f.cls == "kv"]
-    return sum(f.first_level == 0 for f in kv) / len(kv) if kv else None
-
-
 def _gap_note(r: report.PolicyResult) -> str:
     gap = pooled_kv_gap(r)
     if gap is None:
@@ -355,8 +399,8 @@ def _gap_note(r: report.PolicyResult) -> str:
 
 
 def _ablation_note(r: report.PolicyResult) -> str:
-    main = top_share(r.testbed_records) if r.testbed_records else None
-    other = top_share(r.ablation_records) if r.ablation_records else None
+    main = report.top_share(r.testbed_records) if r.testbed_records else None
+    other = report.top_share(r.ablation_records) if r.ablation_records else None
     text = f"{r.policy} with the {r.ablation_control} control plane (ablation): "
     if main is not None and other is not None:
         text += (

@@ -34,14 +34,26 @@ def capacity(trace: Trace) -> dict[str, float]:
 
 
 def replay(
-    trace: Trace, policy: Policy, *, timer_period: float = 0.01, chunk_bytes: int = 65536
+    trace: Trace,
+    policy: Policy,
+    *,
+    timer_period: float = 0.01,
+    chunk_bytes: int = 65536,
+    level_queue: tuple[int, ...] = (),
+    private_classes: frozenset[FlowClass] = frozenset(),
 ) -> RunRecords:
-    """Run ``trace`` under ``policy`` in the simulator; return its records."""
+    """Run ``trace`` under ``policy`` in the simulator; return its records.
+
+    ``level_queue`` maps the policy's levels onto the hardware queues (the policy file's);
+    ``private_classes`` puts those classes on private full-rate paths (the ideal bound).
+    """
     config = SimConfig(
         chunk_bytes=chunk_bytes,
         timer_period=timer_period,
         load_tau=LOAD_TAU,
         default_bandwidth=trace.rate_bytes,
+        level_queue=level_queue,
+        private_classes=private_classes,
     )
     sim = Simulator(capacity(trace), policy, config)
     builder = RecordBuilder(trace)

@@ -1,4 +1,11 @@
-"""Tables, JSON, plots and the markdown report of the contention benchmark."""
+"""Tables, JSON, plots and the markdown report of the contention benchmark.
+
+Rows: the ideal-network bound first (simulator only, the ceiling), then the policies, oracles
+(``llf``) last. Every row states KV SLO attainment and the collective and iteration times side
+by side (the trace is scored jointly: a policy cannot win by starving TP), the fraction of KV
+flows admitted at the top level, and attainment relative to the bound. Units as in
+:mod:`flowsched.report`: % and ms, in the table and in the JSON alike.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,8 @@ from typing import Any
 
 from flowsched import report as shared_report
 from flowsched.metrics import RunMetrics, RunRecords, merge, summarize
-from flowsched.report import Outcome
+from flowsched.policies import ORACLES
+from flowsched.report import Outcome, colour, json_metrics
 
 
 @dataclass(slots=True)
@@ -89,31 +97,67 @@ def _ratio(tb: float | None, sim: float | None) -> str:
 COLUMNS = (
     "policy",
     "source",
-    "SLO att.",
+    "SLO att. %",
+    "x ideal",
+    "CCT mean ms",
+    "iter mean ms",
+    "KV@top %",
     "TTFT p50 ms",
     "TTFT p99 ms",
-    "CCT mean ms",
-    "iter mean s",
-    "sync miss",
+    "sync miss %",
     "KV FCT p50 ms",
     "KV FCT p99 ms",
 )
 
+#: the ideal-network bound's name (simulator only)
+IDEAL = "ideal"
 
-def _row(policy: str, source: str, m: RunMetrics) -> list[str]:
+
+def display(policy: str) -> str:
+    """``ideal (bound)``, ``llf (oracle)``, ``llf-late (oracle)`` or the policy name."""
+    if policy == IDEAL:
+        return f"{policy} (bound)"
+    if policy.removesuffix("-late") in ORACLES:
+        return f"{policy} (oracle)"
+    return policy
+
+
+def _order(result: PolicyResult) -> int:
+    return (
+        0 if result.policy == IDEAL else 2 if result.policy.removesuffix("-late") in ORACLES else 1
+    )
+
+
+def _row(
+    policy: str,
+    source: str,
+    m: RunMetrics,
+    records: RunRecords | None = None,
+    ideal: float | None = None,
+) -> list[str]:
     kv = m.class_fct.get("kv", {})
+    top = top_share(records) if records is not None else None
+    ratio = m.slo_attainment / ideal if ideal and m.slo_attainment is not None else None
     return [
-        policy,
+        display(policy),
         source,
-        _fmt(m.slo_attainment),
+        _fmt(m.slo_attainment, 100.0, 1),
+        _fmt(ratio, 1, 2),
+        _fmt(m.cct_mean, 1e3, 1),
+        _fmt(m.iteration_mean, 1e3, 0),
+        _fmt(top, 100.0, 0),
         _fmt(m.ttft_p50, 1e3, 1),
         _fmt(m.ttft_p99, 1e3, 1),
-        _fmt(m.cct_mean, 1e3, 1),
-        _fmt(m.iteration_mean),
-        _fmt(m.deadline_miss_rate, 1, 2),
+        _fmt(m.deadline_miss_rate, 100.0, 1),
         _fmt(kv.get("p50"), 1e3, 1),
         _fmt(kv.get("p99"), 1e3, 1),
     ]
+
+
+def ideal_attainment(results: Sequence[PolicyResult]) -> float | None:
+    """The ideal bound's (simulated) SLO attainment, if it ran."""
+    bound = next((r for r in results if r.policy == IDEAL), None)
+    return bound.sim.slo_attainment if bound is not None else None
 
 
 #: how a table row names the control plane that carried the levels of a testbed run
@@ -121,15 +165,20 @@ CONTROL_LABELS = {"agent": "testbed", "mini": "testbed, mini ctl"}
 
 
 def table_rows(results: list[PolicyResult]) -> list[list[str]]:
-    """One testbed row (plus an ablation row when run) and one simulator row per policy."""
+    """One testbed row (plus an ablation row when run) and one simulator row per policy; the
+    bound first, oracles last. ``x ideal`` = attainment / the bound's simulated attainment."""
+    ideal = ideal_attainment(results)
     rows = []
-    for r in results:
+    for r in sorted(results, key=_order):
         if r.testbed is not None:
-            rows.append(_row(r.policy, CONTROL_LABELS.get(r.control, r.control), r.testbed))
+            label = CONTROL_LABELS.get(r.control, r.control)
+            rows.append(_row(r.policy, label, r.testbed, r.testbed_records, ideal))
         if r.ablation is not None:
             label = CONTROL_LABELS.get(r.ablation_control, r.ablation_control)
-            rows.append(_row(r.policy, f"{label} (ablation)", r.ablation))
-        rows.append(_row(r.policy, "sim", r.sim))
+            rows.append(
+                _row(r.policy, f"{label} (ablation)", r.ablation, r.ablation_records, ideal)
+            )
+        rows.append(_row(r.policy, "sim", r.sim, r.sim_records, ideal))
     return rows
 
 
@@ -236,14 +285,20 @@ def to_json(results: list[PolicyResult], meta: dict[str, Any]) -> dict[str, Any]
         "meta": meta,
         "policies": {
             r.policy: {
-                "testbed": r.testbed.to_dict() if r.testbed else None,
+                "bound": r.policy == IDEAL,
+                "oracle": _order(r) == 2,
+                "testbed": json_metrics(r.testbed) if r.testbed else None,
+                "testbed_kv_top_pct": _pct(top_share(r.testbed_records))
+                if r.testbed_records
+                else None,
+                "sim_kv_top_pct": _pct(top_share(r.sim_records)) if r.sim_records else None,
                 "testbed_control": r.control,
                 "control_cpu_seconds": r.cpu_seconds,
                 "admission_delay_s": _quantiles(r.admission),
-                "ablation": r.ablation.to_dict() if r.ablation else None,
+                "ablation": json_metrics(r.ablation) if r.ablation else None,
                 "ablation_control": r.ablation_control or None,
                 "promotion_latency_ablation_s": r.ablation_promotions,
-                "sim": r.sim.to_dict(),
+                "sim": json_metrics(r.sim),
                 "promotion_latency_s": r.promotions,
                 "class_bytes": {
                     k: {f"1:{c:x}": n for c, n in v.items()} for k, v in r.class_bytes.items()
@@ -253,8 +308,8 @@ def to_json(results: list[PolicyResult], meta: dict[str, Any]) -> dict[str, Any]
                 "per_seed": [
                     {
                         "seed": run.seed,
-                        "testbed_slo_attainment": run.testbed_attainment,
-                        "sim_slo_attainment": run.sim_attainment,
+                        "testbed_slo_attainment_pct": _pct(run.testbed_attainment),
+                        "sim_slo_attainment_pct": _pct(run.sim_attainment),
                     }
                     for run in r.seeds
                 ],
@@ -265,50 +320,114 @@ def to_json(results: list[PolicyResult], meta: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def plot(results: list[PolicyResult], out: Path, load: float) -> list[Path]:
-    """PNG plots: SLO attainment per policy (testbed vs sim), TTFT and CCT CDFs of each
-    (drawn by :func:`flowsched.report.plot_cdfs`)."""
+def top_share(records: RunRecords) -> float | None:
+    """Fraction of KV flows admitted at level 0 (the top level)."""
+    kv = [f for f in records.flows if f.cls == "kv"]
+    return sum(f.first_level == 0 for f in kv) / len(kv) if kv else None
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else value * 100.0
+
+
+def _seed_spread(result: PolicyResult, source: str) -> tuple[float, float] | None:
+    values = [v for run in result.seeds if (v := _seed_attainment(run, source)) is not None]
+    return (min(values), max(values)) if len(values) > 1 else None
+
+
+def plot(
+    results: list[PolicyResult], out: Path, load: float, meta: dict[str, Any] | None = None
+) -> list[Path]:
+    """PNG plots: SLO attainment per policy (testbed hatched, simulator solid; one colour per
+    policy; min-max bars across seeds), TTFT and CCT CDFs of each (drawn by
+    :func:`flowsched.report.plot_cdfs`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = sorted(results, key=_order)
     paths = []
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(results) + 2), 4))
     xs = range(len(results))
-    bars = [("simulator", [r.sim.slo_attainment or 0.0 for r in results])]
+    from matplotlib.patches import Patch
+
+    sources: list[tuple[str, str, str | None]] = [("simulator", "sim", None)]
     if any(r.testbed is not None for r in results):  # no testbed bars in simulator-only mode
-        tb = [(r.testbed.slo_attainment or 0.0) if r.testbed else 0.0 for r in results]
-        bars.insert(0, ("testbed", tb))
-    width = 0.8 / len(bars)
-    for i, (label, values) in enumerate(bars):
-        offset = (i - (len(bars) - 1) / 2) * width
-        ax.bar([x + offset for x in xs], values, width, label=label)
-    ax.set_xticks(list(xs), [r.policy for r in results])
-    ax.set_ylabel("KV TTFT SLO attainment")
-    ax.set_ylim(0, 1)
-    ax.legend()
+        sources.insert(0, ("testbed", "testbed", "//"))
+    width = 0.8 / len(sources)
+    for i, (_label, source, hatch) in enumerate(sources):
+        offset = (i - (len(sources) - 1) / 2) * width
+        for x, r in zip(xs, results, strict=True):
+            value = _attainment(r, source)
+            if value is None:
+                continue
+            spread = _seed_spread(r, source)
+            ax.bar(
+                x + offset,
+                value * 100,
+                width,
+                color=colour(r.policy),
+                hatch=hatch,
+                edgecolor="black",
+                linewidth=0.5,
+                yerr=[[(value - spread[0]) * 100], [(spread[1] - value) * 100]] if spread else None,
+                capsize=3,
+            )
+    handles = [
+        Patch(facecolor="lightgrey", edgecolor="black", hatch=hatch, label=label)
+        for label, _source, hatch in sources
+    ]
+    ax.set_xticks(list(xs), [display(r.policy) for r in results], rotation=20, fontsize=8)
+    ax.set_ylabel("KV TTFT SLO attainment (%)")
+    ax.set_ylim(0, 100)
+    meta = meta or {}
+    seeds = meta.get("seeds") or []
+    ax.set_title(
+        f"contention trace, KV load {load:g}, "
+        + (
+            f"seeds {seeds[0]}-{seeds[-1]} pooled (bars: min-max)"
+            if len(seeds) > 1
+            else f"seed {seeds[0]}"
+            if seeds
+            else ""
+        ),
+        fontsize=9,
+    )
+    ax.legend(handles=handles, fontsize=8)
     fig.tight_layout()
     paths.append(out / "slo_attainment.png")
     fig.savefig(paths[-1], dpi=120)
     plt.close(fig)
+    plot_meta = {"scenario": "contention trace", "seeds": seeds}
     for source in ("testbed", "sim"):
         outcomes = [
-            Outcome.from_records(r.policy, load, records)
+            Outcome.from_records(
+                r.policy,
+                load,
+                records,
+                bound=r.policy == IDEAL,
+                oracle=_order(r) == 2,
+            )
             for r in results
             if (records := r.testbed_records if source == "testbed" else r.sim_records)
         ]
         path = out / f"cdf_{source}.png"
-        if outcomes and shared_report.plot_cdfs(path, outcomes, load):
+        if outcomes and shared_report.plot_cdfs(path, outcomes, load, plot_meta):
             paths.append(path)
     return paths
 
 
 def headline(results: list[PolicyResult]) -> list[str]:
-    """rmlq's SLO attainment relative to fair and static, on the testbed and in the sim."""
+    """The joint score on each source: rmlq's KV SLO attainment and its collective and iteration
+    times next to edf's (a policy must not win attainment by starving TP), its share of KV flows
+    admitted at the top level, its ratio to the ideal bound; then rmlq against fair and static."""
     by = {r.policy: r for r in results}
     lines = []
     for source in ("testbed", "sim"):
+        joint = _joint(by.get("rmlq"), by.get("edf"), source)
+        if joint:
+            lines.append(f"- {source}: {joint}")
         rm = _attainment(by.get("rmlq"), source)
         parts = [
             f"{rm / other:.2f}x {name}"
@@ -316,7 +435,7 @@ def headline(results: list[PolicyResult]) -> list[str]:
             if rm is not None and (other := _attainment(by.get(name), source))
         ]
         if parts:
-            lines.append(f"- {source}: rmlq attains {rm:.3f}, i.e. " + ", ".join(parts) + ".")
+            lines.append("  - rmlq attains " + ", ".join(parts) + ".")
         ratios = seed_ratios(results, source)
         if len(ratios.get("fair", [])) > 1:
             lines.append(
@@ -326,7 +445,41 @@ def headline(results: list[PolicyResult]) -> list[str]:
                 + ", ".join(f"{x:.2f}" for x in ratios.get("static", []))
                 + "."
             )
+    ideal = ideal_attainment(results)
+    if ideal is not None:
+        lines.append(
+            f"- ideal-network bound (simulator; every transfer on a private full-rate path, TP "
+            f"alone on the links): {ideal * 100:.1f}% attainment, the ceiling of every row."
+        )
     return [*lines, ""] if lines else []
+
+
+def _joint(rmlq: PolicyResult | None, edf: PolicyResult | None, source: str) -> str:
+    """``rmlq A% vs edf B% attainment, CCT x vs y ms, ...: met/missed`` (empty if absent)."""
+    if rmlq is None or edf is None:
+        return ""
+    testbed = source == "testbed"
+    a, b = (rmlq.testbed, edf.testbed) if testbed else (rmlq.sim, edf.sim)
+    if a is None or b is None or a.slo_attainment is None or b.slo_attainment is None:
+        return ""
+    if not a.cct_mean or not b.cct_mean:
+        return ""
+    records = rmlq.testbed_records if testbed else rmlq.sim_records
+    top = top_share(records) if records is not None else None
+    met = a.slo_attainment >= b.slo_attainment and a.cct_mean <= b.cct_mean
+    text = (
+        f"rmlq {a.slo_attainment * 100:.1f}% vs edf {b.slo_attainment * 100:.1f}% KV SLO "
+        f"attainment, with mean collective time {a.cct_mean * 1e3:.1f} vs "
+        f"{b.cct_mean * 1e3:.1f} ms"
+    )
+    if a.iteration_mean and b.iteration_mean:
+        text += (
+            f" and mean iteration {a.iteration_mean * 1e3:.0f} vs {b.iteration_mean * 1e3:.0f} ms"
+        )
+    if top is not None:
+        text += f"; rmlq admits {top:.0%} of KV flows at the top level"
+    verdict = "both" if met else "not both"
+    return text + f". Attainment >= edf's and collective time <= edf's: {verdict}."
 
 
 def _attainment(result: PolicyResult | None, source: str) -> float | None:
@@ -404,6 +557,6 @@ def write(results: list[PolicyResult], meta: dict[str, Any], out: Path) -> list[
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "report.md"]
     paths[0].write_text(json.dumps(to_json(results, meta), indent=1), encoding="utf-8")
-    plots = plot(results, out, float(meta.get("load", 0.0)))
+    plots = plot(results, out, float(meta.get("load", 0.0)), meta)
     paths[1].write_text(markdown(results, meta, [p.name for p in plots]), encoding="utf-8")
     return paths + plots

@@ -57,10 +57,10 @@ def test_bench_contention_smoke(tmp_path: Path) -> None:
         entry = data["policies"][policy]
         assert entry["testbed_control"] == "agent"
         tb = entry["testbed"]
-        assert tb["requests"] > 0 and tb["slo_attainment"] is not None
-        assert tb["cct_mean"] is not None
+        assert tb["requests"] > 0 and tb["slo_attainment_pct"] is not None
+        assert tb["cct_mean_ms"] is not None
         assert [run["seed"] for run in entry["per_seed"]] == [1, 2]
-        assert all(run["testbed_slo_attainment"] is not None for run in entry["per_seed"])
+        assert all(run["testbed_slo_attainment_pct"] is not None for run in entry["per_seed"])
     # rmlq also ran with the minimal controller, labelled as an ablation
     ablation = data["policies"]["rmlq"]
     assert ablation["ablation_control"] == "mini"
@@ -91,4 +91,12 @@ def test_simulate_only_needs_no_root(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads((out / "results.json").read_text())["meta"]["mode"] == "simulator only"
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["mode"] == "simulator only"
+    # the default comparison: the bound, late-dropping baselines and the oracle, simulated
+    policies = data["policies"]
+    assert {"ideal", "static-late", "edf-late", "llf", "llf-late"} <= set(policies)
+    assert policies["ideal"]["bound"] and policies["llf-late"]["oracle"]
+    assert policies["rmlq"]["sim_kv_top_pct"] is not None
+    assert "ideal (bound)" in proc.stdout and "KV@top %" in proc.stdout
+    assert "rmlq" in proc.stdout and "vs edf" in proc.stdout

@@ -289,3 +289,51 @@ def test_procstat_reads_this_process_and_knows_an_exited_one() -> None:
     assert procstat.cpu_seconds(dead.pid) is None
     with pytest.raises(ProcessLookupError):
         procstat.running_cpu_seconds(dead.pid)
+
+
+def test_report_scores_attainment_and_collectives_jointly() -> None:
+    """The bound first, oracles last; rmlq's attainment, collective time and top-level share
+    are stated next to edf's, and 'both' only when rmlq wins attainment without slower TP."""
+    from flowsched.testbed import report
+
+    trace = generate(ScenarioParams(duration=2.0, load=0.5), 25e6, 3)
+
+    def result(name: str) -> report.PolicyResult:
+        cfg = bench.policy_config(name) if name != "ideal" else bench.policy_config("static")
+        records = replay.replay(
+            trace,
+            cfg.make_policy(),
+            level_queue=cfg.level_queue,
+            private_classes=bench.IDEAL_PRIVATE if name == "ideal" else frozenset(),
+        )
+        metrics = summarize(records)
+        return report.PolicyResult(name, None, metrics, sim_records=records)
+
+    results = [result(n) for n in ("edf", "rmlq", "llf-late", "ideal")]
+    rows = report.table_rows(results)
+    assert [r[0] for r in rows] == ["ideal (bound)", "edf", "rmlq", "llf-late (oracle)"]
+    assert rows[0][3] == "1.00"
+    edf, rmlq = results[0].sim, results[1].sim
+    assert edf.slo_attainment is not None and rmlq.slo_attainment is not None
+    assert edf.cct_mean is not None and rmlq.cct_mean is not None
+    lines = report.headline(results)
+    joint = next(line for line in lines if line.startswith("- sim: "))
+    assert f"rmlq {rmlq.slo_attainment * 100:.1f}% vs edf {edf.slo_attainment * 100:.1f}%" in joint
+    assert f"{rmlq.cct_mean * 1e3:.1f} vs {edf.cct_mean * 1e3:.1f} ms" in joint
+    both = rmlq.slo_attainment >= edf.slo_attainment and rmlq.cct_mean <= edf.cct_mean
+    assert joint.endswith("both." if both else "not both.")
+    top = report.top_share(results[1].sim_records)  # type: ignore[arg-type]
+    assert top is not None and f"admits {top:.0%} of KV flows at the top level" in joint
+
+
+def test_policies_without_a_benchmark_file_share_statics_settings() -> None:
+    cfg = bench.policy_config("llf-late")
+    static = bench.policy_config("static")
+    assert cfg.policy == "llf" and cfg.args == {"drop_late": True}
+    assert (cfg.num_levels, cfg.hw_queues, cfg.timer_period) == (
+        static.num_levels,
+        static.hw_queues,
+        static.timer_period,
+    )
+    with pytest.raises(FileNotFoundError, match="no registered policy 'nope'"):
+        bench.policy_config("nope")
