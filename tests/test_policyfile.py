@@ -131,7 +131,22 @@ BAD_FILES = [
     (
         "args-E",
         MINIMAL + "[policy.args]\nE = 0.5\n",
-        ["policy.args.E: expected a number > 1.0, got 0.5"],
+        ["policy.args.E: expected a number in (1.0, 1024.0], got 0.5"],
+    ),
+    (
+        "args-E-huge",
+        MINIMAL + "[policy.args]\nE = 1e308\n",
+        ["policy.args.E: expected a number in (1.0, 1024.0], got 1e+308"],
+    ),
+    (
+        "args-U-huge",
+        MINIMAL + "[policy.args]\nU = 1e308\n",
+        ["policy.args.U: expected a number in (0.0, 1024.0], got 1e+308"],
+    ),
+    (
+        "default-level-equal-to-K",
+        MINIMAL + "num_levels = 4\n[classes.tp]\ndefault_level = 4\n",
+        ["classes.tp.default_level: 4 is outside 0..3 (K=4)"],
     ),
     ("args-unknown", MINIMAL + "[policy.args]\nK = 8\n", ["policy.args.K: unknown key"]),
     (
@@ -225,7 +240,7 @@ def test_cli_check_reports_errors_with_exit_2(tmp_path: Path) -> None:
     result = run_cli("check", str(good), str(bad))
     assert result.returncode == 2
     assert f"{bad}: classes.kv.deadline: expected a number > 0.0, got -1" in result.stdout
-    assert f"{bad}: policy.args.E: expected a number > 1.0, got 0" in result.stdout
+    assert f"{bad}: policy.args.E: expected a number in (1.0, 1024.0], got 0" in result.stdout
     assert f"{good}: ok (policy rmlq, K=8" in result.stdout
 
 

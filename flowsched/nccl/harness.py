@@ -622,12 +622,15 @@ class RecvComm(_Comm):
             self._comm = ctypes.c_void_p()
 
 
-def connect_pair(ctx: Context, dev: int = 0, timeout: float = 30.0) -> tuple[SendComm, RecvComm]:
-    """Connect a context to itself from ONE thread, alternating connect and accept calls.
+def connect_pair(
+    ctx: Context, dev: int = 0, timeout: float = 30.0, to: Context | None = None
+) -> tuple[SendComm, RecvComm]:
+    """Connect a context to itself (or to the context ``to``, e.g. another rank's) from ONE
+    thread, alternating connect and accept calls.
 
     This is NCCL's GDR-probe pattern; it only completes if neither call ever blocks.
     """
-    listener = ctx.listen(dev)
+    listener = (to or ctx).listen(dev)
     connector = ctx.connector(listener.handle, dev)
     send: SendComm | None = None
     recv: RecvComm | None = None

@@ -136,6 +136,9 @@ from flowsched.policies.argcheck import (
 from flowsched.policies.common import BottleneckCache, TrafficMeter, bottleneck
 
 NAME = "rmlq"
+#: largest ratio between two MLU band thresholds (E) and largest MLU scale (U) accepted
+MAX_BAND_RATIO = 1024.0
+MAX_BAND_SCALE = 1024.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +164,10 @@ class Args:
 
 
 _FIELDS = {
-    "E": number(1.0, open_low=True),
-    "U": number(0.0, open_low=True),
+    # sane bounds (issue 12): E = 1e308 or U = 1e308 passed and made every band threshold
+    # overflow or underflow; the paper's values are E = 4, U = 0.5
+    "E": number(1.0, MAX_BAND_RATIO, open_low=True),
+    "U": number(0.0, MAX_BAND_SCALE, open_low=True),
     "top_threshold": optional(number(0.0, open_low=True)),
     "early_levels": integer(1, 62),
     "red_tiers": integer(1, 62),

@@ -108,6 +108,7 @@ static struct fs_context* context_alloc(uint64_t comm_id, int32_t traffic_class)
     ctx->comm_id = comm_id;
     ctx->traffic_class = traffic_class;
     atomic_init(&ctx->refs, 1); /* the owner's */
+    atomic_init(&ctx->self_rank, -1);
     pthread_mutex_init(&ctx->lock, NULL);
   }
   return ctx;

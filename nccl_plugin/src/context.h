@@ -33,6 +33,7 @@ struct fs_context {
   pthread_mutex_t lock; /* guards the fields below (service and progress threads) */
   struct fs_comm* comms; /* open connections created through this context */
   uint32_t net_op, net_algo, net_proto; /* latest setNetAttr hint (0 = none seen) */
+  _Atomic int32_t self_rank; /* this process's rank: the tag of its first isend (v11+; -1) */
 };
 
 /* Take a reference on the global state, initialising it on the first one. */

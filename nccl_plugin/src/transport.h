@@ -8,6 +8,10 @@
  *    sockets of one connection, whatever order they arrive in;
  *  - each message sends a 16-byte header {u64 size, u32 magic, u32 seq} on the control
  *    socket, followed by the payload itself when size <= inline size;
+ *  - once the receiving process knows its own rank (the tag of its first isend on the same
+ *    communicator), it writes an 8-byte rank note {u32 magic, i32 rank} once, in the other
+ *    direction of the control socket, so the sender's slot can name its destination (the
+ *    isend tag is the sender's own rank); v10 has no per-communicator context, no note;
  *  - larger payloads are cut into chunks of max(min_chunk, size / nsocks) bytes dealt
  *    round-robin over the data sockets, starting at socket (seq % nsocks); both sides derive
  *    the same placement from the size.
@@ -113,7 +117,10 @@ struct fs_comm {
   _Atomic int stop;
   struct fs_helper helpers[FS_MAX_THREADS];
   int error; /* sticky -errno: a broken connection stays broken */
-  int peer_rank_known;
+  int peer_rank_known;       /* recv: the slot's peer_rank is set (from the irecv tag) */
+  int rank_note_done;        /* the rank note was sent (recv) or read (send), or given up */
+  size_t rank_note_off;      /* bytes of the rank note sent (recv) or received (send) */
+  uint8_t rank_note[8];      /* send side: the note being read */
   int32_t traffic_class;
   uint64_t comm_id;
   uint64_t nonce;

@@ -477,11 +477,80 @@ static struct fs_request* request_post(struct fs_comm* comm, void* data, size_t 
   if (comm->is_send) {
     request_publish_size(req, req->seq, size);
   }
-  if (!comm->peer_rank_known) {
-    comm->peer_rank_known = 1;
+  if (!comm->is_send && !comm->peer_rank_known) {
+    comm->peer_rank_known = 1; /* the receive tag is the sender's rank */
     atomic_store_explicit(&comm->flow.slot->peer_rank, tag, memory_order_relaxed);
   }
   return req;
+}
+
+/* ---- the rank note: who a send connection sends to ------------------------------------- */
+
+#define FS_RANK_NOTE_MAGIC 0x46535241u /* "FSRA" */
+
+/* Send side: our isend tag is our own rank; remember it for the context (v11+ only: the v10
+ * context is shared by every communicator of the process, whose ranks differ). */
+static void rank_note_learn_self(struct fs_comm* comm, int tag) {
+  struct fs_context* ctx = comm->ctx;
+  if (ctx->comm_id != 0 && tag >= 0 &&
+      atomic_load_explicit(&ctx->self_rank, memory_order_relaxed) < 0) {
+    atomic_store_explicit(&ctx->self_rank, tag, memory_order_relaxed);
+  }
+}
+
+/* Receive side: once this process's rank is known, tell the sender (one note per
+ * connection). Costs one relaxed load per progress call until then. Best effort, like the
+ * reading side: the note never fails a transfer. */
+static int rank_note_send(struct fs_comm* comm) {
+  int32_t rank = atomic_load_explicit(&comm->ctx->self_rank, memory_order_relaxed);
+  if (rank < 0) {
+    return 0;
+  }
+  uint32_t note[2] = {FS_RANK_NOTE_MAGIC, (uint32_t)rank};
+  struct iovec iov = {(uint8_t*)note + comm->rank_note_off, sizeof(note) - comm->rank_note_off};
+  ssize_t n = io_send(comm->fds[comm->nsocks], &iov, 1);
+  if (n < 0) {
+    comm->rank_note_done = 1; /* best effort: a closing peer does not fail the receive */
+    return 0;
+  }
+  comm->rank_note_off += (size_t)n;
+  comm->rank_note_done = comm->rank_note_off == sizeof(note);
+  return 0;
+}
+
+/* Send side: read the receiver's note when it is there (one non-blocking recv per message
+ * until it arrived) and record the destination rank in the slot. */
+static int rank_note_recv(struct fs_comm* comm) {
+  ssize_t n = io_recv(comm->fds[comm->nsocks], comm->rank_note + comm->rank_note_off,
+                      sizeof(comm->rank_note) - comm->rank_note_off);
+  if (n <= 0) {
+    comm->rank_note_done = n < 0; /* EOF or error: the peer closes; never fail a send */
+    return 0;
+  }
+  comm->rank_note_off += (size_t)n;
+  if (comm->rank_note_off < sizeof(comm->rank_note)) {
+    return 0;
+  }
+  uint32_t note[2];
+  memcpy(note, comm->rank_note, sizeof(note));
+  comm->rank_note_done = 1;
+  if (note[0] != FS_RANK_NOTE_MAGIC) {
+    FS_WARN("ignoring a bad rank note on comm %p (magic 0x%x)", (void*)comm, note[0]);
+    return 0;
+  }
+  atomic_store_explicit(&comm->flow.slot->peer_rank, (int32_t)note[1], memory_order_relaxed);
+  return 0;
+}
+
+/* The note's share of a progress call (send: on isend and on completions only). */
+static int rank_note_progress(struct fs_comm* comm, int send_side_may_read) {
+  if (comm->rank_note_done || comm->ctx->comm_id == 0) {
+    return 0;
+  }
+  if (!comm->is_send) {
+    return rank_note_send(comm);
+  }
+  return send_side_may_read ? rank_note_recv(comm) : 0;
 }
 
 int fs_isend(struct fs_comm* comm, void* data, size_t size, int tag, struct fs_request** out) {
@@ -491,7 +560,12 @@ int fs_isend(struct fs_comm* comm, void* data, size_t size, int tag, struct fs_r
   }
   fs_comm_poll_level(comm); /* before the message's first byte leaves */
   *out = request_post(comm, data, size, tag);
-  return *out != NULL ? comm_progress(comm) : 0;
+  if (*out == NULL) {
+    return 0;
+  }
+  rank_note_learn_self(comm, tag);
+  FS_CHECK(rank_note_progress(comm, 1));
+  return comm_progress(comm);
 }
 
 int fs_irecv(struct fs_comm* comm, void* data, size_t capacity, int tag, struct fs_request** out) {
@@ -500,7 +574,11 @@ int fs_irecv(struct fs_comm* comm, void* data, size_t capacity, int tag, struct 
     return comm->error;
   }
   *out = request_post(comm, data, capacity, tag);
-  return *out != NULL ? comm_progress(comm) : 0;
+  if (*out == NULL) {
+    return 0;
+  }
+  FS_CHECK(rank_note_progress(comm, 0));
+  return comm_progress(comm);
 }
 
 int fs_test(struct fs_request* req, int* done, size_t* size) {
@@ -514,8 +592,9 @@ int fs_test(struct fs_request* req, int* done, size_t* size) {
   }
   FS_CHECK(comm_progress(comm));
   if (!request_complete(comm, req)) {
-    return 0;
+    return comm->is_send ? 0 : rank_note_progress(comm, 0);
   }
+  FS_CHECK(rank_note_progress(comm, 1));
   *done = 1;
   *size = req->size;
   req->in_use = 0;

@@ -445,3 +445,52 @@ def test_table_owned_by_another_user_is_refused(
         assert len(_run_pair_and_list_slots(fresh_lib, table)) == 2
     finally:
         table.close()
+
+
+# ---- peer ranks: a send slot names its destination -------------------------------------
+
+
+def test_send_slots_name_the_destination_rank(table: TestTable, fresh_lib: Path) -> None:
+    """Two ranks (contexts of one communicator). NCCL's isend tag is the sender's own rank,
+    so a send slot learns its destination from the receiver's one-time rank note; a receive
+    slot's peer is its irecv tag (the sender's rank)."""
+    plugin = Plugin(fresh_lib, 11)
+    rank0 = plugin.init(comm_id=0x51, traffic_class=1)
+    rank1 = plugin.init(comm_id=0x51, traffic_class=2)
+    send01, recv01 = connect_pair(rank0, to=rank1)
+    send10, recv10 = connect_pair(rank1, to=rank0)
+    for _ in range(3):
+        assert loopback_message(send01, recv01, b"0 to 1", tag=0) == b"0 to 1"
+        assert loopback_message(send10, recv10, b"1 to 0", tag=1) == b"1 to 0"
+    peers = {(s["traffic_class"], s["direction"]): s["peer_rank"] for _, s in table.slots()}
+    assert peers == {
+        (1, layout.DIR_SEND): 1,  # rank 0 sends to rank 1
+        (2, layout.DIR_RECV): 0,  # rank 1 receives from rank 0
+        (2, layout.DIR_SEND): 0,
+        (1, layout.DIR_RECV): 1,
+    }
+    for comm in (send01, recv01, send10, recv10):
+        comm.close()
+    rank0.finalize()
+    rank1.finalize()
+    plugin.close()
+
+
+def test_send_slot_peer_stays_unknown_while_the_receiver_never_sent(
+    table: TestTable, fresh_lib: Path
+) -> None:
+    """A receiver that never sent on the communicator does not know its rank: the send slot
+    says -1 (unknown), never the sender's own rank."""
+    plugin = Plugin(fresh_lib, 11)
+    rank0 = plugin.init(comm_id=0x52, traffic_class=1)
+    rank1 = plugin.init(comm_id=0x52, traffic_class=2)
+    send01, recv01 = connect_pair(rank0, to=rank1)
+    for _ in range(3):
+        loopback_message(send01, recv01, b"one way", tag=0)
+    peers = {s["direction"]: s["peer_rank"] for _, s in table.slots()}
+    assert peers == {layout.DIR_SEND: -1, layout.DIR_RECV: 0}
+    send01.close()
+    recv01.close()
+    rank0.finalize()
+    rank1.finalize()
+    plugin.close()

@@ -453,7 +453,7 @@ def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        ({"E": 1.0}, "policy.args.E: expected a number > 1.0"),
+        ({"E": 1.0}, "policy.args.E: expected a number in (1.0, 1024.0]"),
         ({"U": "x"}, "policy.args.U"),
         ({"rho_source": "ewma"}, "policy.args.rho_source"),
         ({"feasibility": 1}, "policy.args.feasibility: expected true or false"),
