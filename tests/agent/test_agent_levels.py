@@ -1,0 +1,135 @@
+"""Levels into slots: the coordinator's decisions reach the table, and only the right slot.
+
+Both tests are in-process and take well under a second: the path coordinator level -> agent
+-> table slot was covered only by the slow subprocess e2e tests, and a ``write_slot`` that
+ignored ``claim_seq`` passed every test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+from agent_helpers import wait_until
+from prometheus_client import CollectorRegistry
+
+from flowsched.agent import AgentConfig
+from flowsched.agent.service import Agent
+from flowsched.agent.threaded import AgentThread
+from flowsched.coordinator import Coordinator, CoordinatorConfig
+from flowsched.model import Context, Decision, Flow
+from flowsched.protocol import write_token
+from flowsched.shm import layout
+from flowsched.shm.table import EmulatedPluginSlot, FlowTable
+
+FIRST_LEVEL, PROMOTED_LEVEL = 5, 2
+
+
+class ProgressPolicy:
+    """Level 5 at admission; level 2 once a flow has sent 1,000 bytes."""
+
+    name: ClassVar[str] = "progress"
+    num_levels = 8
+    per_flow_decisions = True
+
+    def _level(self, flow: Flow) -> int:
+        return PROMOTED_LEVEL if flow.sent >= 1000 else FIRST_LEVEL
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        return Decision(self._level(flow))
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        return {f.flow_id: Decision(self._level(f)) for f in flows if self._level(f) != f.level}
+
+    def release(self, flow: Flow, ctx: Context) -> None:
+        pass
+
+
+class CoordinatorThread:
+    """An in-process coordinator with ProgressPolicy on its own loop and thread."""
+
+    def __init__(self, token: bytes) -> None:
+        config = CoordinatorConfig(
+            token=token, policy_factory=ProgressPolicy, timer_period=0.01, metrics_port=None
+        )
+        self.coordinator = Coordinator(config, registry=CollectorRegistry())
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    def __enter__(self) -> int:
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(self.coordinator.start(), self._loop)
+        return future.result(10).port
+
+    def __exit__(self, *exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self.coordinator.stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+
+def _config(tmp_path: Path, **overrides: object) -> AgentConfig:
+    settings: dict[str, object] = dict(
+        node="n1",
+        socket_path=str(tmp_path / "agent.sock"),
+        table_path=str(tmp_path / "table"),
+        num_slots=8,
+        metrics_port=None,
+        interfaces=("lo",),
+    )
+    settings.update(overrides)
+    return AgentConfig(**settings)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def coordinated_agent(tmp_path: Path) -> Iterator[AgentThread]:
+    token_file = tmp_path / "token"
+    with CoordinatorThread(write_token(token_file)) as port:
+        config = _config(
+            tmp_path,
+            coordinator=("127.0.0.1", port),
+            token_file=str(token_file),
+            fallback_after=30.0,  # every level below comes from the coordinator
+        )
+        with AgentThread(config) as running:
+            wait_until(lambda: running.agent.connected)
+            yield running
+
+
+def test_coordinator_levels_reach_the_table_in_process(coordinated_agent: AgentThread) -> None:
+    agent = coordinated_agent.agent
+    with FlowTable.open(str(agent.config.table_path), writable=True) as table:
+        slot = EmulatedPluginSlot(table)
+        wait_until(lambda: slot.raw_level() == FIRST_LEVEL, timeout=3)
+        slot.send(1500)  # the coordinator promotes the flow once it has moved 1,000 bytes
+        wait_until(lambda: slot.raw_level() == PROMOTED_LEVEL, timeout=3)
+        assert slot.send(1) == PROMOTED_LEVEL  # what the plugin applies on its next isend
+        assert agent.fallback is None and agent.stats["levels_written"] >= 2
+        slot.close()
+
+
+def test_a_late_level_for_a_closed_connection_never_reaches_the_slots_next_owner(
+    tmp_path: Path,
+) -> None:
+    agent = Agent(_config(tmp_path, num_slots=1))  # the new connection must take that slot
+    agent._attach_table()
+    assert agent.table is not None and agent.registry is not None
+    try:
+        first = EmulatedPluginSlot(agent.table)
+        agent.scan_table()
+        (old_flow,) = agent.registry.flows
+        first.close()
+        # before the agent scans again, a new connection takes the CLOSED slot...
+        second = EmulatedPluginSlot(agent.table, take_closed=True)
+        assert (second.index, second.claim_seq) == (first.index, first.claim_seq + 1)
+        # ...and the coordinator's level for the closed flow arrives
+        agent.apply_levels([(old_flow, 1)])
+        assert second.raw_level() == layout.LEVEL_UNSET, "the new connection got the old level"
+        agent.scan_table()  # the new connection becomes a flow of its own
+        assert old_flow not in agent.registry.flows and len(agent.registry.flows) == 1
+    finally:
+        agent.table.close()
