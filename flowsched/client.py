@@ -212,7 +212,8 @@ class AgentConnection:
         self._send_lock = threading.Lock()
         self._state_lock = threading.Lock()
         self._refs = itertools.count(1)
-        self._pending: dict[int, tuple[threading.Event, list[sdk.SdkMessage]]] = {}
+        #: open requests waiting for their answer: ref -> (answered, answer, handle)
+        self._pending: dict[int, tuple[threading.Event, list[sdk.SdkMessage], FlowHandle]] = {}
         self._handles: dict[int, FlowHandle] = {}
         self._live: set[FlowHandle] = set()
         self._last_attempt = -RECONNECT_INTERVAL
@@ -265,11 +266,16 @@ class AgentConnection:
         return True
 
     def open(self, request: sdk.Open, handle: FlowHandle) -> sdk.Opened | None:
-        """Send ``open`` and wait for ``opened``; None on error or timeout."""
+        """Send ``open`` and wait for ``opened``; None on error or timeout.
+
+        The reader thread gives ``handle`` its id and marking the moment ``opened`` arrives,
+        before it reads the next frame: a ``level`` the agent pushes right after ``opened``
+        is never lost, nor overwritten by the older marking ``opened`` carried.
+        """
         event = threading.Event()
         box: list[sdk.SdkMessage] = []
         with self._state_lock:
-            self._pending[request.ref] = (event, box)
+            self._pending[request.ref] = (event, box, handle)
         try:
             if not self.send(request) or not event.wait(OPEN_TIMEOUT) or not box:
                 return None
@@ -281,8 +287,6 @@ class AgentConnection:
             log.warning("flowsched agent refused the flow: %s", reply.reason)
             return None
         assert isinstance(reply, sdk.Opened)
-        with self._state_lock:
-            self._handles[reply.id] = handle
         return reply
 
     def next_ref(self) -> int:
@@ -334,14 +338,10 @@ class AgentConnection:
         reply = self.open(request, handle)
         if reply is None:
             return
-        handle.id = reply.id
         if handle._closed:  # closed while we were re-opening it
             self.send(sdk.Close(reply.id, handle._sent))
             self.forget(handle)
             return
-        handle._set_marking(
-            Marking(reply.level, reply.dscp, reply.so_priority, reply.nccl_traffic_class)
-        )
         if handle._sent:
             self.send(sdk.Progress(reply.id, handle._sent))
         log.info("flowsched: flow re-opened at the agent as %d", reply.id)
@@ -362,7 +362,15 @@ class AgentConnection:
         if isinstance(message, sdk.Opened | sdk.Error) and ref is not None:
             with self._state_lock:
                 pending = self._pending.get(ref)
+                if pending is not None and isinstance(message, sdk.Opened):
+                    pending[2].id = message.id
+                    self._handles[message.id] = pending[2]
             if pending is not None:
+                if isinstance(message, sdk.Opened):
+                    pending[2]._set_marking(
+                        Marking(message.level, message.dscp, message.so_priority,
+                                message.nccl_traffic_class)
+                    )  # fmt: skip
                 pending[1].append(message)
                 pending[0].set()
         elif isinstance(message, sdk.Level):
@@ -384,7 +392,7 @@ class AgentConnection:
         with self._state_lock:
             if self._sock is sock:
                 self._sock = None
-            for event, _ in self._pending.values():
+            for event, _, _ in self._pending.values():
                 event.set()
             for handle in self._live:
                 handle.id = None
@@ -452,12 +460,7 @@ def open_flow(
         handle._request = dataclasses.replace(request_template, job=job)
         if conn.ensure_connected():
             req = dataclasses.replace(handle._request, ref=conn.next_ref())
-            reply = conn.open(req, handle)
-            if reply is not None:
-                handle.id = reply.id
-                handle._set_marking(
-                    Marking(reply.level, reply.dscp, reply.so_priority, reply.nccl_traffic_class)
-                )
+            conn.open(req, handle)  # sets the handle's id and marking when answered
         conn.track(handle)
     except Exception:  # never into the application
         log.exception("flowsched: opening the flow at the agent failed; using static defaults")

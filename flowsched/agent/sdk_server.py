@@ -163,7 +163,6 @@ class SdkServer:
             return
         flow, linked = self._register(message, pid)
         owned.add(flow.flow_id)
-        self._owner[flow.flow_id] = writer
         self.agent.admit_now()
         for key in linked:
             self.agent.write_slot(key)
@@ -175,6 +174,10 @@ class SdkServer:
         tc = view.nccl_traffic_class(flow.cls)
         opened = sdk.Opened(message.ref, flow.flow_id, level, mark.dscp, mark.so_priority, tc)
         self._write(writer, opened)
+        # level pushes start only now: one sent before ``opened`` named a flow id the client
+        # did not know yet (and was dropped); ``opened`` carries every level decided so far
+        if not writer.is_closing():
+            self._owner[flow.flow_id] = writer
 
     def _register(self, message: sdk.Open, pid: int) -> tuple[Flow, list[SlotKey]]:
         registry = self.agent.registry

@@ -8,7 +8,9 @@ ignored ``claim_seq`` passed every test.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import ClassVar
@@ -22,7 +24,7 @@ from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.coordinator import Coordinator, CoordinatorConfig
 from flowsched.model import Context, Decision, Flow
-from flowsched.protocol import write_token
+from flowsched.protocol import sdk, write_token
 from flowsched.shm import layout
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
@@ -133,3 +135,21 @@ def test_a_late_level_for_a_closed_connection_never_reaches_the_slots_next_owner
         assert old_flow not in agent.registry.flows and len(agent.registry.flows) == 1
     finally:
         agent.table.close()
+
+
+def test_opened_comes_before_any_level_push_and_carries_the_first_level(
+    coordinated_agent: AgentThread,
+) -> None:
+    decoder = sdk.SdkDecoder("client")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(coordinated_agent.agent.config.socket_path)
+        sock.sendall(sdk.encode(sdk.Open(7, "kv", size=10**9, deadline=time.time() + 60)))
+        messages: list[sdk.SdkMessage] = []
+        while not messages:
+            decoder.feed(sock.recv(65536))
+            while (message := decoder.next_message()) is not None:
+                messages.append(message)
+    first = messages[0]
+    assert isinstance(first, sdk.Opened), messages  # a level for an unknown id was dropped
+    assert first.level == FIRST_LEVEL  # the coordinator's level, decided while opening
