@@ -170,7 +170,7 @@ def preflight(config: AgentConfig, metrics_flag: str = "--metrics-port") -> None
         for host, _ in (config.coordinator, *config.coordinators):
             resolve("--coordinator", host)
     if config.metrics_port is not None:
-        check_bindable(metrics_flag, config.metrics_host, config.metrics_port, "--metrics-host")
+        check_bindable(metrics_flag, config.metrics_host, config.metrics_port, "--metrics-bind")
 
 
 #: AgentConfig fields set from flags whose names differ

@@ -102,7 +102,7 @@ def preflight(config: CoordinatorConfig) -> None:
     if config.etcd is not None:  # the URL, TTL, name and the etcd3gw package (ElectionError)
         EtcdElection(config.etcd, config.election_name, "", config.lease_ttl)
     if config.metrics_port is not None:
-        check_bindable("--metrics-port", config.metrics_host, config.metrics_port, "--metrics-host")
+        check_bindable("--metrics-port", config.metrics_host, config.metrics_port, "--metrics-bind")
 
 
 def _flag_named(message: str) -> str:

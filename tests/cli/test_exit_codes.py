@@ -74,8 +74,12 @@ CASES = {
     # flowsched agent
     "agent-metrics-taken": ([*AGENT, "--metrics-port", TAKEN], "already in use"),
     "agent-metrics-port-range": ([*AGENT, "--metrics-port", "99999"], "0..65535"),
-    "agent-metrics-host-unresolvable": (
-        [*AGENT, "--metrics-host", "no-such-host.invalid"], "--metrics-host: cannot resolve"),
+    "agent-metrics-bind-unresolvable": (
+        [*AGENT, "--metrics-bind", "no-such-host.invalid"], "--metrics-bind: cannot resolve"),
+    "agent-metrics-bind-foreign-address": (
+        [*AGENT, "--metrics-bind", "192.0.2.1:0"], "not an address of this machine"),
+    "coordinator-metrics-bind-port-range": (
+        [*COORD, "--metrics-bind", "127.0.0.1:99999"], "--metrics-bind"),
     "agent-slots-zero": ([*AGENT, "--slots", "0"], "--slots"),
     "agent-slots-too-many": ([*AGENT, "--slots", str(1 << 25)], "--slots"),
     "agent-table-missing-dir": (
