@@ -156,7 +156,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
 
 def preflight(config: AgentConfig, metrics_flag: str = "--metrics-port") -> None:
     """Refuse, before anything starts, what would make the agent fail: raises UsageError."""
-    check_parent_dir("--table", config.table_path)
+    if config.table_path != default_table_path():  # the default directory is the agent's own
+        check_parent_dir("--table", config.table_path)
     check_socket_path("--socket", config.socket_path)
     for name in config.interfaces:
         check_interface("--interface", name)
