@@ -207,18 +207,17 @@ def ewma_step(value: float, sample: float, elapsed: float, window: float) -> flo
 
 
 class TrafficMeter:
-    """Windowed rates of the scheduled flows, per flow and per link, from their byte counters.
+    """Windowed rates of the scheduled flows, per flow and per (link, level), from byte counters.
 
-    ``Context.link_load`` follows ~1 ms bursts and, read at event times (a flow opens just as a
-    collective ends), oversamples busy instants. Urgency metrics that predict the residual
-    bandwidth until a deadline hundreds of ms away want the average over a window spanning
-    several bursts, so the meter counts the bytes each flow sent between two :meth:`update`
-    calls (exact, whatever the call times) and keeps EWMAs, time constant ``window`` seconds,
-    of each flow's rate and of each link's utilization. Both are updated at the same instants
-    with the same weights, so a link's utilization minus a flow's share of it is exactly the
-    EWMA of the *other* flows' traffic. A flow starts at rate 0 (the link averages do not
-    contain it yet); a link first seen starts idle. Traffic the policy never sees (unscheduled
-    flows) is not counted.
+    The meter counts the bytes each flow sent between two :meth:`update` calls (exact, whatever
+    the call times) on each link of the flow, under the level the flow held, and keeps EWMAs
+    (time constant ``window`` seconds) of each flow's rate and of each (link, level)'s
+    utilization. Both are updated at the same instants with the same weights, so a link's
+    utilization minus a flow's share is exactly the EWMA of the *other* flows' traffic, and the
+    sum over the levels above ``L`` is the load of the traffic more urgent than ``L``. Why a
+    window: ``Context.link_load`` follows ~1 ms bursts and, read at event times, oversamples
+    busy instants (see docs/rmlq.md). A flow starts at rate 0; a link first seen starts idle.
+    Traffic the policy never sees (unscheduled flows) is not counted.
     """
 
     __slots__ = ("_flow_rate", "_last_sent", "_link_bytes", "_link_util", "_then", "window")
@@ -230,10 +229,10 @@ class TrafficMeter:
         self._then: float | None = None
         self._last_sent: dict[int, tuple[float, int]] = {}
         self._flow_rate: dict[int, float] = {}
-        self._link_bytes: dict[str, float] = {}
-        #: link -> (utilization, as of when); decayed lazily, so an update costs only the
-        #: links that carried bytes (a link with no bytes just decays: exp(-dt/w) composes)
-        self._link_util: dict[str, tuple[float, float]] = {}
+        self._link_bytes: dict[tuple[str, int], float] = {}
+        #: link -> {level: (utilization, as of when)}; decayed lazily, so an update costs only
+        #: the (link, level) pairs that carried bytes (no bytes: exp(-dt/w) composes)
+        self._link_util: dict[str, dict[int, tuple[float, float]]] = {}
 
     def open(self, flow: Flow, now: float) -> None:
         """Start counting ``flow`` from its current ``sent`` (the meter's clock starts too)."""
@@ -251,8 +250,12 @@ class TrafficMeter:
         self._flow_rate.pop(flow.flow_id, None)
 
     def _add_link_bytes(self, flow: Flow, sent: float) -> None:
+        if not sent:
+            return
+        level = flow.level if flow.level >= 0 else _UNPLACED
         for link in flow.links:
-            self._link_bytes[link] = self._link_bytes.get(link, 0.0) + sent
+            key = (link, level)
+            self._link_bytes[key] = self._link_bytes.get(key, 0.0) + sent
 
     def _count(self, flow: Flow, now: float) -> None:
         """Fold ``flow``'s bytes since its last count into its rate and its links' bytes."""
@@ -283,21 +286,26 @@ class TrafficMeter:
         for flow in flows:
             self.open(flow, now)
             self._count(flow, now)
-        for link, sent in self._link_bytes.items():
+        start = then if then is not None else now
+        for (link, level), sent in self._link_bytes.items():
             capacity = ctx.bandwidth(link)
             sample = sent / elapsed / capacity if elapsed > 0 and capacity > 0 else 0.0
-            util = self._decayed(link, then if then is not None else now)
-            self._link_util[link] = (ewma_step(util, sample, elapsed, self.window), now)
+            levels = self._link_util.setdefault(link, {})
+            util = _decay(levels.get(level), start, self.window)
+            levels[level] = (ewma_step(util, sample, elapsed, self.window), now)
         self._link_bytes.clear()
-
-    def _decayed(self, link: str, when: float) -> float:
-        """``link``'s utilization at ``when``, decayed from its last update (no bytes since)."""
-        util, since = self._link_util.get(link, (0.0, when))
-        return ewma_step(util, 0.0, when - since, self.window)
 
     def link_load(self, link: str) -> float:
         """Windowed utilization of ``link`` by the scheduled flows (0 when never seen)."""
-        return self._decayed(link, self._then) if self._then is not None else 0.0
+        return self.load_above(link, _UNPLACED + 1)
+
+    def load_above(self, link: str, level: int) -> float:
+        """Windowed utilization of ``link`` by flows at levels more urgent than ``level``."""
+        levels = self._link_util.get(link)
+        if not levels or self._then is None:
+            return 0.0
+        now, window = self._then, self.window
+        return sum(_decay(entry, now, window) for lvl, entry in levels.items() if lvl < level)
 
     def flow_rate(self, flow: Flow) -> float:
         """Windowed rate of ``flow`` in bytes/s (0 when not counted yet)."""
@@ -312,3 +320,15 @@ class TrafficMeter:
             own = rate / capacity if capacity > 0 else 0.0
             loads.append(self.link_load(link) - own)
         return max(loads)
+
+
+#: the level under which the meter files bytes of a flow not placed yet (below every level)
+_UNPLACED = 1 << 20
+
+
+def _decay(entry: tuple[float, float] | None, when: float, window: float) -> float:
+    """A (utilization, as of) entry decayed to ``when`` (no bytes since); 0 for None."""
+    if entry is None:
+        return 0.0
+    util, since = entry
+    return ewma_step(util, 0.0, when - since, window)

@@ -13,7 +13,7 @@ from flowsched.model import Context, FlowClass
 from flowsched.policies import ORACLES, Policy, create, module, names
 
 #: the smallest K each policy supports with its default arguments
-MIN_LEVELS = {"rmlq": 6}
+MIN_LEVELS = {"rmlq": 7}
 
 
 @pytest.mark.parametrize("name", names())

@@ -1,4 +1,4 @@
-"""rmlq: hand-computed MLU bands, RLI levels, RED, feasibility, rho sources, never-demote."""
+"""rmlq: levels (urgent tier, early, MLU bands), rho, Algorithm 1, promotion timers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from policy_flows import build_flow
 
 from flowsched.model import Context, Flow, FlowClass
-from flowsched.policies import create, rmlq
+from flowsched.policies import create, feasibility, rmlq
 from flowsched.policies.common import TrafficMeter
 
 B = 1e9  # bytes/s of the default link in these tests
@@ -28,57 +28,70 @@ def policy(num_levels: int = 8, **args: Any) -> rmlq.RmlqPolicy:
     return made
 
 
-# Defaults K=8, R=3, E=4, U=0.5: 0 = MLU>=0.5; 1..3 = RLI 0,1,2+; 4 = [0.125,0.5);
-# 5 = [0.03125,0.125); 6 = below; 7 = scavenger. MLU = remaining / (1 s x 1e9 B/s).
+# Defaults K=8, T=2, R=3, E=4, U=0.5: 0/1 = urgent (MLU >= 0.5) with time left <= 25 ms /
+# more; 2 = tp; 3 = other RLI 0; 4 = RLI >= 1; 5 = MLU in [0.125, 0.5); 6 = below;
+# 7 = scavenger. MLU = remaining / (time left x 1e9 B/s) (no links: rho 0).
 @pytest.mark.parametrize(
-    ("remaining", "deadline", "level"),
+    ("remaining", "deadline", "args", "level"),
     [
-        (6e8, 1.0, 0),
-        (5e8, 1.0, 0),
-        (4.99e8, 1.0, 4),
-        (2e8, 1.0, 4),
-        (1.25e8, 1.0, 4),
-        (1e8, 1.0, 5),
-        (3.125e7, 1.0, 5),
-        (3e7, 1.0, 6),
-        (1e3, 1.0, 6),
-        (0, 1.0, 6),
-        (1e3, -0.5, 0),
-        (1e8, 0.2, 0),
+        (6e8, 1.0, {}, 1),
+        (5e8, 1.0, {}, 1),
+        (4.99e8, 1.0, {}, 5),
+        (1.25e8, 1.0, {}, 5),
+        (1e8, 1.0, {}, 6),
+        (0, 1.0, {}, 6),
+        (2e7, 0.04, {}, 1),
+        (1e7, 0.02, {}, 0),
+        (2e7, 0.04, {"urgent_levels": 3}, 1),
+        (3e7, 0.06, {"urgent_levels": 3}, 2),
+        (1e3, -0.5, {}, 7),
+        (1e3, -0.5, {"feasibility": False}, 0),
+        (6e8, 1.0, {"urgent_levels": 1, "early_levels": 2}, 0),
     ],
     ids=[
-        "mlu-0.6-top",
-        "mlu-0.5-top-inclusive",
+        "mlu-0.6-urgent-far",
+        "mlu-0.5-urgent-inclusive",
         "mlu-0.499-band1",
-        "mlu-0.2-band1",
         "mlu-0.125-band1-inclusive",
         "mlu-0.1-band2",
-        "mlu-Q2-band2-inclusive",
-        "mlu-0.03-lowest",
-        "tiny-lowest",
         "finished-lowest",
-        "past-deadline-top",
-        "mlu-0.5-in-0.2s-top",
+        "urgent-40ms-left",
+        "urgent-20ms-left",
+        "three-urgent-40ms",
+        "three-urgent-60ms",
+        "late-pruned",
+        "late-without-pruning-on-top",
+        "one-urgent-level",
     ],
 )
-def test_explicit_flow_level_from_mlu(remaining: float, deadline: float, level: int) -> None:
+def test_explicit_flow_level(
+    remaining: float, deadline: float, args: dict[str, Any], level: int
+) -> None:
     flow = build_flow(cls="kv", size=int(remaining), deadline=deadline)
-    assert policy().admit(flow, ctx()).level == level
+    assert policy(**args).admit(flow, ctx()).level == level
 
 
 @pytest.mark.parametrize(
-    ("value", "level"),
-    [(1.0, 0), (0.5, 0), (0.3, 4), (0.1, 5), (0.01, 6)],
-    ids=["1", "U", "0.3", "0.1", "0.01"],
+    ("value", "time_left", "level"),
+    [(1.0, 1.0, 1), (0.5, 0.05, 1), (0.5, 0.025, 0), (0.5, -1.0, 0), (0.3, 0.0, 5), (0.01, 0, 6)],
+    ids=["urgent-rest", "urgent-50ms", "urgent-25ms", "urgent-late", "band1", "band2"],
 )
-def test_mlu_level_table(value: float, level: int) -> None:
-    assert policy().mlu_level(value) == level
+def test_mlu_level_table(value: float, time_left: float, level: int) -> None:
+    assert policy().mlu_level(value, time_left) == level
+
+
+def test_urgent_order_by_slack() -> None:
+    # 3.5e7 bytes on 1e9 B/s need 35 ms (MLU 0.5): 70 ms left is 35 ms of slack (level 1 in
+    # slack order, level 2 in deadline order)
+    flow = build_flow(cls="kv", size=int(3.5e7), deadline=0.07)
+    assert policy(urgent_levels=3, urgent_order="slack").admit(flow, ctx()).level == 1
+    assert policy(urgent_levels=3).admit(flow, ctx()).level == 2
 
 
 def test_top_threshold_and_band_parameters() -> None:
-    # top at 1.0, E=2, U=1 -> bands [0.5, 1), [0.25, 0.5), below
-    custom = policy(E=2.0, U=1.0, top_threshold=1.0)
-    assert [custom.mlu_level(v) for v in (1.0, 0.7, 0.3, 0.2)] == [0, 4, 5, 6]
+    # K=9 -> bands at 5, 6, 7; top 1.0, E=2, U=1 -> [0.5, 1), [0.25, 0.5), below
+    custom = policy(9, E=2.0, U=1.0, top_threshold=1.0)
+    assert [custom.mlu_level(v) for v in (1.0, 0.7, 0.3, 0.2)] == [1, 5, 6, 7]
 
 
 def test_mlu_formula() -> None:
@@ -88,74 +101,78 @@ def test_mlu_formula() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cls", "consumer", "current", "level"),
+    ("cls", "consumer", "current", "args", "level"),
     [
-        ("tp", None, None, 1),
-        ("experience", 5, 5, 1),
-        ("experience", 6, 5, 2),
-        ("experience", 7, 5, 3),
-        ("experience", 8, 5, 3),
-        ("kv_reuse", 4, 5, 1),
-        ("kv_reuse", 9, None, 3),
-        ("bulk", None, None, 7),
+        ("tp", None, None, {}, 2),
+        ("experience", 5, 5, {}, 3),
+        ("experience", 6, 5, {}, 4),
+        ("kv_reuse", 9, None, {}, 4),
+        ("bulk", None, None, {}, 7),
+        ("tp", None, None, {"collectives_first": False, "early_levels": 4}, 2),
+        ("experience", 5, 5, {"collectives_first": False, "early_levels": 4}, 2),
+        ("experience", 6, 5, {"collectives_first": False, "early_levels": 4}, 3),
+        ("experience", 9, 5, {"collectives_first": False, "early_levels": 4}, 5),
+        ("kv_reuse", 4, 5, {"collectives_first": False, "early_levels": 4}, 2),
     ],
     ids=[
-        "tp-rli0",
-        "rli0",
+        "tp-alone",
+        "rli0-below-tp",
+        "rli1-on-the-last-early-level",
+        "no-job-index-unknown-level",
+        "bulk",
+        "shared-tp",
+        "shared-rli0",
         "rli1",
-        "rli2",
         "rli3-capped",
         "consumer-passed",
-        "no-job-index",
-        "bulk",
     ],
 )
 def test_implicit_flow_level_from_rli(
-    cls: str, consumer: int | None, current: int | None, level: int
+    cls: str, consumer: int | None, current: int | None, args: dict[str, Any], level: int
 ) -> None:
     flow = build_flow(cls=cls, job="j", consumer_index=consumer)
     job_index = {} if current is None else {"j": current}
-    assert policy().admit(flow, ctx(job_index=job_index)).level == level
+    num_levels = 9 if "early_levels" in args else 8
+    assert policy(num_levels, **args).admit(flow, ctx(job_index=job_index)).level == level
 
 
 @pytest.mark.parametrize(
-    ("cls", "consumer", "level"),
-    [("tp", None, 1), ("experience", 5, 2), ("experience", 6, 3), ("kv_reuse", 9, 3)],
-    ids=["tp-alone-on-level-1", "rli0-below-tp", "rli1", "rli4-capped"],
+    ("job_index", "size", "level"),
+    [({"j": 3}, 6e8, 5), ({}, 6e8, 1), ({"j": 3}, 1e8, 6), ({"other": 3}, 6e8, 1)],
+    ids=["in-prefill-held", "prefill-done-urgent", "in-prefill-deferred", "other-job-running"],
 )
-def test_collectives_first_gives_tp_its_own_early_level(
-    cls: str, consumer: int | None, level: int
+def test_p2d_of_a_job_in_prefill_stays_below_its_collectives(
+    job_index: dict[str, int], size: float, level: int
 ) -> None:
-    flow = build_flow(cls=cls, job="j", consumer_index=consumer)
-    pol = policy(collectives_first=True)
-    assert pol.admit(flow, ctx(job_index={"j": 5})).level == level
-    assert pol.describe_levels()[1].startswith("early: tp collectives")
+    flow = build_flow(cls="kv", size=int(size), deadline=1.0, job="j", consumer_index=2)
+    assert policy().admit(flow, ctx(job_index=job_index)).level == level
 
 
-def test_explicit_flow_without_size_or_deadline_uses_unknown_level() -> None:
-    assert policy().admit(build_flow(cls="kv", deadline=1.0), ctx()).level == 3
-    assert policy().admit(build_flow(cls="param_sync", size=10), ctx()).level == 3
-    assert policy(unknown_level=5).admit(build_flow(cls="kv"), ctx()).level == 5
+def test_unknown_size_or_deadline_uses_unknown_level() -> None:
+    assert policy().admit(build_flow(cls="kv", deadline=1.0), ctx()).level == 4
+    assert policy().admit(build_flow(cls="param_sync", size=10), ctx()).level == 4
+    assert policy(unknown_level=6).admit(build_flow(cls="kv"), ctx()).level == 6
 
 
 def test_promotion_as_deadline_nears() -> None:
-    # 1e8 bytes due at t=1: MLU 0.1 at t=0 (level 5), 0.2 at t=0.5 (4), 0.667 at t=0.85 (0)
+    # 1e8 bytes due at t=1: MLU 0.1 at t=0 (6), 0.2 at 0.5 (5), 0.67 at 0.85 (urgent, 150 ms
+    # left: 1), still 1 with 40 ms left, 0 with 20 ms left
     pol = policy()
     flow = build_flow(cls="kv", size=int(1e8), deadline=1.0)
     flow.level = pol.admit(flow, ctx(0.0)).level
-    assert flow.level == 5
+    assert flow.level == 6
     seen = []
-    for now in (0.5, 0.85, 0.9):
+    for now in (0.5, 0.85, 0.96, 0.98):
         for fid, decision in pol.reevaluate([flow], ctx(now)).items():
             assert fid == flow.flow_id
             flow.level = decision.level
         seen.append(flow.level)
-    assert seen == [4, 0, 0]
+    assert seen == [5, 1, 1, 0]
 
 
 @pytest.mark.parametrize(
     ("lead", "now", "level"),
-    [(0.0, 0.5, 4), (0.3, 0.5, 0), (0.3, 0.0, 4), (0.0, 0.0, 5), (0.3, 0.71, 0), (0.0, 0.71, 4)],
+    [(0.0, 0.5, 5), (0.3, 0.5, 1), (0.3, 0.0, 5), (0.0, 0.0, 6), (0.3, 0.71, 0), (0.0, 0.71, 5)],
     ids=["no-lead", "lead-promotes", "lead-band", "no-lead-band2", "inside-lead", "no-lead-0.71"],
 )
 def test_promotion_lead_counts_the_actuation_delay(lead: float, now: float, level: int) -> None:
@@ -168,28 +185,49 @@ def test_never_demotes_when_urgency_drops() -> None:
     pol = policy()
     flow = build_flow(cls="kv", size=int(6e8), deadline=1.0)
     flow.level = pol.admit(flow, ctx()).level
-    assert flow.level == 0
+    assert flow.level == 1
     flow.sent = flow.size or 0  # nothing left: MLU 0 would be the lowest band
     assert pol.reevaluate([flow], ctx(0.1)) == {}
     exp = build_flow(2, cls="experience", job="j", consumer_index=6)
     exp.level = pol.admit(exp, ctx(job_index={"j": 6})).level
-    assert exp.level == 1
+    assert exp.level == 3
     assert pol.reevaluate([exp], ctx(job_index={"j": 0})) == {}
 
 
-def test_rho_sources() -> None:
-    # links a (2e9 B/s) and b (4e9 B/s); 2.5e8 bytes due in 1 s. Another flow kept a at 75%
-    # for 10 windows (rho_window 0.01 s), so its windowed load is ~0.75 whatever Context says.
-    links = {"link_bandwidth": {"a": 2e9, "b": 4e9}, "link_load": {"a": 0.0, "b": 0.0}}
-    for source, expected in (("none", 0.125), ("link", 0.5), ("others", 0.5)):
-        pol = policy(rho_source=source, rho_window=0.01)
-        other = build_flow(9, cls="bulk", size=10**12, links=("a",))
-        pol.admit(other, ctx(0.0, **links))
-        other.sent = int(0.75 * 2e9 * 0.1)
-        pol.reevaluate([other], ctx(0.1, **links))
-        flow = build_flow(cls="kv", size=int(2.5e8), deadline=1.1, links=("a", "b"))
-        pol.admit(flow, ctx(0.1, **links))
-        assert pol.flow_mlu(flow, ctx(0.1, **links)) == pytest.approx(expected, rel=1e-3), source
+# -- rho ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "rho_band1", "rho_band2"),
+    [("above", 0.5, 0.8), ("others", 0.6, 0.8), ("link", 0.9, 0.9), ("none", 0.0, 0.0)],
+)
+def test_rho_sources(source: str, rho_band1: float, rho_band2: float) -> None:
+    # On link a for 1 s (window 10 ms: converged): tp (level 3) at 50%, a kv flow in band 1
+    # (level 5) at 30%, a kv flow in band 2 (level 6) at 10%.
+    pol = policy(rho_source=source, rho_window=0.01, feasibility=False)
+    flows = [
+        build_flow(1, cls="tp", size=10**12, links=("a",)),
+        build_flow(2, cls="kv", size=10**12, deadline=100.0, links=("a",)),
+        build_flow(3, cls="kv", size=10**12, deadline=100.0, links=("a",)),
+    ]
+    for flow, level, share in zip(flows, (3, 5, 6), (0.5, 0.3, 0.1), strict=True):
+        pol.admit(flow, ctx(0.0))
+        flow.level, flow.sent = level, int(share * B)
+    pol.reevaluate(flows, ctx(1.0))
+    assert pol._rho(flows[1], ctx(1.0)) == pytest.approx(rho_band1, abs=1e-6)
+    assert pol._rho(flows[2], ctx(1.0)) == pytest.approx(rho_band2, abs=1e-6)
+
+
+def test_admission_counts_the_load_above_the_deferred_bands() -> None:
+    pol = policy(rho_window=0.01, feasibility=False)
+    tp = build_flow(1, cls="tp", size=10**12, links=("a",))
+    pol.admit(tp, ctx(0.0))
+    tp.level, tp.sent = 3, int(0.5 * B)
+    pol.reevaluate([tp], ctx(1.0))
+    # 1.5e8 bytes in 1 s: MLU 0.15 on the whole link, 0.3 with the collectives' half taken
+    flow = build_flow(2, cls="kv", size=int(1.5e8), deadline=2.0, links=("a",))
+    assert pol.flow_mlu(flow, ctx(1.0)) == pytest.approx(0.3)
+    assert pol.admit(flow, ctx(1.0)).level == 5
 
 
 def test_rho_is_capped_at_max_load() -> None:
@@ -200,6 +238,20 @@ def test_rho_is_capped_at_max_load() -> None:
     pol.reevaluate([hog], ctx(1.0))
     flow = build_flow(cls="kv", size=int(1e8), deadline=2.0, links=("a",))
     assert pol.flow_mlu(flow, ctx(1.0)) == pytest.approx(1e8 / (1.0 * B * 0.2))
+
+
+def test_traffic_meter_loads_per_level() -> None:
+    meter = TrafficMeter(window=1e-9)
+    flows = [build_flow(i, size=10**12, links=("a", "b")) for i in range(3)]
+    for flow, level in zip(flows, (0, 2, -1), strict=True):
+        meter.open(flow, 0.0)
+        flow.level = level
+        flow.sent = int(0.1 * B)
+    meter.update(flows, ctx(1.0))
+    assert [meter.load_above("a", level) for level in (0, 1, 2, 3)] == pytest.approx(
+        [0.0, 0.1, 0.1, 0.2]
+    )
+    assert meter.link_load("b") == pytest.approx(0.3)  # the unplaced flow counts on the link
 
 
 def _rho_after(history: list[tuple[float, float, float]], window: float = 0.05) -> float:
@@ -282,7 +334,7 @@ def test_starved_flow_is_not_promoted_by_a_burst() -> None:
     other = build_flow(2, cls="tp", size=10**12, links=("a",))
     for flow in (sync, other):
         flow.level = pol.admit(flow, ctx(0.0, link_load={"a": 0.92})).level
-    assert sync.level == 4  # MLU 1e9 / (4 s x 1e9 B/s) = 0.25: band [0.125, 0.5)
+    assert sync.level == 5  # MLU 1e9 / (4 s x 1e9 B/s) = 0.25: band [0.125, 0.5)
     sync.sent = other.sent = int(0.25e9)  # half the link each for 0.5 s
     assert pol.reevaluate([sync, other], ctx(0.5)) == {}  # MLU 0.75e9 / (3.5e9 x 0.5) = 0.43
     other.sent += int(1e6)  # a 1 ms burst of the other flow; the sync sends nothing
@@ -291,17 +343,24 @@ def test_starved_flow_is_not_promoted_by_a_burst() -> None:
 
 
 @pytest.mark.parametrize(
-    ("deadlines", "red"),
-    [([3.0], 3.0), ([1.0, 2.0, 10.0, 11.0], 5.5), ([1.0, 1.1, 1.2, 5.0], 2.0), ([2.0, 2.0], 2.0)],
+    ("deadlines", "red", "loose"),
+    [
+        ([3.0], 3.0, 3.0),
+        ([1.0, 2.0, 10.0, 11.0], 5.5, 10.0),
+        ([1.0, 1.1, 1.2, 5.0], 2.0, 5.0),
+        ([2.0, 2.0], 2.0, 2.0),
+    ],
     ids=["single", "two-two", "three-one", "equal"],
 )
-def test_robust_effective_deadline(deadlines: list[float], red: float) -> None:
+def test_robust_effective_deadline(deadlines: list[float], red: float, loose: float) -> None:
     assert rmlq.robust_effective_deadline(deadlines) == pytest.approx(red)
+    assert feasibility.loose_deadline(deadlines) == pytest.approx(loose)
 
 
 def test_red_orders_equal_rli_flows_across_requests() -> None:
-    # K=12, R=5, T=2: slots RLI0/tight=1, RLI0/loose=2, RLI1/tight=3, RLI1/loose=4, rest=5
-    pol = policy(12, early_levels=5, red_tiers=2)
+    # K=12, T=2, R=5, no collectives_first: slots RLI0/tight=2, RLI0/loose=3, RLI1/tight=4,
+    # RLI1/loose=5, rest=6
+    pol = policy(12, early_levels=5, red_tiers=2, collectives_first=False)
     tight, loose = "r-tight", "r-loose"
     flows = [
         build_flow(1, cls="tp", request=tight, deadline=1.0),
@@ -312,138 +371,209 @@ def test_red_orders_equal_rli_flows_across_requests() -> None:
         build_flow(6, cls="tp"),
     ]
     decisions = pol.reevaluate(flows, ctx(job_index={"j": 0}))
-    assert {fid: d.level for fid, d in decisions.items()} == {1: 1, 2: 2, 3: 3, 4: 4, 5: 5, 6: 1}
+    assert {fid: d.level for fid, d in decisions.items()} == {1: 2, 2: 3, 3: 4, 4: 5, 5: 6, 6: 2}
 
 
-def _explicit(flow_id: int, request: str, size: float) -> Flow:
-    return build_flow(flow_id, cls="kv", size=int(size), deadline=1.0, request=request)
+# -- Algorithm 1 ----------------------------------------------------------------------------
 
 
-def test_feasibility_prunes_hopeless_request_after_grace() -> None:
-    pol = policy(feasibility=True, feasibility_grace=0.01)
-    hopeless = _explicit(1, "r", 2e9)  # MLU 2 at t=0
-    sibling = _explicit(2, "r", 1e6)  # feasible, same request
-    collective = build_flow(3, cls="tp", request="r")
-    other = _explicit(4, "q", 2e8)
-    flows = [hopeless, sibling, collective, other]
-    for flow in flows:
-        flow.level = pol.admit(flow, ctx()).level
-    assert [f.level for f in flows] == [0, 6, 1, 4]
-    assert pol.reevaluate(flows, ctx(0.005)) == {}
-    decisions = pol.reevaluate(flows, ctx(0.011))
-    assert {fid: d.level for fid, d in decisions.items()} == {1: 7, 2: 7}
-    for flow in flows:
-        pol.release(flow, ctx(0.02))
-    assert pol._pruned == {"r"}  # kept for the request's later flows (request_memory = 1 s)
-    pol.reevaluate([], ctx(0.5))
-    assert pol._pruned == {"r"}
-    pol.reevaluate([build_flow(9, cls="tp")], ctx(1.03))
-    assert not pol._pruned and not pol._infeasible_since and not pol._request_flows
+def demand(request: str, deadline: float, size: float, batch: str | None = None) -> Any:
+    return feasibility.Demand(request, batch or request, deadline, {"u": size})
 
 
-@pytest.mark.parametrize(("load", "pruned"), [("rho", True), ("none", False)])
-def test_feasibility_load_judges_against_residual_or_whole_link(load: str, pruned: bool) -> None:
-    # another flow keeps link a (1e9 B/s) 75% busy; 6e8 bytes due in 1 s: MLU 0.6 on the whole
-    # link (feasible at the top level), 2.4 on the residual 25% (hopeless for "rho")
-    links = {"link_bandwidth": {"a": B}, "link_load": {"a": 0.0}}
-    pol = policy(feasibility=True, rho_window=0.01, feasibility_load=load)
-    other = build_flow(9, cls="bulk", size=10**12, links=("a",))
-    pol.admit(other, ctx(0.0, **links))
-    other.sent = int(0.75 * B * 0.1)
-    pol.reevaluate([other], ctx(0.1, **links))
-    flow = _explicit(1, "r", 6e8)
-    flow.links, flow.deadline = ("a",), 1.1
-    flow.level = pol.admit(flow, ctx(0.1, **links)).level
-    assert flow.level == (7 if pruned else 0)
-    assert pol.is_pruned(flow) is pruned
-
-
-def _per_layer(flow_id: int, request: str = "r", *, size: float = 1e6, **fields: Any) -> Flow:
-    fields.setdefault("deadline", 1.0)
-    return build_flow(flow_id, cls="kv", size=int(size), request=request, **fields)
-
-
-# Each case: the request's flows in order, (admission time, bytes, deadline), each released
-# before the next opens (per-layer P2D flows); whether the last one is pruned. grace = 10 ms:
-# MLU > 1 (bytes / (time left x 1e9 B/s)) must hold 10 ms, timed per request, not per flow.
 @pytest.mark.parametrize(
-    ("flows", "pruned"),
+    ("demands", "budget", "compute", "pruned"),
     [
-        ([(0.0, 1e6, 1.0)], False),
-        ([(1.5, 1e6, 1.0)], True),
-        ([(0.999, 2e6, 1.0)], False),
-        ([(0.999, 2e6, 1.0), (0.9995, 2e6, 1.0)], False),
-        ([(0.990, 1e8, 1.0), (0.995, 1e8, 1.0), (1.0001, 1e6, 1.0)], True),
-        ([(0.980, 3e7, 1.0), (0.986, 2e7, 1.0), (0.9905, 1e7, 1.0)], True),
-        ([(0.980, 3e7, 1.0), (0.986, 1e3, 1.0), (0.9905, 1e7, 1.0)], False),
+        ([demand("A", 1.0, 5e8), demand("B", 1.2, 6e8), demand("C", 1.3, 1e8)], 1, {}, []),
+        ([demand("A", 1.0, 5e8), demand("B", 1.2, 9e8), demand("C", 1.3, 1e8)], 1, {}, ["B"]),
+        ([demand("A", 1.0, 5e8), demand("B", 1.2, 9e8)], 0, {}, []),
+        ([demand("A", 1.0, 9e8), demand("B", 1.0, 2e8)], 1, {}, ["A"]),
+        ([demand("A", 0.8, 4e8)], 1, {"A": 0.5}, ["A"]),
+        ([demand("A", 0.8, 4e8)], 1, {"A": 0.3}, []),
+        (
+            [demand("A", 1.0, 6e8), demand("B", 1.0, 6e8), demand("C", 1.0, 6e8)],
+            2,
+            {},
+            ["A", "B"],  # equal loads: the first (the more urgent) goes first
+        ),
+        # one batch, two requests: RED over 1.0 and 3.0; the loose deadline 3.0 is the check
+        ([demand("r1", 1.0, 2e9, "J"), demand("r2", 3.0, 5e8, "J")], 1, {}, []),
     ],
     ids=[
-        "on-time",
-        "deadline-passed-prunes-at-once",
-        "mlu-2-within-grace",
-        "second-flow-still-within-grace",
-        "deadline-passes-between-layers",
-        "grace-spans-per-layer-flows",
-        "feasible-flow-resets-timer",
+        "all-fit",
+        "prune-the-batch-itself",
+        "no-budget",
+        "prune-a-more-urgent-batch",
+        "compute-makes-it-late",
+        "compute-fits",
+        "budget-two",
+        "batch-judged-by-its-loose-deadline",
     ],
 )
-def test_feasibility_judges_requests_across_their_per_layer_flows(
-    flows: list[tuple[float, float, float]], pruned: bool
+def test_algorithm_1(
+    demands: list[Any], budget: int, compute: dict[str, float], pruned: list[str]
 ) -> None:
-    pol = policy(feasibility=True, feasibility_grace=0.01)
-    flow = _per_layer(0)
-    for flow_id, (now, size, deadline) in enumerate(flows):
-        flow = _per_layer(flow_id, size=size, deadline=deadline)
-        flow.level = pol.admit(flow, ctx(now)).level
-        pol.reevaluate([flow], ctx(now))
-        pol.release(flow, ctx(now))
-    assert pol.is_pruned(flow) is pruned
-    assert (flow.level == 7) is pruned
+    assert feasibility.inter_scheduling(demands, lambda _: B, 0.0, budget, compute) == pruned
 
 
-def test_prune_classes_spare_param_sync_by_default() -> None:
-    late = build_flow(1, cls="param_sync", size=10**6, deadline=1.0, request="sync")
-    assert policy(feasibility=True).admit(late, ctx(2.0)).level == 0
-    pol = policy(feasibility=True, prune_classes=["kv", "param_sync"])
-    assert pol.admit(late, ctx(2.0)).level == 7
+@pytest.mark.parametrize(("budget", "level"), [(1, 7), (0, 1)])
+def test_algorithm_1_prunes_requests_in_the_policy(budget: int, level: int) -> None:
+    # on one 1e9 B/s link: r1 needs 0.5 s by 1.0, r2 0.9 s more by 1.2: r2 cannot make it
+    pol = policy(drop_budget=budget)
+    first = build_flow(1, cls="kv", size=int(5e8), deadline=1.0, request="r1")
+    second = build_flow(2, cls="kv", size=int(9e8), deadline=1.2, request="r2")
+    collective = build_flow(3, cls="tp", request="r2")
+    for flow in (first, second, collective):
+        flow.level = pol.admit(flow, ctx()).level
+    decisions = pol.reevaluate([first, second, collective], ctx(0.001))
+    assert decisions.get(2, rmlq.Decision(second.level)).level == level
+    assert 1 not in decisions and 3 not in decisions  # r1 and the collective keep theirs
 
 
-def test_pruned_request_keeps_its_collectives_and_releases_state_per_flow_without_request() -> None:
-    pol = policy(feasibility=True)
-    collective = build_flow(1, cls="tp", request="r")
-    late = _per_layer(2, deadline=0.5)
-    lone = build_flow(3, cls="kv", size=10, deadline=0.5)  # no request: keyed by flow
-    levels = [pol.admit(f, ctx(1.0)).level for f in (collective, late, lone)]
-    assert levels == [1, 7, 7]
-    pol.release(lone, ctx(1.0))
-    assert pol._pruned == {"r"}
-
-
-def test_past_deadline_stays_on_top_without_feasibility() -> None:
+def test_algorithm_1_counts_the_layers_not_opened_and_the_remaining_compute() -> None:
+    # a 4-layer job (depth learned from a finished request's layer 3) at layer 1 going at
+    # 0.1 s per layer: 0.2 s of compute left; its request's layer-1 P2D of 1e8 bytes means
+    # 3e8 bytes with layers 2 and 3: done by 0.5 s at the earliest, deadline 0.4
     pol = policy()
-    flow = _explicit(1, "r", 2e9)
-    flow.level = pol.admit(flow, ctx()).level
-    assert flow.level == 0
-    assert pol.reevaluate([flow], ctx(5.0)) == {}
+    depth = build_flow(9, cls="kv", size=10, deadline=5.0, request="old", consumer_index=3)
+    pol.admit(depth, ctx())
+    pol.release(depth, ctx())
+    flow = build_flow(1, cls="kv", size=int(1e8), deadline=0.4, job="j", request="r",
+                      consumer_index=1)  # fmt: skip
+    flow.level = pol.admit(flow, ctx(0.0, job_index={"j": 0})).level
+    pol.reevaluate([flow], ctx(0.0, job_index={"j": 0}))
+    pol._alg1_due = True  # as if another request arrived
+    assert pol.reevaluate([flow], ctx(0.1, job_index={"j": 1}))[1].level == 7
 
 
-def test_feasibility_recovers_before_grace() -> None:
-    pol = policy(feasibility=True, feasibility_grace=0.01)
-    flow = _explicit(1, "r", 2e9)
+def test_late_requests_are_pruned_but_not_their_collectives_or_param_syncs() -> None:
+    pol = policy()
+    flows = [
+        build_flow(1, cls="kv", size=10, deadline=1.0, request="r"),
+        build_flow(2, cls="tp", request="r"),
+        build_flow(3, cls="param_sync", size=10, deadline=1.0),
+    ]
+    for flow in flows:
+        flow.level = pol.admit(flow, ctx()).level
+    decisions = pol.reevaluate(flows, ctx(1.5))
+    assert {fid: d.level for fid, d in decisions.items()} == {1: 7, 3: 0}
+
+
+def test_mlu_check_prunes_a_hopeless_request_after_its_grace() -> None:
+    pol = policy(feasibility_check="mlu", feasibility_grace=0.01)
+    hopeless = build_flow(1, cls="kv", size=int(2e9), deadline=1.0, request="r")  # MLU 2
+    sibling = build_flow(2, cls="kv", size=int(1e6), deadline=1.0, request="r")
+    for flow in (hopeless, sibling):
+        flow.level = pol.admit(flow, ctx()).level
+    assert not pol.per_flow_decisions
+    assert pol.reevaluate([hopeless, sibling], ctx(0.005)) == {}
+    decisions = pol.reevaluate([hopeless, sibling], ctx(0.02))
+    assert {fid: d.level for fid, d in decisions.items()} == {1: 7, 2: 7}
+
+
+@pytest.mark.parametrize(
+    ("args", "per_flow"),
+    [
+        ({}, True),
+        ({"feasibility": False}, True),
+        ({"feasibility_check": "mlu"}, False),
+        ({"feasibility_check": "mlu", "feasibility": False}, True),
+        ({"red_tiers": 2}, False),
+    ],
+    ids=["alg1", "off", "mlu", "mlu-off", "red"],
+)
+def test_per_flow_decisions(args: dict[str, Any], per_flow: bool) -> None:
+    assert policy(12, early_levels=5, **args).per_flow_decisions is per_flow
+
+
+# -- promotion timers -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("level", "now", "args", "expected"),
+    [
+        (6, 0.0, {"rho_source": "none"}, 0.2),  # MLU 0.125 at 0.8 s left
+        (5, 0.0, {"rho_source": "none"}, 0.8),  # MLU 0.5 at 0.2 s left
+        (1, 0.85, {}, 0.975),  # next urgent band: 25 ms left
+        (2, 0.85, {"urgent_levels": 3}, 0.95),  # 50 ms left
+        (0, 0.98, {}, 1.0),  # the deadline (pruning)
+        (0, 0.98, {"feasibility": False}, None),
+        (6, 0.0, {"rho_source": "none", "promotion_lead": 0.1}, 0.1),
+    ],
+    ids=["band2", "band1", "urgent-1", "urgent-2-of-3", "top-deadline", "top-nothing", "lead"],
+)
+def test_next_change(level: int, now: float, args: dict[str, Any], expected: float | None) -> None:
+    pol = policy(**args)
+    flow = build_flow(cls="kv", size=int(1e8), deadline=1.0)
+    pol.admit(flow, ctx(now))
+    flow.level = level
+    found = pol.next_change(flow, ctx(now))
+    assert found == (None if expected is None else pytest.approx(expected))
+
+
+def test_next_change_assumes_rho_rises_as_fast_as_its_window_allows() -> None:
+    # rho 0 now, window 50 ms, cap 0.9: (1 - d) x exp(-d / 0.05) reaches 0.8 s (MLU 0.125)
+    # at d ~ 10.6 ms, long before the 200 ms it takes at rho 0
+    pol = policy(rho_window=0.05)
+    flow = build_flow(cls="kv", size=int(1e8), deadline=1.0, links=("a",))
+    pol.admit(flow, ctx())
+    flow.level = 6
+    found = pol.next_change(flow, ctx())
+    assert found is not None and 0.0100 < found < 0.0107
+    assert (1 - found) * math.exp(-found / 0.05) >= 0.8  # not later than the crossing
+
+
+@pytest.mark.parametrize(
+    "flow",
+    [
+        build_flow(cls="tp"),
+        build_flow(cls="experience", job="j", consumer_index=3),
+        build_flow(cls="bulk"),
+        build_flow(cls="kv", deadline=1.0),  # size unknown
+    ],
+    ids=["tp", "experience", "bulk", "unknown-size"],
+)
+def test_next_change_none_without_a_time_driven_change(flow: Flow) -> None:
+    pol = policy()
     flow.level = pol.admit(flow, ctx()).level
-    flow.sent = int(1.5e9)  # MLU 0.5 / 0.995 -> feasible again
-    pol.reevaluate([flow], ctx(0.005))
-    assert pol.reevaluate([flow], ctx(0.02)) == {}
-    assert not pol.is_pruned(flow)
+    assert pol.next_change(flow, ctx()) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(1, 10**10),
+    deadline=st.floats(0.01, 10.0),
+    urgent_levels=st.integers(1, 3),
+)
+def test_next_change_is_when_the_level_changes(
+    size: int, deadline: float, urgent_levels: int
+) -> None:
+    """With no reports in between, the level holds until next_change and moves right after."""
+    pol = policy(rho_source="none", feasibility=False, urgent_levels=urgent_levels)
+    flow = build_flow(cls="kv", size=size, deadline=deadline)
+    now = 0.0
+    flow.level = pol.admit(flow, ctx(now)).level
+    while (when := pol.next_change(flow, ctx(now))) is not None:
+        assert when >= now
+        before = max(now, when - 1e-6 * max(deadline, 1.0))
+        assert pol.reevaluate([flow], ctx(before)) == {}
+        after = when + 1e-6 * max(deadline, 1.0)
+        moved = pol.reevaluate([flow], ctx(after))
+        assert moved and moved[flow.flow_id].level < flow.level
+        flow.level, now = moved[flow.flow_id].level, after
+
+
+# -- construction and validation ------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     ("num_levels", "args", "message"),
     [
-        (5, {}, "early_levels"),
+        (6, {}, "policy.args.early_levels: 3 early levels leave no MLU band with K=6"),
         (8, {"unknown_level": 8}, "unknown_level"),
+        (8, {"urgent_levels": 5}, "need K >= urgent_levels"),
     ],
-    ids=["too-few-levels", "unknown-level-out-of-range"],
+    ids=["too-few-levels", "unknown-level-out-of-range", "too-many-urgent-levels"],
 )
 def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -463,6 +593,11 @@ def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -
         ({"request_memory": -1}, "policy.args.request_memory"),
         ({"promotion_lead": -0.1}, "policy.args.promotion_lead"),
         ({"feasibility_load": "others"}, "policy.args.feasibility_load"),
+        ({"feasibility_check": "always"}, "policy.args.feasibility_check"),
+        ({"drop_budget": -1}, "policy.args.drop_budget"),
+        ({"urgent_levels": 0}, "policy.args.urgent_levels"),
+        ({"urgent_ratio": 1.0}, "policy.args.urgent_ratio"),
+        ({"urgent_order": "size"}, "policy.args.urgent_order"),
     ],
     ids=[
         "E",
@@ -475,6 +610,11 @@ def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -
         "request-memory",
         "promotion-lead-negative",
         "feasibility-load",
+        "feasibility-check",
+        "drop-budget",
+        "urgent-levels",
+        "urgent-ratio",
+        "urgent-order",
     ],
 )
 def test_validate_names_field(args: dict[str, Any], fragment: str) -> None:
@@ -482,9 +622,22 @@ def test_validate_names_field(args: dict[str, Any], fragment: str) -> None:
     assert any(fragment in e for e in errors), errors
 
 
-def test_describe_levels_covers_every_level() -> None:
-    assert len(policy().describe_levels()) == 8
-    assert len(policy(12, early_levels=5, red_tiers=2).describe_levels()) == 12
+@pytest.mark.parametrize(
+    ("num_levels", "args", "first", "last"),
+    [
+        (8, {}, "urgent: MLU >= 0.5 or late, time left <= 0.025 s", "scavenger: bulk, pruned"),
+        (12, {"early_levels": 5, "red_tiers": 2}, "urgent:", "scavenger"),
+        (8, {"feasibility": False, "urgent_order": "slack"}, "urgent: MLU >= 0.5 or late, slack",
+         "scavenger: bulk"),
+    ],
+    ids=["default", "K12", "slack"],
+)  # fmt: skip
+def test_describe_levels_covers_every_level(
+    num_levels: int, args: dict[str, Any], first: str, last: str
+) -> None:
+    lines = policy(num_levels, **args).describe_levels()
+    assert len(lines) == num_levels
+    assert lines[0].startswith(first) and lines[-1].startswith(last)
 
 
 # -- property: never demote over random event sequences ------------------------------------
@@ -520,7 +673,7 @@ events = st.lists(
     feasibility=st.booleans(),
     collectives_first=st.booleans(),
     red_tiers=st.integers(1, 3),
-    num_levels=st.integers(6, 12),
+    num_levels=st.integers(7, 12),
 )
 def test_rmlq_never_demotes(
     specs: list[tuple[Any, ...]],
@@ -558,11 +711,11 @@ def test_rmlq_never_demotes(
             flow = flows[fid]
             assert 0 <= decision.level < num_levels
             if decision.level > flow.level:  # only the documented scavenger move
-                assert feasibility and pol.is_pruned(flow) and decision.level == num_levels - 1
+                assert feasibility and pol.dropped(flow, now) and decision.level == num_levels - 1
             flow.level = decision.level
 
 
 def test_zero_bandwidth_link_means_infinite_mlu() -> None:
     assert rmlq.mlu(1e6, 1.0, 0.0, 0.0) == float("inf")
     flow = build_flow(cls="kv", size=10, deadline=5.0, links=("dead",))
-    assert policy().admit(flow, ctx(link_bandwidth={"dead": 0.0})).level == 0
+    assert policy().admit(flow, ctx(link_bandwidth={"dead": 0.0})).level == 1  # urgent, 5 s left
