@@ -13,14 +13,17 @@ open 10 flows each (a class mix of tp, experience, param_sync, kv and bulk), the
   decision-latency histogram (event arrival -> level updates queued) gives p50/p99 (linear
   interpolation inside its buckets), and /proc gives its resident memory.
 
-Both phases run twice, side by side: "batched" (each agent frame carries its 10 reports, the
-coordinator runs the policy once per event-loop turn) and the baseline "unbatched" (one event
-per frame, the policy run after every frame, ``--no-batch``). The ratios are printed at the end.
+Both phases run for each mode, side by side: "batched" (each agent frame carries its 10
+reports, the coordinator runs the policy once per event-loop turn) and the baseline
+"unbatched" (one event per frame, the policy run after every frame, ``--no-batch``); and for
+each promotion scheme of ``--promotion``: "timers" (each deadline flow re-evaluated when the
+policy's next promotion time for it comes) and the baseline "sweep" (every deadline flow
+re-evaluated each timer period). The ratios are printed at the end.
 
 Usage:
     .venv/bin/python bench/coordinator_load.py [--agents 1000] [--flows 10] [--duration 5]
         [--rates 10000,30000,100000] [--policy FILE] [--modes batched,unbatched]
-        [--per-flow-policy yes|auto|no] [--profile] [--json OUT]
+        [--promotion sweep,timers] [--per-flow-policy yes|auto|no] [--profile] [--json OUT]
 """
 
 from __future__ import annotations
@@ -299,7 +302,9 @@ class ModeResult:
 
 
 class CoordinatorProcess:
-    def __init__(self, args: argparse.Namespace, workdir: Path, batched: bool) -> None:
+    def __init__(
+        self, args: argparse.Namespace, workdir: Path, batched: bool, promotion: str
+    ) -> None:
         token_path = workdir / "token"
         write_token(token_path)
         self.token = (token_path.read_bytes()).strip()
@@ -316,6 +321,7 @@ class CoordinatorProcess:
             command += ["--policy", args.policy]
         if not batched:
             command.append("--no-batch")
+        command += ["--promotion", promotion]
         if args.per_flow_policy != "auto":
             command += ["--per-flow-policy", args.per_flow_policy]
         if shutil.which("taskset") and args.coordinator_cpu is not None:
@@ -342,8 +348,10 @@ class CoordinatorProcess:
         self.log.close()
 
 
-async def run_mode(args: argparse.Namespace, batched: bool, workdir: Path) -> ModeResult:
-    coordinator = CoordinatorProcess(args, workdir, batched)
+async def run_mode(
+    args: argparse.Namespace, batched: bool, promotion: str, workdir: Path
+) -> ModeResult:
+    coordinator = CoordinatorProcess(args, workdir, batched, promotion)
     pid = coordinator.process.pid
     agents: list[SimAgent] = []
     listeners: list[asyncio.Task[None]] = []
@@ -362,7 +370,7 @@ async def run_mode(args: argparse.Namespace, batched: bool, workdir: Path) -> Mo
             listeners.append(asyncio.create_task(agent.listen()))
             return agent
 
-        mode = "batched" if batched else "unbatched"
+        mode = f"{'batched' if batched else 'unbatched'}/{promotion}"
         log(f"{mode}: connecting {args.agents} agents")
         agents = list(await asyncio.gather(*(one(i) for i in range(args.agents))))
         await wait_for_flows(coordinator, pid, args.agents * args.flows)
@@ -475,30 +483,44 @@ def print_profile(path: Path, limit: int = 18) -> None:
 
 def report(results: list[ModeResult]) -> None:
     print("\nthroughput (saturating load), memory at 10,000 flows / 1,000 agents:")
-    print(f"{'mode':<10} {'events/s':>9} {'frames/s':>9} {'coordCPU':>8} {'events/CPU-s':>12} "
+    print(f"{'mode':<17} {'events/s':>9} {'frames/s':>9} {'coordCPU':>8} {'events/CPU-s':>12} "
           f"{'genCPU':>6} {'RSS MiB':>7} {'peak':>6} {'flows':>6} {'agents':>6}")  # fmt: skip
     for r in results:
-        print(f"{r.mode:<10} {r.events_per_s:>9.0f} {r.frames_per_s:>9.0f} "
+        print(f"{r.mode:<17} {r.events_per_s:>9.0f} {r.frames_per_s:>9.0f} "
               f"{r.coordinator_cpu:>8.2f} {r.events_per_cpu_second:>12.0f} {r.loadgen_cpu:>6.2f} "
               f"{r.rss_mib:>7.1f} {r.peak_rss_mib:>6.1f} {r.active_flows:>6.0f} "
               f"{r.agents:>6.0f}")  # fmt: skip
     print("\ndecision latency (bytes handed to the coordinator -> level updates queued) and")
     print("flush time (one policy run + its sends) at paced offered loads:")
-    print(f"{'mode':<10} {'offered':>8} {'achieved':>8} {'coordCPU':>8} {'p50 ms':>7} "
+    print(f"{'mode':<17} {'offered':>8} {'achieved':>8} {'coordCPU':>8} {'p50 ms':>7} "
           f"{'p99 ms':>7} {'flush50':>7} {'flush99':>7} {'samples':>8} "
           f"{'sweeps/s':>8} {'preempt/s':>9}")  # fmt: skip
     for r in results:
         for p in r.latency:
-            print(f"{r.mode:<10} {p.offered_rate:>8.0f} {p.achieved_rate:>8.0f} "
+            print(f"{r.mode:<17} {p.offered_rate:>8.0f} {p.achieved_rate:>8.0f} "
                   f"{p.coordinator_cpu:>8.2f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} "
                   f"{p.flush_p50_ms:>7.3f} {p.flush_p99_ms:>7.3f} {p.samples:>8.0f} "
                   f"{p.timer_sweeps_per_s:>8.1f} {p.preemptions_per_s:>9.0f}")  # fmt: skip
     by_mode = {r.mode: r for r in results}
-    if {"batched", "unbatched"} <= by_mode.keys():
-        batched, unbatched = by_mode["batched"], by_mode["unbatched"]
-        ratio = batched.events_per_s / max(unbatched.events_per_s, 1e-9)
-        per_cpu = batched.events_per_cpu_second / max(unbatched.events_per_cpu_second, 1e-9)
-        print(f"\nbatched / unbatched: {ratio:.2f}x events/s, {per_cpu:.2f}x events per CPU-second")
+    promotions = sorted({r.mode.split("/")[1] for r in results})
+    for promotion in promotions:
+        batched = by_mode.get(f"batched/{promotion}")
+        unbatched = by_mode.get(f"unbatched/{promotion}")
+        if batched and unbatched:
+            ratio = batched.events_per_s / max(unbatched.events_per_s, 1e-9)
+            per_cpu = batched.events_per_cpu_second / max(unbatched.events_per_cpu_second, 1e-9)
+            print(f"\nbatched / unbatched ({promotion}): {ratio:.2f}x events/s, "
+                  f"{per_cpu:.2f}x events per CPU-second")  # fmt: skip
+    for mode in sorted({r.mode.split("/")[0] for r in results}):
+        timers, sweep = by_mode.get(f"{mode}/timers"), by_mode.get(f"{mode}/sweep")
+        if not (timers and sweep):
+            continue
+        ratio = timers.events_per_s / max(sweep.events_per_s, 1e-9)
+        print(f"\n{mode}, timers / sweep: {ratio:.2f}x events/s at saturation")
+        for fast, slow in zip(timers.latency, sweep.latency, strict=False):
+            print(f"  {fast.offered_rate:>8.0f} events/s: p99 {fast.p99_ms:.2f} ms vs "
+                  f"{slow.p99_ms:.2f} ms ({slow.p99_ms / max(fast.p99_ms, 1e-9):.1f}x lower), "
+                  f"p50 {fast.p50_ms:.2f} vs {slow.p50_ms:.2f} ms")  # fmt: skip
 
 
 def main() -> int:
@@ -512,6 +534,10 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument("--policy", help="policy file (default: the embedded default, RMLQ)")
     parser.add_argument("--modes", default="batched,unbatched")
+    parser.add_argument(
+        "--promotion", default="sweep,timers",
+        help="promotion schemes to run side by side (comma-separated: sweep, timers)",
+    )  # fmt: skip
     parser.add_argument(
         "--per-flow-policy", choices=["auto", "yes", "no"], default="yes",
         help="passed to the coordinator (the default policy, rmlq with red_tiers = 1, decides"
@@ -536,12 +562,14 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="fsD-bench-") as tmp:
         for mode in args.modes.split(","):
-            workdir = Path(tmp) / mode
-            workdir.mkdir()
-            with asyncio.Runner(loop_factory=loop_factory) as runner:
-                results.append(runner.run(run_mode(args, mode == "batched", workdir)))
-            if args.profile:
-                print_profile(workdir / f"coordinator-{mode == 'batched'}.prof")
+            for promotion in args.promotion.split(","):
+                workdir = Path(tmp) / f"{mode}-{promotion}"
+                workdir.mkdir()
+                with asyncio.Runner(loop_factory=loop_factory) as runner:
+                    batched = mode == "batched"
+                    results.append(runner.run(run_mode(args, batched, promotion, workdir)))
+                if args.profile:
+                    print_profile(workdir / f"coordinator-{batched}.prof")
     report(results)
     if args.json:
         rows = [{**asdict(r), "events_per_cpu_second": r.events_per_cpu_second} for r in results]

@@ -49,6 +49,11 @@ def register(sub: Any) -> None:
         help="yes: the policy decides each flow on its own, so events re-evaluate only the flows"
         " they touch (true of rmlq with red_tiers = 1, sjf, fair, static); auto: ask the policy",
     )  # fmt: skip
+    parser.add_argument(
+        "--promotion", choices=["timers", "sweep"], default="timers",
+        help="timers: re-evaluate a flow when its next promotion time (from the policy) comes;"
+        " sweep: re-evaluate every deadline flow each timer period (benchmark baseline)",
+    )  # fmt: skip
     ha = parser.add_argument_group(
         "high availability", "several coordinators elect one leader through etcd (docs/ha.md)"
     )
@@ -82,6 +87,7 @@ def _run(args: argparse.Namespace) -> int:
             metrics_port=metrics_port, batching=not args.no_batch, on_ready=_print_ready,
             idle_timeout=args.idle_timeout, handshake_timeout=args.handshake_timeout,
             per_flow_decisions={"auto": None, "yes": True, "no": False}[args.per_flow_policy],
+            promotion=args.promotion,
             etcd=args.etcd, election_name=args.election_name, lease_ttl=args.lease_ttl,
             advertise=args.advertise,
         )  # fmt: skip

@@ -63,6 +63,9 @@ class CoordinatorConfig:
     #: they touch); None asks the policy's ``per_flow_decisions`` attribute (default False:
     #: every flush re-evaluates every flow, which is always correct but O(all flows))
     per_flow_decisions: bool | None = None
+    #: how time-driven promotions are found: "timers" (each flow's next promotion time from
+    #: the policy's next_change, kept in a heap) or "sweep" (every deadline flow each period)
+    promotion: str = "timers"
     #: time per event-loop turn given to the timer sweep (per-flow policies): the sweep
     #: advances in small steps within this budget, so it never delays events by a whole pass
     sweep_budget: float = 0.25e-3 * SECONDS

@@ -108,7 +108,11 @@ class Coordinator:
         self, config: CoordinatorConfig, *, registry: CollectorRegistry | None = None
     ) -> None:
         self.config = config
-        self.state = ClusterState(config.policy_factory(), per_flow=config.per_flow_decisions)
+        self.state = ClusterState(
+            config.policy_factory(),
+            per_flow=config.per_flow_decisions,
+            promotion=config.promotion,
+        )
         self.live = LiveCounters(
             Histogram(LATENCY_BUCKETS), Histogram(LATENCY_BUCKETS), rejected=defaultdict(int)
         )

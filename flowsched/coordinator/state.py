@@ -12,8 +12,10 @@ that this table assigns. Which flows an event makes "dirty" (re-evaluated at the
 * flow close: the remaining flows of the same job;
 * job progress: the flows of that job;
 * NIC load: the flows crossing the reported links;
-* the periodic timer: every flow with a deadline, the only flows whose urgency changes with
-  time alone (see :meth:`ClusterState.start_sweep`).
+* the periodic timer tick (:meth:`ClusterState.start_sweep`), for the flows whose urgency
+  changes with time alone: with ``promotion="timers"`` (default, for policies that define
+  ``next_change``) only the flows whose promotion time has come, kept in a heap of
+  ``(time, flow)``; with ``"sweep"`` (the baseline) every flow with a deadline.
 
 Policies whose decisions depend on other flows (rank-based ones such as EDF) must see every
 flow at once: unless the policy sets ``per_flow_decisions = True``, a flush re-evaluates all
@@ -22,10 +24,11 @@ flows whenever anything is dirty.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from flowsched.coordinator.histogram import DeadlineSlack
@@ -54,6 +57,8 @@ class Stats:
     flushes: int = 0
     evaluations: int = 0
     sweeps: int = 0
+    #: flows re-evaluated because their promotion timer came due
+    timer_fires: int = 0
     #: timer ticks that found the previous sweep unfinished (the effective period stretched)
     sweep_overruns: int = 0
     completed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
@@ -77,6 +82,9 @@ class ClusterState:
         mono_clock: CLOCK_MONOTONIC in nanoseconds, stamped with the wall-clock ``now`` on
             every level update as its decision time (``LevelUpdate.decided_ns`` /
             ``decided_at``).
+        promotion: ``"timers"`` (re-evaluate a flow when the time the policy's
+            ``next_change`` gave comes; "sweep" for policies without it) or ``"sweep"``
+            (every timer tick queues every flow with a deadline).
     """
 
     def __init__(
@@ -86,8 +94,19 @@ class ClusterState:
         per_flow: bool | None = None,
         clock: Callable[[], float] = time.perf_counter,
         mono_clock: Callable[[], int] = time.monotonic_ns,
+        promotion: str = "timers",
     ) -> None:
+        if promotion not in ("timers", "sweep"):
+            raise ValueError(f"promotion: expected 'timers' or 'sweep', got {promotion!r}")
         self.policy = policy
+        next_change = getattr(policy, "next_change", None) if promotion == "timers" else None
+        #: the policy's next_change, or None when promotions are swept
+        self._next_change: Callable[[Flow, Context], float | None] | None = next_change
+        self.promotion = "timers" if next_change is not None else "sweep"
+        #: promotion timers: a heap of (due time, flow id); _due_at holds each flow's live entry
+        #: (entries that no longer match it are skipped when they surface)
+        self._timers: list[tuple[float, int]] = []
+        self._due_at: dict[int, float] = {}
         self._clock = clock
         self._mono_clock = mono_clock
         #: (wall, monotonic ns) of the decision being made (stamped on queued level updates)
@@ -159,10 +178,11 @@ class ClusterState:
         # the agent's current level (resync) is what it applies now: send only differences
         flow.level = -1 if op.level is None else op.level
         self._apply(fid, flow, self.policy.admit(flow, ctx), count_promotion=False)
-        self.dirty.add(fid)
+        self.dirty.add(fid)  # evaluated (and its timer set) at the next flush
 
     def _refresh(self, fid: int, op: FlowOpen) -> None:
         flow = self.flows[fid]
+        self._due_at.pop(fid, None)  # re-derive its timer at the next evaluation
         flow.sent = max(flow.sent, op.sent)
         if op.level is not None and op.level != flow.level and flow.level >= 0:
             self._queue(fid, flow)  # the agent applies something else: tell it ours again
@@ -238,18 +258,43 @@ class ClusterState:
             self._remove(fid, ctx)
         self.outbox.pop(node, None)
 
-    def start_sweep(self) -> bool:
-        """Queue every flow with a deadline for re-evaluation (the periodic timer).
+    def start_sweep(self, now: float | None = None) -> bool:
+        """The periodic timer tick: queue the flows due for re-evaluation.
 
-        Returns False, and changes nothing, while the previous sweep is unfinished (see
-        :meth:`flush`): the effective period then stretches instead of starving flows.
+        With promotion timers: the flows whose timer is at or before ``now`` (default: the
+        wall clock), a heap peek when none is. With sweeps: every flow with a deadline.
+        Returns whether anything was queued; a sweep returns False, and changes nothing,
+        while the previous one is unfinished (see :meth:`flush`): the effective period then
+        stretches instead of starving flows.
         """
+        if self._next_change is not None:
+            return self._take_due(time.time() if now is None else now)
         if self._sweep:
             self.stats.sweep_overruns += 1
             return False
         self._sweep = set(self.flows if not self.per_flow else self.timed)
         self.stats.sweeps += 1
         return True
+
+    def _take_due(self, now: float) -> bool:
+        timers, due_at, sweep = self._timers, self._due_at, self._sweep
+        before = len(sweep)
+        while timers and timers[0][0] <= now:
+            when, fid = heapq.heappop(timers)
+            if due_at.get(fid) == when:
+                del due_at[fid]
+                sweep.add(fid)
+        fired = len(sweep) - before
+        if fired:
+            self.stats.sweeps += 1
+            self.stats.timer_fires += fired
+        return fired > 0
+
+    def next_due(self) -> float | None:
+        """The earliest promotion timer (wall-clock time), or None."""
+        while self._timers and self._due_at.get(self._timers[0][1]) != self._timers[0][0]:
+            heapq.heappop(self._timers)  # stale
+        return self._timers[0][0] if self._timers else None
 
     @property
     def pending(self) -> bool:
@@ -305,10 +350,36 @@ class ClusterState:
         active = [flows[fid] for fid in batch]
         self.last_batch += len(active)
         self.stats.evaluations += len(active)
-        for fid, decision in self.policy.reevaluate(active, self.context(now)).items():
+        ctx = self.context(now)
+        changed = self.policy.reevaluate(active, ctx)
+        for fid, decision in changed.items():
             flow = flows.get(fid)
             if flow is not None:
                 self._apply(fid, flow, decision, count_promotion=True)
+        if self._next_change is not None:
+            self._arm(active, changed, ctx)
+
+    def _arm(self, active: list[Flow], changed: Mapping[int, Decision], ctx: Context) -> None:
+        """Set the promotion timer of each evaluated flow that has none or changed level.
+
+        A pending timer stays valid while the level holds: progress only pushes a promotion
+        later, and the policy's answer already assumes the fastest rise of the load (an early
+        timer only costs an evaluation that changes nothing, and re-arms)."""
+        next_change, due_at, timers = self._next_change, self._due_at, self._timers
+        assert next_change is not None
+        for flow in active:
+            fid = flow.flow_id
+            if fid in due_at and fid not in changed:
+                continue
+            when = next_change(flow, ctx)
+            if when is None:
+                due_at.pop(fid, None)
+            elif due_at.get(fid) != when:
+                due_at[fid] = when
+                heapq.heappush(timers, (when, fid))
+        if len(timers) > 2 * len(due_at) + 1024:  # drop the stale entries now and then
+            self._timers = [(when, fid) for fid, when in due_at.items()]
+            heapq.heapify(self._timers)
 
     def _apply(self, fid: int, flow: Flow, decision: Decision, count_promotion: bool) -> None:
         rate_changed = decision.rate != self.rates.get(fid)
@@ -345,6 +416,7 @@ class ClusterState:
         self.rates.pop(fid, None)
         self.dirty.discard(fid)
         self.timed.discard(fid)
+        self._due_at.pop(fid, None)
         if flow.job is not None:
             self._discard(self.by_job, flow.job, fid)
         for link in flow.links:

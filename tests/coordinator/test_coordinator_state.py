@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Mapping
 
 import pytest
 from coordinator_helpers import BytesPolicy
 
 from flowsched.coordinator.state import SWEEP_STEP, ClusterState
-from flowsched.model import FlowClass
+from flowsched.model import Context, Decision, Flow, FlowClass
 from flowsched.policies import create
 from flowsched.protocol import (
     FlowClose,
@@ -174,3 +175,96 @@ def test_level_updates_carry_the_decision_time(policy: BytesPolicy) -> None:
     state.progress("a", [FlowProgress(1, 300)])
     promoted = state.flush(7.5)["a"][1]
     assert promoted.level == 4 and (promoted.decided_at, promoted.decided_ns) == (7.5, 3000)
+
+
+# -- promotion timers ---------------------------------------------------------------------
+
+
+class DeadlineStepPolicy(BytesPolicy):
+    """Test policy: level 7, then level 0 from one second before the deadline."""
+
+    def _at(self, flow: Flow, now: float) -> int:
+        due = flow.deadline is not None and now >= flow.deadline - 1.0
+        return 0 if due else 7
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        return Decision(self._at(flow, ctx.now))
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        changes = {}
+        for flow in flows:
+            self.seen.append(flow.flow_id)
+            if self._at(flow, ctx.now) != flow.level:
+                changes[flow.flow_id] = Decision(self._at(flow, ctx.now))
+        return changes
+
+    def next_change(self, flow: Flow, ctx: Context) -> float | None:
+        if flow.deadline is None or flow.level == 0:
+            return None
+        return flow.deadline - 1.0
+
+
+@pytest.mark.parametrize(
+    ("promotion", "tick", "evaluated", "promoted"),
+    [
+        ("timers", 4.5, [], []),  # nothing due yet: a heap peek, no evaluation
+        ("timers", 5.0, [1], [1]),  # flow 1 (deadline 6) is due at 5
+        ("timers", 7.5, [1, 2], [1, 2]),
+        ("sweep", 4.5, [1, 2, 3], []),  # the baseline evaluates every deadline flow
+        ("sweep", 7.5, [1, 2, 3], [1, 2]),
+    ],
+    ids=["timers-early", "timers-one-due", "timers-two-due", "sweep-early", "sweep-late"],
+)
+def test_timer_tick_evaluates_only_the_flows_due(
+    promotion: str, tick: float, evaluated: list[int], promoted: list[int]
+) -> None:
+    policy = DeadlineStepPolicy()
+    state = ClusterState(policy, promotion=promotion)
+    opens = [_open(1, deadline=6.0), _open(2, deadline=8.0), _open(3, deadline=20.0), _open(4)]
+    state.open_flows("a", opens, now=1.0)
+    state.flush(1.0)
+    policy.seen.clear()
+    assert state.start_sweep(now=tick) == bool(evaluated)
+    outbox = state.flush(tick)
+    assert sorted(state.origin[fid][1] for fid in policy.seen) == evaluated
+    assert sorted(outbox.get("a", {})) == promoted
+    assert state.promotion == promotion
+
+
+def test_timers_follow_flows_and_fall_back_to_sweeps() -> None:
+    policy = DeadlineStepPolicy()
+    state = ClusterState(policy)
+    state.open_flows("a", [_open(1, deadline=6.0), _open(2, deadline=9.0)], now=1.0)
+    state.flush(1.0)
+    assert state.next_due() == 5.0
+    state.close_flows("a", [FlowClose(1, 0, 2.0)], now=2.0)  # its timer goes with it
+    assert state.next_due() == 8.0
+    assert not state.start_sweep(now=6.0)
+    assert state.start_sweep(now=8.0) and state.flush(8.0) == {"a": {2: LevelUpdate(2, 0)}}
+    assert state.next_due() is None and state.stats.timer_fires == 1
+    # a policy without next_change (or promotion="sweep") is swept
+    assert ClusterState(BytesPolicy()).promotion == "sweep"
+    with pytest.raises(ValueError, match="promotion"):
+        ClusterState(policy, promotion="wheel")
+
+
+def test_rmlq_deferred_flow_is_promoted_by_its_timer() -> None:
+    """The real policy: 1e8 bytes due at t=101 on 1e9 B/s, rho 0: band [0.125, 0.5) from
+    MLU 0.125 (0.8 s left, a little earlier with the worst-case rise of rho)."""
+    policy = create("rmlq", {"feasibility": False}, num_levels=8)
+    state = ClusterState(policy, default_bandwidth=1e9)
+    state.open_flows("a", [_open(1, size=int(1e8), deadline=101.0, links=("l",))], now=100.0)
+    assert state.flush(100.0)["a"][1].level == 6
+    due = state.next_due()
+    assert due is not None and 100.0 < due <= 100.2
+    assert not state.start_sweep(now=due - 1e-3)
+    promoted = {}
+    now = due
+    while not promoted:  # early timers re-arm until the crossing
+        assert state.start_sweep(now=now)
+        promoted = state.flush(now)
+        now = state.next_due() or now
+    update = promoted["a"][1]
+    assert update.level == 5
+    assert 100.2 - 1e-6 <= update.decided_at <= 100.2 + 1e-3  # not late, not much early
+    assert state.stats.timer_fires < 100  # re-arms near the crossing, not a sweep per tick
