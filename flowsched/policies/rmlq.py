@@ -24,7 +24,7 @@ each rule and argument, and the measurements, are in docs/rmlq.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -70,6 +70,7 @@ class Args:
     feasibility: bool = True
     feasibility_check: str = "alg1"
     drop_budget: int = 1
+    alg1_interval: float = 0.01
     feasibility_grace: float = 0.0
     feasibility_load: str = "rho"
     prune_classes: tuple[str, ...] = ("kv",)
@@ -97,6 +98,7 @@ _FIELDS = {
     "feasibility": boolean,
     "feasibility_check": one_of("alg1", "mlu"),
     "drop_budget": integer(0),
+    "alg1_interval": number(0.0),
     "feasibility_grace": number(0.0),
     "feasibility_load": one_of("rho", "none"),
     "prune_classes": list_of(one_of(*sorted(cls.label for cls in EXPLICIT_DEADLINE))),
@@ -179,7 +181,7 @@ class RmlqPolicy:
         #: prunable flows Algorithm 1 judges, and whether a batch arrived or left since its run
         self._tracked: dict[int, Flow] = {}
         self._alg1_due = False
-        self._alg1_level = 0
+        self._alg1_last = -math.inf
         #: job -> (index, when it was reached), EWMA seconds per index step; deepest index seen
         self._job_seen: dict[str, tuple[int, float]] = {}
         self._job_pace: dict[str, float] = {}
@@ -383,7 +385,7 @@ class RmlqPolicy:
 
     def _run_alg1(self, ctx: Context) -> None:
         """MFS Algorithm 1 over the tracked requests; prune what it picks (docs/rmlq.md)."""
-        self._alg1_due = False
+        self._alg1_due, self._alg1_last = False, ctx.now
         self._watch_jobs(ctx)
         demands: dict[str, Demand] = {}
         compute: dict[str, float] = {}
@@ -416,20 +418,11 @@ class RmlqPolicy:
         ):
             self._pruned.add(key)
 
-    def _capacity(self, ctx: Context) -> Any:
-        """Bandwidth the requests may use per link: B minus the early levels' windowed load."""
-
-        def capacity(link: str) -> float:
-            if not link:
-                return ctx.default_bandwidth
-            taken = (
-                self._meter.load_above(link, self._alg1_level)
-                if self.args.rho_source != "none"
-                else 0.0
-            )
-            return ctx.bandwidth(link) * (1.0 - min(taken, self.args.max_load))
-
-        return capacity
+    @staticmethod
+    def _capacity(ctx: Context) -> Callable[[str], float]:
+        """Bandwidth the requests may use per link: all of it, since the urgent tier preempts
+        the collectives (docs/rmlq.md: counting their load pruned requests that finish)."""
+        return lambda link: ctx.bandwidth(link) if link else ctx.default_bandwidth
 
     # -- the Policy protocol --------------------------------------------------------------------
 
@@ -468,7 +461,7 @@ class RmlqPolicy:
         self._forget_idle_requests(ctx.now)
         if self.args.rho_source != "none":
             self._meter.update(active, ctx)
-        if self._alg1_due:
+        if self._alg1_due and ctx.now - self._alg1_last >= self.args.alg1_interval:
             self._run_alg1(ctx)
         found: dict[int, _Urgency | None] = {}
         deadlines: dict[str, list[float]] = {}
