@@ -6,6 +6,7 @@
 #include "check.h"
 #include "context.h"
 #include "log.h"
+#include "permit.h"
 #include "transport.h"
 
 /* Host buffers need no registration; every mhandle points here. */
@@ -57,10 +58,18 @@ static ncclResult_t result_of(int rc, const char* what) {
     }                                                              \
   } while (0)
 
+/* The permit for the TCP transport: host-side strict priority, off unless asked for
+ * (FLOWSCHED_GATING=1): the switch's queues usually do the job. Set at every init (the knobs
+ * are re-read after an unload/reload). */
+static void gate_setup(void) {
+  fs_gate_setup(fs_global_params(), 0);
+}
+
 ncclResult_t fs_api_init_v10(ncclDebugLogger_t logger) {
   struct fs_context* ctx = NULL;
   ncclResult_t res = result_of(fs_global_v10_context(logger, &ctx), "init");
   if (res == ncclSuccess) {
+    gate_setup();
     FS_INFO(NCCL_INIT | NCCL_NET, "flowsched plugin initialised (API v10), %d device(s)",
             fs_global_device_count());
   }
@@ -74,6 +83,7 @@ ncclResult_t fs_api_init_ctx(void** ctx, uint64_t comm_id, int traffic_class,
   ncclResult_t res = result_of(fs_context_create(comm_id, traffic_class, logger, &c), "init");
   *ctx = c;
   if (res == ncclSuccess) {
+    gate_setup();
     FS_INFO(NCCL_INIT | NCCL_NET, "flowsched context for comm 0x%llx (trafficClass %d), %d device(s)",
             (unsigned long long)comm_id, traffic_class, fs_global_device_count());
   }
@@ -173,9 +183,25 @@ ncclResult_t fs_api_isend(void* send_comm, void* data, size_t size, int tag, voi
   FS_REQUIRE(request != NULL, "isend");
   *request = NULL;
   FS_REQUIRE(send_comm != NULL && (data != NULL || size == 0), "isend");
-  FS_REQUIRE(((struct fs_comm*)send_comm)->is_send, "isend");
+  struct fs_comm* comm = send_comm;
+  FS_REQUIRE(comm->is_send, "isend");
+  int gated = fs_gate_enabled();
+  uint32_t level = 0;
+  if (gated) {
+    fs_comm_poll_level(comm); /* the level the agent wants now (a promotion lifts a deferral) */
+    level = atomic_load_explicit(&comm->flow.slot->applied_level, memory_order_relaxed);
+    if (!fs_gate_permit(&comm->gate, comm->dev, level)) {
+      return ncclSuccess; /* deferred: NCCL retries with the same arguments */
+    }
+  }
   struct fs_request* req = NULL;
   int rc = fs_isend(send_comm, data, size, tag, &req);
+  if (rc == 0 && req != NULL) {
+    req->gate_level = gated ? (int32_t)level : -1;
+    if (gated) {
+      fs_gate_started(comm->dev, level, size);
+    }
+  }
   *request = req;
   return result_of(rc, "isend");
 }
@@ -209,8 +235,15 @@ ncclResult_t fs_api_iflush(void* recv_comm, int n, void** request) {
 
 ncclResult_t fs_api_test(void* request, int* done, int* sizes) {
   FS_REQUIRE(request != NULL && done != NULL, "test");
+  struct fs_request* req = request;
+  struct fs_comm* comm = req->comm;
+  int32_t gate_level = comm->is_send ? req->gate_level : -1; /* read before the slot is reused */
   size_t size = 0;
   int rc = fs_test(request, done, &size);
+  if (gate_level >= 0 && (rc < 0 || *done)) {
+    req->gate_level = -1;
+    fs_gate_done(comm->dev, (uint32_t)gate_level); /* it no longer holds less urgent sends */
+  }
   if (rc == 0 && *done && sizes != NULL) {
     *sizes = size > (size_t)INT32_MAX ? INT32_MAX : (int)size;
   }

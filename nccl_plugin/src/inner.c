@@ -469,6 +469,23 @@ int fs_inner_load(const char* spec, struct fs_inner* out, char* err, size_t errl
   return -ENOTSUP;
 }
 
+void fs_inner_companions(const struct fs_inner* inner, char* out, size_t cap) {
+  static const char* const kinds[] = {"ncclTunerPlugin_v", "ncclProfiler_v", "ncclGinPlugin_v",
+                                      "ncclRmaPlugin_v", "ncclCollNetPlugin_v"};
+  size_t used = 0;
+  out[0] = '\0';
+  for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++) {
+    for (int v = 20; v >= 1; v--) {
+      char sym[48];
+      snprintf(sym, sizeof(sym), "%s%d", kinds[k], v);
+      if (inner->lib != NULL && dlsym(inner->lib, sym) != NULL && used + strlen(sym) + 2 < cap) {
+        used += (size_t)snprintf(out + used, cap - used, "%s%s", used ? " " : "", sym);
+        break; /* the newest of each kind is enough to name */
+      }
+    }
+  }
+}
+
 void fs_inner_unload(struct fs_inner* inner) {
   if (inner->lib != NULL) {
     dlclose(inner->lib);

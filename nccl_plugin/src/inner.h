@@ -58,6 +58,12 @@ struct fs_inner {
 
 /* Load the inner plugin named by `spec` (0, or -errno with a message in err). */
 int fs_inner_load(const char* spec, struct fs_inner* out, char* err, size_t errlen);
+/* Companion plugin tables the inner library exports besides its net table (tuner, profiler,
+ * GIN, RMA, collnet), as "name name ..." in out (empty when none). NCCL looks for those in the
+ * net plugin library when NCCL_TUNER_PLUGIN / NCCL_PROFILER_PLUGIN / NCCL_GIN_PLUGIN are unset:
+ * in wrapping mode that is our library, which exports none, so they are hidden unless the
+ * user points those variables at the inner library. */
+void fs_inner_companions(const struct fs_inner* inner, char* out, size_t cap);
 /* dlclose it (after the last use). */
 void fs_inner_unload(struct fs_inner* inner);
 

@@ -4,6 +4,13 @@
 #include <string.h>
 #include <time.h>
 
+#include "log.h"
+#include "param.h"
+
+#define FS_DEFAULT_MIN_SHARE 50       /* per mille */
+#define FS_DEFAULT_WINDOW_US 100000   /* 100 ms */
+#define FS_DEFAULT_MAX_DEFER_US 50000 /* 50 ms */
+
 struct gate_dev {
   _Atomic int64_t inflight[FS_GATE_LEVELS];
   _Atomic uint64_t window_start_ns;
@@ -19,6 +26,24 @@ static struct {
   struct gate_dev devs[FS_GATE_MAX_DEVS];
   _Atomic uint64_t permits, deferrals, guard_share, guard_age, max_wait_ns;
 } fs_gate;
+
+static int64_t knob_or(int64_t value, int64_t def) {
+  return value >= 0 ? value : def;
+}
+
+void fs_gate_setup(const struct fs_params* p, int default_on) {
+  struct fs_gate_params g = {
+      .enabled = p->gating >= 0 ? (int)p->gating : default_on,
+      .min_share_permille = (uint32_t)knob_or(p->gate_min_share, FS_DEFAULT_MIN_SHARE),
+      .window_ns = (uint64_t)knob_or(p->gate_window_us, FS_DEFAULT_WINDOW_US) * 1000,
+      .max_defer_ns = (uint64_t)knob_or(p->gate_max_defer_us, FS_DEFAULT_MAX_DEFER_US) * 1000,
+  };
+  fs_gate_configure(&g);
+  FS_INFO(NCCL_INIT | NCCL_NET,
+          "permit %s: guard share %u per mille over %llu us, longest deferral %llu us",
+          g.enabled ? "on" : "off", g.min_share_permille,
+          (unsigned long long)(g.window_ns / 1000), (unsigned long long)(g.max_defer_ns / 1000));
+}
 
 void fs_gate_configure(const struct fs_gate_params* params) {
   atomic_store(&fs_gate.min_share_permille, params->min_share_permille);

@@ -45,6 +45,10 @@ struct fs_gate_stats {
   uint64_t max_wait_ns;    /* longest deferral that ended in a send */
 };
 
+struct fs_params;
+/* Configure from the knobs (FLOWSCHED_GATING etc.; -1 = the policy file's value, else the
+ * built-in default) with gating on by default when `default_on` (wrapping mode). */
+void fs_gate_setup(const struct fs_params* params, int default_on);
 /* Set the parameters (at initialisation; the counters are kept). */
 void fs_gate_configure(const struct fs_gate_params* params);
 int fs_gate_enabled(void);

@@ -35,6 +35,7 @@
 #include <stdint.h>
 
 #include "flow_table.h"
+#include "permit.h"
 
 #define FS_MAX_SOCKS 16
 #define FS_MAX_THREADS 16
@@ -76,6 +77,7 @@ struct fs_request {
    * completed and its request slot was reused; pub_seq tells it so (see request_size_of). */
   _Atomic uint64_t pub_seq;
   _Atomic uint64_t pub_size;
+  int32_t gate_level; /* send: the level the permit counted it at (-1: not counted) */
 };
 
 /* Where one data socket is in its share of the message stream. */
@@ -125,6 +127,7 @@ struct fs_comm {
   uint64_t comm_id;
   uint64_t nonce;
   struct fs_flow flow;
+  struct fs_gate_conn gate; /* the permit's view of this connection (api.c) */
   struct fs_context* ctx;
   struct fs_comm* ctx_next;
 };

@@ -18,9 +18,6 @@
 #define FS_WRAP_MAX_INNER_CTX 8 /* traffic classes per communicator (one per class at most) */
 #define FS_WRAP_MAX_PENDING 64  /* connects in progress per communicator */
 #define FS_WRAP_REQ_BLOCK 32
-#define FS_DEFAULT_MIN_SHARE 50       /* per mille */
-#define FS_DEFAULT_WINDOW_US 100000   /* 100 ms */
-#define FS_DEFAULT_MAX_DEFER_US 50000 /* 50 ms */
 
 struct fs_wrap_ctx {
   uint64_t comm_id;
@@ -86,24 +83,6 @@ static struct {
 
 /* ---- setup -------------------------------------------------------------------------------- */
 
-static int64_t knob_or(int64_t value, int64_t def) {
-  return value >= 0 ? value : def;
-}
-
-static void gate_setup(const struct fs_params* p) {
-  struct fs_gate_params g = {
-      .enabled = p->gating != 0, /* -1 (unset): on in wrapping mode */
-      .min_share_permille = (uint32_t)knob_or(p->gate_min_share, FS_DEFAULT_MIN_SHARE),
-      .window_ns = (uint64_t)knob_or(p->gate_window_us, FS_DEFAULT_WINDOW_US) * 1000,
-      .max_defer_ns = (uint64_t)knob_or(p->gate_max_defer_us, FS_DEFAULT_MAX_DEFER_US) * 1000,
-  };
-  fs_gate_configure(&g);
-  FS_INFO(NCCL_INIT | NCCL_NET,
-          "permit %s: guard share %u per mille over %llu us, longest deferral %llu us",
-          g.enabled ? "on" : "off", g.min_share_permille,
-          (unsigned long long)(g.window_ns / 1000), (unsigned long long)(g.max_defer_ns / 1000));
-}
-
 int fs_wrap_setup(ncclDebugLogger_t logger) {
   fs_log_set_logger(logger);
   pthread_mutex_lock(&fs_wrap.lock);
@@ -118,10 +97,18 @@ int fs_wrap_setup(ncclDebugLogger_t logger) {
     } else {
       FS_INFO(NCCL_INIT | NCCL_NET, "wrapping inner net plugin %s (ncclNetPlugin_v%d) from %s",
               fs_wrap.inner.name, fs_wrap.inner.version, fs_wrap.inner.path);
+      char companions[256];
+      fs_inner_companions(&fs_wrap.inner, companions, sizeof(companions));
+      if (companions[0] != '\0') {
+        /* NCCL looks for these in the net plugin library, i.e. ours, which has none. */
+        FS_WARN("%s also exports %s, which NCCL does not see through flowsched: set "
+                "NCCL_TUNER_PLUGIN / NCCL_PROFILER_PLUGIN / NCCL_GIN_PLUGIN to %s to use them "
+                "(collnet is not wrapped)", fs_wrap.inner.path, companions, fs_wrap.inner.path);
+      }
       if (fs_wrap.params.table_path[0] != '\0') {
         fs_table_attach(fs_wrap.params.table_path);
       }
-      gate_setup(&fs_wrap.params);
+      fs_gate_setup(&fs_wrap.params, 1); /* on by default in wrapping mode */
       fs_wrap.state = 1;
     }
   }

@@ -76,6 +76,7 @@ struct flow {
   long nbins;
   double t0;
   long calls_null; /* send: isend calls answered with a NULL request (deferred or busy) */
+  int ended;       /* receive: the peer closed */
 };
 
 static void* post(struct flow* f, void* buf, void* mh) {
@@ -88,7 +89,10 @@ static void* post(struct flow* f, void* buf, void* mh) {
     size_t sizes[1] = {f->msg};
     int tags[1] = {0};
     void* mhs[1] = {mh};
-    OK(net->irecv(f->comm, 1, data, sizes, tags, mhs, NULL, &req));
+    if (net->irecv(f->comm, 1, data, sizes, tags, mhs, NULL, &req) != ncclSuccess) {
+      f->ended = 1; /* the sender finished and closed */
+      return NULL;
+    }
   }
   return req;
 }
@@ -104,7 +108,7 @@ static void* flow_run(void* arg) {
   }
   while (now_s() < f->start) usleep(1000);
   long posted = 0, done = 0;
-  while (now_s() < f->end) {
+  while (now_s() < f->end && !f->ended) {
     int progressed = 0;
     if (posted - done < INFLIGHT) {
       int i = (int)(posted % INFLIGHT);
@@ -116,7 +120,10 @@ static void* flow_run(void* arg) {
     }
     if (done < posted) {
       int fin = 0, size = 0;
-      OK(net->test(reqs[done % INFLIGHT], &fin, &size));
+      if (net->test(reqs[done % INFLIGHT], &fin, &size) != ncclSuccess) {
+        CHECK(!f->is_send, "test of a send");
+        break; /* the sender finished and closed: the receive side ends here */
+      }
       if (fin) {
         if (!f->is_send) {
           long ms = (long)((now_s() - f->t0) * 1000);
