@@ -86,6 +86,23 @@ class LevelMarking:
 
 
 @dataclass(frozen=True, slots=True)
+class Gating:
+    """The NCCL plugin's host-side permit (``[gating]``); None = the plugin's default.
+
+    ``enabled``: defer a less urgent send while more urgent ones are in flight on the device
+    (plugin default: on in wrapping mode, off in transport mode). ``min_share``: the fraction
+    of a device's bytes each level keeps (starvation guard). ``window``: seconds over which
+    that share is measured. ``max_deferral``: the longest a send waits, seconds (0 = no bound).
+    The plugin's FLOWSCHED_GATING* environment variables win over the file.
+    """
+
+    enabled: bool | None = None
+    min_share: float | None = None
+    window: float | None = None
+    max_deferral: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PolicyConfig:
     """A validated policy file."""
 
@@ -104,6 +121,7 @@ class PolicyConfig:
     #: the hardware queue of each level 0..K-1
     level_queue: tuple[int, ...] = ()
     description: str = ""
+    gating: Gating = Gating()
 
     def class_for_traffic_class(self, tc: int) -> FlowClass | None:
         """The flow class that NCCL ``trafficClass`` value ``tc`` selects, if any."""
@@ -172,6 +190,8 @@ def from_mapping(document: Mapping[str, Any], source: str = "<mapping>") -> Poli
         errors += _construction_errors(str(name), dict(args), num_levels)
     classes = _classes(document, num_levels, errors)
     queues = _queues(document, hw_queues, errors)
+    gating = _table(document, "gating", errors)
+    errors += check_fields(gating, "gating", _GATING_FIELDS)
     if errors:
         raise PolicyFileError(errors)
     config = _build(document, source, classes, queues)
@@ -193,6 +213,7 @@ _TOP_LEVEL: dict[str, Checker] = {
     "policy": lambda v, p: [],
     "classes": lambda v, p: [],
     "queues": lambda v, p: [],
+    "gating": lambda v, p: [],
 }
 
 _POLICY_FIELDS: dict[str, Checker] = {
@@ -212,6 +233,16 @@ _CLASS_FIELDS: dict[str, Checker] = {
     "traffic_classes": list_of(integer(0, MAX_TRAFFIC_CLASS)),
     "default_level": integer(0, MAX_LEVELS - 1),
     "deadline": number(0.0, None, open_low=True),
+}
+
+#: the table carries milliseconds in 16 bits (flowsched.shm.layout.GATE_UNSET excluded)
+_MAX_GATE_SECONDS = 65.534
+
+_GATING_FIELDS: dict[str, Checker] = {
+    "enabled": lambda v, p: [] if isinstance(v, bool) else [f"{p}: expected true or false"],
+    "min_share": number(0.0, 1.0),
+    "window": number(0.001, _MAX_GATE_SECONDS),
+    "max_deferral": number(0.0, _MAX_GATE_SECONDS),
 }
 
 _QUEUE_FIELDS: dict[str, Checker] = {
@@ -396,6 +427,7 @@ def _build(
         queues=queues,
         level_queue=level_queue,
         description=str(document.get("description", "")),
+        gating=Gating(**dict(document.get("gating", {}))),
     )
 
 

@@ -14,6 +14,24 @@ from flowsched.shm import layout
 from flowsched.shm.table import LevelMarking, TableConfig
 
 
+def gate_fields(gating: Any) -> dict[str, int]:
+    """The table's ``gate_*`` words for a policy's :class:`flowsched.policyfile.Gating`."""
+
+    def millis(seconds: float | None) -> int:
+        return layout.GATE_UNSET if seconds is None else round(seconds * 1000)
+
+    mode = {None: layout.GATE_MODE_TUNED, False: layout.GATE_MODE_OFF, True: layout.GATE_MODE_ON}
+    given = any(v is not None for v in (gating.enabled, gating.min_share, gating.window))
+    given = given or gating.max_deferral is not None
+    share = gating.min_share
+    return {
+        "gate_mode": mode[gating.enabled] if given else layout.GATE_MODE_DEFAULT,
+        "gate_min_share": layout.GATE_UNSET if share is None else round(share * 1000),
+        "gate_window_ms": millis(gating.window),
+        "gate_max_defer_ms": millis(gating.max_deferral),
+    }
+
+
 class PolicyView:
     """Read-only helpers over a :class:`flowsched.policyfile.PolicyConfig`."""
 
@@ -68,4 +86,5 @@ class PolicyView:
             class_map=class_map,
             fallback_class=int(FlowClass.TP),
             default_levels=defaults,
+            **gate_fields(self.cfg.gating),
         )

@@ -26,7 +26,11 @@ Header (``HEADER_SIZE`` = 4096 bytes, at offset 0)::
     68   4     u32       fallback_class   agent   class id when nothing else names one (0 = tp)
     72   256   32 x 8    class_map        agent   {i32 traffic_class, u32 class_id}
     328  16    u8[16]    default_level    agent   per class id: level until the agent writes one
-    344  8     -         reserved
+    344  1     u8        gate_mode        agent   the policy's permit: GATE_MODE_* (0 = no [gating])
+    345  1     -         reserved
+    346  2     u16       gate_min_share   agent   guard share per mille (GATE_UNSET: the default)
+    348  2     u16       gate_window_ms   agent   window of that share, ms (GATE_UNSET: the default)
+    350  2     u16       gate_max_defer_ms agent  longest deferral, ms (GATE_UNSET: the default)
     352  128   16 x 8    level_marking    agent   per level {u8 dscp 0..63, 3 pad, u32 so_priority}
     480  3616  -         reserved (zero)
 
@@ -85,6 +89,15 @@ MAX_LEVELS = 16
 MAX_CLASS_MAP = 32
 MAX_CLASSES = 16
 LEVEL_UNSET = 0xFFFFFFFF
+#: gate_mode values: the plugin's host-side permit as the policy file's [gating] sets it.
+#: DEFAULT (0, also what an older agent's zeroed bytes say): no [gating], the gate_* numbers
+#: are ignored; OFF / ON: enabled = false / true; TUNED: [gating] without ``enabled``. A
+#: gate_* number of GATE_UNSET was not given. The plugin's FLOWSCHED_GATING* knobs win.
+GATE_MODE_DEFAULT = 0
+GATE_MODE_OFF = 1
+GATE_MODE_ON = 2
+GATE_MODE_TUNED = 3
+GATE_UNSET = 0xFFFF
 
 FLAG_AGENT_ATTACHED = 1 << 0
 FLAG_COORDINATOR_CONNECTED = 1 << 1  # clear while the agent runs its local fallback policy
@@ -114,6 +127,10 @@ HEADER_FIELDS: tuple[tuple[str, int, str], ...] = (
     ("fallback_class", 68, "<I"),
     ("class_map", 72, "<" + "iI" * MAX_CLASS_MAP),
     ("default_level", 328, f"<{MAX_CLASSES}B"),
+    ("gate_mode", 344, "<B"),
+    ("gate_min_share", 346, "<H"),
+    ("gate_window_ms", 348, "<H"),
+    ("gate_max_defer_ms", 350, "<H"),
     ("level_marking", 352, "<" + "B3xI" * MAX_LEVELS),
 )
 

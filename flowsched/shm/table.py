@@ -53,9 +53,10 @@ _HEARTBEAT64 = L.HEADER_OFFSET["heartbeat_ns"] // 8
 _S32 = {name: L.SLOT_OFFSET[name] // 4 for name in ("state", "pid", "level")}
 _S64 = {name: L.SLOT_OFFSET[name] // 8 for name in ("claim_seq", "bytes", "level_set_ns")}
 #: offsets inside the config area (what _pack_config / _unpack_config handle)
+_AREA_FIELDS = ("class_map", "default_level", "level_marking", "gate_mode", "gate_min_share")
 _AREA = {
     name: L.HEADER_OFFSET[name] - _CONFIG_START
-    for name in ("class_map", "default_level", "level_marking")
+    for name in (*_AREA_FIELDS, "gate_window_ms", "gate_max_defer_ms")
 }
 _CONFIG_RETRIES = 10_000
 #: a table whose agent pid is alive and whose heartbeat is younger than this has a live owner
@@ -85,7 +86,9 @@ class TableConfig:
 
     ``class_map`` pairs an NCCL trafficClass with a FlowClass id; ``default_levels[c]`` is the
     level a connection of class id ``c`` uses until the agent writes one; ``markings[l]`` is the
-    marking of level ``l`` (``len(markings)`` = ``num_levels``).
+    marking of level ``l`` (``len(markings)`` = ``num_levels``). ``gate_*``: the plugin's
+    host-side permit as the policy file sets it (layout.GATE_MODE_*; layout.GATE_UNSET = the
+    plugin's default).
     """
 
     num_levels: int
@@ -93,6 +96,10 @@ class TableConfig:
     class_map: tuple[tuple[int, int], ...] = ()
     fallback_class: int = 0
     default_levels: tuple[int, ...] = ()
+    gate_mode: int = L.GATE_MODE_DEFAULT
+    gate_min_share: int = L.GATE_UNSET
+    gate_window_ms: int = L.GATE_UNSET
+    gate_max_defer_ms: int = L.GATE_UNSET
 
     def __post_init__(self) -> None:
         problems = _config_problems(self)
@@ -138,6 +145,13 @@ def _config_problems(cfg: TableConfig) -> list[str]:
     for i, lvl in enumerate(cfg.default_levels):
         if not 0 <= lvl < max(cfg.num_levels, 1):
             problems.append(f"default_levels[{i}] = {lvl} not in 0..{cfg.num_levels - 1}")
+    if cfg.gate_mode not in (L.GATE_MODE_DEFAULT, L.GATE_MODE_OFF, L.GATE_MODE_ON):
+        problems.append(f"gate_mode {cfg.gate_mode} is not a GATE_MODE_* value")
+    if not (0 <= cfg.gate_min_share <= 1000 or cfg.gate_min_share == L.GATE_UNSET):
+        problems.append(f"gate_min_share {cfg.gate_min_share} not in 0..1000 per mille")
+    for name in ("gate_window_ms", "gate_max_defer_ms"):
+        if not 0 <= getattr(cfg, name) <= L.GATE_UNSET:
+            problems.append(f"{name} {getattr(cfg, name)} not in 0..{L.GATE_UNSET}")
     return problems
 
 
@@ -601,6 +615,9 @@ def _pack_config(cfg: TableConfig) -> bytes:
         L.LEVEL_MARKING_ENTRY.pack_into(
             area, _AREA["level_marking"] + lvl * 8, m.dscp, m.so_priority
         )
+    area[_AREA["gate_mode"]] = cfg.gate_mode
+    for name in ("gate_min_share", "gate_window_ms", "gate_max_defer_ms"):
+        struct.pack_into("<H", area, _AREA[name], getattr(cfg, name))
     return bytes(area)
 
 
@@ -617,7 +634,14 @@ def _unpack_config(raw: bytes, num_levels: int) -> TableConfig:
         LevelMarking(*L.LEVEL_MARKING_ENTRY.unpack_from(raw, _AREA["level_marking"] + lvl * 8))
         for lvl in range(num_levels)
     )
-    return TableConfig(num_levels, markings, class_map, fallback, defaults)
+    mode = raw[_AREA["gate_mode"]]
+    gates = [
+        struct.unpack_from("<H", raw, _AREA[name])[0]
+        for name in ("gate_min_share", "gate_window_ms", "gate_max_defer_ms")
+    ]
+    if mode > L.GATE_MODE_ON or not (gates[0] <= 1000 or gates[0] == L.GATE_UNSET):
+        raise TableError(f"corrupt config area: gate_mode {mode}, gate_min_share {gates[0]}")
+    return TableConfig(num_levels, markings, class_map, fallback, defaults, mode, *gates)
 
 
 # =====================================================================================

@@ -5,6 +5,7 @@
 
 #include "check.h"
 #include "context.h"
+#include "flow_table.h"
 #include "log.h"
 #include "permit.h"
 #include "transport.h"
@@ -58,11 +59,15 @@ static ncclResult_t result_of(int rc, const char* what) {
     }                                                              \
   } while (0)
 
-/* The permit for the TCP transport: host-side strict priority, off unless asked for
- * (FLOWSCHED_GATING=1): the switch's queues usually do the job. Set at every init (the knobs
- * are re-read after an unload/reload). */
+/* The permit for the TCP transport: host-side strict priority, off unless the policy file
+ * ([gating] enabled = true) or FLOWSCHED_GATING=1 asks for it: the switch's queues usually do
+ * the job. Set at every init (a new policy or reloaded knobs take effect there). */
 static void gate_setup(void) {
-  fs_gate_setup(fs_global_params(), 0);
+  const struct fs_params* params = fs_global_params();
+  if (params->table_path[0] != '\0') {
+    fs_table_attach(params->table_path); /* the policy's [gating] is in its config area */
+  }
+  fs_gate_setup(params, 0);
 }
 
 ncclResult_t fs_api_init_v10(ncclDebugLogger_t logger) {

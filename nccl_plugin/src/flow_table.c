@@ -170,6 +170,8 @@ static void config_defaults(struct fs_table_config* out) {
     out->class_map[i] = (struct fs_class_map_entry){.traffic_class = (int32_t)i, .class_id = i};
     out->default_level[i] = fs_default_class_level[i];
   }
+  out->gate_mode = FS_GATE_MODE_DEFAULT;
+  out->gate_min_share = out->gate_window_ms = out->gate_max_defer_ms = FS_GATE_UNSET;
   for (uint32_t i = 0; i < FS_DEFAULT_NUM_LEVELS; i++) {
     out->level_marking[i].dscp = fs_default_level_dscp[i];
     out->level_marking[i].so_priority = fs_default_level_prio[i];
@@ -189,6 +191,10 @@ static int config_copy(const struct fs_table_header* hdr, struct fs_table_config
     out->num_class_map = hdr->num_class_map;
     memcpy(out->class_map, hdr->class_map, sizeof(out->class_map));
     memcpy(out->default_level, hdr->default_level, sizeof(out->default_level));
+    out->gate_mode = hdr->gate_mode;
+    out->gate_min_share = hdr->gate_min_share;
+    out->gate_window_ms = hdr->gate_window_ms;
+    out->gate_max_defer_ms = hdr->gate_max_defer_ms;
     memcpy(out->level_marking, hdr->level_marking, sizeof(out->level_marking));
     atomic_thread_fence(memory_order_acquire);
     if (atomic_load_explicit(&hdr->config_seq, memory_order_relaxed) == seq) {

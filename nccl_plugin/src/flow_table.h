@@ -25,6 +25,11 @@
 #define FS_TABLE_MAX_CLASS_MAP 32
 #define FS_TABLE_MAX_CLASSES 16
 #define FS_LEVEL_UNSET 0xFFFFFFFFu
+#define FS_GATE_MODE_DEFAULT 0 /* no [gating] in the policy (or an older agent): ignore gate_* */
+#define FS_GATE_MODE_OFF 1
+#define FS_GATE_MODE_ON 2
+#define FS_GATE_MODE_TUNED 3 /* [gating] without `enabled`: the gate_* numbers only */
+#define FS_GATE_UNSET 0xFFFFu
 
 enum fs_slot_state { FS_SLOT_FREE = 0, FS_SLOT_CLAIMED = 1, FS_SLOT_ACTIVE = 2, FS_SLOT_CLOSED = 3 };
 enum fs_direction { FS_DIR_SEND = 0, FS_DIR_RECV = 1 };
@@ -58,7 +63,11 @@ struct fs_table_header {
   uint32_t fallback_class;
   struct fs_class_map_entry class_map[FS_TABLE_MAX_CLASS_MAP];
   uint8_t default_level[FS_TABLE_MAX_CLASSES];
-  uint8_t reserved1[8];
+  uint8_t gate_mode; /* the policy's permit: FS_GATE_MODE_* (permit.c) */
+  uint8_t reserved1;
+  uint16_t gate_min_share;    /* per mille, FS_GATE_UNSET = the plugin's default */
+  uint16_t gate_window_ms;    /* FS_GATE_UNSET = the plugin's default */
+  uint16_t gate_max_defer_ms; /* FS_GATE_UNSET = the plugin's default */
   struct fs_level_marking level_marking[FS_TABLE_MAX_LEVELS];
   uint8_t reserved2[3616];
 };
@@ -96,6 +105,8 @@ _Static_assert(offsetof(struct fs_table_header, flags) == 48, "flags");
 _Static_assert(offsetof(struct fs_table_header, num_class_map) == 64, "num_class_map");
 _Static_assert(offsetof(struct fs_table_header, class_map) == 72, "class_map");
 _Static_assert(offsetof(struct fs_table_header, default_level) == 328, "default_level");
+_Static_assert(offsetof(struct fs_table_header, gate_mode) == 344, "gate_mode");
+_Static_assert(offsetof(struct fs_table_header, gate_max_defer_ms) == 350, "gate_max_defer_ms");
 _Static_assert(offsetof(struct fs_table_header, level_marking) == 352, "level_marking");
 _Static_assert(offsetof(struct fs_table_slot, level) == 32, "level");
 _Static_assert(offsetof(struct fs_table_slot, bytes) == 40, "bytes");
@@ -110,6 +121,8 @@ struct fs_table_config {
   struct fs_class_map_entry class_map[FS_TABLE_MAX_CLASS_MAP];
   uint8_t default_level[FS_TABLE_MAX_CLASSES];
   struct fs_level_marking level_marking[FS_TABLE_MAX_LEVELS];
+  uint8_t gate_mode; /* the policy's permit settings (FS_GATE_MODE_*, FS_GATE_UNSET) */
+  uint16_t gate_min_share, gate_window_ms, gate_max_defer_ms;
   int from_table; /* 0: compiled-in defaults */
 };
 

@@ -4,6 +4,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "flow_table.h"
 #include "log.h"
 #include "param.h"
 
@@ -31,12 +32,34 @@ static int64_t knob_or(int64_t value, int64_t def) {
   return value >= 0 ? value : def;
 }
 
+/* The policy file's value (ms or per mille in the table) when it sets one, else `def`. */
+static int64_t policy_or(uint16_t value, int64_t scale, int64_t def) {
+  return value != FS_GATE_UNSET ? (int64_t)value * scale : def;
+}
+
 void fs_gate_setup(const struct fs_params* p, int default_on) {
+  struct fs_table_config cfg; /* the policy's [gating], when an agent wrote one */
+  fs_table_config(&cfg);
+  int policy_on = cfg.gate_mode == FS_GATE_MODE_ON    ? 1
+                  : cfg.gate_mode == FS_GATE_MODE_OFF ? 0
+                                                      : default_on;
+  if (cfg.gate_mode == FS_GATE_MODE_DEFAULT || cfg.gate_mode > FS_GATE_MODE_TUNED) {
+    cfg.gate_min_share = cfg.gate_window_ms = cfg.gate_max_defer_ms = FS_GATE_UNSET;
+  }
+  if (cfg.gate_min_share > 1000 && cfg.gate_min_share != FS_GATE_UNSET) {
+    cfg.gate_min_share = FS_GATE_UNSET; /* out of range: not from a valid policy */
+  }
+  if (cfg.gate_window_ms == 0) {
+    cfg.gate_window_ms = FS_GATE_UNSET;
+  }
+  int64_t share = policy_or(cfg.gate_min_share, 1, FS_DEFAULT_MIN_SHARE);
+  int64_t window_us = policy_or(cfg.gate_window_ms, 1000, FS_DEFAULT_WINDOW_US);
+  int64_t defer_us = policy_or(cfg.gate_max_defer_ms, 1000, FS_DEFAULT_MAX_DEFER_US);
   struct fs_gate_params g = {
-      .enabled = p->gating >= 0 ? (int)p->gating : default_on,
-      .min_share_permille = (uint32_t)knob_or(p->gate_min_share, FS_DEFAULT_MIN_SHARE),
-      .window_ns = (uint64_t)knob_or(p->gate_window_us, FS_DEFAULT_WINDOW_US) * 1000,
-      .max_defer_ns = (uint64_t)knob_or(p->gate_max_defer_us, FS_DEFAULT_MAX_DEFER_US) * 1000,
+      .enabled = p->gating >= 0 ? (int)p->gating : policy_on,
+      .min_share_permille = (uint32_t)knob_or(p->gate_min_share, share),
+      .window_ns = (uint64_t)knob_or(p->gate_window_us, window_us) * 1000,
+      .max_defer_ns = (uint64_t)knob_or(p->gate_max_defer_us, defer_us) * 1000,
   };
   fs_gate_configure(&g);
   FS_INFO(NCCL_INIT | NCCL_NET,

@@ -252,6 +252,7 @@ static ncclResult_t wrap_ctx_create(uint64_t comm_id, int32_t nccl_tc, ncclDebug
   if (res != ncclSuccess) {
     return res;
   }
+  fs_gate_setup(&fs_wrap.params, 1); /* again per communicator: the policy may have changed */
   struct fs_wrap_ctx* ctx = wrap_ctx_new(comm_id, nccl_tc);
   if (ctx == NULL) {
     return ncclSystemError;

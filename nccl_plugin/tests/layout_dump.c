@@ -36,6 +36,10 @@ int main(void) {
   FIELD(struct fs_table_header, fallback_class);
   FIELD(struct fs_table_header, class_map);
   FIELD(struct fs_table_header, default_level);
+  FIELD(struct fs_table_header, gate_mode);
+  FIELD(struct fs_table_header, gate_min_share);
+  FIELD(struct fs_table_header, gate_window_ms);
+  FIELD(struct fs_table_header, gate_max_defer_ms);
   FIELD(struct fs_table_header, level_marking);
   first = 1;
   printf("}, \"slot\": {");

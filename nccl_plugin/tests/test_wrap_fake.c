@@ -517,10 +517,34 @@ static void permit(const char* fake) {
   unload();
   unsetenv("FLOWSCHED_GATE_MIN_SHARE");
   unsetenv("FLOWSCHED_GATE_MAX_DEFER_US");
+  printf("ok permit: share guard\n");
+
+  /* the policy file's [gating] (in the table's config area): off, unless the env says on */
+  h->gate_mode = FS_GATE_MODE_OFF;
+  atomic_store(&h->config_seq, 4);
+  for (int env_on = 0; env_on < 2; env_on++) {
+    if (env_on) setenv("FLOWSCHED_GATING", "1", 1);
+    net = load(fake, "ncclNetPlugin_v12");
+    hs = send_comm(net, 0, &hctx);
+    ls = send_comm(net, 5, &lctx);
+    g_fake->complete_sends = 0;
+    OK(net->isend(hs, buf, 200, 0, NULL, NULL, &hreq));
+    OK(net->isend(ls, buf, 200, 0, NULL, NULL, &lreq));
+    CHECK((lreq != NULL) == !env_on, "policy gating off, env %s", env_on ? "on" : "unset");
+    g_fake->complete_sends = 1;
+    OK(net->test(hreq, &done, &size));
+    if (lreq != NULL) OK(net->test(lreq, &done, &size));
+    OK(net->closeSend(hs));
+    OK(net->closeSend(ls));
+    OK(net->finalize(hctx));
+    OK(net->finalize(lctx));
+    unload();
+  }
+  unsetenv("FLOWSCHED_GATING");
   unsetenv("FLOWSCHED_TABLE");
   munmap(h, FS_TABLE_HEADER_SIZE + 16 * FS_TABLE_SLOT_SIZE);
   unlink(path);
-  printf("ok permit: share guard\n");
+  printf("ok permit: the policy's gating off, the environment wins\n");
 }
 
 int main(int argc, char** argv) {

@@ -16,7 +16,6 @@ import pytest
 from flowsched.cli import main as cli_main
 from flowsched.nccl import LIBRARY_NAME, candidate_paths, plugin_path
 
-
 VERSIONS = (8, 9, 10, 11, 12)
 
 

@@ -88,3 +88,68 @@ def test_cross_dependency(wrap_build: Path, mode: str, guard: str) -> None:
     if guard != "both guards":
         # the low send was really deferred (the share guard alone lets it through at once)
         assert result["low_deferred_calls"] > 0, result
+
+
+POLICY = (ROOT / "flowsched" / "data" / "policies" / "default.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("gating", "ends"),
+    [("enabled = false", True), ("enabled = true", False), ("min_share = 0.0", False)],
+    ids=["policy off", "policy on", "policy tuned"],
+)
+def test_policy_gating_reaches_the_plugin(
+    wrap_build: Path, tmp_path: Path, gating: str, ends: bool
+) -> None:
+    """The agent writes the policy's [gating] into the table; the wrapper (on by default)
+    follows it: off, the dependency never waits; on (or tuned), it deadlocks without guards."""
+    from flowsched import policyfile
+    from flowsched.agent.policy_view import PolicyView
+    from flowsched.shm.table import FlowTable
+
+    cfg = policyfile.loads(POLICY + f"\n[gating]\n{gating}\nmax_deferral = 0.0\n")
+    path = tmp_path / "run" / "flowsched-table"
+    table, _ = FlowTable.create_or_attach(str(path), num_slots=64)
+    try:
+        table.write_config(PolicyView(cfg).table_config())
+        env = _clean_env(
+            FLOWSCHED_NET_INNER=str(wrap_build / "libnccl-net-fstcp.so"),
+            FLOWSCHED_TABLE=str(path),
+            FSTCP_SOCKET_IFNAME="lo",
+            FLOWSCHED_GATE_MIN_SHARE="0",
+        )
+        timeout = 10.0 if ends else 1.0
+        peer, plugin = wrap_build / "gate_peer", wrap_build / "libnccl-net-flowsched.so"
+        proc = subprocess.run(
+            [str(peer), str(plugin), "deadlock", str(timeout)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout + 30,
+        )
+    finally:
+        table.close()
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["completed"] is ends, (result, proc.stderr)
+    if ends:
+        assert result["low_deferred_calls"] == 0, result
+
+
+def test_policy_gating_fields() -> None:
+    from flowsched import policyfile
+    from flowsched.agent.policy_view import gate_fields
+    from flowsched.shm import layout
+
+    plain = policyfile.loads(POLICY)
+    assert gate_fields(plain.gating)["gate_mode"] == layout.GATE_MODE_DEFAULT
+    tuned = policyfile.loads(POLICY + "\n[gating]\nmin_share = 0.1\nwindow = 0.2\n")
+    assert gate_fields(tuned.gating) == {
+        "gate_mode": layout.GATE_MODE_TUNED,
+        "gate_min_share": 100,
+        "gate_window_ms": 200,
+        "gate_max_defer_ms": layout.GATE_UNSET,
+    }
+    with pytest.raises(policyfile.PolicyFileError, match=r"gating\.min_share"):
+        policyfile.loads(POLICY + "\n[gating]\nmin_share = 2\n")
+    with pytest.raises(policyfile.PolicyFileError, match=r"gating\.enabled"):
+        policyfile.loads(POLICY + "\n[gating]\nenabled = 1\n")
