@@ -9,9 +9,13 @@ Model
   an event can change: the connected component (links <-> flows) of the touched links,
   restricted to flows at or below the most urgent touched level. More urgent levels cannot be
   affected by a change at a less urgent level, so their rates only reduce the residual capacity.
-* The policy is called on the coordinator's hooks: ``admit`` when a flow opens, ``reevaluate``
-  (all active flows, coalesced per instant) on job progress, flow completion and a periodic
-  timer, ``release`` when a flow closes.
+* The policy is called on the coordinator's hooks (:mod:`flowsched.coordinator.state`):
+  ``admit`` when a flow opens, ``reevaluate`` (coalesced per instant) on job progress, flow
+  completion and time, ``release`` when a flow closes. A policy with ``per_flow_decisions``
+  sees only the flows an event touched (job progress: that job's flows; a completion: the rest
+  of its job; time: the flows whose time came), others see every active flow. Time: a policy
+  with ``next_change`` gets each flow re-evaluated when its promotion time comes (the
+  coordinator's promotion timers); the others are swept every ``timer_period``.
 * Message boundaries: a decision change takes effect when the flow's sent bytes reach the next
   multiple of ``chunk_bytes`` (one message never spans two levels). ``chunk_bytes = 0`` models
   infinitesimal messages (changes apply at once).
@@ -38,7 +42,10 @@ from flowsched.sim.allocate import allocate_levels
 
 DoneCallback = Callable[[Flow], None]
 
-_FLOW, _CALL, _TIMER, _REEVAL = 0, 1, 2, 3
+_FLOW, _CALL, _TIMER, _REEVAL, _DUE = 0, 1, 2, 3, 4
+#: the shortest wait before a promotion timer fires again (next_change answering "now" must
+#: not spin the event loop at one instant)
+_MIN_DUE = 1e-6
 #: bytes below which a flow counts as finished (absorbs float rounding)
 _BYTE_EPS = 1e-3
 
@@ -55,6 +62,9 @@ class SimConfig:
     level_queue: tuple[int, ...] = ()
     #: classes whose flows travel on a private full-rate path (the ideal-network bound)
     private_classes: frozenset[FlowClass] = frozenset()
+    #: "timers": as the coordinator, per-flow policies see only touched flows and policies
+    #: with ``next_change`` get promotion timers; "sweep": every flow at every event and tick
+    promotion: str = "timers"
 
 
 @dataclass(slots=True, eq=False)
@@ -77,6 +87,8 @@ class ActiveFlow:
     queue: int = 0
     #: sent-byte offsets at which a level/cap change was applied (for invariant checks)
     changes_at: list[float] = field(default_factory=list)
+    #: version of the flow's promotion timer (a newer timer makes older events stale)
+    due_version: int = 0
 
 
 class Simulator:
@@ -112,6 +124,14 @@ class Simulator:
         self._reeval_queued = False
         self._timer_armed = False
         self._record_changes = record_changes
+        #: flows touched since the last re-evaluation (per-flow policies only)
+        timers = self.config.promotion == "timers"
+        self._per_flow = timers and bool(getattr(policy, "per_flow_decisions", False))
+        self._touched: set[int] = set()
+        self._job_flows: dict[str, set[int]] = {}
+        self._next_change: Callable[[Flow, Context], float | None] | None = (
+            getattr(policy, "next_change", None) if timers else None
+        )
         self.events_processed = 0
         self.observer: Callable[[Simulator], None] | None = None
 
@@ -154,8 +174,13 @@ class Simulator:
         self.active[flow.flow_id] = state
         for link in link_ids:
             self._on_link[link][flow.flow_id] = state
+        if flow.job is not None:
+            self._job_flows.setdefault(flow.job, set()).add(flow.flow_id)
         self._touch(link_ids, state.queue)
-        self._arm_timer()
+        if self._next_change is not None:
+            self._arm_due(state, self._context())
+        else:
+            self._arm_timer()
         return flow
 
     def _private_link(self, flow_id: int, links: tuple[int, ...]) -> int:
@@ -178,6 +203,7 @@ class Simulator:
         """Report job progress (the ``L_curr`` of RLI); triggers a re-evaluation."""
         if self.job_index.get(job) != index:
             self.job_index[job] = index
+            self._touched.update(self._job_flows.get(job, ()))
             self._request_reevaluate()
 
     def run(self, until: float = math.inf) -> None:
@@ -221,8 +247,14 @@ class Simulator:
         elif kind == _TIMER:
             self._timer_armed = False
             if self.active:
+                self._touched.update(self.active)
                 self._request_reevaluate()
                 self._arm_timer()
+        elif kind == _DUE:
+            assert isinstance(payload, ActiveFlow)
+            if payload.due_version == version and payload.flow.flow_id in self.active:
+                self._touched.add(payload.flow.flow_id)
+                self._request_reevaluate()
         else:
             self._reeval_queued = False
             self._reevaluate()
@@ -239,6 +271,14 @@ class Simulator:
         del self.active[state.flow.flow_id]
         for link in state.links:
             del self._on_link[link][state.flow.flow_id]
+        job = state.flow.job
+        if job is not None:
+            siblings = self._job_flows.get(job)
+            if siblings is not None:
+                siblings.discard(state.flow.flow_id)
+                self._touched.update(siblings)
+                if not siblings:
+                    del self._job_flows[job]
         self._touch(state.links, state.queue)
         state.rate = 0.0
         self._finish(state)
@@ -286,20 +326,43 @@ class Simulator:
             self._timer_armed = True
             self._push(self.now + period, _TIMER, None, 0)
 
+    def _arm_due(self, state: ActiveFlow, ctx: Context) -> None:
+        """Schedule ``state``'s promotion timer from the policy's ``next_change`` (none while a
+        decision waits for its message boundary: applying it re-arms the timer)."""
+        assert self._next_change is not None
+        state.due_version += 1
+        if state.pending is not None:
+            return
+        when = self._next_change(state.flow, ctx)
+        if when is not None and math.isfinite(when):
+            self._push(max(when, self.now + _MIN_DUE), _DUE, state, state.due_version)
+
     def _reevaluate(self) -> None:
+        touched, self._touched = self._touched, set()
         if not self.active:
             return
         now = self.now
-        for state in self.active.values():
+        if self._per_flow:
+            states = [s for fid in touched if (s := self.active.get(fid)) is not None]
+            if not states:
+                return
+        else:
+            states = list(self.active.values())
+        for state in states:
             remaining = state.remaining - state.rate * (now - state.t_mark)
             state.remaining, state.t_mark = (remaining if remaining > 0 else 0.0), now
             state.flow.sent = int(state.flow.size or 0) - math.ceil(state.remaining)
-        flows = [s.flow for s in self.active.values()]
-        for flow_id, decision in self.policy.reevaluate(flows, self._context()).items():
+        ctx = self._context()
+        for flow_id, decision in self.policy.reevaluate([s.flow for s in states], ctx).items():
             target = self.active.get(flow_id)
             if target is not None:
                 self._check_level(decision)
                 self._decide(target, decision)
+        if self._next_change is not None:
+            ctx = self._context()
+            for state in states:
+                if state.flow.flow_id in self.active:
+                    self._arm_due(state, ctx)
 
     def _check_level(self, decision: Decision) -> None:
         if not 0 <= decision.level < self.policy.num_levels:
@@ -337,6 +400,8 @@ class Simulator:
         state.flow.level = decision.level
         self._touch(state.links, min(old_queue, state.queue))
         self._reschedule(state)
+        if self._next_change is not None and state.flow.flow_id in self.active:
+            self._arm_due(state, self._context())
 
     # ----------------------------------------------------------------- rates
     def _touch(self, links: tuple[int, ...], queue: int) -> None:

@@ -221,3 +221,36 @@ def test_private_classes_get_a_full_rate_link_of_their_own() -> None:
     sim.at(0.0, lambda: sim.open_flow(FlowClass.TP, 100, ("a",), consumer_index=3))
     finish = _finish_times(sim)
     assert finish == {1: 2.0, 2: 2.0, 3: 2.0, 4: 1.0}
+
+
+class TimedPolicy(FixedPolicy):
+    """Per-flow decisions with promotion timers: flow ``i`` moves to level 0 at ``i * 0.1`` s."""
+
+    per_flow_decisions = True
+
+    def __init__(self) -> None:
+        super().__init__(promote={1: (0.1, 0), 2: (0.2, 0)})
+        self.seen: list[tuple[float, list[int]]] = []
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        flows = list(flows)
+        self.seen.append((ctx.now, sorted(f.flow_id for f in flows)))
+        return super().reevaluate(flows, ctx)
+
+    def next_change(self, flow: Flow, ctx: Context) -> float | None:
+        when = self.promote.get(flow.flow_id, (float("inf"), 0))[0]
+        return when if when > ctx.now and flow.level != 0 else None
+
+
+def test_promotion_timers_replace_the_sweep_and_touch_only_their_flow() -> None:
+    """A policy with next_change is re-evaluated when a flow's time comes (no periodic sweep),
+    and a per-flow policy sees only the flows an event touched."""
+    policy = TimedPolicy()
+    sim = Simulator({"a": 100.0, "b": 100.0}, policy, SimConfig(chunk_bytes=0, timer_period=1e-3))
+    _open(sim, 0.0, 100, ("a",), level=2)
+    _open(sim, 0.0, 100, ("b",), level=2)
+    sim.run()
+    timed = [(round(t, 9), ids) for t, ids in policy.seen if ids]
+    assert (0.1, [1]) in timed and (0.2, [2]) in timed
+    assert len(policy.seen) <= 4, "no 1 ms sweep: only the two timers (and completions)"
+    assert all(len(ids) <= 1 for _, ids in policy.seen)
