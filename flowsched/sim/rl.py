@@ -83,7 +83,6 @@ class RlWorkload:
                 job=job,
                 consumer_index=index,
                 node=src,
-                oracle_deadline=start,
             )
 
     # ------------------------------------------------------------------ generation

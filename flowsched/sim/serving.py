@@ -227,7 +227,6 @@ class ServingWorkload:
                 job=batch.job,
                 consumer_index=layer + 1,
                 node=f"{cfg.prefill_prefix}{a}",
-                oracle_deadline=start,
             )
 
     def _layer_done(self, batch: _Batch, start: float) -> None:
