@@ -2,6 +2,7 @@
 #include "api.h"
 
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "context.h"
@@ -64,8 +65,10 @@ static ncclResult_t result_of(int rc, const char* what) {
  * the job. Set at every init (a new policy or reloaded knobs take effect there). */
 static void gate_setup(void) {
   const struct fs_params* params = fs_global_params();
-  if (params->table_path[0] != '\0') {
-    fs_table_attach(params->table_path); /* the policy's [gating] is in its config area */
+  /* The policy's [gating] is in the table's config area. A missing table is reported when
+   * the first connection looks for it, as before; not here, at init. */
+  if (params->table_path[0] != '\0' && access(params->table_path, F_OK) == 0) {
+    fs_table_attach(params->table_path);
   }
   fs_gate_setup(params, 0);
 }

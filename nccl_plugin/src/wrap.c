@@ -5,6 +5,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "class_defaults.h"
@@ -105,10 +106,6 @@ int fs_wrap_setup(ncclDebugLogger_t logger) {
                 "NCCL_TUNER_PLUGIN / NCCL_PROFILER_PLUGIN / NCCL_GIN_PLUGIN to %s to use them "
                 "(collnet is not wrapped)", fs_wrap.inner.path, companions, fs_wrap.inner.path);
       }
-      if (fs_wrap.params.table_path[0] != '\0') {
-        fs_table_attach(fs_wrap.params.table_path);
-      }
-      fs_gate_setup(&fs_wrap.params, 1); /* on by default in wrapping mode */
       fs_wrap.state = 1;
     }
   }
@@ -146,6 +143,16 @@ __attribute__((destructor)) static void fs_wrap_unload(void) {
 }
 
 /* ---- classes and traffic classes ------------------------------------------------------------ */
+
+/* Map the node's table if it is not mapped yet (the agent may start after the job). At init
+ * only an existing file is attached; a missing one is reported by the first connection, as
+ * in transport mode. */
+static void table_attach(int connection) {
+  const char* path = fs_wrap.params.table_path;
+  if (path[0] != '\0' && (connection || access(path, F_OK) == 0)) {
+    fs_table_attach(path);
+  }
+}
 
 static uint16_t wrap_class(int32_t traffic_class, struct fs_table_config* cfg) {
   fs_table_config(cfg);
@@ -252,7 +259,8 @@ static ncclResult_t wrap_ctx_create(uint64_t comm_id, int32_t nccl_tc, ncclDebug
   if (res != ncclSuccess) {
     return res;
   }
-  fs_gate_setup(&fs_wrap.params, 1); /* again per communicator: the policy may have changed */
+  table_attach(0);
+  fs_gate_setup(&fs_wrap.params, 1); /* per communicator (the policy may change); on by default */
   struct fs_wrap_ctx* ctx = wrap_ctx_new(comm_id, nccl_tc);
   if (ctx == NULL) {
     return ncclSystemError;
@@ -380,6 +388,7 @@ static struct fs_wrap_comm* comm_new(struct fs_wrap_ctx* ctx, void* inner, int i
     return NULL;
   }
   struct fs_table_config cfg;
+  table_attach(1);
   pthread_mutex_lock(&ctx->lock);
   struct fs_flow_info info = {
       .comm_id = ctx->comm_id,
