@@ -27,13 +27,13 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from flowsched import rundir
 from flowsched.model import FlowClass
 from flowsched.protocol import sdk
 
@@ -44,20 +44,11 @@ RECONNECT_INTERVAL = 1.0
 
 
 def default_socket_path() -> str:
-    """``$FLOWSCHED_SOCKET``, else ``/run/flowsched/agent.sock`` for root, else a per-user path.
-
-    The per-user path is ``$XDG_RUNTIME_DIR/flowsched/agent.sock``, or
-    ``/tmp/flowsched-<uid>/agent.sock`` without XDG_RUNTIME_DIR.
-    """
-    env = os.environ.get("FLOWSCHED_SOCKET")
-    if env:
-        return env
-    if os.geteuid() == 0:
-        return "/run/flowsched/agent.sock"
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime:
-        return os.path.join(runtime, "flowsched", "agent.sock")
-    return f"/tmp/flowsched-{os.geteuid()}/agent.sock"
+    """``$FLOWSCHED_SOCKET``, else the agent's socket in the runtime directories, in the order
+    of :func:`flowsched.rundir.client_path`: ``/run/flowsched/agent.sock`` for root; for a
+    user, ``$XDG_RUNTIME_DIR/flowsched/agent.sock`` when there, else the root agent's
+    ``/run/flowsched/agent.sock`` when there (a ``--group`` member)."""
+    return rundir.client_path(rundir.SOCKET_NAME, "FLOWSCHED_SOCKET")
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,11 +7,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from flowsched import rundir
 from flowsched.protocol import is_name
 from flowsched.protocol.sdk import MAX_NODE
 from flowsched.shm import layout
 
-DEFAULT_TABLE = "/dev/shm/flowsched-table"
 #: the most slots a flow table may have (FlowTable.create_or_attach refuses more)
 MAX_NUM_SLOTS = 1 << 24
 
@@ -35,8 +35,15 @@ def default_link_capacity() -> float | None:
 
 
 def default_table_path() -> str:
-    """``$FLOWSCHED_TABLE`` or ``/dev/shm/flowsched-table``."""
-    return os.environ.get("FLOWSCHED_TABLE") or DEFAULT_TABLE
+    """``$FLOWSCHED_TABLE``, else ``table`` in the agent's runtime directory
+    (``/run/flowsched`` for root, see :mod:`flowsched.rundir`): a path no other user can
+    create first, unlike a fixed name in the world-writable ``/dev/shm``."""
+    return rundir.agent_path(rundir.TABLE_NAME, "FLOWSCHED_TABLE")
+
+
+def default_socket_path() -> str:
+    """``$FLOWSCHED_SOCKET``, else ``agent.sock`` in the agent's runtime directory."""
+    return rundir.agent_path(rundir.SOCKET_NAME, "FLOWSCHED_SOCKET")
 
 
 def _positive(value: object) -> bool:
@@ -90,7 +97,7 @@ class AgentConfig:
 
     node: str
     socket_path: str
-    table_path: str = DEFAULT_TABLE
+    table_path: str = field(default_factory=default_table_path)
     coordinator: tuple[str, int] | None = None
     #: further coordinators of a high-availability group (``--coordinator a,b,c``): the agent
     #: follows whichever of them is the elected leader (docs/ha.md)

@@ -1,9 +1,10 @@
 """The agent's unix-socket server for the application SDK (:mod:`flowsched.client`).
 
-The socket is created mode 0600 (0660 with a configured group) inside a directory the agent
-creates 0700 (0750) when missing. The process id of a client comes from ``SO_PEERCRED``. A
-malformed frame gets an ``error`` frame and closes that client only; its flows are closed
-(as are those of a client that disconnects).
+The socket is created mode 0600 (0660 with a configured group) inside a directory of the
+agent's own (:func:`flowsched.rundir.prepare_private_dir`: created 0700, or 0750 with the
+group; one owned by another user or writable by others is refused). The process id of a
+client comes from ``SO_PEERCRED``. A malformed frame gets an ``error`` frame and closes that
+client only; its flows are closed (as are those of a client that disconnects).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from flowsched import rundir
 from flowsched.agent.flows import SlotKey
 from flowsched.model import Flow, FlowClass
 from flowsched.protocol import sdk
@@ -59,15 +61,21 @@ class SdkServer:
         return len(self._writers)
 
     async def start(self, path: str, group: str | None) -> asyncio.AbstractServer:
-        """Bind the socket (private permissions) and start serving."""
-        _prepare_path(path, group is not None)
+        """Bind the socket (private permissions) and start serving.
+
+        Raises:
+            SocketPathError: the path is taken or its directory is unsafe (see the module
+                docstring).
+        """
+        gid = grp.getgrnam(group).gr_gid if group is not None else None
+        _prepare_path(path, gid)
         old = os.umask(0o177)
         try:
             server = await asyncio.start_unix_server(self._serve, path=path)
         finally:
             os.umask(old)
-        if group is not None:
-            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        if gid is not None:
+            os.chown(path, -1, gid)
             os.chmod(path, 0o660)
         return server
 
@@ -218,10 +226,11 @@ def _peer_pid(writer: asyncio.StreamWriter) -> int:
         return 0
 
 
-def _prepare_path(path: str, grouped: bool) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        os.makedirs(parent, mode=0o750 if grouped else 0o700, exist_ok=True)
+def _prepare_path(path: str, gid: int | None) -> None:
+    try:
+        rundir.prepare_private_dir(os.path.dirname(os.path.abspath(path)), gid)
+    except rundir.RuntimeDirError as exc:
+        raise SocketPathError(f"SDK socket {path}: {exc}") from None
     try:
         st = os.lstat(path)
     except FileNotFoundError:

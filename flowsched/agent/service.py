@@ -33,6 +33,7 @@ from flowsched.agent.nic import NicMonitor, default_interfaces
 from flowsched.agent.policy_view import PolicyView
 from flowsched.agent.sdk_server import SdkServer
 from flowsched.agent.telemetry import SlotTelemetry, Telemetry
+from flowsched.lograte import RepeatLog
 from flowsched.model import Context, Decision, Flow
 from flowsched.policies.base import Policy
 from flowsched.protocol import (
@@ -61,6 +62,10 @@ MIN_LOCAL_PERIOD = 0.01
 MAX_RECONNECT_BACKOFF = 1.0
 #: ... and starts again at ``reconnect_interval`` after a session that lasted this long (s)
 HEALTHY_SESSION = 5.0
+#: every decided slot level and the marking table are compared with the table this often (s)
+#: and rewritten where they differ: a process with write access to the table (a --group
+#: member) that changes them is undone within this period (docs/security.md)
+REASSERT_PERIOD = 1.0
 #: the least pause after the coordinator refused the handshake (wrong token, version)
 REFUSED_PAUSE = 1.0
 
@@ -103,6 +108,7 @@ class Agent:
             "resyncs_sent": 0,
             "connects": 0,
             "reaped": 0,
+            "tampered_repaired": 0,
         }
         self.ready: ReadyInfo | None = None
         self.telemetry = Telemetry()
@@ -110,6 +116,7 @@ class Agent:
         #: slots holding a connection (ACTIVE or CLOSED) at the last table scan
         self.slots_used = 0
         self.rdma_devices: list[str] = []
+        self._repeat_log = RepeatLog(log)
         self._token: bytes | None = None
         self._socket_bound = False
 
@@ -186,13 +193,16 @@ class Agent:
 
     # ------------------------------------------------------------------ table
     async def _poll_table(self) -> None:
-        next_reap = 0.0
+        next_reap = next_reassert = 0.0
         while True:
             try:
                 self.scan_table()
                 if time.monotonic() >= next_reap:
                     next_reap = time.monotonic() + REAP_PERIOD
                     self._reap()
+                if time.monotonic() >= next_reassert:
+                    next_reassert = time.monotonic() + REASSERT_PERIOD
+                    self.reassert_levels()
             except Exception:
                 log.exception("table scan failed")
             await asyncio.sleep(self.config.poll_interval)
@@ -227,6 +237,34 @@ class Agent:
             return None
         return "no coordinator connection" + (" (local policy running)" if self.fallback else "")
 
+    def reassert_levels(self) -> int:
+        """Rewrite the slot levels and the marking table where they differ from what this
+        agent decided; return how many were repaired (logged at a falling rate)."""
+        assert self.table is not None and self.registry is not None
+        repaired = 0
+        if self.registry.slots:
+            levels, seqs = self.table.slot_column("level"), self.table.slot_column("claim_seq")
+            for key in list(self.registry.slots):
+                level = self._decided_level(key)
+                if level is None or seqs[key[0]] != key[1]:
+                    continue
+                if levels[key[0]] != self.view.table_level(level):
+                    self.write_slot(key)
+                    repaired += 1
+        wanted = self.view.table_config()
+        if self.table.read_config() != wanted:
+            self.table.write_config(wanted)
+            repaired += 1
+        if repaired:
+            self.stats["tampered_repaired"] += repaired
+            self._repeat_log.log(
+                "tampered", logging.WARNING,
+                "rewrote %d slot levels or marking tables of %s that another process had "
+                "changed (anyone with write access to the table: see docs/security.md)",
+                repaired, self.config.table_path,
+            )  # fmt: skip
+        return repaired
+
     def _reap(self) -> None:
         assert self.table is not None
         reaped = self.table.reap_dead()
@@ -240,13 +278,19 @@ class Agent:
             self.table.heartbeat()
             await asyncio.sleep(HEARTBEAT_PERIOD)
 
-    def write_slot(self, key: SlotKey) -> None:
-        """Write the level the slot's flow (or its SDK flow) has into the slot."""
-        assert self.table is not None and self.registry is not None
+    def _decided_level(self, key: SlotKey) -> int | None:
+        """The level the slot's flow (or its SDK flow) has; None when none is decided yet."""
+        assert self.registry is not None
         level = self.registry.level_of_slot(key)
         conn = self.registry.slots.get(key)
         if level is None and conn is not None and conn.linked_to is not None:
             level = self.view.default_level(conn.cls)
+        return level
+
+    def write_slot(self, key: SlotKey) -> None:
+        """Write the level the slot's flow (or its SDK flow) has into the slot."""
+        assert self.table is not None
+        level = self._decided_level(key)
         if level is None:
             return
         snap = self.table.slot(key[0])

@@ -9,7 +9,7 @@ from typing import Any
 
 from flowsched import qos
 from flowsched.agent import AgentConfig, ReadyInfo, default_table_path, serve
-from flowsched.agent.config import AgentConfigError
+from flowsched.agent.config import AgentConfigError, default_socket_path
 from flowsched.agent.sdk_server import SocketPathError
 from flowsched.cli._common import (
     AGENT_METRICS_PORT,
@@ -29,7 +29,6 @@ from flowsched.cli._common import (
     run_daemon,
     setup_logging,
 )
-from flowsched.client import default_socket_path
 from flowsched.protocol import TokenFileError, load_token
 from flowsched.qos import link_speed
 from flowsched.shm import layout
@@ -62,15 +61,22 @@ def register(sub: Any) -> None:
         "--table",
         default=None,
         metavar="PATH",
-        help="flow table (default $FLOWSCHED_TABLE or /dev/shm/flowsched-table)",
+        help="flow table (default $FLOWSCHED_TABLE, else 'table' in /run/flowsched for root, "
+        "$XDG_RUNTIME_DIR/flowsched otherwise)",
     )
     parser.add_argument(
         "--socket",
         default=None,
         metavar="PATH",
-        help="SDK socket (default $FLOWSCHED_SOCKET or a per-user path)",
+        help="SDK socket (default $FLOWSCHED_SOCKET, else 'agent.sock' next to the table)",
     )
-    parser.add_argument("--group", default=None, help="group allowed to use table and socket")
+    parser.add_argument(
+        "--group",
+        default=None,
+        help="group allowed to use the table and the socket (directory 0750, files 0660). "
+        "Trust: every member controls every level on this node, like the docker group; "
+        "the agent repairs tampered slots within a second (docs/security.md)",
+    )
     parser.add_argument(
         "--slots",
         type=positive_int,

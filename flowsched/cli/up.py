@@ -17,7 +17,7 @@ from typing import Any
 
 from flowsched.agent import AgentConfig, ReadyInfo, default_table_path
 from flowsched.agent import serve as serve_agent
-from flowsched.agent.config import AgentConfigError
+from flowsched.agent.config import AgentConfigError, default_socket_path
 from flowsched.cli._common import (
     AGENT_METRICS_PORT,
     COORDINATOR_METRICS_PORT,
@@ -29,7 +29,6 @@ from flowsched.cli._common import (
     setup_logging,
 )
 from flowsched.cli.agent import preflight as agent_preflight
-from flowsched.client import default_socket_path
 from flowsched.coordinator import Addresses, CoordinatorConfig
 from flowsched.coordinator import serve as serve_coordinator
 from flowsched.protocol import DEFAULT_TOKEN_PATH, TokenFileError, load_token, write_token

@@ -40,6 +40,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from flowsched import rundir
 from flowsched.shm import layout as L
 
 _HEADER = {name: (offset, struct.Struct(fmt)) for name, offset, fmt in L.HEADER_FIELDS}
@@ -145,7 +146,7 @@ def _config_problems(cfg: TableConfig) -> list[str]:
     for i, lvl in enumerate(cfg.default_levels):
         if not 0 <= lvl < max(cfg.num_levels, 1):
             problems.append(f"default_levels[{i}] = {lvl} not in 0..{cfg.num_levels - 1}")
-    if cfg.gate_mode not in (L.GATE_MODE_DEFAULT, L.GATE_MODE_OFF, L.GATE_MODE_ON):
+    if not L.GATE_MODE_DEFAULT <= cfg.gate_mode <= L.GATE_MODE_TUNED:
         problems.append(f"gate_mode {cfg.gate_mode} is not a GATE_MODE_* value")
     if not (0 <= cfg.gate_min_share <= 1000 or cfg.gate_min_share == L.GATE_UNSET):
         problems.append(f"gate_min_share {cfg.gate_min_share} not in 0..1000 per mille")
@@ -243,14 +244,20 @@ class FlowTable:
     ) -> tuple[FlowTable, AttachInfo]:
         """Create the table at ``path``, or re-attach to a valid one left by a previous agent.
 
-        The file is opened with ``O_NOFOLLOW`` and must be a regular file owned by the effective
-        user; its mode is set to 0600, or 0660 with ``group`` as its group. A file of size zero
-        (an agent died while creating it) is initialized afresh. Raises :class:`TableError` on a
-        file of another user, a symlink, a bad magic/version/size.
+        The directory must be the agent's own (:func:`flowsched.rundir.prepare_private_dir`;
+        created when missing). The file is opened with ``O_NOFOLLOW`` and must be a regular
+        file owned by the effective user; its mode is set to 0600, or 0660 with ``group`` as its
+        group. A file of size zero (an agent died while creating it) is initialized afresh.
+        Raises :class:`TableError` on an unsafe directory, a file of another user, a symlink, a
+        bad magic/version/size.
         """
         if not 1 <= num_slots <= (1 << 24):
             raise ValueError(f"num_slots {num_slots} not in 1..{1 << 24}")
         gid = _resolve_group(group)
+        try:
+            rundir.prepare_private_dir(os.path.dirname(os.path.abspath(path)), gid)
+        except rundir.RuntimeDirError as exc:
+            raise TableError(f"flow table {path}: {exc}") from None
         fd, created = _open_private(path)
         try:
             _secure_fd(fd, path, gid)
@@ -639,7 +646,7 @@ def _unpack_config(raw: bytes, num_levels: int) -> TableConfig:
         struct.unpack_from("<H", raw, _AREA[name])[0]
         for name in ("gate_min_share", "gate_window_ms", "gate_max_defer_ms")
     ]
-    if mode > L.GATE_MODE_ON or not (gates[0] <= 1000 or gates[0] == L.GATE_UNSET):
+    if mode > L.GATE_MODE_TUNED or not (gates[0] <= 1000 or gates[0] == L.GATE_UNSET):
         raise TableError(f"corrupt config area: gate_mode {mode}, gate_min_share {gates[0]}")
     return TableConfig(num_levels, markings, class_map, fallback, defaults, mode, *gates)
 

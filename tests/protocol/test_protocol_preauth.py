@@ -6,6 +6,8 @@ import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from protocol_strategies import messages
+from test_protocol_handshake import TOKEN, ConnectionPair
 
 import flowsched.protocol._connection as connection_module
 from flowsched.model import FlowClass
@@ -27,8 +29,6 @@ from flowsched.protocol import (
     frame,
     peek_type,
 )
-from protocol_strategies import messages
-from test_protocol_handshake import TOKEN, ConnectionPair
 
 MIB = 1 << 20
 
@@ -95,7 +95,9 @@ def test_a_well_formed_flows_frame_before_auth_is_refused_without_decoding(
     if state == "after-challenge":
         pair.coordinator.challenge()
     before = list(decodes)
-    with pytest.raises(RemoteProtocolError, match=r"flows: not allowed .*\(refused before decoding\)"):
+    with pytest.raises(
+        RemoteProtocolError, match=r"flows: not allowed .*\(refused before decoding\)"
+    ):
         pair.to_coordinator(_flows_frame(3000))
     assert decodes == before, "a non-handshake frame was decoded before authentication"
 

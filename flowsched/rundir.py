@@ -1,0 +1,106 @@
+"""Where a node's agent keeps its SDK socket and flow table: one private runtime directory.
+
+The agent's default directory is ``/run/flowsched`` when it runs as root, else
+``$XDG_RUNTIME_DIR/flowsched``, else ``/tmp/flowsched-<uid>``. Clients (the SDK, the plugin)
+look for the socket and the table in the same places (:func:`client_path`). A directory the
+agent uses must be its own: :func:`prepare_private_dir` refuses one owned by another user or
+writable by group or others, because whoever can write the directory can swap the socket
+(and read every job's flows, set their levels). The trust model is in ``docs/security.md``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+ROOT_DIR = "/run/flowsched"
+SOCKET_NAME = "agent.sock"
+TABLE_NAME = "table"
+
+
+class RuntimeDirError(RuntimeError):
+    """The directory of the socket or the table is unsafe to use (the message says why)."""
+
+
+def agent_runtime_dir() -> str:
+    """The agent's default directory for this user (see the module docstring)."""
+    if os.geteuid() == 0:
+        return ROOT_DIR
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        return os.path.join(runtime, "flowsched")
+    return f"/tmp/flowsched-{os.geteuid()}"
+
+
+def agent_path(name: str, env: str) -> str:
+    """``$env``, else ``name`` in :func:`agent_runtime_dir` (the agent's defaults)."""
+    return os.environ.get(env) or os.path.join(agent_runtime_dir(), name)
+
+
+def client_path(name: str, env: str) -> str:
+    """Where a client finds the agent's ``name``: ``$env``; for root ``/run/flowsched``; else
+    the user's runtime directory when the file is there, else ``/run/flowsched`` when it is
+    there (a root agent serving a ``--group``), else the agent's default for this user."""
+    given = os.environ.get(env)
+    if given:
+        return given
+    own = os.path.join(agent_runtime_dir(), name)
+    if os.geteuid() == 0 or os.path.exists(own):
+        return own
+    shared = os.path.join(ROOT_DIR, name)
+    return shared if os.path.exists(shared) else own
+
+
+def prepare_private_dir(path: str, gid: int | None = None) -> None:
+    """Create ``path`` (mode 0700, or 0750 owned by group ``gid``) or check an existing one.
+
+    An existing directory must be a real directory (not a symbolic link) owned by this user or
+    by root, and not writable by group or others unless it is root's and sticky (``/tmp``:
+    nobody can remove or rename another user's file there). With ``gid``, a directory this
+    user owns and created, or whose name starts with ``flowsched``, is given that group and mode
+    0750, so that the group's members can reach the socket in it (a shared directory such as
+    ``/tmp`` is never changed).
+
+    Raises:
+        RuntimeDirError: naming the directory and what is wrong with it.
+    """
+    path = os.path.abspath(path)
+    created = False
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+            created = True
+        except FileExistsError:
+            pass  # created meanwhile: checked below like any existing one
+        info = os.lstat(path)
+    _check_dir(path, info)
+    # the group and mode are set only on a directory of our own (never on /tmp or a home)
+    dedicated = created or os.path.basename(path).startswith("flowsched")
+    if gid is not None and dedicated and info.st_uid == os.geteuid():
+        if info.st_gid != gid:
+            os.chown(path, -1, gid)
+        if stat.S_IMODE(info.st_mode) != 0o750:
+            os.chmod(path, 0o750)
+
+
+def _check_dir(path: str, info: os.stat_result) -> None:
+    if stat.S_ISLNK(info.st_mode):
+        raise RuntimeDirError(f"{path} is a symbolic link; refusing it as the agent's directory")
+    if not stat.S_ISDIR(info.st_mode):
+        raise RuntimeDirError(f"{path} is not a directory")
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid not in (os.geteuid(), 0):
+        raise RuntimeDirError(
+            f"{path} is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()}): "
+            "another user could swap the socket or the table in it; remove it or choose "
+            "another path"
+        )
+    sticky_by_root = info.st_uid == 0 and mode & stat.S_ISVTX  # /tmp: names cannot be swapped
+    if mode & 0o022 and not sticky_by_root:
+        raise RuntimeDirError(
+            f"{path} is writable by group or others (mode {mode:04o}): another user could swap "
+            f"the socket or the table in it; run: chmod go-w {path}"
+        )
