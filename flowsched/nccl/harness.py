@@ -489,7 +489,9 @@ class Buffer:
 
 
 class Request:
-    """An outstanding isend/irecv; keeps its buffer alive until done."""
+    """An outstanding isend/irecv; it and its buffer stay alive (held by the comm) until it
+    is done or the comm is closed, even if the caller drops it: the plugin's helper threads
+    may write a posted receive's buffer at any time until then, as NCCL's contract allows."""
 
     def __init__(self, comm: _Comm, handle: ctypes.c_void_p, buffer: Buffer) -> None:
         self.comm = comm
@@ -497,6 +499,7 @@ class Request:
         self.buffer = buffer
         self.done = False
         self.size = -1
+        comm._in_flight.add(self)
 
     def test(self) -> bool:
         """One ``test`` call; True once complete (``size`` then holds the byte count)."""
@@ -508,6 +511,7 @@ class Request:
         if done.value:
             self.done = True
             self.size = size.value
+            self.comm._in_flight.discard(self)
         return self.done
 
     def wait(self, timeout: float = 30.0) -> int:
@@ -524,6 +528,7 @@ class _Comm:
     def __init__(self, ctx: Context, comm: ctypes.c_void_p) -> None:
         self.ctx = ctx
         self._comm = comm
+        self._in_flight: set[Request] = set()
 
     @property
     def _table(self) -> Any:
@@ -571,6 +576,7 @@ class SendComm(_Comm):
         if self._comm.value:
             _check("closeSend", self._table.closeSend(self._comm))
             self._comm = ctypes.c_void_p()
+            self._in_flight.clear()
 
 
 class RecvComm(_Comm):
@@ -620,6 +626,7 @@ class RecvComm(_Comm):
         if self._comm.value:
             _check("closeRecv", self._table.closeRecv(self._comm))
             self._comm = ctypes.c_void_p()
+            self._in_flight.clear()
 
 
 def connect_pair(

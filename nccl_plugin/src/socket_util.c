@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "log.h"
@@ -98,24 +99,59 @@ static void device_read_sysfs(struct fs_device* dev) {
   dev->pci_path = realpath(path, NULL);
 }
 
-/* Default selection (no selector given): skip loopback and container bridges. */
-static int ifname_default_ok(const char* name, int allow_lo) {
-  if (strncmp(name, "docker", 6) == 0 || strncmp(name, "virbr", 5) == 0) {
-    return 0;
+/* Interfaces that only connect containers or VMs to this host: never chosen by default. */
+static const char* const fs_virtual_prefixes[] = {"docker", "virbr", "veth", "cni", "flannel",
+                                                  "cali", "weave", "vxlan", "kube-"};
+
+static int ifname_is_virtual(const char* name) {
+  for (size_t i = 0; i < sizeof(fs_virtual_prefixes) / sizeof(fs_virtual_prefixes[0]); i++) {
+    if (strncmp(name, fs_virtual_prefixes[i], strlen(fs_virtual_prefixes[i])) == 0) {
+      return 1;
+    }
   }
-  return allow_lo || strncmp(name, "lo", 2) != 0;
+  return 0;
 }
 
-static int ifname_selected(const struct fs_params* params, const char* name, int allow_lo) {
+int fs_ifname_is_bridge(const char* name) {
+  char path[PATH_MAX];
+  snprintf(path, sizeof(path), "/sys/class/net/%s/bridge", name);
+  return access(path, F_OK) == 0;
+}
+
+/* The passes of the default selection, as NCCL's: IPoIB first, else anything but loopback
+ * and virtual/bridge interfaces, else loopback. */
+enum fs_pass { FS_PASS_IB, FS_PASS_OTHER, FS_PASS_LOOPBACK };
+
+static int ifname_in_pass(const char* name, enum fs_pass pass, int (*is_bridge)(const char*)) {
+  int lo = strncmp(name, "lo", 2) == 0;
+  switch (pass) {
+    case FS_PASS_IB:
+      return strncmp(name, "ib", 2) == 0;
+    case FS_PASS_OTHER:
+      return !lo && !ifname_is_virtual(name) && !is_bridge(name);
+    default:
+      return lo;
+  }
+}
+
+static int ifname_selected(const struct fs_params* params, const char* name, enum fs_pass pass,
+                           int (*is_bridge)(const char*)) {
   const char* spec = params->socket_ifname[0] ? params->socket_ifname : params->nccl_socket_ifname;
-  return spec[0] ? fs_ifname_matches(spec, name) : ifname_default_ok(name, allow_lo);
+  return spec[0] ? fs_ifname_matches(spec, name) : ifname_in_pass(name, pass, is_bridge);
 }
 
-static void devices_collect(const struct fs_params* params, struct ifaddrs* list, int allow_lo,
+/* An interface that can carry traffic now: up, and with a carrier (IFF_RUNNING). */
+static int if_usable(unsigned int flags) {
+  return (flags & IFF_UP) && (flags & IFF_RUNNING);
+}
+
+static void devices_collect(const struct fs_params* params, const struct ifaddrs* list,
+                            enum fs_pass pass, int (*is_bridge)(const char*),
                             struct fs_device* out, int* ranks, int* count) {
-  for (struct ifaddrs* ifa = list; ifa != NULL; ifa = ifa->ifa_next) {
+  for (const struct ifaddrs* ifa = list; ifa != NULL; ifa = ifa->ifa_next) {
     int rank = addr_rank(params, ifa->ifa_addr);
-    if (rank < 0 || !(ifa->ifa_flags & IFF_UP) || !ifname_selected(params, ifa->ifa_name, allow_lo)) {
+    if (rank < 0 || !if_usable(ifa->ifa_flags) ||
+        !ifname_selected(params, ifa->ifa_name, pass, is_bridge)) {
       continue;
     }
     int i = device_find(out, *count, ifa->ifa_name);
@@ -135,17 +171,22 @@ static void devices_collect(const struct fs_params* params, struct ifaddrs* list
   }
 }
 
+void fs_devices_select(const struct fs_params* params, const struct ifaddrs* list,
+                       int (*is_bridge)(const char*), struct fs_device* out, int* count) {
+  int ranks[FS_MAX_DEVICES];
+  *count = 0;
+  /* With a selector there is one pass; the passes only order the default selection. */
+  for (int pass = FS_PASS_IB; pass <= FS_PASS_LOOPBACK && *count == 0; pass++) {
+    devices_collect(params, list, (enum fs_pass)pass, is_bridge, out, ranks, count);
+  }
+}
+
 int fs_devices_discover(const struct fs_params* params, struct fs_device* out, int* count) {
   struct ifaddrs* list = NULL;
   if (getifaddrs(&list) != 0) {
     return FS_NEG_ERRNO();
   }
-  int ranks[FS_MAX_DEVICES];
-  *count = 0;
-  devices_collect(params, list, 0, out, ranks, count);
-  if (*count == 0) {
-    devices_collect(params, list, 1, out, ranks, count); /* only loopback left: use it */
-  }
+  fs_devices_select(params, list, fs_ifname_is_bridge, out, count);
   freeifaddrs(list);
   for (int i = 0; i < *count; i++) {
     device_read_sysfs(&out[i]);
@@ -213,4 +254,20 @@ void fs_sock_apply_marking(int fd, int family, const struct fs_level_marking* ma
   }
   set_int_opt(fd, SOL_SOCKET, SO_PRIORITY, (int)marking->so_priority, &fs_warned_prio,
               "SO_PRIORITY");
+}
+
+void fs_sock_bind_device(int fd, const struct fs_device* device, int family) {
+  if (device == NULL || device->addr.ss.ss_family != family) {
+    return; /* the peer is reached over the other family: let routing pick the source */
+  }
+  static atomic_int warned_bind;
+  int one = 1;
+  /* the port is chosen at connect time, so binding does not use up ephemeral ports early */
+  (void)setsockopt(fd, IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof(one));
+  struct fs_addr local = device->addr; /* port 0 */
+  if (bind(fd, (const struct sockaddr*)&local.ss, local.len) != 0) {
+    char text[96];
+    FS_WARN_ONCE(warned_bind, "cannot bind to %s on %s: %s (connecting from any address)",
+                 fs_addr_str(&local, text, sizeof(text)), device->name, fs_errstr(errno));
+  }
 }

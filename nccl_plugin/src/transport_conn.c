@@ -261,6 +261,7 @@ static int connect_start_socket(struct fs_connect_state* st) {
   }
   fs_sock_tune(st->fd, fs_global_params(), st->index < comm->nsocks);
   fs_sock_apply_marking(st->fd, comm->family, &comm->flow.marking);
+  fs_sock_bind_device(st->fd, fs_global_device(comm->dev), comm->family);
   if (connect(st->fd, (struct sockaddr*)&st->peer.ss, st->peer.len) == 0 || errno == EINPROGRESS) {
     st->phase = FS_PHASE_CONNECTING;
     return 0;

@@ -76,6 +76,8 @@ def plugin_recv(seconds: float) -> None:
         comm, MESSAGE, in_flight=IN_FLIGHT, until=lambda: time.monotonic() > end, on_complete=record
     )
     emit(bins)
+    comm.close()  # stops the plugin's threads before the posted buffers are freed
+    ctx.finalize()
 
 
 def plugin_send(handle: str, seconds: float) -> None:
@@ -88,6 +90,8 @@ def plugin_send(handle: str, seconds: float) -> None:
     end = time.monotonic() + seconds
     with contextlib.suppress(PluginError):  # the receiver finishes first
         stream(comm, MESSAGE, in_flight=IN_FLIGHT, until=lambda: time.monotonic() > end)
+    comm.close()
+    ctx.finalize()
 
 
 if __name__ == "__main__":

@@ -71,3 +71,59 @@ def test_plugin_path_env_override(plugin_lib: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv(PATH_ENV, "/nonexistent/libnccl-net-flowsched.so")
     with pytest.raises(PluginNotFoundError, match=PATH_ENV):
         plugin_path()
+
+
+def _usable_ipv4_interface() -> str | None:
+    """A non-loopback interface that is up with a carrier and has an IPv4 address."""
+    import fcntl
+    import socket
+    import struct
+
+    for _, name in socket.if_nameindex():
+        if name == "lo" or not Path(f"/sys/class/net/{name}/carrier").exists():
+            continue
+        try:
+            if Path(f"/sys/class/net/{name}/carrier").read_text().strip() != "1":
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                req = struct.pack("256s", name.encode()[:15])
+                fcntl.ioctl(s.fileno(), 0x8915, req)  # SIOCGIFADDR: has an IPv4 address
+        except OSError:
+            continue
+        return name
+    return None
+
+
+def test_connect_is_bound_to_the_chosen_device(
+    plugin_env: Path, fresh_lib: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection leaves from the device NCCL chose, whatever source address routing would
+    pick: the handle points at a listener on 127.0.0.1 (routing alone would use 127.0.0.1 as
+    the source), yet every socket arrives from the chosen interface's address."""
+    import socket
+
+    name = _usable_ipv4_interface()
+    if name is None:
+        pytest.skip("no non-loopback interface with IPv4 and a carrier")
+    monkeypatch.setenv("FLOWSCHED_SOCKET_IFNAME", f"={name}")
+    monkeypatch.setenv("FLOWSCHED_SOCKET_FAMILY", "4")
+    plugin = Plugin(fresh_lib, 11)
+    ctx = plugin.init()
+    listener = ctx.listen(0)
+    handle = bytearray(listener.handle)
+    device_ip = socket.inet_ntoa(bytes(handle[24:28]))
+    nsocks = int.from_bytes(handle[40:44], "little")
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as server:
+        handle[18:20] = server.getsockname()[1].to_bytes(2, "big")
+        handle[24:28] = socket.inet_aton("127.0.0.1")
+        send = ctx.connect(bytes(handle))  # the kernel completes handshakes before accept()
+        sources = set()
+        for _ in range(nsocks + 1):
+            conn, peer = server.accept()
+            sources.add(peer[0])
+            conn.close()
+    assert sources == {device_ip} and device_ip != "127.0.0.1"
+    send.close()
+    listener.close()
+    ctx.finalize()
+    plugin.close()
