@@ -277,7 +277,12 @@ class FlowTable:
 
     @classmethod
     def open(cls, path: str, *, writable: bool = False) -> FlowTable:
-        """Map an existing table (as the plugin does); validates magic, version and sizes."""
+        """Map an existing table (as the plugin does); validates magic, version and sizes.
+
+        Like the plugin, it refuses a symbolic link (``O_NOFOLLOW``), and a file owned by
+        anyone but root or this user, or writable by others: a table another user created
+        first would let them feed this process levels and read its flows.
+        """
         flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(path, flags)
@@ -287,6 +292,7 @@ class FlowTable:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise TableError(f"flow table {path} is not a regular file")
+            _check_trusted_owner(path, st)
             _validate_size(path, st.st_size)
             table = cls(path, _map(fd, st.st_size, writable), writable=writable)
         finally:
@@ -596,6 +602,16 @@ def _secure_fd(fd: int, path: str, gid: int | None) -> None:
         os.fchmod(fd, 0o660)
     elif stat.S_IMODE(st.st_mode) != 0o600:
         os.fchmod(fd, 0o600)
+
+
+def _check_trusted_owner(path: str, st: os.stat_result) -> None:
+    if st.st_uid not in (0, os.geteuid()):
+        raise TableError(
+            f"flow table {path} is owned by uid {st.st_uid}, neither root nor this user "
+            f"(uid {os.geteuid()}); refusing it"
+        )
+    if st.st_mode & stat.S_IWOTH:
+        raise TableError(f"flow table {path} is writable by others; refusing it")
 
 
 def _validate_size(path: str, size: int) -> None:
