@@ -149,6 +149,9 @@ int fs_context_create(uint64_t comm_id, int32_t traffic_class, ncclDebugLogger_t
     fs_global_release();
     return -ENOMEM;
   }
+  /* Per communicator: flowsched.torch.new_group sets FLOWSCHED_CLASS right before creating
+   * a group where NCCL has no per-communicator trafficClass. */
+  fs_param_peek("FLOWSCHED_CLASS", ctx->class_name, sizeof(ctx->class_name));
   *out = ctx;
   return 0;
 }
@@ -245,19 +248,22 @@ int fs_class_parse(const char* text) {
   return -1;
 }
 
-uint16_t fs_class_resolve(int32_t traffic_class) {
+uint16_t fs_class_resolve(const struct fs_context* ctx, int32_t traffic_class) {
   const struct fs_params* params = fs_global_params();
+  /* a context's own FLOWSCHED_CLASS (read at its init) wins over the process's first one */
+  const char* class_name = ctx != NULL && ctx->class_name[0] != '\0' ? ctx->class_name
+                                                                        : params->class_name;
   if (params->table_path[0] != '\0') { /* empty: no table (the standalone inner build) */
     fs_table_attach(params->table_path);
   }
   struct fs_table_config cfg;
   fs_table_config(&cfg);
   int cls = fs_table_class_for_traffic_class(&cfg, traffic_class);
-  if (cls < 0 && params->class_name[0] != '\0') {
-    cls = fs_class_parse(params->class_name);
+  if (cls < 0 && class_name[0] != '\0') {
+    cls = fs_class_parse(class_name);
     if (cls < 0) {
       FS_WARN_ONCE(fs_global.warned_class, "FLOWSCHED_CLASS=%s is not a flow class; using tp",
-                   params->class_name);
+                   class_name);
     }
   }
   if (cls < 0) {

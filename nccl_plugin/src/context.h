@@ -34,6 +34,7 @@ struct fs_context {
   struct fs_comm* comms; /* open connections created through this context */
   uint32_t net_op, net_algo, net_proto; /* latest setNetAttr hint (0 = none seen) */
   _Atomic int32_t self_rank; /* this process's rank: the tag of its first isend (v11+; -1) */
+  char class_name[32]; /* FLOWSCHED_CLASS when this context was created (v11+; "" = unset) */
 };
 
 /* Take a reference on the global state, initialising it on the first one. */
@@ -65,9 +66,10 @@ void fs_context_connect_attr(struct fs_context* ctx, uint32_t* op, uint32_t* alg
 void fs_context_add_comm(struct fs_context* ctx, struct fs_comm* comm);
 void fs_context_remove_comm(struct fs_context* ctx, struct fs_comm* comm);
 
-/* Flow class of a connection: trafficClass through the table's class map, else
- * FLOWSCHED_CLASS, else tp. Attaches the table first if it is not mapped yet. */
-uint16_t fs_class_resolve(int32_t traffic_class);
+/* Flow class of a connection of `ctx` (may be NULL): trafficClass through the table's class
+ * map, else FLOWSCHED_CLASS as it was when the context was created (v11+: per communicator)
+ * or when the plugin initialised, else tp. Attaches the table first if it is not mapped yet. */
+uint16_t fs_class_resolve(const struct fs_context* ctx, int32_t traffic_class);
 /* Parse a class label or id ("param_sync", "2"); -1 when unknown. */
 int fs_class_parse(const char* text);
 

@@ -134,7 +134,7 @@ static struct fs_comm* comm_new(struct fs_context* ctx, int dev, int is_send, in
       .comm_id = comm_id,
       .peer_rank = -1,
       .traffic_class = traffic_class,
-      .class_id = fs_class_resolve(traffic_class),
+      .class_id = fs_class_resolve(ctx, traffic_class),
       .direction = is_send ? FS_DIR_SEND : FS_DIR_RECV,
       .dev = (uint32_t)dev,
   };

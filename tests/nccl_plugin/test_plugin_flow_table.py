@@ -494,3 +494,24 @@ def test_send_slot_peer_stays_unknown_while_the_receiver_never_sent(
     rank0.finalize()
     rank1.finalize()
     plugin.close()
+
+
+def test_flowsched_class_is_read_per_communicator(
+    table: TestTable, fresh_lib: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flowsched.torch.new_group's fallback sets FLOWSCHED_CLASS right before a group's
+    communicator is created, after the plugin initialised for the default group: the new
+    communicator's connections take it, the earlier one's keep theirs."""
+    plugin = Plugin(fresh_lib, 11)
+    default = plugin.init(comm_id=0x61)
+    monkeypatch.setenv("FLOWSCHED_CLASS", "param_sync")
+    group = plugin.init(comm_id=0x62)
+    pairs = [connect_pair(default), connect_pair(group)]
+    classes = {s["comm_id"]: s["class_id"] for _, s in table.slots()}
+    assert classes == {0x61: FlowClass.TP, 0x62: FlowClass.PARAM_SYNC}
+    for send, recv in pairs:
+        send.close()
+        recv.close()
+    default.finalize()
+    group.finalize()
+    plugin.close()
