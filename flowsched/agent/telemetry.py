@@ -88,24 +88,27 @@ class Telemetry:
             yield from hist.collect()
 
 
-@dataclass(slots=True)
-class _SlotSeen:
-    cls: str
-    bytes: int
-    applied_ns: int
+#: level label of the ``sent_bytes`` counter for each applied_level word value
+_LEVEL_LABELS = {level: str(level) for level in range(layout.MAX_LEVELS)} | {
+    layout.LEVEL_UNSET: "unset"
+}
 
 
 class SlotTelemetry:
     """Bytes sent per (class, level) and level-apply latency, read from the plugins' slots.
 
-    ``scan`` runs after each table scan of the agent with the busy slots' ``(index, state,
-    claim_seq, bytes)``, the table's :data:`COLUMNS` and the connections the agent knows.
-    Bytes that grew since the previous scan count for the level the plugin had applied at
-    this scan (a level changes only at a message boundary, and scans are a few ms apart).
-    The first scan only takes a baseline: bytes moved before this agent started are not its.
+    The agent calls :meth:`scan` after a table scan when :meth:`due` (every ``PERIOD``, not
+    every scan: 1,000 busy slots cost about 1 ms per pass) with the busy slots' ``(index,
+    state, claim_seq, bytes)``, the table's :data:`COLUMNS` and the connections it knows.
+    Bytes that grew since the previous pass count for the level the plugin had applied at
+    this pass, so bytes sent up to ``PERIOD`` before a level change may count for the new
+    level. Every application is seen (``applied_ns`` stays in the slot); of two level writes
+    applied within one period only the later is timed. The first pass only takes a
+    baseline: bytes moved before this agent started are not its.
     """
 
     COLUMNS = ("applied_level", "applied_ns", "level_set_ns")
+    PERIOD = 0.05
 
     def __init__(self) -> None:
         self.sent: Counter[tuple[str, str]] = Counter()
@@ -115,8 +118,17 @@ class SlotTelemetry:
             "it to the sockets (at the connection's next message).",
             APPLY_BUCKETS,
         )
-        self._seen: dict[tuple[int, int], _SlotSeen] = {}
+        #: (index, claim_seq) -> (class label, bytes, applied_ns) at the previous pass
+        self._seen: dict[tuple[int, int], tuple[str, int, int]] = {}
         self._primed = False
+        self._next = 0.0
+
+    def due(self, now: float) -> bool:
+        """Whether a pass is due at monotonic time ``now`` (then the next one is PERIOD on)."""
+        if now < self._next:
+            return False
+        self._next = now + self.PERIOD
+        return True
 
     def scan(
         self,
@@ -124,28 +136,29 @@ class SlotTelemetry:
         columns: Mapping[str, list[int]],
         conns: Mapping[tuple[int, int], SlotConn],
     ) -> None:
-        """Account one scan (``conns``: the connections the agent tracks, by ``(index,
+        """Account one pass (``conns``: the connections the agent tracks, by ``(index,
         claim_seq)``; others are skipped until it does)."""
         applied_level, applied_ns = columns["applied_level"], columns["applied_ns"]
         level_set_ns = columns["level_set_ns"]
-        seen: dict[tuple[int, int], _SlotSeen] = {}
+        old, seen, sent = self._seen, {}, self.sent
         for index, _state, seq, nbytes in busy:
-            before = self._seen.get((index, seq))
+            key = (index, seq)
+            before = old.get(key)
             if before is None:
-                conn = conns.get((index, seq))
+                conn = conns.get(key)
                 if conn is None or conn.direction != layout.DIR_SEND:
                     continue
-                start = nbytes if not self._primed else 0
-                before = _SlotSeen(conn.cls.label, start, 0)
-            now = _SlotSeen(before.cls, max(nbytes, before.bytes), applied_ns[index])
-            seen[index, seq] = now
-            if now.bytes > before.bytes:
+                before = (conn.cls.label, nbytes if not self._primed else 0, 0)
+            cls, was_bytes, was_applied = before
+            if nbytes > was_bytes:
                 level = applied_level[index]
-                label = "unset" if level == layout.LEVEL_UNSET else str(level)
-                self.sent[now.cls, label] += now.bytes - before.bytes
-            set_ns = level_set_ns[index]
+                sent[cls, _LEVEL_LABELS.get(level) or str(level)] += nbytes - was_bytes
+            else:
+                nbytes = was_bytes  # counters only grow; a torn read never moves them back
+            applied = applied_ns[index]
             # the first application of the slot's latest level write
-            if now.applied_ns != before.applied_ns and before.applied_ns < set_ns <= now.applied_ns:
-                self.apply_latency.observe((now.applied_ns - set_ns) / 1e9)
+            if applied != was_applied and was_applied < level_set_ns[index] <= applied:
+                self.apply_latency.observe((applied - level_set_ns[index]) / 1e9)
+            seen[key] = (cls, nbytes, applied)
         self._seen = seen
         self._primed = True
