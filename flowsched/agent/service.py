@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any
@@ -66,6 +67,9 @@ HEALTHY_SESSION = 5.0
 #: and rewritten where they differ: a process with write access to the table (a --group
 #: member) that changes them is undone within this period (docs/security.md)
 REASSERT_PERIOD = 1.0
+#: reconnect pauses are spread over [1 - JITTER, 1 + JITTER] times their value, so that the
+#: agents of a cluster do not reconnect in step after a coordinator restart
+RECONNECT_JITTER = 0.5
 #: the least pause after the coordinator refused the handshake (wrong token, version)
 REFUSED_PAUSE = 1.0
 
@@ -109,6 +113,8 @@ class Agent:
             "connects": 0,
             "reaped": 0,
             "tampered_repaired": 0,
+            "connects_failed": 0,
+            "handshakes_refused": 0,
             "deposed_refused": 0,
         }
         self.ready: ReadyInfo | None = None
@@ -118,6 +124,7 @@ class Agent:
         self.slots_used = 0
         self.rdma_devices: list[str] = []
         self._repeat_log = RepeatLog(log)
+        self._rng = random.Random()  # reconnect jitter
         self._token: bytes | None = None
         self._socket_bound = False
         #: (etcd cluster id, epoch) of the newest leader followed: fencing (docs/ha.md)
@@ -340,12 +347,16 @@ class Agent:
                 log.exception("coordinator session failed")
             if pause is None:  # no coordinator listening: retry at the plain interval, so a
                 backoff = interval  # restarted coordinator gets its agents back at once
-                await asyncio.sleep(interval)
+                await asyncio.sleep(self.jittered(interval))
                 continue
             if time.monotonic() - started >= HEALTHY_SESSION:
                 backoff = interval
-            await asyncio.sleep(max(backoff, pause))
+            await asyncio.sleep(self.jittered(max(backoff, pause)))
             backoff = min(backoff * 2, max(MAX_RECONNECT_BACKOFF, interval))
+
+    def jittered(self, pause: float) -> float:
+        """``pause`` spread by :data:`RECONNECT_JITTER` (uniformly, mean unchanged)."""
+        return pause * self._rng.uniform(1.0 - RECONNECT_JITTER, 1.0 + RECONNECT_JITTER)
 
     async def _connect_and_serve(self) -> float | None:
         """One connection attempt and, when the handshake succeeds, one session. Returns the
@@ -386,14 +397,21 @@ class Agent:
                 link = await self._handshake(address)
             except HandshakeError as exc:
                 redirect = _redirect(exc)
-                if exc.code != "not_leader":
-                    log.error("coordinator %s:%d refused us: %s", *address, exc)
+                if exc.code != "not_leader":  # a wrong token repeats: once, then less often
+                    self.stats["handshakes_refused"] += 1
+                    self._repeat_log.log(
+                        f"refused:{address}:{exc.code}", logging.ERROR,
+                        "coordinator %s:%d refused us: %s", *address, exc,
+                    )  # fmt: skip
                     pause = REFUSED_PAUSE
                 elif redirect is not None:
                     queue.insert(0, redirect)
                 continue
-            except (OSError, TimeoutError):
+            except (OSError, TimeoutError) as exc:
+                self._log_unreachable(address, exc)
                 continue
+            self._repeat_log.clear_matching(f"refused:{address}")
+            self._repeat_log.clear_matching(f"unreachable:{address}")
             if self._is_deposed(link, address):
                 await link.close()
                 continue
@@ -401,6 +419,20 @@ class Agent:
                 self._leader_index = addresses.index(address)
             return link, None
         return None, pause
+
+    def _log_unreachable(self, address: tuple[str, int], exc: OSError | TimeoutError) -> None:
+        """A failed connect, said as what it is, once and then at a falling rate."""
+        self.stats["connects_failed"] += 1
+        if isinstance(exc, ConnectionRefusedError):
+            reason = "refused the connection (nothing listens there)"
+        elif isinstance(exc, TimeoutError):
+            reason = f"did not answer within {self.config.connect_timeout:g} s"
+        else:
+            reason = f"unreachable: {exc.strerror or exc}"
+        self._repeat_log.log(
+            f"unreachable:{address}:{type(exc).__name__}", logging.WARNING,
+            "coordinator %s:%d %s; retrying", *address, reason,
+        )  # fmt: skip
 
     async def _handshake(self, address: tuple[str, int]) -> AgentLink:
         token = self._token or load_token(self.config.token_file)
