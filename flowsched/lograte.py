@@ -73,3 +73,8 @@ class RepeatLog:
     def clear(self, key: str) -> None:
         """The condition behind ``key`` ended: its next occurrence is logged at once."""
         self._keys.pop(key, None)
+
+    def clear_matching(self, prefix: str) -> None:
+        """:meth:`clear` every key that starts with ``prefix``."""
+        for key in [k for k in self._keys if k.startswith(prefix)]:
+            del self._keys[key]

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from typing import Any
@@ -66,6 +67,9 @@ HEALTHY_SESSION = 5.0
 #: and rewritten where they differ: a process with write access to the table (a --group
 #: member) that changes them is undone within this period (docs/security.md)
 REASSERT_PERIOD = 1.0
+#: reconnect pauses are spread over [1 - JITTER, 1 + JITTER] times their value, so that the
+#: agents of a cluster do not reconnect in step after a coordinator restart
+RECONNECT_JITTER = 0.5
 #: the least pause after the coordinator refused the handshake (wrong token, version)
 REFUSED_PAUSE = 1.0
 
@@ -109,6 +113,9 @@ class Agent:
             "connects": 0,
             "reaped": 0,
             "tampered_repaired": 0,
+            "connects_failed": 0,
+            "handshakes_refused": 0,
+            "deposed_refused": 0,
         }
         self.ready: ReadyInfo | None = None
         self.telemetry = Telemetry()
@@ -117,8 +124,13 @@ class Agent:
         self.slots_used = 0
         self.rdma_devices: list[str] = []
         self._repeat_log = RepeatLog(log)
+        self._rng = random.Random()  # reconnect jitter
         self._token: bytes | None = None
         self._socket_bound = False
+        #: (etcd cluster id, epoch) of the newest leader followed: fencing (docs/ha.md)
+        self.leader_epoch = (0, 0)
+        #: which of the coordinator addresses led last (tried first on reconnect)
+        self._leader_index = 0
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> ReadyInfo:
@@ -335,30 +347,25 @@ class Agent:
                 log.exception("coordinator session failed")
             if pause is None:  # no coordinator listening: retry at the plain interval, so a
                 backoff = interval  # restarted coordinator gets its agents back at once
-                await asyncio.sleep(interval)
+                await asyncio.sleep(self.jittered(interval))
                 continue
             if time.monotonic() - started >= HEALTHY_SESSION:
                 backoff = interval
-            await asyncio.sleep(max(backoff, pause))
+            await asyncio.sleep(self.jittered(max(backoff, pause)))
             backoff = min(backoff * 2, max(MAX_RECONNECT_BACKOFF, interval))
+
+    def jittered(self, pause: float) -> float:
+        """``pause`` spread by :data:`RECONNECT_JITTER` (uniformly, mean unchanged)."""
+        return pause * self._rng.uniform(1.0 - RECONNECT_JITTER, 1.0 + RECONNECT_JITTER)
 
     async def _connect_and_serve(self) -> float | None:
         """One connection attempt and, when the handshake succeeds, one session. Returns the
         least pause before the next attempt, or None when nothing answered (no coordinator
-        listening): sessions that end, and refused handshakes, back off; absence does not."""
-        assert self.config.coordinator is not None
-        host, port = self.config.coordinator
-        token = self._token or load_token(self.config.token_file)
-        try:
-            link = await connect_agent(
-                host, port, node=self.config.node, token=token,
-                timeout=self.config.connect_timeout,
-            )  # fmt: skip
-        except HandshakeError as exc:
-            log.error("coordinator %s:%d refused us: %s", host, port, exc)
-            return REFUSED_PAUSE
-        except (OSError, TimeoutError):
-            return None
+        listening, or only standbys): sessions that end, and refused handshakes, back off;
+        absence does not."""
+        link, pause = await self._connect_leader()
+        if link is None:
+            return pause
         try:
             await self._session(link)
         except (LinkClosed, ProtocolError, OSError, TimeoutError) as exc:
@@ -368,6 +375,86 @@ class Agent:
             self.table_flag_connected(False if self.fallback is not None else None)
             await link.close()
         return 0.0
+
+    async def _connect_leader(self) -> tuple[AgentLink | None, float | None]:
+        """Connect to the elected coordinator: try the configured addresses in turn, starting
+        with the last one that led, and follow a standby's redirect (docs/ha.md). A
+        coordinator whose epoch is below one this agent already followed (a deposed leader)
+        is refused: its decisions would race its successor's. Returns (link, None) or (None,
+        the pause for :meth:`_connect_and_serve`)."""
+        assert self.config.coordinator is not None
+        addresses = [self.config.coordinator, *self.config.coordinators]
+        start = self._leader_index % len(addresses)
+        queue = addresses[start:] + addresses[:start]
+        tried: set[tuple[str, int]] = set()
+        pause: float | None = None
+        while queue:
+            address = queue.pop(0)
+            if address in tried:
+                continue
+            tried.add(address)
+            try:
+                link = await self._handshake(address)
+            except HandshakeError as exc:
+                redirect = _redirect(exc)
+                if exc.code != "not_leader":  # a wrong token repeats: once, then less often
+                    self.stats["handshakes_refused"] += 1
+                    self._repeat_log.log(
+                        f"refused:{address}:{exc.code}", logging.ERROR,
+                        "coordinator %s:%d refused us: %s", *address, exc,
+                    )  # fmt: skip
+                    pause = REFUSED_PAUSE
+                elif redirect is not None:
+                    queue.insert(0, redirect)
+                continue
+            except (OSError, TimeoutError) as exc:
+                self._log_unreachable(address, exc)
+                continue
+            self._repeat_log.clear_matching(f"refused:{address}")
+            self._repeat_log.clear_matching(f"unreachable:{address}")
+            if self._is_deposed(link, address):
+                await link.close()
+                continue
+            if address in addresses:
+                self._leader_index = addresses.index(address)
+            return link, None
+        return None, pause
+
+    def _log_unreachable(self, address: tuple[str, int], exc: OSError | TimeoutError) -> None:
+        """A failed connect, said as what it is, once and then at a falling rate."""
+        self.stats["connects_failed"] += 1
+        if isinstance(exc, ConnectionRefusedError):
+            reason = "refused the connection (nothing listens there)"
+        elif isinstance(exc, TimeoutError):
+            reason = f"did not answer within {self.config.connect_timeout:g} s"
+        else:
+            reason = f"unreachable: {exc.strerror or exc}"
+        self._repeat_log.log(
+            f"unreachable:{address}:{type(exc).__name__}", logging.WARNING,
+            "coordinator %s:%d %s; retrying", *address, reason,
+        )  # fmt: skip
+
+    async def _handshake(self, address: tuple[str, int]) -> AgentLink:
+        token = self._token or load_token(self.config.token_file)
+        return await connect_agent(
+            *address, node=self.config.node, token=token, timeout=self.config.connect_timeout
+        )
+
+    def _is_deposed(self, link: AgentLink, address: tuple[str, int]) -> bool:
+        """Fencing: True (and logged) when ``link`` leads with an epoch below the highest this
+        agent followed in the same etcd cluster; else that epoch becomes the highest."""
+        assert link.welcome is not None
+        cluster, epoch = link.welcome.cluster, link.welcome.epoch
+        followed_cluster, followed = self.leader_epoch
+        if cluster == followed_cluster and epoch < followed:
+            self.stats["deposed_refused"] += 1
+            log.warning(
+                "coordinator %s:%d leads with epoch %d, below epoch %d already followed: "
+                "a deposed leader, not followed", *address, epoch, followed,
+            )  # fmt: skip
+            return True
+        self.leader_epoch = (cluster, epoch)
+        return False
 
     def _log_link_lost(self, exc: Exception) -> None:
         error = exc.error if isinstance(exc, LinkClosed) else None
@@ -395,7 +482,10 @@ class Agent:
             self.table_flag_connected(True)
         # a running local policy stops with the coordinator's first message, not here: a
         # coordinator that ends every session right after the handshake must not stop it
-        log.info("connected to the coordinator; resync sent (%d flows)", len(self.registry.flows))
+        log.info(
+            "connected to the coordinator (epoch %d); resync sent (%d flows)",
+            self.leader_epoch[1], len(self.registry.flows),
+        )  # fmt: skip
         receiver = asyncio.create_task(self._receive(link))
         sender = asyncio.create_task(self._send(link))
         try:
@@ -414,6 +504,9 @@ class Agent:
             self._last_rx = time.monotonic()
             if self.fallback is not None:
                 self._leave_fallback()
+            if isinstance(message, Levels) and message.epoch < self.leader_epoch[1]:
+                self.stats["deposed_refused"] += 1
+                raise LinkClosed(f"levels from a deposed leader (epoch {message.epoch})")
             if isinstance(message, Levels) and self.fallback is None:
                 self.telemetry.level_updates += len(message.updates)
                 decided = {u.id: (u.decided_at, u.decided_ns) for u in message.updates}
@@ -633,3 +726,14 @@ async def serve(
         await (shutdown_trigger or wait_for_signal)()
     finally:
         await agent.stop()
+
+
+def _redirect(refusal: HandshakeError) -> tuple[str, int] | None:
+    """The leader's address from a standby's ``not_leader`` refusal (``leader=HOST:PORT
+    epoch=N``), None when it names none."""
+    for word in refusal.reason.split():
+        if word.startswith("leader="):
+            host, sep, port = word[len("leader=") :].rpartition(":")
+            if sep and host and port.isdigit() and 0 < int(port) <= 65535:
+                return host.strip("[]"), int(port)
+    return None

@@ -1,0 +1,153 @@
+"""What the uplink says while it cannot connect, and how it spaces its attempts (issue 10)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from agent_helpers import wait_until
+from test_agent_uplink import CoordinatorThread
+
+from flowsched.agent import AgentConfig, service
+from flowsched.agent.service import RECONNECT_JITTER, Agent
+from flowsched.agent.threaded import AgentThread
+from flowsched.lograte import RepeatLog
+from flowsched.protocol import write_token
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("times", "logged"),
+    [
+        ([0.0], [0.0]),
+        ([0.0, 0.5, 0.9], [0.0]),  # within the first second: once
+        ([0.0, 0.5, 1.0, 1.5, 2.9, 3.0], [0.0, 1.0, 3.0]),  # then after 1 s, 2 s, ...
+        ([0.0] + [0.1 * i for i in range(1, 100)], [0.0, 1.0, 3.0, 7.0]),
+    ],
+)
+def test_repeat_log_falls_in_rate(
+    times: list[float], logged: list[float], caplog: pytest.LogCaptureFixture
+) -> None:
+    clock = FakeClock()
+    repeat = RepeatLog(logging.getLogger("test.repeat"), clock=clock)
+    caplog.set_level(logging.INFO, logger="test.repeat")
+    seen = []
+    for when in times:
+        clock.now = when
+        if repeat.log("key", logging.WARNING, "refused at %.1f", when):
+            seen.append(when)
+    assert [pytest.approx(t) for t in logged] == seen
+    if len(seen) > 1:
+        assert "more since the last message" in caplog.records[-1].getMessage()
+
+
+def test_repeat_log_starts_afresh_after_clear() -> None:
+    clock = FakeClock()
+    repeat = RepeatLog(logging.getLogger("test.repeat"), clock=clock)
+    assert repeat.log("a:1", logging.INFO, "x")
+    assert not repeat.log("a:1", logging.INFO, "x")
+    repeat.clear_matching("a:")
+    assert repeat.log("a:1", logging.INFO, "x")
+
+
+def test_jitter_spreads_pauses_around_their_value() -> None:
+    agent = Agent.__new__(Agent)
+    agent._rng = random.Random(7)
+    pauses = [agent.jittered(1.0) for _ in range(2000)]
+    assert min(pauses) >= 1.0 - RECONNECT_JITTER and max(pauses) <= 1.0 + RECONNECT_JITTER
+    assert abs(sum(pauses) / len(pauses) - 1.0) < 0.03
+    assert max(pauses) - min(pauses) > RECONNECT_JITTER  # really spread
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port  # nothing listens there any more: connects are refused
+
+
+def _agent(tmp_path: Path, port: int, token_file: Path) -> AgentThread:
+    return AgentThread(
+        AgentConfig(
+            node="n1",
+            socket_path=str(tmp_path / "flowsched" / "agent.sock"),
+            table_path=str(tmp_path / "flowsched" / "table"),
+            coordinator=("127.0.0.1", port),
+            token_file=str(token_file),
+            num_slots=8,
+            metrics_port=None,
+            interfaces=("lo",),
+            reconnect_interval=0.02,
+            fallback_after=30.0,
+        )
+    )
+
+
+def _allowed_messages(elapsed: float) -> int:
+    # the first at once, then after 1 s, 2 s, 4 s ...: 1 + floor(log2(1 + elapsed)) at most
+    return 1 + int(math.log2(1.0 + elapsed))
+
+
+@pytest.fixture
+def pauses(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[float]]:
+    """Every jittered pause the uplink takes."""
+    taken: list[float] = []
+    real = Agent.jittered
+
+    def recording(self: Agent, pause: float) -> float:
+        taken.append(real(self, pause))
+        return taken[-1]
+
+    monkeypatch.setattr(Agent, "jittered", recording)
+    yield taken
+
+
+def test_a_refused_connection_is_logged_as_such_and_less_and_less(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, pauses: list[float]
+) -> None:
+    caplog.set_level(logging.INFO, logger="flowsched.agent")
+    token_file = tmp_path / "token"
+    write_token(token_file)
+    started = time.monotonic()
+    with _agent(tmp_path, _closed_port(), token_file) as running:
+        wait_until(lambda: running.agent.stats["connects_failed"] >= 15)
+        elapsed = time.monotonic() - started
+    said = [r for r in caplog.records if "refused the connection" in r.getMessage()]
+    assert said and "(nothing listens there)" in said[0].getMessage()
+    assert len(said) <= _allowed_messages(elapsed) < 15
+    assert all(0.02 * (1 - RECONNECT_JITTER) <= p <= 0.02 * (1 + RECONNECT_JITTER) for p in pauses)
+    assert len({round(p, 6) for p in pauses}) > 1, "reconnect pauses are not jittered"
+
+
+def test_a_repeating_auth_failure_is_logged_once_then_less_and_less(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(service, "REFUSED_PAUSE", 0.02)  # many refusals in little time
+    monkeypatch.setattr(service, "MAX_RECONNECT_BACKOFF", 0.05)
+    caplog.set_level(logging.INFO, logger="flowsched.agent")
+    coordinator = CoordinatorThread(write_token(tmp_path / "coordinator-token"))
+    port = coordinator.start()
+    try:
+        write_token(tmp_path / "wrong-token")
+        started = time.monotonic()
+        with _agent(tmp_path, port, tmp_path / "wrong-token") as running:
+            wait_until(lambda: running.agent.stats["handshakes_refused"] >= 10)
+            elapsed = time.monotonic() - started
+    finally:
+        coordinator.stop()
+    said = [r for r in caplog.records if "refused us" in r.getMessage()]
+    assert said and "auth_failed" in said[0].getMessage()
+    assert len(said) <= _allowed_messages(elapsed) < 10
