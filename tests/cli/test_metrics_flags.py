@@ -1,0 +1,47 @@
+"""``--metrics-bind`` / ``--metrics-port`` of the daemons: fixed defaults, overrides, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from flowsched.cli import build_parser
+from flowsched.cli._common import AGENT_METRICS_PORT, COORDINATOR_METRICS_PORT, metrics_address
+
+
+@pytest.mark.parametrize(
+    ("command", "flags", "expected"),
+    [
+        ("agent", [], ("127.0.0.1", AGENT_METRICS_PORT)),
+        ("coordinator", [], ("127.0.0.1", COORDINATOR_METRICS_PORT)),
+        ("agent", ["--metrics-bind", "0.0.0.0"], ("0.0.0.0", AGENT_METRICS_PORT)),
+        ("agent", ["--metrics-bind", "0.0.0.0:9999"], ("0.0.0.0", 9999)),
+        ("agent", ["--metrics-bind", "[::]:19999"], ("::", 19999)),
+        ("agent", ["--metrics-bind", "[::1]"], ("::1", AGENT_METRICS_PORT)),
+        ("agent", ["--metrics-bind", "::"], ("::", AGENT_METRICS_PORT)),
+        ("agent", ["--metrics-bind", "10.0.0.1:1", "--metrics-port", "0"], ("10.0.0.1", 0)),
+        ("agent", ["--metrics-port", "-1"], None),
+        ("coordinator", ["--metrics-host", "0.0.0.0", "--metrics-port", "5"], ("0.0.0.0", 5)),
+    ],
+)
+def test_metrics_address(command: str, flags: list[str], expected: tuple[str, int] | None) -> None:
+    assert metrics_address(build_parser().parse_args([command, *flags])) == expected
+
+
+@pytest.mark.parametrize("bind", ["host:notaport", "host:70000", "[::1]:x", ":"])
+def test_bad_metrics_bind_names_the_flag(bind: str) -> None:
+    with pytest.raises(ValueError, match="--metrics-bind"):
+        metrics_address(build_parser().parse_args(["agent", "--metrics-bind", bind]))
+
+
+def test_a_port_outside_0_65535_is_refused_by_the_parser() -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["agent", "--metrics-port", "99999"])
+    assert exited.value.code == 2
+
+
+def test_default_ports_are_outside_the_prometheus_allocations() -> None:
+    # the wiki's default port allocations fill 9100-9999; exporters of internal applications
+    # should stay out of that range (and out of Linux's ephemeral range, 32768-60999)
+    for port in (AGENT_METRICS_PORT, COORDINATOR_METRICS_PORT):
+        assert not 9100 <= port <= 9999 and port < 32768
+    assert AGENT_METRICS_PORT != COORDINATOR_METRICS_PORT  # both run on one host with `up`

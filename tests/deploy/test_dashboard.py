@@ -1,0 +1,58 @@
+"""The Grafana dashboard JSON: the classic model's structure, and every query parses as PromQL
+(promtool, offline). tests/deploy/test_prometheus.py runs them against a real Prometheus."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+from deploy_helpers import concrete, dashboard, need, panel_targets
+
+
+def test_dashboard_model() -> None:
+    board = dashboard()
+    assert board["uid"] and board["title"] and isinstance(board["schemaVersion"], int)
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    ids = [panel["id"] for panel in board["panels"]]
+    assert len(ids) == len(set(ids))
+    for panel in board["panels"]:
+        grid = panel["gridPos"]
+        assert grid["x"] >= 0 and grid["x"] + grid["w"] <= 24, panel["title"]
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}
+        ref_ids = [t["refId"] for t in panel["targets"]]
+        assert ref_ids and len(ref_ids) == len(set(ref_ids)), panel["title"]
+        for target in panel["targets"]:
+            assert target["expr"].strip() and target["datasource"] == panel["datasource"]
+
+
+def test_every_variable_used_is_defined() -> None:
+    board = dashboard()
+    defined = {v["name"] for v in board["templating"]["list"]}
+    builtin = {"__rate_interval", "__interval", "__range"}
+    for title, expr in panel_targets():
+        for name in re.findall(r"\$\{?(\w+)", expr):
+            assert name in defined | builtin, f"{title}: ${name} is not defined"
+
+
+def test_rates_use_the_rate_interval() -> None:
+    for title, expr in panel_targets():
+        assert not re.search(r"rate\([^)]*\[\d+[smh]\]", expr), f"{title}: fixed rate window"
+
+
+def test_every_panel_query_parses(tmp_path: Path) -> None:
+    promtool = need("promtool")
+    rules = [
+        {"record": f"dashboard:query_{i}", "expr": concrete(expr)}
+        for i, (_, expr) in enumerate(panel_targets())
+    ]
+    file = tmp_path / "dashboard-queries.yml"
+    file.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = subprocess.run([promtool, "check", "rules", str(file)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in result.stdout
