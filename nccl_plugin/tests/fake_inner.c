@@ -364,6 +364,10 @@ static ncclResult_t f_set_net_attr(void* ctx, ncclNetAttr_v12_t* attr) {
 
 #define EXPORT __attribute__((visibility("default")))
 
+/* A companion table NCCL would look for in the net plugin's library: the wrapper must say that
+ * NCCL cannot see it through flowsched (only its name matters here). */
+EXPORT const char ncclTunerPlugin_v3[] = "fake tuner";
+
 #if FAKE_VERSION == 12
 EXPORT const ncclNet_v12_t ncclNetPlugin_v12 = {
     .name = "Fake", .init = f_init12, .devices = f_devices, .getProperties = f_props12,

@@ -55,6 +55,10 @@ def test_fake_inner_sees_every_call(wrap_build: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for line in ("ok forwarding (exported v12", "ok inner v10", "ok inner v8", "share guard"):
         assert line in proc.stdout
+    # the inner's companion tables are not hidden silently
+    assert "also exports ncclTunerPlugin_v3, which NCCL does not see through flowsched" in (
+        proc.stderr
+    )
 
 
 MODES = {
