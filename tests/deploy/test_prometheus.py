@@ -24,6 +24,7 @@ from deploy_helpers import (
     Daemon,
     alert_rules,
     concrete,
+    http_status,
     need,
     panel_targets,
     without_threshold,
@@ -122,6 +123,9 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PromAPI]:
             stderr=(tmp / "prometheus.log").open("w"),
         )
         api = PromAPI(f"http://127.0.0.1:{port}")
+        # flows closed before the agent's first session would never reach the coordinator
+        readyz = f"http://{up.fields['ahost']}:{up.fields['aport']}/readyz"
+        wait_until("the agent ready (connected)", lambda: http_status(readyz)[0] == 200)
         _sdk_flows(str(tmp / "agent.sock"))
         _wait_for_data(api, prom, tmp)
         yield api
