@@ -240,3 +240,15 @@ def test_coordinator_dry_start_with_the_deployment_args(tmp_path: Path) -> None:
         assert http_status(f"{base}/healthz")[0] == 200
     finally:
         coordinator.stop()
+
+
+def test_table_owner_and_group_let_job_users_in() -> None:
+    # the plugin maps only a table owned by root or by its own user: the agent runs as root,
+    # in the image's flowsched group, which the job pods carry as a supplementary group
+    context = AGENT_CONTAINER["securityContext"]
+    assert context["runAsUser"] == 0 and context["capabilities"]["add"] == ["NET_ADMIN"]
+    gid = context["runAsGroup"]
+    assert _flags(AGENT_CONTAINER["args"])["group"] == "flowsched"
+    assert f"groupadd --system --gid {gid} flowsched" in (ROOT / "agent" / "Dockerfile").read_text()
+    job = find(EXAMPLE_JOB, "Pod")
+    assert gid in job["spec"]["securityContext"]["supplementalGroups"]
