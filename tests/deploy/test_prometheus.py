@@ -235,3 +235,11 @@ def test_scraped_families_pass_promtool_lint(system: PromAPI) -> None:
             assert 'node="' not in text  # the target already names the node
         lint = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True)
         assert lint.returncode == 0, (url, lint.stdout + lint.stderr)
+
+
+def test_scrapes_stay_small(system: PromAPI) -> None:
+    # a guard on cardinality: per-flow or per-request labels would grow a scrape with the load
+    for sample in system.query("scrape_samples_scraped"):
+        job, samples = sample["metric"]["job"], float(sample["value"][1])
+        print(f"{job}: {samples:.0f} samples per scrape")
+        assert samples < 300, (job, samples)
