@@ -22,12 +22,21 @@ the I/O (table writes, SDK pushes, sending batches). Times are wall-clock second
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from flowsched.model import Flow, FlowClass
-from flowsched.protocol import U64_MAX, FlowClose, FlowOpen, FlowProgress, Flows, Resync
+from flowsched.protocol import (
+    U64_MAX,
+    FlowClose,
+    FlowOpen,
+    FlowProgress,
+    Flows,
+    JobProgress,
+    Resync,
+)
 from flowsched.shm import layout
 from flowsched.shm.table import SlotSnapshot
 
@@ -422,3 +431,91 @@ def _open_message(flow: Flow, *, with_level: bool = False) -> FlowOpen:
         links=flow.links,
         level=flow.level if with_level and flow.level >= 0 else None,
     )
+
+
+#: jobs one owner (a uid) may have reported at once; its oldest is forgotten beyond this
+MAX_JOBS_PER_OWNER = 256
+#: jobs a node keeps at once, all owners together (its oldest is forgotten beyond this)
+MAX_JOBS = 4096
+#: a job that reported no progress for this long is forgotten (seconds)
+JOB_TTL = 600.0
+
+
+@dataclass(slots=True)
+class _Job:
+    owner: int | None
+    update: JobProgress
+    seen: float
+
+
+class JobTable:
+    """The latest progress of each job on a node: scoped to its owner, bounded, expiring.
+
+    A job name from an SDK client is scoped to the client's uid (``"1000/train"``): another
+    user's client can neither set this job's step nor grow its table. Each owner keeps at most
+    ``per_owner`` jobs and the node ``total``; beyond that the least recently updated goes.
+    Jobs without progress for ``ttl`` seconds are dropped by :meth:`expire`. Dropped names are
+    returned so that the caller forgets them elsewhere (the local policy's job index).
+    """
+
+    def __init__(
+        self,
+        *,
+        per_owner: int = MAX_JOBS_PER_OWNER,
+        total: int = MAX_JOBS,
+        ttl: float = JOB_TTL,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._per_owner = per_owner
+        self._total = total
+        self._ttl = ttl
+        self._clock = clock
+        self._jobs: dict[str, _Job] = {}  # least recently updated first
+        self._by_owner: dict[int | None, dict[str, None]] = {}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    @staticmethod
+    def scoped(owner: int | None, job: str) -> str:
+        """The cluster-wide name of ``owner``'s job ``job`` (unscoped when owner is None)."""
+        return job if owner is None else f"{owner}/{job}"
+
+    def record(
+        self, owner: int | None, job: str, step: int, layer: int | None
+    ) -> tuple[JobProgress, list[str]]:
+        """Record progress; returns the scoped message and the names it made room by dropping."""
+        name = self.scoped(owner, job)
+        update = JobProgress(name, step, layer)
+        self._drop(name)
+        dropped: list[str] = []
+        mine = self._by_owner.setdefault(owner, {})
+        if len(mine) >= self._per_owner:
+            dropped.append(next(iter(mine)))
+        elif len(self._jobs) >= self._total:
+            dropped.append(next(iter(self._jobs)))
+        for old in dropped:
+            self._drop(old)
+        self._jobs[name] = _Job(owner, update, self._clock())
+        self._by_owner.setdefault(owner, {})[name] = None
+        return update, dropped
+
+    def expire(self) -> list[str]:
+        """Drop the jobs without progress for ``ttl`` seconds; return their names."""
+        limit = self._clock() - self._ttl
+        stale = list(itertools.takewhile(lambda n: self._jobs[n].seen < limit, self._jobs))
+        for name in stale:
+            self._drop(name)
+        return stale
+
+    def latest(self) -> list[JobProgress]:
+        """The latest progress of every job (for a resync)."""
+        return [job.update for job in self._jobs.values()]
+
+    def _drop(self, name: str) -> None:
+        job = self._jobs.pop(name, None)
+        if job is not None:
+            owned = self._by_owner[job.owner]
+            del owned[name]
+            if not owned:
+                del self._by_owner[job.owner]

@@ -22,7 +22,7 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 from flowsched import rundir
-from flowsched.agent.flows import SlotKey
+from flowsched.agent.flows import JobTable, SlotKey
 from flowsched.model import Flow, FlowClass
 from flowsched.protocol import sdk
 
@@ -111,7 +111,7 @@ class SdkServer:
         writer.write(sdk.encode(message))
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        pid = _peer_pid(writer)
+        pid, uid = _peer_cred(writer)
         owned: set[int] = set()
         self._writers.add(writer)
         self.clients_total += 1
@@ -120,7 +120,7 @@ class SdkServer:
             while data := await reader.read(READ_SIZE):
                 decoder.feed(data)
                 while (message := decoder.next_message()) is not None:
-                    await self._handle(message, pid, writer, owned)
+                    await self._handle(message, (pid, uid), writer, owned)
         except sdk.SdkProtocolError as exc:
             self.errors_total += 1
             log.warning("SDK client pid %d sent a bad frame: %s", pid, exc)
@@ -144,13 +144,18 @@ class SdkServer:
         writer.close()
 
     async def _handle(
-        self, message: sdk.SdkMessage, pid: int, writer: asyncio.StreamWriter, owned: set[int]
+        self,
+        message: sdk.SdkMessage,
+        cred: tuple[int, int | None],
+        writer: asyncio.StreamWriter,
+        owned: set[int],
     ) -> None:
+        pid, uid = cred
         registry = self.agent.registry
         assert registry is not None
         self.requests[message.TYPE] += 1
         if isinstance(message, sdk.Open):
-            await self._open(message, pid, writer, owned)
+            await self._open(message, cred, writer, owned)
         elif isinstance(message, sdk.Progress) and message.id in owned:
             registry.sdk_progress(message.id, pid, message.sent)
         elif isinstance(message, sdk.Close) and message.id in owned:
@@ -160,16 +165,21 @@ class SdkServer:
                 self.agent.write_slot(key)
             self.agent.admit_now()
         elif isinstance(message, sdk.JobProgress):
-            self.agent.job_progress(message.job, message.step, message.layer)
+            # scoped to the client's uid: no other user can set this job's step
+            self.agent.job_progress(message.job, message.step, message.layer, owner=uid)
 
     async def _open(
-        self, message: sdk.Open, pid: int, writer: asyncio.StreamWriter, owned: set[int]
+        self,
+        message: sdk.Open,
+        cred: tuple[int, int | None],
+        writer: asyncio.StreamWriter,
+        owned: set[int],
     ) -> None:
         if len(owned) >= MAX_FLOWS_PER_CLIENT:
             reason = f"at most {MAX_FLOWS_PER_CLIENT} open flows per client"
             self._write(writer, sdk.Error("too_many_flows", reason, message.ref))
             return
-        flow, linked = self._register(message, pid)
+        flow, linked = self._register(message, *cred)
         owned.add(flow.flow_id)
         self.agent.admit_now()
         for key in linked:
@@ -187,7 +197,7 @@ class SdkServer:
         if not writer.is_closing():
             self._owner[flow.flow_id] = writer
 
-    def _register(self, message: sdk.Open, pid: int) -> tuple[Flow, list[SlotKey]]:
+    def _register(self, message: sdk.Open, pid: int, uid: int | None) -> tuple[Flow, list[SlotKey]]:
         registry = self.agent.registry
         assert registry is not None
         return registry.open_sdk(
@@ -197,7 +207,7 @@ class SdkServer:
             size=message.size,
             deadline=message.deadline,
             consumer_index=message.consumer_index,
-            job=message.job,
+            job=None if message.job is None else JobTable.scoped(uid, message.job),
             request=message.request,
             peer=message.peer,
             dst_node=message.dst_node,
@@ -216,14 +226,15 @@ class SdkServer:
             self._first_level.pop(flow_id, None)
 
 
-def _peer_pid(writer: asyncio.StreamWriter) -> int:
+def _peer_cred(writer: asyncio.StreamWriter) -> tuple[int, int | None]:
+    """The client's (pid, uid) from SO_PEERCRED; (0, None) when unknown."""
     sock = writer.get_extra_info("socket")
     try:
         raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid: int = struct.unpack("3i", raw)[0]
-        return pid
+        pid, uid, _ = struct.unpack("3i", raw)
+        return pid, uid
     except (OSError, AttributeError):
-        return 0
+        return 0, None
 
 
 def _prepare_path(path: str, gid: int | None) -> None:

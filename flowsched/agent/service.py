@@ -28,7 +28,7 @@ from typing import Any
 
 from flowsched import policyfile, qos, rdma
 from flowsched.agent.config import AgentConfig, ReadyInfo
-from flowsched.agent.flows import FlowRegistry, SlotKey, resync_frames, split_batch
+from flowsched.agent.flows import FlowRegistry, JobTable, SlotKey, resync_frames, split_batch
 from flowsched.agent.metrics import start_http
 from flowsched.agent.nic import NicMonitor, default_interfaces
 from flowsched.agent.policy_view import PolicyView
@@ -94,7 +94,8 @@ class Agent:
         self._last_rx = time.monotonic()
         self._heartbeat_interval = 0.2
         self._job_updates: dict[str, JobProgress] = {}
-        self._jobs: dict[str, JobProgress] = {}
+        #: the latest progress per job, scoped to the client's uid, bounded, expiring
+        self.jobs = JobTable()
         self._pending_nic: NicLoad | None = None
         #: set when an SDK flow opens or closes: the uplink sends its batch now instead of at
         #: the next report tick (an application waits for an open's first level)
@@ -215,6 +216,7 @@ class Agent:
                 if time.monotonic() >= next_reassert:
                     next_reassert = time.monotonic() + REASSERT_PERIOD
                     self.reassert_levels()
+                    self._forget_jobs(self.jobs.expire())
             except Exception:
                 log.exception("table scan failed")
             await asyncio.sleep(self.config.poll_interval)
@@ -562,13 +564,27 @@ class Agent:
         changed = qos.apply(qos.plan_for_policy(dev, cfg, self.config.qos_rate))
         log.info("host QoS on %s: %s", dev, f"{len(changed)} changes" if changed else "in place")
 
-    def job_progress(self, job: str, step: int, layer: int | None) -> None:
-        """Record job progress (SDK); forwarded to the coordinator, fed to the local policy."""
+    def job_progress(
+        self, job: str, step: int, layer: int | None, *, owner: int | None = None
+    ) -> None:
+        """Record job progress (SDK); forwarded to the coordinator, fed to the local policy.
+
+        ``owner`` (the SDK client's uid) scopes the name: ``"<uid>/<job>"`` (see
+        :class:`~flowsched.agent.flows.JobTable`, which also bounds and expires the names).
+        """
         assert self.registry is not None
-        self.registry.job_progress(job, step)
-        self._job_updates[job] = self._jobs[job] = JobProgress(job, step, layer)
+        update, dropped = self.jobs.record(owner, job, step, layer)
+        self._forget_jobs(dropped)
+        self.registry.job_progress(update.job, step)
+        self._job_updates[update.job] = update
         if self.fallback is not None:
             self._reevaluate()
+
+    def _forget_jobs(self, names: Iterable[str]) -> None:
+        assert self.registry is not None
+        for name in names:
+            self._job_updates.pop(name, None)
+            self.registry.job_index.pop(name, None)
 
     def _take_job_updates(self) -> list[JobProgress]:
         updates = list(self._job_updates.values())
@@ -577,7 +593,7 @@ class Agent:
 
     def _latest_jobs(self) -> list[JobProgress]:
         self._job_updates.clear()
-        return list(self._jobs.values())
+        return self.jobs.latest()
 
     async def _nic_loop(self) -> None:
         while True:

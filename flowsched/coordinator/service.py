@@ -68,6 +68,11 @@ MAX_UPDATES_PER_FRAME = 8192
 HEARTBEAT_SLICES = 10
 #: seconds stop() waits for connections to close before cancelling them
 STOP_TIMEOUT = 2.0
+#: job names one node may have reported at once (its agent keeps as many, see
+#: flowsched.agent.flows.MAX_JOBS); beyond it the node's least recently updated is forgotten
+MAX_JOBS_PER_NODE = 4096
+#: a job no agent reported progress for in this long is forgotten (s); checked every tenth
+JOB_TTL = 600.0
 #: file descriptors left to the process itself (listeners, epoll, logs, files it opens)
 FD_RESERVE = 64
 #: concurrent connections of the metrics listener (scrapes); kept out of the agents' budget
@@ -126,6 +131,10 @@ class Coordinator:
         self._tasks: set[asyncio.Task[None]] = set()
         self._timers: list[asyncio.Future[None]] = []
         self._connections: set[AgentConnection] = set()
+        #: node -> the jobs it reported, least recently updated first (see _note_job)
+        self._node_jobs: dict[str, dict[str, float]] = {}
+        self._job_nodes: dict[str, set[str]] = {}
+        self._next_job_expiry = 0.0
         #: connections still in their handshake, oldest first (the first to make room)
         self._unauthenticated: dict[AgentConnection, None] = {}
         self.max_connections = config.max_connections
@@ -299,6 +308,47 @@ class Coordinator:
                 "agent %s stayed away %g s: dropping its flows", node, self.config.grace_period
             )
             self.state.drop_node(node, time.time())
+            for job in list(self._node_jobs.get(node, ())):
+                self._drop_node_job(node, job)
+
+    def _note_job(self, node: str, job: str) -> None:
+        """Remember that ``node`` reports ``job``: bounded per node, expired by age, so that
+        job names (200,000 of them cost 75 MB, resent after every reconnect) cannot grow the
+        coordinator without bound."""
+        jobs = self._node_jobs.setdefault(node, {})
+        jobs.pop(job, None)
+        if len(jobs) >= MAX_JOBS_PER_NODE:
+            self._drop_node_job(node, next(iter(jobs)))
+        jobs[job] = time.monotonic()
+        self._job_nodes.setdefault(job, set()).add(node)
+        if time.monotonic() >= self._next_job_expiry:
+            self._next_job_expiry = time.monotonic() + JOB_TTL / 10
+            self._expire_jobs(time.monotonic() - JOB_TTL)
+
+    def _expire_jobs(self, older_than: float) -> None:
+        for node, jobs in list(self._node_jobs.items()):
+            stale = [job for job, seen in jobs.items() if seen < older_than]
+            for job in stale:
+                self._drop_node_job(node, job)
+
+    def _drop_node_job(self, node: str, job: str) -> None:
+        """``node`` no longer reports ``job``; the job is forgotten when no node does."""
+        jobs = self._node_jobs.get(node, {})
+        jobs.pop(job, None)
+        if not jobs:
+            self._node_jobs.pop(node, None)
+        nodes = self._job_nodes.get(job)
+        if nodes is not None:
+            nodes.discard(node)
+            if not nodes:
+                del self._job_nodes[job]
+                self.state.job_index.pop(job, None)
+                self.state.job_index.pop(f"{job}/layer", None)
+
+    @property
+    def job_count(self) -> int:
+        """Job names the coordinator remembers."""
+        return len(self._job_nodes)
 
     def count_rejection(self, code: str) -> None:
         """Count a closed connection by reason code (exported as a metric)."""
@@ -319,6 +369,7 @@ class Coordinator:
             return
         elif kind is JobProgress:
             assert isinstance(message, JobProgress)
+            self._note_job(node, message.job)
             state.job_progress(message)
         elif kind is NicLoad:
             assert isinstance(message, NicLoad)

@@ -50,6 +50,9 @@ MAX_TEXT = MAX_NAME
 U32_MAX = 2**32 - 1
 #: longest node name in ``open.dst_node`` (its link id ``<node>:rx`` must fit a protocol name)
 MAX_NODE = 128
+#: longest job name: the agent scopes it to the client's uid (``"<uid>/<job>"``), which must
+#: still fit a protocol name
+MAX_JOB = MAX_NAME - 16
 
 
 class SdkProtocolError(ValueError):
@@ -165,7 +168,7 @@ _RULES: dict[str, tuple[str, float, float]] = {
     "so_priority": ("u", 0, U32_MAX),
     "nccl_traffic_class": ("u", -(2**31), 2**31 - 1),
     "cls": ("s", 1, 32),
-    "job": ("n", 1, MAX_TEXT),
+    "job": ("n", 1, MAX_JOB),
     "request": ("n", 1, MAX_TEXT),
     "dst_node": ("n", 1, MAX_NODE),
     "decided_at": ("f", 0, math.inf),

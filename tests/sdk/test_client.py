@@ -133,7 +133,8 @@ def test_linking_rule_moves_plugin_bytes_and_levels(agent: AgentThread) -> None:
 
 def test_job_progress_reaches_the_agent(agent: AgentThread) -> None:
     assert client.job_progress("job-7", 12, layer=3, socket_path=agent.ready.socket)  # type: ignore[union-attr]
-    _wait(lambda: agent.agent.registry.job_index.get("job-7") == 12)  # type: ignore[union-attr]
+    scoped = f"{os.geteuid()}/job-7"  # the agent scopes job names to the client's uid
+    _wait(lambda: agent.agent.registry.job_index.get(scoped) == 12)  # type: ignore[union-attr]
 
 
 def test_without_agent_degrades_to_static_default(
@@ -250,7 +251,7 @@ def test_consumer_step_defaults_to_the_last_reported_job(agent: AgentThread) -> 
     client.job_progress("train-3", 7, socket_path=path)
     with client.flow("experience", consumer_step=9, socket_path=path) as handle:
         flow = agent.agent.registry.flows[handle.id]  # type: ignore[union-attr, index]
-        assert (flow.job, flow.consumer_index) == ("train-3", 9)
+        assert (flow.job, flow.consumer_index) == (f"{os.geteuid()}/train-3", 9)
 
 
 def test_send_with_flow_names_the_destination(agent: AgentThread) -> None:

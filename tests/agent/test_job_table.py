@@ -1,0 +1,91 @@
+"""Job names at the agent: scoped to the client's uid, bounded, expired (issue 12)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from agent_helpers import wait_until
+
+from flowsched import client
+from flowsched.agent import AgentConfig
+from flowsched.agent.flows import JobTable
+from flowsched.agent.threaded import AgentThread
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_names_are_scoped_to_their_owner() -> None:
+    table = JobTable()
+    mine, _ = table.record(1000, "train", 5, None)
+    theirs, _ = table.record(1001, "train", 9, 2)
+    assert (mine.job, theirs.job, theirs.layer) == ("1000/train", "1001/train", 2)
+    assert table.record(None, "train", 1, None)[0].job == "train"  # in-process callers
+
+
+@pytest.mark.parametrize(
+    ("per_owner", "total", "records", "kept", "dropped"),
+    [
+        # one owner beyond its share: its own least recently updated goes
+        (2, 10, [(1, "a"), (1, "b"), (1, "c")], {"1/b", "1/c"}, ["1/a"]),
+        # an update refreshes a job: the other one is the oldest then
+        (2, 10, [(1, "a"), (1, "b"), (1, "a"), (1, "c")], {"1/a", "1/c"}, ["1/b"]),
+        # the node's total: the oldest of anyone goes, other owners' shares stay bounded too
+        (5, 3, [(1, "a"), (2, "b"), (3, "c"), (3, "d")], {"2/b", "3/c", "3/d"}, ["1/a"]),
+    ],
+)
+def test_names_are_bounded(
+    per_owner: int,
+    total: int,
+    records: list[tuple[int, str]],
+    kept: set[str],
+    dropped: list[str],
+) -> None:
+    table = JobTable(per_owner=per_owner, total=total)
+    gone: list[str] = []
+    for owner, job in records:
+        gone += table.record(owner, job, 1, None)[1]
+    assert {u.job for u in table.latest()} == kept
+    assert gone == dropped
+
+
+def test_names_without_progress_expire() -> None:
+    clock = Clock()
+    table = JobTable(ttl=10.0, clock=clock)
+    table.record(1, "old", 1, None)
+    clock.now = 6.0
+    table.record(1, "new", 1, None)
+    clock.now = 12.0
+    assert table.expire() == ["1/old"]
+    assert [u.job for u in table.latest()] == ["1/new"]
+    clock.now = 17.0
+    assert table.expire() == ["1/new"] and len(table) == 0
+
+
+def test_the_agent_scopes_an_sdk_clients_job_to_its_uid(tmp_path: Path) -> None:
+    config = AgentConfig(
+        node="n1",
+        socket_path=str(tmp_path / "flowsched" / "agent.sock"),
+        table_path=str(tmp_path / "flowsched" / "table"),
+        num_slots=8,
+        metrics_port=None,
+        interfaces=("lo",),
+    )
+    with AgentThread(config) as running:
+        try:
+            assert client.job_progress("train", 12, socket_path=config.socket_path)
+            registry = running.agent.registry
+            assert registry is not None
+            wait_until(lambda: registry.job_index.get(f"{os.geteuid()}/train") == 12)
+            assert "train" not in registry.job_index  # another uid's "train" is another job
+        finally:
+            for conn in list(client._connections.values()):
+                conn.close()
+            client._connections.clear()

@@ -1,0 +1,42 @@
+"""Job names at the coordinator: bounded per node, forgotten with age or with their node."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from coordinator_helpers import TOKEN, running_coordinator
+
+from flowsched.coordinator import service
+from flowsched.protocol import JobProgress
+from flowsched.protocol.aio import connect_agent
+
+
+@pytest.mark.asyncio
+async def test_job_names_are_bounded_per_node_and_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(service, "MAX_JOBS_PER_NODE", 50)
+    async with running_coordinator() as coordinator:
+        assert coordinator.addresses is not None
+        host, port = coordinator.addresses.host, coordinator.addresses.port
+        link = await connect_agent(host, port, node="n1", token=TOKEN, timeout=5)
+        other = await connect_agent(host, port, node="n2", token=TOKEN, timeout=5)
+        try:
+            await other.send(JobProgress("shared", 3, 1))
+            for i in range(80):
+                await link.send(JobProgress(f"job-{i}", i, None))
+            await link.send(JobProgress("shared", 4, None))
+            events = coordinator.state.stats.events
+            deadline = time.monotonic() + 5
+            while events["job_progress"] < 82:
+                assert time.monotonic() < deadline, "the coordinator did not get every report"
+                await asyncio.sleep(0.01)
+            index = coordinator.state.job_index
+            assert coordinator.job_count == 50  # n1's newest 50, "shared" among them
+            assert "job-0" not in index and "job-79" in index and index["shared"] == 4
+            coordinator._expire_jobs(time.monotonic() + 1)  # everything is older than that
+            assert coordinator.job_count == 0
+            assert not any(k.startswith(("job-", "shared")) for k in index)
+        finally:
+            await link.close()
+            await other.close()
