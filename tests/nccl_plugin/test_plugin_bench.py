@@ -1,0 +1,57 @@
+"""bench/plugin_bench.py's arguments and its goal verdicts (the timings themselves are the
+benchmark's business, not a test's)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "plugin_bench.py"
+
+
+def load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("plugin_bench", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def report(quiet: float, hog: float, rtt: float = 1.2) -> dict[str, Any]:
+    def part(ratio: float) -> dict[str, Any]:
+        ratios = {f"throughput_{label}": ratio for label in ("1MiB", "4MiB", "64MiB")}
+        return {"ratios": {**ratios, "rtt_8B": rtt}}
+
+    return {"conditions": {"quiet": part(quiet), "hog": part(hog)}}
+
+
+@pytest.mark.parametrize(
+    "quiet,hog,rtt,failed",
+    [
+        (0.95, 0.90, 1.5, []),
+        (
+            0.949,
+            0.95,
+            1.0,
+            ["quiet_throughput_1MiB", "quiet_throughput_4MiB", "quiet_throughput_64MiB"],
+        ),
+        (1.2, 0.899, 1.0, ["hog_throughput_1MiB", "hog_throughput_4MiB", "hog_throughput_64MiB"]),
+        (1.0, 1.0, 1.51, ["quiet_rtt_8B", "hog_rtt_8B"]),
+    ],
+)
+def test_goal_verdicts(quiet: float, hog: float, rtt: float, failed: list[str]) -> None:
+    met = load().goals_met(report(quiet, hog, rtt))
+    assert sorted(name for name, ok in met.items() if not ok) == sorted(failed)
+
+
+def test_arguments() -> None:
+    bench = load()
+    assert bench.parse_args([]).condition_list == ["quiet", "hog"]
+    assert bench.parse_args(["--conditions", "hog"]).condition_list == ["hog"]
+    for bad in (["--conditions", "noisy"], ["--trials", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
