@@ -235,7 +235,7 @@ def _pyplot() -> Any:
 #: a fixed colour per known policy name, so a policy looks the same in every plot
 _PALETTE = (
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-    "#bcbd22", "#17becf", "#393b79", "#ad494a", "#637939", "#8c6d31", "#843c39", "#7b4173",
+    "#bcbd22", "#17becf", "#393b79", "#b8860b", "#637939", "#8c6d31", "#843c39", "#7b4173",
 )  # fmt: skip
 _KNOWN = (
     "ideal", "rmlq", "fair", "static", "static+late", "edf", "edf+late", "sjf", "pias",
@@ -306,6 +306,7 @@ def plot_vs_load(
             low.append(y - spread[0] * scale if spread else 0.0)
             high.append(spread[1] * scale - y if spread else 0.0)
         ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, **_style(runs[0]))
+    ax.set_xticks(sorted({o.load for o in outcomes}))
     ax.set_xlabel("load")
     ax.set_ylabel(ylabel)
     ax.set_title(plot_title(meta, (o.load for o in outcomes)), fontsize=9)
