@@ -266,7 +266,7 @@ class Agent:
                     self.write_slot(key)
                     repaired += 1
         wanted = self.view.table_config()
-        if self.table.read_config() != wanted:
+        if not self.table.config_matches(wanted):
             self.table.write_config(wanted)
             repaired += 1
         if repaired:

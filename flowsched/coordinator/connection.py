@@ -55,6 +55,8 @@ class TimedStreamReader(asyncio.StreamReader):
     """
 
     last_data = 0.0
+    #: the peer closed its side (its FIN arrived), whether or not the bytes before it were read
+    eof_seen = False
     #: bytes the transport may receive into the buffer at once (see BoundedReaderProtocol)
     chunk = HANDSHAKE_CHUNK
 
@@ -66,6 +68,10 @@ class TimedStreamReader(asyncio.StreamReader):
     def feed_data(self, data: Iterable[SupportsIndex]) -> None:
         self.last_data = time.perf_counter()
         super().feed_data(data)
+
+    def feed_eof(self) -> None:
+        self.eof_seen = True
+        super().feed_eof()
 
     def has_buffered_data(self) -> bool:
         """Whether bytes are waiting to be read (then a timeout is our backlog, not idleness)."""
@@ -147,6 +153,12 @@ class AgentConnection:
     def node(self) -> str | None:
         """The node name the agent announced (None before its hello)."""
         return self._conn.node
+
+    @property
+    def peer_closed(self) -> bool:
+        """Whether the agent closed this connection (its end may not be handled yet)."""
+        reader = self._reader
+        return isinstance(reader, TimedStreamReader) and reader.eof_seen
 
     async def run(self) -> None:
         """Handshake, then read messages until the connection ends; never raises."""

@@ -279,12 +279,18 @@ class Coordinator:
         assert node is not None
         self._unauthenticated.pop(connection, None)
         old = self.sessions.get(node)
-        if old is not None:
+        if old is not None and old.peer_closed:  # one agent back before its old link's end
+            log.info(  # was handled (after a stall of this coordinator, say): not two agents
+                "agent %s reconnected from %s (its connection from %s had ended)",
+                node, connection.peer, old.peer,
+            )  # fmt: skip
+        elif old is not None:
             log.warning(
                 "node %s: the connection from %s replaces the one from %s (if this repeats, "
                 "two agents use the same --node name)",
                 node, connection.peer, old.peer,
             )  # fmt: skip
+        if old is not None:
             old.abort("replaced", "a newer connection from the same node took over", tell_peer=True)
         self.sessions[node] = connection
         handle = self._expiry.pop(node, None)

@@ -366,6 +366,12 @@ class FlowTable:
         self._put("num_levels", cfg.num_levels)
         self._u32[seq_index] = ((seq + 1) | 1) + 1  # even again: stable
 
+    def config_matches(self, cfg: TableConfig) -> bool:
+        """Whether the config area holds exactly what :meth:`write_config` would write for
+        ``cfg`` (compared as packed bytes: the agent checks for tampering this way)."""
+        area = bytes(self._mm[_CONFIG_START:_CONFIG_END])
+        return area == _pack_config(cfg) and self._get("num_levels") == cfg.num_levels
+
     def read_config(self) -> TableConfig:
         """Read the config area consistently (retries while a writer holds the seqlock)."""
         for _ in range(_CONFIG_RETRIES):

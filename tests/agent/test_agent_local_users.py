@@ -242,6 +242,8 @@ def test_a_tampered_slot_level_and_marking_table_are_repaired(tmp_path: Path) ->
             wait_until(lambda: slot.raw_level() != layout.LEVEL_UNSET)
             decided = slot.raw_level()
             config = table.read_config()
+            assert running.run(agent.reassert_levels) == 0  # nothing to repair: no false alarm
+            assert agent.stats["tampered_repaired"] == 0
             # another process with write access to the table (a --group member) rewrites them
             table.set_level(slot.index, 0 if decided else 1)
             table.write_config(

@@ -159,3 +159,30 @@ def test_connection_caps_leave_the_metrics_listener_its_descriptors(
     assert fd_limit - coordinator.max_connections >= min(
         FD_RESERVE + METRICS_MAX_CONNECTIONS, fd_limit
     )
+
+
+class _FakeSession:
+    def __init__(self, peer: str, closed: bool) -> None:
+        self.node, self.peer, self.peer_closed = "n1", peer, closed
+        self.aborted: str | None = None
+
+    def abort(self, code: str, reason: str, *, tell_peer: bool = False) -> None:
+        self.aborted = code
+
+
+@pytest.mark.parametrize(("old_closed", "warned"), [(True, False), (False, True)])
+def test_a_reconnect_is_not_mistaken_for_two_agents_with_one_name(
+    old_closed: bool, warned: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from coordinator_helpers import BytesPolicy
+
+    from flowsched.coordinator import CoordinatorConfig
+
+    caplog.set_level(logging.INFO, logger="flowsched.coordinator")
+    coordinator = Coordinator(CoordinatorConfig(token=TOKEN, policy_factory=BytesPolicy))
+    old, new = _FakeSession("10.0.0.1:1000", old_closed), _FakeSession("10.0.0.1:1001", False)
+    coordinator.sessions["n1"] = old  # type: ignore[assignment]
+    coordinator.attach(new)  # type: ignore[arg-type]
+    assert old.aborted == "replaced" and coordinator.sessions["n1"] is new
+    assert ("two agents use the same --node name" in caplog.text) is warned
+    assert ("agent n1 reconnected from 10.0.0.1:1001" in caplog.text) is not warned

@@ -40,8 +40,8 @@ pytestmark = pytest.mark.slow
 
 MIB = 1 << 20
 CONNECTED = "flowsched_agent_coordinator_connected"
-CONNECTS = "flowsched_agent_coordinator_connects"
-FALLBACKS = "flowsched_agent_fallback_switches"
+CONNECTS = "flowsched_agent_coordinator_connects_total"
+FALLBACKS = "flowsched_agent_fallback_switches_total"
 
 
 @pytest.fixture(autouse=True)
@@ -142,6 +142,7 @@ def coordinator_and_agent(
 
 def assert_agent_never_dropped(setup: Setup, before: dict[str, float], watch: Watch) -> None:
     after = agent_counters(setup.agent)
+    assert before[CONNECTS] == 1.0, before  # the counter is read (not a misspelt name)
     assert watch.samples > 0 and watch.failed_scrapes == 0
     assert watch.disconnected_samples == 0, (
         f"agent disconnected in {watch.disconnected_samples} samples"
