@@ -24,20 +24,40 @@ _Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None
 Readiness = Callable[[], str | None]
 
 REQUEST_TIMEOUT = 5.0
+#: connections served at once; at the cap the oldest one still waiting for its request is
+#: closed for the newcomer, so idle connections cannot lock scrapes out (nor take the
+#: descriptors the daemon keeps for its agents)
+MAX_CONNECTIONS = 32
 _MAX_REQUEST = 16 * 1024
 _HTTP_ERRORS = (
     TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError,
 )  # fmt: skip
 
 
-def make_handler(registry: CollectorRegistry, ready: Readiness | None = None) -> _Handler:
+def make_handler(
+    registry: CollectorRegistry,
+    ready: Readiness | None = None,
+    max_connections: int = MAX_CONNECTIONS,
+) -> _Handler:
     """An ``asyncio.start_server`` callback answering ``/metrics`` from ``registry`` and the
-    probes (``ready`` None: ready as soon as it listens)."""
+    probes (``ready`` None: ready as soon as it listens), ``max_connections`` at once."""
+    served: set[asyncio.StreamWriter] = set()
+    waiting: dict[asyncio.StreamWriter, None] = {}  # no request yet, oldest first
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(served) >= max_connections:
+            if not waiting:
+                writer.close()
+                return
+            oldest = next(iter(waiting))
+            del waiting[oldest]
+            oldest.close()
+        served.add(writer)
+        waiting[writer] = None
         try:
             async with asyncio.timeout(REQUEST_TIMEOUT):
                 head = await reader.readuntil(b"\r\n\r\n")
+            waiting.pop(writer, None)
             status, body, ctype = _respond(head, registry, ready)
             writer.write(_response(status, body, ctype))
             async with asyncio.timeout(REQUEST_TIMEOUT):
@@ -45,6 +65,8 @@ def make_handler(registry: CollectorRegistry, ready: Readiness | None = None) ->
         except _HTTP_ERRORS as exc:
             log.debug("metrics request failed: %r", exc)
         finally:
+            served.discard(writer)
+            waiting.pop(writer, None)
             writer.close()
 
     return handle

@@ -38,7 +38,7 @@ from flowsched.coordinator.connection import (
     BoundedReaderProtocol,
     TimedStreamReader,
 )
-from flowsched.coordinator.exposition import start_metrics_server
+from flowsched.coordinator.exposition import MAX_CONNECTIONS, start_metrics_server
 from flowsched.coordinator.histogram import Histogram
 from flowsched.coordinator.metrics import (
     LATENCY_BUCKETS,
@@ -76,7 +76,7 @@ JOB_TTL = 600.0
 #: file descriptors left to the process itself (listeners, epoll, logs, files it opens)
 FD_RESERVE = 64
 #: concurrent connections of the metrics listener (scrapes); kept out of the agents' budget
-METRICS_MAX_CONNECTIONS = 32
+METRICS_MAX_CONNECTIONS = MAX_CONNECTIONS
 #: when the hard limit is unlimited, raise the soft limit to this
 FD_CEILING = 1 << 20
 

@@ -186,3 +186,38 @@ def test_a_reconnect_is_not_mistaken_for_two_agents_with_one_name(
     assert old.aborted == "replaced" and coordinator.sessions["n1"] is new
     assert ("two agents use the same --node name" in caplog.text) is warned
     assert ("agent n1 reconnected from 10.0.0.1:1001" in caplog.text) is not warned
+
+
+@pytest.mark.asyncio
+async def test_idle_connections_to_the_metrics_port_lock_neither_scrapes_nor_agents_out() -> None:
+    from flowsched.coordinator.exposition import MAX_CONNECTIONS
+
+    async with running_coordinator() as coordinator:
+        addresses = coordinator.addresses
+        assert addresses is not None and addresses.metrics_port is not None
+        idle = [
+            await asyncio.open_connection(addresses.metrics_host, addresses.metrics_port)
+            for _ in range(4 * MAX_CONNECTIONS)
+        ]
+        try:
+            reader, writer = await asyncio.open_connection(
+                addresses.metrics_host, addresses.metrics_port
+            )
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            async with asyncio.timeout(3):  # REQUEST_TIMEOUT is 5 s: no waiting for idlers
+                response = await reader.read()
+            writer.close()
+            assert response.startswith(b"HTTP/1.1 200 OK")
+            assert b"flowsched_coordinator_agents_connected" in response
+            link = await _connect(coordinator, "n1")  # the agents' listener is untouched
+            assert coordinator.agent_count() == 1
+            await link.close()
+            closed = 0
+            for idle_reader, _ in idle:  # most idlers were closed to make room
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.01):
+                        closed += await idle_reader.read() == b""
+            assert closed >= 3 * MAX_CONNECTIONS
+        finally:
+            for _, idle_writer in idle:
+                idle_writer.close()

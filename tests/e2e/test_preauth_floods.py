@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import resource
+import socket
 import subprocess
 import sys
 import threading
@@ -258,3 +259,42 @@ def test_dripping_connections_under_a_1024_fd_limit_lock_nobody_out(
     assert result["closed"] == drippers
     assert "open-file limit is 1024" in log
     assert "unauthenticated connections at their cap" in log
+
+
+def test_idle_metrics_connections_under_a_256_fd_limit_lock_nobody_out(
+    tmp_path: Path, token: Path
+) -> None:
+    idlers = 400  # more than the coordinator's whole descriptor budget
+    with coordinator_and_agent(tmp_path, token, fd_limit=256) as setup:
+        before = agent_counters(setup.agent)
+        mport = int(setup.coordinator.fields["mport"])
+        with (
+            contextlib.ExitStack() as stack,
+            Watch(setup.coordinator.proc.pid, [setup.agent]).running() as watch,
+        ):
+            for _ in range(idlers):
+                stack.enter_context(socket.create_connection(("127.0.0.1", mport), timeout=5))
+            started = time.monotonic()
+            metrics = scrape(mport)
+            scrape_s = time.monotonic() - started
+            second = stack.enter_context(
+                _stopping(start_agent(tmp_path, token, setup.address[1], node="n2"))
+            )
+            second_s = wait_for(
+                lambda: agent_counters(second)[CONNECTED] == 1.0, 10, "a new agent to connect"
+            )
+        print(
+            f"\n{idlers} idle metrics connections, coordinator limited to 256 descriptors: a "
+            f"scrape took {scrape_s * 1e3:.0f} ms, a new agent connected in {second_s * 1e3:.0f} "
+            f"ms; agent disconnected in {watch.disconnected_samples} of {watch.samples} samples"
+        )
+        assert "flowsched_coordinator_agents_connected" in "".join(metrics)
+        assert_agent_never_dropped(setup, before, watch)
+
+
+@contextlib.contextmanager
+def _stopping(service: Service) -> Iterator[Service]:
+    try:
+        yield service
+    finally:
+        service.stop()
