@@ -54,6 +54,10 @@ def register(sub: Any) -> None:
         help="timers: re-evaluate a flow when its next promotion time (from the policy) comes;"
         " sweep: re-evaluate every deadline flow each timer period (benchmark baseline)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-rebuild-batching", action="store_true",
+        help="re-evaluate resynced flows every loop turn (benchmark baseline of bench/takeover.py)",
+    )  # fmt: skip
     ha = parser.add_argument_group(
         "high availability", "several coordinators elect one leader through etcd (docs/ha.md)"
     )
@@ -87,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
             metrics_port=metrics_port, batching=not args.no_batch, on_ready=_print_ready,
             idle_timeout=args.idle_timeout, handshake_timeout=args.handshake_timeout,
             per_flow_decisions={"auto": None, "yes": True, "no": False}[args.per_flow_policy],
-            promotion=args.promotion,
+            promotion=args.promotion, rebuild_batching=not args.no_rebuild_batching,
             etcd=args.etcd, election_name=args.election_name, lease_ttl=args.lease_ttl,
             advertise=args.advertise,
         )  # fmt: skip

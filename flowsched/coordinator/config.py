@@ -59,6 +59,9 @@ class CoordinatorConfig:
     #: every agent of a large cluster reconnecting at once (a coordinator takeover).
     max_unauthenticated: int = 2048
     batching: bool = True
+    #: resyncs (a new leader's rebuild) are re-evaluated once per burst, not per loop turn;
+    #: False is the baseline of bench/takeover.py
+    rebuild_batching: bool = True
     #: whether the policy decides each flow on its own (then events re-evaluate only the flows
     #: they touch); None asks the policy's ``per_flow_decisions`` attribute (default False:
     #: every flush re-evaluates every flow, which is always correct but O(all flows))
@@ -72,6 +75,17 @@ class CoordinatorConfig:
     #: largest share of the time spent in timer sweeps; when one pass over the deadline flows
     #: costs more than timer_period allows, the effective period stretches to respect it
     sweep_duty: float = 0.5
+    #: etcd client URL for leader election among several coordinators (None: this one leads
+    #: alone, no etcd); see flowsched.coordinator.election and docs/ha.md
+    etcd: str | None = None
+    #: coordinators sharing this name (and etcd) elect one leader
+    election_name: str = "flowsched"
+    #: leader lease TTL, whole seconds: a crashed leader's host going silent is replaced
+    #: after about this long (a crashed process on a live host within ~0.3 s)
+    lease_ttl: int = 2
+    #: HOST:PORT agents and standbys use to reach this coordinator (None: the bound address,
+    #: or this host's name when listening on a wildcard address)
+    advertise: str | None = None
     on_ready: Callable[[Addresses], None] | None = None
 
     def __post_init__(self) -> None:

@@ -201,10 +201,14 @@ class AgentConnection:
         assert isinstance(hello, Hello)  # the state table allows nothing else first
         self._writer.write(self._conn.challenge())
         await self._next_message()  # auth: the MAC is checked by the Connection
-        config = self._config
+        refusal = self._coordinator.not_leader()
+        if refusal is not None:  # a standby: the agent goes to the leader (docs/ha.md)
+            raise ConnectionClosed("not_leader", refusal)
+        config, coordinator = self._config, self._coordinator
         welcome = Welcome(
-            config.policy_text, config.timer_period, time.time(), config.heartbeat_interval
-        )
+            config.policy_text, config.timer_period, time.time(), config.heartbeat_interval,
+            coordinator.epoch, coordinator.candidacy.cluster if coordinator.candidacy else 0,
+        )  # fmt: skip
         self._writer.write(self._conn.send(welcome))
 
     async def _next_message(self) -> Message:
@@ -287,7 +291,8 @@ class AgentConnection:
         if self._abort is not None and code in ("peer_closed", "connection_lost"):
             code, reason = self._abort.code, self._abort.reason
         self._coordinator.count_rejection(code)
-        level = logging.INFO if code in ("peer_closed", "shutdown", "replaced") else logging.WARNING
+        quiet = ("peer_closed", "shutdown", "replaced", "not_leader")
+        level = logging.INFO if code in quiet else logging.WARNING
         text = "closing connection peer=%s node=%s state=%s: %s: %s"
         args = (self.peer, self._conn.node, self._conn.state.value, code, reason)
         if established:

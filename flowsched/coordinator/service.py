@@ -24,6 +24,7 @@ import asyncio
 import itertools
 import logging
 import resource
+import socket
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
@@ -38,6 +39,7 @@ from flowsched.coordinator.connection import (
     BoundedReaderProtocol,
     TimedStreamReader,
 )
+from flowsched.coordinator.election import Candidacy, EtcdElection
 from flowsched.coordinator.exposition import MAX_CONNECTIONS, start_metrics_server
 from flowsched.coordinator.histogram import Histogram
 from flowsched.coordinator.metrics import (
@@ -66,6 +68,10 @@ log = logging.getLogger("flowsched.coordinator")
 MAX_UPDATES_PER_FRAME = 8192
 #: heartbeats go out to 1/HEARTBEAT_SLICES of the agents every interval/HEARTBEAT_SLICES
 HEARTBEAT_SLICES = 10
+#: a resync burst is re-evaluated once no resync came for this long (s) ...
+RESYNC_QUIET = 0.02
+#: ... or this long after its first resync (s), whichever is first
+RESYNC_MAX_DEFER = 0.1
 #: seconds stop() waits for connections to close before cancelling them
 STOP_TIMEOUT = 2.0
 #: job names one node may have reported at once (its agent keeps as many, see
@@ -93,7 +99,9 @@ def raise_fd_limit() -> int:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
         except (ValueError, OSError) as exc:
-            log.warning("open-file limit stays at %d (raising it to %d failed: %s)", soft, target, exc)
+            log.warning(
+                "open-file limit stays at %d (raising it to %d failed: %s)", soft, target, exc
+            )
             return soft
         log.info("open-file limit raised from %d to %d (the hard limit)", soft, target)
         return target
@@ -122,7 +130,11 @@ class Coordinator:
             Histogram(LATENCY_BUCKETS), Histogram(LATENCY_BUCKETS), rejected=defaultdict(int)
         )
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.registry.register(CoordinatorCollector(self.state, self.live, self.agent_count))
+        self.registry.register(
+            CoordinatorCollector(
+                self.state, self.live, self.agent_count, lambda: (self.leading, self.epoch)
+            )
+        )
         register_standard_collectors(self.registry)
         self.sessions: dict[str, AgentConnection] = {}
         self._expiry: dict[str, asyncio.TimerHandle] = {}
@@ -143,6 +155,25 @@ class Coordinator:
         self._receive_buffer = bytearray(ESTABLISHED_CHUNK)  # shared by every connection
         self._servers: list[asyncio.Server] = []
         self.addresses: Addresses | None = None
+        #: the pending re-evaluation of a resync burst, and when the burst began (loop time)
+        self._resync_settle: asyncio.TimerHandle | None = None
+        self._resync_burst: float | None = None
+        #: the leader election (``config.etcd``); None: this coordinator always leads
+        self.candidacy: Candidacy | None = None
+
+    @property
+    def leading(self) -> bool:
+        """Whether this coordinator decides (the elected leader, or alone without etcd)."""
+        return self.candidacy is None or self.candidacy.leadership is not None
+
+    @property
+    def epoch(self) -> int:
+        """The fencing token stamped on every message to agents (0 without an election)."""
+        return self.candidacy.epoch if self.candidacy is not None else 0
+
+    def not_leader(self) -> str | None:
+        """None while leading; else why an agent is refused (the leader's address, if known)."""
+        return self.candidacy.refusal() if self.candidacy is not None else None
 
     def agent_count(self) -> int:
         """Agents with an established connection now."""
@@ -150,7 +181,9 @@ class Coordinator:
 
     def readiness(self) -> str | None:
         """None when ready to take agents (``/readyz``), else the reason why not."""
-        return None if self.addresses is not None else "starting"
+        if self.addresses is None:
+            return "starting"
+        return None if self.leading else "standby: another coordinator is the elected leader"
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -171,6 +204,11 @@ class Coordinator:
             metrics_host, metrics_port = metrics.sockets[0].getsockname()[:2]
         self._spawn(self._timer_loop())
         self._spawn(self._heartbeat_loop())
+        if config.etcd is not None:
+            advertise = config.advertise or advertised_address(host, port)
+            self.candidacy = Candidacy(
+                EtcdElection(config.etcd, config.election_name, advertise, config.lease_ttl)
+            )
         self.addresses = Addresses(host, port, metrics_host, metrics_port)
         log.info("listening on %s:%s, metrics on %s:%s", host, port, metrics_host, metrics_port)
         return self.addresses
@@ -382,7 +420,9 @@ class Coordinator:
             state.nic_load(message.entries)
         elif kind is Resync:
             assert isinstance(message, Resync)
-            state.resync(node, message.opens, time.time())
+            state.resync(node, message.opens, time.time(), defer=self.config.rebuild_batching)
+            if self.config.rebuild_batching:
+                self._settle_resyncs_soon()
         self._arrivals.append(arrival)
         if self.config.batching:
             self._schedule_flush()
@@ -397,6 +437,24 @@ class Coordinator:
             state.progress(node, message.progress)
         if message.closes:
             state.close_flows(node, message.closes, time.time())
+
+    def _settle_resyncs_soon(self) -> None:
+        # A resync burst (every agent of a new leader at once) is re-evaluated once it pauses
+        # for RESYNC_QUIET, and at the latest RESYNC_MAX_DEFER after its first resync; the
+        # flows already have their admission decisions meanwhile.
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._resync_burst is None:
+            self._resync_burst = now
+        if self._resync_settle is not None:
+            self._resync_settle.cancel()
+        due = min(now + RESYNC_QUIET, self._resync_burst + RESYNC_MAX_DEFER)
+        self._resync_settle = loop.call_at(due, self._settle_resyncs)
+
+    def _settle_resyncs(self) -> None:
+        self._resync_settle = self._resync_burst = None
+        self.state.settle_resyncs()
+        self._schedule_flush()
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -421,10 +479,10 @@ class Coordinator:
         if self.state.pending:
             self._schedule_flush()  # the rest of a timer sweep, after the next reads
 
-    @staticmethod
-    def _send_levels(connection: AgentConnection, updates: list[LevelUpdate]) -> None:
+    def _send_levels(self, connection: AgentConnection, updates: list[LevelUpdate]) -> None:
         for start in range(0, len(updates), MAX_UPDATES_PER_FRAME):
-            connection.send(Levels(tuple(updates[start : start + MAX_UPDATES_PER_FRAME])))
+            part = tuple(updates[start : start + MAX_UPDATES_PER_FRAME])
+            connection.send(Levels(part, self.epoch))
 
     # -- timers ------------------------------------------------------------------------------
 
@@ -445,7 +503,7 @@ class Coordinator:
         tick = self.config.heartbeat_interval / HEARTBEAT_SLICES
         for slot in itertools.cycle(range(HEARTBEAT_SLICES)):
             await asyncio.sleep(tick)
-            beat = Heartbeat(time.time())
+            beat = Heartbeat(time.time(), self.epoch)
             # a node keeps its slice while others come and go: one beat per interval each
             due = [c for n, c in self.sessions.items() if hash(n) % HEARTBEAT_SLICES == slot]
             for connection in due:
@@ -458,13 +516,31 @@ async def serve(
     """Run the coordinator until ``shutdown_trigger()`` returns (or SIGINT/SIGTERM).
 
     Signal handlers are installed only when no trigger is given. ``config.on_ready`` is
-    called with the bound addresses once both listeners are up.
+    called with the bound addresses once both listeners are up. With ``config.etcd`` the
+    coordinator stands by until elected, leads, and resigns on shutdown.
+
+    Raises:
+        flowsched.coordinator.election.LeadershipLost: it led and lost the lease; it stopped
+            serving so that it can never decide next to its successor (restart it: it comes
+            back as a standby).
     """
     coordinator = Coordinator(config)
     addresses = await coordinator.start()
     if config.on_ready is not None:
         config.on_ready(addresses)
     try:
-        await (shutdown_trigger or wait_for_signal)()
+        trigger = (shutdown_trigger or wait_for_signal)()
+        if coordinator.candidacy is None:
+            await trigger
+        else:
+            await coordinator.candidacy.run(trigger)
     finally:
         await coordinator.stop()
+
+
+def advertised_address(host: str, port: int) -> str:
+    """The address agents reach a coordinator bound to ``host``:``port`` at (a wildcard bind
+    advertises this host's name)."""
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.getfqdn()
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

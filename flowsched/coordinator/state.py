@@ -124,6 +124,8 @@ class ClusterState:
         self.link_load: dict[str, float] = {}
         self.default_bandwidth = default_bandwidth
         self.dirty: set[int] = set()
+        #: resynced flows whose re-evaluation waits for settle_resyncs()
+        self.resynced: set[int] = set()
         #: flows re-evaluated by the last flush
         self.last_batch = 0
         self.timed: set[int] = set()
@@ -240,8 +242,16 @@ class ClusterState:
             if old != entry.load:
                 self.dirty.update(self.by_link.get(entry.link, ()))
 
-    def resync(self, node: str, opens: tuple[FlowOpen, ...], now: float) -> None:
-        """Replace ``node``'s flow set by ``opens`` (its complete set after a (re)connect)."""
+    def resync(
+        self, node: str, opens: tuple[FlowOpen, ...], now: float, *, defer: bool = False
+    ) -> None:
+        """Replace ``node``'s flow set by ``opens`` (its complete set after a (re)connect).
+
+        Every flow gets its admission decision at once. With ``defer``, the policy's
+        re-evaluation of these flows waits for :meth:`settle_resyncs`: a new leader absorbs
+        the resyncs of every agent at once, and one re-evaluation of the whole burst costs far
+        less than one per event-loop turn (``bench/takeover.py``).
+        """
         self.stats.events["resync"] += 1
         current = {op.id for op in opens}
         table = self.by_node.get(node, {})
@@ -250,6 +260,16 @@ class ClusterState:
             self._remove(table.pop(wire_id), ctx)
         self.outbox.pop(node, None)  # updates queued for the old connection are stale
         self.open_flows(node, opens, now, kind="resync_flow")
+        if defer:
+            table = self.by_node[node]  # created by open_flows for a new node
+            resynced = [table[op.id] for op in opens]
+            self.dirty.difference_update(resynced)
+            self.resynced.update(resynced)
+
+    def settle_resyncs(self) -> None:
+        """Queue the flows of deferred resyncs for the next flush (see :meth:`resync`)."""
+        self.dirty.update(fid for fid in self.resynced if fid in self.flows)
+        self.resynced.clear()
 
     def drop_node(self, node: str, now: float) -> None:
         """Forget every flow of ``node`` (its agent stayed away past the grace period)."""

@@ -49,6 +49,8 @@ MAC_SIZE = 32
 
 _MISSING = object()
 _CLASSES = {c.label: c for c in FlowClass}
+#: optional fields left out of a frame when 0 (the leadership epoch and etcd cluster id)
+_ZERO_MEANS_ABSENT = ("epoch", "cluster")
 
 
 def is_name(value: object, max_len: int = MAX_NAME) -> TypeGuard[str]:
@@ -265,6 +267,12 @@ def _level_update(item: object, path: str) -> LevelUpdate:
     return update
 
 
+def _epoch(f: _Fields, name: str) -> int:
+    """An optional epoch or etcd cluster id (absent: 0, no election)."""
+    value: int | None = f.integer(name, 0, U64_MAX, optional=True)
+    return 0 if value is None else value
+
+
 def _decode_fields(cls: type[Message], f: _Fields) -> Message:
     path = cls.TYPE
     if cls is Flows:
@@ -274,9 +282,10 @@ def _decode_fields(cls: type[Message], f: _Fields) -> Message:
             _each(f.array("closes"), f"{path}.closes", _flow_close),
         )
     if cls is Heartbeat:
-        return Heartbeat(f.number("t_sent", 0.0))
+        return Heartbeat(f.number("t_sent", 0.0), _epoch(f, "epoch"))
     if cls is Levels:
-        return Levels(_each(f.array("updates"), f"{path}.updates", _level_update))
+        updates = _each(f.array("updates"), f"{path}.updates", _level_update)
+        return Levels(updates, _epoch(f, "epoch"))
     if cls is JobProgress:
         return JobProgress(
             f.name("job"), f.integer("step", 0, I64_MAX), f.integer("layer", 0, I64_MAX, True)
@@ -301,6 +310,8 @@ def _decode_handshake(cls: type[Message], f: _Fields) -> Message:
             f.number("timer_period", 0.0),
             f.number("server_time", 0.0),
             f.number("heartbeat_interval", 0.0),
+            _epoch(f, "epoch"),
+            _epoch(f, "cluster"),
         )
     assert cls is Error
     return Error(f.text("code"), f.text("reason", max_len=MAX_REASON))
@@ -368,7 +379,10 @@ def _body_map(message: Message) -> dict[str, Any]:
             ],
         }
     if isinstance(message, Levels):
-        return {"updates": [_update_map(u) for u in message.updates]}
+        levels: dict[str, Any] = {"updates": [_update_map(u) for u in message.updates]}
+        if message.epoch:
+            levels["epoch"] = message.epoch
+        return levels
     if isinstance(message, Resync):
         return {"opens": [_open_map(o) for o in message.opens]}
     if isinstance(message, NicLoad):
@@ -376,7 +390,11 @@ def _body_map(message: Message) -> dict[str, Any]:
             {"link": e.link, "bandwidth": e.bandwidth, "load": e.load} for e in message.entries
         ]
         return {"entries": entries}
-    return {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+    body: dict[str, Any] = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+    for name in _ZERO_MEANS_ABSENT:  # frames without an election stay what they were
+        if body.get(name) == 0:
+            del body[name]
+    return body
 
 
 def encode_body(message: Message) -> bytes:

@@ -150,7 +150,7 @@ async def test_a_standby_redirects_and_deposes_a_leader_whose_port_is_closed(
 @pytest.mark.asyncio
 async def test_a_listening_leader_is_not_deposed(etcd_url: str) -> None:
     server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
-    address = "127.0.0.1:{}".format(server.sockets[0].getsockname()[1])
+    address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     try:
         assert not await refuses_connections(address)
         leader = EtcdElection(etcd_url, "t", address)

@@ -136,9 +136,7 @@ def _agent(tmp_path: Path, token_file: Path, ports: list[int]) -> AgentThread:
         ("leader=:7711", None),
     ],
 )
-def test_redirect_is_read_from_the_refusal(
-    reason: str, expected: tuple[str, int] | None
-) -> None:
+def test_redirect_is_read_from_the_refusal(reason: str, expected: tuple[str, int] | None) -> None:
     assert _redirect(HandshakeError("not_leader", reason)) == expected
 
 

@@ -1,0 +1,348 @@
+#!/usr/bin/env python3
+"""Coordinator takeover benchmark: kill -9 of the elected leader under 1,000 agents and 20,000
+flows, and how long until every agent is back under global decisions.
+
+Runs a real etcd (Debian's ``etcd-server``) and two real ``flowsched coordinator --etcd``
+processes (the leader pinned to one core, the standby to another, when ``taskset`` exists), and
+drives them from this process: ``--agents`` simulated agents (raw protocol frames, cheap enough
+for one core) that know both addresses, follow a standby's redirect, and send a ``resync`` of
+``--flows`` flows each after every (re)connect, as the real agent does. The resync carries no
+levels (``level`` nil), so the coordinator must decide and send a level for every flow: an
+agent counts as back under global decisions once it holds a level for each of its flows from
+the new leader, which proves that the resync was absorbed and decided.
+
+Per run it reports: kill -> a standby leads (its welcome), kill -> every agent back (max and
+median over agents), and the new leader's CPU time spent absorbing. Each mode runs ``--runs``
+times and the modes run side by side: ``rebuild`` (the leader defers full re-evaluations while
+a resync burst is being absorbed, the default) and the baseline ``per-turn`` (every event-loop
+turn re-evaluates every flow, as before).
+
+Usage:
+    .venv/bin/python bench/takeover.py [--agents 1000] [--flows 20] [--runs 3]
+        [--modes rebuild,per-turn] [--lease-ttl 2] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from flowsched.protocol import (
+    PROTOCOL_VERSION,
+    Challenge,
+    Connection,
+    Error,
+    Hello,
+    ReceiveBuffer,
+    Role,
+    Sentinel,
+    Welcome,
+    frame,
+    write_token,
+)
+from flowsched.testbed.etcd import local_etcd
+from flowsched.testbed.procstat import cpu_seconds
+
+CLASS_MIX = ("tp", "tp", "tp", "experience", "experience", "param_sync", "kv", "kv", "kv", "bulk")
+HEARTBEAT = frame(msgpack.packb({"t": "heartbeat", "t_sent": 0.0}))
+#: seconds allowed for everything after the kill
+TAKEOVER_TIMEOUT = 60.0
+#: the real agent's pause before reconnecting after a session ended
+RECONNECT_PAUSE = 0.1
+
+
+@dataclass(frozen=True)
+class Redirect:
+    """A standby's answer: the leader is at ``address``."""
+
+    address: tuple[str, int]
+
+
+@dataclass
+class SimAgent:
+    """One simulated agent: handshake, resync, heartbeats, levels; follows redirects."""
+
+    node: str
+    addresses: list[tuple[str, int]]
+    token: bytes
+    flows: int
+    #: monotonic times: welcome from a leader with a higher epoch, all levels from it
+    welcomed: float = 0.0
+    decided: float = 0.0
+    epoch: int = 0
+    connected: asyncio.Event = field(default_factory=asyncio.Event)
+    _levels: set[int] = field(default_factory=set)
+
+    def resync(self) -> bytes:
+        now = time.time()
+        opens = [self._open(i, CLASS_MIX[i % len(CLASS_MIX)], now) for i in range(self.flows)]
+        return frame(msgpack.packb({"t": "resync", "opens": opens}))
+
+    def _open(self, wire_id: int, cls: str, now: float) -> dict[str, Any]:
+        deadline = size = job = consumer = None
+        if cls in ("param_sync", "kv"):
+            size = (1 << 30) if cls == "param_sync" else (64 << 20)
+            deadline = now + (30.0 if cls == "param_sync" else 5.0)
+        if cls == "experience":
+            job, consumer = f"job-{zlib.crc32(self.node.encode()) % 16}", 3
+        return {
+            "id": wire_id, "cls": cls, "opened_at": now, "sent": 0, "size": size,
+            "deadline": deadline, "job": job, "consumer_index": consumer, "request": None,
+            "links": [f"{self.node}/eth0"], "level": None,
+        }  # fmt: skip
+
+    async def run(self) -> None:
+        """Stay connected to whichever coordinator leads, forever (cancelled at the end)."""
+        while True:
+            with contextlib.suppress(ConnectionError, OSError, TimeoutError, RuntimeError):
+                await self._session()
+            await asyncio.sleep(RECONNECT_PAUSE)
+
+    async def _session(self) -> None:
+        queue = list(self.addresses)
+        while queue:
+            host, port = queue.pop(0)
+            try:
+                opened = await self._handshake(host, port)
+            except (ConnectionError, OSError, TimeoutError):
+                continue
+            if isinstance(opened, Redirect):
+                queue.insert(0, opened.address)
+            elif opened is not None:
+                await self._serve(*opened)
+                return
+        raise ConnectionError("no leader")
+
+    async def _handshake(self, host: str, port: int) -> Any:
+        async with asyncio.timeout(10):
+            reader, writer = await asyncio.open_connection(host, port)
+            conn = Connection(Role.AGENT, token=self.token)
+            writer.write(conn.send(Hello(PROTOCOL_VERSION, self.node)))
+            challenge = await _next(reader, conn)
+            if not isinstance(challenge, Challenge):
+                writer.close()
+                raise ConnectionError(f"expected challenge, got {challenge!r}")
+            writer.write(conn.answer(challenge))
+            answer = await _next(reader, conn)
+        if isinstance(answer, Welcome):
+            if answer.epoch > self.epoch:
+                self.epoch, self.welcomed, self.decided = answer.epoch, time.monotonic(), 0.0
+                self._levels.clear()
+            return reader, writer
+        writer.close()
+        if isinstance(answer, Error) and answer.code == "not_leader":
+            found = re.search(r"leader=(\S+):(\d+)", answer.reason)
+            return Redirect((found[1], int(found[2]))) if found else None
+        return None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(self.resync())
+        self.connected.set()
+        buffer = ReceiveBuffer()
+        try:
+            while data := await reader.read(1 << 16):
+                buffer.feed(data)
+                while (body := buffer.next_body()) is not None:
+                    self._received(msgpack.unpackb(body), writer)
+        finally:
+            self.connected.clear()
+            writer.close()
+
+    def _received(self, message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        if message["t"] == "heartbeat":
+            writer.write(HEARTBEAT)
+        elif message["t"] == "levels":
+            self._levels.update(u["id"] for u in message["updates"])
+            if len(self._levels) >= self.flows and not self.decided:
+                self.decided = time.monotonic()
+
+
+async def _next(reader: asyncio.StreamReader, conn: Connection) -> Any:
+    while True:
+        event = conn.next_event()
+        if not isinstance(event, Sentinel):
+            return event
+        data = await reader.read(1 << 16)
+        if not data:
+            raise ConnectionError("closed during the handshake")
+        conn.receive_data(data)
+
+
+# -- coordinators ------------------------------------------------------------------------------
+
+
+class Coordinator:
+    """A ``flowsched coordinator --etcd`` process."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, name: str, cpu: int | None) -> None:
+        command = [sys.executable, "-m", "flowsched", "coordinator", "--listen", "127.0.0.1:0",
+                   "--metrics-port", "0", "--token-file", str(workdir / "token"),
+                   "--etcd", args.etcd, "--election-name", workdir.name,
+                   "--lease-ttl", str(args.lease_ttl), "--log-level", "WARNING",
+                   "--idle-timeout", "60"]  # fmt: skip
+        if args.mode == "per-turn":
+            command.append("--no-rebuild-batching")
+        if cpu is not None and shutil.which("taskset"):
+            command = ["taskset", "-c", str(cpu), *command]
+        self.log = open(workdir / f"{name}.log", "w")  # noqa: SIM115
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        found = re.search(r"listening on (\S+):(\d+) metrics", line)
+        if not found:
+            self.stop()
+            raise RuntimeError(f"coordinator did not start: {line!r}")
+        self.address = (found[1], int(found[2]))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+# -- one run -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    mode: str
+    lead_s: float
+    all_back_s: float
+    median_back_s: float
+    absorb_cpu_s: float
+
+
+async def one_run(args: argparse.Namespace, workdir: Path) -> Run:
+    workdir.mkdir()
+    write_token(workdir / "token")
+    token = (workdir / "token").read_bytes().strip()
+    first = Coordinator(args, workdir, "a", args.leader_cpu)
+    await asyncio.sleep(0.5)  # let it win before the other stands
+    second = Coordinator(args, workdir, "b", args.standby_cpu)
+    addresses = [first.address, second.address]
+    agents = [SimAgent(f"node-{i}", addresses, token, args.flows) for i in range(args.agents)]
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for start in range(0, len(agents), 64):  # connect in waves, as a rollout would
+            tasks += [asyncio.create_task(a.run()) for a in agents[start : start + 64]]
+            await asyncio.sleep(0.02)
+        await _until(lambda: all(a.decided for a in agents), 120, "agents on the first leader")
+        old_epoch = agents[0].epoch
+        cpu_before = cpu_seconds(second.process.pid) or 0.0
+        killed = time.monotonic()
+        first.process.kill()
+        first.process.wait()
+        await _until(
+            lambda: all(a.epoch > old_epoch and a.decided > killed for a in agents),
+            TAKEOVER_TIMEOUT, "every agent back under the new leader",
+        )  # fmt: skip
+        absorb_cpu = (cpu_seconds(second.process.pid) or 0.0) - cpu_before
+        backs = sorted(a.decided - killed for a in agents)
+        return Run(
+            mode=args.mode,
+            lead_s=min(a.welcomed for a in agents) - killed,
+            all_back_s=backs[-1],
+            median_back_s=statistics.median(backs),
+            absorb_cpu_s=absorb_cpu,
+        )
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        first.stop()
+        second.stop()
+
+
+async def _until(predicate: Any, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise RuntimeError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def report(runs: list[Run], args: argparse.Namespace) -> None:
+    print(f"\nkill -9 of the leader, {args.agents} agents x {args.flows} flows "
+          f"({args.agents * args.flows} flows), lease TTL {args.lease_ttl} s:")  # fmt: skip
+    print(f"{'mode':<9} {'run':>3} {'leads s':>8} {'all back s':>10} {'median s':>9} "
+          f"{'absorb CPU s':>12}")  # fmt: skip
+    for i, r in enumerate(runs):
+        print(f"{r.mode:<9} {i:>3} {r.lead_s:>8.3f} {r.all_back_s:>10.3f} "
+              f"{r.median_back_s:>9.3f} {r.absorb_cpu_s:>12.2f}")  # fmt: skip
+    by_mode: dict[str, list[Run]] = {}
+    for r in runs:
+        by_mode.setdefault(r.mode, []).append(r)
+    print(f"\n{'mode':<9} {'all back: min':>13} {'median':>7} {'max':>6}  {'absorb CPU':>10}")
+    for mode, rows in by_mode.items():
+        backs = sorted(r.all_back_s for r in rows)
+        cpu = statistics.median(r.absorb_cpu_s for r in rows)
+        print(f"{mode:<9} {backs[0]:>13.3f} {statistics.median(backs):>7.3f} {backs[-1]:>6.3f}"
+              f"  {cpu:>10.2f}")  # fmt: skip
+    if {"rebuild", "per-turn"} <= by_mode.keys():
+        new = statistics.median(r.all_back_s for r in by_mode["rebuild"])
+        old = statistics.median(r.all_back_s for r in by_mode["per-turn"])
+        print(f"\nper-turn / rebuild: {old / new:.1f}x (median time until every agent is back)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agents", type=int, default=1000)
+    parser.add_argument("--flows", type=int, default=20, help="flows per agent")
+    parser.add_argument("--runs", type=int, default=3, help="runs per mode")
+    parser.add_argument("--modes", default="rebuild,per-turn")
+    parser.add_argument("--lease-ttl", type=int, default=2)
+    parser.add_argument("--leader-cpu", type=int, default=0)
+    parser.add_argument("--standby-cpu", type=int, default=1)
+    parser.add_argument("--loadgen-cpu", type=int, default=1)
+    parser.add_argument("--json", help="write the runs here")
+    args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setaffinity(0, {args.loadgen_cpu})
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:
+        loop_factory = None  # type: ignore[assignment]
+    runs: list[Run] = []
+    with tempfile.TemporaryDirectory(prefix="fsD2-takeover-") as tmp, local_etcd() as etcd:
+        args.etcd = etcd
+        for index in range(args.runs):
+            for mode in args.modes.split(","):
+                args.mode = mode
+                with asyncio.Runner(loop_factory=loop_factory) as runner:
+                    run = runner.run(one_run(args, Path(tmp) / f"{mode}-{index}"))
+                print(f"[{time.strftime('%H:%M:%S')}] {mode} run {index}: every agent back "
+                      f"{run.all_back_s:.3f} s after the kill", file=sys.stderr)  # fmt: skip
+                runs.append(run)
+    report(runs, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(r) for r in runs], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
