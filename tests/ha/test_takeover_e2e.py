@@ -5,12 +5,15 @@ Measured and printed (run with ``-s``): time from the kill until a standby leads
 every agent is back under global decisions (connected to the new leader, which rebuilt the
 flow table from their resyncs); the graceful handover time. Checked: every byte arrives
 (byte-exact, verified by the receiver), the epoch only grows, never two coordinators claim
-leadership at one time, the killed leader's successor sends with the higher epoch.
+leadership at one time, the killed leader's successor sends with the higher epoch. A paused
+(SIGSTOP) leader is replaced once its lease expires and, resumed, exits without the agent ever
+following it again.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import time
 from pathlib import Path
@@ -143,4 +146,60 @@ def test_kill9_leader_standby_takes_over_without_losing_bytes(
                 plugin.kill()
                 plugin.wait(timeout=10)
         for daemon in reversed(started):
+            daemon.stop()
+
+
+def test_a_paused_leader_is_replaced_and_exits_when_it_resumes(
+    tmp_path: Path, etcd_url: str
+) -> None:
+    token = tmp_path / "token"
+    write_token(token)
+    started: list[Daemon] = []
+    epochs: list[int] = []
+    try:
+        coordinators = [start_coordinator(tmp_path, token, etcd_url, f"c{i}") for i in range(2)]
+        started += coordinators
+        wait_for(lambda: _one_leader(coordinators, epochs), DEADLINE, "a leader")
+        agent = start_agent(tmp_path, token, coordinators, "n0")
+        started.append(agent)
+        leader = _one_leader(coordinators, epochs)
+        assert leader is not None
+        first_epoch = epochs[-1]
+        standby = next(c for c in coordinators if c is not leader)
+        wait_for(
+            lambda: total(leader.metrics(), "flowsched_coordinator_agents_connected") == 1,
+            DEADLINE, "the agent on the leader",
+        )  # fmt: skip
+
+        leader.proc.send_signal(signal.SIGSTOP)  # alive, holding its sockets, silent
+        paused = time.monotonic()
+        wait_for(lambda: _one_leader([standby], epochs), DEADLINE, "the lease to expire")
+        replaced = time.monotonic() - paused
+        wait_for(
+            lambda: total(standby.metrics(), "flowsched_coordinator_agents_connected") == 1,
+            DEADLINE, "the agent on the new leader",
+        )  # fmt: skip
+        assert epochs[-1] > first_epoch
+
+        leader.proc.send_signal(signal.SIGCONT)
+        resumed = time.monotonic()
+        assert leader.proc.wait(timeout=DEADLINE) == 1  # it found its lease gone and exited
+        stepped_down = time.monotonic() - resumed
+        log = (tmp_path / f"{leader.name}.log").read_text()
+        assert "lost leadership" in log
+        # the agent stayed with the new leader: never a session with the old epoch again
+        agent_log = (tmp_path / "agent-n0.log").read_text()
+        sessions = [
+            int(e) for e in re.findall(r"connected to the coordinator \(epoch (\d+)\)", agent_log)
+        ]
+        assert sessions == sorted(sessions) and sessions[-1] == epochs[-1], sessions
+        assert total(standby.metrics(), "flowsched_coordinator_agents_connected") == 1
+        print(
+            f"\nSIGSTOP of the leader: replaced after {replaced:.2f} s (lease TTL 2 s); after "
+            f"SIGCONT it exited in {stepped_down * 1e3:.0f} ms; agent sessions by epoch {sessions}"
+        )
+    finally:
+        for daemon in reversed(started):
+            if daemon.proc.poll() is None:
+                daemon.proc.send_signal(signal.SIGCONT)
             daemon.stop()
