@@ -110,7 +110,7 @@ def preflight(config: CoordinatorConfig) -> None:
     """Refuse a taken, privileged or foreign address before anything starts (UsageError)."""
     check_bindable("--listen", config.host, config.port)
     if config.etcd is not None:  # the URL, TTL, name and the etcd3gw package (ElectionError)
-        EtcdElection(config.etcd, config.election_name, "", config.lease_ttl)
+        EtcdElection(config.etcd, config.election_name, config.advertise or "", config.lease_ttl)
     if config.metrics_port is not None:
         check_bindable("--metrics-port", config.metrics_host, config.metrics_port, "--metrics-bind")
 

@@ -115,6 +115,8 @@ class EtcdElection:
             raise ElectionError(f"--lease-ttl: expected whole seconds >= 1, got {lease_ttl!r}")
         if not name or "/" in name or not name.isprintable():
             raise ElectionError(f"--election-name: expected a printable name without '/': {name!r}")
+        if address and split_address(address) is None:
+            raise ElectionError(f"--advertise: expected HOST:PORT, got {address!r}")
         self.protocol, self.host, self.port = parse_endpoint(endpoint)
         self.key = KEY_PREFIX + name
         self.address = address

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(60)
         (("http://x", "a/b", "a:1", 2), "--election-name"),
         (("http://x", "", "a:1", 2), "--election-name"),
         (("http://x", "n", "a:1", 0), "--lease-ttl"),
+        (("http://x", "n", "no-port", 2), "--advertise"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_flag(args: tuple[object, ...], message: str) -> None:
