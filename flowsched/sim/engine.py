@@ -334,8 +334,13 @@ class Simulator:
         if state.pending is not None:
             return
         when = self._next_change(state.flow, ctx)
-        if when is not None and math.isfinite(when):
-            self._push(max(when, self.now + _MIN_DUE), _DUE, state, state.due_version)
+        if when is None or not math.isfinite(when):
+            return
+        if when <= self.now:
+            # a time already past (the flow was just evaluated at it): the coordinator would see
+            # it again at its next tick, not at once
+            when = self.now + max(self.config.timer_period, _MIN_DUE)
+        self._push(when, _DUE, state, state.due_version)
 
     def _reevaluate(self) -> None:
         touched, self._touched = self._touched, set()

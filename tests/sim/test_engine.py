@@ -254,3 +254,19 @@ def test_promotion_timers_replace_the_sweep_and_touch_only_their_flow() -> None:
     assert (0.1, [1]) in timed and (0.2, [2]) in timed
     assert len(policy.seen) <= 4, "no 1 ms sweep: only the two timers (and completions)"
     assert all(len(ids) <= 1 for _, ids in policy.seen)
+
+
+class PastDuePolicy(TimedPolicy):
+    """A next_change that keeps answering a time already past (e.g. a passed deadline)."""
+
+    def next_change(self, flow: Flow, ctx: Context) -> float | None:
+        return 0.0
+
+
+def test_a_promotion_time_in_the_past_waits_for_the_next_tick() -> None:
+    policy = PastDuePolicy()
+    sim = Simulator({"a": 100.0}, policy, SimConfig(chunk_bytes=0, timer_period=0.01))
+    _open(sim, 0.0, 100, ("a",), level=2)
+    sim.run()
+    # 1 s of transfer: one re-evaluation per 10 ms tick at most, not one per microsecond
+    assert 50 <= len(policy.seen) <= 110
