@@ -81,8 +81,10 @@ def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
     command = [
         sys.executable, "-m", "flowsched", "coordinator", "--policy", str(tmp_path / "policy.toml"),
         "--listen", "127.0.0.1:0", "--metrics-port", "0", "--token-file", str(tmp_path / "token"),
-        # a stalled handshake is dropped quickly; a busy test machine never looks idle
-        "--handshake-timeout", "1", "--idle-timeout", "10",
+        # a stalled handshake is dropped quickly (the deadline covers the whole handshake,
+        # which a fuzz peer needs to finish while 1,000 agents connect); a busy test machine
+        # never looks idle
+        "--handshake-timeout", "3", "--idle-timeout", "10",
     ]  # fmt: skip
     with open(log, "w") as log_file:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log_file, text=True)
