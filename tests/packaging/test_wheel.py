@@ -115,7 +115,7 @@ def test_the_installed_package_runs_outside_the_checkout(installed: Path, tmp_pa
 
     bench = _flowsched(installed, tmp_path, "bench", "contention", "--simulate-only",
                        "--seeds", "1", "--duration", "5", "--policies", "fair,rmlq",
-                       "--out", "bench")  # fmt: skip
+                       "--sim-policies", "", "--out", "bench")  # fmt: skip
     assert bench.returncode == 0, bench.stderr
     assert (tmp_path / "bench" / "results.json").is_file()
 
