@@ -178,8 +178,10 @@ class RmlqPolicy:
         self._idle_requests: dict[str, float] = {}
         self._meter = TrafficMeter(args.rho_window)
         self._alg1 = args.feasibility and args.feasibility_check == "alg1"
-        #: prunable flows Algorithm 1 judges, and whether a batch arrived or left since its run
+        #: prunable flows; those in the urgent tier (the ones Algorithm 1 judges); whether a
+        #: request arrived, left or turned urgent since its last run
         self._tracked: dict[int, Flow] = {}
+        self._urgent: dict[int, Flow] = {}
         self._alg1_due = False
         self._alg1_last = -math.inf
         #: job -> (index, when it was reached), EWMA seconds per index step; deepest index seen
@@ -370,7 +372,7 @@ class RmlqPolicy:
 
     def _watch_jobs(self, ctx: Context) -> None:
         """Follow the pace (seconds per index step) of the jobs whose requests are tracked."""
-        for job in {f.job for f in self._tracked.values() if f.job is not None}:
+        for job in {f.job for f in self._urgent.values() if f.job is not None}:
             index = ctx.job_index.get(job)
             if index is None:
                 continue
@@ -390,7 +392,7 @@ class RmlqPolicy:
         demands: dict[str, Demand] = {}
         compute: dict[str, float] = {}
         last_layer: dict[str, int] = {}
-        for flow in self._tracked.values():
+        for flow in self._urgent.values():
             key = self._request_key(flow)
             remaining, deadline = flow.remaining or 0, flow.deadline
             if key in self._pruned or not remaining or deadline is None or deadline <= ctx.now:
@@ -454,7 +456,20 @@ class RmlqPolicy:
             if flow.consumer_index is not None:
                 self._depth = max(self._depth, flow.consumer_index + 1)
         self._judge(flow, ctx, found)
-        return Decision(self._decide(flow, ctx, found))
+        level = self._decide(flow, ctx, found)
+        self._watch_urgent(flow, level, found)
+        return Decision(level)
+
+    def _watch_urgent(self, flow: Flow, level: int, found: _Urgency | None) -> None:
+        """Note a tracked flow that reached its promotion point (urgent tier, or held below
+        its job's collectives at that point): Algorithm 1 judges those requests only."""
+        fid = flow.flow_id
+        urgent = level < self.first_band or (
+            found is not None and found.value >= self.top_threshold
+        )
+        if urgent and fid in self._tracked and fid not in self._urgent:
+            self._urgent[fid] = flow
+            self._alg1_due = True
 
     def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
         active = flows if isinstance(flows, list | tuple) else list(flows)
@@ -486,13 +501,16 @@ class RmlqPolicy:
         for flow in active:
             if self._settled(flow):
                 continue
-            level = self._decide(flow, ctx, found.get(flow.flow_id))
+            urgency = found.get(flow.flow_id)
+            level = self._decide(flow, ctx, urgency)
+            self._watch_urgent(flow, level, urgency)
             if level != flow.level:
                 changes[flow.flow_id] = Decision(level)
         return changes
 
     def release(self, flow: Flow, ctx: Context) -> None:
         self._meter.close(flow)
+        self._urgent.pop(flow.flow_id, None)
         if self._tracked.pop(flow.flow_id, None) is not None and flow.request is None:
             self._alg1_due = True  # a one-flow request left
         if flow.request is None:

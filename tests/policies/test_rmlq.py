@@ -156,8 +156,9 @@ def test_unknown_size_or_deadline_uses_unknown_level() -> None:
 
 def test_promotion_as_deadline_nears() -> None:
     # 1e8 bytes due at t=1: MLU 0.1 at t=0 (6), 0.2 at 0.5 (5), 0.67 at 0.85 (urgent, 150 ms
-    # left: 1), still 1 with 40 ms left, 0 with 20 ms left
-    pol = policy()
+    # left: 1), still 1 with 40 ms left, 0 with 20 ms left (no pruning: nothing is sent here,
+    # so Algorithm 1 would rightly find it hopeless)
+    pol = policy(feasibility=False)
     flow = build_flow(cls="kv", size=int(1e8), deadline=1.0)
     flow.level = pol.admit(flow, ctx(0.0)).level
     assert flow.level == 6
@@ -432,18 +433,24 @@ def test_algorithm_1_prunes_requests_in_the_policy(budget: int, level: int) -> N
 
 def test_algorithm_1_counts_the_layers_not_opened_and_the_remaining_compute() -> None:
     # a 4-layer job (depth learned from a finished request's layer 3) at layer 1 going at
-    # 0.1 s per layer: 0.2 s of compute left; its request's layer-1 P2D of 1e8 bytes means
-    # 3e8 bytes with layers 2 and 3: done by 0.5 s at the earliest, deadline 0.4
+    # 0.1 s per layer: 0.2 s of compute left; its request's layer-1 P2D of 2e8 bytes (MLU 0.5:
+    # at its promotion point, held below the collectives) alone would be done at 0.3 s, but
+    # with layers 2 and 3 it is 6e8 bytes: 0.8 s at the earliest, deadline 0.4
     pol = policy()
     depth = build_flow(9, cls="kv", size=10, deadline=5.0, request="old", consumer_index=3)
     pol.admit(depth, ctx())
     pol.release(depth, ctx())
-    flow = build_flow(1, cls="kv", size=int(1e8), deadline=0.4, job="j", request="r",
+    flow = build_flow(1, cls="kv", size=int(2e8), deadline=0.4, job="j", request="r",
                       consumer_index=1)  # fmt: skip
     flow.level = pol.admit(flow, ctx(0.0, job_index={"j": 0})).level
-    pol.reevaluate([flow], ctx(0.0, job_index={"j": 0}))
+    assert flow.level == 5  # held below the collectives
+    pol.reevaluate([flow], ctx(0.0, job_index={"j": 0}))  # the job's pace starts here
     pol._alg1_due = True  # as if another request arrived
     assert pol.reevaluate([flow], ctx(0.1, job_index={"j": 1}))[1].level == 7
+    alone = policy()  # the same request without job progress: judged on its bytes alone
+    flow = build_flow(1, cls="kv", size=int(2e8), deadline=0.4, request="r")
+    flow.level = alone.admit(flow, ctx()).level
+    assert alone.reevaluate([flow], ctx(0.1)) == {}
 
 
 def test_late_requests_are_pruned_but_not_their_collectives_or_param_syncs() -> None:
