@@ -3,23 +3,26 @@
 flows, and how long until every agent is back under global decisions.
 
 Runs a real etcd (Debian's ``etcd-server``) and two real ``flowsched coordinator --etcd``
-processes (the leader pinned to one core, the standby to another, when ``taskset`` exists), and
-drives them from this process: ``--agents`` simulated agents (raw protocol frames, cheap enough
-for one core) that know both addresses, follow a standby's redirect, and send a ``resync`` of
-``--flows`` flows each after every (re)connect, as the real agent does. The resync carries no
+processes (both pinned to one core with ``taskset`` when it exists: the standby idles until
+the kill, then has the core to itself), and drives them from this process on the other core:
+``--agents`` simulated agents (raw protocol frames, cheap enough for one core) that know both
+addresses, follow a standby's redirect, and send a ``resync`` of ``--flows`` flows each after
+every (re)connect, as the real agent does. The resync carries no
 levels (``level`` nil), so the coordinator must decide and send a level for every flow: an
 agent counts as back under global decisions once it holds a level for each of its flows from
 the new leader, which proves that the resync was absorbed and decided.
 
 Per run it reports: kill -> a standby leads (its welcome), kill -> every agent back (max and
 median over agents), and the new leader's CPU time spent absorbing. Each mode runs ``--runs``
-times and the modes run side by side: ``rebuild`` (the leader defers full re-evaluations while
-a resync burst is being absorbed, the default) and the baseline ``per-turn`` (every event-loop
-turn re-evaluates every flow, as before).
+times and the modes run side by side: ``rebuild`` (the default: resynced flows are admitted at
+once and re-evaluated once per resync burst), ``per-turn`` (re-evaluated at every event-loop
+turn that received resyncs, ``--no-rebuild-batching``) and ``whole-table`` (every flush
+re-evaluates every flow, ``--per-flow-policy no``: how rmlq with its request-level
+feasibility check was run before it decided flows one by one).
 
 Usage:
     .venv/bin/python bench/takeover.py [--agents 1000] [--flows 20] [--runs 3]
-        [--modes rebuild,per-turn] [--lease-ttl 2] [--json OUT]
+        [--modes rebuild,per-turn,whole-table] [--lease-ttl 2] [--json OUT] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -192,13 +195,18 @@ class Coordinator:
     """A ``flowsched coordinator --etcd`` process."""
 
     def __init__(self, args: argparse.Namespace, workdir: Path, name: str, cpu: int | None) -> None:
-        command = [sys.executable, "-m", "flowsched", "coordinator", "--listen", "127.0.0.1:0",
+        command = [sys.executable]
+        if args.profile:
+            command += ["-m", "cProfile", "-o", str(workdir / f"{name}.prof")]
+        command += ["-m", "flowsched", "coordinator", "--listen", "127.0.0.1:0",
                    "--metrics-port", "0", "--token-file", str(workdir / "token"),
                    "--etcd", args.etcd, "--election-name", workdir.name,
                    "--lease-ttl", str(args.lease_ttl), "--log-level", "WARNING",
                    "--idle-timeout", "60"]  # fmt: skip
-        if args.mode == "per-turn":
+        if args.mode in ("per-turn", "whole-table"):
             command.append("--no-rebuild-batching")
+        if args.mode == "whole-table":  # how rmlq with feasibility pruning ran this morning
+            command += ["--per-flow-policy", "no"]
         if cpu is not None and shutil.which("taskset"):
             command = ["taskset", "-c", str(cpu), *command]
         self.log = open(workdir / f"{name}.log", "w")  # noqa: SIM115
@@ -273,6 +281,9 @@ async def one_run(args: argparse.Namespace, workdir: Path) -> Run:
         await asyncio.gather(*tasks, return_exceptions=True)
         first.stop()
         second.stop()
+        if args.profile and (workdir / "b.prof").exists():
+            Path(args.profile).mkdir(parents=True, exist_ok=True)
+            shutil.copy(workdir / "b.prof", Path(args.profile) / f"{workdir.name}.prof")
 
 
 async def _until(predicate: Any, timeout: float, what: str) -> None:
@@ -300,10 +311,12 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
         cpu = statistics.median(r.absorb_cpu_s for r in rows)
         print(f"{mode:<9} {backs[0]:>13.3f} {statistics.median(backs):>7.3f} {backs[-1]:>6.3f}"
               f"  {cpu:>10.2f}")  # fmt: skip
-    if {"rebuild", "per-turn"} <= by_mode.keys():
+    if "rebuild" in by_mode:
         new = statistics.median(r.all_back_s for r in by_mode["rebuild"])
-        old = statistics.median(r.all_back_s for r in by_mode["per-turn"])
-        print(f"\nper-turn / rebuild: {old / new:.1f}x (median time until every agent is back)")
+        for baseline in ("per-turn", "whole-table"):
+            if baseline in by_mode:
+                old = statistics.median(r.all_back_s for r in by_mode[baseline])
+                print(f"{baseline} / rebuild: {old / new:.2f}x (median time until all are back)")
 
 
 def main() -> int:
@@ -311,12 +324,19 @@ def main() -> int:
     parser.add_argument("--agents", type=int, default=1000)
     parser.add_argument("--flows", type=int, default=20, help="flows per agent")
     parser.add_argument("--runs", type=int, default=3, help="runs per mode")
-    parser.add_argument("--modes", default="rebuild,per-turn")
+    parser.add_argument("--modes", default="rebuild,per-turn,whole-table")
     parser.add_argument("--lease-ttl", type=int, default=2)
     parser.add_argument("--leader-cpu", type=int, default=0)
-    parser.add_argument("--standby-cpu", type=int, default=1)
+    parser.add_argument(
+        "--standby-cpu", type=int, default=0,
+        help="the standby shares the idle-leader's core: after the kill it has it to itself",
+    )  # fmt: skip
     parser.add_argument("--loadgen-cpu", type=int, default=1)
     parser.add_argument("--json", help="write the runs here")
+    parser.add_argument(
+        "--profile", metavar="DIR",
+        help="run the coordinators in cProfile; the new leader's profile of each run goes here",
+    )  # fmt: skip
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with contextlib.suppress(OSError, AttributeError):
