@@ -464,6 +464,9 @@ class RmlqPolicy:
         """Note a tracked flow that reached its promotion point (urgent tier, or held below
         its job's collectives at that point): Algorithm 1 judges those requests only."""
         fid = flow.flow_id
+        if level == self.scavenger and fid in self._tracked:
+            self._urgent.pop(fid, None)  # pruned or late: nothing left to judge
+            return
         urgent = level < self.first_band or (
             found is not None and found.value >= self.top_threshold
         )
