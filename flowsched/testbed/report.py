@@ -335,6 +335,32 @@ def _seed_spread(result: PolicyResult, source: str) -> tuple[float, float] | Non
     return (min(values), max(values)) if len(values) > 1 else None
 
 
+def _plot_collectives(
+    ax: Any, results: list[PolicyResult], sources: list[tuple[str, str, str | None]]
+) -> None:
+    """Mean collective completion time per policy (the other half of the joint score)."""
+    width = 0.8 / len(sources)
+    for i, (_label, source, hatch) in enumerate(sources):
+        offset = (i - (len(sources) - 1) / 2) * width
+        for x, r in enumerate(results):
+            metrics = r.testbed if source == "testbed" else r.sim
+            if metrics is None or metrics.cct_mean is None:
+                continue
+            ax.bar(
+                x + offset,
+                metrics.cct_mean * 1e3,
+                width,
+                color=colour(r.policy),
+                hatch=hatch,
+                edgecolor="black",
+                linewidth=0.5,
+            )
+    ax.set_xticks(list(range(len(results))), [display(r.policy) for r in results])
+    ax.tick_params(axis="x", rotation=30, labelsize=7)
+    ax.set_ylabel("mean collective time (ms)")
+    ax.set_title("collectives (lower is better)", fontsize=9)
+
+
 def plot(
     results: list[PolicyResult], out: Path, load: float, meta: dict[str, Any] | None = None
 ) -> list[Path]:
@@ -348,7 +374,10 @@ def plot(
 
     results = sorted(results, key=_order)
     paths = []
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(results) + 2), 4))
+    width_in = max(6.0, 0.9 * len(results) + 2)
+    fig, (ax, cct_ax) = plt.subplots(
+        1, 2, figsize=(width_in * 1.6, 4), gridspec_kw={"width_ratios": [1.0, 0.6]}
+    )
     xs = range(len(results))
     from matplotlib.patches import Patch
 
@@ -395,6 +424,7 @@ def plot(
         fontsize=9,
     )
     ax.legend(handles=handles, fontsize=8)
+    _plot_collectives(cct_ax, results, sources)
     fig.tight_layout()
     paths.append(out / "slo_attainment.png")
     fig.savefig(paths[-1], dpi=120)
