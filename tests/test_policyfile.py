@@ -88,8 +88,8 @@ def test_minimal_file_gets_every_default() -> None:
 
 def test_levels_follow_the_hardware_queue_mapping() -> None:
     config = policyfile.load(ROOT / "policies" / "rl-disaggregated.toml")
-    assert config.level_queue == (0, 1, 1, 1, 2, 2, 2, 3)
-    assert [m.dscp for m in config.levels] == [46, 34, 34, 34, 18, 18, 18, 1]
+    assert config.level_queue == (0, 0, 1, 1, 2, 2, 3, 3)  # hw_mapping = "proportional"
+    assert [m.dscp for m in config.levels] == [46, 46, 34, 34, 18, 18, 1, 1]
     assert config.classes[FlowClass.PARAM_SYNC].deadline == 60.0
 
 
