@@ -68,6 +68,10 @@ log = logging.getLogger("flowsched.coordinator")
 MAX_UPDATES_PER_FRAME = 8192
 #: heartbeats go out to 1/HEARTBEAT_SLICES of the agents every interval/HEARTBEAT_SLICES
 HEARTBEAT_SLICES = 10
+#: pending connections the kernel queues for accept(): every agent reconnects at once after a
+#: coordinator restart or takeover, and beyond asyncio's default of 100 the kernel drops the
+#: SYNs, which clients retry only after 1 s, then 3 s (capped by net.core.somaxconn)
+LISTEN_BACKLOG = 4096
 #: a resync burst is re-evaluated once no resync came for this long (s) ...
 RESYNC_QUIET = 0.02
 #: ... or this long after its first resync (s), whichever is first
@@ -192,7 +196,9 @@ class Coordinator:
         config = self.config
         self._size_connection_caps(raise_fd_limit())
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(self._protocol, config.host, config.port)
+        server = await loop.create_server(
+            self._protocol, config.host, config.port, backlog=LISTEN_BACKLOG
+        )
         self._servers.append(server)
         host, port = server.sockets[0].getsockname()[:2]
         metrics_host = metrics_port = None
