@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -88,6 +89,12 @@ def parse_endpoint(url: str) -> tuple[str, str, int]:
     return parsed.scheme, parsed.hostname, port
 
 
+def _close_late_watch(opening: asyncio.Future[tuple[Iterator[Any], Callable[[], None]]]) -> None:
+    """Cancel a watch that opened after its waiter gave up on it."""
+    if not opening.cancelled() and opening.exception() is None:
+        opening.result()[1]()
+
+
 def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
@@ -127,6 +134,9 @@ class EtcdElection:
         #: the leader last seen (None: nobody, or not known yet)
         self.leader: Leader | None = None
         self._recheck = asyncio.Event()
+        self._watch_threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2, thread_name_prefix="flowsched-etcd-watch"
+        )
 
     def _new_client(self) -> Etcd3Client:
         try:
@@ -216,16 +226,19 @@ class EtcdElection:
 
     async def _wait_for_vacancy(self, revision: int) -> None:
         self._recheck.clear()
+        loop = asyncio.get_running_loop()
+        # the watch has its own threads: etcd3gw opens it without a timeout, and a hung open
+        # (etcd unreachable) must not take the threads of the campaign and the keepalives
+        opening = loop.run_in_executor(self._watch_threads, self._open_watch, revision)
         try:
-            events, cancel = await asyncio.wait_for(
-                asyncio.to_thread(self._open_watch, revision), self.timeout
-            )
+            events, cancel = await asyncio.wait_for(asyncio.shield(opening), self.timeout)
         except Exception as exc:
+            opening.add_done_callback(_close_late_watch)
             log.warning("etcd watch failed: %s", exc or type(exc).__name__)
             await asyncio.sleep(self.ttl / KEEPALIVES_PER_TTL)
             return
-        deleted = asyncio.ensure_future(asyncio.to_thread(next, events, None))
-        recheck = asyncio.ensure_future(self._recheck.wait())
+        deleted: asyncio.Future[Any] = loop.run_in_executor(self._watch_threads, next, events, None)
+        recheck: asyncio.Future[Any] = asyncio.ensure_future(self._recheck.wait())
         try:
             await asyncio.wait(
                 {deleted, recheck}, timeout=RECHECK_TTLS * self.ttl,

@@ -171,3 +171,18 @@ async def test_a_listening_leader_is_not_deposed(etcd_url: str) -> None:
         holding.cancel()
     finally:
         server.close()
+
+
+@pytest.mark.asyncio
+async def test_without_etcd_a_candidate_keeps_trying_and_never_leads() -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    candidacy = Candidacy(EtcdElection(url, "t", "127.0.0.1:1"))
+    stop = asyncio.get_running_loop().create_future()
+    running = asyncio.ensure_future(candidacy.run(stop))
+    await asyncio.sleep(1.5)  # several failed campaigns, logged and retried
+    assert not running.done() and candidacy.leadership is None
+    assert candidacy.refusal() == "no leader elected yet"
+    stop.set_result(None)
+    await asyncio.wait_for(running, 5)
