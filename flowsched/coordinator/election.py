@@ -25,19 +25,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from etcd3gw.client import Etcd3Client
 
 log = logging.getLogger("flowsched.coordinator.election")
+T = TypeVar("T")
 
 #: the election key is ``KEY_PREFIX + name``
 KEY_PREFIX = "/flowsched/leader/"
@@ -89,6 +90,30 @@ def parse_endpoint(url: str) -> tuple[str, str, int]:
     return parsed.scheme, parsed.hostname, port
 
 
+def _in_daemon_thread(function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+    """Run a blocking call in a new daemon thread; its result as a future of the running loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if not future.done():
+            if error is None:
+                future.set_result(result)  # type: ignore[arg-type]
+            else:
+                future.set_exception(error)
+
+    def run() -> None:
+        try:
+            result, error = function(*args), None
+        except BaseException as exc:  # handed to the waiter
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="flowsched-etcd-watch", daemon=True).start()
+    return future
+
+
 def _close_late_watch(opening: asyncio.Future[tuple[Iterator[Any], Callable[[], None]]]) -> None:
     """Cancel a watch that opened after its waiter gave up on it."""
     if not opening.cancelled() and opening.exception() is None:
@@ -134,9 +159,6 @@ class EtcdElection:
         #: the leader last seen (None: nobody, or not known yet)
         self.leader: Leader | None = None
         self._recheck = asyncio.Event()
-        self._watch_threads = concurrent.futures.ThreadPoolExecutor(
-            max_workers=2, thread_name_prefix="flowsched-etcd-watch"
-        )
 
     def _new_client(self) -> Etcd3Client:
         try:
@@ -226,10 +248,10 @@ class EtcdElection:
 
     async def _wait_for_vacancy(self, revision: int) -> None:
         self._recheck.clear()
-        loop = asyncio.get_running_loop()
-        # the watch has its own threads: etcd3gw opens it without a timeout, and a hung open
-        # (etcd unreachable) must not take the threads of the campaign and the keepalives
-        opening = loop.run_in_executor(self._watch_threads, self._open_watch, revision)
+        # the watch runs in daemon threads of its own: etcd3gw opens it without a timeout, and
+        # a hung open (etcd unreachable) must neither take the threads of the campaign and the
+        # keepalives nor hold up the process's exit
+        opening = _in_daemon_thread(self._open_watch, revision)
         try:
             events, cancel = await asyncio.wait_for(asyncio.shield(opening), self.timeout)
         except Exception as exc:
@@ -237,7 +259,7 @@ class EtcdElection:
             log.warning("etcd watch failed: %s", exc or type(exc).__name__)
             await asyncio.sleep(self.ttl / KEEPALIVES_PER_TTL)
             return
-        deleted: asyncio.Future[Any] = loop.run_in_executor(self._watch_threads, next, events, None)
+        deleted: asyncio.Future[Any] = _in_daemon_thread(next, events, None)
         recheck: asyncio.Future[Any] = asyncio.ensure_future(self._recheck.wait())
         try:
             await asyncio.wait(
