@@ -191,14 +191,14 @@ class RmlqPolicy:
 
     @property
     def per_flow_decisions(self) -> bool:
-        """True unless RED tiers or the ``"mlu"`` check make decisions depend on other flows.
+        """True unless RED tiers or pruning make decisions depend on other flows.
 
-        Algorithm 1 judges the requests the policy tracks itself (not the flows passed), so a
-        subset is decided as the whole; a flow whose request it prunes moves at its next
-        evaluation.
+        Algorithm 1 prunes a request on the load of the others; a caller that re-evaluates
+        only touched flows would move its flows only at their next evaluation (the
+        coordinator may still be told to, ``--per-flow-policy yes``, trading that delay for
+        O(touched) flushes).
         """
-        mlu_check = self.args.feasibility and not self._alg1
-        return self.args.red_tiers <= 1 and not mlu_check
+        return self.args.red_tiers <= 1 and not self.args.feasibility
 
     def describe_levels(self) -> list[str]:
         """What each level 0..K-1 holds (for ``flowsched policy show``)."""

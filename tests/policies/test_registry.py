@@ -107,12 +107,19 @@ def test_describe_levels_has_one_line_per_level(name: str, num_levels: int) -> N
     assert all(isinstance(line, str) and line for line in lines)
 
 
-PER_FLOW = [n for n in names() if getattr(create(n, {}, num_levels=8), "per_flow_decisions", 0)]
+#: arguments under which a policy decides each flow on its own (rmlq: without pruning)
+PER_FLOW_ARGS: dict[str, dict[str, Any]] = {"rmlq": {"feasibility": False}}
+PER_FLOW = [
+    n
+    for n in names()
+    if getattr(create(n, PER_FLOW_ARGS.get(n, {}), num_levels=8), "per_flow_decisions", 0)
+]
 
 
 def test_per_flow_policies_are_the_expected_ones() -> None:
     assert set(PER_FLOW) == {"fair", "static", "sjf", "pias", "karuna", "rmlq"}
-    assert not create("rmlq", {"red_tiers": 2}, num_levels=12).per_flow_decisions  # type: ignore[attr-defined]
+    for args in ({}, {"red_tiers": 2, "feasibility": False}):  # pruning, RED: cross-flow
+        assert not create("rmlq", args, num_levels=12).per_flow_decisions  # type: ignore[attr-defined]
 
 
 @settings(max_examples=40, deadline=None)
@@ -146,7 +153,8 @@ def test_per_flow_policies_decide_a_subset_as_they_decide_everything(
 
     context = Context(now=now, job_index={"j": job_index})
     everything, subset = flows(), flows()
-    whole, part = create(name, {}, num_levels=8), create(name, {}, num_levels=8)
+    args = PER_FLOW_ARGS.get(name, {})
+    whole, part = create(name, args, num_levels=8), create(name, args, num_levels=8)
     for policy, group in ((whole, everything), (part, subset)):
         for flow in group:
             flow.level = policy.admit(flow, Context(now=0.0)).level

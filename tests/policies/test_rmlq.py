@@ -481,11 +481,11 @@ def test_mlu_check_prunes_a_hopeless_request_after_its_grace() -> None:
 @pytest.mark.parametrize(
     ("args", "per_flow"),
     [
-        ({}, True),
+        ({}, False),
         ({"feasibility": False}, True),
         ({"feasibility_check": "mlu"}, False),
         ({"feasibility_check": "mlu", "feasibility": False}, True),
-        ({"red_tiers": 2}, False),
+        ({"red_tiers": 2, "feasibility": False}, False),
     ],
     ids=["alg1", "off", "mlu", "mlu-off", "red"],
 )
