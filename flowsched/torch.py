@@ -4,8 +4,8 @@ NCCL (>= 2.26) hands each communicator's ``trafficClass`` to the net plugin, whi
 flow class through the policy. Recent PyTorch builds expose it as
 ``ProcessGroupNCCL.Options().config.traffic_class``; this module detects that at run time with
 ``hasattr`` (no version is assumed) and otherwise falls back to ``FLOWSCHED_CLASS`` in the
-environment, which the plugin reads once per process (so it labels every communicator the
-process creates afterwards, not just this one). :class:`GroupResult` says which was used.
+environment, set only while the group's communicator is created (see :func:`new_group` for
+what that covers on each NCCL). :class:`GroupResult` says which was used.
 
 torch is imported lazily: importing this module never needs it.
 """
@@ -81,9 +81,18 @@ def new_group(
     """Create a process group whose NCCL traffic is labelled as flow class ``cls``.
 
     ``traffic_class`` defaults to the value the embedded policy maps to ``cls``. Where the
-    installed torch exposes ``NCCLConfig.traffic_class`` it is set on the group's options;
-    otherwise ``FLOWSCHED_CLASS`` is set in this process's environment before the group is
-    created. ``dist`` (default ``torch.distributed``) and ``kwargs`` go to ``new_group``.
+    installed torch exposes ``NCCLConfig.traffic_class`` it is set on the group's options.
+    Otherwise ``FLOWSCHED_CLASS`` is set while the group and its communicator are created,
+    and restored afterwards, so that groups created later do not inherit it. torch creates a
+    group's NCCL communicator lazily, at its first collective, unless the default group is
+    bound to a device; a member therefore runs a ``barrier`` on the new group (a collective
+    every member reaches, as each member calls ``new_group``) to create it now. With NCCL
+    2.28+ (net plugin API v11+) the plugin takes the class at the communicator's init: every
+    connection of the group carries it. Older NCCL has one plugin context per process, so
+    the plugin reads the variable per connection: the connections made during the barrier
+    carry the class; those NCCL makes later for this group (another algorithm, p2p) carry
+    the process's own ``FLOWSCHED_CLASS`` (unset: the policy's fallback class).
+    ``dist`` (default ``torch.distributed``) and ``kwargs`` go to ``new_group``.
     """
     flow_class = FlowClass.parse(cls) if isinstance(cls, str) else FlowClass(cls)
     if dist is None:
@@ -95,12 +104,34 @@ def new_group(
         detail = f"NCCL communicator trafficClass={tc} (class {flow_class.label})"
         result = GroupResult(group, METHOD_NCCL_CONFIG, detail)
     else:
-        os.environ["FLOWSCHED_CLASS"] = flow_class.label
-        group = dist.new_group(ranks=ranks, backend=backend, **kwargs)
+        group = _new_group_under_env(dist, flow_class.label, ranks=ranks, backend=backend, **kwargs)
         detail = (
             f"this torch/NCCL cannot set a per-communicator trafficClass; "
-            f"FLOWSCHED_CLASS={flow_class.label} labels this process's connections"
+            f"FLOWSCHED_CLASS={flow_class.label} was set while the group's communicator was created"
         )
         result = GroupResult(group, METHOD_ENV, detail)
     log.info("flowsched: %s", result.detail)
     return result
+
+
+def _new_group_under_env(dist: Any, label: str, **kwargs: Any) -> Any:
+    """``dist.new_group(**kwargs)`` and its communicator with ``FLOWSCHED_CLASS=label``, then
+    the variable's previous value (or its absence) back."""
+    previous = os.environ.get(METHOD_ENV)
+    os.environ[METHOD_ENV] = label
+    try:
+        group = dist.new_group(**kwargs)
+        if _is_member(dist, group):
+            dist.barrier(group=group)  # creates the communicator now (torch's are lazy)
+    finally:
+        if previous is None:
+            os.environ.pop(METHOD_ENV, None)
+        else:
+            os.environ[METHOD_ENV] = previous
+    return group
+
+
+def _is_member(dist: Any, group: Any) -> bool:
+    """False for what ``new_group`` returns to a rank outside the group."""
+    non_member = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
+    return group is not None and not (non_member is not None and group is non_member)

@@ -28,15 +28,30 @@ class _OptionsWithoutTc:
         self.config = SimpleNamespace()
 
 
-def _fake_dist(options_cls: Any | None) -> Any:
-    calls: list[dict[str, Any]] = []
+NON_MEMBER = object()
 
-    def new_group(**kwargs: Any) -> str:
+
+def _fake_dist(options_cls: Any | None, group: Any = "group") -> Any:
+    """A torch.distributed stand-in recording calls and FLOWSCHED_CLASS at each call."""
+    calls: list[dict[str, Any]] = []
+    env_at: dict[str, str | None] = {}
+
+    def new_group(**kwargs: Any) -> Any:
         calls.append(kwargs)
-        return "group"
+        env_at["new_group"] = os.environ.get("FLOWSCHED_CLASS")
+        return group
+
+    def barrier(group: Any = None) -> None:
+        env_at["barrier"] = os.environ.get("FLOWSCHED_CLASS")
 
     pg = SimpleNamespace(Options=options_cls) if options_cls is not None else None
-    dist = SimpleNamespace(new_group=new_group, calls=calls)
+    dist = SimpleNamespace(
+        new_group=new_group,
+        barrier=barrier,
+        calls=calls,
+        env_at=env_at,
+        GroupMember=SimpleNamespace(NON_GROUP_MEMBER=NON_MEMBER),
+    )
     if pg is not None:
         dist.ProcessGroupNCCL = pg
     return dist
@@ -52,13 +67,42 @@ def test_traffic_class_is_set_when_torch_supports_it(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("options", [None, _OptionsWithoutTc], ids=["no-pg-nccl", "no-tc-field"])
-def test_fallback_sets_flowsched_class(monkeypatch: pytest.MonkeyPatch, options: Any) -> None:
-    monkeypatch.delenv("FLOWSCHED_CLASS", raising=False)
+@pytest.mark.parametrize("before", [None, "kv"], ids=["unset-before", "set-before"])
+def test_fallback_sets_flowsched_class_while_the_communicator_is_created(
+    monkeypatch: pytest.MonkeyPatch, options: Any, before: str | None
+) -> None:
+    if before is None:
+        monkeypatch.delenv("FLOWSCHED_CLASS", raising=False)
+    else:
+        monkeypatch.setenv("FLOWSCHED_CLASS", before)
     dist = _fake_dist(options)
     result = fs_torch.new_group(FlowClass.PARAM_SYNC, traffic_class=3, dist=dist)
     assert result.method == fs_torch.METHOD_ENV
-    assert os.environ["FLOWSCHED_CLASS"] == "param_sync"
+    assert dist.env_at == {"new_group": "param_sync", "barrier": "param_sync"}
+    assert os.environ.get("FLOWSCHED_CLASS") == before  # later groups do not inherit it
     assert "pg_options" not in dist.calls[0]
+
+
+def test_fallback_on_a_non_member_creates_no_communicator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLOWSCHED_CLASS", raising=False)
+    dist = _fake_dist(None, group=NON_MEMBER)
+    result = fs_torch.new_group("kv", ranks=[1, 2], dist=dist)
+    assert result.group is NON_MEMBER
+    assert "barrier" not in dist.env_at and "FLOWSCHED_CLASS" not in os.environ
+
+
+def test_fallback_restores_the_environment_when_new_group_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FLOWSCHED_CLASS", "tp")
+
+    def failing_new_group(**kwargs: Any) -> Any:
+        raise RuntimeError("store timed out")
+
+    dist = SimpleNamespace(new_group=failing_new_group)
+    with pytest.raises(RuntimeError, match="store timed out"):
+        fs_torch.new_group("bulk", dist=dist)
+    assert os.environ["FLOWSCHED_CLASS"] == "tp"
 
 
 def test_traffic_class_defaults_to_the_policy_map() -> None:
@@ -99,6 +143,19 @@ def test_real_gloo_group_falls_back_to_the_environment(monkeypatch: pytest.Monke
     import torch.distributed as dist
 
     monkeypatch.delenv("FLOWSCHED_CLASS", raising=False)
+    seen: list[tuple[str, str | None]] = []
+
+    def spy(name: str) -> None:
+        real = getattr(dist, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            seen.append((name, os.environ.get("FLOWSCHED_CLASS")))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(dist, name, call)
+
+    spy("new_group")
+    spy("barrier")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -106,7 +163,15 @@ def test_real_gloo_group_falls_back_to_the_environment(monkeypatch: pytest.Monke
     try:
         result = fs_torch.new_group("experience", backend="gloo")
         assert result.method == fs_torch.METHOD_ENV
-        assert os.environ["FLOWSCHED_CLASS"] == "experience"
-        assert result.group is not None
+        assert seen == [("new_group", "experience"), ("barrier", "experience")]
+        assert "FLOWSCHED_CLASS" not in os.environ  # restored once the group exists
+        import torch
+
+        tensor = torch.ones(2)
+        dist.all_reduce(tensor, group=result.group)  # the group works after the barrier
+        assert tensor.tolist() == [1.0, 1.0]
+        later = dist.new_group(backend="gloo")
+        assert seen[-1] == ("new_group", None)  # a later group does not inherit the class
+        assert later is not None
     finally:
         dist.destroy_process_group()
