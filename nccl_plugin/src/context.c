@@ -250,9 +250,16 @@ int fs_class_parse(const char* text) {
 
 uint16_t fs_class_resolve(const struct fs_context* ctx, int32_t traffic_class) {
   const struct fs_params* params = fs_global_params();
-  /* a context's own FLOWSCHED_CLASS (read at its init) wins over the process's first one */
-  const char* class_name = ctx != NULL && ctx->class_name[0] != '\0' ? ctx->class_name
-                                                                        : params->class_name;
+  /* v11+: FLOWSCHED_CLASS as it was at the communicator's init (also when it was unset then:
+   * an earlier communicator's class is not inherited). v8-v10 have one context for the whole
+   * process, so the variable is read as each connection is made. */
+  char now[sizeof(ctx->class_name)];
+  const char* class_name = now;
+  if (ctx != NULL && ctx != fs_global.v10_ctx) {
+    class_name = ctx->class_name;
+  } else {
+    fs_param_peek("FLOWSCHED_CLASS", now, sizeof(now));
+  }
   if (params->table_path[0] != '\0') { /* empty: no table (the standalone inner build) */
     fs_table_attach(params->table_path);
   }

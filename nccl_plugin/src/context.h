@@ -68,7 +68,7 @@ void fs_context_remove_comm(struct fs_context* ctx, struct fs_comm* comm);
 
 /* Flow class of a connection of `ctx` (may be NULL): trafficClass through the table's class
  * map, else FLOWSCHED_CLASS as it was when the context was created (v11+: per communicator)
- * or when the plugin initialised, else tp. Attaches the table first if it is not mapped yet. */
+ * or, for the process-wide v8-v10 context, as it is now (at connect/accept), else tp. Attaches the table first if it is not mapped yet. */
 uint16_t fs_class_resolve(const struct fs_context* ctx, int32_t traffic_class);
 /* Parse a class label or id ("param_sync", "2"); -1 when unknown. */
 int fs_class_parse(const char* text);

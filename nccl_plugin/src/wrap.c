@@ -3,6 +3,7 @@
 
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -33,12 +34,18 @@ struct fs_wrap_ctx {
   void* pending[FS_WRAP_MAX_PENDING]; /* NCCL's handle buffers of connects in progress */
   int npending;
   uint32_t net_op, net_algo, net_proto; /* latest setNetAttr: stamped on the next connection */
+  /* FLOWSCHED_CLASS as it was at this communicator's init (v11/v12). The legacy context
+   * (v8-v10: one for the whole process) reads it again at each listen and connect, i.e.
+   * while NCCL sets up the communicator the connection belongs to. */
+  char class_name[32];
+  int legacy;
 };
 
 struct fs_wrap_listen {
   void* inner;
   struct fs_wrap_ctx* ctx;
   int dev;
+  char class_name[32]; /* the class name of the connections it accepts */
 };
 
 struct fs_wrap_comm;
@@ -71,6 +78,7 @@ struct fs_wrap_comm {
   struct fs_gate_conn gate;
   struct fs_wrap_req* free_reqs; /* touched by NCCL's progress thread only */
   struct fs_wrap_req_block* blocks;
+  int peer_known; /* recv: the slot's peer_rank was set from the first irecv tag */
 };
 
 static struct {
@@ -154,14 +162,25 @@ static void table_attach(int connection) {
   }
 }
 
-static uint16_t wrap_class(int32_t traffic_class, struct fs_table_config* cfg) {
+/* FLOWSCHED_CLASS for a connection being set up now on `ctx`: the value at the
+ * communicator's init (v11/v12), or the current one for the process-wide legacy context. */
+static void ctx_class_name(const struct fs_wrap_ctx* ctx, char* out, size_t cap) {
+  if (ctx->legacy) {
+    fs_param_peek("FLOWSCHED_CLASS", out, cap);
+  } else {
+    snprintf(out, cap, "%s", ctx->class_name);
+  }
+}
+
+static uint16_t wrap_class(int32_t traffic_class, const char* class_name,
+                           struct fs_table_config* cfg) {
   fs_table_config(cfg);
   int cls = fs_table_class_for_traffic_class(cfg, traffic_class);
-  if (cls < 0 && fs_wrap.params.class_name[0] != '\0') {
-    cls = fs_class_parse(fs_wrap.params.class_name);
+  if (cls < 0 && class_name[0] != '\0') {
+    cls = fs_class_parse(class_name);
     if (cls < 0) {
       FS_WARN_ONCE(fs_wrap.warned_class, "FLOWSCHED_CLASS=%s is not a flow class; using tp",
-                   fs_wrap.params.class_name);
+                   class_name);
     }
   }
   if (cls < 0) {
@@ -173,12 +192,12 @@ static uint16_t wrap_class(int32_t traffic_class, struct fs_table_config* cfg) {
 
 /* The inner's trafficClass for a connection of NCCL trafficClass `nccl_tc`: the ToS byte of its
  * class's default level (the hardware queue the policy gives the class), or NCCL's value. */
-static int inner_traffic_class(int32_t nccl_tc) {
+static int inner_traffic_class(int32_t nccl_tc, const char* class_name) {
   if (!fs_wrap.params.inner_tc) {
     return nccl_tc;
   }
   struct fs_table_config cfg;
-  uint16_t cls = wrap_class(nccl_tc, &cfg);
+  uint16_t cls = wrap_class(nccl_tc, class_name, &cfg);
   uint32_t level = cls < FS_TABLE_MAX_CLASSES ? cfg.default_level[cls] : 0;
   if (level >= cfg.num_levels) {
     level = cfg.num_levels - 1;
@@ -265,7 +284,10 @@ static ncclResult_t wrap_ctx_create(uint64_t comm_id, int32_t nccl_tc, ncclDebug
   if (ctx == NULL) {
     return ncclSystemError;
   }
-  int tc = inner_traffic_class(nccl_tc);
+  /* Per communicator: flowsched.torch.new_group sets FLOWSCHED_CLASS around the creation of
+   * a group where NCCL has no per-communicator trafficClass. */
+  fs_param_peek("FLOWSCHED_CLASS", ctx->class_name, sizeof(ctx->class_name));
+  int tc = inner_traffic_class(nccl_tc, ctx->class_name);
   void* ictx = NULL;
   res = fs_wrap.inner.ops.init(&ictx, comm_id, tc, logger, prof);
   if (res != ncclSuccess) {
@@ -309,6 +331,7 @@ ncclResult_t fs_wrap_init_legacy(ncclDebugLogger_t logger, ncclProfilerCallback_
   }
   pthread_mutex_lock(&fs_wrap.lock);
   if (fs_wrap.legacy == NULL) {
+    c->legacy = 1;
     fs_wrap.legacy = c;
     c = NULL;
   }
@@ -382,7 +405,7 @@ static void comm_update_level(struct fs_wrap_comm* comm) {
 }
 
 static struct fs_wrap_comm* comm_new(struct fs_wrap_ctx* ctx, void* inner, int is_send, int dev,
-                                     int32_t nccl_tc) {
+                                     int32_t nccl_tc, const char* class_name) {
   struct fs_wrap_comm* comm = calloc(1, sizeof(*comm));
   if (comm == NULL) {
     return NULL;
@@ -390,11 +413,14 @@ static struct fs_wrap_comm* comm_new(struct fs_wrap_ctx* ctx, void* inner, int i
   struct fs_table_config cfg;
   table_attach(1);
   pthread_mutex_lock(&ctx->lock);
+  /* peer_rank: unknown (-1) here. A receive connection learns it from its first irecv tag
+   * (NCCL's irecv tag is the remote sender's rank). A send connection keeps -1: NCCL's isend
+   * tag is our own rank, and the wrapper cannot add a rank note to the inner plugin's wire. */
   struct fs_flow_info info = {
       .comm_id = ctx->comm_id,
       .peer_rank = -1,
       .traffic_class = nccl_tc,
-      .class_id = wrap_class(nccl_tc, &cfg),
+      .class_id = wrap_class(nccl_tc, class_name, &cfg),
       .direction = is_send ? FS_DIR_SEND : FS_DIR_RECV,
       .dev = (uint32_t)dev,
       .net_op = ctx->net_op,
@@ -431,12 +457,15 @@ ncclResult_t fs_wrap_listen(void* ctx, int dev, void* handle, void** listen_comm
     return ncclInternalError;
   }
   *listen_comm = NULL;
+  char class_name[32];
+  ctx_class_name(c, class_name, sizeof(class_name));
   void* ictx = NULL;
-  ncclResult_t res = inner_ctx_for(c, inner_traffic_class(c->traffic_class), &ictx);
+  ncclResult_t res = inner_ctx_for(c, inner_traffic_class(c->traffic_class, class_name), &ictx);
   struct fs_wrap_listen* l = res == ncclSuccess ? calloc(1, sizeof(*l)) : NULL;
   if (res != ncclSuccess || l == NULL) {
     return res != ncclSuccess ? res : ncclSystemError;
   }
+  memcpy(l->class_name, class_name, sizeof(l->class_name));
   res = fs_wrap.inner.ops.listen(ictx, dev, handle, &l->inner);
   if (res != ncclSuccess || l->inner == NULL) {
     free(l);
@@ -480,7 +509,9 @@ ncclResult_t fs_wrap_connect(void* ctx, int dev, int traffic_class, void* handle
   if (traffic_class == FS_WRAP_TC_OF_CTX) {
     traffic_class = c->traffic_class;
   }
-  int tc = inner_traffic_class(traffic_class);
+  char class_name[32];
+  ctx_class_name(c, class_name, sizeof(class_name));
+  int tc = inner_traffic_class(traffic_class, class_name);
   void* ictx = NULL;
   ncclResult_t res = inner_ctx_for(c, tc, &ictx);
   void* inner = NULL;
@@ -491,7 +522,7 @@ ncclResult_t fs_wrap_connect(void* ctx, int dev, int traffic_class, void* handle
     pending_set(c, handle, res == ncclSuccess);
     return res;
   }
-  struct fs_wrap_comm* comm = comm_new(c, inner, 1, dev, traffic_class);
+  struct fs_wrap_comm* comm = comm_new(c, inner, 1, dev, traffic_class, class_name);
   pending_set(c, handle, 0);
   if (comm == NULL) {
     fs_wrap.inner.ops.closeSend(inner);
@@ -512,7 +543,8 @@ ncclResult_t fs_wrap_accept(void* listen_comm, void** recv_comm, ncclNetDeviceHa
   if (res != ncclSuccess || inner == NULL) {
     return res;
   }
-  struct fs_wrap_comm* comm = comm_new(l->ctx, inner, 0, l->dev, l->ctx->traffic_class);
+  struct fs_wrap_comm* comm =
+      comm_new(l->ctx, inner, 0, l->dev, l->ctx->traffic_class, l->class_name);
   if (comm == NULL) {
     fs_wrap.inner.ops.closeRecv(inner);
     return ncclSystemError;
@@ -625,9 +657,6 @@ ncclResult_t fs_wrap_isend(void* send_comm, void* data, size_t size, int tag, vo
     req_put(req);
     return res;
   }
-  if (atomic_load_explicit(&comm->flow.slot->peer_rank, memory_order_relaxed) < 0) {
-    atomic_store_explicit(&comm->flow.slot->peer_rank, tag, memory_order_relaxed);
-  }
   fs_gate_started(comm->dev, comm->level, size);
   req->inner = inner;
   req->kind = FS_REQ_SEND;
@@ -657,6 +686,10 @@ ncclResult_t fs_wrap_irecv(void* recv_comm, int n, void** data, size_t* sizes, i
   if (res != ncclSuccess || inner == NULL) {
     req_put(req);
     return res;
+  }
+  if (!comm->peer_known && n >= 1 && tags != NULL) {
+    comm->peer_known = 1; /* the receive tag is the sender's rank (every tag of a group) */
+    atomic_store_explicit(&comm->flow.slot->peer_rank, tags[0], memory_order_relaxed);
   }
   req->inner = inner;
   req->kind = FS_REQ_RECV;

@@ -547,6 +547,127 @@ static void permit(const char* fake) {
   printf("ok permit: the policy's gating off, the environment wins\n");
 }
 
+/* ---- class per communicator, peer rank from what is known ------------------------------- */
+
+static struct fs_table_slot* slot_by(struct fs_table_header* h, uint64_t comm_id, int direction) {
+  for (uint32_t i = 0; i < h->num_slots; i++) {
+    struct fs_table_slot* s =
+        (struct fs_table_slot*)((char*)h + FS_TABLE_HEADER_SIZE + i * FS_TABLE_SLOT_SIZE);
+    if (atomic_load(&s->state) == FS_SLOT_ACTIVE && s->comm_id == comm_id && s->direction == direction) {
+      return s;
+    }
+  }
+  CHECK(0, "no active slot of comm 0x%llx, direction %d", (unsigned long long)comm_id, direction);
+  return NULL;
+}
+
+/* FLOWSCHED_CLASS is read per communicator (flowsched.torch.new_group sets it around one group's
+ * creation), and a slot's peer_rank is the remote rank or -1, never our own isend tag. */
+static void class_and_peer(const char* fake) {
+  char path[] = "/tmp/fs-wrap-table-XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0, "mkstemp");
+  close(fd);
+  struct fs_table_header* h = table_create(path, 16);
+  setenv("FLOWSCHED_TABLE", path, 1);
+  const ncclNet_v12_t* net = load(fake, "ncclNetPlugin_v12");
+  ncclNetCommConfig_v12_t cfg = {.trafficClass = NCCL_NET_TRAFFIC_CLASS_UNDEF};
+  void *actx = NULL, *bctx = NULL;
+  setenv("FLOWSCHED_CLASS", "param_sync", 1);
+  OK(net->init(&actx, 0xA, &cfg, NULL, NULL));
+  CHECK(last("init")->tc == 34 << 2, "param_sync group: inner tc %d", last("init")->tc);
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void* lcomm = NULL;
+  OK(net->listen(actx, 0, handle, &lcomm));
+  setenv("FLOWSCHED_CLASS", "bulk", 1); /* a later group; A's connections keep param_sync */
+  OK(net->init(&bctx, 0xB, &cfg, NULL, NULL));
+  CHECK(last("init")->tc == 1 << 2, "bulk group: inner tc %d (class read once per process?)",
+        last("init")->tc);
+  unsetenv("FLOWSCHED_CLASS");
+  void* inner = NULL;
+  void* as = connect12(net, actx, handle, &inner);
+  void* bs = connect12(net, bctx, handle, &inner);
+  void* ar = NULL;
+  ncclNetDeviceHandle_t* dh = NULL;
+  OK(net->accept(lcomm, &ar, &dh));
+  CHECK(ar != NULL, "accept");
+  struct fs_table_slot* a_send = slot_by(h, 0xA, FS_DIR_SEND);
+  struct fs_table_slot* a_recv = slot_by(h, 0xA, FS_DIR_RECV);
+  struct fs_table_slot* b_send = slot_by(h, 0xB, FS_DIR_SEND);
+  CHECK(a_send->class_id == 2 && a_recv->class_id == 2, "group A is param_sync (%u, %u)",
+        a_send->class_id, a_recv->class_id);
+  CHECK(b_send->class_id == 5, "group B is bulk (%u)", b_send->class_id);
+
+  /* NCCL's isend tag is the sender's own rank: not the destination */
+  char buf[256];
+  void* req = NULL;
+  int done = 0, size = 0;
+  OK(net->isend(as, buf, 100, 3, NULL, NULL, &req));
+  CHECK(req != NULL, "isend");
+  OK(net->test(req, &done, &size));
+  CHECK(atomic_load(&a_send->peer_rank) == -1, "send slot's peer is unknown, not our rank (%d)",
+        atomic_load(&a_send->peer_rank));
+  /* the irecv tag is the remote sender's rank */
+  void* datas[1] = {buf};
+  size_t sizes[1] = {sizeof(buf)};
+  int tags[1] = {7};
+  void* mhs[1] = {NULL};
+  req = NULL;
+  OK(net->irecv(ar, 1, datas, sizes, tags, mhs, NULL, &req));
+  CHECK(req != NULL, "irecv");
+  CHECK(atomic_load(&a_recv->peer_rank) == 7, "recv slot's peer is the sender (%d)",
+        atomic_load(&a_recv->peer_rank));
+  int rsize = 0;
+  OK(net->test(req, &done, &rsize));
+  if (done) OK(net->irecvConsumed(ar, 1, req));
+  OK(net->closeSend(as));
+  OK(net->closeSend(bs));
+  OK(net->closeRecv(ar));
+  OK(net->closeListen(lcomm));
+  OK(net->finalize(actx));
+  OK(net->finalize(bctx));
+  unload();
+
+  /* v10 export (one process-wide context): the class is read at each listen/connect */
+  const ncclNet_v10_t* n10 = load(fake, "ncclNetPlugin_v10");
+  OK(n10->init(NULL, NULL));
+  ncclNetCommConfig_v10_t c10 = {.trafficClass = NCCL_NET_TRAFFIC_CLASS_UNDEF};
+  setenv("FLOWSCHED_CLASS", "kv", 1);
+  OK(n10->listen(0, handle, &lcomm));
+  void* s10 = NULL;
+  while (s10 == NULL) OK(n10->connect(0, &c10, handle, &s10, &dh));
+  setenv("FLOWSCHED_CLASS", "experience", 1);
+  void* s10b = NULL;
+  while (s10b == NULL) OK(n10->connect(0, &c10, handle, &s10b, &dh));
+  unsetenv("FLOWSCHED_CLASS");
+  void* r10 = NULL;
+  OK(n10->accept(lcomm, &r10, &dh));
+  CHECK(r10 != NULL, "v10 accept");
+  uint16_t classes[2] = {0, 0};
+  int nsend = 0;
+  struct fs_table_slot* r_slot = slot_by(h, 0, FS_DIR_RECV);
+  for (uint32_t i = 0; i < h->num_slots; i++) {
+    struct fs_table_slot* s =
+        (struct fs_table_slot*)((char*)h + FS_TABLE_HEADER_SIZE + i * FS_TABLE_SLOT_SIZE);
+    if (atomic_load(&s->state) == FS_SLOT_ACTIVE && s->direction == FS_DIR_SEND && nsend < 2) {
+      classes[nsend++] = s->class_id;
+    }
+  }
+  CHECK(nsend == 2 && ((classes[0] == 3 && classes[1] == 1) || (classes[0] == 1 && classes[1] == 3)),
+        "v10: the two connections are kv and experience (%u, %u)", classes[0], classes[1]);
+  CHECK(r_slot->class_id == 3, "v10: the accepted connection has its listen's class (%u)",
+        r_slot->class_id);
+  OK(n10->closeSend(s10));
+  OK(n10->closeSend(s10b));
+  OK(n10->closeRecv(r10));
+  OK(n10->closeListen(lcomm));
+  unload();
+  unsetenv("FLOWSCHED_TABLE");
+  munmap(h, FS_TABLE_HEADER_SIZE + 16 * FS_TABLE_SLOT_SIZE);
+  unlink(path);
+  printf("ok class per communicator (v12 init, v10 listen/connect), peer rank from irecv only\n");
+}
+
 int main(int argc, char** argv) {
   if (argc < 5) {
     fprintf(stderr, "usage: %s OUTER.so FAKE12.so FAKE10.so FAKE8.so\n", argv[0]);
@@ -559,5 +680,6 @@ int main(int argc, char** argv) {
   inner_v8(argv[4]);
   missing_inner();
   permit(argv[2]);
+  class_and_peer(argv[2]);
   return 0;
 }

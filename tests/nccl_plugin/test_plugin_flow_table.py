@@ -515,3 +515,44 @@ def test_flowsched_class_is_read_per_communicator(
     default.finalize()
     group.finalize()
     plugin.close()
+
+
+def test_flowsched_class_is_not_inherited_by_later_communicators(
+    table: TestTable, fresh_lib: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group created while FLOWSCHED_CLASS was set, then one created after it was restored
+    (unset): the later communicator is tp, not the first one's class."""
+    plugin = Plugin(fresh_lib, 11)
+    monkeypatch.setenv("FLOWSCHED_CLASS", "param_sync")
+    group = plugin.init(comm_id=0x71)
+    monkeypatch.delenv("FLOWSCHED_CLASS")
+    later = plugin.init(comm_id=0x72)
+    pairs = [connect_pair(group), connect_pair(later)]
+    classes = {s["comm_id"]: s["class_id"] for _, s in table.slots()}
+    assert classes == {0x71: FlowClass.PARAM_SYNC, 0x72: FlowClass.TP}
+    for send, recv in pairs:
+        send.close()
+        recv.close()
+    group.finalize()
+    later.finalize()
+    plugin.close()
+
+
+def test_v10_reads_flowsched_class_at_each_connection(
+    table: TestTable, fresh_lib: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """v8-v10 have one context per process: a connection takes FLOWSCHED_CLASS as it is when
+    NCCL makes it, so a group's connections made while the variable is set carry its class."""
+    plugin = Plugin(fresh_lib, 10)
+    ctx = plugin.init()
+    monkeypatch.setenv("FLOWSCHED_CLASS", "kv")
+    first = connect_pair(ctx)
+    monkeypatch.setenv("FLOWSCHED_CLASS", "experience")
+    second = connect_pair(ctx)
+    sends = sorted(s["class_id"] for _, s in table.slots() if s["direction"] == layout.DIR_SEND)
+    assert sends == sorted([FlowClass.KV, FlowClass.EXPERIENCE])
+    for send, recv in (first, second):
+        send.close()
+        recv.close()
+    ctx.finalize()
+    plugin.close()
