@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "log.h"
 
@@ -65,8 +66,30 @@ static void param_str(char* out, size_t cap, const char* env, const char* def) {
 #define FS_PARAM_LOAD_STR(field, env, def, doc) \
   param_str(params->field, sizeof(params->field), env, def);
 
+void fs_table_default_path(unsigned euid, const char* xdg, const char* root_dir, char* out,
+                           size_t cap) {
+  char own[512];
+  if (euid == 0) {
+    snprintf(own, sizeof(own), "%s/table", root_dir);
+  } else if (xdg != NULL && xdg[0] != '\0') {
+    snprintf(own, sizeof(own), "%s/flowsched/table", xdg);
+  } else {
+    snprintf(own, sizeof(own), "/tmp/flowsched-%u/table", euid);
+  }
+  char shared[512];
+  snprintf(shared, sizeof(shared), "%s/table", root_dir);
+  int use_shared = euid != 0 && access(own, F_OK) != 0 && access(shared, F_OK) == 0;
+  snprintf(out, cap, "%s", use_shared ? shared : own);
+}
+
 void fs_params_load(struct fs_params* params) {
   FS_PARAMS(FS_PARAM_LOAD_INT, FS_PARAM_LOAD_STR)
+#ifndef FS_INNER_BUILD
+  if (params->table_path[0] == '\0') {
+    fs_table_default_path((unsigned)geteuid(), getenv("XDG_RUNTIME_DIR"), FS_RUN_DIR,
+                          params->table_path, sizeof(params->table_path));
+  }
+#endif
 }
 
 int fs_params_data_sockets(const struct fs_params* params) {

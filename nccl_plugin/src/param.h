@@ -12,13 +12,11 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The standalone inner build has no table unless FSTCP_TABLE names one: the wrapper owns the
- * connection's slot. */
-#ifdef FS_INNER_BUILD
+/* The table's default is resolved at load time (fs_table_default_path), as the agent's
+ * clients do; the standalone inner build has none unless FSTCP_TABLE names one: the wrapper
+ * owns the connection's slot. */
 #define FS_DEFAULT_TABLE ""
-#else
-#define FS_DEFAULT_TABLE "/dev/shm/flowsched-table"
-#endif
+#define FS_RUN_DIR "/run/flowsched" /* a root agent's directory (flowsched/rundir.py) */
 
 #define FS_PARAMS(FS_PARAM_INT, FS_PARAM_STR)                                                    \
   /* Helper threads per connection that move the data sockets' bytes (NCCL's               \
@@ -58,7 +56,8 @@
   /* Flow class when NCCL's trafficClass maps to none: a label (tp, experience, param_sync,  \
    * kv, kv_reuse, bulk) or a class id. Empty = tp. */                                        \
   FS_PARAM_STR(class_name, "FLOWSCHED_CLASS", "", "flow class of this process's connections") \
-  /* The node's shared-memory flow table written by the agent. */                            \
+  /* The node's shared-memory flow table written by the agent. Unset or empty: the agent's \
+   * default for this user, see fs_table_default_path. */                                   \
   FS_PARAM_STR(table_path, "FLOWSCHED_TABLE", FS_DEFAULT_TABLE, "flow table path")          \
   /* Interfaces to use: prefixes separated by commas, '^' to exclude, '=' for exact names. */ \
   FS_PARAM_STR(socket_ifname, "FLOWSCHED_SOCKET_IFNAME", "", "interface selection")           \
@@ -97,6 +96,13 @@ struct fs_params {
 void fs_params_load(struct fs_params* params);
 /* One string knob read now, without logging (the mode decision before any logger exists). */
 void fs_param_peek(const char* env, char* out, size_t cap);
+/* Where the agent's table is when FLOWSCHED_TABLE is unset or empty, in the order the agent's
+ * clients look (flowsched.rundir.client_path): euid 0: `root_dir`/table; else
+ * `xdg`/flowsched/table when that file exists (xdg = $XDG_RUNTIME_DIR, NULL or "" = unset);
+ * else `root_dir`/table when it exists (a root agent serving a --group); else the agent's own
+ * default for this user: `xdg`/flowsched/table, or /tmp/flowsched-<euid>/table. */
+void fs_table_default_path(unsigned euid, const char* xdg, const char* root_dir, char* out,
+                           size_t cap);
 /* Data sockets per connection: max(1, nthreads) x nsocks_per_thread, at most 16. */
 int fs_params_data_sockets(const struct fs_params* params);
 
