@@ -82,13 +82,17 @@ static const char* table_header_problem(const struct fs_table_header* hdr, size_
 
 /* Why an opened table file must not be trusted, or NULL. The table steers this process's
  * traffic and receives its byte counts: it must be a regular file (O_NOFOLLOW refused a
- * symbolic link already) owned by this user or by root (the agent), never by another user. */
+ * symbolic link already) owned by this user or by root (the agent), never by another user,
+ * and not writable by others (a root agent serving a --group makes it 0660, never o+w). */
 static const char* table_owner_problem(const struct stat* st) {
   if (!S_ISREG(st->st_mode)) {
     return "not a regular file";
   }
   if (st->st_uid != 0 && st->st_uid != geteuid()) {
     return "owned by another user";
+  }
+  if (st->st_mode & S_IWOTH) {
+    return "writable by others";
   }
   return NULL;
 }

@@ -447,6 +447,20 @@ def test_table_owned_by_another_user_is_refused(
         table.close()
 
 
+def test_table_writable_by_others_is_refused(
+    plugin_env: Path, fresh_lib: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    table = TestTable(plugin_env)
+    try:
+        os.chmod(plugin_env, 0o606)
+        assert _run_pair_and_list_slots(fresh_lib, table) == []
+        assert any("writable by others" in r.getMessage() for r in caplog.records)
+        os.chmod(plugin_env, 0o660)  # the agent's --group mode is trusted
+        assert len(_run_pair_and_list_slots(fresh_lib, table)) == 2
+    finally:
+        table.close()
+
+
 # ---- peer ranks: a send slot names its destination -------------------------------------
 
 
