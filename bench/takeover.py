@@ -14,12 +14,12 @@ the new leader, which proves that the resync was absorbed and decided.
 
 Per run it reports: kill -> a standby leads (its welcome), kill -> every agent back (max and
 median over agents), and the new leader's CPU time spent absorbing. Each mode runs ``--runs``
-times and the modes run side by side: ``rebuild`` (the default: resynced flows are admitted at
-once and re-evaluated once per resync burst), ``per-turn`` (re-evaluated at every event-loop
-turn that received resyncs, ``--no-rebuild-batching``) and ``whole-table`` (every flush
-re-evaluates every flow, ``--per-flow-policy no``: how rmlq with its request-level
-feasibility check was run before it decided flows one by one; ``whole-table-rebuild``: the
-same with the resync bursts batched).
+times and the modes run side by side: ``rebuild`` (resynced flows are admitted at once and
+re-evaluated once per resync burst) and ``per-turn`` (re-evaluated at every event-loop turn
+that received resyncs, ``--no-rebuild-batching``), both with rmlq deciding flows one by one
+(``--per-flow-policy yes``); ``whole-table`` and ``whole-table-rebuild`` (every flush
+re-evaluates every flow, ``--per-flow-policy no``: what the default policy file does while
+rmlq's feasibility pruning is on, since it judges each request on the others' load).
 
 Usage:
     .venv/bin/python bench/takeover.py [--agents 1000] [--flows 20] [--runs 3]
@@ -207,8 +207,10 @@ class Coordinator:
                    "--idle-timeout", "60"]  # fmt: skip
         if args.mode in ("per-turn", "whole-table"):
             command.append("--no-rebuild-batching")
-        if args.mode.startswith("whole-table"):  # rmlq as a policy deciding all flows at once
-            command += ["--per-flow-policy", "no"]
+        # per flow: rmlq deciding each flow on its own; whole table: every flush re-evaluates
+        # every flow (the default policy file since rmlq's pruning judges other requests' load)
+        whole = args.mode.startswith("whole-table")
+        command += ["--per-flow-policy", "no" if whole else "yes"]
         if cpu is not None and shutil.which("taskset"):
             command = ["taskset", "-c", str(cpu), *command]
         self.log = open(workdir / f"{name}.log", "w")  # noqa: SIM115
