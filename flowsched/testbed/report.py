@@ -211,7 +211,7 @@ def agreement_rows(results: list[PolicyResult]) -> list[list[str]]:
 def seed_rows(results: list[PolicyResult]) -> tuple[list[str], list[list[str]]]:
     """Header and rows of the per-seed SLO attainment table (testbed and simulator rows)."""
     seeds = sorted({s.seed for r in results for s in r.seeds})
-    header = ["policy", "source", *(f"seed {s}" for s in seeds), "pooled"]
+    header = ["policy", "source", *(f"seed {s} %" for s in seeds), "pooled %"]
     rows = []
     for r in results:
         by_seed = {s.seed: s for s in r.seeds}
@@ -220,7 +220,8 @@ def seed_rows(results: list[PolicyResult]) -> tuple[list[str], list[list[str]]]:
             if all(v is None for v in values):
                 continue
             pooled = _attainment(r, source)
-            rows.append([r.policy, source, *(_fmt(v) for v in values), _fmt(pooled)])
+            cells = [_fmt(v, 100.0, 1) for v in [*values, pooled]]  # % as in the main table
+            rows.append([display(r.policy), source, *cells])
     return header, rows
 
 

@@ -259,7 +259,7 @@ def test_bench_pools_every_seed_and_reports_each(
     assert [p["seed"] for p in doc["policies"]["rmlq"]["per_seed"]] == [4, 5]
     text = (out / "report.md").read_text()
     assert "seeds 4, 5" in text and "SLO attainment seed by seed" in text
-    assert "seed 4 | seed 5 | pooled" in text
+    assert "seed 4 % | seed 5 % | pooled %" in text
 
 
 def replace_options(options: bench.BenchOptions, out: Path, seed: int) -> bench.BenchOptions:
