@@ -19,7 +19,8 @@ that this table assigns. Which flows an event makes "dirty" (re-evaluated at the
 
 Policies whose decisions depend on other flows (rank-based ones such as EDF) must see every
 flow at once: unless the policy sets ``per_flow_decisions = True``, a flush re-evaluates all
-flows whenever anything is dirty.
+flows whenever anything is dirty. A per-flow policy may also return decisions for flows it was
+not passed (rmlq pruning a request moves its other flows): they are applied, timers included.
 """
 
 from __future__ import annotations
@@ -377,7 +378,16 @@ class ClusterState:
             if flow is not None:
                 self._apply(fid, flow, decision, count_promotion=True)
         if self._next_change is not None:
-            self._arm(active, changed, ctx)
+            self._arm(active + self._moved(active, changed), changed, ctx)
+
+    def _moved(self, active: list[Flow], changed: Mapping[int, Decision]) -> list[Flow]:
+        """Flows the policy decided without being passed them (a pruned request's others,
+        see policies/base.py): their timers are re-armed like the evaluated flows'."""
+        if not changed:
+            return []
+        passed = {flow.flow_id for flow in active}
+        flows = self.flows
+        return [flows[fid] for fid in changed if fid not in passed and fid in flows]
 
     def _arm(self, active: list[Flow], changed: Mapping[int, Decision], ctx: Context) -> None:
         """Set the promotion timer of each evaluated flow that has none or changed level.

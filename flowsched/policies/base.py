@@ -13,7 +13,12 @@ same moments:
 A policy may also set ``per_flow_decisions = True`` (an optional attribute, read with
 ``getattr``): it promises that a flow's decision depends only on that flow and the Context, so
 a caller may pass any subset of the active flows to ``reevaluate`` (the coordinator then
-re-evaluates only the flows an event touched instead of every flow).
+re-evaluates only the flows an event touched instead of every flow). One exception keeps
+request-level rules per-flow: ``reevaluate`` may also return decisions for flows it was NOT
+passed, flows it already knows (admitted, not released) whose decision changed because of
+another flow's event (RMLQ pruning a request moves the request's other flows to the scavenger
+level). Every caller applies such a decision to its own record of that flow id, and its timer
+state, like any other decision, and ignores ids it no longer has.
 
 A policy may also define ``next_change(flow, ctx) -> float | None`` (optional, found with
 ``getattr``): the earliest time at which ``flow``'s decision may change by time alone, with
@@ -44,10 +49,11 @@ class Policy(Protocol):
         ...
 
     def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
-        """Return ``{flow_id: decision}`` for the flows among ``flows`` whose decision changes.
+        """Return ``{flow_id: decision}`` for the flows whose decision changes.
 
         ``flows`` are the active flows of the caller's scheduling domain with ``level`` set to
-        their current level.
+        their current level (with ``per_flow_decisions``, any subset of them). The result may
+        also name known flows not in ``flows`` (see the module doc).
         """
         ...
 

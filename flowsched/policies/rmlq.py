@@ -174,6 +174,10 @@ class RmlqPolicy:
         self._tier_of_request: dict[str, int] = {}
         self._infeasible_since: dict[str, float] = {}
         self._pruned: set[str] = set()
+        #: prunable flows by request, and the requests pruned since the last reevaluate (their
+        #: flows not passed to it are moved there: per-flow callers do not pass them all)
+        self._members: dict[str, dict[int, Flow]] = {}
+        self._newly_pruned: list[str] = []
         self._request_flows: dict[str, int] = {}
         self._idle_requests: dict[str, float] = {}
         self._meter = TrafficMeter(args.rho_window)
@@ -191,14 +195,17 @@ class RmlqPolicy:
 
     @property
     def per_flow_decisions(self) -> bool:
-        """True unless RED tiers or pruning make decisions depend on other flows.
+        """True unless RED tiers (a request's tier ranks it among all requests) or the
+        ``"mlu"`` check (a request is hopeless when any of its flows is, judged as each is
+        evaluated) make a flow's decision depend on flows not passed.
 
-        Algorithm 1 prunes a request on the load of the others; a caller that re-evaluates
-        only touched flows would move its flows only at their next evaluation (the
-        coordinator may still be told to, ``--per-flow-policy yes``, trading that delay for
-        O(touched) flushes).
+        Algorithm 1 does not: it judges the requests it tracks whatever is passed, and when
+        it prunes one, ``reevaluate`` also returns the scavenger level for the request's
+        flows not passed (the Policy contract's decisions for flows not passed; the
+        ``"mlu"`` check does the same, for callers passing part of the table anyway).
         """
-        return self.args.red_tiers <= 1 and not self.args.feasibility
+        mlu_check = self.args.feasibility and self.args.feasibility_check == "mlu"
+        return self.args.red_tiers <= 1 and not mlu_check
 
     def describe_levels(self) -> list[str]:
         """What each level 0..K-1 holds (for ``flowsched policy show``)."""
@@ -339,8 +346,13 @@ class RmlqPolicy:
             return False
         since = self._infeasible_since.setdefault(key, ctx.now)
         if ctx.now - since >= self.args.feasibility_grace:
-            self._pruned.add(key)
+            self._prune(key)
         return True
+
+    def _prune(self, key: str) -> None:
+        if key not in self._pruned:
+            self._pruned.add(key)
+            self._newly_pruned.append(key)
 
     def _late(self, flow: Flow, now: float) -> bool:
         """Past its deadline with bytes left: pruned at once, nothing is estimated there."""
@@ -418,7 +430,7 @@ class RmlqPolicy:
         for key in inter_scheduling(
             demands.values(), capacity, ctx.now, self.args.drop_budget, compute
         ):
-            self._pruned.add(key)
+            self._prune(key)
 
     @staticmethod
     def _capacity(ctx: Context) -> Callable[[str], float]:
@@ -448,6 +460,8 @@ class RmlqPolicy:
             self._request_flows[flow.request] = self._request_flows.get(flow.request, 0) + 1
         if self.args.rho_source != "none":
             self._meter.open(flow, ctx.now)
+        if self._prunable(flow):
+            self._members.setdefault(self._request_key(flow), {})[flow.flow_id] = flow
         found = self.urgency(flow, ctx) if flow.cls in EXPLICIT_DEADLINE else None
         if self._alg1 and self._prunable(flow) and found is not None:
             arrives = flow.request is None or self._request_flows.get(flow.request) == 1
@@ -509,11 +523,26 @@ class RmlqPolicy:
             self._watch_urgent(flow, level, urgency)
             if level != flow.level:
                 changes[flow.flow_id] = Decision(level)
+        self._move_pruned(changes)
         return changes
+
+    def _move_pruned(self, changes: dict[int, Decision]) -> None:
+        """Send the flows of newly pruned requests that were not evaluated to the scavenger."""
+        pruned, self._newly_pruned = self._newly_pruned, []
+        for key in pruned:
+            for fid, flow in self._members.get(key, {}).items():
+                if fid not in changes and flow.level != self.scavenger:
+                    changes[fid] = Decision(self.scavenger)
+                    self._urgent.pop(fid, None)
 
     def release(self, flow: Flow, ctx: Context) -> None:
         self._meter.close(flow)
         self._urgent.pop(flow.flow_id, None)
+        members = self._members.get(self._request_key(flow))
+        if members is not None:
+            members.pop(flow.flow_id, None)
+            if not members:
+                del self._members[self._request_key(flow)]
         if self._tracked.pop(flow.flow_id, None) is not None and flow.request is None:
             self._alg1_due = True  # a one-flow request left
         if flow.request is None:

@@ -13,7 +13,8 @@ Model
   ``admit`` when a flow opens, ``reevaluate`` (coalesced per instant) on job progress, flow
   completion and time, ``release`` when a flow closes. A policy with ``per_flow_decisions``
   sees only the flows an event touched (job progress: that job's flows; a completion: the rest
-  of its job; time: the flows whose time came), others see every active flow. Time: a policy
+  of its job; time: the flows whose time came; plus any flow it decides unasked, such as a
+  pruned request's others), others see every active flow. Time: a policy
   with ``next_change`` gets each flow re-evaluated when its promotion time comes (the
   coordinator's promotion timers); the others are swept every ``timer_period``.
 * Message boundaries: a decision change takes effect when the flow's sent bytes reach the next
@@ -354,20 +355,30 @@ class Simulator:
         else:
             states = list(self.active.values())
         for state in states:
-            remaining = state.remaining - state.rate * (now - state.t_mark)
-            state.remaining, state.t_mark = (remaining if remaining > 0 else 0.0), now
-            state.flow.sent = int(state.flow.size or 0) - math.ceil(state.remaining)
+            self._mark_progress(state, now)
         ctx = self._context()
-        for flow_id, decision in self.policy.reevaluate([s.flow for s in states], ctx).items():
+        changed = self.policy.reevaluate([s.flow for s in states], ctx)
+        # a per-flow policy may decide flows it was not passed (a pruned request's others)
+        passed = {s.flow.flow_id for s in states} if self._per_flow and changed else None
+        for flow_id, decision in changed.items():
             target = self.active.get(flow_id)
             if target is not None:
                 self._check_level(decision)
+                if passed is not None and flow_id not in passed:
+                    self._mark_progress(target, now)
+                    states.append(target)
                 self._decide(target, decision)
         if self._next_change is not None:
             ctx = self._context()
             for state in states:
                 if state.flow.flow_id in self.active:
                     self._arm_due(state, ctx)
+
+    @staticmethod
+    def _mark_progress(state: ActiveFlow, now: float) -> None:
+        remaining = state.remaining - state.rate * (now - state.t_mark)
+        state.remaining, state.t_mark = (remaining if remaining > 0 else 0.0), now
+        state.flow.sent = int(state.flow.size or 0) - math.ceil(state.remaining)
 
     def _check_level(self, decision: Decision) -> None:
         if not 0 <= decision.level < self.policy.num_levels:

@@ -268,3 +268,28 @@ def test_rmlq_deferred_flow_is_promoted_by_its_timer() -> None:
     assert update.level == 5
     assert 100.2 - 1e-6 <= update.decided_at <= 100.2 + 1e-3  # not late, not much early
     assert state.stats.timer_fires < 100  # re-arms near the crossing, not a sweep per tick
+
+
+def test_rmlq_pruned_request_moves_its_untouched_flows_in_the_same_flush() -> None:
+    """Default rmlq (Algorithm 1 on, per-flow): on one 1e9 B/s link r1 needs 0.5 s by 101.0;
+    r2's second flow (0.9 s by 101.2) makes r2 infeasible, and its flow on node b, not
+    touched by that event, goes to the scavenger level with it, its timer dropped."""
+    policy = create("rmlq", {}, num_levels=8)
+    state = ClusterState(policy, default_bandwidth=1e9)
+    assert state.per_flow
+    r1 = _open(1, size=int(5e8), deadline=101.0, request="r1", links=("l",))
+    state.open_flows("a", [r1], now=100.0)
+    state.open_flows("b", [_open(3, size=int(1e6), deadline=105.0, request="r2", links=("l",))],
+                     now=100.0)  # fmt: skip
+    assert state.flush(100.0) == {"a": {1: LevelUpdate(1, 1)}, "b": {3: LevelUpdate(3, 6)}}
+    untouched = state.by_node["b"][3]
+    assert untouched in state._due_at  # its promotion timer
+    late = _open(2, size=int(9e8), deadline=101.2, request="r2", links=("l",))
+    state.open_flows("a", [late], now=100.1)
+    outbox = state.flush(100.1)
+    assert state.last_batch == 1  # only the opened flow was passed
+    assert {n: {w: u.level for w, u in box.items()} for n, box in outbox.items()} == {
+        "a": {2: 7},
+        "b": {3: 7},
+    }
+    assert state.flows[untouched].level == 7 and untouched not in state._due_at

@@ -107,8 +107,9 @@ def test_describe_levels_has_one_line_per_level(name: str, num_levels: int) -> N
     assert all(isinstance(line, str) and line for line in lines)
 
 
-#: arguments under which a policy decides each flow on its own (rmlq: without pruning)
-PER_FLOW_ARGS: dict[str, dict[str, Any]] = {"rmlq": {"feasibility": False}}
+#: arguments under which a policy decides each flow on its own (rmlq: its defaults, Algorithm 1
+#: pruning on)
+PER_FLOW_ARGS: dict[str, dict[str, Any]] = {"rmlq": {}}
 PER_FLOW = [
     n
     for n in names()
@@ -118,7 +119,8 @@ PER_FLOW = [
 
 def test_per_flow_policies_are_the_expected_ones() -> None:
     assert set(PER_FLOW) == {"fair", "static", "sjf", "pias", "karuna", "rmlq"}
-    for args in ({}, {"red_tiers": 2, "feasibility": False}):  # pruning, RED: cross-flow
+    mlu_check = {"feasibility_check": "mlu"}
+    for args in (mlu_check, {"red_tiers": 2, "feasibility": False}):  # cross-flow rules
         assert not create("rmlq", args, num_levels=12).per_flow_decisions  # type: ignore[attr-defined]
 
 
@@ -133,7 +135,9 @@ def test_per_flow_policies_are_the_expected_ones() -> None:
 def test_per_flow_policies_decide_a_subset_as_they_decide_everything(
     name: str, specs: list[tuple[Any, ...]], now: float, job_index: int, picks: list[bool]
 ) -> None:
-    """The coordinator passes only touched flows to such policies: results must not differ."""
+    """The coordinator passes only touched flows to such policies: results must not differ
+    (a decision for a flow not passed, such as a pruned request's other flow, is the one the
+    whole table gives it)."""
 
     def flows() -> list[Any]:
         return [
@@ -161,4 +165,8 @@ def test_per_flow_policies_decide_a_subset_as_they_decide_everything(
     full = whole.reevaluate(everything, context)
     chosen = [f for f, keep in zip(subset, picks, strict=False) if keep]
     partial = part.reevaluate(chosen, context)
-    assert dict(partial) == {f.flow_id: full[f.flow_id] for f in chosen if f.flow_id in full}
+    picked = {f.flow_id for f in chosen}
+    assert {fid: d for fid, d in partial.items() if fid in picked} == {
+        fid: full[fid] for fid in picked if fid in full
+    }
+    assert all(full.get(fid) == d for fid, d in partial.items() if fid not in picked)

@@ -481,7 +481,7 @@ def test_mlu_check_prunes_a_hopeless_request_after_its_grace() -> None:
 @pytest.mark.parametrize(
     ("args", "per_flow"),
     [
-        ({}, False),
+        ({}, True),
         ({"feasibility": False}, True),
         ({"feasibility_check": "mlu"}, False),
         ({"feasibility_check": "mlu", "feasibility": False}, True),
@@ -491,6 +491,30 @@ def test_mlu_check_prunes_a_hopeless_request_after_its_grace() -> None:
 )
 def test_per_flow_decisions(args: dict[str, Any], per_flow: bool) -> None:
     assert policy(12, early_levels=5, **args).per_flow_decisions is per_flow
+
+
+# on one 1e9 B/s link: r1 needs 0.5 s by 1.0, r2 0.9 s more by 1.2 (Algorithm 1 prunes r2);
+# with the "mlu" check r2's first flow alone turns hopeless (MLU 0.9 at 0, 1.125 at 0.2)
+@pytest.mark.parametrize("check", ["alg1", "mlu"])
+@pytest.mark.parametrize("released", [False, True], ids=["kept", "released"])
+def test_pruning_moves_the_request_flows_not_passed(check: str, released: bool) -> None:
+    pol = policy(feasibility_check=check)
+    first = build_flow(1, cls="kv", size=int(5e8), deadline=1.0, request="r1")
+    deadline = 1.2 if check == "alg1" else 1.0
+    second = build_flow(2, cls="kv", size=int(9e8), deadline=deadline, request="r2")
+    untouched = build_flow(4, cls="kv", size=int(1e6), deadline=5.0, request="r2")
+    collective = build_flow(3, cls="tp", request="r2")
+    flows = [first, second, untouched, collective]
+    for flow in flows:
+        flow.level = pol.admit(flow, ctx()).level
+    assert untouched.level == 6
+    if released:
+        pol.release(untouched, ctx())
+    decisions = pol.reevaluate([first, second] if check == "alg1" else [second], ctx(0.2))
+    expected = {2: 7} if released else {2: 7, 4: 7}  # not r1, not the collective
+    assert {fid: d.level for fid, d in decisions.items()} == expected
+    untouched.level = second.level = 7
+    assert pol.reevaluate([first, second], ctx(0.201)) == {}  # moved once, not at every call
 
 
 # -- promotion timers -----------------------------------------------------------------------

@@ -1,0 +1,55 @@
+"""The simulator applies decisions a per-flow policy returns for flows it was not passed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from flowsched.model import Context, Decision, Flow, FlowClass
+from flowsched.policies import create
+from flowsched.policies.rmlq import RmlqPolicy
+from flowsched.sim.engine import SimConfig, Simulator
+
+
+class SpyRmlq(RmlqPolicy):
+    """The default rmlq, recording which flows each ``reevaluate`` was passed."""
+
+    passed: list[set[int]]
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        active = list(flows)
+        self.passed.append({flow.flow_id for flow in active})
+        return super().reevaluate(active, ctx)
+
+
+def test_pruned_request_flows_not_passed_move_to_the_scavenger_at_once() -> None:
+    """On link l (1e9 B/s) r1 needs 0.5 s by 1.0; r2's flow opened at 0.1 needs 0.9 s by 1.2:
+    infeasible together. r1's job reports progress at 0.2: only r1's flow is passed, Algorithm
+    1 prunes r2, and both of r2's flows (one alone on link m) drop to level 7 at 0.2."""
+    base = create("rmlq", {}, num_levels=8)
+    assert isinstance(base, RmlqPolicy)
+    policy = SpyRmlq(base.args, 8)
+    policy.passed = []
+    sim = Simulator({"l": 1e9, "m": 1e9}, policy, SimConfig(chunk_bytes=0))
+    assert sim._per_flow
+    opened: dict[str, int] = {}
+    seen: dict[int, int] = {}
+
+    def open_flow(name: str, size: float, deadline: float, request: str, link: str) -> None:
+        flow = sim.open_flow(FlowClass.KV, int(size), (link,), deadline=deadline,
+                             request=request, job=f"job-{name}")  # fmt: skip
+        opened[name] = flow.flow_id
+
+    sim.at(0.0, lambda: open_flow("r1", 5e8, 1.0, "r1", "l"))
+    sim.at(0.0, lambda: open_flow("r2-small", 5e8, 5.0, "r2", "m"))
+    sim.at(0.1, lambda: open_flow("r2-big", 9e8, 1.2, "r2", "l"))
+    sim.at(0.2, lambda: sim.set_job_index("job-r1", 0))
+
+    def check() -> None:
+        seen.update({fid: state.level for fid, state in sim.active.items()})
+
+    sim.at(0.2000001, check)
+    sim.run(until=0.3)
+    touched = [ids for ids in policy.passed if opened["r1"] in ids]
+    assert touched and opened["r2-small"] not in touched[0]
+    assert seen[opened["r2-small"]] == 7 and seen[opened["r2-big"]] == 7
+    assert seen[opened["r1"]] < 7
