@@ -23,7 +23,7 @@ re-evaluated each timer period). The ratios are printed at the end.
 Usage:
     .venv/bin/python bench/coordinator_load.py [--agents 1000] [--flows 10] [--duration 5]
         [--rates 10000,30000,100000] [--policy FILE] [--modes batched,unbatched]
-        [--promotion sweep,timers] [--per-flow-policy yes|auto|no] [--profile] [--json OUT]
+        [--promotion sweep,timers] [--per-flow-policy auto|yes|no] [--profile] [--json OUT]
 """
 
 from __future__ import annotations
@@ -539,9 +539,9 @@ def main() -> int:
         help="promotion schemes to run side by side (comma-separated: sweep, timers)",
     )  # fmt: skip
     parser.add_argument(
-        "--per-flow-policy", choices=["auto", "yes", "no"], default="yes",
-        help="passed to the coordinator (the default policy, rmlq with red_tiers = 1, decides"
-        " each flow on its own; 'auto' asks the policy object)",
+        "--per-flow-policy", choices=["auto", "yes", "no"], default="auto",
+        help="passed to the coordinator unless 'auto' (the default: the policy object says;"
+        " the default policy, rmlq with Algorithm 1 pruning, decides each flow on its own)",
     )  # fmt: skip
     parser.add_argument("--coordinator-cpu", type=int, default=0)
     parser.add_argument("--loadgen-cpu", type=int, default=1)
