@@ -18,8 +18,9 @@ times and the modes run side by side: ``rebuild`` (resynced flows are admitted a
 re-evaluated once per resync burst) and ``per-turn`` (re-evaluated at every event-loop turn
 that received resyncs, ``--no-rebuild-batching``), both with rmlq deciding flows one by one
 (``--per-flow-policy yes``); ``whole-table`` and ``whole-table-rebuild`` (every flush
-re-evaluates every flow, ``--per-flow-policy no``: what the default policy file does while
-rmlq's feasibility pruning is on, since it judges each request on the others' load).
+re-evaluates every flow, ``--per-flow-policy no``: what a policy that is not per-flow does,
+such as rmlq with RED tiers, and the default policy file did before efbe2df).
+``default`` is ``rebuild`` without ``--per-flow-policy``: the policy file decides.
 
 Usage:
     .venv/bin/python bench/takeover.py [--agents 1000] [--flows 20] [--runs 3]
@@ -208,9 +209,10 @@ class Coordinator:
         if args.mode in ("per-turn", "whole-table"):
             command.append("--no-rebuild-batching")
         # per flow: rmlq deciding each flow on its own; whole table: every flush re-evaluates
-        # every flow (the default policy file since rmlq's pruning judges other requests' load)
+        # every flow (a policy that is not per-flow)
         whole = args.mode.startswith("whole-table")
-        command += ["--per-flow-policy", "no" if whole else "yes"]
+        if args.mode != "default":  # "default": rebuild batching, the policy's own setting
+            command += ["--per-flow-policy", "no" if whole else "yes"]
         if cpu is not None and shutil.which("taskset"):
             command = ["taskset", "-c", str(cpu), *command]
         self.log = open(workdir / f"{name}.log", "w")  # noqa: SIM115
