@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -38,9 +37,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from flowsched.testbed.measure_lock import measurement_lock
+
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "nccl_plugin" / "build"
-LOCK_PATH = Path("/tmp/flowsched-measure.lock")
 TX_ADDR, RX_ADDR = "10.231.9.1", "10.231.9.2"
 GUARD_SHARE = 0.05  # the permit's default FLOWSCHED_GATE_MIN_SHARE (50 per mille)
 # The wrapper's goal is the issue's; the TCP transport's sends complete once the kernel has
@@ -282,20 +282,6 @@ def print_report(report: dict[str, Any]) -> None:
         )
     for goal, ok in report["goals"].items():
         print(f"{'met ' if ok else 'MISSED'} {goal}")
-
-
-@contextlib.contextmanager
-def measurement_lock(enabled: bool) -> Iterator[None]:
-    """flock /tmp/flowsched-measure.lock so measurements do not overlap."""
-    if not enabled:
-        yield
-        return
-    with open(LOCK_PATH, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import statistics
@@ -38,9 +37,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from flowsched.shm import layout  # noqa: E402
+from flowsched.testbed.measure_lock import LOCK_PATH, measurement_lock  # noqa: E402
 
 BUILD = ROOT / "nccl_plugin" / "build"
-LOCK_PATH = Path("/tmp/flowsched-measure.lock")
 SIZES = {"1MiB": (1 << 20, 1500), "4MiB": (4 << 20, 400), "64MiB": (64 << 20, 30)}
 RTT_COUNT = 20000
 GOALS = {"quiet_min_ratio": 0.95, "hog_min_ratio": 0.9, "rtt_max_ratio": 1.5}
@@ -161,20 +160,6 @@ def print_report(report: dict[str, Any]) -> None:
     )
     failed = [name for name, ok in report["goals_met"].items() if not ok]
     print("goals: all met" if not failed else f"goals not met: {', '.join(failed)}")
-
-
-@contextlib.contextmanager
-def measurement_lock(enabled: bool) -> Iterator[None]:
-    """Hold the machine-wide measurement lock (blocks while someone else measures)."""
-    if not enabled:
-        yield
-        return
-    with LOCK_PATH.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
