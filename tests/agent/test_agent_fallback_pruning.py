@@ -6,26 +6,16 @@ import contextlib
 import time
 from pathlib import Path
 
-from agent_helpers import wait_until
+from agent_helpers import agent_config, wait_until
 
 from flowsched import client
-from flowsched.agent import AgentConfig
 from flowsched.agent.threaded import AgentThread
 
 
 def test_a_pruned_request_moves_every_flow_to_the_scavenger(tmp_path: Path) -> None:
     """At 1e9 B/s r1 needs 1.5 s by +3 and r2's big flow 2.7 s by +3.6: Algorithm 1 prunes
     r2, and r2's small flow (no deadline pressure of its own) goes to level 7 with it."""
-    config = AgentConfig(
-        node="n1",
-        socket_path=str(tmp_path / "run" / "agent.sock"),
-        table_path=str(tmp_path / "table"),
-        num_slots=32,
-        metrics_port=0,
-        fallback_after=0.1,
-        interfaces=("lo",),
-        default_bandwidth=1e9,
-    )
+    config = agent_config(tmp_path, fallback_after=0.1, default_bandwidth=1e9)
     running = AgentThread(config)
     running.start()
     try:

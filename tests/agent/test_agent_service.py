@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_helpers import wait_until
+from agent_helpers import agent_config, wait_until
 
 from flowsched import client
 from flowsched.agent import AgentConfig
@@ -21,23 +21,9 @@ from flowsched.shm import layout
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
 
-def _config(tmp_path: Path, **overrides: object) -> AgentConfig:
-    base = dict(
-        node="n1",
-        socket_path=str(tmp_path / "run" / "agent.sock"),
-        table_path=str(tmp_path / "table"),
-        num_slots=32,
-        metrics_port=0,
-        fallback_after=0.2,
-        interfaces=("lo",),
-    )
-    base.update(overrides)
-    return AgentConfig(**base)  # type: ignore[arg-type]
-
-
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[AgentThread]:
-    running = AgentThread(_config(tmp_path))
+    running = AgentThread(agent_config(tmp_path))
     running.start()
     try:
         yield running
@@ -129,7 +115,7 @@ def test_disconnecting_client_closes_its_flows(agent: AgentThread) -> None:
 
 
 def test_restart_reattaches_and_keeps_levels(tmp_path: Path) -> None:
-    first = AgentThread(_config(tmp_path))
+    first = AgentThread(agent_config(tmp_path))
     info = first.start()
     table = FlowTable.open(info.table, writable=True)
     try:
@@ -138,7 +124,7 @@ def test_restart_reattaches_and_keeps_levels(tmp_path: Path) -> None:
         level = conn.raw_level()
         first.stop()
         assert table.header()["agent_pid"] == 0
-        second = AgentThread(_config(tmp_path))
+        second = AgentThread(agent_config(tmp_path))
         info2 = second.start()
         try:
             assert info2.generation == info.generation + 1
@@ -159,7 +145,7 @@ def test_second_agent_on_the_same_socket_is_refused(agent: AgentThread, tmp_path
     from flowsched.agent.sdk_server import SocketPathError
 
     assert agent.ready is not None
-    other = AgentThread(_config(tmp_path, table_path=str(tmp_path / "t2")))
+    other = AgentThread(agent_config(tmp_path, table_path=str(tmp_path / "t2")))
     with pytest.raises(SocketPathError, match="already serving"):
         other.start()
     other.stop()
@@ -239,7 +225,7 @@ def test_config_refuses_values_that_would_fail_later(
     tmp_path: Path, overrides: dict[str, object], field: str
 ) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
-        _config(tmp_path, **overrides)
+        agent_config(tmp_path, **overrides)
 
 
 def test_environment_infinity_is_not_a_nic_setting(monkeypatch: pytest.MonkeyPatch) -> None:
