@@ -43,7 +43,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,10 +63,9 @@ from flowsched.protocol import (
     write_token,
 )
 from flowsched.testbed.procstat import memory_mib, running_cpu_seconds
+from flowsched.testbed.simagent import CLASS_MIX, HEARTBEAT, flow_open
 
-CLASS_MIX = ("tp", "tp", "tp", "experience", "experience", "param_sync", "kv", "kv", "kv", "bulk")
 DRAIN_TIMEOUT = 120.0
-HEARTBEAT = frame(msgpack.packb({"t": "heartbeat", "t_sent": 0.0}))
 
 
 # -- one simulated agent -----------------------------------------------------------------------
@@ -89,18 +87,7 @@ class SimAgent:
     buffer: ReceiveBuffer = field(default_factory=ReceiveBuffer)
 
     def open_entry(self, wire_id: int, cls: str, now: float) -> dict[str, Any]:
-        deadline = size = job = consumer = None
-        if cls in ("param_sync", "kv"):
-            size = (1 << 30) if cls == "param_sync" else (64 << 20)
-            deadline = now + (30.0 if cls == "param_sync" else 2.0)
-        if cls == "experience":
-            # a stable job per node (str hash() changes from run to run)
-            job, consumer = f"job-{zlib.crc32(self.node.encode()) % 16}", 3
-        return {
-            "id": wire_id, "cls": cls, "opened_at": now, "sent": 0, "size": size,
-            "deadline": deadline, "job": job, "consumer_index": consumer, "request": None,
-            "links": [f"{self.node}/eth0"], "level": None,
-        }  # fmt: skip
+        return flow_open(self.node, wire_id, cls, now, kv_deadline_s=2.0)
 
     def progress_frames(self, batched: bool) -> bytes:
         """This agent's next report: all flows' progress (+ churn every 10th frame)."""

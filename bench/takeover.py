@@ -43,7 +43,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,9 +64,8 @@ from flowsched.protocol import (
 )
 from flowsched.testbed.etcd import local_etcd
 from flowsched.testbed.procstat import cpu_seconds
+from flowsched.testbed.simagent import CLASS_MIX, HEARTBEAT, flow_open
 
-CLASS_MIX = ("tp", "tp", "tp", "experience", "experience", "param_sync", "kv", "kv", "kv", "bulk")
-HEARTBEAT = frame(msgpack.packb({"t": "heartbeat", "t_sent": 0.0}))
 #: seconds allowed for everything after the kill
 TAKEOVER_TIMEOUT = 60.0
 #: the real agent's pause before reconnecting after a session ended
@@ -98,21 +96,11 @@ class SimAgent:
 
     def resync(self) -> bytes:
         now = time.time()
-        opens = [self._open(i, CLASS_MIX[i % len(CLASS_MIX)], now) for i in range(self.flows)]
+        opens = [
+            flow_open(self.node, i, CLASS_MIX[i % len(CLASS_MIX)], now, kv_deadline_s=5.0)
+            for i in range(self.flows)
+        ]
         return frame(msgpack.packb({"t": "resync", "opens": opens}))
-
-    def _open(self, wire_id: int, cls: str, now: float) -> dict[str, Any]:
-        deadline = size = job = consumer = None
-        if cls in ("param_sync", "kv"):
-            size = (1 << 30) if cls == "param_sync" else (64 << 20)
-            deadline = now + (30.0 if cls == "param_sync" else 5.0)
-        if cls == "experience":
-            job, consumer = f"job-{zlib.crc32(self.node.encode()) % 16}", 3
-        return {
-            "id": wire_id, "cls": cls, "opened_at": now, "sent": 0, "size": size,
-            "deadline": deadline, "job": job, "consumer_index": consumer, "request": None,
-            "links": [f"{self.node}/eth0"], "level": None,
-        }  # fmt: skip
 
     async def run(self) -> None:
         """Stay connected to whichever coordinator leads, forever (cancelled at the end)."""

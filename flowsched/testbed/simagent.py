@@ -1,0 +1,36 @@
+"""Wire-level pieces of the benchmarks' simulated agents (bench/coordinator_load.py and
+bench/takeover.py): raw msgpack frames, cheap enough to drive 1,000 agents from one core."""
+
+from __future__ import annotations
+
+from typing import Any
+from zlib import crc32
+
+import msgpack
+
+from flowsched.protocol import frame
+
+#: the classes of an agent's flows, in order (flow i has class CLASS_MIX[i % len(CLASS_MIX)])
+CLASS_MIX = ("tp", "tp", "tp", "experience", "experience", "param_sync", "kv", "kv", "kv", "bulk")
+#: the answer to a coordinator's heartbeat
+HEARTBEAT = frame(msgpack.packb({"t": "heartbeat", "t_sent": 0.0}))
+
+
+def flow_open(
+    node: str, wire_id: int, cls: str, now: float, *, kv_deadline_s: float
+) -> dict[str, Any]:
+    """The wire form of one flow open on ``node`` (an entry of a ``flows`` or ``resync`` frame):
+    param_sync flows move 1 GiB within 30 s, kv flows 64 MiB within ``kv_deadline_s``,
+    experience flows belong to one of 16 jobs."""
+    deadline = size = job = consumer = None
+    if cls in ("param_sync", "kv"):
+        size = (1 << 30) if cls == "param_sync" else (64 << 20)
+        deadline = now + (30.0 if cls == "param_sync" else kv_deadline_s)
+    if cls == "experience":
+        # a stable job per node (str hash() changes from run to run)
+        job, consumer = f"job-{crc32(node.encode()) % 16}", 3
+    return {
+        "id": wire_id, "cls": cls, "opened_at": now, "sent": 0, "size": size,
+        "deadline": deadline, "job": job, "consumer_index": consumer, "request": None,
+        "links": [f"{node}/eth0"], "level": None,
+    }  # fmt: skip
