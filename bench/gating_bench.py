@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from flowsched.testbed.measure_lock import measurement_lock
+from flowsched.testbed.netns import veth_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "nccl_plugin" / "build"
@@ -66,14 +67,7 @@ class Bed:
         self.rate = rate_mbit
 
     def up(self) -> None:
-        _run("ip", "netns", "add", self.tx)
-        _run("ip", "netns", "add", self.rx)
-        _run("ip", "link", "add", self.dev_tx, "type", "veth", "peer", "name", self.dev_rx)
-        for ns, link, addr in ((self.tx, self.dev_tx, TX_ADDR), (self.rx, self.dev_rx, RX_ADDR)):
-            _run("ip", "link", "set", link, "netns", ns)
-            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", link)
-            _run("ip", "-n", ns, "link", "set", link, "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
+        veth_pair((self.tx, self.dev_tx, TX_ADDR), (self.rx, self.dev_rx, RX_ADDR))
         tc = ("tc", "-n", self.tx)
         dev = ("dev", self.dev_tx)
         rate = f"{self.rate}mbit"

@@ -400,6 +400,25 @@ def probe(prefix: str = "fsE-") -> str | None:
     return None
 
 
+def veth_pair(*ends: tuple[str, str, str]) -> None:
+    """Two new namespaces joined by a veth pair: ``ends`` is (namespace, device, IPv4 address)
+    for each side, the address a /24; the devices and each namespace's ``lo`` come up.
+    Raises :class:`subprocess.CalledProcessError` (its ``stderr`` says why) on any failure."""
+    (ns_a, dev_a, _), (ns_b, dev_b, _) = ends
+
+    def run(*argv: str) -> None:
+        subprocess.run(argv, check=True, capture_output=True, text=True)
+
+    run("ip", "netns", "add", ns_a)
+    run("ip", "netns", "add", ns_b)
+    run("ip", "link", "add", dev_a, "type", "veth", "peer", "name", dev_b)
+    for ns, dev, addr in ends:
+        run("ip", "link", "set", dev, "netns", ns)
+        run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+        run("ip", "-n", ns, "link", "set", dev, "up")
+        run("ip", "-n", ns, "link", "set", "lo", "up")
+
+
 class Terminated(BaseException):
     """Raised in the main thread by SIGTERM so that ``finally`` blocks tear the testbed down."""
 

@@ -28,6 +28,7 @@ import pytest
 from plugin_table import TestTable
 
 from flowsched.shm import layout
+from flowsched.testbed.netns import veth_pair
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -63,14 +64,7 @@ class Bed:
         self.dev_tx, self.dev_rx = f"fsC-a{tag}", f"fsC-b{tag}"
 
     def up(self) -> None:
-        _run("ip", "netns", "add", self.tx)
-        _run("ip", "netns", "add", self.rx)
-        _run("ip", "link", "add", self.dev_tx, "type", "veth", "peer", "name", self.dev_rx)
-        for ns, dev, addr in ((self.tx, self.dev_tx, TX_ADDR), (self.rx, self.dev_rx, RX_ADDR)):
-            _run("ip", "link", "set", dev, "netns", ns)
-            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _run("ip", "-n", ns, "link", "set", dev, "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
+        veth_pair((self.tx, self.dev_tx, TX_ADDR), (self.rx, self.dev_rx, RX_ADDR))
         # Small GSO packets bound what a starved socket keeps queued in its old class.
         _run("ip", "-n", self.tx, "link", "set", "dev", self.dev_tx, "gso_max_size", "16384")
         self._htb()
