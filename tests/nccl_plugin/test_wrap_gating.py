@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -72,11 +73,11 @@ GUARDS = {
 }
 
 
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("guard", list(GUARDS))
-def test_cross_dependency(wrap_build: Path, mode: str, guard: str) -> None:
-    extra, ends = GUARDS[guard]
-    env = _clean_env(FSTCP_SOCKET_IFNAME="lo", FLOWSCHED_SOCKET_IFNAME="lo", **MODES[mode], **extra)
+def _deadlock(
+    wrap_build: Path, env: dict[str, str], ends: bool
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """gate_peer's cross-dependency run (given 10 s when it should end, 1 s when it should
+    not) and its JSON verdict line."""
     timeout = 10.0 if ends else 1.0
     peer, plugin = wrap_build / "gate_peer", wrap_build / "libnccl-net-flowsched.so"
     proc = subprocess.run(
@@ -86,7 +87,15 @@ def test_cross_dependency(wrap_build: Path, mode: str, guard: str) -> None:
         text=True,
         timeout=timeout + 30,
     )
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    return proc, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("guard", list(GUARDS))
+def test_cross_dependency(wrap_build: Path, mode: str, guard: str) -> None:
+    extra, ends = GUARDS[guard]
+    env = _clean_env(FSTCP_SOCKET_IFNAME="lo", FLOWSCHED_SOCKET_IFNAME="lo", **MODES[mode], **extra)
+    proc, result = _deadlock(wrap_build, env, ends)
     assert result["completed"] is ends, (result, proc.stderr)
     assert proc.returncode == (0 if ends else 3)
     if guard != "both guards":
@@ -122,18 +131,9 @@ def test_policy_gating_reaches_the_plugin(
             FSTCP_SOCKET_IFNAME="lo",
             FLOWSCHED_GATE_MIN_SHARE="0",
         )
-        timeout = 10.0 if ends else 1.0
-        peer, plugin = wrap_build / "gate_peer", wrap_build / "libnccl-net-flowsched.so"
-        proc = subprocess.run(
-            [str(peer), str(plugin), "deadlock", str(timeout)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=timeout + 30,
-        )
+        proc, result = _deadlock(wrap_build, env, ends)
     finally:
         table.close()
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["completed"] is ends, (result, proc.stderr)
     if ends:
         assert result["low_deferred_calls"] == 0, result
