@@ -3,76 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import os
-import re
-import resource
-import select
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from flowsched.testbed.daemons import Daemon as Service
+from flowsched.testbed.daemons import scrape as scrape  # re-exported for the e2e tests
+from flowsched.testbed.daemons import spawn
+
 HERE = Path(__file__).resolve().parent
-
-
-@dataclass
-class Service:
-    """A started flowsched process and what its ready line said."""
-
-    proc: subprocess.Popen[str]
-    ready_line: str
-    fields: dict[str, str] = field(default_factory=dict)
-
-    def kill9(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill9()
-
-
-def _spawn(
-    args: list[str], log: Path, pattern: str, timeout: float = 30.0, fd_limit: int | None = None
-) -> Service:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    err = log.open("a")
-
-    def limit_fds() -> None:  # in the child: soft and hard open-file limit
-        if fd_limit is not None:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
-
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flowsched", *args],
-        stdout=subprocess.PIPE,
-        stderr=err,
-        text=True,
-        env=env,
-        preexec_fn=limit_fds if fd_limit is not None else None,
-    )
-    err.close()
-    assert proc.stdout is not None
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if ready:
-            line = proc.stdout.readline()
-            match = re.search(pattern, line)
-            if match:
-                return Service(proc, line.strip(), match.groupdict())
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError(f"{args[0]} did not become ready; log:\n{log.read_text()[-3000:]}")
 
 
 def start_coordinator(
@@ -85,7 +26,8 @@ def start_coordinator(
 ) -> Service:
     """``flowsched coordinator`` on 127.0.0.1 (``fd_limit``: its soft and hard open-file
     limit; ``extra``: more flags)."""
-    return _spawn(
+    return spawn(
+        "coordinator",
         [
             "coordinator",
             "--listen",
@@ -107,7 +49,8 @@ def start_coordinator(
 def start_agent(
     tmp: Path, token: Path, coordinator_port: int, *, node: str = "n1", fallback_after: float = 1.0
 ) -> Service:
-    return _spawn(
+    return spawn(
+        "agent",
         [
             "agent",
             "--coordinator",
@@ -135,17 +78,6 @@ def start_agent(
         r"ready node=(?P<node>\S+) table=(?P<table>\S+) socket=(?P<socket>\S+) "
         r"metrics=(?P<mhost>[\d.]+):(?P<mport>\d+)",
     )
-
-
-def scrape(port: int | str) -> dict[str, float]:
-    """``{'name{labels}': value}`` of a Prometheus endpoint on localhost."""
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, float] = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def total(metrics: dict[str, float], prefix: str, **labels: str) -> float:

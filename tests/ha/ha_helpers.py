@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
-import re
-import select
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from flowsched.testbed.daemons import Daemon, spawn
 from flowsched.testbed.etcd import etcd_binary, local_etcd
 
 
@@ -42,64 +36,9 @@ def etcd_url(tmp_path: Path) -> Iterator[str]:
 E2E = Path(__file__).resolve().parents[1] / "e2e"
 
 
-@dataclass
-class Daemon:
-    """A started flowsched process and the fields of its ready line."""
-
-    proc: subprocess.Popen[str]
-    fields: dict[str, str]
-    name: str
-
-    def kill9(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill9()
-
-    def metrics(self) -> dict[str, float]:
-        """``{'name{labels}': value}`` of its metrics endpoint."""
-        url = f"http://127.0.0.1:{self.fields['mport']}/metrics"
-        body = urllib.request.urlopen(url, timeout=2).read().decode()
-        out: dict[str, float] = {}
-        for line in body.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                out[name] = float(value)
-        return out
-
-
 def total(metrics: dict[str, float], prefix: str) -> float:
     """Sum of the samples of metric ``prefix`` (every label set)."""
     return sum(v for k, v in metrics.items() if k.split("{")[0] == prefix)
-
-
-def spawn(name: str, args: list[str], log: Path, pattern: str, timeout: float = 30.0) -> Daemon:
-    """Start ``python -m flowsched ARGS`` and wait for the ready line matching ``pattern``."""
-    with log.open("a") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flowsched", *args],
-            stdout=subprocess.PIPE, stderr=err, text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )  # fmt: skip
-    assert proc.stdout is not None
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if ready:
-            found = re.search(pattern, proc.stdout.readline())
-            if found:
-                return Daemon(proc, found.groupdict(), name)
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError(f"{name} did not become ready; log:\n{log.read_text()[-3000:]}")
 
 
 def start_coordinator(tmp: Path, token: Path, etcd: str, name: str) -> Daemon:

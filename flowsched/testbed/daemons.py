@@ -1,0 +1,98 @@
+"""Started ``python -m flowsched`` processes for the end-to-end and HA tests: spawn one, wait
+for its ready line, scrape its metrics, stop it (SIGTERM, then SIGKILL) or kill -9 it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import resource
+import select
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Daemon:
+    """A started flowsched process, its ready line and that line's named fields."""
+
+    proc: subprocess.Popen[str]
+    ready_line: str
+    fields: dict[str, str] = field(default_factory=dict)
+    name: str = ""
+
+    def kill9(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill9()
+
+    def metrics(self) -> dict[str, float]:
+        """``{'name{labels}': value}`` of its metrics endpoint (ready-line field ``mport``)."""
+        return scrape(self.fields["mport"], timeout=2)
+
+
+def spawn(
+    name: str,
+    args: list[str],
+    log: Path,
+    pattern: str,
+    *,
+    timeout: float = 30.0,
+    fd_limit: int | None = None,
+) -> Daemon:
+    """Start ``python -m flowsched ARGS`` (stderr appended to ``log``; ``fd_limit``: its soft
+    and hard open-file limit) and wait for a stdout line matching ``pattern``; AssertionError
+    with the log's tail when it exits or ``timeout`` passes first."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+
+    def limit_fds() -> None:  # in the child: soft and hard open-file limit
+        if fd_limit is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (fd_limit, fd_limit))
+
+    with log.open("a") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flowsched", *args],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            env=env,
+            preexec_fn=limit_fds if fd_limit is not None else None,
+        )
+    assert proc.stdout is not None
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+        if ready:
+            line = proc.stdout.readline()
+            found = re.search(pattern, line)
+            if found:
+                return Daemon(proc, line.strip(), found.groupdict(), name)
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"{name} did not become ready; log:\n{log.read_text()[-3000:]}")
+
+
+def scrape(port: int | str, timeout: float = 5.0) -> dict[str, float]:
+    """``{'name{labels}': value}`` of a Prometheus endpoint on localhost."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    body = urllib.request.urlopen(url, timeout=timeout).read().decode()
+    out: dict[str, float] = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
