@@ -36,7 +36,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -63,7 +62,7 @@ from flowsched.protocol import (
     write_token,
 )
 from flowsched.testbed.procstat import memory_mib, running_cpu_seconds
-from flowsched.testbed.simagent import CLASS_MIX, HEARTBEAT, flow_open
+from flowsched.testbed.simagent import CLASS_MIX, HEARTBEAT, flow_open, prepare_load_generator
 
 DRAIN_TIMEOUT = 120.0
 
@@ -536,16 +535,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     args.rates = [float(rate) for rate in args.rates.split(",")]
-    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the coordinator child is stopped
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setaffinity(0, {args.loadgen_cpu})
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None  # type: ignore[assignment]
+    loop_factory = prepare_load_generator(args.loadgen_cpu)
     results = []
     with tempfile.TemporaryDirectory(prefix="fsD-bench-") as tmp:
         for mode in args.modes.split(","):

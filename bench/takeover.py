@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import json
 import math
-import os
 import re
 import shutil
 import signal
@@ -64,7 +63,7 @@ from flowsched.protocol import (
 )
 from flowsched.testbed.etcd import local_etcd
 from flowsched.testbed.procstat import cpu_seconds
-from flowsched.testbed.simagent import CLASS_MIX, HEARTBEAT, flow_open
+from flowsched.testbed.simagent import CLASS_MIX, HEARTBEAT, flow_open, prepare_load_generator
 
 #: seconds allowed for everything after the kill
 TAKEOVER_TIMEOUT = 60.0
@@ -337,15 +336,7 @@ def main() -> int:
         help="run the coordinators in cProfile; the new leader's profile of each run goes here",
     )  # fmt: skip
     args = parser.parse_args()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setaffinity(0, {args.loadgen_cpu})
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        loop_factory = None  # type: ignore[assignment]
+    loop_factory = prepare_load_generator(args.loadgen_cpu)
     runs: list[Run] = []
     with tempfile.TemporaryDirectory(prefix="fsD2-takeover-") as tmp, local_etcd() as etcd:
         args.etcd = etcd

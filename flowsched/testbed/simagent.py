@@ -3,6 +3,12 @@ bench/takeover.py): raw msgpack frames, cheap enough to drive 1,000 agents from 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Callable
 from typing import Any
 from zlib import crc32
 
@@ -34,3 +40,18 @@ def flow_open(
         "deadline": deadline, "job": job, "consumer_index": consumer, "request": None,
         "links": [f"{node}/eth0"], "level": None,
     }  # fmt: skip
+
+
+def prepare_load_generator(cpu: int) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """Set this process up as a benchmark's load generator: SIGTERM (e.g. from ``timeout``)
+    unwinds like Ctrl-C, so the coordinator children are stopped; pinned to ``cpu`` where the
+    OS allows. Returns the event-loop factory to run it with: uvloop's when it is installed,
+    else None (asyncio's default)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    with contextlib.suppress(OSError, AttributeError):
+        os.sched_setaffinity(0, {cpu})
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
