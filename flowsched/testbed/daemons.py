@@ -1,5 +1,6 @@
 """Started ``python -m flowsched`` processes for the end-to-end and HA tests: spawn one, wait
-for its ready line, scrape its metrics, stop it (SIGTERM, then SIGKILL) or kill -9 it."""
+for its ready line, scrape its metrics, stop it (SIGTERM, then SIGKILL) or kill -9 it; and
+:func:`wait_for`, polling a condition with a deadline."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,3 +98,20 @@ def scrape(port: int | str, timeout: float = 5.0) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
+
+
+def wait_for(
+    predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.01
+) -> float:
+    """Poll every ``interval`` s until true (OSError counts as not yet); return the seconds it
+    took (AssertionError naming ``what`` after ``timeout``)."""
+    start = time.monotonic()
+    while True:
+        try:
+            if predicate():
+                return time.monotonic() - start
+        except OSError:
+            pass
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from flowsched.testbed.daemons import Daemon as Service
 from flowsched.testbed.daemons import scrape as scrape  # re-exported for the e2e tests
 from flowsched.testbed.daemons import spawn
+from flowsched.testbed.daemons import wait_for as wait_for  # re-exported for the e2e tests
 
 HERE = Path(__file__).resolve().parent
 
@@ -86,22 +86,6 @@ def total(metrics: dict[str, float], prefix: str, **labels: str) -> float:
     return sum(
         v for k, v in metrics.items() if k.split("{")[0] == prefix and all(w in k for w in wanted)
     )
-
-
-def wait_for(
-    predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.01
-) -> float:
-    """Poll until true; return the seconds it took (AssertionError naming ``what`` otherwise)."""
-    start = time.monotonic()
-    while True:
-        try:
-            if predicate():
-                return time.monotonic() - start
-        except OSError:
-            pass
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
 
 
 def emulated_plugin(

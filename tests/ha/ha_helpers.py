@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from flowsched.testbed import daemons
 from flowsched.testbed.daemons import Daemon, spawn
 from flowsched.testbed.etcd import etcd_binary, local_etcd
 
@@ -80,13 +80,4 @@ def emulated_plugin(
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> float:
     """Poll every 5 ms until true; the seconds it took (AssertionError naming ``what``)."""
-    start = time.monotonic()
-    while True:
-        try:
-            if predicate():
-                return time.monotonic() - start
-        except OSError:
-            pass
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
+    return daemons.wait_for(predicate, timeout, what, interval=0.005)
