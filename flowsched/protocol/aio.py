@@ -16,6 +16,8 @@ from flowsched.protocol._state import Role
 from flowsched.protocol._util import ProtocolError
 
 _READ_SIZE = 1 << 16
+#: seconds a graceful close may wait for the send buffer to drain before the socket is reset
+CLOSE_TIMEOUT = 1.0
 
 
 class LinkClosed(ConnectionError):
@@ -71,11 +73,18 @@ class AgentLink:
                 elif not isinstance(event, Sentinel):
                     return event
 
-    async def close(self) -> None:
-        """Close the connection (never raises for an already-broken socket)."""
+    async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Close the connection (never raises for an already-broken socket).
+
+        A peer that stops reading would hold a graceful close (which flushes the send buffer
+        first) forever: after ``timeout`` seconds the connection is aborted instead.
+        """
         self._writer.close()
-        with contextlib.suppress(ConnectionError, OSError):
-            await self._writer.wait_closed()
+        try:
+            with contextlib.suppress(ConnectionError, OSError):
+                await asyncio.wait_for(self._writer.wait_closed(), timeout)
+        except TimeoutError:
+            self._writer.transport.abort()
 
 
 async def connect_agent(

@@ -8,6 +8,7 @@ applying twice changes nothing, that a changed policy converges, and that ``clea
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -194,6 +195,20 @@ def veth_pair() -> Iterator[tuple[str, str]]:
                 f"-n {ns_b} link set b0 up",
             ):
                 subprocess.run(["ip", *command.split()], check=True, capture_output=True)
+            # Static neighbours: a burst sent before ARP/ND resolves overflows the kernel's
+            # queue of unresolved packets (about 90 datagrams here) and is dropped unseen.
+            mac = json.loads(
+                subprocess.run(
+                    ["ip", "-n", ns_b, "-j", "link", "show", "b0"],
+                    check=True, capture_output=True, text=True,
+                ).stdout
+            )[0]["address"]  # fmt: skip
+            for peer in ("10.231.0.2", "fd31::2"):
+                subprocess.run(
+                    ["ip", "-n", ns_a, "neigh", "replace", peer, "lladdr", mac,
+                     "dev", "a0", "nud", "permanent"],
+                    check=True, capture_output=True,
+                )  # fmt: skip
             probe = subprocess.run(
                 ["tc", "-n", ns_a, "qdisc", "add", "dev", "a0", "root", "handle", "9:", "htb"],
                 capture_output=True, text=True,
