@@ -55,7 +55,11 @@ log = logging.getLogger("flowsched.agent")
 
 HEARTBEAT_PERIOD = 0.1
 REAP_PERIOD = 1.0
-SILENCE_HEARTBEATS = 3
+#: coordinator heartbeats missed before the agent drops the link (2 s at the default 0.2 s). A
+#: coordinator accepting a burst of ~1,100 connections stalled its loop for more than 3 (0.6 s):
+#: a healthy link must survive that. The local policy does not wait for it: fallback counts from
+#: the last message received (``fallback_after``); a killed coordinator resets the link at once.
+SILENCE_HEARTBEATS = 10
 #: the local policy re-evaluates at the policy's timer period, but not more often than this
 #: (one node's flows do not need a 1 ms sweep; events such as opens are handled at once)
 MIN_LOCAL_PERIOD = 0.01
