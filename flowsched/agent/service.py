@@ -538,8 +538,11 @@ class Agent:
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self._heartbeat_interval
                 await link.send(Heartbeat(time.time()))
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the task's own
+            # cancellation when the wake event fires at that moment, and stop() then hangs
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.report_interval)
+                async with asyncio.timeout(self.config.report_interval):
+                    await self._wake.wait()
             self._wake.clear()
 
     def _adopt_policy(self, text: str) -> None:

@@ -82,7 +82,8 @@ class AgentLink:
         self._writer.close()
         try:
             with contextlib.suppress(ConnectionError, OSError):
-                await asyncio.wait_for(self._writer.wait_closed(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._writer.wait_closed()
         except TimeoutError:
             self._writer.transport.abort()
 
