@@ -60,26 +60,10 @@ static int mode_locked(void) {
 
 /* ---- property conversion (v12 -> older) ------------------------------------------------------ */
 
-#define FS_PROPS_V8_FROM(out, in)               \
-  do {                                          \
-    (out)->name = (in)->name;                   \
-    (out)->pciPath = (in)->pciPath;             \
-    (out)->guid = (in)->guid;                   \
-    (out)->ptrSupport = (in)->ptrSupport;       \
-    (out)->regIsGlobal = (in)->regIsGlobal;     \
-    (out)->speed = (in)->speed;                 \
-    (out)->port = (in)->port;                   \
-    (out)->latency = (in)->latency;             \
-    (out)->maxComms = (in)->maxComms;           \
-    (out)->maxRecvs = (in)->maxRecvs;           \
-    (out)->netDeviceType = (in)->netDeviceType; \
-    (out)->netDeviceVersion = (in)->netDeviceVersion; \
-  } while (0)
-
 /* v9..v11 have four vDevice slots; a v12 vNIC of more devices cannot be described. */
 #define FS_PROPS_V9_FROM(out, in)                                                     \
   do {                                                                                \
-    FS_PROPS_V8_FROM(out, in);                                                        \
+    FS_COPY_V8_PROPS(out, in);                                                        \
     (out)->forceFlush = (in)->forceFlush;                                             \
     (out)->vProps.ndevs = (in)->vProps.ndevs < 4 ? (in)->vProps.ndevs : 4;            \
     for (int i_ = 0; i_ < (out)->vProps.ndevs; i_++) {                                \
@@ -138,7 +122,7 @@ static ncclResult_t w_props_v8(int dev, ncclNetProperties_v8_t* props) {
   ncclResult_t res = fs_wrap_get_properties(dev, &p);
   if (res == ncclSuccess) {
     memset(props, 0, sizeof(*props));
-    FS_PROPS_V8_FROM(props, &p);
+    FS_COPY_V8_PROPS(props, &p);
   }
   return res;
 }
@@ -314,7 +298,7 @@ static ncclResult_t t_props_v8(int dev, ncclNetProperties_v8_t* props) {
   ncclResult_t res = t_props_v9(dev, &p9);
   if (res == ncclSuccess) {
     memset(props, 0, sizeof(*props));
-    FS_PROPS_V8_FROM(props, &p9);
+    FS_COPY_V8_PROPS(props, &p9);
   }
   return res;
 }

@@ -27,21 +27,6 @@ static int legacy_ctx_marker;
 
 /* ---- property conversion: every version's fields, v12 defaults for the ones it lacks ---- */
 
-#define FS_COPY_V8_PROPS(out, in)               \
-  do {                                          \
-    (out)->name = (in)->name;                   \
-    (out)->pciPath = (in)->pciPath;             \
-    (out)->guid = (in)->guid;                   \
-    (out)->ptrSupport = (in)->ptrSupport;       \
-    (out)->regIsGlobal = (in)->regIsGlobal;     \
-    (out)->speed = (in)->speed;                 \
-    (out)->port = (in)->port;                   \
-    (out)->latency = (in)->latency;             \
-    (out)->maxComms = (in)->maxComms;           \
-    (out)->maxRecvs = (in)->maxRecvs;           \
-    (out)->netDeviceType = (in)->netDeviceType; \
-    (out)->netDeviceVersion = (in)->netDeviceVersion; \
-  } while (0)
 
 #define FS_COPY_V9_PROPS(out, in)                                \
   do {                                                           \

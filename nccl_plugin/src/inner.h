@@ -67,4 +67,22 @@ void fs_inner_companions(const struct fs_inner* inner, char* out, size_t cap);
 /* dlclose it (after the last use). */
 void fs_inner_unload(struct fs_inner* inner);
 
+/* The fields every property version since v8 shares, copied between any two versions (the
+ * wrapper converts the inner's properties to v12 and v12 back to what NCCL asked for). */
+#define FS_COPY_V8_PROPS(out, in)               \
+  do {                                          \
+    (out)->name = (in)->name;                   \
+    (out)->pciPath = (in)->pciPath;             \
+    (out)->guid = (in)->guid;                   \
+    (out)->ptrSupport = (in)->ptrSupport;       \
+    (out)->regIsGlobal = (in)->regIsGlobal;     \
+    (out)->speed = (in)->speed;                 \
+    (out)->port = (in)->port;                   \
+    (out)->latency = (in)->latency;             \
+    (out)->maxComms = (in)->maxComms;           \
+    (out)->maxRecvs = (in)->maxRecvs;           \
+    (out)->netDeviceType = (in)->netDeviceType; \
+    (out)->netDeviceVersion = (in)->netDeviceVersion; \
+  } while (0)
+
 #endif
