@@ -219,7 +219,10 @@ class SdkServer:
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._first_level[flow_id] = future
         try:
-            await asyncio.wait_for(future, FIRST_LEVEL_WAIT)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow this task's
+            # cancellation when the future completes at that moment
+            async with asyncio.timeout(FIRST_LEVEL_WAIT):
+                await future
         except TimeoutError:
             log.debug("no level from the coordinator yet for flow %d", flow_id)
         finally:

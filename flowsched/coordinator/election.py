@@ -253,7 +253,8 @@ class EtcdElection:
         # keepalives nor hold up the process's exit
         opening = _in_daemon_thread(self._open_watch, revision)
         try:
-            events, cancel = await asyncio.wait_for(asyncio.shield(opening), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                events, cancel = await asyncio.shield(opening)
         except Exception as exc:
             opening.add_done_callback(_close_late_watch)
             log.warning("etcd watch failed: %s", exc or type(exc).__name__)
@@ -278,9 +279,8 @@ class EtcdElection:
         while True:
             sent = time.monotonic()
             try:
-                ttl = await asyncio.wait_for(
-                    asyncio.to_thread(self._keepalive, leadership.lease), self.timeout
-                )
+                async with asyncio.timeout(self.timeout):
+                    ttl = await asyncio.to_thread(self._keepalive, leadership.lease)
             except Exception as exc:
                 ttl = None
                 log.warning("etcd keepalive failed: %s", exc or type(exc).__name__)
@@ -300,9 +300,8 @@ class EtcdElection:
     async def resign(self, leadership: Leadership) -> None:
         """Give leadership up now (graceful stop): a standby takes over at once."""
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                asyncio.to_thread(self._revoke, self._client, leadership.lease), self.timeout
-            )
+            async with asyncio.timeout(self.timeout):
+                await asyncio.to_thread(self._revoke, self._client, leadership.lease)
         log.info("resigned leadership (epoch %d)", leadership.epoch)
 
     async def depose(self, leader: Leader) -> None:
@@ -315,9 +314,8 @@ class EtcdElection:
         )  # fmt: skip
         client = self._new_client()  # the campaign may be using the others in its thread
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(
-                asyncio.to_thread(self._revoke, client, leader.lease), self.timeout
-            )
+            async with asyncio.timeout(self.timeout):
+                await asyncio.to_thread(self._revoke, client, leader.lease)
         self._recheck.set()
 
     def _leader_text(self) -> str:
