@@ -180,11 +180,14 @@ class LateDrop:
         """The classes dropped, for ``describe_levels`` (e.g. ``"kv"``)."""
         return ", ".join(sorted(cls.label for cls in self.classes)) or "none"
 
-    def next_change(self, flow: Flow) -> float | None:
-        """When :meth:`dropped` turns true by time alone (the deadline), or None."""
-        if self.enabled and flow.cls in self.classes and flow.remaining != 0:
-            return flow.deadline
-        return None
+    def next_change(self, flow: Flow, now: float) -> float | None:
+        """When :meth:`dropped` turns true by time alone (the deadline), or None (also once
+        it has: a dropped flow stays dropped, so a past time would only re-arm its timer)."""
+        if not self.enabled or flow.cls not in self.classes or flow.remaining == 0:
+            return None
+        if flow.deadline is None or flow.deadline <= now:
+            return None
+        return flow.deadline
 
 
 def level_changes(flows: Iterable[Flow], decide: Callable[[Flow], int]) -> dict[int, Decision]:

@@ -77,7 +77,7 @@ class EdfPolicy:
     def next_change(self, flow: Flow, ctx: Context) -> float | None:
         """When time alone changes ``flow``'s own decision: its deadline with ``drop_late``
         (ranks also move when other flows change; the caller re-ranks every flow then)."""
-        return self._late.next_change(flow)
+        return self._late.next_change(flow, ctx.now)
 
 
 def _deadline(flow: Flow) -> float | None:

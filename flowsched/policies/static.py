@@ -107,7 +107,7 @@ class StaticPolicy:
 
     def next_change(self, flow: Flow, ctx: Context) -> float | None:
         """When time alone changes ``flow``'s level: its deadline with ``drop_late``."""
-        return self._late.next_change(flow)
+        return self._late.next_change(flow, ctx.now)
 
     def release(self, flow: Flow, ctx: Context) -> None:
         return None

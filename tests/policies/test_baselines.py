@@ -354,6 +354,8 @@ def test_late_dropping_turns_on_at_the_deadline(name: str) -> None:
     assert policy.reevaluate([flow], ctx(1.0))[1].level == 7
     flow.level = 7
     assert policy.reevaluate([flow], ctx(1.5)) == {}  # stays dropped
+    # no further change by time alone: a past time would re-arm the coordinator's timer each tick
+    assert policy.next_change(flow, ctx(1.5)) is None  # type: ignore[attr-defined]
     plain = create(name, {}, num_levels=8)
     assert plain.next_change(flow, ctx(0.5)) is None  # type: ignore[attr-defined]
 
