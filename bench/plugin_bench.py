@@ -1,6 +1,7 @@
 """Plugin vs a plain C TCP pair, side by side in one run, over loopback.
 
     .venv/bin/python bench/plugin_bench.py [--trials 7] [--out results/plugin_bench.json]
+    .venv/bin/python bench/plugin_bench.py --sizes 1MiB --no-rtt   # a quick A/B subset
 
 Measures, alternating plugin and baseline runs (the order flips every trial) so that both
 see the same machine load:
@@ -75,18 +76,21 @@ def run_json(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
     return result
 
 
-def trial(build: Path, env: dict[str, str], plugin_first: bool) -> dict[str, float]:
+def trial(
+    build: Path, env: dict[str, str], plugin_first: bool, sizes: list[str], rtt: bool
+) -> dict[str, float]:
     """One plugin/baseline round of every measurement (back to back, same load)."""
     lib = str(build / "libnccl-net-flowsched.so")
     programs = {"plugin": [str(build / "harness"), lib], "plain": [str(build / "plain_tcp")]}
     order = ["plugin", "plain"] if plugin_first else ["plain", "plugin"]
     row: dict[str, float] = {}
-    for label, (size, count) in SIZES.items():
+    for label in sizes:
+        size, count = SIZES[label]
         for who in order:
             row[f"{who}_{label}_MBps"] = run_json(
                 [*programs[who], "bw", str(size), str(count)], env
             )["MBps"]
-    for who in order:
+    for who in order if rtt else []:
         row[f"{who}_rtt_us"] = run_json([*programs[who], "rtt", str(RTT_COUNT)], env)["rtt_us"]
     return row
 
@@ -103,16 +107,19 @@ def cpu_hog(cpu: int) -> Iterator[None]:
         hog.wait()
 
 
-def measure(build: Path, env: dict[str, str], trials: int) -> dict[str, Any]:
+def measure(
+    build: Path, env: dict[str, str], trials: int, sizes: list[str], rtt: bool
+) -> dict[str, Any]:
     """Medians, ratios and load for one condition."""
     load_start = os.getloadavg()
-    rows = [trial(build, env, plugin_first=i % 2 == 0) for i in range(trials)]
+    rows = [trial(build, env, i % 2 == 0, sizes, rtt) for i in range(trials)]
     med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     ratios = {
         f"throughput_{label}": med[f"plugin_{label}_MBps"] / med[f"plain_{label}_MBps"]
-        for label in SIZES
+        for label in sizes
     }
-    ratios["rtt_8B"] = med["plugin_rtt_us"] / med["plain_rtt_us"]
+    if rtt:
+        ratios["rtt_8B"] = med["plugin_rtt_us"] / med["plain_rtt_us"]
     return {
         "trials": rows,
         "median": med,
@@ -127,9 +134,11 @@ def goals_met(report: dict[str, Any]) -> dict[str, bool]:
     met: dict[str, bool] = {}
     for cond, part in report["conditions"].items():
         floor = GOALS[f"{cond}_min_ratio"]
-        for label in SIZES:
-            met[f"{cond}_throughput_{label}"] = part["ratios"][f"throughput_{label}"] >= floor
-        met[f"{cond}_rtt_8B"] = part["ratios"]["rtt_8B"] <= GOALS["rtt_max_ratio"]
+        for name, ratio in part["ratios"].items():
+            if name == "rtt_8B":
+                met[f"{cond}_rtt_8B"] = ratio <= GOALS["rtt_max_ratio"]
+            else:
+                met[f"{cond}_{name}"] = ratio >= floor
     return met
 
 
@@ -144,20 +153,25 @@ def print_report(report: dict[str, Any]) -> None:
         )
         print(f"{'metric':<22}{'plain':>12}{'plugin':>12}{'ratio':>9}")
         for label in SIZES:
+            if f"throughput_{label}" in ratios:
+                print(
+                    f"{'throughput ' + label + ' MB/s':<22}{med[f'plain_{label}_MBps']:>12.1f}"
+                    f"{med[f'plugin_{label}_MBps']:>12.1f}{ratios['throughput_' + label]:>9.3f}"
+                )
+        if "rtt_8B" in ratios:
             print(
-                f"{'throughput ' + label + ' MB/s':<22}{med[f'plain_{label}_MBps']:>12.1f}"
-                f"{med[f'plugin_{label}_MBps']:>12.1f}{ratios['throughput_' + label]:>9.3f}"
+                f"{'8 B round trip us':<22}{med['plain_rtt_us']:>12.2f}"
+                f"{med['plugin_rtt_us']:>12.2f}{ratios['rtt_8B']:>9.3f}"
             )
+    prio = report.get("priority_read")
+    if prio is None:
+        print("priority check: skipped (--no-rtt run)")
+    else:
         print(
-            f"{'8 B round trip us':<22}{med['plain_rtt_us']:>12.2f}"
-            f"{med['plugin_rtt_us']:>12.2f}{ratios['rtt_8B']:>9.3f}"
+            f"priority check per isend: {prio['level_check_ns']:.2f} ns "
+            f"(with per-message accounting: {prio['level_check_and_account_ns']:.2f} ns; "
+            f"empty loop {prio['empty_loop_ns']:.2f} ns)"
         )
-    prio = report["priority_read"]
-    print(
-        f"priority check per isend: {prio['level_check_ns']:.2f} ns "
-        f"(with per-message accounting: {prio['level_check_and_account_ns']:.2f} ns; "
-        f"empty loop {prio['empty_loop_ns']:.2f} ns)"
-    )
     failed = [name for name, ok in report["goals_met"].items() if not ok]
     print("goals: all met" if not failed else f"goals not met: {', '.join(failed)}")
 
@@ -170,6 +184,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--conditions",
         default="quiet,hog",
         help="comma-separated subset of quiet,hog (default: both, in the same run)",
+    )
+    parser.add_argument(
+        "--sizes",
+        default=",".join(SIZES),
+        help=f"comma-separated subset of {','.join(SIZES)} (default: all; for quick A/Bs)",
+    )
+    parser.add_argument(
+        "--no-rtt", action="store_true", help="skip the round trip and priority-check runs"
     )
     parser.add_argument("--hog-cpu", type=int, default=0, help="CPU the hog is pinned to")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here")
@@ -185,7 +207,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--conditions: expected quiet and/or hog, got {args.conditions!r}")
     if args.trials < 1:
         parser.error("--trials must be at least 1")
+    sizes = [s for s in args.sizes.split(",") if s]
+    if not sizes or any(s not in SIZES for s in sizes):
+        parser.error(f"--sizes: expected a subset of {','.join(SIZES)}, got {args.sizes!r}")
     args.condition_list = conditions
+    args.size_list = [s for s in SIZES if s in sizes]
     return args
 
 
@@ -202,9 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         for cond in args.condition_list:
             hog = cpu_hog(args.hog_cpu) if cond == "hog" else contextlib.nullcontext()
             with hog:
-                report["conditions"][cond] = measure(args.build_dir, env, args.trials)
-        prio_bench = str(args.build_dir / "prio_read_bench")
-        report["priority_read"] = run_json([prio_bench, "50000000"], env)
+                report["conditions"][cond] = measure(
+                    args.build_dir, env, args.trials, args.size_list, not args.no_rtt
+                )
+        if not args.no_rtt:
+            prio_bench = str(args.build_dir / "prio_read_bench")
+            report["priority_read"] = run_json([prio_bench, "50000000"], env)
     report["goals_met"] = goals_met(report)
     print_report(report)
     if args.out:

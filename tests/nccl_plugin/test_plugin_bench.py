@@ -55,3 +55,19 @@ def test_arguments() -> None:
     for bad in (["--conditions", "noisy"], ["--trials", "0"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_size_subset_for_quick_comparisons() -> None:
+    bench = load()
+    assert bench.parse_args([]).size_list == ["1MiB", "4MiB", "64MiB"]
+    # any order on the command line, the table's order in the report
+    assert bench.parse_args(["--sizes", "64MiB,1MiB"]).size_list == ["1MiB", "64MiB"]
+    for bad in (["--sizes", "2MiB"], ["--sizes", ","]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_verdicts_cover_only_what_was_measured() -> None:
+    part = {"ratios": {"throughput_1MiB": 0.96}}
+    met = load().goals_met({"conditions": {"quiet": part, "hog": {"ratios": {}}}})
+    assert met == {"quiet_throughput_1MiB": True}
