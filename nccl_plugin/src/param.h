@@ -31,8 +31,11 @@
    * (NCCL's NCCL_SOCKET_MIN_TASKSIZE), so small messages use fewer sockets. */               \
   FS_PARAM_INT(min_chunk_size, "FLOWSCHED_MIN_CHUNK_SIZE", 64 * 1024, 4096, 64 * 1024 * 1024,  \
                "smallest chunk in bytes")                                                     \
-  /* Messages up to this size travel whole on the control socket with their header. */      \
-  FS_PARAM_INT(inline_size, "FLOWSCHED_INLINE_SIZE", 1024, 0, 4096, "inline threshold, bytes") \
+  /* Messages up to this size travel whole on the control socket with their header, moved  \
+   * by NCCL's progress thread itself: below ~1 MiB handing a message to helper threads     \
+   * costs more than it gains (docs/nccl-plugin-transport.md has the measurements). */      \
+  FS_PARAM_INT(inline_size, "FLOWSCHED_INLINE_SIZE", 1024 * 1024, 0, 64 * 1024 * 1024,         \
+               "inline threshold, bytes")                                                     \
   /* TCP_NOTSENT_LOWAT on data sockets (0 = kernel default: no limit). Linux builds the IP   \
    * header at transmission time with the socket's current TOS, so unsent bytes leave with a \
    * new DSCP anyway; a limit only adds wake-ups (see docs/nccl-plugin-transport.md). */       \

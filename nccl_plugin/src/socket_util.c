@@ -225,10 +225,10 @@ static void set_int_opt(int fd, int level, int name, int value, atomic_int* warn
   }
 }
 
-void fs_sock_tune(int fd, const struct fs_params* params, int is_data) {
+void fs_sock_tune(int fd, const struct fs_params* params) {
   static atomic_int warned_nodelay, warned_buf;
   set_int_opt(fd, IPPROTO_TCP, TCP_NODELAY, 1, &warned_nodelay, "TCP_NODELAY");
-  if (is_data && params->sock_buf > 0) {
+  if (params->sock_buf > 0) {
     set_int_opt(fd, SOL_SOCKET, SO_SNDBUF, (int)params->sock_buf, &warned_buf, "SO_SNDBUF");
     set_int_opt(fd, SOL_SOCKET, SO_RCVBUF, (int)params->sock_buf, &warned_buf, "SO_RCVBUF");
   }

@@ -42,8 +42,9 @@ int fs_ifname_matches(const char* spec, const char* name);
 /* "addr%scope port" for logs. */
 const char* fs_addr_str(const struct fs_addr* addr, char* buf, size_t cap);
 
-/* Options every socket of ours gets (TCP_NODELAY, buffers, TCP_NOTSENT_LOWAT on data). */
-void fs_sock_tune(int fd, const struct fs_params* params, int is_data);
+/* Options every socket of ours gets (TCP_NODELAY, buffers, congestion control,
+ * TCP_NOTSENT_LOWAT); the control socket carries payloads up to the inline size too. */
+void fs_sock_tune(int fd, const struct fs_params* params);
 /* Bind a connecting socket to its device's address (the device NCCL chose for this
  * connection), so its traffic leaves through that interface whatever the routing table
  * prefers; a no-op when the peer's family differs. Failure is warned once, never fatal. */

@@ -7,7 +7,8 @@
  *    sizes, trafficClass, a random connection nonce, commId) so the acceptor can group the
  *    sockets of one connection, whatever order they arrive in;
  *  - each message sends a 16-byte header {u64 size, u32 magic, u32 seq} on the control
- *    socket, followed by the payload itself when size <= inline size;
+ *    socket, followed by the payload itself when size <= inline size (default 1 MiB: the
+ *    progress thread moves such a message itself, no helper hand-off);
  *  - once the receiving process knows its own rank (the tag of its first isend on the same
  *    communicator), it writes an 8-byte rank note {u32 magic, i32 rank} once, in the other
  *    direction of the control socket, so the sender's slot can name its destination (the
@@ -42,8 +43,9 @@
 #define FS_MAX_REQUESTS 64 /* NCCL needs >= 32 outstanding per comm */
 #define FS_MAX_PENDING (2 * (FS_MAX_SOCKS + 1))
 #define FS_MAX_ASSEMBLIES 4
-#define FS_MAX_INLINE 4096
-#define FS_CTRL_BUF (2 * (FS_MAX_INLINE + 64)) /* receive-side control stream buffer */
+/* Receive-side control stream buffer: many headers and small inline payloads per recv;
+ * a larger inline payload is read straight into the posted buffer. */
+#define FS_CTRL_BUF 8320
 
 struct fs_context;
 

@@ -259,7 +259,7 @@ static int connect_start_socket(struct fs_connect_state* st) {
   if (st->fd < 0) {
     return FS_NEG_ERRNO();
   }
-  fs_sock_tune(st->fd, fs_global_params(), st->index < comm->nsocks);
+  fs_sock_tune(st->fd, fs_global_params());
   fs_sock_apply_marking(st->fd, comm->family, &comm->flow.marking);
   fs_sock_bind_device(st->fd, fs_global_device(comm->dev), comm->family);
   if (connect(st->fd, (struct sockaddr*)&st->peer.ss, st->peer.len) == 0 || errno == EINPROGRESS) {
@@ -467,7 +467,7 @@ static struct fs_comm* accept_place(struct fs_listen_comm* lcomm, struct fs_pend
   if (getsockname(p->fd, (struct sockaddr*)&ss, &len) == 0) {
     comm->family = ss.ss_family;
   }
-  fs_sock_tune(p->fd, fs_global_params(), (int)p->hello.index < comm->nsocks);
+  fs_sock_tune(p->fd, fs_global_params());
   fs_sock_apply_marking(p->fd, comm->family, &comm->flow.marking);
   if (++a->have < comm->nsocks + 1) {
     return NULL;

@@ -183,30 +183,54 @@ static int ctrl_fill(struct fs_comm* comm) {
   return (int)n;
 }
 
-/* Headers and inline payloads are read in bulk into cbuf (one recv for many small messages)
- * and parsed only for posted receives. ctrl_off is 0 before a header, FS_HDR_SIZE after. */
+/* Read up to `len` bytes of the current inline payload into `dst`: from cbuf first, else
+ * straight from the socket when the rest is larger than cbuf (no extra copy for a big
+ * payload), else through cbuf (one recv for many small messages). Bytes, 0, or -errno. */
+static ssize_t ctrl_recv_payload(struct fs_comm* comm, uint8_t* dst, size_t len) {
+  size_t avail = comm->cbuf_len - comm->cbuf_off;
+  if (avail == 0 && len >= sizeof(comm->cbuf)) {
+    return io_recv(comm->fds[comm->nsocks], dst, len);
+  }
+  if (avail == 0) {
+    int rc = ctrl_fill(comm);
+    if (rc <= 0) {
+      return rc;
+    }
+    avail = comm->cbuf_len - comm->cbuf_off;
+  }
+  size_t n = avail < len ? avail : len;
+  memcpy(dst, comm->cbuf + comm->cbuf_off, n);
+  comm->cbuf_off += n;
+  return (ssize_t)n;
+}
+
+/* Headers are read in bulk into cbuf (one recv for many small messages) and parsed only for
+ * posted receives. ctrl_off counts the current message's header and inline payload bytes. */
 static int ctrl_recv_progress(struct fs_comm* comm) {
   while (comm->ctrl_seq < comm->posted) {
     struct fs_request* req = req_at(comm, comm->ctrl_seq);
-    size_t avail = comm->cbuf_len - comm->cbuf_off;
-    size_t need = comm->ctrl_off == 0 ? FS_HDR_SIZE : inline_bytes(comm, req->size);
-    if (avail < need) {
-      int rc = ctrl_fill(comm);
-      if (rc <= 0) {
-        return rc;
+    if (comm->ctrl_off < FS_HDR_SIZE) {
+      if (comm->cbuf_len - comm->cbuf_off < FS_HDR_SIZE) {
+        int rc = ctrl_fill(comm);
+        if (rc <= 0) {
+          return rc;
+        }
+        continue;
       }
-      continue;
-    }
-    if (comm->ctrl_off == 0) {
       memcpy(&req->hdr, comm->cbuf + comm->cbuf_off, FS_HDR_SIZE);
       comm->cbuf_off += FS_HDR_SIZE;
       comm->ctrl_off = FS_HDR_SIZE;
       FS_CHECK(ctrl_check_header(comm, req));
-      continue;
     }
+    size_t done = comm->ctrl_off - FS_HDR_SIZE;
+    size_t need = inline_bytes(comm, req->size) - done;
     if (need > 0) {
-      memcpy(req->data, comm->cbuf + comm->cbuf_off, need);
-      comm->cbuf_off += need;
+      ssize_t n = ctrl_recv_payload(comm, req->data + done, need);
+      if (n <= 0) {
+        return (int)n;
+      }
+      comm->ctrl_off += (size_t)n;
+      continue;
     }
     comm->ctrl_seq++;
     comm->ctrl_off = 0;
