@@ -8,7 +8,10 @@ Flow identity on the wire is ``(node, id)``; policies see cluster-unique ``Flow.
 that this table assigns. Which flows an event makes "dirty" (re-evaluated at the next flush):
 
 * flow open: admitted at once (``policy.admit``), then dirty;
-* flow progress: that flow;
+* flow progress: that flow; with promotion timers and a policy that defines
+  ``observe_progress`` (more bytes sent never brings its next change earlier), only the
+  policy's measurements follow the bytes (``observe_progress``), and the flow is decided when
+  its timer comes;
 * flow close: the remaining flows of the same job;
 * job progress: the flows of that job;
 * NIC load: the flows crossing the reported links;
@@ -104,6 +107,15 @@ class ClusterState:
         #: the policy's next_change, or None when promotions are swept
         self._next_change: Callable[[Flow, Context], float | None] | None = next_change
         self.promotion = "timers" if next_change is not None else "sweep"
+        if per_flow is None:
+            per_flow = bool(getattr(policy, "per_flow_decisions", False))
+        self.per_flow = per_flow
+        observe = getattr(policy, "observe_progress", None)
+        #: the policy's observe_progress when progress reports need no decision (per-flow
+        #: policy with timers), else None: a reported flow is re-evaluated
+        self._observe: Callable[[Iterable[Flow], Context], Mapping[int, Decision]] | None = (
+            observe if next_change is not None and per_flow else None
+        )
         #: promotion timers: a heap of (due time, flow id); _due_at holds each flow's live entry
         #: (entries that no longer match it are skipped when they surface)
         self._timers: list[tuple[float, int]] = []
@@ -112,9 +124,6 @@ class ClusterState:
         self._mono_clock = mono_clock
         #: (wall, monotonic ns) of the decision being made (stamped on queued level updates)
         self._decided: tuple[float, int] = (0.0, 0)
-        if per_flow is None:
-            per_flow = bool(getattr(policy, "per_flow_decisions", False))
-        self.per_flow = per_flow
         self.flows: dict[int, Flow] = {}
         self.origin: dict[int, tuple[str, int]] = {}
         self.by_node: dict[str, dict[int, int]] = {}
@@ -125,6 +134,8 @@ class ClusterState:
         self.link_load: dict[str, float] = {}
         self.default_bandwidth = default_bandwidth
         self.dirty: set[int] = set()
+        #: flows with progress reports since the last flush (see ``_observe``)
+        self.progressed: set[int] = set()
         #: resynced flows whose re-evaluation waits for settle_resyncs()
         self.resynced: set[int] = set()
         #: flows re-evaluated by the last flush
@@ -195,7 +206,7 @@ class ClusterState:
         """Record bytes sent; unknown ids are ignored (the open may have been dropped)."""
         table = self.by_node.get(node, {})
         flows = self.flows
-        dirty = self.dirty
+        dirty = self.dirty if self._observe is None else self.progressed
         count = 0
         for report in reports:
             count += 1
@@ -319,8 +330,8 @@ class ClusterState:
 
     @property
     def pending(self) -> bool:
-        """Whether a flush has work: dirty flows or an unfinished timer sweep."""
-        return bool(self.dirty or self._sweep)
+        """Whether a flush has work: dirty or progressed flows, an unfinished timer sweep."""
+        return bool(self.dirty or self.progressed or self._sweep)
 
     # -- decisions ---------------------------------------------------------------------------
 
@@ -340,6 +351,8 @@ class ClusterState:
         self._stamp(now)
         self.last_batch = 0
         batch, self.dirty = self.dirty, set()
+        if self.progressed:
+            self._observe_progress(batch, now)
         if not self.per_flow:
             if batch or self._sweep:
                 self._sweep = set()
@@ -352,6 +365,24 @@ class ClusterState:
                 self._advance_sweep(now, sweep_budget)
         outbox, self.outbox = self.outbox, {}
         return outbox
+
+    def _observe_progress(self, batch: set[int], now: float) -> None:
+        """Fold the progressed flows' bytes into the policy's measurements; apply what that
+        decides (normally nothing). ``batch`` is passed too: re-evaluated next at the same
+        instant, its bytes are measured together with the others'."""
+        assert self._observe is not None
+        progressed, self.progressed = self.progressed, set()
+        flows = self.flows
+        active = [flows[fid] for fid in progressed.union(batch) if fid in flows]
+        changed = self._observe(active, self.context(now))
+        if changed:
+            for fid, decision in changed.items():
+                flow = flows.get(fid)
+                if flow is not None:
+                    self._apply(fid, flow, decision, count_promotion=True)
+            assert self._next_change is not None
+            moved = [flows[fid] for fid in changed if fid in flows]
+            self._arm(moved, changed, self.context(now))
 
     def _advance_sweep(self, now: float, budget: float | None) -> None:
         started = self._clock()
@@ -445,6 +476,7 @@ class ClusterState:
         del self.origin[fid]
         self.rates.pop(fid, None)
         self.dirty.discard(fid)
+        self.progressed.discard(fid)
         self.timed.discard(fid)
         self._due_at.pop(fid, None)
         if flow.job is not None:

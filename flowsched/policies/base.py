@@ -27,6 +27,15 @@ policy knew at its last evaluation of ``flow``; None = never. A caller that re-e
 when its inputs change and when this time comes (the coordinator's promotion timers) needs no
 periodic sweep. It must not be later than the true change (an early answer only costs a
 re-evaluation that changes nothing); policies without it are swept periodically.
+
+A per-flow policy with ``next_change`` may also define ``observe_progress(flows, ctx) ->
+Mapping[int, Decision]`` (optional): a caller with promotion timers calls it instead of
+``reevaluate`` for flows whose news is only more bytes sent (progress reports), plus any flows
+it re-evaluates at the same instant. It promises that more bytes sent never bring a flow's
+decision change before the time ``next_change`` gave; it folds the bytes into what the policy
+measures and returns the decisions that change anyway (usually none; flows not passed, as
+above, included). The simulator, which re-evaluates on job steps, completions and timers but
+never on bytes, and the agent's fallback do not need it.
 """
 
 from __future__ import annotations

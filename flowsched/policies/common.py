@@ -220,15 +220,20 @@ class TrafficMeter:
     sum over the levels above ``L`` is the load of the traffic more urgent than ``L``. Why a
     window: ``Context.link_load`` follows ~1 ms bursts and, read at event times, oversamples
     busy instants (see docs/rmlq.md). A flow starts at rate 0; a link first seen starts idle.
-    Traffic the policy never sees (unscheduled flows) is not counted.
+    Traffic the policy never sees (unscheduled flows) is not counted. With ``flow_rates``
+    off, the per-flow rates are not kept (:meth:`flow_rate` and :meth:`others_load` read 0
+    for the flows' own share); the link loads are the same.
     """
 
-    __slots__ = ("_flow_rate", "_last_sent", "_link_bytes", "_link_util", "_then", "window")
+    __slots__ = (
+        "_flow_rate", "_flow_rates", "_last_sent", "_link_bytes", "_link_util", "_then", "window",
+    )  # fmt: skip
 
-    def __init__(self, window: float) -> None:
+    def __init__(self, window: float, *, flow_rates: bool = True) -> None:
         if window <= 0:
             raise ValueError(f"TrafficMeter window must be > 0, got {window}")
         self.window = window
+        self._flow_rates = flow_rates
         self._then: float | None = None
         self._last_sent: dict[int, tuple[float, int]] = {}
         self._flow_rate: dict[int, float] = {}
@@ -243,7 +248,8 @@ class TrafficMeter:
             self._then = now
         if flow.flow_id not in self._last_sent:
             self._last_sent[flow.flow_id] = (now, flow.sent)
-            self._flow_rate[flow.flow_id] = 0.0
+            if self._flow_rates:
+                self._flow_rate[flow.flow_id] = 0.0
 
     def close(self, flow: Flow) -> None:
         """Count ``flow``'s last bytes (into the next update) and forget it."""
@@ -260,18 +266,20 @@ class TrafficMeter:
             key = (link, level)
             self._link_bytes[key] = self._link_bytes.get(key, 0.0) + sent
 
-    def _count(self, flow: Flow, now: float) -> None:
-        """Fold ``flow``'s bytes since its last count into its rate and its links' bytes."""
-        then, last = self._last_sent[flow.flow_id]
-        if now <= then:
-            return
-        sent = max(flow.sent - last, 0)
+    def _count(self, flow: Flow, now: float, then: float, last: int) -> None:
+        """Fold ``flow``'s bytes since its last count (at ``then``, ``last`` bytes sent)
+        into its rate and its links' bytes."""
+        sent = flow.sent - last
+        if sent < 0:
+            sent = 0
         self._last_sent[flow.flow_id] = (now, last + sent)
-        self._add_link_bytes(flow, sent)
-        rate = self._flow_rate[flow.flow_id]
-        self._flow_rate[flow.flow_id] = ewma_step(
-            rate, sent / (now - then), now - then, self.window
-        )
+        if sent:
+            self._add_link_bytes(flow, sent)
+        if self._flow_rates:
+            rate = self._flow_rate[flow.flow_id]
+            self._flow_rate[flow.flow_id] = ewma_step(
+                rate, sent / (now - then), now - then, self.window
+            )
 
     def update(self, flows: Iterable[Flow], ctx: Context) -> None:
         """Fold the bytes sent since the previous update into the averages.
@@ -286,16 +294,23 @@ class TrafficMeter:
             return
         self._then = now
         elapsed = now - then if then is not None else 0.0
-        for flow in flows:
-            self.open(flow, now)
-            self._count(flow, now)
+        last_sent = self._last_sent
+        for flow in flows:  # one lookup per flow and no call for an idle one: runs per report
+            counted = last_sent.get(flow.flow_id)
+            if counted is None:
+                self.open(flow, now)
+            elif counted[0] < now and (flow.sent != counted[1] or self._flow_rates):
+                self._count(flow, now, *counted)
         start = then if then is not None else now
+        window = self.window
+        # ewma_step(util, sample, elapsed, window) with its factor computed once
+        factor = math.exp(-elapsed / window) if elapsed > 0 else 1.0
         for (link, level), sent in self._link_bytes.items():
             capacity = ctx.bandwidth(link)
             sample = sent / elapsed / capacity if elapsed > 0 and capacity > 0 else 0.0
             levels = self._link_util.setdefault(link, {})
-            util = _decay(levels.get(level), start, self.window)
-            levels[level] = (ewma_step(util, sample, elapsed, self.window), now)
+            util = _decay(levels.get(level), start, window)
+            levels[level] = (sample + (util - sample) * factor if elapsed > 0 else util, now)
         self._link_bytes.clear()
 
     def link_load(self, link: str) -> float:

@@ -180,7 +180,7 @@ class RmlqPolicy:
         self._newly_pruned: list[str] = []
         self._request_flows: dict[str, int] = {}
         self._idle_requests: dict[str, float] = {}
-        self._meter = TrafficMeter(args.rho_window)
+        self._meter = TrafficMeter(args.rho_window, flow_rates=args.rho_source == "others")
         self._alg1 = args.feasibility and args.feasibility_check == "alg1"
         #: prunable flows; those in the urgent tier (the ones Algorithm 1 judges); whether a
         #: request arrived, left or turned urgent since its last run
@@ -525,6 +525,38 @@ class RmlqPolicy:
                 changes[flow.flow_id] = Decision(level)
         self._move_pruned(changes)
         return changes
+
+    def observe_progress(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        """Fold the bytes ``flows`` sent into rho; decide only the flows progress can move.
+
+        More bytes sent only lowers a flow's MLU and raises its slack, so a promotion never
+        comes earlier than ``next_change`` said: a caller with promotion timers calls this
+        instead of ``reevaluate`` on progress reports. Decided here all the same: a late flow
+        that has sent its last byte (late no more), a flow held below its job's collectives
+        (its MLU reaching the top threshold brings it to Algorithm 1) and, in slack order, an
+        urgent flow (its timer assumes today's rho). Algorithm 1 runs when due, as in
+        ``reevaluate``.
+        """
+        active = flows if isinstance(flows, list | tuple) else list(flows)
+        if self.args.rho_source != "none":
+            self._meter.update(active, ctx)  # reevaluate's own update at this instant is a no-op
+        return self.reevaluate([f for f in active if self._moved_by_progress(f, ctx)], ctx)
+
+    def _moved_by_progress(self, flow: Flow, ctx: Context) -> bool:
+        level = flow.level
+        if flow.cls not in EXPLICIT_DEADLINE or level < 0:
+            return level < 0
+        if level == self.scavenger:
+            return flow.remaining == 0
+        if level < self.urgent_levels:
+            return self.args.urgent_order == "slack" and level > 0
+        return (
+            self._alg1
+            and level == self.first_band
+            and flow.flow_id in self._tracked
+            and flow.flow_id not in self._urgent
+            and self._held_below_collectives(flow, ctx)
+        )
 
     def _move_pruned(self, changes: dict[int, Decision]) -> None:
         """Send the flows of newly pruned requests that were not evaluated to the scavenger."""

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Iterable, Mapping
 
 import pytest
 from coordinator_helpers import BytesPolicy
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from flowsched.coordinator.state import SWEEP_STEP, ClusterState
 from flowsched.model import Context, Decision, Flow, FlowClass
@@ -293,3 +296,154 @@ def test_rmlq_pruned_request_moves_its_untouched_flows_in_the_same_flush() -> No
         "b": {3: 7},
     }
     assert state.flows[untouched].level == 7 and untouched not in state._due_at
+
+
+# -- progress with promotion timers ---------------------------------------------------------
+
+
+class ReevaluateOnProgress:
+    """The policy it wraps, minus ``observe_progress``: every progress report re-evaluates."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        if name == "observe_progress":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def _levels(outbox: Mapping[str, Mapping[int, LevelUpdate]]) -> dict[tuple[str, int], int]:
+    return {(node, wire): u.level for node, box in outbox.items() for wire, u in box.items()}
+
+
+def _replay(state: ClusterState, seed: int, steps: int = 60) -> list[dict[tuple[str, int], int]]:
+    """A random cluster history (opens, progress, closes, job steps, link loads, timers) fed
+    to ``state``; the level changes of each flush."""
+    rng = random.Random(seed)
+    links = [f"n{i}/eth0" for i in range(3)]
+    classes = [FlowClass.KV, FlowClass.KV, FlowClass.PARAM_SYNC, FlowClass.TP, FlowClass.BULK]
+    opened: dict[str, dict[int, int]] = {"a": {}, "b": {}}  # node -> wire id -> size
+    sent: dict[tuple[str, int], int] = {}
+    wire_ids = itertools.count()
+    history = []
+    now = 100.0
+    for _ in range(steps):
+        step = rng.choice([1e-4, 1e-3, 5e-3, 0.02])
+        now += step
+        node = rng.choice("ab")
+        if rng.random() < 0.4:  # a transfer opens: one flow, or a request's flows at once
+            cls = rng.choice(classes)
+            explicit = cls in (FlowClass.KV, FlowClass.PARAM_SYNC)
+            deadline = now + rng.uniform(0.01, 0.5) if explicit else None
+            request = f"r{next(wire_ids)}" if cls is FlowClass.KV else None
+            job = rng.choice([None, "j"]) if cls is FlowClass.KV else None
+            opens = []
+            for _ in range(rng.randint(1, 3) if request else 1):
+                wire, size = next(wire_ids), rng.choice([10**6, 10**7, 10**8])
+                opens.append(FlowOpen(
+                    wire, cls, now, size=size, deadline=deadline, job=job, request=request,
+                    links=(rng.choice(links),),
+                ))  # fmt: skip
+                opened[node][wire] = size
+                sent[(node, wire)] = 0
+            state.open_flows(node, opens, now)
+        reports = []
+        # each flow at most its share of a 1e9 B/s link: byte counts a network could produce
+        share = int(1e9 * step / max(len(opened["a"]) + len(opened["b"]), 1))
+        for wire, size in opened[node].items():
+            if rng.random() < 0.7:
+                sent[(node, wire)] = min(size, sent[(node, wire)] + rng.randrange(share + 1))
+                reports.append(FlowProgress(wire, sent[(node, wire)]))
+        state.progress(node, reports)
+        if opened[node] and rng.random() < 0.1:
+            wire = rng.choice(list(opened[node]))
+            del opened[node][wire]
+            state.close_flows(node, [FlowClose(wire, sent[(node, wire)], now)], now)
+        if rng.random() < 0.1:
+            state.job_progress(JobProgress("j", rng.randrange(3)))
+        if rng.random() < 0.1:
+            state.nic_load([NicLoadEntry(rng.choice(links), 1e9, rng.random())])
+        state.start_sweep(now)
+        history.append(_levels(state.flush(now)))
+    return history
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1))
+def test_progress_with_timers_decides_as_reevaluating_every_report(seed: int) -> None:
+    """rmlq with exact timers (rho from the link capacity alone): feeding progress reports to
+    observe_progress only, and deciding each flow when its timer comes, gives the same level
+    changes at the same flushes as re-evaluating every reported flow. With the measured rho
+    the timers assume its fastest rise under physical byte counts and step near a crossing,
+    so a decision can come a timer later than a report would have brought it (as in the
+    simulator, which never re-evaluates on bytes). Algorithm 1 is off: it runs at the first
+    policy call once due, and the two paths make different calls."""
+    args = {"rho_source": "none", "feasibility": False}
+    observed = ClusterState(create("rmlq", args, num_levels=8), default_bandwidth=1e9)
+    reevaluated = ClusterState(
+        ReevaluateOnProgress(create("rmlq", args, num_levels=8)),  # type: ignore[arg-type]
+        default_bandwidth=1e9,
+        per_flow=True,
+    )
+    assert observed._observe is not None and reevaluated._observe is None
+    assert _replay(observed, seed) == _replay(reevaluated, seed)
+
+
+def test_progress_feeds_the_policy_without_deciding_and_the_timer_promotes() -> None:
+    """A deferred rmlq flow's progress reports reach observe_progress, not reevaluate; its
+    promotion comes from its timer, with no sweep."""
+    policy = create("rmlq", {"feasibility": False}, num_levels=8)
+    calls: list[str] = []
+    reevaluate, observe = policy.reevaluate, policy.observe_progress  # type: ignore[attr-defined]
+
+    def counted_reevaluate(flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        flows = list(flows)
+        calls.extend("reevaluate" for _ in flows)
+        return reevaluate(flows, ctx)
+
+    def counted_observe(flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        flows = list(flows)
+        calls.extend("observe" for _ in flows)
+        decided: Mapping[int, Decision] = observe(flows, ctx)
+        return decided
+
+    policy.reevaluate = counted_reevaluate  # type: ignore[method-assign]
+    policy.observe_progress = counted_observe  # type: ignore[attr-defined]
+    state = ClusterState(policy, default_bandwidth=1e9)
+    state.open_flows("a", [_open(1, size=int(1e8), deadline=101.0, links=("l",))], now=100.0)
+    assert state.flush(100.0)["a"][1].level == 6
+    calls.clear()
+    for step in range(1, 6):  # 1e6 bytes per 10 ms: MLU keeps rising, not yet at 0.125
+        state.progress("a", [FlowProgress(1, step * 10**6)])
+        assert state.flush(100.0 + step * 0.01) == {}
+    assert calls == ["observe"] * 5
+    due = state.next_due()
+    assert due is not None
+    now = due
+    promoted: dict[str, dict[int, LevelUpdate]] = {}
+    while not promoted:
+        assert state.start_sweep(now=now)
+        promoted = state.flush(now)
+        now = state.next_due() or now
+    assert promoted["a"][1].level == 5
+    assert set(calls) == {"observe", "reevaluate"} and state.stats.sweeps == state.stats.timer_fires
+
+
+def test_a_burst_of_due_timers_is_decided_in_bounded_steps() -> None:
+    """1,000 flows due at the same instant: each flush with a budget decides one step of
+    them (the rest after the next reads), never the whole burst in one loop turn."""
+    ticks = itertools.count()
+    policy = DeadlineStepPolicy()
+    state = ClusterState(policy, clock=lambda: float(next(ticks)))  # each reading: +1 s
+    state.open_flows("a", [_open(i, deadline=6.0) for i in range(1000)], now=1.0)
+    state.flush(1.0)
+    policy.seen.clear()
+    assert state.start_sweep(now=5.0)
+    turns = 0
+    while state.pending:
+        before = len(policy.seen)
+        state.flush(5.0, sweep_budget=0.5)
+        assert len(policy.seen) - before <= SWEEP_STEP
+        turns += 1
+    assert turns >= 1000 // SWEEP_STEP and sorted(policy.seen) == sorted(state.flows)
