@@ -18,12 +18,16 @@ reports, the coordinator runs the policy once per event-loop turn) and the basel
 "unbatched" (one event per frame, the policy run after every frame, ``--no-batch``); and for
 each promotion scheme of ``--promotion``: "timers" (each deadline flow re-evaluated when the
 policy's next promotion time for it comes) and the baseline "sweep" (every deadline flow
-re-evaluated each timer period). The ratios are printed at the end.
+re-evaluated each timer period). The ratios are printed at the end. Each latency point
+reports the rate asked for, the rate the generator offered and its CPU, and the rate the
+coordinator counted: a point where the generator fell short is flagged (it measures the
+generator). ``--phases latency --rates R --profile`` profiles one paced load alone.
 
 Usage:
     .venv/bin/python bench/coordinator_load.py [--agents 1000] [--flows 10] [--duration 5]
         [--rates 10000,30000,100000] [--policy FILE] [--modes batched,unbatched]
-        [--promotion sweep,timers] [--per-flow-policy auto|yes|no] [--profile] [--json OUT]
+        [--promotion sweep,timers] [--per-flow-policy auto|yes|no]
+        [--phases throughput,latency] [--profile] [--json OUT]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import heapq
 import json
 import os
 import random
@@ -65,6 +70,8 @@ from flowsched.testbed.procstat import memory_mib, running_cpu_seconds
 from flowsched.testbed.simagent import CLASS_MIX, HEARTBEAT, flow_open, prepare_load_generator
 
 DRAIN_TIMEOUT = 120.0
+#: a latency point whose generator sent less than this share of the rate asked for is flagged
+GENERATOR_SHORTFALL = 0.95
 
 
 # -- one simulated agent -----------------------------------------------------------------------
@@ -170,19 +177,26 @@ async def saturate(agents: list[SimAgent], batched: bool, seconds: float) -> Non
 
 
 async def paced(agents: list[SimAgent], batched: bool, seconds: float, rate: float) -> None:
+    """Every agent reports all its flows once per ``agents * flows / rate`` seconds, each at
+    its own random phase, for ``seconds``: one task walks a heap of due times (1,000 sleeping
+    tasks cost the generator more than the frames; both wake on the loop's ~1 ms timers)."""
     events_per_round = sum(len(a.flows) for a in agents)
     interval = events_per_round / rate
-    stop = time.monotonic() + seconds
-
-    async def drive(agent: SimAgent) -> None:
-        await asyncio.sleep(random.random() * interval)
-        next_at = time.monotonic()
-        while next_at < stop:
+    start = time.monotonic()
+    stop = start + seconds
+    due = [(start + random.random() * interval, index) for index in range(len(agents))]
+    due = [entry for entry in due if entry[0] < stop]
+    heapq.heapify(due)
+    while due:
+        now = time.monotonic()
+        while due and due[0][0] <= now:
+            when, index = heapq.heappop(due)
+            agent = agents[index]
             agent.writer.write(agent.progress_frames(batched))
-            next_at += interval
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-
-    await asyncio.gather(*(drive(a) for a in agents))
+            if when + interval < stop:
+                heapq.heappush(due, (when + interval, index))
+        if due:
+            await asyncio.sleep(max(0.0, due[0][0] - time.monotonic()))
 
 
 # -- the coordinator process and its metrics ---------------------------------------------------
@@ -257,8 +271,11 @@ def quantile(before: Scrape, after: Scrape, q: float, histogram: str = "latency"
 
 @dataclass
 class LatencyPoint:
+    #: the rate asked for (--rates); what the generator sent; what the coordinator counted
+    nominal_rate: float
     offered_rate: float
     achieved_rate: float
+    loadgen_cpu: float
     coordinator_cpu: float
     p50_ms: float
     p99_ms: float
@@ -360,23 +377,25 @@ async def run_mode(
         log(f"{mode}: connecting {args.agents} agents")
         agents = list(await asyncio.gather(*(one(i) for i in range(args.agents))))
         await wait_for_flows(coordinator, pid, args.agents * args.flows)
-        own = os.times()
-        before = await asyncio.to_thread(scrape, coordinator.metrics, pid)
-        for agent in agents:
-            agent.events = 0
-        log(f"{mode}: throughput phase ({args.duration:g} s)")
-        await saturate(agents, batched, args.duration)
-        after = await asyncio.to_thread(scrape, coordinator.metrics, pid)
-        own_after = os.times()
-        elapsed = after.when - before.when
-        loadgen_cpu = (own_after.user + own_after.system - own.user - own.system) / elapsed
-        throughput = (after.events - before.events) / elapsed
-        frames = (after.frames - before.frames) / elapsed
-        coordinator_cpu = (after.cpu_seconds - before.cpu_seconds) / elapsed
-        log(f"{mode}: waiting for the coordinator to drain its backlog")
-        await wait_for_events(coordinator, pid, before.events + sum(a.events for a in agents))
+        throughput = frames = coordinator_cpu = loadgen_cpu = float("nan")
+        if "throughput" in args.phases:
+            own = os.times()
+            before = await asyncio.to_thread(scrape, coordinator.metrics, pid)
+            for agent in agents:
+                agent.events = 0
+            log(f"{mode}: throughput phase ({args.duration:g} s)")
+            await saturate(agents, batched, args.duration)
+            after = await asyncio.to_thread(scrape, coordinator.metrics, pid)
+            own_after = os.times()
+            elapsed = after.when - before.when
+            loadgen_cpu = (own_after.user + own_after.system - own.user - own.system) / elapsed
+            throughput = (after.events - before.events) / elapsed
+            frames = (after.frames - before.frames) / elapsed
+            coordinator_cpu = (after.cpu_seconds - before.cpu_seconds) / elapsed
+            log(f"{mode}: waiting for the coordinator to drain its backlog")
+            await wait_for_events(coordinator, pid, before.events + sum(a.events for a in agents))
         points = []
-        for rate in args.rates:
+        for rate in args.rates if "latency" in args.phases else ():
             log(f"{mode}: latency phase ({rate:g} events/s offered, {args.duration:g} s)")
             points.append(await latency_point(coordinator, pid, agents, batched, args, rate))
         rss, peak = memory_mib(pid)
@@ -426,12 +445,16 @@ async def latency_point(
     preempted = preemptions(pid)
     for agent in agents:
         agent.events = 0
+    own = os.times()
     await paced(agents, batched, args.duration, rate)
+    own_after = os.times()
     after = await asyncio.to_thread(scrape, coordinator.metrics, pid)
     preempted = preemptions(pid) - preempted
     elapsed = after.when - before.when
     point = LatencyPoint(
-        offered_rate=rate,
+        nominal_rate=rate,
+        offered_rate=sum(a.events for a in agents) / elapsed,
+        loadgen_cpu=(own_after.user + own_after.system - own.user - own.system) / elapsed,
         achieved_rate=(after.events - before.events) / elapsed,
         coordinator_cpu=(after.cpu_seconds - before.cpu_seconds) / elapsed,
         p50_ms=quantile(before, after, 0.50) * 1e3,
@@ -477,16 +500,25 @@ def report(results: list[ModeResult]) -> None:
               f"{r.rss_mib:>7.1f} {r.peak_rss_mib:>6.1f} {r.active_flows:>6.0f} "
               f"{r.agents:>6.0f}")  # fmt: skip
     print("\ndecision latency (bytes handed to the coordinator -> level updates queued) and")
-    print("flush time (one policy run + its sends) at paced offered loads:")
-    print(f"{'mode':<17} {'offered':>8} {'achieved':>8} {'coordCPU':>8} {'p50 ms':>7} "
-          f"{'p99 ms':>7} {'flush50':>7} {'flush99':>7} {'samples':>8} "
-          f"{'sweeps/s':>8} {'preempt/s':>9}")  # fmt: skip
+    print("flush time (one policy run + its sends) at paced loads: 'rate' asked for, 'offered'")
+    print("sent by the generator, 'achieved' counted by the coordinator (events/s):")
+    print(f"{'mode':<17} {'rate':>7} {'offered':>8} {'achieved':>8} {'genCPU':>6} "
+          f"{'coordCPU':>8} {'p50 ms':>7} {'p99 ms':>7} {'flush50':>7} {'flush99':>7} "
+          f"{'samples':>8} {'sweeps/s':>8} {'preempt/s':>9}")  # fmt: skip
+    short = []
     for r in results:
         for p in r.latency:
-            print(f"{r.mode:<17} {p.offered_rate:>8.0f} {p.achieved_rate:>8.0f} "
+            print(f"{r.mode:<17} {p.nominal_rate:>7.0f} {p.offered_rate:>8.0f} "
+                  f"{p.achieved_rate:>8.0f} {p.loadgen_cpu:>6.2f} "
                   f"{p.coordinator_cpu:>8.2f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} "
                   f"{p.flush_p50_ms:>7.3f} {p.flush_p99_ms:>7.3f} {p.samples:>8.0f} "
                   f"{p.timer_sweeps_per_s:>8.1f} {p.preemptions_per_s:>9.0f}")  # fmt: skip
+            if p.offered_rate < GENERATOR_SHORTFALL * p.nominal_rate:
+                short.append(f"{r.mode} at {p.nominal_rate:.0f}")
+    if short:
+        print(f"note: the generator offered less than {GENERATOR_SHORTFALL:.0%} of the rate asked "
+              f"for ({', '.join(short)}): those points measure the generator, not the "
+              "coordinator")  # fmt: skip
     by_mode = {r.mode: r for r in results}
     promotions = sorted({r.mode.split("/")[1] for r in results})
     for promotion in promotions:
@@ -504,7 +536,7 @@ def report(results: list[ModeResult]) -> None:
         ratio = timers.events_per_s / max(sweep.events_per_s, 1e-9)
         print(f"\n{mode}, timers / sweep: {ratio:.2f}x events/s at saturation")
         for fast, slow in zip(timers.latency, sweep.latency, strict=False):
-            print(f"  {fast.offered_rate:>8.0f} events/s: p99 {fast.p99_ms:.2f} ms vs "
+            print(f"  {fast.nominal_rate:>8.0f} events/s: p99 {fast.p99_ms:.2f} ms vs "
                   f"{slow.p99_ms:.2f} ms ({slow.p99_ms / max(fast.p99_ms, 1e-9):.1f}x lower), "
                   f"p50 {fast.p50_ms:.2f} vs {slow.p50_ms:.2f} ms")  # fmt: skip
 
@@ -529,12 +561,20 @@ def main() -> int:
         help="passed to the coordinator unless 'auto' (the default: the policy object says;"
         " the default policy, rmlq with Algorithm 1 pruning, decides each flow on its own)",
     )  # fmt: skip
+    parser.add_argument(
+        "--phases", default="throughput,latency",
+        help="phases to run (comma-separated: throughput, latency); e.g. one latency phase"
+        " alone with --profile",
+    )  # fmt: skip
     parser.add_argument("--coordinator-cpu", type=int, default=0)
     parser.add_argument("--loadgen-cpu", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="run the coordinator in cProfile")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     args.rates = [float(rate) for rate in args.rates.split(",")]
+    args.phases = set(args.phases.split(","))
+    if not args.phases <= {"throughput", "latency"}:
+        parser.error(f"--phases: expected throughput and/or latency, got {sorted(args.phases)}")
     loop_factory = prepare_load_generator(args.loadgen_cpu)
     results = []
     with tempfile.TemporaryDirectory(prefix="fsD-bench-") as tmp:
