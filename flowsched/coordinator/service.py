@@ -21,6 +21,7 @@ filling the whole budget make a new connection be refused.
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import resource
@@ -532,6 +533,10 @@ async def serve(
     """
     coordinator = Coordinator(config)
     addresses = await coordinator.start()
+    # What is alive now (modules, the policy, the listeners) lives as long as the daemon: keep
+    # it out of the collector's full passes, each of which holds every decision behind it.
+    gc.collect()
+    gc.freeze()
     if config.on_ready is not None:
         config.on_ready(addresses)
     try:

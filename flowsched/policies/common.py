@@ -294,13 +294,23 @@ class TrafficMeter:
             return
         self._then = now
         elapsed = now - then if then is not None else 0.0
-        last_sent = self._last_sent
-        for flow in flows:  # one lookup per flow and no call for an idle one: runs per report
+        last_sent, link_bytes = self._last_sent, self._link_bytes
+        rates = self._flow_rates
+        for flow in flows:  # _count() inlined without rates: this runs for every report
             counted = last_sent.get(flow.flow_id)
             if counted is None:
                 self.open(flow, now)
-            elif counted[0] < now and (flow.sent != counted[1] or self._flow_rates):
+            elif counted[0] >= now:
+                continue
+            elif rates:
                 self._count(flow, now, *counted)
+            elif flow.sent > counted[1]:
+                last_sent[flow.flow_id] = (now, flow.sent)
+                sent = flow.sent - counted[1]
+                level = flow.level if flow.level >= 0 else _UNPLACED
+                for link in flow.links:
+                    key = (link, level)
+                    link_bytes[key] = link_bytes.get(key, 0.0) + sent
         start = then if then is not None else now
         window = self.window
         # ewma_step(util, sample, elapsed, window) with its factor computed once
