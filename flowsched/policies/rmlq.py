@@ -8,7 +8,9 @@ scavenger level). Levels, 0 = most urgent (K = 8 defaults in brackets):
 0..T-1 urgent  [0-1]   explicit deadlines past their promotion point (MLU >= top threshold),
                        in deadline order: time left <= ``urgent_slack`` x ratio^i -> level i
 T..T+R-1 early [2-4]   ``tp`` alone (``collectives_first``), then the other RLI levels
-T+R..K-2 bands [5-6]   deferred explicit deadlines by MLU, Q_i = U x E^-i
+T+R..K-2 bands [5-6]   deferred explicit deadlines (MLU below the top threshold), by time
+                       left: <= ``deferred_slack`` x ratio^i -> band i (``deferred_order``;
+                       ``"mlu"``: by MLU, Q_i = U x E^-i)
 K-1 scavenger  [7]     ``bulk`` and pruned requests
 =====================  ====================================================================
 
@@ -76,6 +78,9 @@ class Args:
     prune_classes: tuple[str, ...] = ("kv",)
     request_memory: float = 1.0
     promotion_lead: float = 0.0
+    mlu_scope: str = "flow"
+    deferred_order: str = "deadline"
+    deferred_slack: float = 0.025
 
 
 _FIELDS = {
@@ -104,6 +109,9 @@ _FIELDS = {
     "prune_classes": list_of(one_of(*sorted(cls.label for cls in EXPLICIT_DEADLINE))),
     "request_memory": number(0.0),
     "promotion_lead": number(0.0),
+    "mlu_scope": one_of("request", "flow"),
+    "deferred_order": one_of("mlu", "deadline"),
+    "deferred_slack": number(0.0),
 }
 
 
@@ -192,6 +200,10 @@ class RmlqPolicy:
         self._job_seen: dict[str, tuple[int, float]] = {}
         self._job_pace: dict[str, float] = {}
         self._depth = 0
+        #: open explicit-deadline flows by request, for the request's remaining bytes (MLU)
+        self._siblings: dict[str, dict[int, Flow]] = {}
+        self._request_scope = args.mlu_scope == "request"
+        self._deferred_by_time = args.deferred_order == "deadline"
 
     @property
     def per_flow_decisions(self) -> bool:
@@ -223,11 +235,22 @@ class RmlqPolicy:
             red = f", RED tier {tier}" if self.args.red_tiers > 1 else ""
             last = slot == self.early_levels - 1
             names.append(f"early: RLI {rli}{red}" + (" and every later RLI/tier" if last else ""))
+        if self._deferred_by_time:
+            bound = self.args.deferred_slack
+            for band in range(self.mlu_bands):
+                last = band == self.mlu_bands - 1
+                rank = "the rest" if last else f"{order} <= {bound:g} s"
+                names.append(f"deferred: MLU < {self.top_threshold:g}, {rank}")
+                bound *= self.args.urgent_ratio
+            return self._describe_scavenger(names)
         upper = self.top_threshold
         for threshold in self.band_thresholds:
             names.append(f"deferred: MLU in [{threshold:.4g}, {upper:.4g})")
             upper = threshold
         names.append(f"deferred: MLU below {upper:.4g}")
+        return self._describe_scavenger(names)
+
+    def _describe_scavenger(self, names: list[str]) -> list[str]:
         pruned = ", ".join(sorted(c.label for c in self.prune_classes)) or "none"
         names.append(
             "scavenger: bulk" + (f", pruned requests ({pruned})" if self.args.feasibility else "")
@@ -240,6 +263,13 @@ class RmlqPolicy:
         """Level of an explicit-deadline flow with MLU ``value`` and ``slack`` seconds of laxity."""
         if value >= self.top_threshold:
             return self.urgent_level(slack)
+        if self._deferred_by_time and value > 0:  # nothing left to send: the lowest band
+            bound = self.args.deferred_slack
+            for band in range(self.mlu_bands - 1):
+                if slack <= bound:
+                    return self.first_band + band
+                bound *= self.args.urgent_ratio
+            return self.first_band + self.mlu_bands - 1
         for band, threshold in enumerate(self.band_thresholds):
             if value >= threshold:
                 return self.first_band + band
@@ -266,12 +296,33 @@ class RmlqPolicy:
         remaining = flow.remaining
         if remaining is None or flow.deadline is None:
             return None
+        if self._request_scope and flow.request is not None:
+            remaining = self._request_remaining(flow, remaining, ctx)
         bandwidth = paths(flow) if paths is not None else bottleneck(flow, ctx)
         time_left = flow.deadline - ctx.now - self.args.promotion_lead
         load = self._rho(flow, ctx) if rho else 0.0
         return _Urgency(
             mlu(remaining, time_left, bandwidth, load), remaining, time_left, bandwidth, load
         )
+
+    def _request_remaining(self, flow: Flow, remaining: int, ctx: Context) -> int:
+        """Bytes ``flow``'s request still has to move on ``flow``'s path: its open flows there
+        and, while its job is in prefill, the layers not opened yet (each of ``flow``'s size;
+        the model depth is the deepest ``consumer_index`` seen). Its layers share its deadline,
+        so one layer's bytes understate its urgency by the layer count (docs/rmlq.md)."""
+        siblings = self._siblings.get(flow.request or "")
+        last = flow.consumer_index
+        for other in siblings.values() if siblings else ():
+            if other.flow_id == flow.flow_id:
+                continue
+            if other.links == flow.links:
+                remaining += other.remaining or 0
+            index = other.consumer_index
+            if index is not None and (last is None or index > last):
+                last = index
+        if last is not None and flow.job in ctx.job_index and self._depth > last + 1:
+            remaining += (self._depth - 1 - last) * (flow.size or 0)
+        return remaining
 
     def flow_mlu(
         self, flow: Flow, ctx: Context, paths: BottleneckCache | None = None, *, rho: bool = True
@@ -462,6 +513,10 @@ class RmlqPolicy:
             self._meter.open(flow, ctx.now)
         if self._prunable(flow):
             self._members.setdefault(self._request_key(flow), {})[flow.flow_id] = flow
+        if self._request_scope and flow.request is not None and flow.cls in EXPLICIT_DEADLINE:
+            self._siblings.setdefault(flow.request, {})[flow.flow_id] = flow
+            if flow.consumer_index is not None:
+                self._depth = max(self._depth, flow.consumer_index + 1)
         found = self.urgency(flow, ctx) if flow.cls in EXPLICIT_DEADLINE else None
         if self._alg1 and self._prunable(flow) and found is not None:
             arrives = flow.request is None or self._request_flows.get(flow.request) == 1
@@ -570,6 +625,11 @@ class RmlqPolicy:
     def release(self, flow: Flow, ctx: Context) -> None:
         self._meter.close(flow)
         self._urgent.pop(flow.flow_id, None)
+        siblings = self._siblings.get(flow.request or "")
+        if siblings is not None:
+            siblings.pop(flow.flow_id, None)
+            if not siblings:
+                del self._siblings[flow.request or ""]
         members = self._members.get(self._request_key(flow))
         if members is not None:
             members.pop(flow.flow_id, None)
@@ -617,6 +677,8 @@ class RmlqPolicy:
         if threshold is not None:
             times.append(ctx.now + self._time_to_reach(found, threshold))
         step = self._urgent_step(flow, found)
+        if step is None:
+            step = self._deferred_step(flow, found)
         if step is not None:
             times.append(ctx.now + max(step, _MIN_STEP))
         return min(times) if times else None
@@ -629,7 +691,7 @@ class RmlqPolicy:
         if self._held_below_collectives(flow, ctx) and level == self.first_band:
             return None  # until the job's prefill ends (a job report)
         band = level - self.first_band
-        if band == 0:
+        if band == 0 or self._deferred_by_time:
             return self.top_threshold
         return self.band_thresholds[min(band, len(self.band_thresholds)) - 1]
 
@@ -642,6 +704,16 @@ class RmlqPolicy:
         if not 0 < level < self.urgent_levels:
             return None
         bound = self.args.urgent_slack * self.args.urgent_ratio ** (level - 1)
+        key = found.time_left if self.args.urgent_order == "deadline" else _slack(found)
+        return max(key - bound, 0.0)
+
+    def _deferred_step(self, flow: Flow, found: _Urgency) -> float | None:
+        """Seconds until a deferred ``flow`` reaches the next band up, with deferred bands in
+        deadline order (None: MLU bands, or the first band)."""
+        band = flow.level - self.first_band
+        if not self._deferred_by_time or not 0 < band < self.mlu_bands:
+            return None
+        bound = self.args.deferred_slack * self.args.urgent_ratio ** (band - 1)
         key = found.time_left if self.args.urgent_order == "deadline" else _slack(found)
         return max(key - bound, 0.0)
 

@@ -254,7 +254,7 @@ def test_timers_follow_flows_and_fall_back_to_sweeps() -> None:
 def test_rmlq_deferred_flow_is_promoted_by_its_timer() -> None:
     """The real policy: 1e8 bytes due at t=101 on 1e9 B/s, rho 0: band [0.125, 0.5) from
     MLU 0.125 (0.8 s left, a little earlier with the worst-case rise of rho)."""
-    policy = create("rmlq", {"feasibility": False}, num_levels=8)
+    policy = create("rmlq", {"feasibility": False, "deferred_order": "mlu"}, num_levels=8)
     state = ClusterState(policy, default_bandwidth=1e9)
     state.open_flows("a", [_open(1, size=int(1e8), deadline=101.0, links=("l",))], now=100.0)
     assert state.flush(100.0)["a"][1].level == 6
@@ -393,7 +393,7 @@ def test_progress_with_timers_decides_as_reevaluating_every_report(seed: int) ->
 def test_progress_feeds_the_policy_without_deciding_and_the_timer_promotes() -> None:
     """A deferred rmlq flow's progress reports reach observe_progress, not reevaluate; its
     promotion comes from its timer, with no sweep."""
-    policy = create("rmlq", {"feasibility": False}, num_levels=8)
+    policy = create("rmlq", {"feasibility": False, "deferred_order": "mlu"}, num_levels=8)
     calls: list[str] = []
     reevaluate, observe = policy.reevaluate, policy.observe_progress  # type: ignore[attr-defined]
 

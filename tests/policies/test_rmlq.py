@@ -23,6 +23,9 @@ def ctx(now: float = 0.0, **fields: Any) -> Context:
 
 
 def policy(num_levels: int = 8, **args: Any) -> rmlq.RmlqPolicy:
+    """rmlq with ``args``; the deferred bands by MLU (the paper's Q_i, which most tests here
+    check) unless ``deferred_order`` is given (the code default is deadline order)."""
+    args.setdefault("deferred_order", "mlu")
     made = create("rmlq", args, num_levels=num_levels)
     assert isinstance(made, rmlq.RmlqPolicy)
     return made
@@ -507,7 +510,7 @@ def test_pruning_moves_the_request_flows_not_passed(check: str, released: bool) 
     flows = [first, second, untouched, collective]
     for flow in flows:
         flow.level = pol.admit(flow, ctx()).level
-    assert untouched.level == 6
+    assert 5 <= untouched.level < 7  # deferred (its request's bytes count: band 5 or 6)
     if released:
         pol.release(untouched, ctx())
     decisions = pol.reevaluate([first, second] if check == "alg1" else [second], ctx(0.2))
@@ -752,3 +755,155 @@ def test_zero_bandwidth_link_means_infinite_mlu() -> None:
     assert rmlq.mlu(1e6, 1.0, 0.0, 0.0) == float("inf")
     flow = build_flow(cls="kv", size=10, deadline=5.0, links=("dead",))
     assert policy().admit(flow, ctx(link_bandwidth={"dead": 0.0})).level == 1  # urgent, 5 s left
+
+
+# -- request-scope MLU and deferred deadline order -------------------------------------------
+
+
+def _request_flows(pol: rmlq.RmlqPolicy, job_index: dict[str, int]) -> list[Flow]:
+    """Request r's layers 0 and 1 (1e7 bytes each, due at 1.0) on path p, and r's layer 0 to
+    another decode path q; the model is 4 layers deep (learned from an older request)."""
+    old = build_flow(9, cls="kv", size=10, deadline=5.0, request="old", consumer_index=3)
+    pol.admit(old, ctx())
+    pol.release(old, ctx())
+    flows = [
+        build_flow(1, cls="kv", size=int(1e7), deadline=1.0, job="j", request="r",
+                   consumer_index=0, links=("p",)),
+        build_flow(2, cls="kv", size=int(1e7), deadline=1.0, job="j", request="r",
+                   consumer_index=1, links=("p",)),
+        build_flow(3, cls="kv", size=int(1e7), deadline=1.0, job="j", request="r",
+                   consumer_index=0, links=("q",)),
+    ]  # fmt: skip
+    for flow in flows:
+        flow.level = pol.admit(flow, ctx(job_index=job_index)).level
+    return flows
+
+
+@pytest.mark.parametrize(
+    ("scope", "job_index", "sent", "remaining"),
+    [
+        ("request", {"j": 1}, 0, 4e7),  # 2 open on p + layers 2 and 3 not opened yet
+        ("request", {}, 0, 2e7),  # prefill over: no more layers come
+        ("request", {"j": 1}, int(5e6), 3.5e7),  # layer 0 half sent
+        ("flow", {"j": 1}, 0, 1e7),
+    ],
+    ids=["in-prefill", "prefill-done", "partly-sent", "flow-scope"],
+)
+def test_mlu_counts_the_request_bytes_on_the_path(
+    scope: str, job_index: dict[str, int], sent: int, remaining: float
+) -> None:
+    pol = policy(mlu_scope=scope, rho_source="none")
+    first, second, _other_path = _request_flows(pol, job_index)
+    first.sent = sent
+    found = pol.urgency(second, ctx(job_index=job_index, link_bandwidth={"p": B, "q": B}))
+    assert found is not None and found.remaining == remaining
+    assert found.value == pytest.approx(remaining / B)  # 1 s left on 1e9 B/s
+
+
+def test_request_scope_forgets_closed_layers() -> None:
+    pol = policy(rho_source="none")
+    first, second, _ = _request_flows(pol, {})
+    pol.release(first, ctx())
+    found = pol.urgency(second, ctx(link_bandwidth={"p": B, "q": B}))
+    assert found is not None and found.remaining == 1e7
+
+
+# deferred bands in deadline order (K=8: 5 = time left <= 25 ms, 6 = more), MLU < 0.5
+@pytest.mark.parametrize(
+    ("size", "deadline", "args", "level"),
+    [
+        (1e6, 0.02, {}, 5),
+        (1e6, 0.025, {}, 5),
+        (1e6, 0.03, {}, 6),
+        (1e6, 1.0, {}, 6),
+        (1e7, 0.015, {}, 0),  # MLU 0.67: urgent, 15 ms left
+        (1e6, 0.04, {"deferred_slack": 0.05}, 5),
+        (1e6, 0.08, {"early_levels": 2, "deferred_slack": 0.05}, 5),  # bands 4/5/6: <= 100 ms
+        (1e6, 0.04, {"early_levels": 2, "deferred_slack": 0.05}, 4),
+        (1e6, 0.2, {"early_levels": 2, "deferred_slack": 0.05}, 6),
+    ],
+    ids=["20ms", "25ms-inclusive", "30ms", "1s", "urgent", "slack-50ms", "three-bands-mid",
+         "three-bands-top", "three-bands-rest"],
+)  # fmt: skip
+def test_deferred_bands_in_deadline_order(
+    size: float, deadline: float, args: dict[str, Any], level: int
+) -> None:
+    pol = policy(**{"deferred_order": "deadline", "deferred_slack": 0.025, "rho_source": "none",
+                    **args})  # fmt: skip
+    flow = build_flow(cls="kv", size=int(size), deadline=deadline)
+    assert pol.admit(flow, ctx()).level == level
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    flows=st.lists(st.tuples(st.integers(1, 10**9), st.floats(0.001, 5.0)), min_size=2, max_size=8),
+    now=st.floats(0.0, 0.5),
+    early_levels=st.integers(1, 3),
+    urgent_levels=st.integers(1, 3),
+    slack=st.floats(0.001, 0.5),
+)
+def test_earlier_deadline_never_sits_below_a_later_one_in_its_tier(
+    flows: list[tuple[int, float]],
+    now: float,
+    early_levels: int,
+    urgent_levels: int,
+    slack: float,
+) -> None:
+    """Deadline order holds inside the urgent tier and inside the deferred bands: of two
+    explicit flows in the same tier, the one due first is never at a less urgent level."""
+    pol = policy(
+        deferred_order="deadline",
+        deferred_slack=slack,
+        early_levels=early_levels,
+        urgent_levels=urgent_levels,
+        rho_source="none",
+        feasibility=False,
+        mlu_scope="flow",
+    )
+    placed = []
+    for i, (size, deadline) in enumerate(flows):
+        flow = build_flow(i, cls="kv", size=size, deadline=now + deadline)
+        level = pol.admit(flow, ctx(now)).level
+        placed.append((deadline, level < pol.first_early, level))
+    for d1, urgent1, l1 in placed:
+        for d2, urgent2, l2 in placed:
+            if urgent1 == urgent2 and d1 <= d2:
+                assert l1 <= l2
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(1, 10**10),
+    deadline=st.floats(0.01, 10.0),
+    slack=st.floats(0.005, 1.0),
+    early_levels=st.integers(1, 3),
+)
+def test_next_change_is_when_a_deferred_deadline_band_changes(
+    size: int, deadline: float, slack: float, early_levels: int
+) -> None:
+    """Deferred bands in deadline order: the level holds until next_change, moves right after."""
+    pol = policy(
+        rho_source="none",
+        feasibility=False,
+        deferred_order="deadline",
+        deferred_slack=slack,
+        early_levels=early_levels,
+    )
+    flow = build_flow(cls="kv", size=size, deadline=deadline)
+    now = 0.0
+    flow.level = pol.admit(flow, ctx(now)).level
+    while (when := pol.next_change(flow, ctx(now))) is not None:
+        assert when >= now
+        before = max(now, when - 1e-6 * max(deadline, 1.0))
+        assert pol.reevaluate([flow], ctx(before)) == {}
+        after = when + 1e-6 * max(deadline, 1.0)
+        moved = pol.reevaluate([flow], ctx(after))
+        assert moved and moved[flow.flow_id].level < flow.level
+        flow.level, now = moved[flow.flow_id].level, after
+
+
+def test_default_bands_deferred_flows_by_deadline() -> None:
+    made = create("rmlq", {"rho_source": "none"}, num_levels=8)
+    near = build_flow(1, cls="kv", size=int(1e6), deadline=0.02)  # MLU 0.05, 20 ms left
+    far = build_flow(2, cls="kv", size=int(1e8), deadline=0.5)  # MLU 0.2, 500 ms left
+    assert [made.admit(f, ctx()).level for f in (near, far)] == [5, 6]
