@@ -595,12 +595,18 @@ class RmlqPolicy:
         active = flows if isinstance(flows, list | tuple) else list(flows)
         if self.args.rho_source != "none":
             self._meter.update(active, ctx)  # reevaluate's own update at this instant is a no-op
-        return self.reevaluate([f for f in active if self._moved_by_progress(f, ctx)], ctx)
+        explicit = EXPLICIT_DEADLINE
+        moved = [f for f in active if f.cls in explicit and self._moved_by_progress(f, ctx)]
+        if moved or (self._alg1_due and ctx.now - self._alg1_last >= self.args.alg1_interval):
+            return self.reevaluate(moved, ctx)
+        self._forget_idle_requests(ctx.now)  # all that reevaluate([]) would do
+        return {}
 
     def _moved_by_progress(self, flow: Flow, ctx: Context) -> bool:
+        """Whether bytes can move explicit-deadline ``flow`` (see :meth:`observe_progress`)."""
         level = flow.level
-        if flow.cls not in EXPLICIT_DEADLINE or level < 0:
-            return level < 0
+        if level < 0:
+            return True
         if level == self.scavenger:
             return flow.remaining == 0
         if level < self.urgent_levels:
