@@ -1,0 +1,413 @@
+"""pd-serving: where a policy loses against the ideal-network bound, and what is reachable.
+
+Two commands (seeds pooled; every run uses the simulator and the bundled scenario as
+``flowsched sim pd-serving`` does, K = 8 on 8 hardware queues):
+
+``diagnose``: one policy against the bound, request by request (queue wait, prefill, the tail
+after prefill) and at the decode NICs' ingress (the levels of the bytes that cross it, how
+many requests share it at once, and, while a request that missed waits there after its
+prefill, how much of the ingress goes to requests due earlier or later than it)::
+
+    .venv/bin/python bench/pd_reference.py diagnose --policy rmlq --load 0.6 --seeds 1
+    .venv/bin/python bench/pd_reference.py diagnose --args '{"deferred_order": "mlu"}'
+
+``reachable``: the bound; the bound with only the P2D on private paths (Stage-1 fetches on the
+shared links, collectives first); each decode NIC replayed offline as one preemptive server fed
+by the bound's own P2D release times under processor sharing, EDF, and EDF with clairvoyant
+Moore-Hodgson admission; and an EDF-rank reference scheduler on the real links (collectives,
+then Stage-1 fetches, then the P2D by deadline rank over five levels, late requests dropped)::
+
+    .venv/bin/python bench/pd_reference.py reachable --loads 0.5,0.6,0.7 --seeds 1,2,3
+
+Both take minutes per load and seed on one core; run them under
+``flock -s /tmp/flowsched-measure.lock`` on a shared machine. docs/rmlq.md has the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar
+
+from flowsched import scenario
+from flowsched.cli.sim import specs
+from flowsched.metrics import RunRecords
+from flowsched.model import Context, Decision, Flow, FlowClass
+from flowsched.policies import hwqueues
+from flowsched.policies.common import is_late, rank_band
+from flowsched.sim.engine import Simulator
+from flowsched.sim.run import PolicySpec, build_topology, ideal_spec, run, sim_config
+from flowsched.sim.serving import ServingWorkload
+
+SCENARIO = "pd-serving"
+LEVELS = 8
+#: bytes below which a replayed request counts as done (float rounding)
+_DONE = 1.0
+
+
+# -- the EDF-rank reference scheduler -----------------------------------------------------------
+
+
+class EdfRankReference:
+    """Collectives (0), Stage-1 fetches (1), P2D by deadline rank over levels 2-6, late P2D and
+    everything else 7. Ranks move both ways (no Defer-and-Promote): a reference, not a policy."""
+
+    name: ClassVar[str] = "edf-rank-reference"
+    num_levels = LEVELS
+
+    def _levels(self, flows: Iterable[Flow], now: float) -> dict[int, int]:
+        flows = list(flows)
+        due = sorted(
+            {f.deadline for f in flows if f.cls is FlowClass.KV and f.deadline is not None}
+            - {d for d in (f.deadline for f in flows if is_late(f, now)) if d is not None}
+        )
+        rank = {deadline: i for i, deadline in enumerate(due)}
+        levels = {}
+        for flow in flows:
+            if flow.cls is FlowClass.TP:
+                levels[flow.flow_id] = 0
+            elif flow.cls is FlowClass.KV_REUSE:
+                levels[flow.flow_id] = 1
+            elif flow.cls is FlowClass.KV and flow.deadline in rank and not is_late(flow, now):
+                levels[flow.flow_id] = 2 + rank_band(rank[flow.deadline], len(due), 5)
+            else:
+                levels[flow.flow_id] = 7
+        return levels
+
+    def __init__(self) -> None:
+        self._open: dict[int, Flow] = {}
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        self._open[flow.flow_id] = flow
+        return Decision(self._levels(self._open.values(), ctx.now)[flow.flow_id])
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        levels = self._levels(self._open.values(), ctx.now)
+        return {
+            f.flow_id: Decision(levels[f.flow_id]) for f in flows if levels[f.flow_id] != f.level
+        }
+
+    def release(self, flow: Flow, ctx: Context) -> None:
+        self._open.pop(flow.flow_id, None)
+
+
+# -- running ------------------------------------------------------------------------------------
+
+
+def simulate(
+    scen: scenario.Scenario,
+    policy: Any,
+    load: float,
+    seed: int,
+    observer: Callable[[Simulator, ServingWorkload], None] | None = None,
+) -> RunRecords:
+    """One run of ``policy`` (a Policy object) with the CLI's engine settings."""
+    assert scen.serving is not None
+    base = PolicySpec("static", {}, LEVELS, level_queue=hwqueues.table(LEVELS, LEVELS))
+    topo = build_topology(scen)
+    sim = Simulator(topo.capacity, policy, sim_config(scen, base))
+    trace = scenario.serving_trace(scen.serving, load, seed)
+    workload = ServingWorkload(sim, topo, scen.serving, trace)
+    if observer is not None:
+        sim.observer = lambda s: observer(s, workload)
+    workload.start()
+    sim.run()
+    workload.finish()
+    return sim.records
+
+
+def measured(records: RunRecords) -> list[Any]:
+    return [r for r in records.requests if not r.warmup]
+
+
+def met(records: RunRecords) -> int:
+    return sum(r.met for r in measured(records))
+
+
+# -- offline replay of the decode ingress -------------------------------------------------------
+
+Jobs = dict[str, tuple[float, list[tuple[float, float]]]]
+
+
+def ingress_jobs(records: RunRecords, decode_servers: int) -> dict[int, Jobs]:
+    """Per decode server: request -> (deadline, [(release time, bytes)]) of its P2D flows."""
+    requests = {r.request: r for r in records.requests}
+    chunks: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for flow in records.flows:
+        if flow.cls == "kv" and flow.request is not None:
+            chunks[flow.request].append((flow.opened, float(flow.size)))
+    jobs: dict[int, Jobs] = defaultdict(dict)
+    for request, parts in chunks.items():
+        record = requests[request]
+        server = int(request[1:]) % decode_servers  # as ServingWorkload places them
+        jobs[server][request] = (record.arrival + record.slo, sorted(parts))
+    return jobs
+
+
+def serve(jobs: Jobs, rate: float, key: Callable[[str], Any] | None) -> dict[str, float]:
+    """Finish times on one preemptive server: ``key`` orders the requests (smallest first),
+    None shares the server equally among the requests with bytes released."""
+    events = sorted((t, r, b) for r, (_, parts) in jobs.items() for t, b in parts)
+    ready: dict[str, float] = defaultdict(float)
+    left = {r: sum(b for _, b in parts) for r, (_, parts) in jobs.items()}
+    finish: dict[str, float] = {}
+    now, i = (events[0][0] if events else 0.0), 0
+    while i < len(events) or ready:
+        while i < len(events) and events[i][0] <= now:
+            ready[events[i][1]] += events[i][2]
+            i += 1
+        upcoming = events[i][0] if i < len(events) else math.inf
+        if not ready:
+            now = upcoming
+            continue
+        served = list(ready) if key is None else [min(ready, key=key)]
+        share = rate / len(served)
+        step = min(min(ready[r] for r in served) / share, upcoming - now)
+        now += step
+        for r in served:
+            ready[r] -= share * step
+            left[r] -= share * step
+            if left[r] <= _DONE and r not in finish:
+                finish[r] = now
+            if ready[r] <= _DONE:
+                del ready[r]
+    return finish
+
+
+def serve_with_admission(jobs: Jobs, rate: float) -> dict[str, float]:
+    """EDF with clairvoyant admission: at each request's first release, admit it and, while
+    the admitted set misses a deadline under EDF, drop the admitted request with the most
+    bytes among those due no later than the first miss (Moore-Hodgson). Dropped requests are
+    served last, by deadline, and count if they still finish in time."""
+    admitted: list[str] = []
+    dropped: set[str] = set()
+    for request in sorted(jobs, key=lambda r: jobs[r][1][0][0]):
+        admitted.append(request)
+        while True:
+            subset = {r: jobs[r] for r in admitted}
+            finish = serve(subset, rate, lambda r: (jobs[r][0], r))
+            late = [r for r in admitted if finish[r] > jobs[r][0]]
+            if not late:
+                break
+            first = min(late, key=lambda r: jobs[r][0])
+            victim = max(
+                (r for r in admitted if jobs[r][0] <= jobs[first][0]),
+                key=lambda r: sum(b for _, b in jobs[r][1]),
+            )
+            admitted.remove(victim)
+            dropped.add(victim)
+    return serve(jobs, rate, lambda r: (r in dropped, jobs[r][0], r))
+
+
+def ingress_replays(records: RunRecords, cfg: Any) -> dict[str, int]:
+    """Measured requests meeting their deadline under each offline ingress schedule."""
+    rate = cfg.nic_gbps * 1e9 / 8
+    warm = {r.request for r in records.requests if r.warmup}
+    counts: Counter[str] = Counter()
+    for jobs in ingress_jobs(records, cfg.decode_servers).values():
+        schedules = {
+            "PS": serve(jobs, rate, None),
+            "EDF": serve(jobs, rate, lambda r, j=jobs: (j[r][0], r)),  # type: ignore[misc]
+            "EDF+admission": serve_with_admission(jobs, rate),
+        }
+        for name, finish in schedules.items():
+            counts[name] += sum(
+                1 for r in jobs if r not in warm and finish.get(r, math.inf) <= jobs[r][0]
+            )
+    return dict(counts)
+
+
+# -- commands -----------------------------------------------------------------------------------
+
+
+def reachable(loads: list[float], seeds: list[int]) -> None:
+    """Print the reachability table (see the module docstring)."""
+    scen = scenario.load(SCENARIO)
+    queues = hwqueues.table(LEVELS, LEVELS)
+    partial = {
+        "P2D private, Stage-1 shared": {},
+        "P2D private, Stage-1 at the collectives' level": {"levels": {"kv_reuse": 0}},
+    }
+    for load in loads:
+        counts: Counter[str] = Counter()
+        total = 0
+        for seed in seeds:
+            bound = run(scen, ideal_spec(LEVELS), load, seed).records
+            total += len(measured(bound))
+            counts["bound"] += met(bound)
+            for name, value in ingress_replays(bound, scen.serving).items():
+                counts[f"ingress {name} (bound's timeline)"] += value
+            for label, args in partial.items():
+                spec = PolicySpec(
+                    "static",
+                    args,
+                    LEVELS,
+                    label=label,
+                    level_queue=queues,
+                    private_classes=frozenset({FlowClass.KV}),
+                )
+                counts[label] += met(run(scen, spec, load, seed).records)
+            counts["EDF-rank reference, all shared"] += met(
+                simulate(scen, EdfRankReference(), load, seed)
+            )
+        print(f"load {load:g}, seeds {seeds}, {total} measured requests:")
+        for name, value in counts.items():
+            print(f"  {name:48s} {value / total:6.1%}  {value / counts['bound']:.2f}x the bound")
+
+
+class IngressProbe:
+    """Observer: per decode ingress link, byte shares by level, concurrency, and for each
+    request waiting there after its prefill, where the ingress bandwidth went."""
+
+    def __init__(self, links: list[str], capacity: Mapping[str, float]) -> None:
+        self.links, self.capacity = links, capacity
+        self.last = 0.0
+        self.snapshot: dict[str, list[tuple[str, float, int, float]]] = {}
+        self.level_bytes: dict[int, float] = defaultdict(float)
+        self.busy: dict[str, float] = defaultdict(float)
+        self.sharing: dict[str, float] = defaultdict(float)
+        self.waiting: dict[str, float] = defaultdict(float)
+        self.by_request: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+
+    def __call__(self, sim: Simulator, workload: ServingWorkload) -> None:
+        step = sim.now - self.last
+        if step > 0:
+            for link, flows in self.snapshot.items():
+                self._account(link, flows, step, workload)
+        self.snapshot = {
+            link: [
+                (s.flow.request or "", s.flow.deadline or math.inf, s.level, s.rate)
+                for s in sim.flows_on(link)
+            ]
+            for link in self.links
+        }
+        self.last = sim.now
+
+    def _account(
+        self,
+        link: str,
+        flows: list[tuple[str, float, int, float]],
+        step: float,
+        workload: ServingWorkload,
+    ) -> None:
+        rate: dict[str, float] = defaultdict(float)
+        due: dict[str, float] = {}
+        for request, deadline, level, r in flows:
+            rate[request] += r
+            due[request] = deadline
+            self.level_bytes[level] += r * step
+        total = sum(rate.values())
+        self.waiting[link] += len(rate) * step
+        if total > 0:
+            self.busy[link] += step * total / self.capacity[link]
+            self.sharing[link] += step * sum(1 for r in rate.values() if r > 0)
+        for request in rate:
+            record = workload.records[request]
+            if record.prefill_done is None or record.warmup:
+                continue
+            seen = self.by_request[request]
+            seen["time"] += step
+            for other, r in rate.items():
+                kind = (
+                    "own"
+                    if other == request
+                    else "earlier"
+                    if due[other] < due[request]
+                    else "later"
+                )
+                seen[kind] += r * step
+
+
+def diagnose(policy: str, load: float, seeds: list[int], args: dict[str, Any]) -> None:
+    """Print where ``policy`` (with ``args``) loses against the bound (module docstring)."""
+    scen = scenario.load(SCENARIO)
+    assert scen.serving is not None
+    plain = specs([policy], None, LEVELS)[0]
+    built = PolicySpec(plain.name, {**plain.args, **args}, LEVELS, level_queue=plain.level_queue)
+    lost_parts: list[tuple[float, float, float]] = []
+    probe_totals: dict[str, float] = defaultdict(float)
+    levels: dict[int, float] = defaultdict(float)
+    for seed in seeds:
+        bound = {r.request: r for r in measured(run(scen, ideal_spec(LEVELS), load, seed).records)}
+        topo = build_topology(scen)
+        rx = [link for link in topo.capacity if link.startswith(scen.serving.decode_prefix)]
+        rx = [link for link in rx if link.endswith(".rx")]
+        probe = IngressProbe(rx, topo.capacity)
+        records = simulate(scen, built.build(), load, seed, probe)
+        ours = {r.request: r for r in measured(records)}
+        for level, sent in probe.level_bytes.items():
+            levels[level] += sent
+        end = records.end_time or 1.0
+        for link in rx:
+            print(
+                f"seed {seed} {link}: {probe.busy[link] / end:.0%} busy, "
+                f"{probe.sharing[link] / max(probe.busy[link], 1e-12):.2f} requests served at "
+                f"once while busy, {probe.waiting[link] / end:.2f} with P2D open on average"
+            )
+        for request, ideal in bound.items():
+            mine = ours[request]
+            if not ideal.met or mine.met:
+                continue
+            a, b = _phases(mine), _phases(ideal)
+            lost_parts.append((a[0] - b[0], a[1] - b[1], a[2] - b[2]))
+            for kind, value in probe.by_request.get(request, {}).items():
+                probe_totals[kind] += value
+    total = sum(levels.values()) or 1.0
+    print(
+        "bytes into the decode ingress by level: "
+        + ", ".join(f"{level}: {b / total:.1%}" for level, b in sorted(levels.items()))
+    )
+    if not lost_parts:
+        print("no request met under the bound was missed")
+        return
+    wait, prefill, tail = (statistics.mean(p[i] for p in lost_parts) * 1e3 for i in range(3))
+    dominant = Counter(p.index(max(p)) for p in lost_parts)
+    print(
+        f"{len(lost_parts)} requests met under the bound, missed under {policy}: "
+        f"+{wait:.1f} ms queue wait, +{prefill:.1f} ms prefill, +{tail:.1f} ms after prefill "
+        f"(dominant: wait {dominant[0]}, prefill {dominant[1]}, tail {dominant[2]})"
+    )
+    served = probe_totals["own"] + probe_totals["earlier"] + probe_totals["later"]
+    if served:
+        print(
+            "while they waited at the ingress after prefill, its bytes went to: "
+            f"themselves {probe_totals['own'] / served:.0%}, requests due earlier "
+            f"{probe_totals['earlier'] / served:.0%}, "
+            f"due later {probe_totals['later'] / served:.0%}"
+        )
+
+
+def _phases(record: Any) -> tuple[float, float, float]:
+    """(queue wait, prefill, after prefill) of a finished request, seconds."""
+    return (
+        record.started - record.arrival,
+        record.prefill_done - record.started,
+        record.finished - record.prefill_done,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    one = sub.add_parser("diagnose", help="one policy against the bound")
+    one.add_argument("--policy", default="rmlq")
+    one.add_argument("--load", type=float, default=0.6)
+    one.add_argument("--seeds", default="1")
+    one.add_argument("--args", default="{}", help='policy arguments, JSON: {"E": 2}')
+    many = sub.add_parser("reachable", help="bounds and references")
+    many.add_argument("--loads", default="0.5,0.6,0.7")
+    many.add_argument("--seeds", default="1,2,3")
+    args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.command == "diagnose":
+        diagnose(args.policy, args.load, seeds, json.loads(args.args))
+    else:
+        reachable([float(x) for x in args.loads.split(",")], seeds)
+
+
+if __name__ == "__main__":
+    main()
