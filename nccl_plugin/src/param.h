@@ -33,7 +33,8 @@
                "smallest chunk in bytes")                                                     \
   /* Messages up to this size travel whole on the control socket with their header, moved  \
    * by NCCL's progress thread itself: below ~1 MiB handing a message to helper threads     \
-   * costs more than it gains (docs/nccl-plugin-transport.md has the measurements). */      \
+   * costs more than it gains (docs/nccl-plugin-transport.md has the measurements); larger   \
+   * ones send a head of min(this, size / (sockets + 1)) there, the rest on data sockets. */ \
   FS_PARAM_INT(inline_size, "FLOWSCHED_INLINE_SIZE", 1024 * 1024, 0, 64 * 1024 * 1024,         \
                "inline threshold, bytes")                                                     \
   /* TCP_NOTSENT_LOWAT on data sockets (0 = kernel default: no limit). Linux builds the IP   \

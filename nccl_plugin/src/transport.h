@@ -8,14 +8,15 @@
  *    sockets of one connection, whatever order they arrive in;
  *  - each message sends a 16-byte header {u64 size, u32 magic, u32 seq} on the control
  *    socket, followed by the payload itself when size <= inline size (default 1 MiB: the
- *    progress thread moves such a message itself, no helper hand-off);
+ *    progress thread moves such a message itself, no helper hand-off), else by the
+ *    payload's head: min(inline size, size / (nsocks + 1)) bytes;
  *  - once the receiving process knows its own rank (the tag of its first isend on the same
  *    communicator), it writes an 8-byte rank note {u32 magic, i32 rank} once, in the other
  *    direction of the control socket, so the sender's slot can name its destination (the
  *    isend tag is the sender's own rank); v10 has no per-communicator context, no note;
- *  - larger payloads are cut into chunks of max(min_chunk, size / nsocks) bytes dealt
- *    round-robin over the data sockets, starting at socket (seq % nsocks); both sides derive
- *    the same placement from the size.
+ *  - the rest of a larger payload is cut into chunks of max(min_chunk, rest / nsocks) bytes
+ *    dealt round-robin over the data sockets, starting at socket (seq % nsocks); both sides
+ *    derive the same placement from the size.
  *
  * Threads. NCCL's progress thread runs isend/irecv/test: it posts requests, moves the control
  * stream (headers, inline payloads) and applies level changes (setsockopt). The data sockets

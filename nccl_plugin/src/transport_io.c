@@ -61,8 +61,16 @@ static ssize_t io_recv(int fd, void* buf, size_t len) {
   }
 }
 
+/* The bytes that follow the header on the control socket (moved by the progress thread):
+ * a whole message up to inline_max; of a larger one, its head, an even share with the data
+ * sockets capped at inline_max, so the progress thread works alongside the helpers instead
+ * of only polling while they move the rest. */
 static size_t inline_bytes(const struct fs_comm* comm, size_t size) {
-  return size <= comm->inline_max ? size : 0;
+  if (size <= comm->inline_max) {
+    return size;
+  }
+  size_t share = size / ((size_t)comm->nsocks + 1);
+  return share < comm->inline_max ? share : comm->inline_max;
 }
 
 /* One chunk per data socket, none smaller than min_chunk (NCCL's rule), so that a message
@@ -73,22 +81,26 @@ static size_t chunk_size(const struct fs_comm* comm, size_t size) {
   return even > comm->min_chunk ? even : comm->min_chunk;
 }
 
-/* Where socket `s`'s k-th chunk of message `seq` lies; 0 when the socket has no more. */
+/* Where socket `s`'s k-th chunk of message `seq` lies; 0 when the socket has no more. The
+ * data sockets share what follows the inline head. */
 static int chunk_of(const struct fs_comm* comm, size_t size, uint64_t seq, int s, uint64_t k,
                     size_t* off, size_t* len) {
-  if (size <= comm->inline_max) {
+  size_t head = inline_bytes(comm, size);
+  size_t rest = size - head;
+  if (rest == 0) {
     return 0;
   }
   uint64_t n = (uint64_t)comm->nsocks;
-  size_t chunk = chunk_size(comm, size);
-  uint64_t nchunks = (size + chunk - 1) / chunk;
+  size_t chunk = chunk_size(comm, rest);
+  uint64_t nchunks = (rest + chunk - 1) / chunk;
   uint64_t first = ((uint64_t)s + n - seq % n) % n;
   uint64_t c = first + k * n;
   if (c >= nchunks) {
     return 0;
   }
-  *off = (size_t)(c * chunk);
-  *len = size - *off < chunk ? size - *off : chunk;
+  size_t at = (size_t)(c * chunk);
+  *off = head + at;
+  *len = rest - at < chunk ? rest - at : chunk;
   return 1;
 }
 
