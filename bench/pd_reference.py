@@ -194,8 +194,9 @@ def serve_with_admission(jobs: Jobs, rate: float) -> dict[str, float]:
             if not late:
                 break
             first = min(late, key=lambda r: jobs[r][0])
-            victim = max(
-                (r for r in admitted if jobs[r][0] <= jobs[first][0]),
+            now = jobs[request][1][0][0]
+            victim = max(  # among those not done by now: the past stays as it was
+                (r for r in admitted if jobs[r][0] <= jobs[first][0] and finish[r] > now),
                 key=lambda r: sum(b for _, b in jobs[r][1]),
             )
             admitted.remove(victim)
