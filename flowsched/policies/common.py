@@ -315,9 +315,9 @@ class TrafficMeter:
         window = self.window
         # ewma_step(util, sample, elapsed, window) with its factor computed once
         factor = math.exp(-elapsed / window) if elapsed > 0 else 1.0
-        for (link, level), sent in self._link_bytes.items():
+        for (link, level), moved in self._link_bytes.items():
             capacity = ctx.bandwidth(link)
-            sample = sent / elapsed / capacity if elapsed > 0 and capacity > 0 else 0.0
+            sample = moved / elapsed / capacity if elapsed > 0 and capacity > 0 else 0.0
             levels = self._link_util.setdefault(link, {})
             util = _decay(levels.get(level), start, window)
             levels[level] = (sample + (util - sample) * factor if elapsed > 0 else util, now)
