@@ -573,17 +573,8 @@ def test_next_change_none_without_a_time_driven_change(flow: Flow) -> None:
     assert pol.next_change(flow, ctx()) is None
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    size=st.integers(1, 10**10),
-    deadline=st.floats(0.01, 10.0),
-    urgent_levels=st.integers(1, 3),
-)
-def test_next_change_is_when_the_level_changes(
-    size: int, deadline: float, urgent_levels: int
-) -> None:
-    """With no reports in between, the level holds until next_change and moves right after."""
-    pol = policy(rho_source="none", feasibility=False, urgent_levels=urgent_levels)
+def assert_level_moves_at_next_change(pol: rmlq.RmlqPolicy, size: int, deadline: float) -> None:
+    """A kv flow's level holds until ``next_change`` and moves up right after, each time."""
     flow = build_flow(cls="kv", size=size, deadline=deadline)
     now = 0.0
     flow.level = pol.admit(flow, ctx(now)).level
@@ -595,6 +586,20 @@ def test_next_change_is_when_the_level_changes(
         moved = pol.reevaluate([flow], ctx(after))
         assert moved and moved[flow.flow_id].level < flow.level
         flow.level, now = moved[flow.flow_id].level, after
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(1, 10**10),
+    deadline=st.floats(0.01, 10.0),
+    urgent_levels=st.integers(1, 3),
+)
+def test_next_change_is_when_the_level_changes(
+    size: int, deadline: float, urgent_levels: int
+) -> None:
+    """With no reports in between, the level holds until next_change and moves right after."""
+    pol = policy(rho_source="none", feasibility=False, urgent_levels=urgent_levels)
+    assert_level_moves_at_next_change(pol, size, deadline)
 
 
 # -- construction and validation ------------------------------------------------------------
@@ -889,17 +894,7 @@ def test_next_change_is_when_a_deferred_deadline_band_changes(
         deferred_slack=slack,
         early_levels=early_levels,
     )
-    flow = build_flow(cls="kv", size=size, deadline=deadline)
-    now = 0.0
-    flow.level = pol.admit(flow, ctx(now)).level
-    while (when := pol.next_change(flow, ctx(now))) is not None:
-        assert when >= now
-        before = max(now, when - 1e-6 * max(deadline, 1.0))
-        assert pol.reevaluate([flow], ctx(before)) == {}
-        after = when + 1e-6 * max(deadline, 1.0)
-        moved = pol.reevaluate([flow], ctx(after))
-        assert moved and moved[flow.flow_id].level < flow.level
-        flow.level, now = moved[flow.flow_id].level, after
+    assert_level_moves_at_next_change(pol, size, deadline)
 
 
 def test_default_bands_deferred_flows_by_deadline() -> None:
