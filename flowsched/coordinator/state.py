@@ -374,7 +374,8 @@ class ClusterState:
         progressed, self.progressed = self.progressed, set()
         flows = self.flows
         active = [flows[fid] for fid in progressed.union(batch) if fid in flows]
-        changed = self._observe(active, self.context(now))
+        ctx = self.context(now)
+        changed = self._observe(active, ctx)
         if changed:
             for fid, decision in changed.items():
                 flow = flows.get(fid)
@@ -382,7 +383,7 @@ class ClusterState:
                     self._apply(fid, flow, decision, count_promotion=True)
             assert self._next_change is not None
             moved = [flows[fid] for fid in changed if fid in flows]
-            self._arm(moved, changed, self.context(now))
+            self._arm(moved, changed, ctx)
 
     def _advance_sweep(self, now: float, budget: float | None) -> None:
         started = self._clock()
