@@ -167,8 +167,8 @@ def _wait_for_data(api: PromAPI, prom: subprocess.Popen[bytes], tmp: Path) -> No
             assert prom.poll() is None, (tmp / "prometheus.log").read_text()[-2000:]
             try:
                 return api.value(expr) >= least
-            except (OSError, AssertionError):
-                return False
+            except (OSError, AssertionError, ValueError):  # ValueError: a starting Prometheus
+                return False  # answers 503 "Service Unavailable", not JSON
 
         return check
 
