@@ -303,8 +303,10 @@ def plot_vs_load(
         low, high = [], []
         for o, y in zip(runs, ys, strict=True):
             spread = o.spread(attr)
-            low.append(y - spread[0] * scale if spread else 0.0)
-            high.append(spread[1] * scale - y if spread else 0.0)
+            # the pooled value can sit a rounding error (or, for a pooled mean of unequal
+            # seeds, more) outside the per-seed range: a bar never reaches past the value
+            low.append(max(y - spread[0] * scale, 0.0) if spread else 0.0)
+            high.append(max(spread[1] * scale - y, 0.0) if spread else 0.0)
         ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, **_style(runs[0]))
     ax.set_xticks(sorted({o.load for o in outcomes}))
     ax.set_xlabel("load")
@@ -355,6 +357,9 @@ def write_all(
 ) -> list[Path]:
     """Write ``results.json``, ``report.md`` and the PNG plots into ``out_dir``; return paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    written = [out_dir / "results.json", out_dir / "report.md"]
+    # the figures first: an hour-long run's results survive a plotting failure
+    written[0].write_text(json.dumps(to_json(outcomes, meta), indent=2) + "\n")
     plots: list[Path] = []
     for name, attr, label, scale in (
         ("attainment.png", "slo_attainment", "SLO attainment (%)", 100.0),
@@ -367,8 +372,6 @@ def write_all(
         path = out_dir / f"cdf_load{load:g}.png"
         if plot_cdfs(path, outcomes, load, meta):
             plots.append(path)
-    written = [out_dir / "results.json", out_dir / "report.md"]
-    written[0].write_text(json.dumps(to_json(outcomes, meta), indent=2) + "\n")
     written[1].write_text(markdown(outcomes, meta, summary))
     return written + plots
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -125,3 +126,16 @@ def test_plots_have_one_colour_per_policy_and_seed_error_bars(tmp_path: Path) ->
     meta = {"scenario": "pd", "seeds": [1, 2]}
     assert plot_title(meta, [0.5, 0.7]) == "pd, load 0.5, 0.7, seeds 1-2 (bars: min-max)"
     assert plot_vs_load(tmp_path / "a.png", [outcome], "slo_attainment", "%", 100.0, meta)
+
+
+def test_error_bars_survive_a_pooled_value_outside_the_seed_range(tmp_path: Path) -> None:
+    """Identical seeds give a pooled mean a rounding error away from their min and max (the
+    iteration time of a run where every seed has the same iterations): no negative bar."""
+    from flowsched.metrics import merge
+    from flowsched.report import plot_vs_load
+
+    outcome = Outcome.from_records("rmlq", 0.5, merge([]), seeds=[RunRecords(), RunRecords()])
+    outcome.metrics = dataclasses.replace(outcome.metrics, iteration_mean=0.8101999999999999)
+    outcome.per_seed = [dataclasses.replace(outcome.metrics, iteration_mean=0.8102)] * 2
+    assert outcome.spread("iteration_mean") == (0.8102, 0.8102)
+    assert plot_vs_load(tmp_path / "i.png", [outcome], "iteration_mean", "ms", 1e3)
