@@ -4,8 +4,10 @@
 (``CoordinatorConfig.from_policy_file`` builds one from a policy file).
 
 Liveness, as agents see it: the coordinator sends every agent a ``heartbeat`` every
-``heartbeat_interval`` (0.2 s, announced in ``welcome``) and expects one back at the same pace;
-it closes a connection that stays silent for ``idle_timeout`` (2 s). An agent can therefore
+``heartbeat_interval`` (0.2 s, announced in ``welcome``), unless it sent that agent something
+else since the previous one (any frame is a sign of life; two frames are then at most two
+intervals apart), and expects a frame back at the same pace; it closes a connection that stays
+silent for ``idle_timeout`` (2 s). An agent can therefore
 declare the coordinator absent after about three missed heartbeats (0.6 s), or at once when the
 connection breaks, well within its 1 s fallback budget. After every (re)connect the agent sends
 ``resync`` with its complete flow set; the coordinator rebuilds that node's flows from it (a

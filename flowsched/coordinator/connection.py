@@ -1,9 +1,15 @@
-"""One agent connection: the only code that touches a client's StreamReader/StreamWriter.
+"""One agent connection: the only code that touches a client's transport.
 
 It feeds received bytes to the sans-IO :class:`~flowsched.protocol.Connection`, hands decoded
 messages to the coordinator, and turns every failure into a close with a logged reason:
 protocol errors (answered with an ``error`` frame first), timeouts, and the connection errors
 listed in :data:`CONNECTION_ERRORS`. A failure never propagates beyond this connection.
+
+The handshake reads through a bounded StreamReader (an unauthenticated peer's bytes stay in
+the kernel). Once the agent authenticated, the transport's receive callback feeds the
+connection directly and the coordinator handles each frame there: no task wake-up, reader
+copy or timeout context per read. Idleness is then watched by one timer per connection
+(:meth:`AgentConnection._watch_idle`), rescheduled only when it fires.
 """
 
 from __future__ import annotations
@@ -73,9 +79,13 @@ class TimedStreamReader(asyncio.StreamReader):
         self.eof_seen = True
         super().feed_eof()
 
-    def has_buffered_data(self) -> bool:
-        """Whether bytes are waiting to be read (then a timeout is our backlog, not idleness)."""
-        return bool(self._buffer)  # type: ignore[attr-defined]  # StreamReader's own buffer
+    def take_buffered(self) -> bytes:
+        """Empty the buffer and return what it held (the reader is not read from again)."""
+        buffer: bytearray = self._buffer  # type: ignore[attr-defined]  # StreamReader's own
+        data = bytes(buffer)
+        buffer.clear()
+        self._maybe_resume_transport()  # type: ignore[attr-defined]  # it may have paused
+        return data
 
 
 class BoundedReaderProtocol(asyncio.BufferedProtocol):
@@ -88,8 +98,14 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
     kernel. This wraps rather than subclasses StreamReaderProtocol: uvloop treats any
     ``asyncio.Protocol`` as unbuffered. ``shared`` is one buffer for every connection of a
     loop: the transport calls ``get_buffer`` and ``buffer_updated`` back to back for one
-    connection at a time.
+    connection at a time. Once ``sink`` is set (the peer authenticated), received bytes and
+    the end of the stream go to it instead of the reader.
     """
+
+    #: called with each received chunk (a view of the shared buffer, valid during the call)
+    sink: Callable[[memoryview], None] | None = None
+    #: called once when the stream ends: None for the peer's EOF, else the transport's error
+    sink_closed: Callable[[Exception | None], None] | None = None
 
     def __init__(
         self,
@@ -98,7 +114,7 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
         shared: bytearray,
     ) -> None:
         self._inner = asyncio.StreamReaderProtocol(reader, client_connected_cb)
-        self._reader = reader
+        self.reader = reader
         self._shared = shared
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -106,6 +122,8 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._inner.connection_lost(exc)
+        if self.sink_closed is not None:
+            self.sink_closed(exc)
 
     def pause_writing(self) -> None:
         self._inner.pause_writing()
@@ -114,13 +132,20 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
         self._inner.resume_writing()
 
     def eof_received(self) -> bool | None:
-        return self._inner.eof_received()
+        keep_open = self._inner.eof_received()
+        if self.sink_closed is not None:
+            self.sink_closed(None)
+        return keep_open
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return memoryview(self._shared)[: self._reader.chunk]
+        return memoryview(self._shared)[: self.reader.chunk]
 
     def buffer_updated(self, nbytes: int) -> None:
-        self._inner.data_received(bytes(self._shared[:nbytes]))
+        if self.sink is not None:
+            with memoryview(self._shared) as view, view[:nbytes] as received:
+                self.sink(received)
+        else:
+            self._inner.data_received(bytes(self._shared[:nbytes]))
 
 
 class ConnectionClosed(Exception):
@@ -136,18 +161,31 @@ class AgentConnection:
     """Serves one agent from handshake to close (see the module docstring)."""
 
     def __init__(
-        self, coordinator: Coordinator, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        self,
+        coordinator: Coordinator,
+        protocol: BoundedReaderProtocol,
+        writer: asyncio.StreamWriter,
     ) -> None:
         self._coordinator = coordinator
         self._config = coordinator.config
-        self._reader = reader
+        self._protocol = protocol
+        self._reader = protocol.reader
         self._writer = writer
+        self._transport = writer.transport
         self._conn = Connection(
             Role.COORDINATOR, token=self._config.token, max_frame_size=self._config.max_frame_size
         )
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._abort: ConnectionClosed | None = None
+        #: resolved (always with an exception) when the established connection ends
+        self._ended: asyncio.Future[None] | None = None
+        #: ``perf_counter()`` when the last bytes arrived, once established
+        self._last_data = 0.0
+        self._idle_suspected = False
+        self._watchdog: asyncio.TimerHandle | None = None
+        #: something was sent since the heartbeat loop last visited this connection
+        self.sent_since_beat = False
 
     @property
     def node(self) -> str | None:
@@ -157,11 +195,10 @@ class AgentConnection:
     @property
     def peer_closed(self) -> bool:
         """Whether the agent closed this connection (its end may not be handled yet)."""
-        reader = self._reader
-        return isinstance(reader, TimedStreamReader) and reader.eof_seen
+        return self._reader.eof_seen
 
     async def run(self) -> None:
-        """Handshake, then read messages until the connection ends; never raises."""
+        """Handshake, then handle messages until the connection ends; never raises."""
         established = False
         try:
             # one deadline for the whole handshake: a peer dripping a byte now and then
@@ -169,10 +206,9 @@ class AgentConnection:
             async with asyncio.timeout(self._config.handshake_timeout):
                 await self._handshake()
             established = True
-            if isinstance(self._reader, TimedStreamReader):
-                self._reader.authenticated()
+            self._reader.authenticated()
             self._coordinator.attach(self)
-            await self._read_loop()
+            await self._serve_established()
         except RemoteProtocolError as exc:
             self._reject(exc.code, exc.reason, established)
         except ConnectionClosed as exc:
@@ -182,16 +218,16 @@ class AgentConnection:
         except CONNECTION_ERRORS as exc:
             self._reject("connection_lost", f"{type(exc).__name__}: {exc}", established)
         finally:
+            self._protocol.sink = self._protocol.sink_closed = None
+            if self._watchdog is not None:
+                self._watchdog.cancel()
             if established:
                 self._coordinator.detach(self)
             self._writer.close()
 
     def _timeout_reason(self, established: bool) -> str:
         if established:
-            reader = self._reader
-            if isinstance(reader, TimedStreamReader):
-                return f"no byte for {time.perf_counter() - reader.last_data:.1f} s"
-            return f"no frame for {self._config.idle_timeout:g} s"
+            return f"no byte for {time.perf_counter() - self._last_data:.1f} s"
         return f"handshake not finished within {self._config.handshake_timeout:g} s"
 
     # -- handshake ---------------------------------------------------------------------------
@@ -230,51 +266,112 @@ class AgentConnection:
 
     # -- established -------------------------------------------------------------------------
 
-    async def _read_loop(self) -> None:
-        idle = self._config.idle_timeout
-        coordinator = self._coordinator
-        node = self._conn.node
-        assert node is not None
-        arrival = time.perf_counter()  # frames that came along with the handshake
-        while True:
-            while (event := self._conn.next_event()) is not NEED_DATA:
-                coordinator.handle(node, self._message_or_close(event), arrival)
-            if self._abort is not None:
-                raise self._abort
-            data = await self._read_established(idle)
-            arrival = getattr(self._reader, "last_data", None) or time.perf_counter()
+    async def _serve_established(self) -> None:
+        """Hand the transport's receive callback to this connection, and wait for the end."""
+        loop = asyncio.get_running_loop()
+        self._ended = ended = loop.create_future()
+        reader, protocol = self._reader, self._protocol
+        self._last_data = reader.last_data or time.perf_counter()
+        # bytes that came along with the handshake: still in the reader, or already in the
+        # Connection's buffer (frames pipelined right after auth)
+        pending = reader.take_buffered()
+        if pending:  # (b"" would mean the end of the stream)
+            self._conn.receive_data(pending)
+        protocol.sink, protocol.sink_closed = self._received, self._stream_ended
+        if reader.eof_seen:
+            self._conn.receive_data(b"")
+        self._handle_frames(self._last_data)
+        if self._abort is not None:
+            raise self._abort
+        self._watchdog = loop.call_later(self._config.idle_timeout, self._watch_idle)
+        await ended
+
+    def _received(self, data: memoryview) -> None:
+        """The transport's receive callback: decode and handle every complete frame now."""
+        ended = self._ended
+        if ended is None or ended.done():
+            return  # ending: what the peer sends after that is dropped
+        # that instant, taken when the event loop hands the bytes over, is the arrival time
+        # of their frames for the decision-latency metric (it includes any wait for the loop)
+        self._last_data = arrival = time.perf_counter()
+        try:
             self._conn.receive_data(data)
+            self._handle_frames(arrival)
+        except Exception as exc:  # ends this connection only; run() says why
+            self._end(exc)
 
-    async def _read_established(self, idle: float) -> bytes:
-        while True:
-            try:
-                async with asyncio.timeout(idle):
-                    return await self._reader.read(READ_SIZE)
-            except TimeoutError:
-                if not await self._really_idle(idle):
-                    continue
-                raise
+    def _handle_frames(self, arrival: float) -> None:
+        handle, conn, node = self._coordinator.handle, self._conn, self._conn.node
+        assert node is not None
+        message_or_close = self._message_or_close
+        while (event := conn.next_event()) is not NEED_DATA:
+            handle(node, message_or_close(event), arrival)
 
-    async def _really_idle(self, idle: float) -> bool:
-        # On an overloaded loop the timer can fire before the loop polled the socket again
-        # (a loop turn longer than `idle`: the loop's cached clock makes the deadline stale,
-        # or our own backlog kept the transport paused). Let the loop poll once more; only a
-        # reader with nothing buffered that saw no byte for `idle` seconds is idle.
-        reader = self._reader
-        if not isinstance(reader, TimedStreamReader):
-            return True
-        await asyncio.sleep(IDLE_RECHECK)  # a real sleep: the loop polls the socket meanwhile
-        return not reader.has_buffered_data() and time.perf_counter() - reader.last_data >= idle
+    def _stream_ended(self, exc: Exception | None) -> None:
+        """The peer's EOF (``exc`` None) or the transport's error; frames before an EOF are
+        handled first."""
+        if exc is not None:
+            self._end(exc)
+        else:
+            self._received_eof()
+
+    def _received_eof(self) -> None:
+        ended = self._ended
+        if ended is None or ended.done():
+            return
+        try:  # the frames before the EOF, then PEER_CLOSED (or a frame cut short) raises
+            self._conn.receive_data(b"")
+            self._handle_frames(time.perf_counter())
+        except Exception as exc:
+            self._end(exc)
+        self._end(ConnectionClosed("peer_closed", "peer closed the connection"))
+
+    def _end(self, exc: BaseException) -> None:
+        ended = self._ended
+        if ended is not None and not ended.done():
+            ended.set_exception(exc)
+
+    def _watch_idle(self) -> None:
+        """One timer per connection, rescheduled when it fires: the connection is idle once
+        no byte arrived for ``idle_timeout`` seconds."""
+        idle = self._config.idle_timeout
+        loop = asyncio.get_running_loop()
+        silent = time.perf_counter() - self._last_data
+        if silent < idle:
+            self._idle_suspected = False
+            self._watchdog = loop.call_later(idle - silent, self._watch_idle)
+        elif not self._idle_suspected:
+            # On an overloaded loop the timer can fire before the loop polled the sockets
+            # again (a loop turn longer than `idle`): let it poll once more before deciding.
+            self._idle_suspected = True
+            self._watchdog = loop.call_later(IDLE_RECHECK, self._watch_idle)
+        else:
+            self._watchdog = None
+            self._end(TimeoutError())
 
     def send(self, message: Message) -> None:
         """Queue ``message`` for the agent; a stuck agent (send queue full) is disconnected."""
-        transport = self._writer.transport
-        if self._abort is not None or transport.is_closing():
-            return
+        if self._writable():
+            self._transport.write(self._conn.send(message))
+            self.sent_since_beat = True
+
+    def send_frame(self, kind: str, data: bytes) -> None:
+        """Queue an already encoded frame of message type ``kind`` (one encoding for every
+        agent, such as a heartbeat); like :meth:`send` otherwise."""
+        if self._writable():
+            self._transport.write(self._conn.send_frame(kind, data))
+
+    def _writable(self) -> bool:
+        transport = self._transport
+        # not once the connection failed (its end waits for the next loop turn) or closes
+        if self._abort is not None or self._conn.state is not State.ESTABLISHED:
+            return False
+        if transport.is_closing():
+            return False
         if transport.get_write_buffer_size() > self._config.send_buffer_limit:
             self.abort("send_overflow", f"send queue over {self._config.send_buffer_limit} bytes")
-            return
-        self._writer.write(self._conn.send(message))
+            return False
+        return True
 
     def abort(self, code: str, reason: str, *, tell_peer: bool = False) -> None:
         """End this connection from outside (replaced by a newer one, stuck, shutdown);
@@ -284,6 +381,7 @@ class AgentConnection:
             if tell_peer:
                 self._send_error(code, reason)
             self._writer.close()
+            self._end(self._abort)
 
     # -- closing -----------------------------------------------------------------------------
 

@@ -60,6 +60,7 @@ from flowsched.protocol import (
     Message,
     NicLoad,
     Resync,
+    encode_frame,
 )
 from flowsched.signals import wait_for_signal
 
@@ -256,10 +257,15 @@ class Coordinator:
 
     def _protocol(self) -> BoundedReaderProtocol:
         reader = TimedStreamReader(limit=HANDSHAKE_CHUNK)  # widened once authenticated
-        return BoundedReaderProtocol(reader, self._accept, self._receive_buffer)
 
-    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        connection = AgentConnection(self, reader, writer)
+        def accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            self._accept(protocol, writer)
+
+        protocol = BoundedReaderProtocol(reader, accept, self._receive_buffer)
+        return protocol
+
+    def _accept(self, protocol: BoundedReaderProtocol, writer: asyncio.StreamWriter) -> None:
+        connection = AgentConnection(self, protocol, writer)
         if not self._make_room(connection):
             writer.close()
             return
@@ -506,15 +512,22 @@ class Coordinator:
 
     async def _heartbeat_loop(self) -> None:
         # Spread over HEARTBEAT_SLICES ticks per interval: one burst to 1,000 agents would
-        # hold the loop (and every decision waiting behind it) for milliseconds.
+        # hold the loop (and every decision waiting behind it) for milliseconds. One frame
+        # per tick, encoded once for every agent of the slice.
         tick = self.config.heartbeat_interval / HEARTBEAT_SLICES
+        max_frame_size = self.config.max_frame_size
         for slot in itertools.cycle(range(HEARTBEAT_SLICES)):
             await asyncio.sleep(tick)
-            beat = Heartbeat(time.time(), self.epoch)
-            # a node keeps its slice while others come and go: one beat per interval each
+            # a node keeps its slice while others come and go: one visit per interval each
             due = [c for n, c in self.sessions.items() if hash(n) % HEARTBEAT_SLICES == slot]
+            if not due:
+                continue
+            beat = encode_frame(Heartbeat(time.time(), self.epoch), max_frame_size)
             for connection in due:
-                connection.send(beat)
+                if connection.sent_since_beat:  # levels sent since the last visit say
+                    connection.sent_since_beat = False  # "alive" just as well
+                else:
+                    connection.send_frame(Heartbeat.TYPE, beat)
 
 
 async def serve(

@@ -15,7 +15,14 @@ from flowsched.protocol._codec import (
     is_name,
     peek_type,
 )
-from flowsched.protocol._connection import NEED_DATA, PEER_CLOSED, Connection, Event, Sentinel
+from flowsched.protocol._connection import (
+    NEED_DATA,
+    PEER_CLOSED,
+    Connection,
+    Event,
+    Sentinel,
+    encode_frame,
+)
 from flowsched.protocol._framing import (
     DEFAULT_MAX_FRAME_SIZE,
     HANDSHAKE_MAX_FRAME_SIZE,
@@ -96,6 +103,7 @@ __all__ = [
     "compute_mac",
     "decode_body",
     "encode_body",
+    "encode_frame",
     "frame",
     "is_name",
     "load_token",

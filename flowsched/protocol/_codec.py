@@ -204,6 +204,12 @@ def _link_name(item: object, path: str) -> str:
 
 _set_progress_id = vars(FlowProgress)["id"].__set__
 _set_progress_sent = vars(FlowProgress)["sent"].__set__
+_set_flows_opens = vars(Flows)["opens"].__set__
+_set_flows_progress = vars(Flows)["progress"].__set__
+_set_flows_closes = vars(Flows)["closes"].__set__
+_set_beat_time = vars(Heartbeat)["t_sent"].__set__
+_set_beat_epoch = vars(Heartbeat)["epoch"].__set__
+_EMPTY: tuple[()] = ()
 
 
 def _progress_entries(items: list[Any], path: str) -> tuple[FlowProgress, ...]:
@@ -224,6 +230,82 @@ def _progress_entries(items: list[Any], path: str) -> tuple[FlowProgress, ...]:
                 continue
         return _each(items, path, _flow_progress)
     return tuple(out)
+
+
+def _fast_flows(data: dict[str, Any]) -> Flows | None:
+    """The coordinator's hot frame, checked inline: exactly what the checked path accepts,
+    built without it; None for anything unusual (the checked path then decodes it, or names
+    what is wrong)."""
+    opens = data.get("opens", _MISSING)
+    progress = data.get("progress", _MISSING)
+    closes = data.get("closes", _MISSING)
+    present = 1 + (opens is not _MISSING) + (progress is not _MISSING) + (closes is not _MISSING)
+    if len(data) != present:  # an unknown key
+        return None
+    if not (_is_list_or_absent(opens) and _is_list_or_absent(progress)):
+        return None
+    if not _is_list_or_absent(closes):
+        return None
+    flows = object.__new__(Flows)
+    _set_flows_opens(flows, _each(opens, "flows.opens", _flow_open) if _has(opens) else _EMPTY)
+    _set_flows_progress(
+        flows, _progress_entries(progress, "flows.progress") if _has(progress) else _EMPTY
+    )
+    _set_flows_closes(flows, _close_entries(closes) if _has(closes) else _EMPTY)
+    return flows
+
+
+def _has(value: object) -> TypeGuard[list[Any]]:
+    return type(value) is list and len(value) > 0
+
+
+def _is_list_or_absent(value: object) -> bool:
+    # missing, nil and [] all mean no entries (the checked path's optional arrays)
+    return type(value) is list or value is _MISSING or value is None
+
+
+def _close_entries(items: list[Any]) -> tuple[FlowClose, ...]:
+    out: list[FlowClose] = []
+    for item in items:
+        if type(item) is dict and len(item) == 3:
+            fid: Any = item.get("id")
+            sent: Any = item.get("sent")
+            closed_at: Any = item.get("closed_at")
+            if (
+                type(fid) is int
+                and type(sent) is int
+                and 0 <= fid <= U64_MAX >= sent >= 0
+                and type(closed_at) in (float, int)
+                and 0.0 <= closed_at < math.inf
+            ):
+                out.append(FlowClose(fid, sent, float(closed_at)))
+                continue
+        return _each(items, "flows.closes", _flow_close)
+    return tuple(out)
+
+
+def _fast_heartbeat(data: dict[str, Any]) -> Heartbeat | None:
+    """A heartbeat checked inline (see :func:`_fast_flows`); None for anything unusual."""
+    sent = data.get("t_sent")
+    epoch = data.get("epoch", 0)
+    if (
+        type(sent) is float
+        and 0.0 <= sent < math.inf
+        and type(epoch) is int
+        and 0 <= epoch <= U64_MAX
+        and len(data) == 2 + ("epoch" in data)
+    ):
+        beat = object.__new__(Heartbeat)
+        _set_beat_time(beat, sent)
+        _set_beat_epoch(beat, epoch)
+        return beat
+    return None
+
+
+_FAST_DECODERS: dict[str, Callable[[dict[str, Any]], Message | None]] = {
+    Flows.TYPE: _fast_flows,
+    Heartbeat.TYPE: _fast_heartbeat,
+}
 
 
 def _flow_progress(item: object, path: str) -> FlowProgress:
@@ -331,6 +413,16 @@ def decode_body(body: bytes) -> Message:
         raise LocalProtocolError(f"frame: not valid msgpack ({exc})", code="bad_frame") from None
     if type(data) is not dict:
         raise _bad("frame", "a map", data)
+    kind = data.get("t")
+    fast = _FAST_DECODERS.get(kind) if type(kind) is str else None
+    if fast is not None and (decoded := fast(data)) is not None:
+        return decoded
+    return _decode_checked(data)
+
+
+def _decode_checked(data: dict[str, Any]) -> Message:
+    """Decode a message map field by field through :class:`_Fields` (every type; the error
+    names the field)."""
     kind = data.get("t")
     cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
     if cls is None:

@@ -49,6 +49,15 @@ PEER_CLOSED: Final = Sentinel("PEER_CLOSED")
 Event = Message | Sentinel
 
 
+def encode_frame(message: Message, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
+    """The whole frame (length prefix and body) of ``message``; see :meth:`Connection.send_frame`.
+
+    Raises:
+        LocalProtocolError: the body is larger than ``max_frame_size``.
+    """
+    return frame(encode_body(message), max_frame_size)
+
+
 class Connection:
     """One end of an agent <-> coordinator connection.
 
@@ -85,6 +94,8 @@ class Connection:
             receive_limit = min(handshake_frame_size, max_frame_size)
         self._buffer = ReceiveBuffer(receive_limit)
         self._eof = False
+        #: message types the peer may send once established (none change the state)
+        self._established = frozenset(TRANSITIONS[(self._peer, State.ESTABLISHED)])
 
     # -- sending -----------------------------------------------------------------------------
 
@@ -100,11 +111,25 @@ class Connection:
             reason = f"cannot send {message.TYPE} in state {self.state.value} as {self.role.value}"
             self.state = State.ERROR
             raise LocalProtocolError(reason, code="bad_state")
-        data = frame(encode_body(message), self._max_frame_size)
+        data = encode_frame(message, self._max_frame_size)
         self._note_sent(message)
         self.state = new_state
         if new_state is State.ESTABLISHED:  # the peer is authenticated: full-size frames
             self._buffer.max_frame_size = self._max_frame_size
+        return data
+
+    def send_frame(self, kind: str, data: bytes) -> bytes:
+        """Return ``data``, a frame already encoded (e.g. by :func:`encode_frame`) for a
+        message of type ``kind``, after the same state check as :meth:`send`. For messages
+        sent to many peers at once (heartbeats): encoded once, not once per connection.
+        Handshake messages, which change what the connection remembers, go through
+        :meth:`send`.
+        """
+        new_state = next_state(self.role, self.state, kind)
+        if new_state is not self.state or self.state is not State.ESTABLISHED:
+            reason = f"cannot send {kind} as a pre-encoded frame in state {self.state.value}"
+            self.state = State.ERROR
+            raise LocalProtocolError(reason, code="bad_state")
         return data
 
     def _note_sent(self, message: Message) -> None:
@@ -129,8 +154,9 @@ class Connection:
 
     # -- receiving ---------------------------------------------------------------------------
 
-    def receive_data(self, data: bytes) -> None:
-        """Feed bytes received from the peer; ``b""`` means the peer closed its side."""
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Feed bytes received from the peer (copied: a view may be reused afterwards);
+        ``b""`` means the peer closed its side."""
         if data:
             self._buffer.feed(data)
         else:
@@ -161,8 +187,18 @@ class Connection:
                     raise LocalProtocolError("peer closed mid-frame", code="bad_frame")
                 return PEER_CLOSED
             return NEED_DATA
-        if self.state is not State.ESTABLISHED:
-            self._check_type_before_decoding(body)
+        if self.state is State.ESTABLISHED:
+            # the hot path: no handshake checks, the peer's legal types looked up directly
+            message = decode_body(body)
+            if message.TYPE in self._established:
+                return message
+            if message.TYPE != "error":
+                raise LocalProtocolError(
+                    f"{message.TYPE}: not allowed in state established", code="bad_state"
+                )
+            self.state = State.CLOSED
+            return message
+        self._check_type_before_decoding(body)
         message = decode_body(body)
         new_state = next_state(self._peer, self.state, message.TYPE)
         if new_state is None:

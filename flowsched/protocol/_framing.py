@@ -48,7 +48,7 @@ class ReceiveBuffer:
     def __len__(self) -> int:
         return len(self._buf) - self._start
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Append received bytes."""
         if self._start and self._start >= len(self._buf) // 2:
             del self._buf[: self._start]

@@ -318,3 +318,73 @@ def test_policy_file_too_big_for_the_welcome_frame_is_refused(tmp_path: Path) ->
         CoordinatorConfig.from_policy_file(path, TOKEN)
     path.write_text('[policy]\nname = "pias"\n[policy.args]\nsize_samples = [1000, 2000]\n')
     assert CoordinatorConfig.from_policy_file(path, TOKEN).policy_text == path.read_text()
+
+
+async def _wait_for(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.asyncio
+async def test_an_agent_receiving_level_updates_gets_no_heartbeats_and_stays_connected() -> None:
+    interval = 0.05
+    async with running_coordinator(heartbeat_interval=interval, idle_timeout=1.0) as coordinator:
+        link = await _connect(coordinator, "busy")
+        try:
+            started, beats, levels = time.monotonic(), 0, 0
+            wire_id = 0
+            while time.monotonic() - started < 20 * interval:
+                wire_id += 1  # each new flow's admission sends this agent a level update
+                await link.send(Flows(opens=(_open(wire_id),)))
+                while not isinstance(message := await link.recv(2.0), Levels):
+                    beats += isinstance(message, Heartbeat)
+                levels += 1
+            # anything sent within a heartbeat interval stands for the heartbeat: a busy
+            # link carries (next to) none, and the agent, which counts every frame as a sign
+            # of life, keeps the link
+            assert levels >= 20
+            assert beats <= 5, (beats, levels)
+            assert coordinator.agent_count() == 1
+            # once the level updates stop, heartbeats come again
+            assert isinstance(await link.recv(10 * interval), Heartbeat)
+            assert isinstance(await link.recv(10 * interval), Heartbeat)
+        finally:
+            await link.close()
+
+
+@pytest.mark.asyncio
+async def test_the_idle_watchdog_closes_a_silent_agent_after_the_timeout_not_before() -> None:
+    idle = 0.4
+    async with running_coordinator(idle_timeout=idle, heartbeat_interval=0.05) as coordinator:
+        link = await _connect(coordinator, "talks-then-stops")
+        try:
+            for _ in range(3):  # a talking agent outlives several idle timeouts
+                await link.send(Heartbeat(time.time()))
+                await asyncio.sleep(idle / 2)
+            assert coordinator.agent_count() == 1
+            await link.send(Flows(opens=(_open(1),)))  # its last frame
+            last_sent = time.monotonic()
+            with pytest.raises(LinkClosed) as info:
+                while True:
+                    await link.recv(5.0)
+            silent = time.monotonic() - last_sent
+        finally:
+            await link.close()
+        assert info.value.error is not None and info.value.error.code == "timeout"
+        assert silent >= idle, silent
+        assert coordinator.live.rejected == {"timeout": 1}
+
+
+@pytest.mark.asyncio
+async def test_frames_followed_at_once_by_the_end_of_the_stream_are_handled() -> None:
+    async with running_coordinator() as coordinator:
+        link = await _connect(coordinator, "brief")
+        link._writer.write(frame(encode_body(Flows(opens=(_open(1), _open(2))))))
+        link._writer.write_eof()  # the frame and the FIN may arrive in one read
+        await _wait_for(lambda: coordinator.agent_count() == 0, 5.0, "the agent to be detached")
+        await link.close()
+        assert len(coordinator.state.flows) == 2  # kept for the grace period
+        assert coordinator.live.rejected == {"peer_closed": 1}

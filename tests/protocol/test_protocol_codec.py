@@ -7,7 +7,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from protocol_strategies import messages
 
@@ -15,6 +15,7 @@ from flowsched.protocol import (
     LocalProtocolError,
     Message,
     ProtocolError,
+    _codec,
     decode_body,
     encode_body,
 )
@@ -169,3 +170,129 @@ def test_level_decision_stamps_round_trip_and_stay_optional() -> None:
     with pytest.raises(LocalProtocolError, match=r"levels\.updates.*decided_ns"):
         bad = {"id": 1, "level": 2, "decided_ns": -1}
         decode_body(msgpack.packb({"t": "levels", "updates": [bad]}))
+
+
+_odd_values = (
+    st.none()
+    | st.booleans()
+    | st.integers(-2, 2**64)
+    | st.floats(allow_nan=True)
+    | st.sampled_from([-1, 2**64, -0.5, float("inf"), "1", [], {}])
+)
+# mostly valid values and entries, so that each check of the fast paths is reached
+_counts = st.one_of(st.integers(0, 5), st.integers(0, 5), st.just(2**64 - 1), _odd_values)
+_times = st.one_of(st.floats(0, 10), st.integers(0, 5), _odd_values)
+_progress = st.fixed_dictionaries({"id": _counts, "sent": _counts})
+_close = st.fixed_dictionaries({"id": _counts, "sent": _counts, "closed_at": _times})
+_odd_entry = _odd_values | st.dictionaries(
+    st.sampled_from(["id", "sent", "closed_at", "x"]), _counts, max_size=4
+)
+_progress_lists = st.lists(_progress | _progress | _odd_entry, max_size=3)
+_close_lists = st.lists(_close | _close | _odd_entry, max_size=3)
+_flows_maps = st.one_of(
+    st.fixed_dictionaries({"closes": _close_lists}),
+    st.fixed_dictionaries({"progress": _progress_lists}),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "opens": st.sampled_from([[{**_OPEN, "links": ["eth0"]}], [], None]),
+            "progress": _progress_lists,
+            "closes": _close_lists,
+        },
+    ),
+    st.fixed_dictionaries({}, optional={"progress": _odd_values, "closes": _odd_values}),
+    st.fixed_dictionaries({"x": st.just(1)}, optional={"progress": st.just([])}),
+)
+_heartbeat_maps = st.fixed_dictionaries(
+    {"t_sent": _times}, optional={"epoch": _counts, "x": st.just(1)}
+) | st.fixed_dictionaries({}, optional={"epoch": _counts})
+
+
+def _outcome(decode: Any, data: dict[str, Any]) -> object:
+    try:
+        return decode(data)
+    except LocalProtocolError as exc:
+        return f"error: {exc}"
+
+
+@settings(max_examples=400)
+@given(
+    st.one_of(
+        _flows_maps.map(lambda m: {"t": "flows", **m}),
+        _heartbeat_maps.map(lambda m: {"t": "heartbeat", **m}),
+    )
+)
+def test_fast_decoders_agree_with_the_checked_path(data: dict[str, Any]) -> None:
+    # the hot frames skip the field-by-field path: they must accept exactly what it accepts,
+    # build the same message (field types included), or fail with the same error
+    fast = _codec._FAST_DECODERS[data["t"]]
+    got = _outcome(fast, data)
+    if got is None:
+        return  # unusual: decode_body hands it to the checked path
+    expected = _outcome(_codec._decode_checked, data)
+    assert repr(got) == repr(expected)
+
+
+def test_fast_decoders_take_the_common_frames() -> None:
+    flows = {
+        "t": "flows",
+        "opens": [{**_OPEN, "size": None, "links": ["eth0"]}],
+        "progress": [{"id": 1, "sent": 10}, {"id": 2, "sent": 0}],
+        "closes": [{"id": 3, "sent": 5, "closed_at": 2.5}],
+    }
+    for data in (
+        flows,
+        {"t": "heartbeat", "t_sent": 1.5},
+        {"t": "heartbeat", "t_sent": 1.5, "epoch": 3},
+    ):
+        got = _codec._FAST_DECODERS[str(data["t"])](data)
+        assert got is not None and repr(got) == repr(_codec._decode_checked(data))
+
+
+_EDGE_VALUES = [
+    -1,
+    0,
+    2**64 - 1,
+    -(2**63),
+    -0.5,
+    0.0,
+    1.5,
+    float("inf"),
+    float("nan"),
+    True,
+    None,
+    "1",
+]
+
+
+@pytest.mark.parametrize("value", _EDGE_VALUES, ids=repr)
+@pytest.mark.parametrize(
+    "build",
+    [
+        pytest.param(
+            lambda v: {"t": "flows", "closes": [{"id": 1, "sent": 2, "closed_at": v}]},
+            id="closed_at",
+        ),
+        pytest.param(
+            lambda v: {"t": "flows", "closes": [{"id": v, "sent": 2, "closed_at": 1.0}]},
+            id="close-id",
+        ),
+        pytest.param(
+            lambda v: {"t": "flows", "closes": [{"id": 1, "sent": v, "closed_at": 1.0}]},
+            id="close-sent",
+        ),
+        pytest.param(
+            lambda v: {"t": "flows", "progress": [{"id": v, "sent": 2}]}, id="progress-id"
+        ),
+        pytest.param(
+            lambda v: {"t": "flows", "progress": [{"id": 1, "sent": v}]}, id="progress-sent"
+        ),
+        pytest.param(lambda v: {"t": "flows", "progress": v}, id="progress"),
+        pytest.param(lambda v: {"t": "heartbeat", "t_sent": v}, id="t_sent"),
+        pytest.param(lambda v: {"t": "heartbeat", "t_sent": 1.0, "epoch": v}, id="epoch"),
+    ],
+)
+def test_hot_frames_decode_as_the_checked_path_at_the_edges(build: Any, value: object) -> None:
+    data = build(value)
+    got = _outcome(lambda d: decode_body(msgpack.packb(d, use_bin_type=True)), data)
+    assert repr(got) == repr(_outcome(_codec._decode_checked, data))
