@@ -465,8 +465,9 @@ def headline(results: list[PolicyResult]) -> list[str]:
             for name in ("fair", "static")
             if rm is not None and (other := _attainment(by.get(name), source))
         ]
-        if parts:
-            lines.append("  - rmlq attains " + ", ".join(parts) + ".")
+        if parts:  # under the joint line, else on its own naming the source
+            prefix = "  - " if joint else f"- {source}: "
+            lines.append(prefix + "rmlq attains " + ", ".join(parts) + ".")
         ratios = seed_ratios(results, source)
         if len(ratios.get("fair", [])) > 1:
             lines.append(

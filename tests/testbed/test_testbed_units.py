@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -324,6 +325,22 @@ def test_report_scores_attainment_and_collectives_jointly() -> None:
     assert joint.endswith("both." if both else "not both.")
     top = report.top_share(results[1].sim_records)  # type: ignore[arg-type]
     assert top is not None and f"admits {top:.0%} of KV flows at the top level" in joint
+
+
+def test_report_names_the_source_of_the_ratio_line_without_edf() -> None:
+    """Without edf there is no joint line: rmlq's ratio to static says which source it is."""
+    from flowsched.testbed import report
+
+    trace = generate(ScenarioParams(duration=2.0, load=0.5), 25e6, 3)
+    results = []
+    for name in ("static", "rmlq"):
+        cfg = bench.policy_config(name)
+        records = replay.replay(trace, cfg.make_policy(), level_queue=cfg.level_queue)
+        results.append(report.PolicyResult(name, None, summarize(records), sim_records=records))
+    lines = report.headline(results)
+    assert any(re.fullmatch(r"- sim: rmlq attains [0-9.]+x static\.", line) for line in lines), (
+        lines
+    )
 
 
 def test_policies_without_a_benchmark_file_share_statics_settings() -> None:
