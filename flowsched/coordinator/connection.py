@@ -116,6 +116,7 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
         self._inner = asyncio.StreamReaderProtocol(reader, client_connected_cb)
         self.reader = reader
         self._shared = shared
+        self._view = memoryview(shared)[: reader.chunk]  # what get_buffer hands out
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._inner.connection_made(transport)
@@ -138,12 +139,14 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
         return keep_open
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        return memoryview(self._shared)[: self.reader.chunk]
+        view = self._view
+        if len(view) != self.reader.chunk:  # the peer authenticated: a larger chunk
+            view = self._view = memoryview(self._shared)[: self.reader.chunk]
+        return view
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.sink is not None:
-            with memoryview(self._shared) as view, view[:nbytes] as received:
-                self.sink(received)
+            self.sink(self._view[:nbytes])
         else:
             self._inner.data_received(bytes(self._shared[:nbytes]))
 

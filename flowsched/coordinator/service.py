@@ -516,10 +516,15 @@ class Coordinator:
         # per tick, encoded once for every agent of the slice.
         tick = self.config.heartbeat_interval / HEARTBEAT_SLICES
         max_frame_size = self.config.max_frame_size
+        slices: list[list[AgentConnection]] = []
         for slot in itertools.cycle(range(HEARTBEAT_SLICES)):
+            if slot == 0:  # the agents, sliced once per interval (a newcomer waits for it)
+                slices = [[] for _ in range(HEARTBEAT_SLICES)]
+                for node, connection in self.sessions.items():
+                    # a node keeps its slice while others come and go: one visit per interval
+                    slices[hash(node) % HEARTBEAT_SLICES].append(connection)
             await asyncio.sleep(tick)
-            # a node keeps its slice while others come and go: one visit per interval each
-            due = [c for n, c in self.sessions.items() if hash(n) % HEARTBEAT_SLICES == slot]
+            due = slices[slot]
             if not due:
                 continue
             beat = encode_frame(Heartbeat(time.time(), self.epoch), max_frame_size)
