@@ -401,6 +401,10 @@ class Worker:
                 job,
                 lambda: _plugin_exchange(send, recv, (send_buf, recv_buf), oob, job.message_bytes),
             )
+            # CPU seconds of this rank's thread: what its progress loop (POLL) costs
+            self.journal.add(
+                "cpu", what="tp rank", job=job.job, host=self.host, seconds=time.thread_time()
+            )
             send_buf.release()
             recv_buf.release()
             send.close()
@@ -446,12 +450,72 @@ def _plugin_exchange(
     _barrier(oob)
 
 
-def _wait_requests(requests: list[Any], timeout: float) -> None:
+#: How a TP rank waits between passes of ``test()`` over its outstanding plugin requests
+#: (FLOWSCHED_TESTBED_POLL): ``sleep0`` (default: ``time.sleep(0)``, on Linux a nanosleep that
+#: returns after the thread's timer slack, 50 us, so a pass every ~75 us), ``yield``
+#: (``sched_yield``, a spin like NCCL's proxy), ``sleep:SECONDS``, or ``backoff`` (yield for
+#: BACKOFF_SPIN after each completion, then sleeps doubling up to BACKOFF_MAX). The plugin
+#: moves a message up to its inline size only inside ``test()``, so every pause is time its
+#: bytes wait; bench/contention/README.md gives what each mode measured.
+POLL = os.environ.get("FLOWSCHED_TESTBED_POLL", "sleep0")
+BACKOFF_SPIN = 0.0005
+BACKOFF_MAX = 0.0002
+
+
+def _wait_requests(requests: list[Any], timeout: float, poll: str | None = None) -> None:
+    """Call ``test()`` on every outstanding request until all are done, as NCCL's proxy
+    thread does, pausing between passes as :data:`POLL` says.
+
+    NCCL's proxy spins on a core of its own; the testbed's ranks share two cores with the KV
+    senders, agents and coordinator, so the default pause is the shortest sleep the kernel
+    gives: it leaves the CPU (and the GIL) to others, and a sleeper that wakes preempts a busy
+    task where a ``sched_yield`` spinner can wait out a whole time slice behind it.
+    """
+    pause = _poll_pause(POLL if poll is None else poll)
     deadline = time.monotonic() + timeout
-    while not all([r.test() for r in requests]):
-        if time.monotonic() > deadline:
-            raise TimeoutError("plugin requests did not complete")
-        time.sleep(0.0002)
+    pending = list(requests)
+    while True:
+        left = [r for r in pending if not r.test()]
+        if not left:
+            return
+        now = time.monotonic()
+        if now > deadline:
+            raise TimeoutError(f"{len(left)} of {len(requests)} plugin requests did not complete")
+        pause(now, len(left) < len(pending))
+        pending = left
+
+
+def _poll_pause(poll: str) -> Callable[[float, bool], None]:
+    """The pause between two passes: ``pause(now, completed_one)`` (see :data:`POLL`)."""
+    if poll == "yield":
+        return lambda now, completed: os.sched_yield()
+    if poll == "sleep0":
+        return lambda now, completed: time.sleep(0)
+    if poll.startswith("sleep:"):
+        seconds = float(poll.split(":", 1)[1])
+        return lambda now, completed: time.sleep(seconds)
+    if poll == "backoff":
+        return _Backoff(BACKOFF_SPIN, BACKOFF_MAX).pause
+    raise ValueError(f"FLOWSCHED_TESTBED_POLL: unknown mode {poll!r}")
+
+
+class _Backoff:
+    """Yield for ``spin`` seconds after the start or a completion, then sleep 20 us doubling
+    up to ``longest``."""
+
+    def __init__(self, spin: float, longest: float) -> None:
+        self.spin, self.longest = spin, longest
+        self.since: float | None = None
+        self.sleep = 0.0
+
+    def pause(self, now: float, completed: bool) -> None:
+        if self.since is None or completed:
+            self.since, self.sleep = now, 0.0
+        if now - self.since < self.spin:
+            os.sched_yield()
+            return
+        self.sleep = min(max(self.sleep * 2, 2e-5), self.longest)
+        time.sleep(self.sleep)
 
 
 #: TCP congestion control of the testbed's data sockets (FLOWSCHED_TESTBED_CC, default bbr)
@@ -540,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker.run(args.timeout)
     finally:
+        journal.add("cpu", what="worker", host=args.host, seconds=time.process_time())
         Path(args.out).write_text(json.dumps(journal.events), encoding="utf-8")
     return 0
 

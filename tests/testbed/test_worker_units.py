@@ -197,3 +197,42 @@ def test_failed_receive_is_an_error_but_the_iteration_goes_on() -> None:
     rank._wait_experience(trace.tp_jobs[0], 0)
     assert time.monotonic() - started < 5 and 7 in rank.done
     assert _errors(trace, journal) == ["flow 7: received 600 of 1000 bytes: reset"]
+
+
+class CountedRequest:
+    """Completes on its ``after``-th ``test()``; counts calls made after that."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.calls = after, 0
+
+    def test(self) -> bool:
+        self.calls += 1
+        return self.calls >= self.after
+
+
+@pytest.mark.parametrize("poll", ["yield", "sleep0", "sleep:0.0001", "backoff"])
+def test_wait_requests_polls_each_request_until_done_and_no_further(poll: str) -> None:
+    requests = [CountedRequest(3), CountedRequest(40), CountedRequest(1)]
+    worker._wait_requests(list(requests), 5.0, poll)
+    assert [r.calls for r in requests] == [3, 40, 1]
+
+
+def test_default_wait_pauses_only_the_shortest_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between test() passes the default loop sleeps 0 s (the kernel's timer slack), never a
+    fixed interval like the 0.2 ms that cost ~4 ms per collective."""
+    slept: list[float] = []
+    monkeypatch.setattr(worker.time, "sleep", slept.append)
+    worker._wait_requests([CountedRequest(50)], 5.0)
+    assert slept == [0] * 49
+
+
+@pytest.mark.parametrize("poll", ["yield", "backoff"])
+def test_wait_requests_times_out_naming_what_is_left(poll: str) -> None:
+    never = SimpleNamespace(test=lambda: False)
+    with pytest.raises(TimeoutError, match="1 of 2 plugin requests"):
+        worker._wait_requests([CountedRequest(1), never], 0.05, poll)
+
+
+def test_unknown_poll_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="FLOWSCHED_TESTBED_POLL: unknown mode 'spin'"):
+        worker._wait_requests([CountedRequest(1)], 1.0, "spin")
