@@ -356,8 +356,9 @@ def _notes(results: list[report.PolicyResult]) -> list[str]:
     if static and static.testbed and static.testbed.cct_mean and static.sim.cct_mean:
         notes.append(
             "Under static, TP is alone in the top class, so testbed minus simulator CCT is the "
-            "cost of a collective exchange itself (Python, thread per exchange, 2 shared "
-            f"cores): {(static.testbed.cct_mean - static.sim.cct_mean) * 1e3:+.1f} ms per "
+            "cost of a collective exchange itself (a Python TP rank driving the NCCL plugin, "
+            "or its socket pair under --control mini, with TCP and htb, on 2 shared cores): "
+            f"{(static.testbed.cct_mean - static.sim.cct_mean) * 1e3:+.1f} ms per "
             "collective; the other policies' CCT gaps include it."
         )
     notes += [_ablation_note(r) for r in results if r.ablation is not None]
