@@ -330,13 +330,13 @@ async def _wait_for(predicate: object, timeout: float, what: str) -> None:
 
 @pytest.mark.asyncio
 async def test_an_agent_receiving_level_updates_gets_no_heartbeats_and_stays_connected() -> None:
-    interval = 0.05
-    async with running_coordinator(heartbeat_interval=interval, idle_timeout=1.0) as coordinator:
+    interval = 0.2  # the default: a level update comes far more often even on a loaded machine
+    async with running_coordinator(heartbeat_interval=interval, idle_timeout=2.0) as coordinator:
         link = await _connect(coordinator, "busy")
         try:
             started, beats, levels = time.monotonic(), 0, 0
             wire_id = 0
-            while time.monotonic() - started < 20 * interval:
+            while time.monotonic() - started < 10 * interval:
                 wire_id += 1  # each new flow's admission sends this agent a level update
                 await link.send(Flows(opens=(_open(wire_id),)))
                 while not isinstance(message := await link.recv(2.0), Levels):
@@ -345,12 +345,12 @@ async def test_an_agent_receiving_level_updates_gets_no_heartbeats_and_stays_con
             # anything sent within a heartbeat interval stands for the heartbeat: a busy
             # link carries (next to) none, and the agent, which counts every frame as a sign
             # of life, keeps the link
-            assert levels >= 20
-            assert beats <= 5, (beats, levels)
+            assert levels >= 10
+            assert beats <= 3, (beats, levels)
             assert coordinator.agent_count() == 1
             # once the level updates stop, heartbeats come again
-            assert isinstance(await link.recv(10 * interval), Heartbeat)
-            assert isinstance(await link.recv(10 * interval), Heartbeat)
+            assert isinstance(await link.recv(5 * interval), Heartbeat)
+            assert isinstance(await link.recv(5 * interval), Heartbeat)
         finally:
             await link.close()
 
