@@ -6,16 +6,21 @@ Two commands (seeds pooled; every run uses the simulator and the bundled scenari
 ``diagnose``: one policy against the bound, request by request (queue wait, prefill, the tail
 after prefill) and at the decode NICs' ingress (the levels of the bytes that cross it, how
 many requests share it at once, and, while a request that missed waits there after its
-prefill, how much of the ingress goes to requests due earlier or later than it)::
+prefill, how much of the ingress goes to requests due earlier or later than it), and the
+policy's own P2D release times replayed on each decode NIC alone (below)::
 
     .venv/bin/python bench/pd_reference.py diagnose --policy rmlq --load 0.6 --seeds 1
     .venv/bin/python bench/pd_reference.py diagnose --args '{"deferred_order": "mlu"}'
 
 ``reachable``: the bound; the bound with only the P2D on private paths (Stage-1 fetches on the
-shared links, collectives first); each decode NIC replayed offline as one preemptive server fed
-by the bound's own P2D release times under processor sharing, EDF, and EDF with clairvoyant
-Moore-Hodgson admission; and an EDF-rank reference scheduler on the real links (collectives,
-then Stage-1 fetches, then the P2D by deadline rank over five levels, late requests dropped)::
+shared links, collectives first) and, on that run's prefill timeline, the ceiling of any
+schedule that serves the collectives first on the prefill NICs (:func:`egress_ceiling`); each
+decode NIC replayed offline as one preemptive server fed by the bound's own P2D release times
+under processor sharing, EDF, EDF with Moore-Hodgson admission decided online (a drop keeps
+the service the victim already got) and with retroactive drops (a victim is served last from
+its first byte on: clairvoyant); and an EDF-rank reference scheduler on the real links
+(collectives, then Stage-1 fetches, then the P2D by deadline rank over five levels, late
+requests dropped), alone and with the retroactive replay's drops applied at their time::
 
     .venv/bin/python bench/pd_reference.py reachable --loads 0.5,0.6,0.7 --seeds 1,2,3
 
@@ -54,16 +59,20 @@ _DONE = 1.0
 
 class EdfRankReference:
     """Collectives (0), Stage-1 fetches (1), P2D by deadline rank over levels 2-6, late P2D and
-    everything else 7. Ranks move both ways (no Defer-and-Promote): a reference, not a policy."""
+    everything else 7. Ranks move both ways (no Defer-and-Promote): a reference, not a policy.
+    ``drops``: request -> when its P2D goes to level 7 (admission decided elsewhere)."""
 
     name: ClassVar[str] = "edf-rank-reference"
     num_levels = LEVELS
+
+    def _dropped(self, flow: Flow, now: float) -> bool:
+        return is_late(flow, now) or self.drops.get(flow.request or "", math.inf) <= now
 
     def _levels(self, flows: Iterable[Flow], now: float) -> dict[int, int]:
         flows = list(flows)
         due = sorted(
             {f.deadline for f in flows if f.cls is FlowClass.KV and f.deadline is not None}
-            - {d for d in (f.deadline for f in flows if is_late(f, now)) if d is not None}
+            - {d for d in (f.deadline for f in flows if self._dropped(f, now)) if d is not None}
         )
         rank = {deadline: i for i, deadline in enumerate(due)}
         levels = {}
@@ -72,14 +81,17 @@ class EdfRankReference:
                 levels[flow.flow_id] = 0
             elif flow.cls is FlowClass.KV_REUSE:
                 levels[flow.flow_id] = 1
-            elif flow.cls is FlowClass.KV and flow.deadline in rank and not is_late(flow, now):
+            elif (
+                flow.cls is FlowClass.KV and flow.deadline in rank and not self._dropped(flow, now)
+            ):
                 levels[flow.flow_id] = 2 + rank_band(rank[flow.deadline], len(due), 5)
             else:
                 levels[flow.flow_id] = 7
         return levels
 
-    def __init__(self) -> None:
+    def __init__(self, drops: Mapping[str, float] | None = None) -> None:
         self._open: dict[int, Flow] = {}
+        self.drops = dict(drops or {})
 
     def admit(self, flow: Flow, ctx: Context) -> Decision:
         self._open[flow.flow_id] = flow
@@ -126,6 +138,34 @@ def measured(records: RunRecords) -> list[Any]:
 
 def met(records: RunRecords) -> int:
     return sum(r.met for r in measured(records))
+
+
+def egress_ceiling(records: RunRecords, cfg: Any, trace: Iterable[Any]) -> int:
+    """Measured requests that a schedule serving the collectives first on the prefill NICs
+    could still meet, on ``records``' prefill timeline (a lower bound on each one's TTFT).
+
+    A request's KV leaves its GPU's NIC at no more than the line rate B, and only while that
+    NIC does not carry its own batch's all-to-all (the batch's cross-server bytes spread over
+    the instance's NICs): its last byte arrives no earlier than
+    ``max(prefill end - a2a_layer / B + kv_layer / B, start + layers (kv_layer + a2a_layer) / B)``
+    with kv_layer its KV per layer and a2a_layer the all-to-all bytes per layer on its NIC. The
+    other requests on the NIC and the decode ingress are ignored, so no such schedule meets more.
+    """
+    rate = cfg.nic_gbps * 1e9 / 8
+    nics = cfg.servers_per_instance * cfg.nics_per_server
+    prompts = {r.request_id: (r.prompt_tokens, r.new_tokens) for r in trace}
+    batch_tokens: dict[tuple[float | None, float | None], int] = defaultdict(int)
+    for record in records.requests:
+        batch_tokens[record.started, record.prefill_done] += prompts[record.request][1]
+    count = 0
+    for record in measured(records):
+        assert record.started is not None and record.prefill_done is not None
+        kv = prompts[record.request][0] * cfg.kv_bytes_per_token_layer / rate
+        tokens = batch_tokens[record.started, record.prefill_done]
+        a2a = scenario.a2a_cross_bytes(cfg, tokens) / nics / rate
+        earliest = max(record.prefill_done - a2a + kv, record.started + cfg.layers * (kv + a2a))
+        count += earliest <= record.arrival + record.slo
+    return count
 
 
 # -- offline replay of the decode ingress -------------------------------------------------------
@@ -179,12 +219,20 @@ def serve(jobs: Jobs, rate: float, key: Callable[[str], Any] | None) -> dict[str
 
 
 def serve_with_admission(jobs: Jobs, rate: float) -> dict[str, float]:
-    """EDF with clairvoyant admission: at each request's first release, admit it and, while
-    the admitted set misses a deadline under EDF, drop the admitted request with the most
-    bytes among those due no later than the first miss (Moore-Hodgson). Dropped requests are
-    served last, by deadline, and count if they still finish in time."""
+    """EDF with clairvoyant, retroactive admission: at each request's first release, admit it
+    and, while the admitted set misses a deadline under EDF, drop the admitted request with the
+    most bytes among those due no later than the first miss (Moore-Hodgson). Dropped requests
+    are served last, by deadline, *from their first byte on* (the bandwidth a victim used
+    before the drop goes back to the others), and count if they still finish in time."""
+    dropped = retroactive_drops(jobs, rate)
+    return serve(jobs, rate, lambda r: (r in dropped, jobs[r][0], r))
+
+
+def retroactive_drops(jobs: Jobs, rate: float) -> dict[str, float]:
+    """The requests :func:`serve_with_admission` drops, and when: the first release of the
+    request whose arrival made the admitted set infeasible."""
     admitted: list[str] = []
-    dropped: set[str] = set()
+    dropped: dict[str, float] = {}
     for request in sorted(jobs, key=lambda r: jobs[r][1][0][0]):
         admitted.append(request)
         while True:
@@ -200,8 +248,80 @@ def serve_with_admission(jobs: Jobs, rate: float) -> dict[str, float]:
                 key=lambda r: sum(b for _, b in jobs[r][1]),
             )
             admitted.remove(victim)
-            dropped.add(victim)
-    return serve(jobs, rate, lambda r: (r in dropped, jobs[r][0], r))
+            dropped[victim] = now
+    return dropped
+
+
+def serve_online_admission(jobs: Jobs, rate: float) -> dict[str, float]:
+    """EDF with admission decided online: at each request's first release, forecast the
+    admitted requests under EDF from the server's state at that instant (their future releases
+    known) and, while one misses, drop the one with the most bytes left among those due no
+    later than the first miss. A dropped request keeps the service it got before and goes on
+    at the lowest priority (by deadline); it counts if it still finishes in time. Unlike
+    :func:`serve_with_admission`, a drop never gives back the bandwidth the victim used before
+    it was dropped."""
+    events = sorted((t, r, b) for r, (_, parts) in jobs.items() for t, b in parts)
+    first = {r: min(t for t, _ in parts) for r, (_, parts) in jobs.items() if parts}
+    ready: dict[str, float] = defaultdict(float)
+    left = {r: sum(b for _, b in parts) for r, (_, parts) in jobs.items()}
+    dropped: set[str] = set()
+    finish: dict[str, float] = {}
+    now, i = (events[0][0] if events else 0.0), 0
+    while i < len(events) or ready:
+        arrived = []
+        while i < len(events) and events[i][0] <= now:
+            _, request, amount = events[i]
+            ready[request] += amount
+            if first[request] == events[i][0] and request not in arrived:
+                arrived.append(request)
+            i += 1
+        if arrived:
+            present = {r for r, t in first.items() if t <= now}
+            _admit(jobs, rate, now, events[i:], ready, left, present - finish.keys(), dropped)
+        upcoming = events[i][0] if i < len(events) else math.inf
+        if not ready:
+            now = upcoming
+            continue
+        served = min(ready, key=lambda r: (r in dropped, jobs[r][0], r))
+        step = min(ready[served] / rate, upcoming - now)
+        now += step
+        ready[served] -= rate * step
+        left[served] -= rate * step
+        if left[served] <= _DONE and served not in finish:
+            finish[served] = now
+        if ready[served] <= _DONE:
+            del ready[served]
+    return finish
+
+
+def _admit(
+    jobs: Jobs,
+    rate: float,
+    now: float,
+    future: list[tuple[float, str, float]],
+    ready: Mapping[str, float],
+    left: Mapping[str, float],
+    present: set[str],
+    dropped: set[str],
+) -> None:
+    """Moore-Hodgson from the server's state at ``now`` over the ``present`` requests (arrived,
+    not finished): see serve_online_admission."""
+    while True:
+        live = [r for r in present if r not in dropped and left[r] > _DONE]
+        forecast: Jobs = {r: (jobs[r][0], []) for r in live}
+        for r in live:
+            if ready.get(r, 0.0) > 0:
+                forecast[r][1].append((now, ready[r]))
+        for t, r, b in future:
+            if r in forecast:
+                forecast[r][1].append((t, b))
+        forecast = {r: job for r, job in forecast.items() if job[1]}
+        done = serve(forecast, rate, lambda r: (jobs[r][0], r))
+        late = [r for r in forecast if done.get(r, math.inf) > jobs[r][0]]
+        if not late:
+            return
+        due = jobs[min(late, key=lambda r: jobs[r][0])][0]
+        dropped.add(max((r for r in forecast if jobs[r][0] <= due), key=lambda r: left[r]))
 
 
 def ingress_replays(records: RunRecords, cfg: Any) -> dict[str, int]:
@@ -213,7 +333,8 @@ def ingress_replays(records: RunRecords, cfg: Any) -> dict[str, int]:
         schedules = {
             "PS": serve(jobs, rate, None),
             "EDF": serve(jobs, rate, lambda r, j=jobs: (j[r][0], r)),  # type: ignore[misc]
-            "EDF+admission": serve_with_admission(jobs, rate),
+            "EDF+online admission": serve_online_admission(jobs, rate),
+            "EDF+retroactive admission": serve_with_admission(jobs, rate),
         }
         for name, finish in schedules.items():
             counts[name] += sum(
@@ -228,6 +349,7 @@ def ingress_replays(records: RunRecords, cfg: Any) -> dict[str, int]:
 def reachable(loads: list[float], seeds: list[int]) -> None:
     """Print the reachability table (see the module docstring)."""
     scen = scenario.load(SCENARIO)
+    assert scen.serving is not None
     queues = hwqueues.table(LEVELS, LEVELS)
     partial = {
         "P2D private, Stage-1 shared": {},
@@ -251,9 +373,20 @@ def reachable(loads: list[float], seeds: list[int]) -> None:
                     level_queue=queues,
                     private_classes=frozenset({FlowClass.KV}),
                 )
-                counts[label] += met(run(scen, spec, load, seed).records)
-            counts["EDF-rank reference, all shared"] += met(
-                simulate(scen, EdfRankReference(), load, seed)
+                records = run(scen, spec, load, seed).records
+                counts[label] += met(records)
+                if label == "P2D private, Stage-1 shared":
+                    trace = scenario.serving_trace(scen.serving, load, seed)
+                    counts["  its timeline, collectives first on the prefill NICs: ceiling"] += (
+                        egress_ceiling(records, scen.serving, trace)
+                    )
+            edf_rank = simulate(scen, EdfRankReference(), load, seed)
+            counts["EDF-rank reference, all shared"] += met(edf_rank)
+            drops: dict[str, float] = {}
+            for jobs in ingress_jobs(edf_rank, scen.serving.decode_servers).values():
+                drops.update(retroactive_drops(jobs, scen.serving.nic_gbps * 1e9 / 8))
+            counts["  + the retroactive replay's drops, at their time"] += met(
+                simulate(scen, EdfRankReference(drops), load, seed)
             )
         print(f"load {load:g}, seeds {seeds}, {total} measured requests:")
         for name, value in counts.items():
@@ -332,6 +465,7 @@ def diagnose(policy: str, load: float, seeds: list[int], args: dict[str, Any]) -
     lost_parts: list[tuple[float, float, float]] = []
     probe_totals: dict[str, float] = defaultdict(float)
     levels: dict[int, float] = defaultdict(float)
+    replays: Counter[str] = Counter()
     for seed in seeds:
         bound = {r.request: r for r in measured(run(scen, ideal_spec(LEVELS), load, seed).records)}
         topo = build_topology(scen)
@@ -340,6 +474,8 @@ def diagnose(policy: str, load: float, seeds: list[int], args: dict[str, Any]) -
         probe = IngressProbe(rx, topo.capacity)
         records = simulate(scen, built.build(), load, seed, probe)
         ours = {r.request: r for r in measured(records)}
+        replays[policy] += met(records)
+        replays.update(ingress_replays(records, scen.serving))
         for level, sent in probe.level_bytes.items():
             levels[level] += sent
         end = records.end_time or 1.0
@@ -357,6 +493,10 @@ def diagnose(policy: str, load: float, seeds: list[int], args: dict[str, Any]) -
             lost_parts.append((a[0] - b[0], a[1] - b[1], a[2] - b[2]))
             for kind, value in probe.by_request.get(request, {}).items():
                 probe_totals[kind] += value
+    print(
+        f"requests met: {policy} {replays.pop(policy)}; its own P2D release times replayed on "
+        "each decode NIC alone: " + ", ".join(f"{name} {count}" for name, count in replays.items())
+    )
     total = sum(levels.values()) or 1.0
     print(
         "bytes into the decode ingress by level: "

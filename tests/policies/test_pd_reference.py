@@ -1,0 +1,118 @@
+"""bench/pd_reference.py's offline decode-ingress replays: one preemptive server, its orders
+and its admission rules, on cases small enough to work out by hand (the simulator runs are the
+benchmark's business, not a test's)."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "pd_reference.py"
+
+
+def load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("pd_reference", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+ref = load()
+
+Jobs = dict[str, tuple[float, list[tuple[float, float]]]]
+#: bytes per unit below (the replays count a request with less than a byte left as done)
+MB = 1e6
+#: request -> (deadline, [(release time, bytes)]) at RATE bytes/s. EDF serves V (due first)
+#: until Z arrives; then V, Z and W cannot all make it: Z is late.
+RATE = MB
+THREE = {
+    "V": (3.5, [(0.0, 3 * MB)]),
+    "W": (5.0, [(0.0, 2 * MB)]),
+    "Z": (4.5, [(2.0, 2 * MB)]),
+}
+
+
+def edf(jobs: Jobs) -> dict[str, float]:
+    finish: dict[str, float] = ref.serve(jobs, RATE, lambda r: (jobs[r][0], r))
+    return finish
+
+
+@pytest.mark.parametrize(
+    "schedule,finish",
+    [
+        # processor sharing: V and W halves until Z arrives at 2, thirds until W is done at
+        # 5, then V and Z halves
+        ("PS", {"V": 7.0, "W": 5.0, "Z": 7.0}),
+        ("EDF", {"V": 3.0, "Z": 5.0, "W": 7.0}),
+        # online: at Z's arrival V has 1 byte left, and Z is dropped (more bytes left than
+        # V, both due no later than Z); V keeps what it got, W then meets its deadline
+        ("online", {"V": 3.0, "W": 5.0, "Z": 7.0}),
+        # retroactive: V (the most bytes in all) is dropped as if from its first byte, so the
+        # 2 s it was served before Z arrived go to W
+        ("retroactive", {"W": 2.0, "Z": 4.0, "V": 7.0}),
+    ],
+)
+def test_ingress_schedules(schedule: str, finish: dict[str, float]) -> None:
+    runs: dict[str, Callable[[], dict[str, float]]] = {
+        "PS": lambda: ref.serve(THREE, RATE, None),
+        "EDF": lambda: edf(THREE),
+        "online": lambda: ref.serve_online_admission(THREE, RATE),
+        "retroactive": lambda: ref.serve_with_admission(THREE, RATE),
+    }
+    assert runs[schedule]() == pytest.approx(finish)
+
+
+def test_online_admission_forecasts_the_layers_still_to_come() -> None:
+    # A's second part arrives later: at B's arrival the forecast counts it, and A (more
+    # bytes left) is dropped although A alone is on time so far
+    jobs = {"A": (4.0, [(0.0, 1 * MB), (2.0, 2 * MB)]), "B": (3.5, [(0.5, 2.5 * MB)])}
+    finish = ref.serve_online_admission(jobs, RATE)
+    assert finish["B"] == pytest.approx(3.0)
+    assert finish["A"] > jobs["A"][0]
+
+
+_jobs = st.dictionaries(
+    st.sampled_from("abcdef"),
+    st.tuples(
+        st.floats(0.5, 20.0),
+        st.lists(
+            st.tuples(st.floats(0.0, 10.0), st.floats(0.1 * MB, 5 * MB)), min_size=1, max_size=3
+        ),
+    ),
+    min_size=1,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_jobs)
+def test_online_admission_drops_nothing_when_edf_meets_every_deadline(jobs: Jobs) -> None:
+    """Removing work never delays preemptive EDF, so no forecast of the requests arrived so
+    far can miss when the whole EDF schedule does not: the same finish times, every byte."""
+    plain = edf(jobs)
+    assume(all(plain[r] <= deadline - 1e-6 for r, (deadline, _) in jobs.items()))
+    assert ref.serve_online_admission(jobs, RATE) == pytest.approx(plain)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_jobs)
+def test_every_schedule_serves_every_byte_by_the_same_makespan(jobs: Jobs) -> None:
+    """All four are work conserving on one server: each request finishes, no earlier than its
+    last release, and the last byte leaves at the same time whatever the order."""
+    schedules = [
+        ref.serve(jobs, RATE, None),
+        edf(jobs),
+        ref.serve_online_admission(jobs, RATE),
+        ref.serve_with_admission(jobs, RATE),
+    ]
+    for finish in schedules:
+        assert set(finish) == set(jobs)
+        for request, (_, parts) in jobs.items():
+            assert finish[request] >= max(t for t, _ in parts) - 1e-9
+        assert max(finish.values()) == pytest.approx(max(schedules[0].values()))
