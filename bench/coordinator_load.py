@@ -91,6 +91,8 @@ class SimAgent:
     events: int = 0
     updates_received: int = 0
     buffer: ReceiveBuffer = field(default_factory=ReceiveBuffer)
+    #: which of every 10 frames carries the churn (0: the 10th, 20th, ... as always)
+    churn_phase: int = 0
 
     def open_entry(self, wire_id: int, cls: str, now: float) -> dict[str, Any]:
         return flow_open(self.node, wire_id, cls, now, kv_deadline_s=2.0)
@@ -102,7 +104,7 @@ class SimAgent:
         progress = [{"id": fid, "sent": self.sent} for fid in self.flows]
         opens: list[dict[str, Any]] = []
         closes: list[dict[str, Any]] = []
-        if self.frames % 10 == 0:
+        if (self.frames + self.churn_phase) % 10 == 0:
             now = time.time()
             old = self.flows.pop(6)  # a kv flow finishes, a new one starts
             closes.append({"id": old, "sent": self.sent, "closed_at": now})
@@ -376,6 +378,9 @@ async def run_mode(
         mode = f"{'batched' if batched else 'unbatched'}/{promotion}"
         log(f"{mode}: connecting {args.agents} agents")
         agents = list(await asyncio.gather(*(one(i) for i in range(args.agents))))
+        if args.churn_phase == "random":  # each agent's churn in its own tenth of the round
+            for agent in agents:
+                agent.churn_phase = random.randrange(10)
         await wait_for_flows(coordinator, pid, args.agents * args.flows)
         throughput = frames = coordinator_cpu = loadgen_cpu = float("nan")
         if "throughput" in args.phases:
@@ -565,6 +570,12 @@ def main() -> int:
         "--phases", default="throughput,latency",
         help="phases to run (comma-separated: throughput, latency); e.g. one latency phase"
         " alone with --profile",
+    )  # fmt: skip
+    parser.add_argument(
+        "--churn-phase", choices=["aligned", "random"], default="aligned",
+        help="aligned (default, as before): every agent's flow churn comes in the same frame"
+        " of a round, i.e. within one tenth of each second at 100k events/s; random: each"
+        " agent's in its own frame (same events, spread over the round)",
     )  # fmt: skip
     parser.add_argument("--coordinator-cpu", type=int, default=0)
     parser.add_argument("--loadgen-cpu", type=int, default=1)
