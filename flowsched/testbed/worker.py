@@ -455,8 +455,8 @@ def _plugin_exchange(
 #: returns after the thread's timer slack, 50 us, so a pass every ~75 us), ``yield``
 #: (``sched_yield``, a spin like NCCL's proxy), ``sleep:SECONDS``, or ``backoff`` (yield for
 #: BACKOFF_SPIN after each completion, then sleeps doubling up to BACKOFF_MAX). The plugin
-#: moves a message up to its inline size only inside ``test()``, so every pause is time its
-#: bytes wait; bench/contention/README.md gives what each mode measured.
+#: moves a message up to its inline size only inside ``test()``; at the testbed's link rate
+#: the socket buffers hide pauses this short (bench/contention/README.md: what each measured).
 POLL = os.environ.get("FLOWSCHED_TESTBED_POLL", "sleep0")
 BACKOFF_SPIN = 0.0005
 BACKOFF_MAX = 0.0002

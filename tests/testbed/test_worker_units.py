@@ -219,7 +219,7 @@ def test_wait_requests_polls_each_request_until_done_and_no_further(poll: str) -
 
 def test_default_wait_pauses_only_the_shortest_sleep(monkeypatch: pytest.MonkeyPatch) -> None:
     """Between test() passes the default loop sleeps 0 s (the kernel's timer slack), never a
-    fixed interval like the 0.2 ms that cost ~4 ms per collective."""
+    fixed interval like the former 0.2 ms."""
     slept: list[float] = []
     monkeypatch.setattr(worker.time, "sleep", slept.append)
     worker._wait_requests([CountedRequest(50)], 5.0)
