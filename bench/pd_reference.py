@@ -211,11 +211,24 @@ def serve(jobs: Jobs, rate: float, key: Callable[[str], Any] | None) -> dict[str
         for r in served:
             ready[r] -= share * step
             left[r] -= share * step
-            if left[r] <= _DONE and r not in finish:
-                finish[r] = now
-            if ready[r] <= _DONE:
-                del ready[r]
+            _settle(r, now, ready, left, finish)
     return finish
+
+
+def _settle(
+    request: str,
+    now: float,
+    ready: dict[str, float],
+    left: dict[str, float],
+    finish: dict[str, float],
+) -> None:
+    """After serving ``request``: a released remnant under ``_DONE`` bytes counts as sent
+    (from what it has left too, or a later release would leave it a byte short forever), and
+    a request with nothing left finishes ``now``."""
+    if ready[request] <= _DONE:
+        left[request] -= ready.pop(request)
+    if left[request] <= _DONE and request not in finish:
+        finish[request] = now
 
 
 def serve_with_admission(jobs: Jobs, rate: float) -> dict[str, float]:
@@ -287,10 +300,7 @@ def serve_online_admission(jobs: Jobs, rate: float) -> dict[str, float]:
         now += step
         ready[served] -= rate * step
         left[served] -= rate * step
-        if left[served] <= _DONE and served not in finish:
-            finish[served] = now
-        if ready[served] <= _DONE:
-            del ready[served]
+        _settle(served, now, ready, left, finish)
     return finish
 
 
@@ -321,7 +331,10 @@ def _admit(
         if not late:
             return
         due = jobs[min(late, key=lambda r: jobs[r][0])][0]
-        dropped.add(max((r for r in forecast if jobs[r][0] <= due), key=lambda r: left[r]))
+        # the most bytes left; on a tie the later deadline, then the name: ``present`` is a
+        # set of strings, whose order changes from process to process with the hash seed
+        candidates = (r for r in forecast if jobs[r][0] <= due)
+        dropped.add(max(candidates, key=lambda r: (left[r], jobs[r][0], r)))
 
 
 def ingress_replays(records: RunRecords, cfg: Any) -> dict[str, int]:
