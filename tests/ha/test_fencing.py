@@ -184,8 +184,12 @@ def test_a_deposed_leader_is_refused_and_its_stale_levels_dropped(
     # the epoch-7 leader goes away: the only coordinator left leads with epoch 5
     new.stop()
     wait_until(lambda: agent.agent.stats["deposed_refused"] >= 2)
-    assert deposed.agents() == 0, "the agent followed a deposed leader"
-    assert agent.agent.leader_epoch == (CLUSTER, 7)
+    # the agent keeps retrying, and each try is attached on the coordinator's side from its
+    # welcome until the agent's refusal closes it: it must keep ending, never stay
+    refusals = agent.agent.stats["deposed_refused"]
+    wait_until(lambda: agent.agent.stats["deposed_refused"] > refusals)
+    wait_until(lambda: deposed.agents() == 0)
+    assert agent.agent.leader_epoch == (CLUSTER, 7), "the agent followed a deposed leader"
 
     # re-elected with a newer epoch, the same coordinator is followed again
     deposed_leadership.leadership = Leadership(9, CLUSTER, 2)
