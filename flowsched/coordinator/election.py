@@ -158,6 +158,8 @@ class EtcdElection:
         self._keepalive_client = self._new_client()
         #: the leader last seen (None: nobody, or not known yet)
         self.leader: Leader | None = None
+        #: the lease of this candidate's last won campaign (0: none yet)
+        self.won_lease = 0
         self._recheck = asyncio.Event()
 
     def _new_client(self) -> Etcd3Client:
@@ -194,6 +196,7 @@ class EtcdElection:
         header = reply["header"]
         revision = int(header["revision"])
         if reply.get("succeeded"):
+            self.won_lease = lease
             self.leader = Leader(self.address, revision, lease)
             return Leadership(revision, int(header.get("cluster_id", 0)), lease), revision
         self._revoke(self._client, lease)  # never used: do not leave it to expire
@@ -398,6 +401,10 @@ class Candidacy:
         return f"leader={leader.address} epoch={leader.epoch}"
 
     def _check_leader(self, leader: Leader) -> None:
+        if leader.lease == self.election.won_lease:
+            # our own campaign just won and :meth:`run` has not taken the leadership yet (the
+            # election records the leader before the campaign returns): never probe ourselves
+            return
         now = time.monotonic()
         if (self._probe is not None and not self._probe.done()) or (
             now - self._last_probe < PROBE_INTERVAL

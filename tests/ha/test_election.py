@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from unittest import mock
 
 import pytest
 
@@ -120,6 +121,25 @@ async def test_candidacy_raises_when_its_lease_is_revoked(etcd_url: str) -> None
     await asyncio.to_thread(other._revoke, other._client, leadership.lease)
     with pytest.raises(LeadershipLost):
         await asyncio.wait_for(running, 5)
+
+
+@pytest.mark.asyncio
+async def test_a_candidate_never_deposes_the_leadership_it_has_just_won(etcd_url: str) -> None:
+    # The campaign records the new leader (this candidate's own address) before run() takes
+    # the leadership; an agent refused in that window must not make it revoke its own lease
+    # (seen in a CI run: "nothing listens on the leader's address <own> any more").
+    candidacy = Candidacy(EtcdElection(etcd_url, "t", "127.0.0.1:1"))
+    won = await candidacy.election.campaign()  # won, and run() has not seen it
+    assert candidacy.leadership is None and candidacy.election.leader is not None
+    assert candidacy.refusal() == f"leader=127.0.0.1:1 epoch={won.epoch}"
+    assert candidacy._probe is None  # no probe of our own address was started
+    holding = asyncio.ensure_future(candidacy.election.hold(won))
+    await asyncio.sleep(0)
+    assert not holding.done()
+    other = EtcdElection(etcd_url, "t", "other:1")
+    assert await asyncio.to_thread(other._try_once) == (None, mock.ANY)  # the lease still holds
+    holding.cancel()
+    await candidacy.election.resign(won)
 
 
 @pytest.mark.asyncio
