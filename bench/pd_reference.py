@@ -188,18 +188,36 @@ def ingress_jobs(records: RunRecords, decode_servers: int) -> dict[int, Jobs]:
     return jobs
 
 
-def serve(jobs: Jobs, rate: float, key: Callable[[str], Any] | None) -> dict[str, float]:
+#: called by :func:`serve` after releasing bytes at ``now``: (now, the events released then,
+#: the events still to come, bytes ready, bytes left, finish times so far)
+ReleaseHook = Callable[
+    [float, list[tuple[float, str, float]], list[tuple[float, str, float]],
+     dict[str, float], dict[str, float], dict[str, float]],
+    None,
+]  # fmt: skip
+
+
+def serve(
+    jobs: Jobs,
+    rate: float,
+    key: Callable[[str], Any] | None,
+    on_release: ReleaseHook | None = None,
+) -> dict[str, float]:
     """Finish times on one preemptive server: ``key`` orders the requests (smallest first),
-    None shares the server equally among the requests with bytes released."""
+    None shares the server equally among the requests with bytes released. ``on_release``
+    sees the server's state each time bytes are released (online admission decides there)."""
     events = sorted((t, r, b) for r, (_, parts) in jobs.items() for t, b in parts)
     ready: dict[str, float] = defaultdict(float)
     left = {r: sum(b for _, b in parts) for r, (_, parts) in jobs.items()}
     finish: dict[str, float] = {}
     now, i = (events[0][0] if events else 0.0), 0
     while i < len(events) or ready:
+        start = i
         while i < len(events) and events[i][0] <= now:
             ready[events[i][1]] += events[i][2]
             i += 1
+        if on_release is not None and i > start:
+            on_release(now, events[start:i], events[i:], ready, left, finish)
         upcoming = events[i][0] if i < len(events) else math.inf
         if not ready:
             now = upcoming
@@ -273,35 +291,22 @@ def serve_online_admission(jobs: Jobs, rate: float) -> dict[str, float]:
     at the lowest priority (by deadline); it counts if it still finishes in time. Unlike
     :func:`serve_with_admission`, a drop never gives back the bandwidth the victim used before
     it was dropped."""
-    events = sorted((t, r, b) for r, (_, parts) in jobs.items() for t, b in parts)
     first = {r: min(t for t, _ in parts) for r, (_, parts) in jobs.items() if parts}
-    ready: dict[str, float] = defaultdict(float)
-    left = {r: sum(b for _, b in parts) for r, (_, parts) in jobs.items()}
     dropped: set[str] = set()
-    finish: dict[str, float] = {}
-    now, i = (events[0][0] if events else 0.0), 0
-    while i < len(events) or ready:
-        arrived = []
-        while i < len(events) and events[i][0] <= now:
-            _, request, amount = events[i]
-            ready[request] += amount
-            if first[request] == events[i][0] and request not in arrived:
-                arrived.append(request)
-            i += 1
-        if arrived:
+
+    def admit(
+        now: float,
+        released: list[tuple[float, str, float]],
+        future: list[tuple[float, str, float]],
+        ready: dict[str, float],
+        left: dict[str, float],
+        finish: dict[str, float],
+    ) -> None:
+        if any(first[r] == t for t, r, _ in released):  # a request's first bytes
             present = {r for r, t in first.items() if t <= now}
-            _admit(jobs, rate, now, events[i:], ready, left, present - finish.keys(), dropped)
-        upcoming = events[i][0] if i < len(events) else math.inf
-        if not ready:
-            now = upcoming
-            continue
-        served = min(ready, key=lambda r: (r in dropped, jobs[r][0], r))
-        step = min(ready[served] / rate, upcoming - now)
-        now += step
-        ready[served] -= rate * step
-        left[served] -= rate * step
-        _settle(served, now, ready, left, finish)
-    return finish
+            _admit(jobs, rate, now, future, ready, left, present - finish.keys(), dropped)
+
+    return serve(jobs, rate, lambda r: (r in dropped, jobs[r][0], r), admit)
 
 
 def _admit(

@@ -10,7 +10,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from coordinator_helpers import TOKEN, running_coordinator
+from coordinator_helpers import TOKEN, running_coordinator, wait_until
 
 from flowsched.coordinator import Coordinator
 from flowsched.coordinator.service import FD_RESERVE, METRICS_MAX_CONNECTIONS, raise_fd_limit
@@ -24,14 +24,6 @@ async def _connect(coordinator: Coordinator, node: str) -> AgentLink:
     assert coordinator.addresses is not None
     host, port = coordinator.addresses.host, coordinator.addresses.port
     return await connect_agent(host, port, node=node, token=TOKEN, timeout=5)
-
-
-async def _wait_until(predicate: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager
@@ -82,7 +74,7 @@ async def test_unauthenticated_connections_are_capped_and_agents_still_get_in(
     async with running_coordinator(max_unauthenticated=8, handshake_timeout=30) as coordinator:
         first = await _connect(coordinator, "first")
         async with _raw_connections(coordinator, 40) as idle:
-            await _wait_until(
+            await wait_until(
                 lambda: coordinator.live.rejected.get("evicted", 0) >= 32, 5, "evictions"
             )
             assert coordinator.unauthenticated_count <= 8

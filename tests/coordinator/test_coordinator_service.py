@@ -10,7 +10,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from coordinator_helpers import TOKEN, running_coordinator
+from coordinator_helpers import TOKEN, running_coordinator, wait_until
 
 from flowsched.coordinator import Coordinator
 from flowsched.model import FlowClass
@@ -320,14 +320,6 @@ def test_policy_file_too_big_for_the_welcome_frame_is_refused(tmp_path: Path) ->
     assert CoordinatorConfig.from_policy_file(path, TOKEN).policy_text == path.read_text()
 
 
-async def _wait_for(predicate: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 @pytest.mark.asyncio
 async def test_an_agent_receiving_level_updates_gets_no_heartbeats_and_stays_connected() -> None:
     interval = 0.2  # the default: a level update comes far more often even on a loaded machine
@@ -384,7 +376,7 @@ async def test_frames_followed_at_once_by_the_end_of_the_stream_are_handled() ->
         link = await _connect(coordinator, "brief")
         link._writer.write(frame(encode_body(Flows(opens=(_open(1), _open(2))))))
         link._writer.write_eof()  # the frame and the FIN may arrive in one read
-        await _wait_for(lambda: coordinator.agent_count() == 0, 5.0, "the agent to be detached")
+        await wait_until(lambda: coordinator.agent_count() == 0, 5.0, "the agent to be detached")
         await link.close()
         assert len(coordinator.state.flows) == 2  # kept for the grace period
         assert coordinator.live.rejected == {"peer_closed": 1}
