@@ -21,7 +21,10 @@ policy's next promotion time for it comes) and the baseline "sweep" (every deadl
 re-evaluated each timer period). The ratios are printed at the end. Each latency point
 reports the rate asked for, the rate the generator offered and its CPU, and the rate the
 coordinator counted: a point where the generator fell short is flagged (it measures the
-generator). ``--phases latency --rates R --profile`` profiles one paced load alone.
+generator). It also reports the share of the machine's CPU time the hypervisor stole during
+the point (/proc/stat): on a virtual machine a stolen millisecond is a millisecond of every
+waiting frame's latency, which no code of ours spends, so a p99 next to a high steal share is
+the machine's. ``--phases latency --rates R --profile`` profiles one paced load alone.
 
 Usage:
     .venv/bin/python bench/coordinator_load.py [--agents 1000] [--flows 10] [--duration 5]
@@ -37,6 +40,7 @@ import asyncio
 import contextlib
 import heapq
 import json
+import math
 import os
 import random
 import re
@@ -72,6 +76,11 @@ from flowsched.testbed.simagent import CLASS_MIX, HEARTBEAT, flow_open, prepare_
 DRAIN_TIMEOUT = 120.0
 #: a latency point whose generator sent less than this share of the rate asked for is flagged
 GENERATOR_SHORTFALL = 0.95
+#: the paced generator's shortest sleep: the event loop's timers have 1 ms resolution, so a
+#: shorter one fires at the next loop turn and the generator spins (at 100,000 events/s that
+#: took most of its core); what falls due meanwhile is sent at the next wake-up, at most one
+#: tick late
+PACE_TICK = 0.001
 
 
 # -- one simulated agent -----------------------------------------------------------------------
@@ -197,8 +206,8 @@ async def paced(agents: list[SimAgent], batched: bool, seconds: float, rate: flo
             agent.writer.write(agent.progress_frames(batched))
             if when + interval < stop:
                 heapq.heappush(due, (when + interval, index))
-        if due:
-            await asyncio.sleep(max(0.0, due[0][0] - time.monotonic()))
+        if due:  # never less than a tick: a shorter sleep spins the loop (see PACE_TICK)
+            await asyncio.sleep(max(PACE_TICK, due[0][0] - time.monotonic()))
 
 
 # -- the coordinator process and its metrics ---------------------------------------------------
@@ -252,6 +261,26 @@ def preemptions(pid: int) -> int:
     return int(re.search(r"nonvoluntary_ctxt_switches:\s+(\d+)", status)[1])  # type: ignore[index]
 
 
+def cpu_times() -> list[int]:
+    """The machine's CPU time so far per state (/proc/stat: user nice system idle iowait irq
+    softirq steal ...), in clock ticks; [] where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            return [int(field) for field in stat.readline().split()[1:]]
+    except OSError:
+        return []
+
+
+def steal_share(before: list[int], after: list[int]) -> float:
+    """Share of the machine's CPU time between two ``cpu_times()`` that the hypervisor gave to
+    others (steal): time a virtual CPU was runnable and did not run. Wall-clock latencies
+    include it; the coordinator's own CPU time does not. NaN where not reported."""
+    if len(before) < 8 or len(after) < 8:
+        return math.nan
+    spent = [now - then for then, now in zip(before, after, strict=False)]
+    return spent[7] / sum(spent) if sum(spent) > 0 else math.nan
+
+
 def quantile(before: Scrape, after: Scrape, q: float, histogram: str = "latency") -> float:
     """Quantile of a histogram's observations between two scrapes (linear within a bucket)."""
     now, then = getattr(after, f"{histogram}_buckets"), getattr(before, f"{histogram}_buckets")
@@ -286,6 +315,9 @@ class LatencyPoint:
     samples: float
     timer_sweeps_per_s: float
     preemptions_per_s: float
+    #: share of the machine's CPU time stolen by the hypervisor during the point (see
+    #: steal_share)
+    steal: float = math.nan
 
 
 @dataclass
@@ -448,6 +480,7 @@ async def latency_point(
 ) -> LatencyPoint:
     before = await asyncio.to_thread(scrape, coordinator.metrics, pid)
     preempted = preemptions(pid)
+    machine = cpu_times()
     for agent in agents:
         agent.events = 0
     own = os.times()
@@ -455,6 +488,7 @@ async def latency_point(
     own_after = os.times()
     after = await asyncio.to_thread(scrape, coordinator.metrics, pid)
     preempted = preemptions(pid) - preempted
+    steal = steal_share(machine, cpu_times())
     elapsed = after.when - before.when
     point = LatencyPoint(
         nominal_rate=rate,
@@ -469,6 +503,7 @@ async def latency_point(
         samples=after.latency_count - before.latency_count,
         timer_sweeps_per_s=(after.sweeps - before.sweeps) / elapsed,
         preemptions_per_s=preempted / elapsed,
+        steal=steal,
     )
     await wait_for_events(coordinator, pid, before.events + sum(a.events for a in agents))
     return point
@@ -509,7 +544,7 @@ def report(results: list[ModeResult]) -> None:
     print("sent by the generator, 'achieved' counted by the coordinator (events/s):")
     print(f"{'mode':<17} {'rate':>7} {'offered':>8} {'achieved':>8} {'genCPU':>6} "
           f"{'coordCPU':>8} {'p50 ms':>7} {'p99 ms':>7} {'flush50':>7} {'flush99':>7} "
-          f"{'samples':>8} {'sweeps/s':>8} {'preempt/s':>9}")  # fmt: skip
+          f"{'samples':>8} {'sweeps/s':>8} {'preempt/s':>9} {'steal':>6}")  # fmt: skip
     short = []
     for r in results:
         for p in r.latency:
@@ -517,7 +552,8 @@ def report(results: list[ModeResult]) -> None:
                   f"{p.achieved_rate:>8.0f} {p.loadgen_cpu:>6.2f} "
                   f"{p.coordinator_cpu:>8.2f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} "
                   f"{p.flush_p50_ms:>7.3f} {p.flush_p99_ms:>7.3f} {p.samples:>8.0f} "
-                  f"{p.timer_sweeps_per_s:>8.1f} {p.preemptions_per_s:>9.0f}")  # fmt: skip
+                  f"{p.timer_sweeps_per_s:>8.1f} {p.preemptions_per_s:>9.0f} "
+                  f"{p.steal:>6.1%}")  # fmt: skip
             if p.offered_rate < GENERATOR_SHORTFALL * p.nominal_rate:
                 short.append(f"{r.mode} at {p.nominal_rate:.0f}")
     if short:

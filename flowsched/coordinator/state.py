@@ -47,7 +47,8 @@ from flowsched.protocol import (
     NicLoadEntry,
 )
 
-#: Flows of the timer sweep evaluated between two checks of its time budget.
+#: Most flows of the timer sweep evaluated between two checks of its time budget (a step is
+#: sized to what the budget left allows at the last step's cost per flow).
 SWEEP_STEP = 32
 
 
@@ -143,6 +144,8 @@ class ClusterState:
         self.timed: set[int] = set()
         self._sweep: set[int] = set()
         self._sweep_cost = 0.0
+        #: clock time per flow of the last sweep step (0 before the first): sizes the next step
+        self._flow_cost = 0.0
         #: clock time the last complete timer sweep took (its steps added up)
         self.last_sweep_cost = 0.0
         self.outbox: dict[str, dict[int, LevelUpdate]] = {}
@@ -386,15 +389,26 @@ class ClusterState:
             self._arm(moved, changed, ctx)
 
     def _advance_sweep(self, now: float, budget: float | None) -> None:
-        started = self._clock()
+        # Steps of at most SWEEP_STEP flows, each no larger than the budget left allows at the
+        # last step's cost per flow: at ~50 us per rmlq evaluation in the live coordinator, a
+        # fixed step of 32 overran a 0.25 ms budget eightfold, and every frame read in that
+        # loop turn waited for it.
+        clock = self._clock
+        started = step_started = clock()
         stop = None if budget is None else started + budget
         sweep, flows = self._sweep, self.flows
         while sweep:
-            step = [sweep.pop() for _ in range(min(SWEEP_STEP, len(sweep)))]
+            size = SWEEP_STEP
+            if stop is not None and self._flow_cost > 0:
+                size = max(1, min(size, int((stop - step_started) / self._flow_cost)))
+            step = [sweep.pop() for _ in range(min(size, len(sweep)))]
             self._evaluate([fid for fid in step if fid in flows], now)
-            if stop is not None and self._clock() >= stop:
+            ended = clock()
+            self._flow_cost = (ended - step_started) / len(step)
+            if stop is not None and ended >= stop:
                 break
-        self._sweep_cost += self._clock() - started
+            step_started = ended
+        self._sweep_cost += clock() - started
         if not sweep:
             self.last_sweep_cost, self._sweep_cost = self._sweep_cost, 0.0
 

@@ -226,7 +226,8 @@ class TrafficMeter:
     """
 
     __slots__ = (
-        "_flow_rate", "_flow_rates", "_last_sent", "_link_bytes", "_link_util", "_then", "window",
+        "_counted_at", "_counted_sent", "_flow_rate", "_flow_rates", "_link_bytes", "_link_util",
+        "_then", "window",
     )  # fmt: skip
 
     def __init__(self, window: float, *, flow_rates: bool = True) -> None:
@@ -235,27 +236,37 @@ class TrafficMeter:
         self.window = window
         self._flow_rates = flow_rates
         self._then: float | None = None
-        self._last_sent: dict[int, tuple[float, int]] = {}
+        # Per flow: when it was last counted, and its bytes sent then. Two dicts of numbers, not
+        # one of (when, sent) tuples: a tuple replaced on every report is a new object tracked
+        # by the garbage collector, and the one it replaces, freed, takes the young
+        # generation's count back down, so that count never reaches its threshold while a
+        # young tuple per flow piles up; the next generation-0 collection then traverses
+        # them all (2-4 ms with 10,000 flows, measured in the coordinator).
+        self._counted_at: dict[int, float] = {}
+        self._counted_sent: dict[int, int] = {}
         self._flow_rate: dict[int, float] = {}
         self._link_bytes: dict[tuple[str, int], float] = {}
-        #: link -> {level: (utilization, as of when)}; decayed lazily, so an update costs only
-        #: the (link, level) pairs that carried bytes (no bytes: exp(-dt/w) composes)
-        self._link_util: dict[str, dict[int, tuple[float, float]]] = {}
+        #: link -> {level: [utilization, as of when]}, updated in place (see _counted_at);
+        #: decayed lazily, so an update costs only the (link, level) pairs that carried bytes
+        #: (no bytes: exp(-dt/w) composes)
+        self._link_util: dict[str, dict[int, list[float]]] = {}
 
     def open(self, flow: Flow, now: float) -> None:
         """Start counting ``flow`` from its current ``sent`` (the meter's clock starts too)."""
         if self._then is None:
             self._then = now
-        if flow.flow_id not in self._last_sent:
-            self._last_sent[flow.flow_id] = (now, flow.sent)
+        if flow.flow_id not in self._counted_at:
+            self._counted_at[flow.flow_id] = now
+            self._counted_sent[flow.flow_id] = flow.sent
             if self._flow_rates:
                 self._flow_rate[flow.flow_id] = 0.0
 
     def close(self, flow: Flow) -> None:
         """Count ``flow``'s last bytes (into the next update) and forget it."""
-        last = self._last_sent.pop(flow.flow_id, None)
+        self._counted_at.pop(flow.flow_id, None)
+        last = self._counted_sent.pop(flow.flow_id, None)
         if last is not None:
-            self._add_link_bytes(flow, max(flow.sent - last[1], 0))
+            self._add_link_bytes(flow, max(flow.sent - last, 0))
         self._flow_rate.pop(flow.flow_id, None)
 
     def _add_link_bytes(self, flow: Flow, sent: float) -> None:
@@ -272,7 +283,8 @@ class TrafficMeter:
         sent = flow.sent - last
         if sent < 0:
             sent = 0
-        self._last_sent[flow.flow_id] = (now, last + sent)
+        self._counted_at[flow.flow_id] = now
+        self._counted_sent[flow.flow_id] = last + sent
         if sent:
             self._add_link_bytes(flow, sent)
         if self._flow_rates:
@@ -294,19 +306,22 @@ class TrafficMeter:
             return
         self._then = now
         elapsed = now - then if then is not None else 0.0
-        last_sent, link_bytes = self._last_sent, self._link_bytes
+        counted_at, counted_sent = self._counted_at, self._counted_sent
+        link_bytes = self._link_bytes
         rates = self._flow_rates
         for flow in flows:  # _count() inlined without rates: this runs for every report
-            counted = last_sent.get(flow.flow_id)
+            fid = flow.flow_id
+            counted = counted_at.get(fid)
             if counted is None:
                 self.open(flow, now)
-            elif counted[0] >= now:
+            elif counted >= now:
                 continue
             elif rates:
-                self._count(flow, now, *counted)
-            elif flow.sent > counted[1]:
-                last_sent[flow.flow_id] = (now, flow.sent)
-                sent = flow.sent - counted[1]
+                self._count(flow, now, counted, counted_sent[fid])
+            elif flow.sent > (last := counted_sent[fid]):
+                counted_at[fid] = now
+                counted_sent[fid] = flow.sent
+                sent = flow.sent - last
                 level = flow.level if flow.level >= 0 else _UNPLACED
                 for link in flow.links:
                     key = (link, level)
@@ -319,8 +334,13 @@ class TrafficMeter:
             capacity = ctx.bandwidth(link)
             sample = moved / elapsed / capacity if elapsed > 0 and capacity > 0 else 0.0
             levels = self._link_util.setdefault(link, {})
-            util = _decay(levels.get(level), start, window)
-            levels[level] = (sample + (util - sample) * factor if elapsed > 0 else util, now)
+            entry = levels.get(level)
+            util = _decay(entry, start, window)
+            util = sample + (util - sample) * factor if elapsed > 0 else util
+            if entry is None:
+                levels[level] = [util, now]
+            else:
+                entry[0], entry[1] = util, now
         self._link_bytes.clear()
 
     def link_load(self, link: str) -> float:
@@ -354,7 +374,7 @@ class TrafficMeter:
 _UNPLACED = 1 << 20
 
 
-def _decay(entry: tuple[float, float] | None, when: float, window: float) -> float:
+def _decay(entry: list[float] | None, when: float, window: float) -> float:
     """A (utilization, as of) entry decayed to ``when`` (no bytes since); 0 for None."""
     if entry is None:
         return 0.0

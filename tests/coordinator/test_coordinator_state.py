@@ -447,3 +447,31 @@ def test_a_burst_of_due_timers_is_decided_in_bounded_steps() -> None:
         assert len(policy.seen) - before <= SWEEP_STEP
         turns += 1
     assert turns >= 1000 // SWEEP_STEP and sorted(policy.seen) == sorted(state.flows)
+
+
+def test_sweep_steps_shrink_to_the_budget_at_the_measured_cost_per_flow() -> None:
+    """Each evaluation costs 0.1 ms of the injected clock. The first step (no measurement
+    yet) is a whole SWEEP_STEP; from then on a flush with a 0.25 ms budget evaluates what
+    fits in it (2 flows, then 1 more once the budget is spent), not another SWEEP_STEP."""
+    now = [0.0]
+
+    class CostlyPolicy(DeadlineStepPolicy):
+        def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+            flows = list(flows)
+            now[0] += 1e-4 * len(flows)
+            return super().reevaluate(flows, ctx)
+
+    policy = CostlyPolicy()
+    state = ClusterState(policy, clock=lambda: now[0])
+    state.open_flows("a", [_open(i, deadline=6.0) for i in range(200)], now=1.0)
+    state.flush(1.0)
+    policy.seen.clear()
+    assert state.start_sweep(now=5.0)
+    per_flush = []
+    while state.pending:
+        before = len(policy.seen)
+        state.flush(5.0, sweep_budget=0.25e-3)
+        per_flush.append(len(policy.seen) - before)
+    assert per_flush[0] == SWEEP_STEP
+    assert max(per_flush[1:]) <= 3, per_flush
+    assert sum(per_flush) == 200

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import math
 from typing import Any
 
@@ -327,6 +328,33 @@ def test_traffic_meter_counts_every_byte_once_whoever_is_passed() -> None:
     meter.update([early], ctx(3.0))
     assert meter.link_load("a") == pytest.approx(5e8 / B)
     assert meter.others_load(early, ctx(3.0)) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("flow_rates", [False, True], ids=["links-only", "with-flow-rates"])
+def test_traffic_meter_leaves_no_young_objects_per_report(flow_rates: bool) -> None:
+    # The coordinator folds every progress report into the meter. Replacing a per-flow
+    # (when, sent) tuple on each report kept the collector's young-generation count flat
+    # (each new tuple's +1 undone by the freed one's -1) while a young tuple per flow piled
+    # up: the next generation-0 collection then traversed 10,000 of them (ms pauses).
+    meter = TrafficMeter(window=0.05, flow_rates=flow_rates)
+    flows = [build_flow(i, size=10**12, links=("a",)) for i in range(2000)]
+    for flow in flows:
+        flow.level = 2
+        meter.open(flow, 0.0)
+    meter.update(flows, ctx(0.001))
+    gc.collect()
+    gc.disable()
+    try:
+        young_before = len(gc.get_objects(0))
+        for step in range(2, 6):
+            for flow in flows:
+                flow.sent += 1000
+            meter.update(flows, ctx(step * 0.001))
+        young_after = len(gc.get_objects(0))
+    finally:
+        gc.enable()
+    assert young_after - young_before < 100, (young_before, young_after)
+    assert meter.link_load("a") > 0
 
 
 def test_starved_flow_is_not_promoted_by_a_burst() -> None:
