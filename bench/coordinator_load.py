@@ -102,6 +102,13 @@ class SimAgent:
     buffer: ReceiveBuffer = field(default_factory=ReceiveBuffer)
     #: which of every 10 frames carries the churn (0: the 10th, 20th, ... as always)
     churn_phase: int = 0
+    #: the heartbeat interval the coordinator announced in its welcome
+    beat_interval: float = 0.2
+    #: when this agent last sent a frame (time.monotonic())
+    last_sent: float = 0.0
+    #: whether heartbeats go out as answers to the coordinator's (False while paced() sends
+    #: them on each agent's own clock)
+    answer_beats: bool = True
 
     def open_entry(self, wire_id: int, cls: str, now: float) -> dict[str, Any]:
         return flow_open(self.node, wire_id, cls, now, kv_deadline_s=2.0)
@@ -110,6 +117,7 @@ class SimAgent:
         """This agent's next report: all flows' progress (+ churn every 10th frame)."""
         self.sent += 65536
         self.frames += 1
+        self.last_sent = time.monotonic()
         progress = [{"id": fid, "sent": self.sent} for fid in self.flows]
         opens: list[dict[str, Any]] = []
         closes: list[dict[str, Any]] = []
@@ -129,15 +137,25 @@ class SimAgent:
         singles += [{"t": "flows", "closes": [c]} for c in closes]
         return b"".join(frame(msgpack.packb(body)) for body in singles)
 
+    def beat(self) -> None:
+        """Send a heartbeat, as an agent does after an interval with nothing else to send."""
+        self.writer.write(HEARTBEAT)
+        self.last_sent = time.monotonic()
+
     async def listen(self) -> None:
-        """Read what the coordinator sends; answer heartbeats, count level updates."""
+        """Read what the coordinator sends, count level updates; outside the paced phases,
+        answer a heartbeat if nothing was sent for an interval (a stand-in for the agent's
+        own heartbeat clock, which paced() runs)."""
         with contextlib.suppress(ConnectionError, OSError, asyncio.CancelledError):
             while data := await self.reader.read(1 << 16):
                 self.buffer.feed(data)
                 while (body := self.buffer.next_body()) is not None:
                     message = msgpack.unpackb(body)
                     if message["t"] == "heartbeat":
-                        self.writer.write(HEARTBEAT)
+                        if self.answer_beats and (
+                            time.monotonic() - self.last_sent >= self.beat_interval
+                        ):
+                            self.beat()
                     elif message["t"] == "levels":
                         self.updates_received += len(message["updates"])
 
@@ -149,8 +167,9 @@ async def connect(host: str, port: int, node: str, token: bytes, flows: int) -> 
     conn = Connection(Role.AGENT, token=token)
     writer.write(conn.send(Hello(PROTOCOL_VERSION, node)))
     writer.write(conn.answer(await _expect(reader, conn, Challenge)))
-    await _expect(reader, conn, Welcome)
+    welcome = await _expect(reader, conn, Welcome)
     agent = SimAgent(node, reader, writer, list(range(flows)), flows)
+    agent.beat_interval = welcome.heartbeat_interval or agent.beat_interval
     now = time.time()
     opens = [agent.open_entry(i, CLASS_MIX[i % len(CLASS_MIX)], now) for i in range(flows)]
     writer.write(conn.send(Resync(())))
@@ -189,25 +208,42 @@ async def saturate(agents: list[SimAgent], batched: bool, seconds: float) -> Non
 
 async def paced(agents: list[SimAgent], batched: bool, seconds: float, rate: float) -> None:
     """Every agent reports all its flows once per ``agents * flows / rate`` seconds, each at
-    its own random phase, for ``seconds``: one task walks a heap of due times (1,000 sleeping
-    tasks cost the generator more than the frames; both wake on the loop's ~1 ms timers)."""
+    its own random phase, for ``seconds``, and, like the real agent, sends a heartbeat each
+    heartbeat interval after its last frame while no report is due (none when it reports more
+    often): one task walks a heap of due times (1,000 sleeping tasks cost the generator more
+    than the frames; both wake on the loop's ~1 ms timers)."""
     events_per_round = sum(len(a.flows) for a in agents)
     interval = events_per_round / rate
     start = time.monotonic()
     stop = start + seconds
-    due = [(start + random.random() * interval, index) for index in range(len(agents))]
+    # (when, agent, whether a heartbeat); each agent's next report is in next_report
+    due = [(start + random.random() * interval, index, False) for index in range(len(agents))]
+    next_report = [when for when, _, _ in due]
     due = [entry for entry in due if entry[0] < stop]
     heapq.heapify(due)
-    while due:
-        now = time.monotonic()
-        while due and due[0][0] <= now:
-            when, index = heapq.heappop(due)
-            agent = agents[index]
-            agent.writer.write(agent.progress_frames(batched))
-            if when + interval < stop:
-                heapq.heappush(due, (when + interval, index))
-        if due:  # never less than a tick: a shorter sleep spins the loop (see PACE_TICK)
-            await asyncio.sleep(max(PACE_TICK, due[0][0] - time.monotonic()))
+    for agent in agents:
+        agent.answer_beats = False
+    try:
+        while due:
+            now = time.monotonic()
+            while due and due[0][0] <= now:
+                when, index, is_beat = heapq.heappop(due)
+                agent = agents[index]
+                if is_beat:
+                    agent.beat()
+                else:
+                    agent.writer.write(agent.progress_frames(batched))
+                    next_report[index] = when + interval
+                    if when + interval < stop:
+                        heapq.heappush(due, (when + interval, index, False))
+                beat_at = when + agent.beat_interval
+                if beat_at < min(next_report[index], stop):
+                    heapq.heappush(due, (beat_at, index, True))
+            if due:  # never less than a tick: a shorter sleep spins the loop (see PACE_TICK)
+                await asyncio.sleep(max(PACE_TICK, due[0][0] - time.monotonic()))
+    finally:
+        for agent in agents:
+            agent.answer_beats = True
 
 
 # -- the coordinator process and its metrics ---------------------------------------------------

@@ -527,15 +527,23 @@ class Agent:
             if with_progress:
                 next_progress = now + self.config.progress_interval
             batch = self.registry.take_batch(progress=with_progress)
+            sent_any = False
             for part in split_batch(batch) if batch is not None else ():
                 await link.send(part)
                 self.stats["batches_sent"] += 1
+                sent_any = True
             for update in self._take_job_updates():
                 await link.send(update)
+                sent_any = True
             if self._pending_nic is not None:
                 nic, self._pending_nic = self._pending_nic, None
                 await link.send(nic)
-            if time.monotonic() >= next_beat:
+                sent_any = True
+            if sent_any:
+                # any frame tells the coordinator this agent is alive (its idle timer counts
+                # every frame): a heartbeat is due only after an interval with nothing else
+                next_beat = time.monotonic() + self._heartbeat_interval
+            elif time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self._heartbeat_interval
                 await link.send(Heartbeat(time.time()))
             # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the task's own

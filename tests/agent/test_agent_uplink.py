@@ -14,12 +14,13 @@ import pytest
 from agent_helpers import wait_until
 from prometheus_client import CollectorRegistry
 
+from flowsched import client
 from flowsched.agent import AgentConfig
 from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.coordinator import Coordinator, CoordinatorConfig
 from flowsched.coordinator.connection import AgentConnection
-from flowsched.protocol import write_token
+from flowsched.protocol import Heartbeat, write_token
 
 
 class CoordinatorThread:
@@ -130,6 +131,43 @@ def test_the_local_policy_starts_while_the_coordinator_keeps_ending_sessions(
         assert agent.agent.stats["fallback_switches"] == 1
         connects = agent.agent.stats["connects"]
     assert connects <= 15, connects
+
+
+def test_a_reporting_agent_sends_no_heartbeats_an_idle_one_does(
+    coordinator: tuple[CoordinatorThread, int, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Any frame tells the coordinator the agent is alive: while a flow's progress goes out
+    every 0.1 s (the progress interval) no heartbeat (every 0.2 s) is sent; once the agent
+    has nothing to report, heartbeats come again."""
+    _, port, token_file = coordinator
+    beats: list[float] = []
+    handle = Coordinator.handle
+
+    def counting(self: Coordinator, node: str, message: Any, arrival: float) -> None:
+        if isinstance(message, Heartbeat):
+            beats.append(time.monotonic())
+        handle(self, node, message, arrival)
+
+    monkeypatch.setattr(Coordinator, "handle", counting)
+    with _agent(tmp_path, port, token_file, "a") as agent:
+        wait_until(lambda: agent.agent.connected)
+        opened = agent.agent.stats["batches_sent"]
+        handle_flow = client.open_flow("bulk", socket_path=agent.agent.config.socket_path)
+        try:
+            wait_until(lambda: agent.agent.stats["batches_sent"] > opened)  # the open
+            reporting_since, batches = time.monotonic(), agent.agent.stats["batches_sent"]
+            while time.monotonic() - reporting_since < 1.5:
+                handle_flow.add_bytes(1 << 20)
+                time.sleep(0.02)
+            busy = [t for t in beats if t >= reporting_since]
+            assert agent.agent.stats["batches_sent"] - batches >= 10
+            assert len(busy) <= 1, busy  # (one may fall in the pause before the first report)
+        finally:
+            handle_flow.close()
+        idle_since = time.monotonic() + 0.5  # the close and its last progress go out first
+        wait_until(lambda: len([t for t in beats if t >= idle_since]) >= 3, timeout=5.0)
 
 
 def test_nic_loop_survives_a_failing_sample(tmp_path: Path) -> None:
