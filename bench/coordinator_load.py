@@ -646,9 +646,9 @@ def main() -> int:
     parser.add_argument(
         "--churn-phase", choices=["aligned", "random"], default="aligned",
         help="aligned (default, as before): every agent's flow churn comes in the same frame"
-        " of a round, i.e. within one tenth of each second at 100k events/s; random: each"
-        " agent's in its own frame (same events, spread over the round; measured: p99 at"
-        " 30k and 100k about the same either way, so the burst is not what sets it)",
+        " of a round, i.e. 1,000 opens and 1,000 closes within one tenth of each second at"
+        " 100k events/s; random: each agent's in its own frame (same events, spread over the"
+        " round). The aligned wave sets the p99 at 100k events/s (docs/results.md)",
     )  # fmt: skip
     parser.add_argument("--coordinator-cpu", type=int, default=0)
     parser.add_argument("--loadgen-cpu", type=int, default=1)
