@@ -210,16 +210,16 @@ class ClusterState:
         table = self.by_node.get(node, {})
         flows = self.flows
         dirty = self.dirty if self._observe is None else self.progressed
-        count = 0
+        if not isinstance(reports, list | tuple):
+            reports = list(reports)
         for report in reports:
-            count += 1
             fid = table.get(report.id)
             if fid is not None:
                 flow = flows[fid]
                 if report.sent > flow.sent:
                     flow.sent = report.sent
                 dirty.add(fid)
-        self.stats.events["progress"] += count
+        self.stats.events["progress"] += len(reports)
 
     def close_flows(self, node: str, closes: Iterable[FlowClose], now: float) -> None:
         """Forget closed flows, recording whether each met its deadline."""
@@ -376,7 +376,9 @@ class ClusterState:
         assert self._observe is not None
         progressed, self.progressed = self.progressed, set()
         flows = self.flows
-        active = [flows[fid] for fid in progressed.union(batch) if fid in flows]
+        if batch:
+            progressed |= batch
+        active = [flows[fid] for fid in progressed if fid in flows]
         ctx = self.context(now)
         changed = self._observe(active, ctx)
         if changed:
