@@ -345,8 +345,8 @@ class TrafficMeter:
                 util = 0.0
             else:
                 util, since = entry
-                if start - since > 0:
-                    util = 0.0 + (util - 0.0) * exp(-(start - since) / window)
+                if start - since > 0:  # _decay: ewma_step towards 0, the same product
+                    util = util * exp(-(start - since) / window)
             util = sample + (util - sample) * factor if elapsed > 0 else util
             if entry is None:
                 levels[level] = [util, now]
