@@ -47,6 +47,35 @@ class BytesPolicy:
         self.released.append(flow.flow_id)
 
 
+class DeadlineStepPolicy(BytesPolicy):
+    """Test policy with promotion timers: level 7, then level 0 from ``lead`` seconds (default
+    one) before the deadline."""
+
+    def __init__(self, lead: float = 1.0) -> None:
+        super().__init__()
+        self.lead = lead
+
+    def _at(self, flow: Flow, now: float) -> int:
+        due = flow.deadline is not None and now >= flow.deadline - self.lead
+        return 0 if due else 7
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        return Decision(self._at(flow, ctx.now))
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        changes = {}
+        for flow in flows:
+            self.seen.append(flow.flow_id)
+            if self._at(flow, ctx.now) != flow.level:
+                changes[flow.flow_id] = Decision(self._at(flow, ctx.now))
+        return changes
+
+    def next_change(self, flow: Flow, ctx: Context) -> float | None:
+        if flow.deadline is None or flow.level == 0:
+            return None
+        return flow.deadline - self.lead
+
+
 @contextlib.asynccontextmanager
 async def running_coordinator(**overrides: Any) -> AsyncIterator[Coordinator]:
     """A started in-process coordinator with BytesPolicy and a fresh registry; always stopped."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -10,10 +11,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from coordinator_helpers import TOKEN, BytesPolicy, running_coordinator, wait_until
+from coordinator_helpers import TOKEN, DeadlineStepPolicy, running_coordinator, wait_until
 
 from flowsched.coordinator import Coordinator
-from flowsched.model import Context, Flow, FlowClass
+from flowsched.model import FlowClass
 from flowsched.protocol import (
     PROTOCOL_VERSION,
     Challenge,
@@ -382,25 +383,13 @@ async def test_frames_followed_at_once_by_the_end_of_the_stream_are_handled() ->
         assert coordinator.live.rejected == {"peer_closed": 1}
 
 
-class _LastMomentPolicy(BytesPolicy):
-    """Test policy with promotion timers: level 7, then 0 from 0.2 s before the deadline."""
-
-    def _level(self, flow: Flow) -> int:
-        due = flow.deadline is not None and time.time() >= flow.deadline - 0.2
-        return 0 if due else 7
-
-    def next_change(self, flow: Flow, ctx: Context) -> float | None:
-        if flow.deadline is None or flow.level == 0:
-            return None
-        return flow.deadline - 0.2
-
-
 @pytest.mark.asyncio
 async def test_the_timer_loop_sleeps_until_a_promotion_is_due_and_it_fires_on_time() -> None:
     """With promotion timers the loop waits for the earliest timer instead of looking every
     timer period (an idle coordinator woke 1,000 times a second); a timer armed while it
     sleeps wakes it, so the flow is promoted at its time without any report from the agent."""
-    async with running_coordinator(policy_factory=_LastMomentPolicy, timer_period=0.001) as co:
+    last_moment = functools.partial(DeadlineStepPolicy, lead=0.2)
+    async with running_coordinator(policy_factory=last_moment, timer_period=0.001) as co:
         ticks: list[float] = []
         start_sweep = co.state.start_sweep
 

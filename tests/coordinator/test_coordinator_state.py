@@ -7,7 +7,7 @@ import random
 from collections.abc import Iterable, Mapping
 
 import pytest
-from coordinator_helpers import BytesPolicy
+from coordinator_helpers import BytesPolicy, DeadlineStepPolicy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -181,30 +181,6 @@ def test_level_updates_carry_the_decision_time(policy: BytesPolicy) -> None:
 
 
 # -- promotion timers ---------------------------------------------------------------------
-
-
-class DeadlineStepPolicy(BytesPolicy):
-    """Test policy: level 7, then level 0 from one second before the deadline."""
-
-    def _at(self, flow: Flow, now: float) -> int:
-        due = flow.deadline is not None and now >= flow.deadline - 1.0
-        return 0 if due else 7
-
-    def admit(self, flow: Flow, ctx: Context) -> Decision:
-        return Decision(self._at(flow, ctx.now))
-
-    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
-        changes = {}
-        for flow in flows:
-            self.seen.append(flow.flow_id)
-            if self._at(flow, ctx.now) != flow.level:
-                changes[flow.flow_id] = Decision(self._at(flow, ctx.now))
-        return changes
-
-    def next_change(self, flow: Flow, ctx: Context) -> float | None:
-        if flow.deadline is None or flow.level == 0:
-            return None
-        return flow.deadline - 1.0
 
 
 @pytest.mark.parametrize(
