@@ -109,6 +109,12 @@ class SimAgent:
     #: whether heartbeats go out as answers to the coordinator's (False while paced() sends
     #: them on each agent's own clock)
     answer_beats: bool = True
+    #: churn opens awaiting their first level update: wire id -> time.monotonic() when sent
+    #: (only while ``time_opens``: the paced phases)
+    open_sent: dict[int, float] = field(default_factory=dict)
+    #: seconds from a churn open's send to its first level update's arrival, end to end
+    open_latency: list[float] = field(default_factory=list)
+    time_opens: bool = False
 
     def open_entry(self, wire_id: int, cls: str, now: float) -> dict[str, Any]:
         return flow_open(self.node, wire_id, cls, now, kv_deadline_s=2.0)
@@ -128,6 +134,8 @@ class SimAgent:
             self.next_id += 1
             self.flows.insert(6, self.next_id)
             opens.append(self.open_entry(self.next_id, "kv", now))
+            if self.time_opens:
+                self.open_sent[self.next_id] = self.last_sent
         self.events += len(progress) + len(opens) + len(closes)
         if batched:
             body = {"t": "flows", "opens": opens, "progress": progress, "closes": closes}
@@ -158,6 +166,15 @@ class SimAgent:
                             self.beat()
                     elif message["t"] == "levels":
                         self.updates_received += len(message["updates"])
+                        if self.open_sent:
+                            self._note_open_levels(message["updates"])
+
+    def _note_open_levels(self, updates: list[dict[str, Any]]) -> None:
+        arrived = time.monotonic()
+        for update in updates:
+            sent = self.open_sent.pop(update["id"], None)
+            if sent is not None:
+                self.open_latency.append(arrived - sent)
 
 
 async def connect(host: str, port: int, node: str, token: bytes, flows: int) -> SimAgent:
@@ -354,6 +371,13 @@ class LatencyPoint:
     #: share of the machine's CPU time stolen by the hypervisor during the point (see
     #: steal_share)
     steal: float = math.nan
+    #: churn opens timed end to end (agent's send -> its first level update received, which
+    #: includes the time a frame waits in the kernel while the coordinator is busy, which the
+    #: coordinator's own histogram cannot see), their p50 / p99, and how many got no update
+    opens_timed: int = 0
+    open_p50_ms: float = math.nan
+    open_p99_ms: float = math.nan
+    opens_unanswered: int = 0
 
 
 @dataclass
@@ -519,8 +543,13 @@ async def latency_point(
     machine = cpu_times()
     for agent in agents:
         agent.events = 0
+        agent.open_sent.clear()
+        agent.open_latency.clear()
+        agent.time_opens = True
     own = os.times()
     await paced(agents, batched, args.duration, rate)
+    for agent in agents:
+        agent.time_opens = False
     own_after = os.times()
     after = await asyncio.to_thread(scrape, coordinator.metrics, pid)
     preempted = preemptions(pid) - preempted
@@ -542,7 +571,21 @@ async def latency_point(
         steal=steal,
     )
     await wait_for_events(coordinator, pid, before.events + sum(a.events for a in agents))
+    await _time_opens(agents, point)
     return point
+
+
+async def _time_opens(agents: list[SimAgent], point: LatencyPoint) -> None:
+    """Fill in ``point``'s end-to-end open latencies once the last level updates are in."""
+    give_up = time.monotonic() + 5.0
+    while any(a.open_sent for a in agents) and time.monotonic() < give_up:
+        await asyncio.sleep(0.05)
+    latencies = sorted(x for a in agents for x in a.open_latency)
+    point.opens_timed = len(latencies)
+    point.opens_unanswered = sum(len(a.open_sent) for a in agents)
+    if latencies:
+        point.open_p50_ms = latencies[len(latencies) // 2] * 1e3
+        point.open_p99_ms = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1e3
 
 
 async def wait_for_events(coordinator: CoordinatorProcess, pid: int, expected: float) -> None:
@@ -590,6 +633,10 @@ def report(results: list[ModeResult]) -> None:
                   f"{p.flush_p50_ms:>7.3f} {p.flush_p99_ms:>7.3f} {p.samples:>8.0f} "
                   f"{p.timer_sweeps_per_s:>8.1f} {p.preemptions_per_s:>9.0f} "
                   f"{p.steal:>6.1%}")  # fmt: skip
+            if p.opens_timed or p.opens_unanswered:
+                print(f"{'':<17} {'':>7} churn opens end to end (agent send -> level received): "
+                      f"p50 {p.open_p50_ms:.2f} ms, p99 {p.open_p99_ms:.2f} ms over "
+                      f"{p.opens_timed} opens, {p.opens_unanswered} unanswered")  # fmt: skip
             if p.offered_rate < GENERATOR_SHORTFALL * p.nominal_rate:
                 short.append(f"{r.mode} at {p.nominal_rate:.0f}")
     if short:
