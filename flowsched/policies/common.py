@@ -226,8 +226,7 @@ class TrafficMeter:
     """
 
     __slots__ = (
-        "_counted_at", "_counted_sent", "_flow_rate", "_flow_rates", "_link_bytes", "_link_util",
-        "_then", "window",
+        "_counted", "_flow_rate", "_flow_rates", "_link_bytes", "_link_util", "_then", "window",
     )  # fmt: skip
 
     def __init__(self, window: float, *, flow_rates: bool = True) -> None:
@@ -236,17 +235,18 @@ class TrafficMeter:
         self.window = window
         self._flow_rates = flow_rates
         self._then: float | None = None
-        # Per flow: when it was last counted, and its bytes sent then. Two dicts of numbers, not
-        # one of (when, sent) tuples: a tuple replaced on every report is a new object tracked
-        # by the garbage collector, and the one it replaces, freed, takes the young
-        # generation's count back down, so that count never reaches its threshold while a
-        # young tuple per flow piles up; the next generation-0 collection then traverses
-        # them all (2-4 ms with 10,000 flows, measured in the coordinator).
-        self._counted_at: dict[int, float] = {}
-        self._counted_sent: dict[int, int] = {}
+        # Per flow, one list updated in place: [when it was last counted, its bytes sent then,
+        # the level its bytes are filed under, the (link, level) keys of that level]. Not a
+        # (when, sent) tuple replaced on every report: a tuple replaced per report is a new
+        # object tracked by the garbage collector, and the one it replaces, freed, takes the
+        # young generation's count back down, so that count never reaches its threshold while
+        # a young tuple per flow piles up; the next generation-0 collection then traverses them
+        # all (2-4 ms with 10,000 flows, measured in the coordinator). The keys are rebuilt
+        # only when the flow's level changes.
+        self._counted: dict[int, list[Any]] = {}
         self._flow_rate: dict[int, float] = {}
         self._link_bytes: dict[tuple[str, int], float] = {}
-        #: link -> {level: [utilization, as of when]}, updated in place (see _counted_at);
+        #: link -> {level: [utilization, as of when]}, updated in place (see _counted);
         #: decayed lazily, so an update costs only the (link, level) pairs that carried bytes
         #: (no bytes: exp(-dt/w) composes)
         self._link_util: dict[str, dict[int, list[float]]] = {}
@@ -255,38 +255,37 @@ class TrafficMeter:
         """Start counting ``flow`` from its current ``sent`` (the meter's clock starts too)."""
         if self._then is None:
             self._then = now
-        if flow.flow_id not in self._counted_at:
-            self._counted_at[flow.flow_id] = now
-            self._counted_sent[flow.flow_id] = flow.sent
+        if flow.flow_id not in self._counted:
+            self._counted[flow.flow_id] = [now, flow.sent, None, ()]
             if self._flow_rates:
                 self._flow_rate[flow.flow_id] = 0.0
 
     def close(self, flow: Flow) -> None:
         """Count ``flow``'s last bytes (into the next update) and forget it."""
-        self._counted_at.pop(flow.flow_id, None)
-        last = self._counted_sent.pop(flow.flow_id, None)
-        if last is not None:
-            self._add_link_bytes(flow, max(flow.sent - last, 0))
+        record = self._counted.pop(flow.flow_id, None)
+        if record is not None:
+            self._add_link_bytes(flow, record, max(flow.sent - record[1], 0))
         self._flow_rate.pop(flow.flow_id, None)
 
-    def _add_link_bytes(self, flow: Flow, sent: float) -> None:
+    def _add_link_bytes(self, flow: Flow, record: list[Any], sent: float) -> None:
         if not sent:
             return
         level = flow.level if flow.level >= 0 else _UNPLACED
-        for link in flow.links:
-            key = (link, level)
-            self._link_bytes[key] = self._link_bytes.get(key, 0.0) + sent
+        if record[2] != level:
+            record[2], record[3] = level, tuple([(link, level) for link in flow.links])
+        link_bytes = self._link_bytes
+        for key in record[3]:
+            link_bytes[key] = link_bytes.get(key, 0.0) + sent
 
-    def _count(self, flow: Flow, now: float, then: float, last: int) -> None:
-        """Fold ``flow``'s bytes since its last count (at ``then``, ``last`` bytes sent)
-        into its rate and its links' bytes."""
+    def _count(self, flow: Flow, record: list[Any], now: float) -> None:
+        """Fold ``flow``'s bytes since its last count (``record``: at ``then``, ``last`` bytes
+        sent) into its rate and its links' bytes."""
+        then, last = record[0], record[1]
         sent = flow.sent - last
         if sent < 0:
             sent = 0
-        self._counted_at[flow.flow_id] = now
-        self._counted_sent[flow.flow_id] = last + sent
-        if sent:
-            self._add_link_bytes(flow, sent)
+        record[0], record[1] = now, last + sent
+        self._add_link_bytes(flow, record, sent)
         if self._flow_rates:
             rate = self._flow_rate[flow.flow_id]
             self._flow_rate[flow.flow_id] = ewma_step(
@@ -306,25 +305,22 @@ class TrafficMeter:
             return
         self._then = now
         elapsed = now - then if then is not None else 0.0
-        counted_at, counted_sent = self._counted_at, self._counted_sent
-        link_bytes = self._link_bytes
+        counted, link_bytes = self._counted, self._link_bytes
         rates = self._flow_rates
         for flow in flows:  # _count() inlined without rates: this runs for every report
-            fid = flow.flow_id
-            counted = counted_at.get(fid)
-            if counted is None:
+            record = counted.get(flow.flow_id)
+            if record is None:
                 self.open(flow, now)
-            elif counted >= now:
+            elif record[0] >= now:
                 continue
             elif rates:
-                self._count(flow, now, counted, counted_sent[fid])
-            elif flow.sent > (last := counted_sent[fid]):
-                counted_at[fid] = now
-                counted_sent[fid] = flow.sent
-                sent = flow.sent - last
+                self._count(flow, record, now)
+            elif (sent := flow.sent - record[1]) > 0:
+                record[0], record[1] = now, flow.sent
                 level = flow.level if flow.level >= 0 else _UNPLACED
-                for link in flow.links:
-                    key = (link, level)
+                if record[2] != level:  # _add_link_bytes inlined
+                    record[2], record[3] = level, tuple([(link, level) for link in flow.links])
+                for key in record[3]:
                     link_bytes[key] = link_bytes.get(key, 0.0) + sent
         start = then if then is not None else now
         window = self.window

@@ -204,6 +204,10 @@ class RmlqPolicy:
         self._siblings: dict[str, dict[int, Flow]] = {}
         self._request_scope = args.mlu_scope == "request"
         self._deferred_by_time = args.deferred_order == "deadline"
+        #: levels at which bytes sent never move a flow (observe_progress skips them cheaply)
+        self._inert_levels = frozenset(
+            level for level in range(num_levels) if self._progress_moves_level(level) is False
+        )
 
     @property
     def per_flow_decisions(self) -> bool:
@@ -595,8 +599,12 @@ class RmlqPolicy:
         active = flows if isinstance(flows, list | tuple) else list(flows)
         if self.args.rho_source != "none":
             self._meter.update(active, ctx)  # reevaluate's own update at this instant is a no-op
-        explicit = EXPLICIT_DEADLINE
-        moved = [f for f in active if f.cls in explicit and self._moved_by_progress(f, ctx)]
+        explicit, inert = EXPLICIT_DEADLINE, self._inert_levels
+        moved = [
+            f
+            for f in active
+            if f.cls in explicit and f.level not in inert and self._moved_by_progress(f, ctx)
+        ]
         if moved or (self._alg1_due and ctx.now - self._alg1_last >= self.args.alg1_interval):
             return self.reevaluate(moved, ctx)
         self._forget_idle_requests(ctx.now)  # all that reevaluate([]) would do
@@ -604,20 +612,30 @@ class RmlqPolicy:
 
     def _moved_by_progress(self, flow: Flow, ctx: Context) -> bool:
         """Whether bytes can move explicit-deadline ``flow`` (see :meth:`observe_progress`)."""
-        level = flow.level
-        if level < 0:
-            return True
-        if level == self.scavenger:
+        moves = self._progress_moves_level(flow.level)
+        if moves is not None:
+            return moves
+        if flow.level == self.scavenger:
             return flow.remaining == 0
-        if level < self.urgent_levels:
-            return self.args.urgent_order == "slack" and level > 0
         return (
-            self._alg1
-            and level == self.first_band
-            and flow.flow_id in self._tracked
+            flow.flow_id in self._tracked
             and flow.flow_id not in self._urgent
             and self._held_below_collectives(flow, ctx)
         )
+
+    def _progress_moves_level(self, level: int) -> bool | None:
+        """Whether bytes can move an explicit-deadline flow at ``level``; None: that depends
+        on the flow (the scavenger: once it has sent its last byte; the first band with
+        Algorithm 1: a flow held below its job's collectives)."""
+        if level < 0:
+            return True
+        if level == self.scavenger:
+            return None
+        if level < self.urgent_levels:
+            return self.args.urgent_order == "slack" and level > 0
+        if self._alg1 and level == self.first_band:
+            return None
+        return False
 
     def _move_pruned(self, changes: dict[int, Decision]) -> None:
         """Send the flows of newly pruned requests that were not evaluated to the scavenger."""

@@ -342,11 +342,14 @@ def test_traffic_meter_leaves_no_young_objects_per_report(flow_rates: bool) -> N
         flow.level = 2
         meter.open(flow, 0.0)
     meter.update(flows, ctx(0.001))
+    for flow in flows:  # the first bytes at a level build that flow's (link, level) keys once
+        flow.sent += 1000
+    meter.update(flows, ctx(0.002))
     gc.collect()
     gc.disable()
     try:
         young_before = len(gc.get_objects(0))
-        for step in range(2, 6):
+        for step in range(3, 7):
             for flow in flows:
                 flow.sent += 1000
             meter.update(flows, ctx(step * 0.001))
@@ -930,3 +933,34 @@ def test_default_bands_deferred_flows_by_deadline() -> None:
     near = build_flow(1, cls="kv", size=int(1e6), deadline=0.02)  # MLU 0.05, 20 ms left
     far = build_flow(2, cls="kv", size=int(1e8), deadline=0.5)  # MLU 0.2, 500 ms left
     assert [made.admit(f, ctx()).level for f in (near, far)] == [5, 6]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {},
+        {"urgent_order": "slack"},
+        {"feasibility": True, "feasibility_check": "alg1"},
+        {"feasibility": False},
+    ],
+    ids=["default", "slack-order", "alg1", "no-feasibility"],
+)
+def test_levels_observe_progress_skips_are_ones_where_bytes_never_move_a_flow(
+    args: dict[str, Any],
+) -> None:
+    """observe_progress skips flows at ``_inert_levels`` without asking
+    ``_moved_by_progress``: at each of them, no explicit flow (held below its job's
+    collectives, tracked, with bytes left or none) is ever moved by bytes."""
+    pol = policy(**args)
+    now = ctx(1.0, job_index={"j": 0})
+    assert pol._inert_levels, "nothing skipped"
+    assert pol.scavenger not in pol._inert_levels
+    for level in range(pol.num_levels):
+        for cls in ("kv", "param_sync"):
+            for sent in (0, 1000):
+                flow = build_flow(7, cls, size=1000, sent=sent, deadline=2.0, job="j")
+                pol.admit(flow, now)
+                flow.level = level
+                if level in pol._inert_levels:
+                    assert not pol._moved_by_progress(flow, now), (level, cls, sent)
+                pol.release(flow, now)
