@@ -24,7 +24,12 @@ coordinator counted: a point where the generator fell short is flagged (it measu
 generator). It also reports the share of the machine's CPU time the hypervisor stole during
 the point (/proc/stat): on a virtual machine a stolen millisecond is a millisecond of every
 waiting frame's latency, which no code of ours spends, so a p99 next to a high steal share is
-the machine's. ``--phases latency --rates R --profile`` profiles one paced load alone.
+the machine's. The coordinator's histogram starts when it reads a frame, so it cannot see a
+frame waiting in the kernel while the coordinator is busy: each point therefore also times
+the churn opens end to end, from the simulated agent's send to the arrival of the open's
+first level update (the generator's own loop delays included: an upper bound), and counts
+the coordinator's full garbage collections. ``--phases latency --rates R --profile``
+profiles one paced load alone.
 
 Usage:
     .venv/bin/python bench/coordinator_load.py [--agents 1000] [--flows 10] [--duration 5]
@@ -278,6 +283,8 @@ class Scrape:
     sweeps: float
     overruns: float
     cpu_seconds: float
+    #: the coordinator's full (generation 2) garbage collections so far
+    full_collections: float
     when: float
 
 
@@ -304,6 +311,7 @@ def scrape(address: str, pid: int) -> Scrape:
         sweeps=total(r"flowsched_coordinator_timer_sweeps_total"),
         overruns=total(r"flowsched_coordinator_timer_overruns_total"),
         cpu_seconds=running_cpu_seconds(pid),
+        full_collections=total(r'python_gc_collections_total\{generation="2"\}'),
         when=time.monotonic(),
     )
 
@@ -367,10 +375,14 @@ class LatencyPoint:
     flush_p99_ms: float
     samples: float
     timer_sweeps_per_s: float
+    #: flushes (policy runs) per second: frames per flush is how much the loop batched
+    flushes_per_s: float
     preemptions_per_s: float
     #: share of the machine's CPU time stolen by the hypervisor during the point (see
     #: steal_share)
     steal: float = math.nan
+    #: full garbage collections during the point (each stops the coordinator a while)
+    full_collections: float = 0.0
     #: churn opens timed end to end (agent's send -> its first level update received, which
     #: includes the time a frame waits in the kernel while the coordinator is busy, which the
     #: coordinator's own histogram cannot see), their p50 / p99, and how many got no update
@@ -566,7 +578,11 @@ async def latency_point(
         flush_p50_ms=quantile(before, after, 0.50, "flush") * 1e3,
         flush_p99_ms=quantile(before, after, 0.99, "flush") * 1e3,
         samples=after.latency_count - before.latency_count,
+        full_collections=after.full_collections - before.full_collections,
         timer_sweeps_per_s=(after.sweeps - before.sweeps) / elapsed,
+        flushes_per_s=(after.flush_buckets[-1][1] - before.flush_buckets[-1][1]) / elapsed
+        if after.flush_buckets
+        else math.nan,
         preemptions_per_s=preempted / elapsed,
         steal=steal,
     )
@@ -623,7 +639,8 @@ def report(results: list[ModeResult]) -> None:
     print("sent by the generator, 'achieved' counted by the coordinator (events/s):")
     print(f"{'mode':<17} {'rate':>7} {'offered':>8} {'achieved':>8} {'genCPU':>6} "
           f"{'coordCPU':>8} {'p50 ms':>7} {'p99 ms':>7} {'flush50':>7} {'flush99':>7} "
-          f"{'samples':>8} {'sweeps/s':>8} {'preempt/s':>9} {'steal':>6}")  # fmt: skip
+          f"{'samples':>8} {'sweeps/s':>8} {'flush/s':>7} {'preempt/s':>9} "
+          f"{'steal':>6}")  # fmt: skip
     short = []
     for r in results:
         for p in r.latency:
@@ -631,12 +648,14 @@ def report(results: list[ModeResult]) -> None:
                   f"{p.achieved_rate:>8.0f} {p.loadgen_cpu:>6.2f} "
                   f"{p.coordinator_cpu:>8.2f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} "
                   f"{p.flush_p50_ms:>7.3f} {p.flush_p99_ms:>7.3f} {p.samples:>8.0f} "
-                  f"{p.timer_sweeps_per_s:>8.1f} {p.preemptions_per_s:>9.0f} "
+                  f"{p.timer_sweeps_per_s:>8.1f} {p.flushes_per_s:>7.0f} "
+                  f"{p.preemptions_per_s:>9.0f} "
                   f"{p.steal:>6.1%}")  # fmt: skip
             if p.opens_timed or p.opens_unanswered:
                 print(f"{'':<17} {'':>7} churn opens end to end (agent send -> level received): "
                       f"p50 {p.open_p50_ms:.2f} ms, p99 {p.open_p99_ms:.2f} ms over "
-                      f"{p.opens_timed} opens, {p.opens_unanswered} unanswered")  # fmt: skip
+                      f"{p.opens_timed} opens, {p.opens_unanswered} unanswered; "
+                      f"{p.full_collections:.0f} full GC")  # fmt: skip
             if p.offered_rate < GENERATOR_SHORTFALL * p.nominal_rate:
                 short.append(f"{r.mode} at {p.nominal_rate:.0f}")
     if short:

@@ -324,7 +324,7 @@ class TrafficMeter:
                     link_bytes[key] = link_bytes.get(key, 0.0) + sent
         start = then if then is not None else now
         window = self.window
-        # ewma_step(util, sample, elapsed, window) with its factor computed once, and _decay
+        # ewma_step(util, sample, elapsed, window) with its factor computed once, and the decay
         # inlined (the same arithmetic: this runs for every (link, level) with bytes, about
         # one per report when each node has its own link)
         factor = math.exp(-elapsed / window) if elapsed > 0 else 1.0
@@ -341,7 +341,7 @@ class TrafficMeter:
                 util = 0.0
             else:
                 util, since = entry
-                if start - since > 0:  # _decay: ewma_step towards 0, the same product
+                if start - since > 0:  # the decay: ewma_step towards 0, the same product
                     util = util * exp(-(start - since) / window)
             util = sample + (util - sample) * factor if elapsed > 0 else util
             if entry is None:
@@ -359,8 +359,16 @@ class TrafficMeter:
         levels = self._link_util.get(link)
         if not levels or self._then is None:
             return 0.0
-        now, window = self._then, self.window
-        return sum(_decay(entry, now, window) for lvl, entry in levels.items() if lvl < level)
+        now, window, exp = self._then, self.window, math.exp
+        # each entry decayed to now, ewma_step(util, 0.0, now - since, window) inlined (the
+        # same arithmetic): this runs for every urgency an rmlq flow gets
+        return sum(
+            [
+                util * exp((since - now) / window) if now > since else util
+                for lvl, (util, since) in levels.items()
+                if lvl < level
+            ]
+        )
 
     def flow_rate(self, flow: Flow) -> float:
         """Windowed rate of ``flow`` in bytes/s (0 when not counted yet)."""
@@ -379,11 +387,3 @@ class TrafficMeter:
 
 #: the level under which the meter files bytes of a flow not placed yet (below every level)
 _UNPLACED = 1 << 20
-
-
-def _decay(entry: list[float] | None, when: float, window: float) -> float:
-    """A (utilization, as of) entry decayed to ``when`` (no bytes since); 0 for None."""
-    if entry is None:
-        return 0.0
-    util, since = entry
-    return ewma_step(util, 0.0, when - since, window)

@@ -204,6 +204,9 @@ class RmlqPolicy:
         self._siblings: dict[str, dict[int, Flow]] = {}
         self._request_scope = args.mlu_scope == "request"
         self._deferred_by_time = args.deferred_order == "deadline"
+        #: the urgencies the last reevaluate computed, with the (now, level, sent) they hold
+        #: for: next_change, called right after it for the same flows, reuses them
+        self._found: dict[int, tuple[float, int, int, _Urgency | None]] = {}
         #: levels at which bytes sent never move a flow (observe_progress skips them cheaply)
         self._inert_levels = frozenset(
             level for level in range(num_levels) if self._progress_moves_level(level) is False
@@ -342,7 +345,11 @@ class RmlqPolicy:
             return 0.0
         if source == "above":
             level = flow.level if flow.level >= 0 else self.first_band
-            load = max((self._meter.load_above(link, level) for link in flow.links), default=0.0)
+            links = flow.links
+            if len(links) == 1:  # the common case, without a generator
+                load = self._meter.load_above(links[0], level)
+            else:
+                load = max((self._meter.load_above(link, level) for link in links), default=0.0)
         elif source == "others":
             load = self._meter.others_load(flow, ctx)
         else:
@@ -555,6 +562,7 @@ class RmlqPolicy:
         if self._alg1_due and ctx.now - self._alg1_last >= self.args.alg1_interval:
             self._run_alg1(ctx)
         found: dict[int, _Urgency | None] = {}
+        memo = self._found = {}
         deadlines: dict[str, list[float]] = {}
         verdicts: dict[str, bool] = {}
         want_red = self.args.red_tiers > 1
@@ -565,6 +573,7 @@ class RmlqPolicy:
             if self._settled(flow) or flow.cls not in EXPLICIT_DEADLINE:
                 continue
             urgency = found[flow.flow_id] = self.urgency(flow, ctx, paths)
+            memo[flow.flow_id] = (ctx.now, flow.level, flow.sent, urgency)
             verdict = self._judge(flow, ctx, urgency)
             if verdict is not None:
                 key = self._request_key(flow)
@@ -686,9 +695,13 @@ class RmlqPolicy:
         judged hopeless by the ``"mlu"`` check, the end of its grace. None: only reports can
         change the flow (implicit classes: job progress).
         """
+        memo = self._found.pop(flow.flow_id, None)
         if flow.cls not in EXPLICIT_DEADLINE or flow.level < 0 or self.dropped(flow, ctx.now):
             return None
-        found = self.urgency(flow, ctx)
+        if memo is not None and memo[:3] == (ctx.now, flow.level, flow.sent):
+            found = memo[3]  # the same inputs as reevaluate's a moment ago (see _found)
+        else:
+            found = self.urgency(flow, ctx)
         if found is None or found.remaining <= 0:
             return None
         times = []

@@ -633,6 +633,39 @@ def test_next_change_is_when_the_level_changes(
     assert_level_moves_at_next_change(pol, size, deadline)
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 10**10), min_size=1, max_size=6),
+    deadline=st.floats(0.01, 10.0),
+    now=st.floats(0.0, 12.0),
+    move=st.booleans(),
+)
+def test_next_change_after_reevaluate_is_what_it_computes_afresh(
+    sizes: list[int], deadline: float, now: float, move: bool
+) -> None:
+    """next_change reuses the urgency reevaluate computed a moment before for the same flow
+    (same instant, level and bytes); with the level changed in between (the caller applied
+    a decision) or bytes reported, it computes it again. Either way its answer is the one
+    a fresh computation gives."""
+    pol = policy()
+    link = ("n0/eth0",)
+    flows = [build_flow(i, "kv", size=size, deadline=deadline, links=link) for i, size in
+             enumerate(sizes)]  # fmt: skip
+    for flow in flows:
+        flow.level = pol.admit(flow, ctx(0.0)).level
+    for flow in flows[::2]:  # some bytes on the link, under the flows' levels
+        flow.sent = flow.size // 3 if flow.size else 0
+    changed = pol.reevaluate(flows, ctx(now))
+    for flow in flows:
+        if flow.flow_id in changed:
+            flow.level = changed[flow.flow_id].level
+        elif move and flow.level > 0:
+            flow.level -= 1
+    reused = [pol.next_change(flow, ctx(now)) for flow in flows]
+    assert not pol._found, "next_change leaves nothing behind for the flows it was asked for"
+    assert reused == [pol.next_change(flow, ctx(now)) for flow in flows]
+
+
 # -- construction and validation ------------------------------------------------------------
 
 
