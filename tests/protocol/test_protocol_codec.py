@@ -187,21 +187,72 @@ _close = st.fixed_dictionaries({"id": _counts, "sent": _counts, "closed_at": _ti
 _odd_entry = _odd_values | st.dictionaries(
     st.sampled_from(["id", "sent", "closed_at", "x"]), _counts, max_size=4
 )
-_progress_lists = st.lists(_progress | _progress | _odd_entry, max_size=3)
+_progress_lists = st.lists(_progress | _progress | _odd_entry, max_size=12)
 _close_lists = st.lists(_close | _close | _odd_entry, max_size=3)
+
+#: a flow open with every field set (the agent sends all eleven, nil where unknown)
+_FULL_OPEN = {
+    "id": 7,
+    "cls": "kv",
+    "opened_at": 1.5,
+    "sent": 0,
+    "size": 1 << 26,
+    "deadline": 3.5,
+    "job": "job-3",
+    "consumer_index": 3,
+    "request": "req-1",
+    "links": ["node-1/eth0"],
+    "level": 2,
+}
+_OPTIONAL_OPEN_KEYS = ["size", "deadline", "job", "consumer_index", "request", "links", "level"]
+_names = st.sampled_from(["eth0", "x" * 255, "x" * 256, "", "a\x00b", "\u00e9", " "])
+_open_values = st.one_of(
+    _counts,
+    _times,
+    _names,
+    st.sampled_from(["kv", "tp", "bulk", "kv_reuse", "KV", "video", 2**63 - 1, 2**63, 255, 256]),
+    st.lists(_names | _odd_values, max_size=3),
+    st.sampled_from([["eth0"] * 64, ["eth0"] * 65]),
+)
+
+
+@st.composite
+def _opens(draw: st.DrawFn) -> object:
+    """A valid open (all fields, or only the required ones) with a few fields left out, set
+    to nil, or replaced by an edge value, or an unknown key added; now and then a non-map."""
+    if draw(st.integers(0, 9)) == 0:
+        return draw(_odd_values)
+    entry: dict[str, Any] = dict(draw(st.sampled_from([_FULL_OPEN, _OPEN])))
+    for key in draw(st.lists(st.sampled_from(_OPTIONAL_OPEN_KEYS), max_size=3)):
+        if draw(st.booleans()):
+            entry.pop(key, None)
+        else:
+            entry[key] = None
+    for key in draw(st.lists(st.sampled_from([*_FULL_OPEN, "x"]), max_size=2)):
+        entry[key] = draw(_open_values)
+    return entry
+
+
+_open_lists = st.lists(_opens(), max_size=3)
 _flows_maps = st.one_of(
     st.fixed_dictionaries({"closes": _close_lists}),
     st.fixed_dictionaries({"progress": _progress_lists}),
+    st.fixed_dictionaries({"opens": _open_lists}),
     st.fixed_dictionaries(
         {},
         optional={
-            "opens": st.sampled_from([[{**_OPEN, "links": ["eth0"]}], [], None]),
+            "opens": _open_lists | st.sampled_from([[], None]),
             "progress": _progress_lists,
             "closes": _close_lists,
         },
     ),
-    st.fixed_dictionaries({}, optional={"progress": _odd_values, "closes": _odd_values}),
+    st.fixed_dictionaries(
+        {}, optional={"opens": _odd_values, "progress": _odd_values, "closes": _odd_values}
+    ),
     st.fixed_dictionaries({"x": st.just(1)}, optional={"progress": st.just([])}),
+)
+_resync_maps = st.fixed_dictionaries(
+    {}, optional={"opens": _open_lists | _odd_values, "x": st.just(1)}
 )
 _heartbeat_maps = st.fixed_dictionaries(
     {"t_sent": _times}, optional={"epoch": _counts, "x": st.just(1)}
@@ -215,10 +266,11 @@ def _outcome(decode: Any, data: dict[str, Any]) -> object:
         return f"error: {exc}"
 
 
-@settings(max_examples=400)
+@settings(max_examples=600)
 @given(
     st.one_of(
         _flows_maps.map(lambda m: {"t": "flows", **m}),
+        _resync_maps.map(lambda m: {"t": "resync", **m}),
         _heartbeat_maps.map(lambda m: {"t": "heartbeat", **m}),
     )
 )
@@ -233,65 +285,158 @@ def test_fast_decoders_agree_with_the_checked_path(data: dict[str, Any]) -> None
     assert repr(got) == repr(expected)
 
 
-def test_fast_decoders_take_the_common_frames() -> None:
-    flows = {
+def _refuse(*args: object) -> None:
+    raise AssertionError(f"the checked path was taken for {args}")
+
+
+def test_fast_decoders_take_the_common_frames(monkeypatch: pytest.MonkeyPatch) -> None:
+    flows: dict[str, Any] = {
         "t": "flows",
-        "opens": [{**_OPEN, "size": None, "links": ["eth0"]}],
-        "progress": [{"id": 1, "sent": 10}, {"id": 2, "sent": 0}],
-        "closes": [{"id": 3, "sent": 5, "closed_at": 2.5}],
+        "opens": [
+            _FULL_OPEN,
+            {**_FULL_OPEN, "cls": "tp", "size": None, "deadline": None, "job": None},
+            {**_OPEN, "size": None, "links": ["eth0"]},  # optional fields left out
+            {**_OPEN, "opened_at": 2, "deadline": 5, "links": []},  # integer times
+        ],
+        "progress": [{"id": i, "sent": 10 * i} for i in range(10)],
+        "closes": [{"id": 3, "sent": 5, "closed_at": 2.5}, {"id": 4, "sent": 5, "closed_at": 3}],
     }
-    for data in (
+    frames: tuple[dict[str, Any], ...] = (
         flows,
+        {"t": "flows", "progress": [{"id": 1, "sent": 2}]},  # the other arrays left out
+        {
+            "t": "flows",
+            "opens": None,
+            "progress": [],
+            "closes": [{"id": 1, "sent": 0, "closed_at": 0.0}],
+        },
+        {"t": "resync", "opens": flows["opens"]},
+        {"t": "resync"},
         {"t": "heartbeat", "t_sent": 1.5},
         {"t": "heartbeat", "t_sent": 1.5, "epoch": 3},
-    ):
+    )
+    expected = [_codec._decode_checked(data) for data in frames]
+    # the fast decoders build every entry themselves: none reaches the checked entry parsers
+    for name in ("_flow_open", "_flow_progress", "_flow_close", "_decode_checked"):
+        monkeypatch.setattr(_codec, name, _refuse)
+    for data, checked in zip(frames, expected, strict=True):
         got = _codec._FAST_DECODERS[str(data["t"])](data)
-        assert got is not None and repr(got) == repr(_codec._decode_checked(data))
+        assert got is not None and repr(got) == repr(checked)
+        assert repr(decode_body(msgpack.packb(data, use_bin_type=True))) == repr(checked)
 
+
+_ABSENT = object()  # an edge "value": the key left out
 
 _EDGE_VALUES = [
+    _ABSENT,
     -1,
     0,
+    1,
+    255,
+    256,
+    2**63 - 1,
+    2**63,
     2**64 - 1,
     -(2**63),
     -0.5,
+    -0.0,
     0.0,
     1.5,
+    1e308,
     float("inf"),
+    float("-inf"),
     float("nan"),
     True,
+    False,
     None,
     "1",
+    "kv",
+    "",
+    " ",
+    "a\x00b",
+    "x" * 255,
+    "x" * 256,
+    b"kv",
+    [],
+    ["eth0"],
+    ["eth0"] * 64,
+    ["eth0"] * 65,
+    [3],
+    [""],
+    [None],
+    ["eth0", True],
+    {"a": 1},
 ]
 
 
-@pytest.mark.parametrize("value", _EDGE_VALUES, ids=repr)
-@pytest.mark.parametrize(
-    "build",
-    [
-        pytest.param(
-            lambda v: {"t": "flows", "closes": [{"id": 1, "sent": 2, "closed_at": v}]},
-            id="closed_at",
-        ),
-        pytest.param(
-            lambda v: {"t": "flows", "closes": [{"id": v, "sent": 2, "closed_at": 1.0}]},
-            id="close-id",
-        ),
-        pytest.param(
-            lambda v: {"t": "flows", "closes": [{"id": 1, "sent": v, "closed_at": 1.0}]},
-            id="close-sent",
-        ),
-        pytest.param(
-            lambda v: {"t": "flows", "progress": [{"id": v, "sent": 2}]}, id="progress-id"
-        ),
-        pytest.param(
-            lambda v: {"t": "flows", "progress": [{"id": 1, "sent": v}]}, id="progress-sent"
-        ),
-        pytest.param(lambda v: {"t": "flows", "progress": v}, id="progress"),
-        pytest.param(lambda v: {"t": "heartbeat", "t_sent": v}, id="t_sent"),
-        pytest.param(lambda v: {"t": "heartbeat", "t_sent": 1.0, "epoch": v}, id="epoch"),
-    ],
-)
+def _edge_id(value: object) -> str:
+    if value is _ABSENT:
+        return "absent"
+    text = repr(value)
+    return text if len(text) <= 20 else f"{text[:12]}...({len(text)} chars)"
+
+
+def _set(entry: dict[Any, Any], key: Any, value: object) -> dict[Any, Any]:
+    """``entry`` with ``key`` set to ``value``, or left out for ``_ABSENT``."""
+    entry = dict(entry)
+    if value is _ABSENT:
+        entry.pop(key, None)
+    else:
+        entry[key] = value
+    return entry
+
+
+def _frame(kind: str, **arrays: object) -> dict[str, Any]:
+    return {"t": kind, **{k: v for k, v in arrays.items() if v is not _ABSENT}}
+
+
+def _array(*items: object) -> list[object]:
+    return [item for item in items if item is not _ABSENT]
+
+
+_PROGRESS = {"id": 1, "sent": 2}
+_CLOSE = {"id": 1, "sent": 2, "closed_at": 1.0}
+_EDGE_BUILDS = [
+    pytest.param(lambda v: _frame("flows", closes=[_set(_CLOSE, "closed_at", v)]), id="closed_at"),
+    pytest.param(lambda v: _frame("flows", closes=[_set(_CLOSE, "id", v)]), id="close-id"),
+    pytest.param(lambda v: _frame("flows", closes=[_set(_CLOSE, "sent", v)]), id="close-sent"),
+    pytest.param(lambda v: _frame("flows", closes=[_set(_CLOSE, "x", v)]), id="close-extra"),
+    pytest.param(lambda v: _frame("flows", closes=_array(_CLOSE, v)), id="close-entry"),
+    pytest.param(lambda v: _frame("flows", progress=[_set(_PROGRESS, "id", v)]), id="progress-id"),
+    pytest.param(
+        lambda v: _frame("flows", progress=[_set(_PROGRESS, "sent", v)]), id="progress-sent"
+    ),
+    pytest.param(
+        lambda v: _frame("flows", progress=[_PROGRESS] * 9 + [_set(_PROGRESS, "x", v)]),
+        id="progress-extra",
+    ),
+    pytest.param(
+        lambda v: _frame("flows", progress=_array(*[_PROGRESS] * 5, v)), id="progress-entry"
+    ),
+    pytest.param(lambda v: _frame("flows", progress=v), id="progress"),
+    pytest.param(lambda v: _frame("flows", opens=v, progress=[_PROGRESS]), id="opens"),
+    pytest.param(lambda v: _set(_frame("flows", closes=[_CLOSE]), "x", v), id="flows-extra"),
+    pytest.param(lambda v: _frame("flows", opens=_array(_FULL_OPEN, v)), id="open-entry"),
+    *(
+        pytest.param(lambda v, k=key: _frame("flows", opens=[_set(_FULL_OPEN, k, v)]), id=key)
+        for key in [*_FULL_OPEN, "x"]
+    ),
+    pytest.param(lambda v: _frame("flows", opens=[_set(_FULL_OPEN, b"id", v)]), id="bin-key"),
+    pytest.param(lambda v: _frame("flows", opens=[_set(_OPEN, "deadline", v)]), id="few-keys"),
+    pytest.param(
+        lambda v: _frame("flows", opens=[_set(_FULL_OPEN, "links", _array(*["eth0"] * 63, v))]),
+        id="64th-link",
+    ),
+    pytest.param(lambda v: _frame("resync", opens=v), id="resync"),
+    pytest.param(lambda v: _frame("resync", opens=[_set(_OPEN, "level", v)]), id="resync-level"),
+    pytest.param(lambda v: _set(_frame("resync", opens=[_OPEN]), "x", v), id="resync-extra"),
+    pytest.param(lambda v: _frame("heartbeat", t_sent=v), id="t_sent"),
+    pytest.param(lambda v: _frame("heartbeat", t_sent=1.0, epoch=v), id="epoch"),
+]
+
+
+@pytest.mark.parametrize("value", _EDGE_VALUES, ids=_edge_id)
+@pytest.mark.parametrize("build", _EDGE_BUILDS)
 def test_hot_frames_decode_as_the_checked_path_at_the_edges(build: Any, value: object) -> None:
     data = build(value)
     got = _outcome(lambda d: decode_body(msgpack.packb(d, use_bin_type=True)), data)
