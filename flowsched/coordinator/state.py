@@ -7,10 +7,7 @@ the flows touched since the last flush and collect the level changes to send, pe
 Flow identity on the wire is ``(node, id)``; policies see cluster-unique ``Flow.flow_id`` values
 that this table assigns. Which flows an event makes "dirty" (re-evaluated at the next flush):
 
-* flow open: admitted at once (``policy.admit``, whose level is sent at the next flush), then
-  dirty; with promotion timers and a per-flow policy, its first re-evaluation (which sets its
-  timer) joins the timer sweep instead, which a flush advances within its time budget: under a
-  burst of opens, the decisions already made go out first;
+* flow open: admitted at once (``policy.admit``), then dirty;
 * flow progress: that flow; with promotion timers and a policy that defines
   ``observe_progress`` (more bytes sent never brings its next change earlier), only the
   policy's measurements follow the bytes (``observe_progress``), and the flow is decided when
@@ -146,8 +143,6 @@ class ClusterState:
         self.last_batch = 0
         self.timed: set[int] = set()
         self._sweep: set[int] = set()
-        #: admitted flows are first re-evaluated in the timer sweep (see the module docstring)
-        self._settle_in_sweep = next_change is not None and per_flow
         self._sweep_cost = 0.0
         #: clock time per flow of the last sweep step (0 before the first): sizes the next step
         self._flow_cost = 0.0
@@ -200,9 +195,7 @@ class ClusterState:
         # the agent's current level (resync) is what it applies now: send only differences
         flow.level = -1 if op.level is None else op.level
         self._apply(fid, flow, self.policy.admit(flow, ctx), count_promotion=False)
-        # evaluated (and its timer set) at the next flush, or within its sweep budget: the
-        # admission decision is made, only the flow's timer waits (see the module docstring)
-        (self._sweep if self._settle_in_sweep else self.dirty).add(fid)
+        self.dirty.add(fid)  # evaluated (and its timer set) at the next flush
 
     def _refresh(self, fid: int, op: FlowOpen) -> None:
         flow = self.flows[fid]

@@ -425,68 +425,29 @@ def test_a_burst_of_due_timers_is_decided_in_bounded_steps() -> None:
     assert turns >= 1000 // SWEEP_STEP and sorted(policy.seen) == sorted(state.flows)
 
 
-class CostlyPolicy(DeadlineStepPolicy):
-    """Each evaluation costs 0.1 ms of the injected clock ``clock[0]``."""
-
-    def __init__(self, clock: list[float]) -> None:
-        super().__init__()
-        self.clock = clock
-
-    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
-        flows = list(flows)
-        self.clock[0] += 1e-4 * len(flows)
-        return super().reevaluate(flows, ctx)
-
-
 def test_sweep_steps_shrink_to_the_budget_at_the_measured_cost_per_flow() -> None:
     """Each evaluation costs 0.1 ms of the injected clock. The first step (no measurement
-    yet: the admitted flows' first evaluations) is a whole SWEEP_STEP; from then on a flush
-    with a 0.25 ms budget evaluates what fits in it (2 flows, then 1 more once the budget is
-    spent), not another SWEEP_STEP, for the admitted flows and the timer sweep alike."""
+    yet) is a whole SWEEP_STEP; from then on a flush with a 0.25 ms budget evaluates what
+    fits in it (2 flows, then 1 more once the budget is spent), not another SWEEP_STEP."""
     now = [0.0]
-    policy = CostlyPolicy(now)
+
+    class CostlyPolicy(DeadlineStepPolicy):
+        def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+            flows = list(flows)
+            now[0] += 1e-4 * len(flows)
+            return super().reevaluate(flows, ctx)
+
+    policy = CostlyPolicy()
     state = ClusterState(policy, clock=lambda: now[0])
     state.open_flows("a", [_open(i, deadline=6.0) for i in range(200)], now=1.0)
-
-    def flush_until_done(now: float) -> list[int]:
-        per_flush = []
-        while state.pending:
-            before = len(policy.seen)
-            state.flush(now, sweep_budget=0.25e-3)
-            per_flush.append(len(policy.seen) - before)
-        return per_flush
-
-    admitted = flush_until_done(1.0)
-    assert admitted[0] == SWEEP_STEP
-    assert max(admitted[1:]) <= 3, admitted
-    assert sum(admitted) == 200
+    state.flush(1.0)
     policy.seen.clear()
     assert state.start_sweep(now=5.0)
-    swept = flush_until_done(5.0)
-    assert max(swept) <= 3, swept
-    assert sum(swept) == 200
-
-
-@pytest.mark.parametrize(
-    ("promotion", "first_flush_evaluates"),
-    [("timers", SWEEP_STEP), ("sweep", 100)],
-)
-def test_a_burst_of_opens_sends_its_decisions_before_re_evaluating_them(
-    promotion: str, first_flush_evaluates: int
-) -> None:
-    """With promotion timers, 100 admitted flows' levels all go out in the first flush,
-    while their re-evaluations (which set their timers) run within the flush's time budget,
-    over the next flushes. With sweeps there are no timers to set: all are evaluated at once."""
-    now = [0.0]
-    policy = CostlyPolicy(now)
-    state = ClusterState(policy, clock=lambda: now[0], promotion=promotion, per_flow=True)
-    state.open_flows("a", [_open(i, deadline=6.0) for i in range(100)], now=1.0)
-    first = state.flush(1.0, sweep_budget=0.25e-3)
-    assert sorted(first["a"]) == list(range(100))
-    assert {u.level for u in first["a"].values()} == {7}
-    assert len(policy.seen) == first_flush_evaluates
+    per_flush = []
     while state.pending:
-        assert not state.flush(1.0, sweep_budget=0.25e-3)  # nothing changed: nothing to send
-    assert sorted(policy.seen) == sorted(state.flows)
-    if promotion == "timers":
-        assert state.next_due() == 5.0
+        before = len(policy.seen)
+        state.flush(5.0, sweep_budget=0.25e-3)
+        per_flush.append(len(policy.seen) - before)
+    assert per_flush[0] == SWEEP_STEP
+    assert max(per_flush[1:]) <= 3, per_flush
+    assert sum(per_flush) == 200
