@@ -172,7 +172,8 @@ class CoordinatorCollector:
         hist = self._live.decision_latency
         family = HistogramMetricFamily(
             f"{PREFIX}_decision_latency_seconds",
-            "Time from an event's arrival to its level updates being queued.",
+            "Time from reading an event's frame to its level updates being queued (time the"
+            " frame waited in the socket before the read is not included).",
         )
         family.add_metric([], hist.cumulative(), hist.sum)
         yield family
