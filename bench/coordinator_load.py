@@ -634,7 +634,7 @@ def report(results: list[ModeResult]) -> None:
               f"{r.coordinator_cpu:>8.2f} {r.events_per_cpu_second:>12.0f} {r.loadgen_cpu:>6.2f} "
               f"{r.rss_mib:>7.1f} {r.peak_rss_mib:>6.1f} {r.active_flows:>6.0f} "
               f"{r.agents:>6.0f}")  # fmt: skip
-    print("\ndecision latency (bytes handed to the coordinator -> level updates queued) and")
+    print("\ndecision latency (frame read by the coordinator -> level updates queued) and")
     print("flush time (one policy run + its sends) at paced loads: 'rate' asked for, 'offered'")
     print("sent by the generator, 'achieved' counted by the coordinator (events/s):")
     print(f"{'mode':<17} {'rate':>7} {'offered':>8} {'achieved':>8} {'genCPU':>6} "
