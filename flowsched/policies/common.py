@@ -272,7 +272,7 @@ class TrafficMeter:
             return
         level = flow.level if flow.level >= 0 else _UNPLACED
         if record[2] != level:
-            record[2], record[3] = level, tuple([(link, level) for link in flow.links])
+            _file_under(record, flow, level)
         link_bytes = self._link_bytes
         for key in record[3]:
             link_bytes[key] = link_bytes.get(key, 0.0) + sent
@@ -319,7 +319,7 @@ class TrafficMeter:
                 record[0], record[1] = now, flow.sent
                 level = flow.level if flow.level >= 0 else _UNPLACED
                 if record[2] != level:  # _add_link_bytes inlined
-                    record[2], record[3] = level, tuple([(link, level) for link in flow.links])
+                    _file_under(record, flow, level)
                 for key in record[3]:
                     link_bytes[key] = link_bytes.get(key, 0.0) + sent
         start = then if then is not None else now
@@ -387,3 +387,9 @@ class TrafficMeter:
 
 #: the level under which the meter files bytes of a flow not placed yet (below every level)
 _UNPLACED = 1 << 20
+
+
+def _file_under(record: list[Any], flow: Flow, level: int) -> None:
+    """File ``flow``'s next bytes under ``level``: a meter record's level and its (link, level)
+    keys (built once per level, not per report)."""
+    record[2], record[3] = level, tuple([(link, level) for link in flow.links])

@@ -561,8 +561,9 @@ class RmlqPolicy:
             self._meter.update(active, ctx)
         if self._alg1_due and ctx.now - self._alg1_last >= self.args.alg1_interval:
             self._run_alg1(ctx)
-        found: dict[int, _Urgency | None] = {}
-        memo = self._found = {}
+        # each evaluated flow's urgency, with the (now, level, sent) it holds for (see _found)
+        found: dict[int, tuple[float, int, int, _Urgency | None]] = {}
+        self._found = found
         deadlines: dict[str, list[float]] = {}
         verdicts: dict[str, bool] = {}
         want_red = self.args.red_tiers > 1
@@ -572,8 +573,8 @@ class RmlqPolicy:
                 deadlines.setdefault(flow.request, []).append(flow.deadline)
             if self._settled(flow) or flow.cls not in EXPLICIT_DEADLINE:
                 continue
-            urgency = found[flow.flow_id] = self.urgency(flow, ctx, paths)
-            memo[flow.flow_id] = (ctx.now, flow.level, flow.sent, urgency)
+            urgency = self.urgency(flow, ctx, paths)
+            found[flow.flow_id] = (ctx.now, flow.level, flow.sent, urgency)
             verdict = self._judge(flow, ctx, urgency)
             if verdict is not None:
                 key = self._request_key(flow)
@@ -586,7 +587,8 @@ class RmlqPolicy:
         for flow in active:
             if self._settled(flow):
                 continue
-            urgency = found.get(flow.flow_id)
+            entry = found.get(flow.flow_id)
+            urgency = None if entry is None else entry[3]
             level = self._decide(flow, ctx, urgency)
             self._watch_urgent(flow, level, urgency)
             if level != flow.level:

@@ -282,7 +282,7 @@ def _fast_open(item: object) -> FlowOpen | None:
         and 0.0 <= opened_at < _INF  # NaN fails both comparisons
         and (size is None or (type(size) is int and 0 <= size <= U64_MAX))
         and (deadline is None or (type(deadline) in _NUMBER and 0.0 <= deadline < _INF))
-        and (job is None or (type(job) is str and 0 < len(job) <= MAX_NAME and job.isprintable()))
+        and (job is None or is_name(job))
         and (consumer is None or (type(consumer) is int and 0 <= consumer <= I64_MAX))
         and (request is None or is_name(request))
         and (level is None or (type(level) is int and 0 <= level <= MAX_LEVEL))
@@ -292,7 +292,7 @@ def _fast_open(item: object) -> FlowOpen | None:
         links = _EMPTY
     elif type(links) is list and len(links) <= MAX_LINKS:
         for link in links:
-            if not (type(link) is str and 0 < len(link) <= MAX_NAME and link.isprintable()):
+            if not is_name(link):
                 return None
         links = tuple(links)
     else:
