@@ -29,10 +29,10 @@ from typing import TypeVar
 
 from flowsched.model import Flow, FlowClass
 from flowsched.protocol import (
+    MAX_PROGRESS,
     U64_MAX,
     FlowClose,
     FlowOpen,
-    FlowProgress,
     Flows,
     JobProgress,
     Resync,
@@ -47,8 +47,9 @@ _T = TypeVar("_T")
 #: (job and request of 255 four-byte characters, three links of a 128-character node name), so
 #: 200 of them stay far below the 1 MiB default frame limit.
 MAX_OPENS_PER_FRAME = 200
-#: progress or close entries per ``flows`` frame (each well under 64 bytes)
-MAX_ENTRIES_PER_FRAME = 8192
+#: progress reports (the most a coordinator accepts in one frame) or closes per ``flows``
+#: frame, each well under 64 bytes
+MAX_ENTRIES_PER_FRAME = MAX_PROGRESS
 
 
 @dataclass(slots=True)
@@ -366,20 +367,27 @@ class FlowRegistry:
                 message = _open_message(self.flows[flow_id])
             opens.append(message)
             self._reported[flow_id] = message.sent
-        changed = [
-            FlowProgress(fid, flow.sent)
-            for fid, flow in (self.flows.items() if progress else ())
-            if fid in self._reported and self._reported[fid] != flow.sent
-        ]
-        for p in changed:
-            self._reported[p.id] = p.sent
+        ids: list[int] = []
+        sents: list[int] = []
+        reported = self._reported
+        for fid, flow in self.flows.items() if progress else ():
+            last = reported.get(fid)
+            if last is not None and last != flow.sent:
+                ids.append(fid)
+                sents.append(flow.sent)
+                reported[fid] = flow.sent
         closes, self._closes = self._closes, []
         self._pending_opens = {}
         for c in closes:
-            self._reported.pop(c.id, None)
-        if not (opens or changed or closes):
+            reported.pop(c.id, None)
+        if not (opens or ids or closes):
             return None
-        return Flows(tuple(opens), tuple(changed), tuple(closes))
+        return Flows(
+            opens=tuple(opens),
+            progress_ids=tuple(ids),
+            progress_sent=tuple(sents),
+            closes=tuple(closes),
+        )
 
     def resync_opens(self) -> tuple[FlowOpen, ...]:
         """Every live flow, with its current level, for a Resync; clears the pending batch."""
@@ -394,12 +402,19 @@ def split_batch(batch: Flows) -> list[Flows]:
     """``batch`` as frames that each fit the frame limit, opens first (a close or progress
     entry must never reach the coordinator before its flow's open)."""
     if len(batch.opens) <= MAX_OPENS_PER_FRAME and (
-        len(batch.progress) + len(batch.closes) <= MAX_ENTRIES_PER_FRAME
+        len(batch.progress_ids) + len(batch.closes) <= MAX_ENTRIES_PER_FRAME
     ):
         return [batch]
-    frames = [Flows(part, (), ()) for part in _chunks(batch.opens, MAX_OPENS_PER_FRAME)]
-    frames += [Flows((), part, ()) for part in _chunks(batch.progress, MAX_ENTRIES_PER_FRAME)]
-    frames += [Flows((), (), part) for part in _chunks(batch.closes, MAX_ENTRIES_PER_FRAME)]
+    frames = [Flows(opens=part) for part in _chunks(batch.opens, MAX_OPENS_PER_FRAME)]
+    frames += [
+        Flows(progress_ids=ids, progress_sent=sents)
+        for ids, sents in zip(
+            _chunks(batch.progress_ids, MAX_ENTRIES_PER_FRAME),
+            _chunks(batch.progress_sent, MAX_ENTRIES_PER_FRAME),
+            strict=True,
+        )
+    ]
+    frames += [Flows(closes=part) for part in _chunks(batch.closes, MAX_ENTRIES_PER_FRAME)]
     return frames
 
 
@@ -409,7 +424,7 @@ def resync_frames(opens: tuple[FlowOpen, ...]) -> list[Resync | Flows]:
     (admitted like new flows, keeping the level each carries)."""
     parts = list(_chunks(opens, MAX_OPENS_PER_FRAME)) or [()]
     frames: list[Resync | Flows] = [Resync(parts[0])]
-    frames += [Flows(part, (), ()) for part in parts[1:]]
+    frames += [Flows(opens=part) for part in parts[1:]]
     return frames
 
 

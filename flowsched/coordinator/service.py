@@ -453,8 +453,8 @@ class Coordinator:
         state = self.state
         if message.opens:
             state.open_flows(node, message.opens, time.time())
-        if message.progress:
-            state.progress(node, message.progress)
+        if message.progress_ids:
+            state.progress(node, message.progress_ids, message.progress_sent)
         if message.closes:
             state.close_flows(node, message.closes, time.time())
 

@@ -32,7 +32,7 @@ import heapq
 import itertools
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flowsched.coordinator.histogram import DeadlineSlack
@@ -41,7 +41,6 @@ from flowsched.policies.base import Policy
 from flowsched.protocol import (
     FlowClose,
     FlowOpen,
-    FlowProgress,
     JobProgress,
     LevelUpdate,
     NicLoadEntry,
@@ -205,21 +204,27 @@ class ClusterState:
             self._queue(fid, flow)  # the agent applies something else: tell it ours again
         self.dirty.add(fid)
 
-    def progress(self, node: str, reports: Iterable[FlowProgress]) -> None:
-        """Record bytes sent; unknown ids are ignored (the open may have been dropped)."""
+    def progress(self, node: str, ids: Sequence[int], sent: Sequence[int]) -> None:
+        """Record bytes sent: flow ``ids[i]`` of ``node`` has sent ``sent[i]`` bytes (a
+        :class:`~flowsched.protocol.Flows` frame's ``progress_ids`` and ``progress_sent``).
+        Unknown ids are ignored (the open may have been dropped).
+
+        Raises:
+            ValueError: ``ids`` and ``sent`` differ in length.
+        """
+        if len(ids) != len(sent):
+            raise ValueError(f"progress: {len(ids)} ids but {len(sent)} byte counts")
         table = self.by_node.get(node, {})
         flows = self.flows
         dirty = self.dirty if self._observe is None else self.progressed
-        if not isinstance(reports, list | tuple):
-            reports = list(reports)
-        for report in reports:
-            fid = table.get(report.id)
+        for wire_id, sent_now in zip(ids, sent, strict=True):
+            fid = table.get(wire_id)
             if fid is not None:
                 flow = flows[fid]
-                if report.sent > flow.sent:
-                    flow.sent = report.sent
+                if sent_now > flow.sent:
+                    flow.sent = sent_now
                 dirty.add(fid)
-        self.stats.events["progress"] += len(reports)
+        self.stats.events["progress"] += len(ids)
 
     def close_flows(self, node: str, closes: Iterable[FlowClose], now: float) -> None:
         """Forget closed flows, recording whether each met its deadline."""

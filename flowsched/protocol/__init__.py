@@ -4,11 +4,20 @@ Frames are a 4-byte big-endian length and a msgpack map whose ``"t"`` key names 
 type. :class:`Connection` turns bytes into typed, immutable messages and back, enforces the
 handshake (hello -> challenge -> auth -> welcome, HMAC-SHA256 over a shared token) and the
 maximum frame size; the asyncio adapter for agents is :mod:`flowsched.protocol.aio`.
+
+Versions (docs/protocol.md). ``hello.version`` is the highest version the agent speaks and
+``challenge.version`` the one the connection then uses: the lower of that and the
+coordinator's highest. Version 2 adds one thing: ``flows`` progress as two integer arrays
+(``progress_ids``, ``progress_sent``) instead of ``{"id", "sent"}`` maps. A coordinator
+decodes both forms from any agent; an agent sends the arrays only on a version-2 connection.
+Agents of the previous release offer 1 and keep working. Coordinators of the previous release
+refuse any other offer (error code ``version``); a newer agent then reconnects offering 1.
 """
 
 from flowsched.protocol._codec import (
     I64_MAX,
     MAX_NAME,
+    MAX_PROGRESS,
     U64_MAX,
     decode_body,
     encode_body,
@@ -31,13 +40,14 @@ from flowsched.protocol._framing import (
 )
 from flowsched.protocol._messages import (
     MESSAGE_TYPES,
+    MIN_PROTOCOL_VERSION,
+    PACKED_PROGRESS_VERSION,
     PROTOCOL_VERSION,
     Auth,
     Challenge,
     Error,
     FlowClose,
     FlowOpen,
-    FlowProgress,
     Flows,
     Heartbeat,
     Hello,
@@ -67,8 +77,11 @@ __all__ = [
     "HANDSHAKE_MAX_FRAME_SIZE",
     "I64_MAX",
     "MAX_NAME",
+    "MAX_PROGRESS",
     "MESSAGE_TYPES",
+    "MIN_PROTOCOL_VERSION",
     "NEED_DATA",
+    "PACKED_PROGRESS_VERSION",
     "PEER_CLOSED",
     "PROTOCOL_VERSION",
     "TRANSITIONS",
@@ -80,7 +93,6 @@ __all__ = [
     "Event",
     "FlowClose",
     "FlowOpen",
-    "FlowProgress",
     "Flows",
     "Heartbeat",
     "Hello",

@@ -9,6 +9,12 @@ The frames that arrive by the thousand (``flows``, ``resync``, ``heartbeat``) ar
 inline by fast paths that accept exactly what the field-by-field path accepts and hand
 anything unusual to it, so that errors read the same (``bench/codec_decode.py`` measures
 both).
+
+A ``flows`` frame carries its progress in one of two forms (never both): ``progress``, a list
+of ``{"id", "sent"}`` maps (protocol version 1), or ``progress_ids`` and ``progress_sent``,
+two arrays of equal length (version 2, checked whole by a few C-level passes instead of per
+entry). Both decode to the same :class:`Flows`; :func:`encode_body` writes the form of the
+version it is given.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+from array import array
 from collections.abc import Callable
 from typing import Any, TypeGuard
 
@@ -24,12 +31,13 @@ import msgpack
 from flowsched.model import FlowClass
 from flowsched.protocol._messages import (
     MESSAGE_TYPES,
+    PACKED_PROGRESS_VERSION,
+    PROTOCOL_VERSION,
     Auth,
     Challenge,
     Error,
     FlowClose,
     FlowOpen,
-    FlowProgress,
     Flows,
     Heartbeat,
     Hello,
@@ -50,6 +58,8 @@ MAX_NAME = 255  # node, job, link, request, error code
 MAX_REASON = 4096
 MAX_LINKS = 64
 MAX_LEVEL = 255
+#: progress reports per ``flows`` frame, either form (an agent splits larger batches)
+MAX_PROGRESS = 8192
 NONCE_SIZE = 32
 MAC_SIZE = 32
 
@@ -141,6 +151,10 @@ class _Fields:
             raise _bad(f"{self._path}.{name}", f"{size} bytes (bin)", value)
         return value
 
+    def has(self, name: str) -> bool:
+        """Whether the map has key ``name`` (whatever its value)."""
+        return name in self._data
+
     def array(self, name: str, optional_empty: bool = True) -> list[Any]:
         value = self._get(name, optional_empty)
         if value is None:
@@ -164,11 +178,12 @@ def _known(cls: type) -> frozenset[str]:
 
 
 _OPEN_FIELDS = _known(FlowOpen)
-_PROGRESS_FIELDS = _known(FlowProgress)
+_PROGRESS_FIELDS = frozenset(("id", "sent"))
 _CLOSE_FIELDS = _known(FlowClose)
 _NIC_FIELDS = _known(NicLoadEntry)
 _UPDATE_FIELDS = _known(LevelUpdate)
 _MESSAGE_FIELDS = {t: _known(cls) | {"t"} for t, cls in MESSAGE_TYPES.items()}
+_MESSAGE_FIELDS[Flows.TYPE] |= {"progress"}  # the map form of the progress arrays
 
 
 def _each(items: list[Any], path: str, parse: Callable[[object, str], Any]) -> tuple[Any, ...]:
@@ -209,13 +224,12 @@ def _link_name(item: object, path: str) -> str:
 
 
 _new = object.__new__
-_set_progress_id = vars(FlowProgress)["id"].__set__
-_set_progress_sent = vars(FlowProgress)["sent"].__set__
 _set_close_id = vars(FlowClose)["id"].__set__
 _set_close_sent = vars(FlowClose)["sent"].__set__
 _set_close_time = vars(FlowClose)["closed_at"].__set__
 _set_flows_opens = vars(Flows)["opens"].__set__
-_set_flows_progress = vars(Flows)["progress"].__set__
+_set_flows_progress_ids = vars(Flows)["progress_ids"].__set__
+_set_flows_progress_sent = vars(Flows)["progress_sent"].__set__
 _set_flows_closes = vars(Flows)["closes"].__set__
 _set_resync_opens = vars(Resync)["opens"].__set__
 _set_beat_time = vars(Heartbeat)["t_sent"].__set__
@@ -223,6 +237,10 @@ _set_beat_epoch = vars(Heartbeat)["epoch"].__set__
 _EMPTY: tuple[()] = ()
 _INF = math.inf
 _NUMBER = (float, int)  # bool is neither (type(x) is compared, not isinstance)
+_INT_ONLY = {int}  # what set(map(type, values)) is for an array of integers (bools excluded)
+#: an array of C uint64: filling one from Python ints raises OverflowError outside 0..U64_MAX
+_U64_ARRAY = "Q"
+assert array(_U64_ARRAY).itemsize == 8
 
 # FlowOpen's fields in declaration order: one itemgetter reads them all, one setter each
 _OPEN_KEYS = tuple(field.name for field in dataclasses.fields(FlowOpen))
@@ -313,32 +331,54 @@ def _fast_open(item: object) -> FlowOpen | None:
     return opened
 
 
-def _progress_entries(items: list[Any], path: str) -> tuple[FlowProgress, ...]:
-    # The per-entry hot loop of the coordinator, inlined: each entry is built through the slot
-    # descriptors (the frozen dataclass __init__ costs 3x more); anything unusual falls back to
-    # the checked path, which names the bad entry. Whole-list checks in C (set(map(type, ...)),
-    # min/max) measured slower than this loop for the usual 10-entry lists.
-    out: list[FlowProgress] = []
-    try:
-        for item in items:
-            fid = item["id"]  # a non-map entry raises TypeError, a missing key KeyError
-            sent = item["sent"]
-            if not (
-                type(fid) is int
-                and type(sent) is int
-                and 0 <= fid <= U64_MAX >= sent >= 0
-                and len(item) == 2  # no unknown key
-            ):
-                break
-            progress = _new(FlowProgress)
-            _set_progress_id(progress, fid)
-            _set_progress_sent(progress, sent)
-            out.append(progress)
-        else:
-            return tuple(out)
-    except (KeyError, TypeError):
-        pass
-    return _each(items, path, _flow_progress)
+Progress = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _progress_entries(items: list[Any], path: str) -> Progress:
+    """Map-form progress (``[{"id", "sent"}, ...]``) as (ids, sent) arrays, checked inline;
+    anything unusual goes through the checked path, which names the bad entry."""
+    # Whole-list checks in C (set(map(type, ...)), min/max) measured slower than this loop
+    # for the usual 10-entry lists of maps: each entry has to be read from its map anyway.
+    ids: list[int] = []
+    sents: list[int] = []
+    if len(items) <= MAX_PROGRESS:
+        try:
+            for item in items:
+                fid = item["id"]  # a non-map entry raises TypeError, a missing key KeyError
+                sent = item["sent"]
+                if not (
+                    type(fid) is int
+                    and type(sent) is int
+                    and 0 <= fid <= U64_MAX >= sent >= 0
+                    and len(item) == 2  # no unknown key
+                ):
+                    break
+                ids.append(fid)
+                sents.append(sent)
+            else:
+                return tuple(ids), tuple(sents)
+        except (KeyError, TypeError):
+            pass
+    return _progress_maps(items, path)
+
+
+def _packed_arrays(ids: object, sents: object) -> Progress | None:
+    """Packed-form progress checked whole: two lists of equal length (at most
+    :data:`MAX_PROGRESS`) holding nothing but integers in 0..U64_MAX (``bool`` is not
+    ``int`` here). A few passes in C instead of Python per entry; None for anything else (the
+    checked path then names what is wrong)."""
+    if not (type(ids) is list and type(sents) is list and len(ids) == len(sents) <= MAX_PROGRESS):
+        return None
+    if not ids:
+        return _EMPTY, _EMPTY
+    both = ids + sents
+    if set(map(type, both)) != _INT_ONLY:
+        return None
+    try:  # the range check in C: about half the time of min() and max() of both arrays
+        array(_U64_ARRAY, both)
+    except OverflowError:
+        return None
+    return tuple(ids), tuple(sents)
 
 
 def _fast_flows(data: dict[str, Any]) -> Flows | None:
@@ -346,19 +386,30 @@ def _fast_flows(data: dict[str, Any]) -> Flows | None:
     built without it; None for anything unusual (the checked path then decodes it, or names
     what is wrong)."""
     opens = data.get("opens")
-    progress = data.get("progress")
     closes = data.get("closes")
-    if not (
-        type(opens) is list and type(progress) is list and type(closes) is list and len(data) == 4
-    ) and not (  # arrays left out or nil: no entries, like the checked path's optional arrays
-        data.keys() <= _FLOWS_KEYS and _list_or_nil(opens, progress, closes)
-    ):
-        return None
+    if "progress_ids" in data:  # the packed form
+        if not (type(opens) is list and type(closes) is list and len(data) == 5) and not (
+            data.keys() <= _PACKED_FLOWS_KEYS and _list_or_nil(opens, closes)
+        ):  # (5 keys, every one read: none unknown)
+            return None
+        progress = _packed_arrays(data["progress_ids"], data.get("progress_sent"))
+        if progress is None:
+            return None
+    else:
+        maps = data.get("progress")
+        if not (
+            type(opens) is list and type(maps) is list and type(closes) is list and len(data) == 4
+        ) and not (  # arrays left out or nil: no entries, like the checked path's optional arrays
+            data.keys() <= _FLOWS_KEYS and _list_or_nil(opens, maps, closes)
+        ):
+            return None
+        progress = None
     flows = _new(Flows)
     _set_flows_opens(flows, _open_entries(opens, "flows.opens") if opens else _EMPTY)
-    _set_flows_progress(
-        flows, _progress_entries(progress, "flows.progress") if progress else _EMPTY
-    )
+    if progress is None:  # the map form, read after the opens (whose errors come first)
+        progress = _progress_entries(maps, "flows.progress") if maps else (_EMPTY, _EMPTY)
+    _set_flows_progress_ids(flows, progress[0])
+    _set_flows_progress_sent(flows, progress[1])
     _set_flows_closes(flows, _close_entries(closes) if closes else _EMPTY)
     return flows
 
@@ -375,6 +426,7 @@ def _fast_resync(data: dict[str, Any]) -> Resync | None:
 
 
 _FLOWS_KEYS = frozenset(("t", "opens", "progress", "closes"))
+_PACKED_FLOWS_KEYS = frozenset(("t", "opens", "progress_ids", "progress_sent", "closes"))
 _RESYNC_KEYS = frozenset(("t", "opens"))
 
 
@@ -433,11 +485,50 @@ _FAST_DECODERS: dict[str, Callable[[dict[str, Any]], Message | None]] = {
 }
 
 
-def _flow_progress(item: object, path: str) -> FlowProgress:
+def _flow_progress(item: object, path: str) -> tuple[int, int]:
     f = _Fields(item, path, _PROGRESS_FIELDS)
-    progress = FlowProgress(f.integer("id", 0, U64_MAX), f.integer("sent", 0, U64_MAX))
+    progress = (f.integer("id", 0, U64_MAX), f.integer("sent", 0, U64_MAX))
     f.finish()
     return progress
+
+
+def _progress_maps(items: list[Any], path: str) -> Progress:
+    """Map-form progress checked entry by entry (errors name the entry)."""
+    if len(items) > MAX_PROGRESS:
+        raise LocalProtocolError(f"{path}: more than {MAX_PROGRESS} entries", code="bad_field")
+    pairs: tuple[tuple[int, int], ...] = _each(items, path, _flow_progress)
+    return tuple(fid for fid, _ in pairs), tuple(sent for _, sent in pairs)
+
+
+def _u64(item: object, path: str) -> int:
+    if type(item) is int and 0 <= item <= U64_MAX:
+        return item
+    raise _bad(path, f"an integer in 0..{U64_MAX}", item)
+
+
+def _checked_progress(f: _Fields, path: str) -> Progress:
+    """The progress of a ``flows`` frame in either form, checked field by field."""
+    if not (f.has("progress_ids") or f.has("progress_sent")):
+        return _progress_maps(f.array("progress"), f"{path}.progress")
+    if f.has("progress"):
+        raise LocalProtocolError(
+            f"{path}: progress and progress_ids/progress_sent in one frame (one form only)",
+            code="bad_field",
+        )
+    ids = f.array("progress_ids", optional_empty=False)
+    sents = f.array("progress_sent", optional_empty=False)
+    for name, values in (("progress_ids", ids), ("progress_sent", sents)):
+        if len(values) > MAX_PROGRESS:
+            raise LocalProtocolError(
+                f"{path}.{name}: more than {MAX_PROGRESS} entries", code="bad_field"
+            )
+    if len(sents) != len(ids):
+        raise LocalProtocolError(
+            f"{path}.progress_sent: {len(sents)} entries, expected as many as progress_ids"
+            f" ({len(ids)})",
+            code="bad_field",
+        )
+    return _each(ids, f"{path}.progress_ids", _u64), _each(sents, f"{path}.progress_sent", _u64)
 
 
 def _flow_close(item: object, path: str) -> FlowClose:
@@ -482,10 +573,13 @@ def _epoch(f: _Fields, name: str) -> int:
 def _decode_fields(cls: type[Message], f: _Fields) -> Message:
     path = cls.TYPE
     if cls is Flows:
+        opens = _each(f.array("opens"), f"{path}.opens", _flow_open)
+        ids, sents = _checked_progress(f, path)
         return Flows(
-            _each(f.array("opens"), f"{path}.opens", _flow_open),
-            _each(f.array("progress"), f"{path}.progress", _flow_progress),
-            _each(f.array("closes"), f"{path}.closes", _flow_close),
+            opens=opens,
+            progress_ids=ids,
+            progress_sent=sents,
+            closes=_each(f.array("closes"), f"{path}.closes", _flow_close),
         )
     if cls is Heartbeat:
         return Heartbeat(f.number("t_sent", 0.0), _epoch(f, "epoch"))
@@ -585,15 +679,18 @@ def _update_map(u: LevelUpdate) -> dict[str, Any]:
     return entry
 
 
-def _body_map(message: Message) -> dict[str, Any]:
+def _body_map(message: Message, version: int) -> dict[str, Any]:
     if isinstance(message, Flows):
-        return {
-            "opens": [_open_map(o) for o in message.opens],
-            "progress": [{"id": p.id, "sent": p.sent} for p in message.progress],
-            "closes": [
-                {"id": c.id, "sent": c.sent, "closed_at": c.closed_at} for c in message.closes
-            ],
-        }
+        flows: dict[str, Any] = {"opens": [_open_map(o) for o in message.opens]}
+        if version >= PACKED_PROGRESS_VERSION:
+            flows["progress_ids"] = message.progress_ids  # tuples pack as msgpack arrays
+            flows["progress_sent"] = message.progress_sent
+        else:
+            flows["progress"] = [{"id": i, "sent": s} for i, s in message.reports()]
+        flows["closes"] = [
+            {"id": c.id, "sent": c.sent, "closed_at": c.closed_at} for c in message.closes
+        ]
+        return flows
     if isinstance(message, Levels):
         levels: dict[str, Any] = {"updates": [_update_map(u) for u in message.updates]}
         if message.epoch:
@@ -613,10 +710,12 @@ def _body_map(message: Message) -> dict[str, Any]:
     return body
 
 
-def encode_body(message: Message) -> bytes:
-    """Encode ``message`` as a msgpack body (no length prefix). Values are checked on decode,
-    so :func:`encode_body` followed by :func:`decode_body` is how to validate outgoing data."""
-    body = {"t": message.TYPE, **_body_map(message)}  # "t" first: see peek_type()
+def encode_body(message: Message, version: int = PROTOCOL_VERSION) -> bytes:
+    """Encode ``message`` as a msgpack body (no length prefix) for a peer speaking protocol
+    ``version`` (below :data:`PACKED_PROGRESS_VERSION`: progress as a list of maps). Values
+    are checked on decode, so :func:`encode_body` followed by :func:`decode_body` is how to
+    validate outgoing data."""
+    body = {"t": message.TYPE, **_body_map(message, version)}  # "t" first: see peek_type()
     data: bytes = msgpack.packb(body, use_bin_type=True)
     return data
 

@@ -2,7 +2,9 @@
 
 A :class:`Connection` never touches a socket. The caller feeds it received bytes with
 :meth:`Connection.receive_data`, pulls messages with :meth:`Connection.next_event`, and writes
-whatever :meth:`Connection.send` returns.
+whatever :meth:`Connection.send` returns. It also settles the protocol version of the
+connection (:attr:`Connection.version`, see :mod:`flowsched.protocol`) and encodes what it
+sends for that version.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from flowsched.protocol._framing import (
     frame,
 )
 from flowsched.protocol._messages import (
+    MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
     Auth,
     Challenge,
@@ -49,13 +52,18 @@ PEER_CLOSED: Final = Sentinel("PEER_CLOSED")
 Event = Message | Sentinel
 
 
-def encode_frame(message: Message, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
-    """The whole frame (length prefix and body) of ``message``; see :meth:`Connection.send_frame`.
+def encode_frame(
+    message: Message,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    version: int = PROTOCOL_VERSION,
+) -> bytes:
+    """The whole frame (length prefix and body) of ``message`` for a peer speaking protocol
+    ``version``; see :meth:`Connection.send_frame`.
 
     Raises:
         LocalProtocolError: the body is larger than ``max_frame_size``.
     """
-    return frame(encode_body(message), max_frame_size)
+    return frame(encode_body(message, version), max_frame_size)
 
 
 class Connection:
@@ -70,6 +78,13 @@ class Connection:
             agent has authenticated (a peer that has not proven it holds the token can make
             this end buffer at most this much).
         nonce_factory: source of the 32-byte challenge nonce (``os.urandom``).
+        version: the highest protocol version this end speaks: the coordinator end answers
+            a hello with the lower of it and the agent's offer; the agent end offers it
+            through :meth:`hello`. ``MIN_PROTOCOL_VERSION`` acts as the previous release.
+
+    Attributes:
+        version: the connection's protocol version: this end's highest until the handshake
+            settles it (the coordinator end on ``hello``, the agent end on ``challenge``).
     """
 
     def __init__(
@@ -80,8 +95,16 @@ class Connection:
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         handshake_frame_size: int = HANDSHAKE_MAX_FRAME_SIZE,
         nonce_factory: Callable[[int], bytes] = os.urandom,
+        version: int = PROTOCOL_VERSION,
     ) -> None:
+        if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
+            raise ValueError(
+                f"version {version}: this implementation speaks"
+                f" {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}"
+            )
         self.role = role
+        self.version = version
+        self._offered = version
         self.state = State.START
         self.node: str | None = None
         self._peer = Role.AGENT if role is Role.COORDINATOR else Role.COORDINATOR
@@ -111,7 +134,7 @@ class Connection:
             reason = f"cannot send {message.TYPE} in state {self.state.value} as {self.role.value}"
             self.state = State.ERROR
             raise LocalProtocolError(reason, code="bad_state")
-        data = encode_frame(message, self._max_frame_size)
+        data = encode_frame(message, self._max_frame_size, self.version)
         self._note_sent(message)
         self.state = new_state
         if new_state is State.ESTABLISHED:  # the peer is authenticated: full-size frames
@@ -135,12 +158,17 @@ class Connection:
     def _note_sent(self, message: Message) -> None:
         if isinstance(message, Hello):
             self.node = message.node
+            self._offered = message.version  # what the challenge may answer with, at most
         elif isinstance(message, Challenge):
             self._nonce = message.nonce
 
+    def hello(self, node: str) -> bytes:
+        """Agent: send the ``hello`` of agent ``node``, offering this end's version."""
+        return self.send(Hello(self.version, node))
+
     def challenge(self) -> bytes:
         """Coordinator: send a challenge with a fresh nonce (after receiving ``hello``)."""
-        return self.send(Challenge(PROTOCOL_VERSION, self._nonce_factory(NONCE_SIZE)))
+        return self.send(Challenge(self.version, self._nonce_factory(NONCE_SIZE)))
 
     def answer(self, challenge: Challenge) -> bytes:
         """Agent: send the ``auth`` frame answering ``challenge`` with this end's token."""
@@ -223,16 +251,32 @@ class Connection:
         )
 
     def _check_handshake(self, message: Message) -> None:
-        if isinstance(message, Hello | Challenge) and message.version != PROTOCOL_VERSION:
-            raise LocalProtocolError(
-                f"{message.TYPE}.version: unsupported version {message.version}"
-                f" (this end speaks {PROTOCOL_VERSION})",
-                code="version",
-            )
+        if isinstance(message, Hello | Challenge):
+            self._settle_version(message)
         if isinstance(message, Hello):
             self.node = message.node
         elif isinstance(message, Auth):
             self._check_mac(message.mac)
+
+    def _settle_version(self, message: Hello | Challenge) -> None:
+        """Version negotiation: a hello offers the agent's highest version, and the
+        coordinator answers (challenge) with the highest both speak. An agent of the previous
+        release offers 1 and gets 1; the coordinator of the previous release refuses every
+        offer but 1 (code ``version``), and the agent then reconnects offering 1
+        (:func:`flowsched.protocol.aio.connect_agent`)."""
+        offered = message.version
+        if isinstance(message, Hello):
+            if offered >= MIN_PROTOCOL_VERSION:
+                self.version = min(offered, self._offered)
+                return
+        elif MIN_PROTOCOL_VERSION <= offered <= self._offered:  # never above what we offered
+            self.version = offered
+            return
+        raise LocalProtocolError(
+            f"{message.TYPE}.version: unsupported version {offered}"
+            f" (this end speaks {MIN_PROTOCOL_VERSION}..{self._offered})",
+            code="version",
+        )
 
     def _check_mac(self, mac: bytes) -> None:
         if self._token is None:

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 from flowsched.protocol._connection import NEED_DATA, PEER_CLOSED, Connection, Sentinel
 from flowsched.protocol._framing import DEFAULT_MAX_FRAME_SIZE
-from flowsched.protocol._messages import PROTOCOL_VERSION, Challenge, Error, Hello, Message, Welcome
+from flowsched.protocol._messages import (
+    MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
+    Challenge,
+    Error,
+    Message,
+    Welcome,
+)
 from flowsched.protocol._state import Role
 from flowsched.protocol._util import ProtocolError
+
+log = logging.getLogger(__name__)
 
 _READ_SIZE = 1 << 16
 #: seconds a graceful close may wait for the send buffer to drain before the socket is reset
@@ -47,6 +57,11 @@ class AgentLink:
         self._writer = writer
         self._conn = conn
         self.welcome: Welcome | None = None
+
+    @property
+    def version(self) -> int:
+        """The protocol version agreed with the coordinator (see :mod:`flowsched.protocol`)."""
+        return self._conn.version
 
     async def send(self, message: Message) -> None:
         """Send one message (waits while the socket's send buffer is full)."""
@@ -96,27 +111,57 @@ async def connect_agent(
     token: bytes,
     timeout: float = 5.0,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    version: int = PROTOCOL_VERSION,
 ) -> AgentLink:
     """Open a connection to the coordinator and run the handshake.
+
+    The hello offers protocol ``version``; a coordinator of the previous release refuses any
+    version but 1 (code ``version``), and then this reconnects once offering
+    :data:`MIN_PROTOCOL_VERSION`, so that a newer agent keeps working during a rolling
+    upgrade (and sends what that coordinator decodes).
 
     Args:
         host, port: the coordinator's ``--listen`` address.
         node: this agent's node name (flow ids are unique per node).
         token: the shared token (see :func:`flowsched.protocol.load_token`).
         timeout: seconds allowed for the connect and for each handshake step.
+        version: the highest protocol version to offer.
 
     Returns:
-        The established link; ``link.welcome`` holds the coordinator's welcome.
+        The established link; ``link.welcome`` holds the coordinator's welcome and
+        ``link.version`` the version agreed.
 
     Raises:
         HandshakeError: the coordinator answered with an error (wrong token, version, ...).
         TimeoutError, OSError: the coordinator is unreachable or too slow.
     """
+    try:
+        return await _connect_once(host, port, node, token, timeout, max_frame_size, version)
+    except HandshakeError as exc:
+        if exc.code != "version" or version <= MIN_PROTOCOL_VERSION:
+            raise
+        log.info(
+            "coordinator %s:%d refused protocol version %d (%s); reconnecting with version %d",
+            host, port, version, exc.reason, MIN_PROTOCOL_VERSION,
+        )  # fmt: skip
+    return await _connect_once(
+        host, port, node, token, timeout, max_frame_size, MIN_PROTOCOL_VERSION
+    )
+
+
+async def _connect_once(
+    host: str,
+    port: int,
+    node: str,
+    token: bytes,
+    timeout: float,
+    max_frame_size: int,
+    version: int,
+) -> AgentLink:
     async with asyncio.timeout(timeout):
         reader, writer = await asyncio.open_connection(host, port)
-    link = AgentLink(
-        reader, writer, Connection(Role.AGENT, token=token, max_frame_size=max_frame_size)
-    )
+    conn = Connection(Role.AGENT, token=token, max_frame_size=max_frame_size, version=version)
+    link = AgentLink(reader, writer, conn)
     try:
         link.welcome = await _handshake(link, node, timeout)
     except BaseException:
@@ -126,7 +171,8 @@ async def connect_agent(
 
 
 async def _handshake(link: AgentLink, node: str, timeout: float) -> Welcome:
-    await link.send(Hello(PROTOCOL_VERSION, node))
+    link._writer.write(link._conn.hello(node))
+    await link._writer.drain()
     try:
         challenge = await link.recv(timeout)
         if not isinstance(challenge, Challenge):

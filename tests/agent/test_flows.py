@@ -8,6 +8,7 @@ import pytest
 
 from flowsched import policies
 from flowsched.agent.flows import (
+    MAX_ENTRIES_PER_FRAME,
     MAX_OPENS_PER_FRAME,
     FlowRegistry,
     resync_frames,
@@ -19,8 +20,10 @@ from flowsched.protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     U64_MAX,
     FlowOpen,
+    Flows,
     LocalProtocolError,
     Resync,
+    decode_body,
     encode_body,
     frame,
 )
@@ -98,7 +101,7 @@ def test_plugin_connection_is_its_own_flow(reg: FlowRegistry) -> None:
     assert opened.links == ("n1/eth0",) and opened.id >> 40 == 3
     reg.observe([slot(0, nbytes=25)], 51.0, 0)
     batch = reg.take_batch()
-    assert batch is not None and [(p.id, p.sent) for p in batch.progress] == [(opened.id, 25)]
+    assert batch is not None and list(batch.reports()) == [(opened.id, 25)]
     assert reg.take_batch() is None  # nothing changed
     _, ended = reg.observe([slot(0, nbytes=30, state=layout.SLOT_CLOSED)], 52.0, 0)
     assert ended == [(0, 1)]
@@ -214,9 +217,9 @@ def test_progress_can_be_held_back_while_opens_and_closes_go_out(reg: FlowRegist
     reg.take_batch()
     reg.observe([slot(0, nbytes=9), slot(1, nbytes=1)], 2.0, 0)
     batch = reg.take_batch(progress=False)
-    assert batch is not None and len(batch.opens) == 1 and not batch.progress
+    assert batch is not None and len(batch.opens) == 1 and not batch.progress_ids
     batch = reg.take_batch()
-    assert batch is not None and [p.sent for p in batch.progress] == [9]
+    assert batch is not None and batch.progress_sent == (9,)
 
 
 def test_torn_scan_entries_are_resolved_by_a_consistent_reread(reg: FlowRegistry) -> None:
@@ -336,7 +339,7 @@ def test_a_resync_larger_than_one_frame_is_split_and_rebuilds_the_coordinator_st
         if isinstance(message, Resync):
             state.resync(reg.node, message.opens, 2.0)
         else:
-            assert not (message.progress or message.closes)
+            assert not (message.progress_ids or message.closes)
             state.open_flows(reg.node, message.opens, 2.0)
     assert set(state.by_node[reg.node]) == set(reg.flows)  # the stale flow is gone
 
@@ -359,7 +362,22 @@ def test_a_large_batch_is_split_with_every_open_before_any_close(reg: FlowRegist
     assert len(frames) > 2
     assert [o for f in frames for o in f.opens] == list(batch.opens)
     assert [c for f in frames for c in f.closes] == list(batch.closes)
-    assert [p for f in frames for p in f.progress] == list(batch.progress)
+    assert [p for f in frames for p in f.reports()] == list(batch.reports())
     last_open = max(i for i, f in enumerate(frames) if f.opens)
-    assert all(not f.closes and not f.progress for f in frames[: last_open + 1])
+    assert all(not f.closes and not f.progress_ids for f in frames[: last_open + 1])
     assert split_batch(frames[-1]) == [frames[-1]]  # a small batch stays one frame
+
+
+@pytest.mark.parametrize("version", [1, 2], ids=["maps", "packed"])
+def test_progress_beyond_one_frame_goes_out_in_frames_the_coordinator_accepts(
+    version: int,
+) -> None:
+    count = MAX_ENTRIES_PER_FRAME * 2 + 1
+    batch = Flows(progress_ids=tuple(range(count)), progress_sent=tuple(range(1, count + 1)))
+    frames = split_batch(batch)
+    assert [len(f.progress_ids) for f in frames] == [MAX_ENTRIES_PER_FRAME] * 2 + [1]
+    assert [p for f in frames for p in f.reports()] == list(batch.reports())
+    for part in frames:  # each within the coordinator's bound on reports per frame
+        body = encode_body(part, version)
+        frame(body, DEFAULT_MAX_FRAME_SIZE)
+        assert decode_body(body) == part

@@ -30,7 +30,6 @@ from flowsched.protocol import (
     Challenge,
     Connection,
     FlowOpen,
-    FlowProgress,
     Flows,
     Heartbeat,
     Hello,
@@ -191,7 +190,9 @@ async def fuzz_unauthenticated(stream: Stream, c: Coordinator, rng: random.Rando
 
 
 async def fuzz_unknown_version(stream: Stream, c: Coordinator, rng: random.Random) -> None:
-    stream[1].write(_body({"t": "hello", "version": 99, "node": "x"}))
+    # a hello offers the agent's highest version: 0 is below every version (99 would be
+    # answered with the coordinator's own)
+    stream[1].write(_body({"t": "hello", "version": 0, "node": "x"}))
 
 
 async def fuzz_wrong_token(stream: Stream, c: Coordinator, rng: random.Random) -> None:
@@ -271,8 +272,11 @@ async def test_thousand_agents_survive_a_fuzzer(coordinator: Coordinator) -> Non
             *(_fuzz_one(coordinator, case, seed) for seed in range(3) for case in FUZZ_CASES)
         )
         for sent, level in ROUNDS:
-            progress = tuple(FlowProgress(i, sent) for i in range(FLOWS_PER_AGENT))
-            await asyncio.gather(*(a.link.send(Flows(progress=progress)) for a in agents))
+            progress = Flows(
+                progress_ids=tuple(range(FLOWS_PER_AGENT)),
+                progress_sent=(sent,) * FLOWS_PER_AGENT,
+            )
+            await asyncio.gather(*(a.link.send(progress) for a in agents))
             await asyncio.gather(*(a.wait_levels(level, timeout=30) for a in agents))
         bad_ports = await fuzzing
         assert [a.node for a in agents if a.failure is not None] == []

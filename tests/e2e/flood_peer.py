@@ -56,7 +56,7 @@ def flows_frame() -> bytes:
 
     def body(count: int) -> bytes:
         opens = (FlowOpen(10**6 + i, FlowClass.BULK, 1.0, job="j" * 200) for i in range(count))
-        return encode_body(Flows(tuple(opens)))
+        return encode_body(Flows(opens=tuple(opens)))
 
     small, large = len(body(100)), len(body(200))
     count = 100 + (MIB - 16 * 1024 - small) * 100 // (large - small)

@@ -11,7 +11,6 @@ from flowsched.protocol import (
     Error,
     FlowClose,
     FlowOpen,
-    FlowProgress,
     Flows,
     Heartbeat,
     Hello,
@@ -45,10 +44,20 @@ flow_opens = st.builds(
     links=links,
     level=st.none() | st.integers(0, 255),
 )
+#: progress reports as (id, sent) pairs
+progress_pairs = st.lists(st.tuples(u64, u64), max_size=5)
+
+
+def flows_with(pairs: list[tuple[int, int]], **entries: object) -> Flows:
+    """A ``flows`` message whose progress reports are ``pairs``."""
+    ids = tuple(fid for fid, _ in pairs)
+    return Flows(progress_ids=ids, progress_sent=tuple(sent for _, sent in pairs), **entries)  # type: ignore[arg-type]
+
+
 flows = st.builds(
-    Flows,
+    flows_with,
+    progress_pairs,
     opens=st.lists(flow_opens, max_size=3).map(tuple),
-    progress=st.lists(st.builds(FlowProgress, u64, u64), max_size=5).map(tuple),
     closes=st.lists(st.builds(FlowClose, u64, u64, times), max_size=3).map(tuple),
 )
 nic_entries = st.builds(

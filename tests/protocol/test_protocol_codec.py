@@ -9,9 +9,11 @@ import msgpack
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from protocol_strategies import messages
+from protocol_strategies import flow_opens, flows_with, messages, progress_pairs, times, u64
 
 from flowsched.protocol import (
+    MAX_PROGRESS,
+    FlowClose,
     LocalProtocolError,
     Message,
     ProtocolError,
@@ -21,9 +23,35 @@ from flowsched.protocol import (
 )
 
 
-@given(messages)
-def test_encode_decode_round_trip(message: Message) -> None:
-    assert decode_body(encode_body(message)) == message
+@given(messages, st.sampled_from([1, 2]))
+def test_encode_decode_round_trip(message: Message, version: int) -> None:
+    assert decode_body(encode_body(message, version)) == message
+
+
+@given(
+    progress_pairs,
+    st.lists(flow_opens, max_size=2).map(tuple),
+    st.lists(st.builds(FlowClose, u64, u64, times), max_size=2).map(tuple),
+    st.booleans(),
+)
+def test_packed_and_map_progress_decode_to_the_same_flows(
+    pairs: list[tuple[int, int]], opens: Any, closes: Any, keep_empty: bool
+) -> None:
+    ids, sents = [fid for fid, _ in pairs], [sent for _, sent in pairs]
+    maps = [{"id": fid, "sent": sent} for fid, sent in pairs]
+    packed = {"progress_ids": ids, "progress_sent": sents}
+    rest = {"opens": [_codec._open_map(o) for o in opens], "closes": [
+        {"id": c.id, "sent": c.sent, "closed_at": c.closed_at} for c in closes
+    ]}  # fmt: skip
+    if not keep_empty:  # empty arrays left out, as a minimal sender would
+        rest = {key: value for key, value in rest.items() if value}
+    as_maps = decode_body(msgpack.packb({"t": "flows", **rest, "progress": maps}))
+    as_packed = decode_body(msgpack.packb({"t": "flows", **rest, **packed}))
+    expected = flows_with(pairs, opens=opens, closes=closes)
+    assert as_maps == as_packed == expected
+    assert repr(as_maps) == repr(as_packed)  # field types (tuples of int) included
+    # and what the encoder writes for each version reads back the same
+    assert decode_body(encode_body(expected, 1)) == decode_body(encode_body(expected, 2))
 
 
 @given(st.binary(max_size=256))
@@ -86,6 +114,51 @@ BAD_BODIES = [
         {"t": "flows", "progress": [{"id": 1, "sent": 1.5}]},
         "flows.progress[0].sent",
         id="float-sent",
+    ),
+    pytest.param(
+        {"t": "flows", "progress_ids": [1, True], "progress_sent": [1, 2]},
+        "flows.progress_ids[1]: expected an integer in 0..18446744073709551615, got True",
+        id="packed-bool-id",
+    ),
+    pytest.param(
+        {"t": "flows", "progress_ids": [1], "progress_sent": [-1]},
+        "flows.progress_sent[0]: expected an integer",
+        id="packed-negative-sent",
+    ),
+    pytest.param(
+        {"t": "flows", "progress_ids": [1, 2], "progress_sent": [1]},
+        "flows.progress_sent: 1 entries, expected as many as progress_ids (2)",
+        id="packed-unequal",
+    ),
+    pytest.param(
+        {"t": "flows", "progress_ids": [1]},
+        "flows.progress_sent: missing field",
+        id="packed-sent-missing",
+    ),
+    pytest.param(
+        {"t": "flows", "progress_sent": [1]},
+        "flows.progress_ids: missing field",
+        id="packed-ids-missing",
+    ),
+    pytest.param(
+        {"t": "flows", "progress": [], "progress_ids": [1], "progress_sent": [1]},
+        "flows: progress and progress_ids/progress_sent in one frame",
+        id="both-forms",
+    ),
+    pytest.param(
+        {"t": "flows", "progress_ids": {"a": 1}, "progress_sent": []},
+        "flows.progress_ids: expected an array, got dict",
+        id="packed-map",
+    ),
+    pytest.param(
+        {"t": "flows", "progress_ids": [0] * (MAX_PROGRESS + 1), "progress_sent": [0]},
+        f"flows.progress_ids: more than {MAX_PROGRESS} entries",
+        id="packed-too-many",
+    ),
+    pytest.param(
+        {"t": "flows", "progress": [{"id": 1, "sent": 1}] * (MAX_PROGRESS + 1)},
+        f"flows.progress: more than {MAX_PROGRESS} entries",
+        id="maps-too-many",
     ),
     pytest.param(
         {"t": "flows", "opens": [{**_OPEN, "cls": "video"}]},
@@ -234,6 +307,30 @@ def _opens(draw: st.DrawFn) -> object:
 
 
 _open_lists = st.lists(_opens(), max_size=3)
+
+
+@st.composite
+def _packed(draw: st.DrawFn) -> dict[str, Any]:
+    """Packed-form progress: two arrays of mostly valid counts, mostly of equal length; now
+    and then one left out, set to an odd value, lengthened, or the map form added."""
+    pairs = draw(st.lists(st.tuples(_counts, _counts), max_size=12))
+    fields: dict[str, Any] = {
+        "progress_ids": [fid for fid, _ in pairs],
+        "progress_sent": [sent for _, sent in pairs],
+    }
+    change = draw(st.integers(0, 9))
+    key = draw(st.sampled_from(["progress_ids", "progress_sent"]))
+    if change == 0:
+        del fields[key]
+    elif change == 1:
+        fields[key] = draw(_odd_values)
+    elif change == 2:
+        fields[key] = [*fields[key], draw(_counts)]
+    elif change == 3:
+        fields["progress"] = draw(st.sampled_from([[], None, [{"id": 1, "sent": 1}]]))
+    return fields
+
+
 _flows_maps = st.one_of(
     st.fixed_dictionaries({"closes": _close_lists}),
     st.fixed_dictionaries({"progress": _progress_lists}),
@@ -250,6 +347,17 @@ _flows_maps = st.one_of(
         {}, optional={"opens": _odd_values, "progress": _odd_values, "closes": _odd_values}
     ),
     st.fixed_dictionaries({"x": st.just(1)}, optional={"progress": st.just([])}),
+    st.tuples(
+        _packed(),
+        st.fixed_dictionaries(
+            {},
+            optional={
+                "opens": _open_lists | st.sampled_from([[], None]),
+                "closes": _close_lists | st.sampled_from([[], None]),
+                "x": st.just(1),
+            },
+        ),
+    ).map(lambda parts: {**parts[1], **parts[0]}),
 )
 _resync_maps = st.fixed_dictionaries(
     {}, optional={"opens": _open_lists | _odd_values, "x": st.just(1)}
@@ -314,10 +422,26 @@ def test_fast_decoders_take_the_common_frames(monkeypatch: pytest.MonkeyPatch) -
         {"t": "resync"},
         {"t": "heartbeat", "t_sent": 1.5},
         {"t": "heartbeat", "t_sent": 1.5, "epoch": 3},
+        {  # the packed form, as encode_body writes it
+            "t": "flows",
+            "opens": flows["opens"],
+            "progress_ids": list(range(10)),
+            "progress_sent": [655360] * 9 + [2**64 - 1],
+            "closes": flows["closes"],
+        },
+        {"t": "flows", "progress_ids": [1], "progress_sent": [0]},  # the other arrays left out
+        {"t": "flows", "opens": None, "progress_ids": [], "progress_sent": [], "closes": []},
     )
     expected = [_codec._decode_checked(data) for data in frames]
     # the fast decoders build every entry themselves: none reaches the checked entry parsers
-    for name in ("_flow_open", "_flow_progress", "_flow_close", "_decode_checked"):
+    for name in (
+        "_flow_open",
+        "_flow_progress",
+        "_progress_maps",
+        "_u64",
+        "_flow_close",
+        "_decode_checked",
+    ):
         monkeypatch.setattr(_codec, name, _refuse)
     for data, checked in zip(frames, expected, strict=True):
         got = _codec._FAST_DECODERS[str(data["t"])](data)
@@ -395,6 +519,7 @@ def _array(*items: object) -> list[object]:
 
 
 _PROGRESS = {"id": 1, "sent": 2}
+_TEN = list(range(10))
 _CLOSE = {"id": 1, "sent": 2, "closed_at": 1.0}
 _EDGE_BUILDS = [
     pytest.param(lambda v: _frame("flows", closes=[_set(_CLOSE, "closed_at", v)]), id="closed_at"),
@@ -414,6 +539,37 @@ _EDGE_BUILDS = [
         lambda v: _frame("flows", progress=_array(*[_PROGRESS] * 5, v)), id="progress-entry"
     ),
     pytest.param(lambda v: _frame("flows", progress=v), id="progress"),
+    pytest.param(
+        lambda v: _frame("flows", progress_ids=_array(v), progress_sent=[1]), id="packed-id"
+    ),
+    pytest.param(
+        lambda v: _frame("flows", progress_ids=[1], progress_sent=_array(v)), id="packed-sent"
+    ),
+    pytest.param(
+        lambda v: _frame("flows", progress_ids=_array(*_TEN[:9], v), progress_sent=_TEN),
+        id="packed-10th-id",
+    ),
+    pytest.param(
+        lambda v: _frame("flows", progress_ids=_TEN, progress_sent=_array(v, *_TEN[1:])),
+        id="packed-1st-sent",
+    ),
+    pytest.param(lambda v: _frame("flows", progress_ids=v, progress_sent=[1]), id="packed-ids"),
+    pytest.param(lambda v: _frame("flows", progress_ids=[1], progress_sent=v), id="packed-sents"),
+    pytest.param(
+        lambda v: _frame("flows", progress_ids=v, progress_sent=v), id="packed-both-arrays"
+    ),
+    pytest.param(
+        lambda v: _frame("flows", progress=v, progress_ids=[1], progress_sent=[2]),
+        id="packed-and-maps",
+    ),
+    pytest.param(
+        lambda v: _frame("flows", opens=v, closes=v, progress_ids=[1], progress_sent=[2]),
+        id="packed-opens-closes",
+    ),
+    pytest.param(
+        lambda v: _set(_frame("flows", progress_ids=[1], progress_sent=[2]), "x", v),
+        id="packed-extra",
+    ),
     pytest.param(lambda v: _frame("flows", opens=v, progress=[_PROGRESS]), id="opens"),
     pytest.param(lambda v: _set(_frame("flows", closes=[_CLOSE]), "x", v), id="flows-extra"),
     pytest.param(lambda v: _frame("flows", opens=_array(_FULL_OPEN, v)), id="open-entry"),
@@ -441,3 +597,18 @@ def test_hot_frames_decode_as_the_checked_path_at_the_edges(build: Any, value: o
     data = build(value)
     got = _outcome(lambda d: decode_body(msgpack.packb(d, use_bin_type=True)), data)
     assert repr(got) == repr(_outcome(_codec._decode_checked, data))
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param({"progress": [{"id": 1, "sent": 2}] * MAX_PROGRESS}, id="maps"),
+        pytest.param(
+            {"progress_ids": [1] * MAX_PROGRESS, "progress_sent": [2] * MAX_PROGRESS},
+            id="packed",
+        ),
+    ],
+)
+def test_a_frame_of_max_progress_reports_is_accepted(fields: dict[str, Any]) -> None:
+    decoded = decode_body(msgpack.packb({"t": "flows", **fields}))
+    assert decoded == flows_with([(1, 2)] * MAX_PROGRESS)

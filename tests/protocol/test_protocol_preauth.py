@@ -36,8 +36,8 @@ MIB = 1 << 20
 def _flows_frame(size: int) -> bytes:
     """A well-formed ``flows`` frame of about ``size`` bytes."""
     one = FlowOpen(0, FlowClass.BULK, 1.0, job="j" * 200, links=("a:tx",))
-    count = max(size // len(encode_body(Flows((one,)))), 1)
-    body = encode_body(Flows(tuple(FlowOpen(i, **_fields(one)) for i in range(count))))
+    count = max(size // len(encode_body(Flows(opens=(one,)))), 1)
+    body = encode_body(Flows(opens=tuple(FlowOpen(i, **_fields(one)) for i in range(count))))
     return frame(body, 2 * MIB)
 
 
