@@ -4,14 +4,19 @@ unpack), side by side in one run; with ``--baseline``, also another revision's c
 
 The frames are those ``bench/coordinator_load.py`` sends: a churn frame (1 kv open and 1
 close), a 10-entry progress report, the load benchmark's batched churn frame (both), and
-20 opens (the agents' class mix) in a ``flows`` and in a ``resync`` frame. Each frame is
-checked to decode to the same message every way before it is timed.
+20 opens (the agents' class mix) in a ``flows`` and in a ``resync`` frame. The two frames
+with progress come in both wire forms: ``{"id", "sent"}`` maps (protocol 1) and the packed
+arrays (protocol 2, ``*_packed``); ``packed_vs_maps`` times each pair interleaved, decoding
+and then recording the reports in a coordinator's flow table (``ClusterState.progress``).
+Each frame is checked to decode to the same message every way before it is timed.
 
 Usage: ``python bench/codec_decode.py [--number 20000] [--repeat 7] [--baseline FILE]``,
 where FILE is a ``_codec.py`` of another revision, e.g. from
 ``git show REV:flowsched/protocol/_codec.py``. Prints JSON: per frame the best-of-``repeat``
 CPU microseconds of the msgpack unpack alone, of ``decode_body``, of the checked path (and
-of the baseline's ``decode_body``), the ratios, and the time past the unpack per entry.
+of the baseline's ``decode_body``), the ratios, and the time past the unpack per entry. A
+baseline older than the packed form cannot decode the ``*_packed`` frames (and one from
+before the ``Flows`` arrays cannot load): those get no baseline figures.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from typing import Any
 
 import msgpack
 
-from flowsched.protocol import _codec, decode_body
-from flowsched.testbed.simagent import CLASS_MIX, flow_open
+from flowsched import policies
+from flowsched.coordinator.state import ClusterState
+from flowsched.protocol import Flows, _codec, decode_body
+from flowsched.testbed.simagent import CLASS_MIX, flow_open, progress_fields
 
 
 def _unpack(body: bytes) -> Any:
@@ -56,7 +63,9 @@ def common_frames() -> dict[str, tuple[int, bytes]]:
     now = time.time()
     kv_open = flow_open("node-1", 11, "kv", now, kv_deadline_s=2.0)
     close = {"id": 6, "sent": 655360, "closed_at": now}
-    progress = [{"id": i, "sent": 655360} for i in range(10)]
+    ids, sent = list(range(10)), [655360] * 10
+    progress = progress_fields(ids, sent, "maps")["progress"]
+    packed = progress_fields(ids, sent, "packed")
     opens = [
         flow_open("node-1", i, CLASS_MIX[i % len(CLASS_MIX)], now, kv_deadline_s=2.0)
         for i in range(20)
@@ -65,8 +74,11 @@ def common_frames() -> dict[str, tuple[int, bytes]]:
         "churn_1open_1close": (2, {"t": "flows", "opens": [kv_open], "progress": [],
                                    "closes": [close]}),
         "progress_10": (10, {"t": "flows", "opens": [], "progress": progress, "closes": []}),
+        "progress_10_packed": (10, {"t": "flows", "opens": [], **packed, "closes": []}),
         "batched_churn_10progress_1open_1close": (12, {"t": "flows", "opens": [kv_open],
                                                        "progress": progress, "closes": [close]}),
+        "batched_churn_10progress_1open_1close_packed": (
+            12, {"t": "flows", "opens": [kv_open], **packed, "closes": [close]}),
         "opens_20": (20, {"t": "flows", "opens": opens, "progress": [], "closes": []}),
         "resync_20": (20, {"t": "resync", "opens": opens}),
     }  # fmt: skip
@@ -93,7 +105,7 @@ def measure_frame(
         "fast": decode_body,
         "checked": _checked,
     }
-    if baseline is not None:
+    if baseline is not None and _decodes(baseline, body):
         calls["baseline"] = baseline.decode_body
     expected = repr(decode_body(body))
     for decode in calls.values():
@@ -111,12 +123,66 @@ def measure_frame(
         "decode_body_past_unpack_us_per_entry": round((us["fast"] - us["unpack"]) / entries, 3),
         "checked_past_unpack_us_per_entry": round((us["checked"] - us["unpack"]) / entries, 3),
     }
-    if baseline is not None:
+    if "baseline" in us:
         figures["baseline_decode_body_us"] = round(us["baseline"], 2)
         figures["baseline_over_decode_body"] = round(us["baseline"] / us["fast"], 2)
         past = (us["baseline"] - us["unpack"]) / entries
         figures["baseline_past_unpack_us_per_entry"] = round(past, 3)
     return figures
+
+
+def _decodes(codec: ModuleType, body: bytes) -> bool:
+    try:
+        codec.decode_body(body)
+    except _codec.LocalProtocolError:
+        return False
+    return True
+
+
+def recording_state() -> ClusterState:
+    """A coordinator's flow table holding the 10 flows the progress frames report (node-1,
+    wire ids 0-9), with the default policy (rmlq, which only observes progress)."""
+    state = ClusterState(policies.create("rmlq", {}, num_levels=8))
+    now = time.time()
+    opens = [flow_open("node-1", i, CLASS_MIX[i], now, kv_deadline_s=2.0) for i in range(10)]
+    opened = decode_body(msgpack.packb({"t": "flows", "opens": opens}))
+    assert isinstance(opened, Flows)
+    state.open_flows("node-1", opened.opens, now)
+    state.flush(now)
+    return state
+
+
+def packed_vs_maps(
+    frames: dict[str, tuple[int, bytes]], number: int, repeat: int
+) -> dict[str, dict[str, float]]:
+    """Each frame with progress in both forms, timed interleaved: ``decode_body`` alone, and
+    decoded then recorded by ``ClusterState.progress`` (what the coordinator does with it)."""
+    state = recording_state()
+
+    def record(body: bytes) -> None:
+        message = decode_body(body)
+        assert isinstance(message, Flows)
+        state.progress("node-1", message.progress_ids, message.progress_sent)
+        state.progressed.clear()  # as a flush would: the set stays at its usual size
+
+    results = {}
+    for name in ("progress_10", "batched_churn_10progress_1open_1close"):
+        maps, packed = frames[name][1], frames[f"{name}_packed"][1]
+        assert repr(decode_body(maps)) == repr(decode_body(packed)), name
+        calls: dict[str, Callable[[], object]] = {
+            "maps_decode": functools.partial(decode_body, maps),
+            "packed_decode": functools.partial(decode_body, packed),
+            "maps_decode_record": functools.partial(record, maps),
+            "packed_decode_record": functools.partial(record, packed),
+        }
+        us = best_us(calls, number, repeat)
+        results[name] = {what: round(value, 2) for what, value in us.items()} | {
+            "maps_over_packed_decode": round(us["maps_decode"] / us["packed_decode"], 2),
+            "maps_over_packed_decode_record": round(
+                us["maps_decode_record"] / us["packed_decode_record"], 2
+            ),
+        }
+    return results
 
 
 def main() -> None:
@@ -127,10 +193,12 @@ def main() -> None:
     parser.add_argument("--baseline", help="a _codec.py of another revision, timed alongside")
     args = parser.parse_args()
     baseline = load_baseline(args.baseline) if args.baseline else None
-    results = {
+    frames = common_frames()
+    results: dict[str, Any] = {
         name: measure_frame(entries, body, baseline, args.number, args.repeat)
-        for name, (entries, body) in common_frames().items()
+        for name, (entries, body) in frames.items()
     }
+    results["packed_vs_maps"] = packed_vs_maps(frames, args.number, args.repeat)
     print(json.dumps(results, indent=1))
 
 
