@@ -9,8 +9,10 @@ in pyproject.toml. Set ``FLOWSCHED_SKIP_PLUGIN=1`` to install without a C compil
 from __future__ import annotations
 
 import os
+import runpy
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import setup
@@ -47,4 +49,19 @@ class BinaryDistribution(Distribution):
         return True
 
 
-setup(cmdclass={"build_py": BuildWithPlugin}, distclass=BinaryDistribution)
+def compiled_extensions() -> list[object]:
+    """mypyc's extensions for flowsched/compiled.py's MODULES, or none (see the docstring)."""
+    mode = os.environ.get("FLOWSCHED_COMPILE", "auto")
+    if mode not in ("auto", "0", "1"):
+        raise SystemExit(f"FLOWSCHED_COMPILE must be auto, 0 or 1, not {mode!r}")
+    editable = "editable_wheel" in sys.argv  # how setuptools runs a PEP 660 build
+    if mode == "0" or (mode == "auto" and editable):
+        return []
+    return list(runpy.run_path(str(ROOT / "flowsched" / "compiled.py"))["extensions"]())
+
+
+setup(
+    cmdclass={"build_py": BuildWithPlugin},
+    distclass=BinaryDistribution,
+    ext_modules=compiled_extensions(),
+)

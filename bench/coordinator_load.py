@@ -44,6 +44,7 @@ import argparse
 import asyncio
 import contextlib
 import heapq
+import itertools
 import json
 import math
 import os
@@ -62,6 +63,7 @@ from typing import Any
 
 import msgpack
 
+from flowsched.compiled import build_tree
 from flowsched.protocol import (
     PROTOCOL_VERSION,
     Challenge,
@@ -78,6 +80,8 @@ from flowsched.protocol import (
 from flowsched.testbed.procstat import memory_mib, running_cpu_seconds
 from flowsched.testbed.simagent import CLASS_MIX, HEARTBEAT, flow_open, prepare_load_generator
 
+#: the checkout this benchmark belongs to (the compiled build is made from it)
+REPO = Path(__file__).resolve().parents[1]
 DRAIN_TIMEOUT = 120.0
 #: a latency point whose generator sent less than this share of the rate asked for is flagged
 GENERATOR_SHORTFALL = 0.95
@@ -316,6 +320,16 @@ def scrape(address: str, pid: int) -> Scrape:
     )
 
 
+def check_build(address: str, build: str) -> None:
+    """Fail unless the coordinator at ``address`` runs ``build`` (its flowsched_build_info)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=60) as response:
+        text = response.read().decode()
+    found = re.search(r'flowsched_build_info\{[^}]*compiled="(true|false)"', text)
+    runs = None if found is None else ("compiled" if found[1] == "true" else "interpreted")
+    if runs != build:
+        raise RuntimeError(f"asked for the {build} coordinator, it runs {runs or 'unknown'}")
+
+
 def preemptions(pid: int) -> int:
     """Times the kernel took the CPU away from the coordinator (involuntary switches)."""
     status = Path(f"/proc/{pid}/status").read_text()
@@ -395,6 +409,8 @@ class LatencyPoint:
 @dataclass
 class ModeResult:
     mode: str
+    #: "interpreted" (the editable checkout) or "compiled" (flowsched/compiled.py's tree)
+    build: str
     events_per_s: float
     frames_per_s: float
     coordinator_cpu: float
@@ -412,7 +428,12 @@ class ModeResult:
 
 class CoordinatorProcess:
     def __init__(
-        self, args: argparse.Namespace, workdir: Path, batched: bool, promotion: str
+        self,
+        args: argparse.Namespace,
+        workdir: Path,
+        batched: bool,
+        promotion: str,
+        tree: Path | None,
     ) -> None:
         token_path = workdir / "token"
         write_token(token_path)
@@ -436,7 +457,14 @@ class CoordinatorProcess:
         if shutil.which("taskset") and args.coordinator_cpu is not None:
             command = ["taskset", "-c", str(args.coordinator_cpu), *command]
         self.log = open(workdir / "coordinator.log", "w")  # noqa: SIM115
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        env, cwd = None, None
+        if tree is not None:  # the compiled build: its tree first on the path (-m: cwd first)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+                [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}  # fmt: skip
+            cwd = tree
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, cwd=cwd
+        )
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
         found = re.fullmatch(
@@ -458,9 +486,9 @@ class CoordinatorProcess:
 
 
 async def run_mode(
-    args: argparse.Namespace, batched: bool, promotion: str, workdir: Path
+    args: argparse.Namespace, batched: bool, promotion: str, workdir: Path, tree: Path | None
 ) -> ModeResult:
-    coordinator = CoordinatorProcess(args, workdir, batched, promotion)
+    coordinator = CoordinatorProcess(args, workdir, batched, promotion, tree)
     pid = coordinator.process.pid
     agents: list[SimAgent] = []
     listeners: list[asyncio.Task[None]] = []
@@ -480,7 +508,9 @@ async def run_mode(
             return agent
 
         mode = f"{'batched' if batched else 'unbatched'}/{promotion}"
-        log(f"{mode}: connecting {args.agents} agents")
+        build = "compiled" if tree is not None else "interpreted"
+        await asyncio.to_thread(check_build, coordinator.metrics, build)
+        log(f"{build} {mode}: connecting {args.agents} agents")
         agents = list(await asyncio.gather(*(one(i) for i in range(args.agents))))
         if args.churn_phase == "random":  # each agent's churn in its own tenth of the round
             for agent in agents:
@@ -511,6 +541,7 @@ async def run_mode(
         final = await asyncio.to_thread(scrape, coordinator.metrics, pid)
         return ModeResult(
             mode=mode,
+            build=build,
             events_per_s=throughput,
             frames_per_s=frames,
             coordinator_cpu=coordinator_cpu,
@@ -627,24 +658,25 @@ def print_profile(path: Path, limit: int = 18) -> None:
 
 def report(results: list[ModeResult]) -> None:
     print("\nthroughput (saturating load), memory at 10,000 flows / 1,000 agents:")
-    print(f"{'mode':<17} {'events/s':>9} {'frames/s':>9} {'coordCPU':>8} {'events/CPU-s':>12} "
-          f"{'genCPU':>6} {'RSS MiB':>7} {'peak':>6} {'flows':>6} {'agents':>6}")  # fmt: skip
+    print(f"{'build':<11} {'mode':<17} {'events/s':>9} {'frames/s':>9} {'coordCPU':>8} "
+          f"{'events/CPU-s':>12} {'genCPU':>6} {'RSS MiB':>7} {'peak':>6} {'flows':>6} "
+          f"{'agents':>6}")  # fmt: skip
     for r in results:
-        print(f"{r.mode:<17} {r.events_per_s:>9.0f} {r.frames_per_s:>9.0f} "
+        print(f"{r.build:<11} {r.mode:<17} {r.events_per_s:>9.0f} {r.frames_per_s:>9.0f} "
               f"{r.coordinator_cpu:>8.2f} {r.events_per_cpu_second:>12.0f} {r.loadgen_cpu:>6.2f} "
               f"{r.rss_mib:>7.1f} {r.peak_rss_mib:>6.1f} {r.active_flows:>6.0f} "
               f"{r.agents:>6.0f}")  # fmt: skip
     print("\ndecision latency (frame read by the coordinator -> level updates queued) and")
     print("flush time (one policy run + its sends) at paced loads: 'rate' asked for, 'offered'")
     print("sent by the generator, 'achieved' counted by the coordinator (events/s):")
-    print(f"{'mode':<17} {'rate':>7} {'offered':>8} {'achieved':>8} {'genCPU':>6} "
+    print(f"{'build':<11} {'mode':<17} {'rate':>7} {'offered':>8} {'achieved':>8} {'genCPU':>6} "
           f"{'coordCPU':>8} {'p50 ms':>7} {'p99 ms':>7} {'flush50':>7} {'flush99':>7} "
           f"{'samples':>8} {'sweeps/s':>8} {'flush/s':>7} {'preempt/s':>9} "
           f"{'steal':>6}")  # fmt: skip
     short = []
     for r in results:
         for p in r.latency:
-            print(f"{r.mode:<17} {p.nominal_rate:>7.0f} {p.offered_rate:>8.0f} "
+            print(f"{r.build:<11} {r.mode:<17} {p.nominal_rate:>7.0f} {p.offered_rate:>8.0f} "
                   f"{p.achieved_rate:>8.0f} {p.loadgen_cpu:>6.2f} "
                   f"{p.coordinator_cpu:>8.2f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} "
                   f"{p.flush_p50_ms:>7.3f} {p.flush_p99_ms:>7.3f} {p.samples:>8.0f} "
@@ -652,16 +684,24 @@ def report(results: list[ModeResult]) -> None:
                   f"{p.preemptions_per_s:>9.0f} "
                   f"{p.steal:>6.1%}")  # fmt: skip
             if p.opens_timed or p.opens_unanswered:
-                print(f"{'':<17} {'':>7} churn opens end to end (agent send -> level received): "
+                print(f"{'':<11} {'':<17} {'':>7} churn opens end to end "
+                      "(agent send -> level received): "
                       f"p50 {p.open_p50_ms:.2f} ms, p99 {p.open_p99_ms:.2f} ms over "
                       f"{p.opens_timed} opens, {p.opens_unanswered} unanswered; "
                       f"{p.full_collections:.0f} full GC")  # fmt: skip
             if p.offered_rate < GENERATOR_SHORTFALL * p.nominal_rate:
-                short.append(f"{r.mode} at {p.nominal_rate:.0f}")
+                short.append(f"{r.build} {r.mode} at {p.nominal_rate:.0f}")
     if short:
         print(f"note: the generator offered less than {GENERATOR_SHORTFALL:.0%} of the rate asked "
               f"for ({', '.join(short)}): those points measure the generator, not the "
               "coordinator")  # fmt: skip
+    for build in dict.fromkeys(r.build for r in results):
+        compare_modes(build, [r for r in results if r.build == build])
+    compare_builds(results)
+
+
+def compare_modes(build: str, results: list[ModeResult]) -> None:
+    """The batched / unbatched and timers / sweep ratios of one build."""
     by_mode = {r.mode: r for r in results}
     promotions = sorted({r.mode.split("/")[1] for r in results})
     for promotion in promotions:
@@ -670,18 +710,36 @@ def report(results: list[ModeResult]) -> None:
         if batched and unbatched:
             ratio = batched.events_per_s / max(unbatched.events_per_s, 1e-9)
             per_cpu = batched.events_per_cpu_second / max(unbatched.events_per_cpu_second, 1e-9)
-            print(f"\nbatched / unbatched ({promotion}): {ratio:.2f}x events/s, "
+            print(f"\n{build}, batched / unbatched ({promotion}): {ratio:.2f}x events/s, "
                   f"{per_cpu:.2f}x events per CPU-second")  # fmt: skip
     for mode in sorted({r.mode.split("/")[0] for r in results}):
         timers, sweep = by_mode.get(f"{mode}/timers"), by_mode.get(f"{mode}/sweep")
         if not (timers and sweep):
             continue
         ratio = timers.events_per_s / max(sweep.events_per_s, 1e-9)
-        print(f"\n{mode}, timers / sweep: {ratio:.2f}x events/s at saturation")
+        print(f"\n{build} {mode}, timers / sweep: {ratio:.2f}x events/s at saturation")
         for fast, slow in zip(timers.latency, sweep.latency, strict=False):
             print(f"  {fast.nominal_rate:>8.0f} events/s: p99 {fast.p99_ms:.2f} ms vs "
                   f"{slow.p99_ms:.2f} ms ({slow.p99_ms / max(fast.p99_ms, 1e-9):.1f}x lower), "
                   f"p50 {fast.p50_ms:.2f} vs {slow.p50_ms:.2f} ms")  # fmt: skip
+
+
+def compare_builds(results: list[ModeResult]) -> None:
+    """compiled / interpreted, mode by mode: saturation, CPU per event and tail latency."""
+    interpreted = {r.mode: r for r in results if r.build == "interpreted"}
+    for fast in (r for r in results if r.build == "compiled"):
+        slow = interpreted.get(fast.mode)
+        if slow is None:
+            continue
+        ratio = fast.events_per_s / max(slow.events_per_s, 1e-9)
+        per_cpu = fast.events_per_cpu_second / max(slow.events_per_cpu_second, 1e-9)
+        print(f"\n{fast.mode}, compiled / interpreted: {ratio:.2f}x events/s at saturation, "
+              f"{per_cpu:.2f}x events per CPU-second")  # fmt: skip
+        for new, old in zip(fast.latency, slow.latency, strict=False):
+            print(f"  {new.nominal_rate:>8.0f} events/s: p99 {new.p99_ms:.2f} ms vs "
+                  f"{old.p99_ms:.2f} ms ({old.p99_ms / max(new.p99_ms, 1e-9):.1f}x lower), "
+                  f"coordinator CPU {new.coordinator_cpu:.2f} vs {old.coordinator_cpu:.2f}, "
+                  f"steal {new.steal:.1%} / {old.steal:.1%}")  # fmt: skip
 
 
 def main() -> int:
@@ -716,6 +774,12 @@ def main() -> int:
         " 100k events/s; random: each agent's in its own frame (same events, spread over the"
         " round). The aligned wave sets the p99 at 100k events/s (docs/results.md)",
     )  # fmt: skip
+    parser.add_argument(
+        "--build", default="interpreted,compiled",
+        help="coordinator builds to run side by side (comma-separated): interpreted (this"
+        " checkout as Python) and compiled (the modules of flowsched/compiled.py built with"
+        " mypyc, as a wheel installs them; built once into build/compiled/, ~30 s)",
+    )  # fmt: skip
     parser.add_argument("--coordinator-cpu", type=int, default=0)
     parser.add_argument("--loadgen-cpu", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="run the coordinator in cProfile")
@@ -725,16 +789,26 @@ def main() -> int:
     args.phases = set(args.phases.split(","))
     if not args.phases <= {"throughput", "latency"}:
         parser.error(f"--phases: expected throughput and/or latency, got {sorted(args.phases)}")
+    builds = args.build.split(",")
+    if not set(builds) <= {"interpreted", "compiled"}:
+        parser.error(f"--build: expected interpreted and/or compiled, got {builds}")
+    trees: dict[str, Path | None] = {"interpreted": None}
+    if "compiled" in builds:
+        log("building the compiled modules (flowsched/compiled.py)")
+        trees["compiled"] = build_tree(REPO, REPO / "build" / "compiled")
     loop_factory = prepare_load_generator(args.loadgen_cpu)
     results = []
     with tempfile.TemporaryDirectory(prefix="fsD-bench-") as tmp:
-        for mode in args.modes.split(","):
-            for promotion in args.promotion.split(","):
-                workdir = Path(tmp) / f"{mode}-{promotion}"
-                workdir.mkdir()
-                with asyncio.Runner(loop_factory=loop_factory) as runner:
-                    batched = mode == "batched"
-                    results.append(runner.run(run_mode(args, batched, promotion, workdir)))
+        for build, mode, promotion in itertools.product(
+            builds, args.modes.split(","), args.promotion.split(",")
+        ):
+            workdir = Path(tmp) / f"{build}-{mode}-{promotion}"
+            workdir.mkdir()
+            with asyncio.Runner(loop_factory=loop_factory) as runner:
+                batched = mode == "batched"
+                results.append(
+                    runner.run(run_mode(args, batched, promotion, workdir, trees[build]))
+                )
                 if args.profile:
                     print_profile(workdir / f"coordinator-{batched}.prof")
     report(results)

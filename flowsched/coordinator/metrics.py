@@ -20,6 +20,7 @@ from prometheus_client.core import (
 )
 
 from flowsched import __version__
+from flowsched.compiled import is_compiled
 from flowsched.coordinator.histogram import Histogram
 from flowsched.coordinator.state import ClusterState
 
@@ -34,9 +35,12 @@ PREFIX = "flowsched_coordinator"
 def register_standard_collectors(registry: CollectorRegistry) -> None:
     """Add ``flowsched_build_info`` and prometheus_client's process and platform collectors
     (``process_*``, ``python_info``) to a daemon's own registry."""
-    Info("flowsched_build", "flowsched version of this daemon.", registry=registry).info(
-        {"version": __version__}
-    )
+    Info(
+        "flowsched_build",
+        "flowsched version of this daemon; compiled: whether its flow table and policy run"
+        " as mypyc-compiled modules (a wheel) or as Python (an editable install).",
+        registry=registry,
+    ).info({"version": __version__, "compiled": "true" if is_compiled() else "false"})
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
 

@@ -81,8 +81,10 @@ def test_standard_collectors_give_build_info_process_and_platform() -> None:
     register_standard_collectors(registry)
     text = generate_latest(registry).decode()
     from flowsched import __version__
+    from flowsched.compiled import is_compiled
 
-    assert f'flowsched_build_info{{version="{__version__}"}} 1.0' in text
+    compiled = "true" if is_compiled() else "false"  # the editable checkout: false
+    assert f'flowsched_build_info{{compiled="{compiled}",version="{__version__}"}} 1.0' in text
     assert "process_resident_memory_bytes" in text and "python_info{" in text
 
 

@@ -1,15 +1,20 @@
-"""A built wheel works outside the checkout, and the daemons import no plotting library.
+"""A built wheel works outside the checkout, runs its hot modules compiled and decides as the
+checkout does, and the daemons import no plotting library.
 
 The wheel is built from a copy of the working tree (tracked and untracked, not ignored files)
 without the C plugin (``FLOWSCHED_SKIP_PLUGIN=1``: this is about the Python package and its
-data), installed into a fresh virtual environment whose only other path is the site-packages of
-the interpreter running the tests (for msgpack, matplotlib, ...: no network), and run from an
-unrelated directory: ``flowsched sim pd-serving`` and the contention benchmark's simulator-only
-mode must find their bundled scenarios and policy files.
+data), with flowsched/compiled.py's modules compiled by mypyc as every wheel has them,
+installed into a fresh virtual environment whose only other path is the site-packages of the
+interpreter running the tests (for msgpack, matplotlib, pytest, ...: no network), and run from
+an unrelated directory: ``flowsched sim pd-serving`` and the contention benchmark's
+simulator-only mode must find their bundled scenarios and policy files. The policy, flow-table
+and simulator tests then run again on the compiled modules, and the simulator's results of
+both builds are compared.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -20,6 +25,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from flowsched.compiled import GROUP, MODULES, module_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "flowsched" / "data"
@@ -52,8 +59,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
          "--no-index", "-w", str(dist), str(src)],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "FLOWSCHED_SKIP_PLUGIN": "1"},
+        capture_output=True, text=True, timeout=600,
+        env={**os.environ, "FLOWSCHED_SKIP_PLUGIN": "1", "FLOWSCHED_COMPILE": "auto"},
     )  # fmt: skip
     assert build.returncode == 0, build.stdout + build.stderr
     assert "Warning" not in build.stderr, build.stderr  # setuptools' deprecation warnings
@@ -91,6 +98,78 @@ def test_the_wheel_carries_every_shipped_data_file(wheel: Path) -> None:
             "flowsched/data/contention/scenario.toml",
             "flowsched/data/contention/policies/rmlq.toml"} <= shipped  # fmt: skip
     assert shipped <= names
+
+
+def test_the_wheel_carries_the_compiled_modules(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    for module in MODULES:
+        stem = module.removesuffix(".py")
+        assert any(n.startswith(f"{stem}.cpython-") and n.endswith(".so") for n in names), module
+        assert module in names  # the source too, as mypyc's wheels have it
+    assert any(n.startswith(f"{GROUP}__mypyc.") for n in names)  # their shared library
+
+
+def _installed_python(env_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run the installed wheel's interpreter without the current directory on its path
+    (``-P``): run from the checkout, its modules must not shadow the wheel's."""
+    return subprocess.run(
+        [str(env_dir / "bin" / "python"), "-P", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=600,
+        env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")},
+    )  # fmt: skip
+
+
+def test_the_installed_wheel_runs_the_compiled_modules(installed: Path, tmp_path: Path) -> None:
+    probe = _installed_python(installed, ROOT, "-c", (
+        "from prometheus_client import CollectorRegistry, generate_latest\n"
+        "from flowsched.compiled import compiled_modules\n"
+        "from flowsched.coordinator.metrics import register_standard_collectors\n"
+        "registry = CollectorRegistry(); register_standard_collectors(registry)\n"
+        "print(','.join(compiled_modules()))\n"
+        "print(generate_latest(registry).decode())"
+    ))  # fmt: skip
+    assert probe.returncode == 0, probe.stderr
+    compiled, metrics = probe.stdout.split("\n", 1)
+    assert compiled.split(",") == module_names()
+    assert 'flowsched_build_info{compiled="true",' in metrics
+
+
+def test_the_compiled_modules_pass_the_policy_flow_table_and_simulator_tests(
+    installed: Path,
+) -> None:
+    """The same tests as the checkout's, on the wheel's compiled modules (mypyc checks types
+    at run time and forbids patching or subclassing its classes: these tests would show it)."""
+    run = _installed_python(installed, ROOT, "-c", (
+        "import sys, pytest\n"
+        "from flowsched.compiled import is_compiled\n"
+        "assert is_compiled(), 'not the compiled build'\n"
+        "sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', 'tests/policies',"
+        " 'tests/coordinator/test_coordinator_state.py', 'tests/sim']))"
+    ))  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout.splitlines()[-1], run.stdout[-2000:]
+
+
+def test_the_compiled_and_interpreted_builds_decide_the_same(
+    installed: Path, tmp_path: Path
+) -> None:
+    """The contention trace in the simulator, rmlq and edf: identical results either way."""
+    command = ["bench", "contention", "--simulate-only", "--seeds", "1", "--duration", "5",
+               "--policies", "rmlq,edf", "--sim-policies", ""]  # fmt: skip
+    compiled = _flowsched(installed, tmp_path, *command, "--out", "compiled")
+    assert compiled.returncode == 0, compiled.stderr
+    interpreted = subprocess.run(
+        [sys.executable, "-m", "flowsched", *command, "--out", str(tmp_path / "interpreted")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert interpreted.returncode == 0, interpreted.stderr
+    results = [
+        json.loads((tmp_path / build / "results.json").read_text())
+        for build in ("compiled", "interpreted")
+    ]
+    assert results[0]["policies"]["rmlq"]["sim"]["flows"] > 0
+    assert results[0]["policies"] == results[1]["policies"]
+    assert results[0]["promotion"] == results[1]["promotion"]
 
 
 def _flowsched(env_dir: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
