@@ -22,7 +22,6 @@ from flowsched.protocol import (
     Connection,
     FlowClose,
     FlowOpen,
-    FlowProgress,
     Flows,
     Heartbeat,
     Hello,
@@ -79,13 +78,41 @@ async def test_agent_reports_flows_and_receives_only_its_level_changes() -> None
                 LevelUpdate(1, 7),
                 LevelUpdate(2, 7),
             }
-            await first.send(Flows(progress=(FlowProgress(2, 250),)))
+            await first.send(Flows(progress_ids=(2,), progress_sent=(250,)))
             assert (await _next_levels(first)).updates == (LevelUpdate(2, 5),)
             with pytest.raises(TimeoutError):
                 await _next_levels(second, timeout=0.3)  # n2 has no flows: no levels for it
         finally:
             await first.close()
             await second.close()
+
+
+@pytest.mark.asyncio
+async def test_progress_as_maps_and_as_arrays_moves_flows_alike() -> None:
+    # an agent of the previous release (protocol 1: progress as maps) next to a new one
+    # (protocol 2: arrays): the same reports give the same level changes
+    async with running_coordinator() as coordinator:
+        assert coordinator.addresses is not None
+        old = await connect_agent(
+            coordinator.addresses.host, coordinator.addresses.port,
+            node="old", token=TOKEN, timeout=5, version=1,
+        )  # fmt: skip
+        new = await _connect(coordinator, "new")
+        try:
+            assert (old.version, new.version) == (1, PROTOCOL_VERSION)
+            for link in (old, new):
+                await link.send(Resync(()))
+                await link.send(Flows(opens=(_open(1), _open(2))))
+                assert {u.level for u in (await _next_levels(link)).updates} == {7}
+                await link.send(Flows(progress_ids=(2, 1), progress_sent=(250, 0)))
+                assert (await _next_levels(link)).updates == (LevelUpdate(2, 5),)
+            flows = coordinator.state.flows.values()
+            assert sorted((f.node, f.sent) for f in flows) == [
+                ("new", 0), ("new", 250), ("old", 0), ("old", 250),
+            ]  # fmt: skip
+        finally:
+            await old.close()
+            await new.close()
 
 
 @pytest.mark.asyncio
@@ -212,7 +239,7 @@ async def test_unbatched_mode_gives_the_same_decisions() -> None:
     async with running_coordinator(batching=False) as coordinator:
         link = await _connect(coordinator, "n1")
         try:
-            await link.send(Flows(opens=(_open(1),), progress=(FlowProgress(1, 120),)))
+            await link.send(Flows(opens=(_open(1),), progress_ids=(1,), progress_sent=(120,)))
             assert (await _next_levels(link)).updates == (LevelUpdate(1, 6),)
         finally:
             await link.close()

@@ -18,7 +18,6 @@ from flowsched.policies import create
 from flowsched.protocol import (
     FlowClose,
     FlowOpen,
-    FlowProgress,
     JobProgress,
     LevelUpdate,
     NicLoadEntry,
@@ -54,7 +53,7 @@ def test_progress_promotes_only_the_reported_flow(state: ClusterState, policy: B
     state.open_flows("a", [_open(1), _open(2)], now=1.0)
     state.flush(1.0)
     policy.seen.clear()
-    state.progress("a", [FlowProgress(2, 300), FlowProgress(99, 5)])  # 99 is unknown: ignored
+    state.progress("a", (2, 99), (300, 5))  # 99 is unknown: ignored
     assert state.flush(2.0) == {"a": {2: LevelUpdate(2, 4)}}
     assert len(policy.seen) == 1
     assert state.stats.promotions == 1
@@ -62,9 +61,18 @@ def test_progress_promotes_only_the_reported_flow(state: ClusterState, policy: B
 
 def test_progress_never_moves_sent_backwards(state: ClusterState) -> None:
     state.open_flows("a", [_open(1)], now=1.0)
-    state.progress("a", [FlowProgress(1, 500)])
-    state.progress("a", [FlowProgress(1, 100)])
+    state.progress("a", [1], [500])
+    state.progress("a", [1], [100])
     assert next(iter(state.flows.values())).sent == 500
+
+
+def test_progress_takes_parallel_arrays_of_equal_length(state: ClusterState) -> None:
+    state.open_flows("a", [_open(1), _open(2)], now=1.0)
+    with pytest.raises(ValueError, match="2 ids but 1 byte counts"):
+        state.progress("a", (1, 2), (5,))
+    state.progress("a", (1, 2, 7), (5, 6, 8))  # 7 is unknown: counted, not recorded
+    assert sorted(flow.sent for flow in state.flows.values()) == [5, 6]
+    assert state.stats.events["progress"] == 3
 
 
 @pytest.mark.parametrize(
@@ -139,7 +147,7 @@ def test_timer_sweep_advances_in_budgeted_steps(policy: BytesPolicy) -> None:
     state.flush(2.0, sweep_budget=0.5)  # the budget is spent after the first step
     assert len(policy.seen) == SWEEP_STEP and state.pending
     assert not state.start_sweep()  # the unfinished sweep is not restarted
-    state.progress("a", [FlowProgress(0, 1)])
+    state.progress("a", [0], [1])
     state.flush(2.0, sweep_budget=0.0)  # events only
     assert len(policy.seen) == SWEEP_STEP + 1
     while state.pending:
@@ -176,7 +184,7 @@ def test_level_updates_carry_the_decision_time(policy: BytesPolicy) -> None:
     state.open_flows("a", [_open(1)], now=5.0)  # admission: decided while opening
     admitted = state.flush(5.0)["a"][1]
     assert (admitted.decided_at, admitted.decided_ns) == (5.0, 1000)
-    state.progress("a", [FlowProgress(1, 300)])
+    state.progress("a", [1], [300])
     promoted = state.flush(7.5)["a"][1]
     assert promoted.level == 4 and (promoted.decided_at, promoted.decided_ns) == (7.5, 3000)
 
@@ -349,14 +357,15 @@ def _replay(state: ClusterState, seed: int, steps: int = 60) -> list[dict[tuple[
                 opened[node][wire] = size
                 sent[(node, wire)] = 0
             state.open_flows(node, opens, now)
-        reports = []
+        ids, reports = [], []
         # each flow at most its share of a 1e9 B/s link: byte counts a network could produce
         share = int(1e9 * step / max(len(opened["a"]) + len(opened["b"]), 1))
         for wire, size in opened[node].items():
             if rng.random() < 0.7:
                 sent[(node, wire)] = min(size, sent[(node, wire)] + rng.randrange(share + 1))
-                reports.append(FlowProgress(wire, sent[(node, wire)]))
-        state.progress(node, reports)
+                ids.append(wire)
+                reports.append(sent[(node, wire)])
+        state.progress(node, ids, reports)
         if opened[node] and rng.random() < 0.1:
             wire = rng.choice(list(opened[node]))
             del opened[node][wire]
@@ -403,7 +412,7 @@ def test_progress_feeds_the_policy_without_deciding_and_the_timer_promotes() -> 
     assert state.flush(100.0)["a"][1].level == 6
     calls.clear()
     for step in range(1, 6):  # 1e6 bytes per 10 ms: MLU keeps rising, not yet at 0.125
-        state.progress("a", [FlowProgress(1, step * 10**6)])
+        state.progress("a", [1], [step * 10**6])
         assert state.flush(100.0 + step * 0.01) == {}
     assert calls == ["observe"] * 5
     due = state.next_due()
