@@ -35,7 +35,13 @@ Usage:
     .venv/bin/python bench/coordinator_load.py [--agents 1000] [--flows 10] [--duration 5]
         [--rates 10000,30000,100000] [--policy FILE] [--modes batched,unbatched]
         [--promotion sweep,timers] [--per-flow-policy auto|yes|no]
-        [--phases throughput,latency] [--profile] [--json OUT]
+        [--phases throughput,latency] [--progress-form maps,packed] [--profile] [--json OUT]
+
+``--progress-form`` sets how the simulated agents send progress: "packed" (protocol 2, two
+integer arrays per frame; the default) or "maps" (protocol 1, an ``{"id", "sent"}`` map per
+report, as agents of the previous release; they offer version 1 in their hello). A list runs
+each in turn with a fresh coordinator, e.g. ``maps,packed,packed,maps``, and the report ends
+with each point's p99, coordinator CPU and steal per run and the ratio of the means.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ import random
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -65,10 +72,8 @@ import msgpack
 
 from flowsched.compiled import build_tree
 from flowsched.protocol import (
-    PROTOCOL_VERSION,
     Challenge,
     Connection,
-    Hello,
     ReceiveBuffer,
     Resync,
     Role,
@@ -78,7 +83,14 @@ from flowsched.protocol import (
     write_token,
 )
 from flowsched.testbed.procstat import memory_mib, running_cpu_seconds
-from flowsched.testbed.simagent import CLASS_MIX, HEARTBEAT, flow_open, prepare_load_generator
+from flowsched.testbed.simagent import (
+    CLASS_MIX,
+    HEARTBEAT,
+    PROGRESS_FORMS,
+    flow_open,
+    prepare_load_generator,
+    progress_fields,
+)
 
 #: the checkout this benchmark belongs to (the compiled build is made from it)
 REPO = Path(__file__).resolve().parents[1]
@@ -124,6 +136,8 @@ class SimAgent:
     #: seconds from a churn open's send to its first level update's arrival, end to end
     open_latency: list[float] = field(default_factory=list)
     time_opens: bool = False
+    #: how progress goes on the wire (simagent.PROGRESS_FORMS): "packed" arrays, or "maps"
+    progress_form: str = "packed"
 
     def open_entry(self, wire_id: int, cls: str, now: float) -> dict[str, Any]:
         return flow_open(self.node, wire_id, cls, now, kv_deadline_s=2.0)
@@ -133,7 +147,7 @@ class SimAgent:
         self.sent += 65536
         self.frames += 1
         self.last_sent = time.monotonic()
-        progress = [{"id": fid, "sent": self.sent} for fid in self.flows]
+        ids = list(self.flows)
         opens: list[dict[str, Any]] = []
         closes: list[dict[str, Any]] = []
         if (self.frames + self.churn_phase) % 10 == 0:
@@ -145,11 +159,13 @@ class SimAgent:
             opens.append(self.open_entry(self.next_id, "kv", now))
             if self.time_opens:
                 self.open_sent[self.next_id] = self.last_sent
-        self.events += len(progress) + len(opens) + len(closes)
+        self.events += len(ids) + len(opens) + len(closes)
+        form = self.progress_form
         if batched:
-            body = {"t": "flows", "opens": opens, "progress": progress, "closes": closes}
+            progress = progress_fields(ids, [self.sent] * len(ids), form)
+            body = {"t": "flows", "opens": opens, **progress, "closes": closes}
             return frame(msgpack.packb(body))
-        singles = [{"t": "flows", "progress": [p]} for p in progress]
+        singles = [{"t": "flows", **progress_fields([i], [self.sent], form)} for i in ids]
         singles += [{"t": "flows", "opens": [o]} for o in opens]
         singles += [{"t": "flows", "closes": [c]} for c in closes]
         return b"".join(frame(msgpack.packb(body)) for body in singles)
@@ -186,15 +202,22 @@ class SimAgent:
                 self.open_latency.append(arrived - sent)
 
 
-async def connect(host: str, port: int, node: str, token: bytes, flows: int) -> SimAgent:
+async def connect(
+    host: str, port: int, node: str, token: bytes, flows: int, progress_form: str = "packed"
+) -> SimAgent:
+    """A simulated agent, connected and authenticated, its ``flows`` flows opened; it offers
+    the protocol version of ``progress_form`` (maps: version 1, as the previous release)."""
     reader, writer = await asyncio.open_connection(host, port)
     # a small send buffer keeps the backlog a saturated coordinator builds up bounded
     writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
-    conn = Connection(Role.AGENT, token=token)
-    writer.write(conn.send(Hello(PROTOCOL_VERSION, node)))
+    conn = Connection(Role.AGENT, token=token, version=PROGRESS_FORMS[progress_form])
+    writer.write(conn.hello(node))
     writer.write(conn.answer(await _expect(reader, conn, Challenge)))
     welcome = await _expect(reader, conn, Welcome)
+    if conn.version < PROGRESS_FORMS[progress_form]:
+        raise RuntimeError(f"the coordinator speaks protocol {conn.version}: no {progress_form}")
     agent = SimAgent(node, reader, writer, list(range(flows)), flows)
+    agent.progress_form = progress_form
     agent.beat_interval = welcome.heartbeat_interval or agent.beat_interval
     now = time.time()
     opens = [agent.open_entry(i, CLASS_MIX[i % len(CLASS_MIX)], now) for i in range(flows)]
@@ -420,6 +443,13 @@ class ModeResult:
     active_flows: float
     agents: float
     latency: list[LatencyPoint]
+    #: how the simulated agents sent progress (simagent.PROGRESS_FORMS)
+    progress_form: str = "packed"
+
+    @property
+    def label(self) -> str:
+        """Mode, promotion scheme and progress form, e.g. ``batched/timers/packed``."""
+        return f"{self.mode}/{self.progress_form}"
 
     @property
     def events_per_cpu_second(self) -> float:
@@ -486,7 +516,12 @@ class CoordinatorProcess:
 
 
 async def run_mode(
-    args: argparse.Namespace, batched: bool, promotion: str, workdir: Path, tree: Path | None
+    args: argparse.Namespace,
+    batched: bool,
+    promotion: str,
+    workdir: Path,
+    tree: Path | None,
+    form: str = "packed",
 ) -> ModeResult:
     coordinator = CoordinatorProcess(args, workdir, batched, promotion, tree)
     pid = coordinator.process.pid
@@ -503,6 +538,7 @@ async def run_mode(
                     f"node-{index}",
                     coordinator.token,
                     args.flows,
+                    form,
                 )
             listeners.append(asyncio.create_task(agent.listen()))
             return agent
@@ -510,7 +546,7 @@ async def run_mode(
         mode = f"{'batched' if batched else 'unbatched'}/{promotion}"
         build = "compiled" if tree is not None else "interpreted"
         await asyncio.to_thread(check_build, coordinator.metrics, build)
-        log(f"{build} {mode}: connecting {args.agents} agents")
+        log(f"{build} {mode}, progress as {form}: connecting {args.agents} agents")
         agents = list(await asyncio.gather(*(one(i) for i in range(args.agents))))
         if args.churn_phase == "random":  # each agent's churn in its own tenth of the round
             for agent in agents:
@@ -542,6 +578,7 @@ async def run_mode(
         return ModeResult(
             mode=mode,
             build=build,
+            progress_form=form,
             events_per_s=throughput,
             frames_per_s=frames,
             coordinator_cpu=coordinator_cpu,
@@ -658,25 +695,25 @@ def print_profile(path: Path, limit: int = 18) -> None:
 
 def report(results: list[ModeResult]) -> None:
     print("\nthroughput (saturating load), memory at 10,000 flows / 1,000 agents:")
-    print(f"{'build':<11} {'mode':<17} {'events/s':>9} {'frames/s':>9} {'coordCPU':>8} "
+    print(f"{'build':<11} {'mode':<24} {'events/s':>9} {'frames/s':>9} {'coordCPU':>8} "
           f"{'events/CPU-s':>12} {'genCPU':>6} {'RSS MiB':>7} {'peak':>6} {'flows':>6} "
           f"{'agents':>6}")  # fmt: skip
     for r in results:
-        print(f"{r.build:<11} {r.mode:<17} {r.events_per_s:>9.0f} {r.frames_per_s:>9.0f} "
+        print(f"{r.build:<11} {r.label:<24} {r.events_per_s:>9.0f} {r.frames_per_s:>9.0f} "
               f"{r.coordinator_cpu:>8.2f} {r.events_per_cpu_second:>12.0f} {r.loadgen_cpu:>6.2f} "
               f"{r.rss_mib:>7.1f} {r.peak_rss_mib:>6.1f} {r.active_flows:>6.0f} "
               f"{r.agents:>6.0f}")  # fmt: skip
     print("\ndecision latency (frame read by the coordinator -> level updates queued) and")
     print("flush time (one policy run + its sends) at paced loads: 'rate' asked for, 'offered'")
     print("sent by the generator, 'achieved' counted by the coordinator (events/s):")
-    print(f"{'build':<11} {'mode':<17} {'rate':>7} {'offered':>8} {'achieved':>8} {'genCPU':>6} "
+    print(f"{'build':<11} {'mode':<24} {'rate':>7} {'offered':>8} {'achieved':>8} {'genCPU':>6} "
           f"{'coordCPU':>8} {'p50 ms':>7} {'p99 ms':>7} {'flush50':>7} {'flush99':>7} "
           f"{'samples':>8} {'sweeps/s':>8} {'flush/s':>7} {'preempt/s':>9} "
           f"{'steal':>6}")  # fmt: skip
     short = []
     for r in results:
         for p in r.latency:
-            print(f"{r.build:<11} {r.mode:<17} {p.nominal_rate:>7.0f} {p.offered_rate:>8.0f} "
+            print(f"{r.build:<11} {r.label:<24} {p.nominal_rate:>7.0f} {p.offered_rate:>8.0f} "
                   f"{p.achieved_rate:>8.0f} {p.loadgen_cpu:>6.2f} "
                   f"{p.coordinator_cpu:>8.2f} {p.p50_ms:>7.2f} {p.p99_ms:>7.2f} "
                   f"{p.flush_p50_ms:>7.3f} {p.flush_p99_ms:>7.3f} {p.samples:>8.0f} "
@@ -684,20 +721,48 @@ def report(results: list[ModeResult]) -> None:
                   f"{p.preemptions_per_s:>9.0f} "
                   f"{p.steal:>6.1%}")  # fmt: skip
             if p.opens_timed or p.opens_unanswered:
-                print(f"{'':<11} {'':<17} {'':>7} churn opens end to end "
+                print(f"{'':<11} {'':<24} {'':>7} churn opens end to end "
                       "(agent send -> level received): "
                       f"p50 {p.open_p50_ms:.2f} ms, p99 {p.open_p99_ms:.2f} ms over "
                       f"{p.opens_timed} opens, {p.opens_unanswered} unanswered; "
                       f"{p.full_collections:.0f} full GC")  # fmt: skip
             if p.offered_rate < GENERATOR_SHORTFALL * p.nominal_rate:
-                short.append(f"{r.build} {r.mode} at {p.nominal_rate:.0f}")
+                short.append(f"{r.build} {r.label} at {p.nominal_rate:.0f}")
     if short:
         print(f"note: the generator offered less than {GENERATOR_SHORTFALL:.0%} of the rate asked "
               f"for ({', '.join(short)}): those points measure the generator, not the "
               "coordinator")  # fmt: skip
-    for build in dict.fromkeys(r.build for r in results):
-        compare_modes(build, [r for r in results if r.build == build])
+    for build, form in dict.fromkeys((r.build, r.progress_form) for r in results):
+        same = [r for r in results if (r.build, r.progress_form) == (build, form)]
+        compare_modes(f"{build} ({form})", same)
     compare_builds(results)
+    compare_forms(results)
+
+
+def compare_forms(results: list[ModeResult]) -> None:
+    """Progress as packed arrays vs as maps, per build, mode and rate: every run's p99,
+    coordinator CPU and steal in run order (e.g. A B B A), then the means' ratio."""
+    if len({r.progress_form for r in results}) < 2:
+        return
+    for build, mode in dict.fromkeys((r.build, r.mode) for r in results):
+        runs = [r for r in results if (r.build, r.mode) == (build, mode)]
+        print(f"\n{build} {mode}, progress as maps vs packed (runs in order):")
+        for index, rate in enumerate(p.nominal_rate for p in runs[0].latency):
+            points = [(r.progress_form, r.latency[index]) for r in runs if len(r.latency) > index]
+            each = ", ".join(f"{form} p99 {p.p99_ms:.2f} ms coordCPU {p.coordinator_cpu:.2f} "
+                             f"steal {p.steal:.1%}" for form, p in points)  # fmt: skip
+            print(f"  {rate:>8.0f} events/s: {each}")
+            means = {
+                form: [statistics.fmean(getattr(p, what) for f, p in points if f == form)
+                       for what in ("p99_ms", "coordinator_cpu")]
+                for form in ("maps", "packed") if any(f == form for f, _ in points)
+            }  # fmt: skip
+            if len(means) == 2:
+                (p99_maps, cpu_maps), (p99_packed, cpu_packed) = means["maps"], means["packed"]
+                print(f"  {'':>8}  mean p99 maps {p99_maps:.2f} / packed {p99_packed:.2f} ms "
+                      f"({p99_maps / max(p99_packed, 1e-9):.2f}x), coordinator CPU "
+                      f"{cpu_maps:.2f} / {cpu_packed:.2f} "
+                      f"({cpu_maps / max(cpu_packed, 1e-9):.2f}x)")  # fmt: skip
 
 
 def compare_modes(build: str, results: list[ModeResult]) -> None:
@@ -726,9 +791,9 @@ def compare_modes(build: str, results: list[ModeResult]) -> None:
 
 def compare_builds(results: list[ModeResult]) -> None:
     """compiled / interpreted, mode by mode: saturation, CPU per event and tail latency."""
-    interpreted = {r.mode: r for r in results if r.build == "interpreted"}
+    interpreted = {r.label: r for r in results if r.build == "interpreted"}
     for fast in (r for r in results if r.build == "compiled"):
-        slow = interpreted.get(fast.mode)
+        slow = interpreted.get(fast.label)
         if slow is None:
             continue
         ratio = fast.events_per_s / max(slow.events_per_s, 1e-9)
@@ -780,6 +845,13 @@ def main() -> int:
         " checkout as Python) and compiled (the modules of flowsched/compiled.py built with"
         " mypyc, as a wheel installs them; built once into build/compiled/, ~30 s)",
     )  # fmt: skip
+    parser.add_argument(
+        "--progress-form", default="packed",
+        help="how the simulated agents send progress (comma-separated, run in the order given,"
+        " repeats allowed: e.g. maps,packed,packed,maps for an A B B A comparison): packed"
+        " (two integer arrays, protocol 2; the default) or maps ({id, sent} each, as agents"
+        " of the previous release, protocol 1)",
+    )  # fmt: skip
     parser.add_argument("--coordinator-cpu", type=int, default=0)
     parser.add_argument("--loadgen-cpu", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="run the coordinator in cProfile")
@@ -792,6 +864,9 @@ def main() -> int:
     builds = args.build.split(",")
     if not set(builds) <= {"interpreted", "compiled"}:
         parser.error(f"--build: expected interpreted and/or compiled, got {builds}")
+    forms = args.progress_form.split(",")
+    if not set(forms) <= set(PROGRESS_FORMS):
+        parser.error(f"--progress-form: expected {' and/or '.join(PROGRESS_FORMS)}, got {forms}")
     trees: dict[str, Path | None] = {"interpreted": None}
     if "compiled" in builds:
         log("building the compiled modules (flowsched/compiled.py)")
@@ -799,15 +874,14 @@ def main() -> int:
     loop_factory = prepare_load_generator(args.loadgen_cpu)
     results = []
     with tempfile.TemporaryDirectory(prefix="fsD-bench-") as tmp:
-        for build, mode, promotion in itertools.product(
-            builds, args.modes.split(","), args.promotion.split(",")
-        ):
-            workdir = Path(tmp) / f"{build}-{mode}-{promotion}"
+        runs = itertools.product(builds, args.modes.split(","), args.promotion.split(","), forms)
+        for index, (build, mode, promotion, form) in enumerate(runs):
+            workdir = Path(tmp) / f"{index}-{build}-{mode}-{promotion}-{form}"
             workdir.mkdir()
             with asyncio.Runner(loop_factory=loop_factory) as runner:
                 batched = mode == "batched"
                 results.append(
-                    runner.run(run_mode(args, batched, promotion, workdir, trees[build]))
+                    runner.run(run_mode(args, batched, promotion, workdir, trees[build], form))
                 )
                 if args.profile:
                     print_profile(workdir / f"coordinator-{batched}.prof")
