@@ -226,7 +226,8 @@ class TrafficMeter:
     """
 
     __slots__ = (
-        "_counted", "_flow_rate", "_flow_rates", "_link_bytes", "_link_util", "_then", "window",
+        "_counted", "_flow_rate", "_flow_rates", "_link_util", "_pending", "_tallies", "_then",
+        "_touched", "window",
     )  # fmt: skip
 
     def __init__(self, window: float, *, flow_rates: bool = True) -> None:
@@ -235,17 +236,21 @@ class TrafficMeter:
         self.window = window
         self._flow_rates = flow_rates
         self._then: float | None = None
-        # Per flow, one list updated in place: [when it was last counted, its bytes sent then,
-        # the level its bytes are filed under, the (link, level) keys of that level]. Not a
-        # (when, sent) tuple replaced on every report: a tuple replaced per report is a new
-        # object tracked by the garbage collector, and the one it replaces, freed, takes the
-        # young generation's count back down, so that count never reaches its threshold while
-        # a young tuple per flow piles up; the next generation-0 collection then traverses them
-        # all (2-4 ms with 10,000 flows, measured in the coordinator). The keys are rebuilt
-        # only when the flow's level changes.
-        self._counted: dict[int, list[Any]] = {}
+        # Per flow, one record updated in place (_Counted). Not a (when, sent) tuple replaced
+        # on every report: a tuple replaced per report is a new object tracked by the garbage
+        # collector, and the one it replaces, freed, takes the young generation's count back
+        # down, so that count never reaches its threshold while a young tuple per flow piles
+        # up; the next generation-0 collection then traverses them all (2-4 ms with 10,000
+        # flows, measured in the coordinator).
+        self._counted: dict[int, _Counted] = {}
         self._flow_rate: dict[int, float] = {}
-        self._link_bytes: dict[tuple[str, int], float] = {}
+        #: (link, level) -> the bytes counted there since the last update; a record holds the
+        #: tallies of its level, so a report adds its bytes without building or hashing a key
+        self._tallies: dict[tuple[str, int], _Tally] = {}
+        #: the tallies with bytes since the last update, in the order they got their first
+        self._touched: list[_Tally] = []
+        #: the tallies' bytes in that order (a float per tally, as the dict it replaces held)
+        self._pending: list[float] = []
         #: link -> {level: [utilization, as of when]}, updated in place (see _counted);
         #: decayed lazily, so an update costs only the (link, level) pairs that carried bytes
         #: (no bytes: exp(-dt/w) composes)
@@ -256,7 +261,7 @@ class TrafficMeter:
         if self._then is None:
             self._then = now
         if flow.flow_id not in self._counted:
-            self._counted[flow.flow_id] = [now, flow.sent, None, ()]
+            self._counted[flow.flow_id] = _Counted(now, flow.sent)
             if self._flow_rates:
                 self._flow_rate[flow.flow_id] = 0.0
 
@@ -264,27 +269,48 @@ class TrafficMeter:
         """Count ``flow``'s last bytes (into the next update) and forget it."""
         record = self._counted.pop(flow.flow_id, None)
         if record is not None:
-            self._add_link_bytes(flow, record, max(flow.sent - record[1], 0))
+            self._add_link_bytes(flow, record, max(flow.sent - record.sent, 0))
         self._flow_rate.pop(flow.flow_id, None)
 
-    def _add_link_bytes(self, flow: Flow, record: list[Any], sent: float) -> None:
+    def _add_link_bytes(self, flow: Flow, record: _Counted, sent: int) -> None:
         if not sent:
             return
         level = flow.level if flow.level >= 0 else _UNPLACED
-        if record[2] != level:
-            _file_under(record, flow, level)
-        link_bytes = self._link_bytes
-        for key in record[3]:
-            link_bytes[key] = link_bytes.get(key, 0.0) + sent
+        if record.level != level:
+            self._file_under(record, flow, level)
+        for tally in record.tallies:
+            self._tally(tally, sent)
 
-    def _count(self, flow: Flow, record: list[Any], now: float) -> None:
+    def _tally(self, tally: _Tally, sent: int) -> None:
+        """Add ``sent`` bytes to ``tally`` (queued for the next update at its first bytes)."""
+        slot = tally.slot
+        if slot < 0:
+            tally.slot = len(self._pending)
+            self._touched.append(tally)
+            self._pending.append(0.0 + sent)
+        else:
+            self._pending[slot] += sent
+
+    def _file_under(self, record: _Counted, flow: Flow, level: int) -> None:
+        """File ``flow``'s next bytes under ``level``: its record's level and the (link, level)
+        tallies of that level (looked up once per level, not per report)."""
+        tallies = self._tallies
+        found = []
+        for link in flow.links:
+            tally = tallies.get((link, level))
+            if tally is None:
+                tally = tallies[(link, level)] = _Tally(link, level)
+            found.append(tally)
+        record.level, record.tallies = level, tuple(found)
+
+    def _count(self, flow: Flow, record: _Counted, now: float) -> None:
         """Fold ``flow``'s bytes since its last count (``record``: at ``then``, ``last`` bytes
         sent) into its rate and its links' bytes."""
-        then, last = record[0], record[1]
+        then, last = record.counted_at, record.sent
         sent = flow.sent - last
         if sent < 0:
             sent = 0
-        record[0], record[1] = now, last + sent
+        record.counted_at, record.sent = now, last + sent
         self._add_link_bytes(flow, record, sent)
         if self._flow_rates:
             rate = self._flow_rate[flow.flow_id]
@@ -305,23 +331,29 @@ class TrafficMeter:
             return
         self._then = now
         elapsed = now - then if then is not None else 0.0
-        counted, link_bytes = self._counted, self._link_bytes
+        counted, touched, pending = self._counted, self._touched, self._pending
         rates = self._flow_rates
         for flow in flows:  # _count() inlined without rates: this runs for every report
             record = counted.get(flow.flow_id)
             if record is None:
                 self.open(flow, now)
-            elif record[0] >= now:
+            elif record.counted_at >= now:
                 continue
             elif rates:
                 self._count(flow, record, now)
-            elif (sent := flow.sent - record[1]) > 0:
-                record[0], record[1] = now, flow.sent
+            elif (sent := flow.sent - record.sent) > 0:
+                record.counted_at, record.sent = now, flow.sent
                 level = flow.level if flow.level >= 0 else _UNPLACED
-                if record[2] != level:  # _add_link_bytes inlined
-                    _file_under(record, flow, level)
-                for key in record[3]:
-                    link_bytes[key] = link_bytes.get(key, 0.0) + sent
+                if record.level != level:  # _add_link_bytes inlined
+                    self._file_under(record, flow, level)
+                for tally in record.tallies:  # _tally inlined
+                    slot = tally.slot
+                    if slot < 0:
+                        tally.slot = len(pending)
+                        touched.append(tally)
+                        pending.append(0.0 + sent)
+                    else:
+                        pending[slot] += sent
         start = then if then is not None else now
         window = self.window
         # ewma_step(util, sample, elapsed, window) with its factor computed once, and the decay
@@ -330,13 +362,11 @@ class TrafficMeter:
         factor = math.exp(-elapsed / window) if elapsed > 0 else 1.0
         link_util, bandwidth, default = self._link_util, ctx.link_bandwidth, ctx.default_bandwidth
         exp = math.exp
-        for (link, level), moved in link_bytes.items():
-            capacity = bandwidth.get(link, default)
+        for tally, moved in zip(touched, pending, strict=True):
+            tally.slot = -1
+            capacity = bandwidth.get(tally.link, default)
             sample = moved / elapsed / capacity if elapsed > 0 and capacity > 0 else 0.0
-            levels = link_util.get(link)
-            if levels is None:
-                levels = link_util[link] = {}
-            entry = levels.get(level)
+            entry = tally.entry
             if entry is None:
                 util = 0.0
             else:
@@ -344,11 +374,12 @@ class TrafficMeter:
                 if start - since > 0:  # the decay: ewma_step towards 0, the same product
                     util = util * exp(-(start - since) / window)
             util = sample + (util - sample) * factor if elapsed > 0 else util
-            if entry is None:
-                levels[level] = [util, now]
+            if entry is None:  # the (link, level)'s first bytes: its entry from now on
+                tally.entry = link_util.setdefault(tally.link, {})[tally.level] = [util, now]
             else:
                 entry[0], entry[1] = util, now
-        link_bytes.clear()
+        touched.clear()
+        pending.clear()
 
     def link_load(self, link: str) -> float:
         """Windowed utilization of ``link`` by the scheduled flows (0 when never seen)."""
@@ -389,7 +420,27 @@ class TrafficMeter:
 _UNPLACED = 1 << 20
 
 
-def _file_under(record: list[Any], flow: Flow, level: int) -> None:
-    """File ``flow``'s next bytes under ``level``: a meter record's level and its (link, level)
-    keys (built once per level, not per report)."""
-    record[2], record[3] = level, tuple([(link, level) for link in flow.links])
+class _Counted:
+    """A metered flow: when it was last counted, its bytes sent then, the level its bytes are
+    filed under (None: not yet) and the (link, level) tallies of that level."""
+
+    __slots__ = ("counted_at", "level", "sent", "tallies")
+
+    def __init__(self, counted_at: float, sent: int) -> None:
+        self.counted_at = counted_at
+        self.sent = sent
+        self.level: int | None = None
+        self.tallies: tuple[_Tally, ...] = ()
+
+
+class _Tally:
+    """One (link, level): its slot in the meter's pending bytes until the next update (-1:
+    none since the last) and its utilization entry in the meter (None until its first bytes)."""
+
+    __slots__ = ("entry", "level", "link", "slot")
+
+    def __init__(self, link: str, level: int) -> None:
+        self.link = link
+        self.level = level
+        self.slot = -1
+        self.entry: list[float] | None = None
