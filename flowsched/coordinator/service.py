@@ -451,12 +451,13 @@ class Coordinator:
 
     def _flows(self, node: str, message: Flows) -> None:
         state = self.state
+        now = time.time()  # one instant for the frame's opens and closes
         if message.opens:
-            state.open_flows(node, message.opens, time.time())
+            state.open_flows(node, message.opens, now)
         if message.progress_ids:
             state.progress(node, message.progress_ids, message.progress_sent)
         if message.closes:
-            state.close_flows(node, message.closes, time.time())
+            state.close_flows(node, message.closes, now)
 
     def _settle_resyncs_soon(self) -> None:
         # A resync burst (every agent of a new leader at once) is re-evaluated once it pauses

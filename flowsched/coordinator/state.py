@@ -133,6 +133,7 @@ class ClusterState:
         self.link_bandwidth: dict[str, float] = {}
         self.link_load: dict[str, float] = {}
         self.default_bandwidth = default_bandwidth
+        self._context: Context | None = None  # the last context(), for its instant
         self.dirty: set[int] = set()
         #: flows with progress reports since the last flush (see ``_observe``)
         self.progressed: set[int] = set()
@@ -153,10 +154,14 @@ class ClusterState:
         self._ids = itertools.count(1)
 
     def context(self, now: float) -> Context:
-        """The policy's view of the cluster at ``now`` (shares the live dicts, no copies)."""
-        return Context(
-            now, self.job_index, self.link_bandwidth, self.link_load, self.default_bandwidth
-        )
+        """The policy's view of the cluster at ``now`` (shares the live dicts, no copies; the
+        same object for the same instant: a frame's events and a flush's steps share one)."""
+        ctx = self._context
+        if ctx is None or ctx.now != now:
+            ctx = self._context = Context(
+                now, self.job_index, self.link_bandwidth, self.link_load, self.default_bandwidth
+            )
+        return ctx
 
     # -- events ------------------------------------------------------------------------------
 

@@ -130,15 +130,20 @@ def mlu(remaining: float, time_left: float, bandwidth: float, load: float) -> fl
     return remaining / residual
 
 
-@dataclass(slots=True)
 class _Urgency:
-    """An explicit flow's urgency at one instant: MLU, and the inputs it came from."""
+    """An explicit flow's urgency at one instant: MLU, and the inputs it came from (a plain
+    class: a dataclass's generated ``__init__`` stays interpreted when mypyc compiles this)."""
 
-    value: float
-    remaining: float
-    time_left: float
-    bandwidth: float
-    rho: float
+    __slots__ = ("bandwidth", "remaining", "rho", "time_left", "value")
+
+    def __init__(
+        self, value: float, remaining: float, time_left: float, bandwidth: float, rho: float
+    ) -> None:
+        self.value = value
+        self.remaining = remaining
+        self.time_left = time_left
+        self.bandwidth = bandwidth
+        self.rho = rho
 
 
 class RmlqPolicy:
