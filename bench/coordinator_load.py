@@ -82,7 +82,7 @@ from flowsched.protocol import (
     frame,
     write_token,
 )
-from flowsched.testbed.procstat import memory_mib, running_cpu_seconds
+from flowsched.testbed.procstat import cpu_times, memory_mib, running_cpu_seconds, steal_share
 from flowsched.testbed.simagent import (
     CLASS_MIX,
     HEARTBEAT,
@@ -357,26 +357,6 @@ def preemptions(pid: int) -> int:
     """Times the kernel took the CPU away from the coordinator (involuntary switches)."""
     status = Path(f"/proc/{pid}/status").read_text()
     return int(re.search(r"nonvoluntary_ctxt_switches:\s+(\d+)", status)[1])  # type: ignore[index]
-
-
-def cpu_times() -> list[int]:
-    """The machine's CPU time so far per state (/proc/stat: user nice system idle iowait irq
-    softirq steal ...), in clock ticks; [] where there is no /proc/stat."""
-    try:
-        with open("/proc/stat") as stat:
-            return [int(field) for field in stat.readline().split()[1:]]
-    except OSError:
-        return []
-
-
-def steal_share(before: list[int], after: list[int]) -> float:
-    """Share of the machine's CPU time between two ``cpu_times()`` that the hypervisor gave to
-    others (steal): time a virtual CPU was runnable and did not run. Wall-clock latencies
-    include it; the coordinator's own CPU time does not. NaN where not reported."""
-    if len(before) < 8 or len(after) < 8:
-        return math.nan
-    spent = [now - then for then, now in zip(before, after, strict=False)]
-    return spent[7] / sum(spent) if sum(spent) > 0 else math.nan
 
 
 def quantile(before: Scrape, after: Scrape, q: float, histogram: str = "latency") -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import shlex
 import sys
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from flowsched.data import data_path
 from flowsched.metrics import RunMetrics, RunRecords
 from flowsched.sim.run import IDEAL_PRIVATE
 from flowsched.testbed import netns, replay, report, runner
+from flowsched.testbed.procstat import cpu_times, steal_share
 from flowsched.testbed.trace import ScenarioParams, Trace, Transfer, generate
 
 #: the benchmark's scenario.toml and policies/ (package data; bench/contention links to it)
@@ -114,6 +116,7 @@ def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.Polic
     extra += len(options.sim_policies)
     progress = Progress(len(traces) * (len(options.policies) * steps + extra))
     results = [report.PolicyResult(name, None, RunMetrics()) for name in options.policies]
+    steal = math.nan
     sim_only = [report.PolicyResult(name, None, RunMetrics()) for name in options.sim_policies]
     if reason is not None or options.simulate_only:
         for trace in traces:
@@ -122,7 +125,9 @@ def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.Polic
                 result.seeds.append(report.SeedRun(trace.seed, sim))
         mode = "simulator only" + (f" ({reason})" if reason else "")
     else:
+        machine = cpu_times()
         _testbed(options, traces, results, progress)
+        steal = steal_share(machine, cpu_times())
         mode = "testbed + simulator replay"
     for trace in traces:  # cheap: after the testbed, so a long replay never delays it
         for result in sim_only:
@@ -134,6 +139,8 @@ def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.Polic
     for result in results:
         result.pool()
     meta = _meta(options, traces, mode, results)
+    if not math.isnan(steal):
+        meta["steal"] = round(steal, 4)
     paths = report.write(results, meta, options.out)
     print(report.render_table(report.table_rows(results)), file=stream)
     for line in report.headline(results):
@@ -147,6 +154,12 @@ def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.Polic
         print(
             f"promotion latency: median {promo['median'] * 1e3:.1f} ms "
             f"(p90 {promo['p90'] * 1e3:.1f} ms, n={promo['count']})",
+            file=stream,
+        )
+    if not math.isnan(steal):  # a stolen millisecond delays every packet and promotion
+        print(
+            f"the hypervisor stole {steal:.1%} of the machine's CPU time during the testbed runs"
+            " (/proc/stat)",
             file=stream,
         )
     print("wrote " + ", ".join(str(p) for p in paths), file=stream)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -33,3 +34,23 @@ def memory_mib(pid: int) -> tuple[float, float]:
         found = re.search(rf"^{key}:\s+(\d+) kB", status, re.MULTILINE)
         values.append(int(found[1]) / 1024 if found else float("nan"))
     return values[0], values[1]
+
+
+def cpu_times() -> list[int]:
+    """The machine's CPU time so far per state (/proc/stat: user nice system idle iowait irq
+    softirq steal ...), in clock ticks; [] where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            return [int(field) for field in stat.readline().split()[1:]]
+    except OSError:
+        return []
+
+
+def steal_share(before: list[int], after: list[int]) -> float:
+    """Share of the machine's CPU time between two ``cpu_times()`` that the hypervisor gave to
+    others (steal): time a virtual CPU was runnable and did not run. Wall-clock latencies
+    include it; the coordinator's own CPU time does not. NaN where not reported."""
+    if len(before) < 8 or len(after) < 8:
+        return math.nan
+    spent = [now - then for then, now in zip(before, after, strict=False)]
+    return spent[7] / sum(spent) if sum(spent) > 0 else math.nan

@@ -51,6 +51,9 @@ def test_bench_contention_smoke(tmp_path: Path) -> None:
         assert (out / name).stat().st_size > 0, name
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["mode"] == "testbed + simulator replay"
+    # the share of CPU time the hypervisor took during the testbed runs (0 on bare metal)
+    assert 0.0 <= data["meta"]["steal"] < 1.0
+    assert "the hypervisor stole " in proc.stdout
     # the main rows ran on the real coordinator, agents, SDK and the NCCL plugin for TP
     assert data["meta"]["control"] == "agent"
     for policy in ("fair", "rmlq"):

@@ -292,6 +292,34 @@ def test_procstat_reads_this_process_and_knows_an_exited_one() -> None:
         procstat.running_cpu_seconds(dead.pid)
 
 
+@pytest.mark.parametrize(
+    ("before", "after", "share"),
+    [
+        ([0] * 8, [10, 0, 0, 70, 0, 0, 0, 20], 0.2),  # user 10, idle 70, steal 20 of 100 ticks
+        ([5, 0, 5, 5, 0, 0, 0, 5, 0, 0], [15, 0, 5, 5, 0, 0, 0, 5, 0, 0], 0.0),  # no steal
+        ([0] * 8, [0] * 8, None),  # no time passed
+        ([], [1] * 8, None),  # no /proc/stat
+        ([0] * 7, [1] * 7, None),  # a kernel that reports no steal column
+    ],
+)
+def test_steal_share_is_stolen_ticks_over_all_ticks(
+    before: list[int], after: list[int], share: float | None
+) -> None:
+    from flowsched.testbed.procstat import steal_share
+
+    got = steal_share(before, after)
+    assert (got != got) if share is None else got == pytest.approx(share)
+
+
+def test_the_machine_cpu_times_include_a_steal_column() -> None:
+    from flowsched.testbed.procstat import cpu_times
+
+    times = cpu_times()
+    if not times:
+        pytest.skip("no /proc/stat on this system")
+    assert len(times) >= 8 and all(t >= 0 for t in times)
+
+
 def test_report_scores_attainment_and_collectives_jointly() -> None:
     """The bound first, oracles last; rmlq's attainment, collective time and top-level share
     are stated next to edf's, and 'both' only when rmlq wins attainment without slower TP."""
