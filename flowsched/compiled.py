@@ -65,10 +65,13 @@ def is_compiled() -> bool:
 def build_tree(repo: Path, cache: Path) -> Path:
     """A copy of ``repo``'s flowsched package with :data:`MODULES` compiled in place.
 
-    For benchmarks and tests that run the compiled build next to the editable (interpreted)
-    one: put the returned folder first on ``PYTHONPATH`` (and use it as the working
-    directory). The tree is keyed by a hash of every source file of the package and the
-    mypy version, so a stale build is never reused; building takes about half a minute.
+    For benchmarks that run the compiled build next to the editable (interpreted) one: put
+    the returned folder first on ``PYTHONPATH`` (and use it as the working directory). The
+    tree is keyed by a hash of every source file of the package and the mypy version, so a
+    stale build is never reused; building takes about half a minute.
+
+    Raises:
+        RuntimeError: mypy is missing, or mypyc or the C compiler failed (their output).
     """
     source = repo / "flowsched"
     files = sorted(p for p in source.rglob("*.py") if "__pycache__" not in p.parts)
@@ -92,7 +95,7 @@ def build_tree(repo: Path, cache: Path) -> Path:
         " script_args=['build_ext', '--inplace'])"
     )
     built = subprocess.run(
-        [sys.executable, "-c", build], cwd=staging, capture_output=True, text=True
+        [sys.executable, "-c", build], cwd=staging, capture_output=True, text=True, timeout=900
     )
     if built.returncode != 0:
         raise RuntimeError(f"mypyc failed ({built.returncode}):\n{built.stdout}{built.stderr}")
