@@ -315,9 +315,15 @@ class Scrape:
     when: float
 
 
+def metrics_text(address: str, timeout: float = 300) -> str:
+    """The coordinator's /metrics page at ``address``."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout) as response:
+        text: str = response.read().decode()
+    return text
+
+
 def scrape(address: str, pid: int) -> Scrape:
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=300) as response:
-        text = response.read().decode()
+    text = metrics_text(address)
 
     def total(pattern: str) -> float:
         return sum(float(v) for v in re.findall(pattern + r" ([0-9.e+-]+)\n", text))
@@ -345,8 +351,7 @@ def scrape(address: str, pid: int) -> Scrape:
 
 def check_build(address: str, build: str) -> None:
     """Fail unless the coordinator at ``address`` runs ``build`` (its flowsched_build_info)."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=60) as response:
-        text = response.read().decode()
+    text = metrics_text(address, timeout=60)
     found = re.search(r'flowsched_build_info\{[^}]*compiled="(true|false)"', text)
     runs = None if found is None else ("compiled" if found[1] == "true" else "interpreted")
     if runs != build:

@@ -222,7 +222,7 @@ class ClusterState:
         table = self.by_node.get(node, {})
         flows = self.flows
         dirty = self.dirty if self._observe is None else self.progressed
-        for wire_id, sent_now in zip(ids, sent, strict=True):
+        for wire_id, sent_now in zip(ids, sent, strict=False):  # lengths checked above
             fid = table.get(wire_id)
             if fid is not None:
                 flow = flows[fid]

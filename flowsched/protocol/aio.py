@@ -17,6 +17,7 @@ from flowsched.protocol._messages import (
     PROTOCOL_VERSION,
     Challenge,
     Error,
+    Hello,
     Message,
     Welcome,
 )
@@ -171,8 +172,7 @@ async def _connect_once(
 
 
 async def _handshake(link: AgentLink, node: str, timeout: float) -> Welcome:
-    link._writer.write(link._conn.hello(node))
-    await link._writer.drain()
+    await link.send(Hello(link.version, node))
     try:
         challenge = await link.recv(timeout)
         if not isinstance(challenge, Challenge):
