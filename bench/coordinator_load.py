@@ -14,8 +14,10 @@ open 10 flows each (a class mix of tp, experience, param_sync, kv and bulk), the
   interpolation inside its buckets), and /proc gives its resident memory.
 
 Both phases run for each mode, side by side: "batched" (each agent frame carries its 10
-reports, the coordinator runs the policy once per event-loop turn) and the baseline
-"unbatched" (one event per frame, the policy run after every frame, ``--no-batch``); and for
+reports, the coordinator runs the policy once per event-loop turn, and at the latest once a
+batch's first frame has waited 1 ms, its default ``--max-batch-delay``), the baseline
+"per-turn" (the same without that bound: once per turn only) and the baseline "unbatched" (one
+event per frame, the policy run after every frame, ``--no-batch``); and for
 each promotion scheme of ``--promotion``: "timers" (each deadline flow re-evaluated when the
 policy's next promotion time for it comes) and the baseline "sweep" (every deadline flow
 re-evaluated each timer period). The ratios are printed at the end. Each latency point
@@ -33,7 +35,7 @@ profiles one paced load alone.
 
 Usage:
     .venv/bin/python bench/coordinator_load.py [--agents 1000] [--flows 10] [--duration 5]
-        [--rates 10000,30000,100000] [--policy FILE] [--modes batched,unbatched]
+        [--rates 10000,30000,100000] [--policy FILE] [--modes batched,per-turn,unbatched]
         [--promotion sweep,timers] [--per-flow-policy auto|yes|no]
         [--phases throughput,latency] [--progress-form maps,packed] [--profile] [--json OUT]
 
@@ -97,6 +99,8 @@ REPO = Path(__file__).resolve().parents[1]
 DRAIN_TIMEOUT = 120.0
 #: a latency point whose generator sent less than this share of the rate asked for is flagged
 GENERATOR_SHORTFALL = 0.95
+#: the coordinator's modes (see the module docstring)
+MODES = ("batched", "per-turn", "unbatched")
 #: the paced generator's shortest sleep: the event loop's timers have 1 ms resolution, so a
 #: shorter one fires at the next loop turn and the generator spins (at 100,000 events/s that
 #: took most of its core); what falls due meanwhile is sent at the next wake-up, at most one
@@ -446,7 +450,7 @@ class CoordinatorProcess:
         self,
         args: argparse.Namespace,
         workdir: Path,
-        batched: bool,
+        mode: str,
         promotion: str,
         tree: Path | None,
     ) -> None:
@@ -455,7 +459,7 @@ class CoordinatorProcess:
         self.token = (token_path.read_bytes()).strip()
         command = [sys.executable]
         if args.profile:
-            command += ["-m", "cProfile", "-o", str(workdir / f"coordinator-{batched}.prof")]
+            command += ["-m", "cProfile", "-o", str(workdir / f"coordinator-{mode}.prof")]
         command += ["-m", "flowsched", "coordinator", "--listen", "127.0.0.1:0",
                     "--metrics-port", "0", "--token-file", str(token_path),
                     "--log-level", "WARNING",
@@ -464,8 +468,10 @@ class CoordinatorProcess:
                     "--idle-timeout", "60"]  # fmt: skip
         if args.policy:
             command += ["--policy", args.policy]
-        if not batched:
+        if mode == "unbatched":
             command.append("--no-batch")
+        elif mode == "per-turn":
+            command += ["--max-batch-delay", "inf"]
         command += ["--promotion", promotion]
         if args.per_flow_policy != "auto":
             command += ["--per-flow-policy", args.per_flow_policy]
@@ -502,13 +508,14 @@ class CoordinatorProcess:
 
 async def run_mode(
     args: argparse.Namespace,
-    batched: bool,
+    mode: str,
     promotion: str,
     workdir: Path,
     tree: Path | None,
     form: str = "packed",
 ) -> ModeResult:
-    coordinator = CoordinatorProcess(args, workdir, batched, promotion, tree)
+    coordinator = CoordinatorProcess(args, workdir, mode, promotion, tree)
+    batched = mode != "unbatched"  # whether each frame carries an agent's 10 reports
     pid = coordinator.process.pid
     agents: list[SimAgent] = []
     listeners: list[asyncio.Task[None]] = []
@@ -528,7 +535,7 @@ async def run_mode(
             listeners.append(asyncio.create_task(agent.listen()))
             return agent
 
-        mode = f"{'batched' if batched else 'unbatched'}/{promotion}"
+        mode = f"{mode}/{promotion}"
         build = "compiled" if tree is not None else "interpreted"
         await asyncio.to_thread(check_build, coordinator.metrics, build)
         log(f"{build} {mode}, progress as {form}: connecting {args.agents} agents")
@@ -751,10 +758,14 @@ def compare_forms(results: list[ModeResult]) -> None:
 
 
 def compare_modes(build: str, results: list[ModeResult]) -> None:
-    """The batched / unbatched and timers / sweep ratios of one build."""
+    """The batched / unbatched, batched / per-turn and timers / sweep ratios of one build."""
     by_mode = {r.mode: r for r in results}
     promotions = sorted({r.mode.split("/")[1] for r in results})
     for promotion in promotions:
+        bounded = by_mode.get(f"batched/{promotion}")
+        per_turn = by_mode.get(f"per-turn/{promotion}")
+        if bounded and per_turn:
+            compare_batch_delay(build, promotion, bounded, per_turn)
         batched = by_mode.get(f"batched/{promotion}")
         unbatched = by_mode.get(f"unbatched/{promotion}")
         if batched and unbatched:
@@ -772,6 +783,21 @@ def compare_modes(build: str, results: list[ModeResult]) -> None:
             print(f"  {fast.nominal_rate:>8.0f} events/s: p99 {fast.p99_ms:.2f} ms vs "
                   f"{slow.p99_ms:.2f} ms ({slow.p99_ms / max(fast.p99_ms, 1e-9):.1f}x lower), "
                   f"p50 {fast.p50_ms:.2f} vs {slow.p50_ms:.2f} ms")  # fmt: skip
+
+
+def compare_batch_delay(
+    build: str, promotion: str, bounded: ModeResult, per_turn: ModeResult
+) -> None:
+    """Batches flushed after 1 ms at the latest vs once per loop turn: CPU per event, and at
+    each rate the coordinator's p99 and the churn opens' end-to-end p99."""
+    per_cpu = bounded.events_per_cpu_second / max(per_turn.events_per_cpu_second, 1e-9)
+    print(f"\n{build}, batched (1 ms bound) / per-turn ({promotion}): {per_cpu:.2f}x events per "
+          "CPU-second at saturation")  # fmt: skip
+    for new, old in zip(bounded.latency, per_turn.latency, strict=False):
+        print(f"  {new.nominal_rate:>8.0f} events/s: p99 {new.p99_ms:.2f} ms vs {old.p99_ms:.2f} "
+              f"ms, churn opens end to end p99 {new.open_p99_ms:.2f} vs {old.open_p99_ms:.2f} ms, "
+              f"coordinator CPU {new.coordinator_cpu:.2f} vs {old.coordinator_cpu:.2f}, "
+              f"steal {new.steal:.1%} / {old.steal:.1%}")  # fmt: skip
 
 
 def compare_builds(results: list[ModeResult]) -> None:
@@ -802,7 +828,11 @@ def main() -> int:
         help="offered loads (events/s, comma-separated) of the latency phases",
     )  # fmt: skip
     parser.add_argument("--policy", help="policy file (default: the embedded default, RMLQ)")
-    parser.add_argument("--modes", default="batched,unbatched")
+    parser.add_argument(
+        "--modes", default="batched,per-turn,unbatched",
+        help="coordinator modes to run side by side (comma-separated): batched (the default"
+        " service), per-turn (batched without --max-batch-delay's bound), unbatched",
+    )  # fmt: skip
     parser.add_argument(
         "--promotion", default="sweep,timers",
         help="promotion schemes to run side by side (comma-separated: sweep, timers)",
@@ -846,6 +876,9 @@ def main() -> int:
     args.phases = set(args.phases.split(","))
     if not args.phases <= {"throughput", "latency"}:
         parser.error(f"--phases: expected throughput and/or latency, got {sorted(args.phases)}")
+    modes = args.modes.split(",")
+    if not set(modes) <= set(MODES):
+        parser.error(f"--modes: expected some of {', '.join(MODES)}, got {modes}")
     builds = args.build.split(",")
     if not set(builds) <= {"interpreted", "compiled"}:
         parser.error(f"--build: expected interpreted and/or compiled, got {builds}")
@@ -859,17 +892,16 @@ def main() -> int:
     loop_factory = prepare_load_generator(args.loadgen_cpu)
     results = []
     with tempfile.TemporaryDirectory(prefix="fsD-bench-") as tmp:
-        runs = itertools.product(builds, args.modes.split(","), args.promotion.split(","), forms)
+        runs = itertools.product(builds, modes, args.promotion.split(","), forms)
         for index, (build, mode, promotion, form) in enumerate(runs):
             workdir = Path(tmp) / f"{index}-{build}-{mode}-{promotion}-{form}"
             workdir.mkdir()
             with asyncio.Runner(loop_factory=loop_factory) as runner:
-                batched = mode == "batched"
                 results.append(
-                    runner.run(run_mode(args, batched, promotion, workdir, trees[build], form))
+                    runner.run(run_mode(args, mode, promotion, workdir, trees[build], form))
                 )
                 if args.profile:
-                    print_profile(workdir / f"coordinator-{batched}.prof")
+                    print_profile(workdir / f"coordinator-{mode}.prof")
     report(results)
     if args.json:
         rows = [{**asdict(r), "events_per_cpu_second": r.events_per_cpu_second} for r in results]

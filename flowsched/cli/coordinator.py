@@ -45,6 +45,11 @@ def register(sub: Any) -> None:
         "--no-batch", action="store_true", help="run the policy per message (benchmark baseline)"
     )
     parser.add_argument(
+        "--max-batch-delay", type=float, default=0.001, metavar="S",
+        help="flush a batch of events once it has been collecting for S seconds, even within"
+        " one event-loop turn (default 0.001; inf: once per turn, the benchmark baseline)",
+    )  # fmt: skip
+    parser.add_argument(
         "--per-flow-policy", choices=["auto", "yes", "no"], default="auto",
         help="yes: the policy decides each flow on its own, so events re-evaluate only the flows"
         " they touch (true of rmlq with red_tiers = 1, sjf, fair, static); auto: ask the policy",
@@ -89,6 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         config = CoordinatorConfig.from_policy_file(
             args.policy, token, host=host, port=port, metrics_host=metrics_host,
             metrics_port=metrics_port, batching=not args.no_batch, on_ready=_print_ready,
+            max_batch_delay=args.max_batch_delay,
             idle_timeout=args.idle_timeout, handshake_timeout=args.handshake_timeout,
             per_flow_decisions={"auto": None, "yes": True, "no": False}[args.per_flow_policy],
             promotion=args.promotion, rebuild_batching=not args.no_rebuild_batching,
@@ -118,7 +124,7 @@ def preflight(config: CoordinatorConfig) -> None:
 def _flag_named(message: str) -> str:
     """A config error names the field (``idle_timeout: ...``): name the flag instead."""
     field, sep, rest = message.partition(":")
-    if sep and field in ("idle_timeout", "handshake_timeout"):
+    if sep and field in ("idle_timeout", "handshake_timeout", "max_batch_delay"):
         return f"--{field.replace('_', '-')}:{rest}"
     return message
 

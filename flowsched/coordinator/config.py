@@ -59,6 +59,11 @@ class CoordinatorConfig:
     #: every agent of a large cluster reconnecting at once (a coordinator takeover).
     max_unauthenticated: int = 2048
     batching: bool = True
+    #: a batch of events is flushed (policy run, level updates queued) once it has been
+    #: collecting for this long since its first frame was handled, even in the middle of an
+    #: event-loop turn; ``math.inf``: once per turn only (the baseline of
+    #: bench/coordinator_load.py)
+    max_batch_delay: float = 1e-3 * SECONDS
     #: resyncs (a new leader's rebuild) are re-evaluated once per burst, not per loop turn;
     #: False is the baseline of bench/takeover.py
     rebuild_batching: bool = True
@@ -98,6 +103,9 @@ class CoordinatorConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name}: expected a finite number of seconds > 0, got {value!r}")
+        delay = self.max_batch_delay
+        if not (isinstance(delay, int | float) and delay >= 0 and not math.isnan(delay)):
+            raise ValueError(f"max_batch_delay: expected seconds >= 0 or inf, got {delay!r}")
         if self.idle_timeout <= self.heartbeat_interval:
             raise ValueError(
                 f"idle_timeout: {self.idle_timeout:g} s must exceed the heartbeat interval "

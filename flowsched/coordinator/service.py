@@ -4,7 +4,10 @@ Event handling is batched per event-loop turn: every decoded message updates the
 :class:`~flowsched.coordinator.state.ClusterState` at once (cheap), and the first one after a
 flush schedules the next flush with ``call_soon``. By then the loop has handled every read
 that was ready in the same turn, so one policy run covers all of them and each agent gets at
-most one ``levels`` frame per turn. A periodic timer (the policy's ``timer_period``) queues
+most one ``levels`` frame per turn. A turn that finds hundreds of agents readable (a burst,
+or a backlog after a busy spell) would hold its first frames' decisions until it has handled
+them all, so a batch is also flushed once it has been collecting for ``max_batch_delay``
+(1 ms by default). A periodic timer (the policy's ``timer_period``) queues
 every flow with a deadline for re-evaluation; per-flow policies take that sweep in chunks so
 that an event never waits behind a whole pass over the table. When a sweep is still running at
 the next tick, the tick is skipped (counted as an overrun): the effective period stretches.
@@ -148,6 +151,8 @@ class Coordinator:
         self.sessions: dict[str, AgentConnection] = {}
         self._expiry: dict[str, asyncio.TimerHandle] = {}
         self._arrivals: list[float] = []
+        #: perf_counter() when the first frame of the batch in ``_arrivals`` was handled
+        self._batch_started = 0.0
         self._flush_scheduled = False
         #: promotion timers: when the timer loop wakes next (wall clock; inf while it runs), and
         #: how a flush that armed an earlier timer wakes it
@@ -443,11 +448,18 @@ class Coordinator:
             state.resync(node, message.opens, time.time(), defer=self.config.rebuild_batching)
             if self.config.rebuild_batching:
                 self._settle_resyncs_soon()
-        self._arrivals.append(arrival)
-        if self.config.batching:
-            self._schedule_flush()
-        else:
+        arrivals = self._arrivals
+        if not self.config.batching:
+            arrivals.append(arrival)
             self._flush(sweep=False)  # the timer sweep still advances once per loop turn
+            return
+        now = time.perf_counter()
+        if not arrivals:
+            self._batch_started = now
+        arrivals.append(arrival)
+        self._schedule_flush()
+        if now - self._batch_started >= self.config.max_batch_delay:
+            self._flush(sweep=False)  # a long turn: this batch's decisions go out now
 
     def _flows(self, node: str, message: Flows) -> None:
         state = self.state

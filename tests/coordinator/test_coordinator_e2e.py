@@ -325,13 +325,20 @@ def test_refuses_to_start_with_a_group_readable_token(tmp_path: Path) -> None:
     assert "lets group/other access it" in result.stderr
 
 
-def test_refuses_an_idle_timeout_below_the_heartbeat_interval(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        pytest.param("--idle-timeout", "0.1", id="idle-timeout-below-the-heartbeat-interval"),
+        pytest.param("--max-batch-delay", "-1", id="negative-max-batch-delay"),
+    ],
+)
+def test_refuses_a_timing_that_cannot_work_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
 ) -> None:
     from flowsched.cli import main
 
     write_token(tmp_path / "token")
     args = ["coordinator", "--token-file", str(tmp_path / "token"), "--listen", "127.0.0.1:0",
-            "--metrics-port", "0", "--idle-timeout", "0.1"]  # fmt: skip
+            "--metrics-port", "0", flag, value]  # fmt: skip
     assert main(args) == 2
-    assert "--idle-timeout" in capsys.readouterr().err
+    assert f"{flag}:" in capsys.readouterr().err

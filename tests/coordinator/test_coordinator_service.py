@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import re
 import time
 import urllib.request
@@ -245,6 +246,43 @@ async def test_unbatched_mode_gives_the_same_decisions() -> None:
             await link.close()
 
 
+@pytest.mark.parametrize(
+    ("max_batch_delay", "busy", "flushed_in_turn"),
+    [
+        pytest.param(60.0, 0.0, 0, id="short-batch-waits-for-the-turn"),
+        pytest.param(0.001, 0.003, 2, id="long-batch-flushed-mid-turn"),
+        pytest.param(0.0, 0.0, 2, id="zero-delay-flushes-every-frame"),
+        pytest.param(math.inf, 0.003, 0, id="inf-once-per-turn"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_a_batch_is_flushed_once_it_has_collected_for_max_batch_delay(
+    max_batch_delay: float, busy: float, flushed_in_turn: int
+) -> None:
+    """Two frames in one loop turn, ``busy`` seconds of work apart: without yielding to the
+    loop the scheduled per-turn flush cannot run, so a decision observed before the turn ends
+    was flushed by the delay bound."""
+    from coordinator_helpers import BytesPolicy
+    from prometheus_client import CollectorRegistry
+
+    from flowsched.coordinator import CoordinatorConfig
+
+    config = CoordinatorConfig(
+        token=TOKEN, policy_factory=BytesPolicy, max_batch_delay=max_batch_delay
+    )
+    coordinator = Coordinator(config, registry=CollectorRegistry())
+    latency = coordinator.live.decision_latency
+    coordinator.handle("n1", Flows(opens=(_open(1),)), time.perf_counter())
+    until = time.perf_counter() + busy
+    while time.perf_counter() < until:  # the turn's other work (no yield to the loop)
+        pass
+    coordinator.handle("n1", Flows(opens=(_open(2),)), time.perf_counter())
+    assert len(coordinator.state.flows) == 2
+    assert latency.count == flushed_in_turn
+    await asyncio.sleep(0)  # the loop turn ends: the scheduled flush takes the rest
+    assert latency.count == 2
+
+
 @pytest.mark.asyncio
 async def test_frames_pipelined_right_after_auth_are_handled_without_more_data() -> None:
     async with running_coordinator() as coordinator:
@@ -323,6 +361,8 @@ async def test_a_replaced_connection_is_told_why(caplog: pytest.LogCaptureFixtur
         pytest.param({"heartbeat_interval": 0.0}, "heartbeat_interval", id="zero-heartbeat"),
         pytest.param({"idle_timeout": float("nan")}, "idle_timeout", id="nan-idle"),
         pytest.param({"handshake_timeout": float("inf")}, "handshake_timeout", id="inf-handshake"),
+        pytest.param({"max_batch_delay": -0.001}, "max_batch_delay", id="negative-batch-delay"),
+        pytest.param({"max_batch_delay": float("nan")}, "max_batch_delay", id="nan-batch-delay"),
     ],
 )
 def test_config_refuses_timeouts_that_cannot_work(overrides: dict[str, float], field: str) -> None:
