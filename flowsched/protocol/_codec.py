@@ -15,16 +15,20 @@ of ``{"id", "sent"}`` maps (protocol version 1), or ``progress_ids`` and ``progr
 two arrays of equal length (version 2, checked whole by a few C-level passes instead of per
 entry). Both decode to the same :class:`Flows`; :func:`encode_body` writes the form of the
 version it is given.
+
+Wheels compile this module with mypyc (flowsched/compiled.py), which checks annotated types
+at run time: data not yet checked is typed ``object`` or ``Any`` (:data:`_Map`), never what
+it should be, so that both builds raise the same :class:`LocalProtocolError` for a bad frame
+(tests/protocol/test_protocol_compiled.py compares them).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import operator
 from array import array
 from collections.abc import Callable
-from typing import Any, TypeGuard
+from typing import Any, Final, TypeGuard
 
 import msgpack
 
@@ -52,21 +56,26 @@ from flowsched.protocol._messages import (
 )
 from flowsched.protocol._util import LocalProtocolError
 
-U64_MAX = 2**64 - 1
-I64_MAX = 2**63 - 1
-MAX_NAME = 255  # node, job, link, request, error code
-MAX_REASON = 4096
-MAX_LINKS = 64
-MAX_LEVEL = 255
+U64_MAX: Final = 2**64 - 1
+I64_MAX: Final = 2**63 - 1
+MAX_NAME: Final = 255  # node, job, link, request, error code
+MAX_REASON: Final = 4096
+MAX_LINKS: Final = 64
+MAX_LEVEL: Final = 255
 #: progress reports per ``flows`` frame, either form (an agent splits larger batches)
-MAX_PROGRESS = 8192
-NONCE_SIZE = 32
-MAC_SIZE = 32
+MAX_PROGRESS: Final = 8192
+NONCE_SIZE: Final = 32
+MAC_SIZE: Final = 32
 
-_MISSING = object()
-_CLASSES = {c.label: c for c in FlowClass}
+#: A decoded msgpack map before its checks: str keys, or bytes ones (``bin`` keys pass
+#: ``strict_map_key``), and any values. Never annotate unchecked data more narrowly: the
+#: compiled build (flowsched/compiled.py) checks annotated types at run time, and a wrong
+#: claim would raise TypeError where the decoder must name the bad field.
+_Map = dict[Any, Any]
+_MISSING: Final = object()
+_CLASSES: Final = {c.label: c for c in FlowClass}
 #: optional fields left out of a frame when 0 (the leadership epoch and etcd cluster id)
-_ZERO_MEANS_ABSENT = ("epoch", "cluster")
+_ZERO_MEANS_ABSENT: Final = ("epoch", "cluster")
 
 
 def is_name(value: object, max_len: int = MAX_NAME) -> TypeGuard[str]:
@@ -89,7 +98,7 @@ class _Fields:
     def __init__(self, data: object, path: str, known: frozenset[str]) -> None:
         if type(data) is not dict:
             raise _bad(path, "a map", data)
-        self._data: dict[str, Any] = data
+        self._data: _Map = data
         self._known = known
         self._path = path
         self._seen = 0
@@ -177,12 +186,12 @@ def _known(cls: type) -> frozenset[str]:
     return frozenset(field.name for field in dataclasses.fields(cls))
 
 
-_OPEN_FIELDS = _known(FlowOpen)
-_PROGRESS_FIELDS = frozenset(("id", "sent"))
-_CLOSE_FIELDS = _known(FlowClose)
-_NIC_FIELDS = _known(NicLoadEntry)
-_UPDATE_FIELDS = _known(LevelUpdate)
-_MESSAGE_FIELDS = {t: _known(cls) | {"t"} for t, cls in MESSAGE_TYPES.items()}
+_OPEN_FIELDS: Final = _known(FlowOpen)
+_PROGRESS_FIELDS: Final = frozenset(("id", "sent"))
+_CLOSE_FIELDS: Final = _known(FlowClose)
+_NIC_FIELDS: Final = _known(NicLoadEntry)
+_UPDATE_FIELDS: Final = _known(LevelUpdate)
+_MESSAGE_FIELDS: Final = {t: _known(cls) | {"t"} for t, cls in MESSAGE_TYPES.items()}
 _MESSAGE_FIELDS[Flows.TYPE] |= {"progress"}  # the map form of the progress arrays
 
 
@@ -223,41 +232,41 @@ def _link_name(item: object, path: str) -> str:
     raise _bad(path, f"a printable link name of 1..{MAX_NAME} characters", item)
 
 
-_new = object.__new__
-_set_close_id = vars(FlowClose)["id"].__set__
-_set_close_sent = vars(FlowClose)["sent"].__set__
-_set_close_time = vars(FlowClose)["closed_at"].__set__
-_set_flows_opens = vars(Flows)["opens"].__set__
-_set_flows_progress_ids = vars(Flows)["progress_ids"].__set__
-_set_flows_progress_sent = vars(Flows)["progress_sent"].__set__
-_set_flows_closes = vars(Flows)["closes"].__set__
-_set_resync_opens = vars(Resync)["opens"].__set__
-_set_beat_time = vars(Heartbeat)["t_sent"].__set__
-_set_beat_epoch = vars(Heartbeat)["epoch"].__set__
-_EMPTY: tuple[()] = ()
-_INF = math.inf
-_NUMBER = (float, int)  # bool is neither (type(x) is compared, not isinstance)
-_INT_ONLY = {int}  # what set(map(type, values)) is for an array of integers (bools excluded)
+_new: Final = object.__new__
+_set_close_id: Final = vars(FlowClose)["id"].__set__
+_set_close_sent: Final = vars(FlowClose)["sent"].__set__
+_set_close_time: Final = vars(FlowClose)["closed_at"].__set__
+_set_flows_opens: Final = vars(Flows)["opens"].__set__
+_set_flows_progress_ids: Final = vars(Flows)["progress_ids"].__set__
+_set_flows_progress_sent: Final = vars(Flows)["progress_sent"].__set__
+_set_flows_closes: Final = vars(Flows)["closes"].__set__
+_set_resync_opens: Final = vars(Resync)["opens"].__set__
+_set_beat_time: Final = vars(Heartbeat)["t_sent"].__set__
+_set_beat_epoch: Final = vars(Heartbeat)["epoch"].__set__
+_EMPTY: Final[tuple[()]] = ()
+_INF: Final = math.inf
+_NUMBER: Final = (float, int)  # bool is neither (type(x) is compared, not isinstance)
+#: what set(map(type, values)) is for an array of integers (bools excluded)
+_INT_ONLY: Final = {int}
 #: an array of C uint64: filling one from Python ints raises OverflowError outside 0..U64_MAX
-_U64_ARRAY = "Q"
+_U64_ARRAY: Final = "Q"
 assert array(_U64_ARRAY).itemsize == 8
 
-# FlowOpen's fields in declaration order: one itemgetter reads them all, one setter each
-_OPEN_KEYS = tuple(field.name for field in dataclasses.fields(FlowOpen))
-_get_open = operator.itemgetter(*_OPEN_KEYS)
-_set_open_id = vars(FlowOpen)["id"].__set__
-_set_open_cls = vars(FlowOpen)["cls"].__set__
-_set_open_opened_at = vars(FlowOpen)["opened_at"].__set__
-_set_open_sent = vars(FlowOpen)["sent"].__set__
-_set_open_size = vars(FlowOpen)["size"].__set__
-_set_open_deadline = vars(FlowOpen)["deadline"].__set__
-_set_open_job = vars(FlowOpen)["job"].__set__
-_set_open_consumer_index = vars(FlowOpen)["consumer_index"].__set__
-_set_open_request = vars(FlowOpen)["request"].__set__
-_set_open_links = vars(FlowOpen)["links"].__set__
-_set_open_level = vars(FlowOpen)["level"].__set__
+# FlowOpen's fields, one setter each
+_OPEN_KEYS: Final = tuple(field.name for field in dataclasses.fields(FlowOpen))
+_set_open_id: Final = vars(FlowOpen)["id"].__set__
+_set_open_cls: Final = vars(FlowOpen)["cls"].__set__
+_set_open_opened_at: Final = vars(FlowOpen)["opened_at"].__set__
+_set_open_sent: Final = vars(FlowOpen)["sent"].__set__
+_set_open_size: Final = vars(FlowOpen)["size"].__set__
+_set_open_deadline: Final = vars(FlowOpen)["deadline"].__set__
+_set_open_job: Final = vars(FlowOpen)["job"].__set__
+_set_open_consumer_index: Final = vars(FlowOpen)["consumer_index"].__set__
+_set_open_request: Final = vars(FlowOpen)["request"].__set__
+_set_open_links: Final = vars(FlowOpen)["links"].__set__
+_set_open_level: Final = vars(FlowOpen)["level"].__set__
 #: what an optional field left out of an open reads as (nil, like the checked path)
-_OPEN_ABSENT = dict.fromkeys(
+_OPEN_ABSENT: Final = dict.fromkeys(
     ("size", "deadline", "job", "consumer_index", "request", "links", "level")
 )
 
@@ -284,9 +293,10 @@ def _fast_open(item: object) -> FlowOpen | None:
             return None
         item = {**_OPEN_ABSENT, **item}
     try:  # with every key present, len(item) equal to the field count excludes unknown keys
-        fid, label, opened_at, sent, size, deadline, job, consumer, request, links, level = (
-            _get_open(item)
-        )
+        fid, label, sent = item["id"], item["cls"], item["sent"]
+        opened_at, deadline = item["opened_at"], item["deadline"]
+        size, consumer, level = item["size"], item["consumer_index"], item["level"]
+        job, request, links = item["job"], item["request"], item["links"]
     except KeyError:
         return None
     cls = _CLASSES.get(label) if type(label) is str else None
@@ -381,7 +391,7 @@ def _packed_arrays(ids: object, sents: object) -> Progress | None:
     return tuple(ids), tuple(sents)
 
 
-def _fast_flows(data: dict[str, Any]) -> Flows | None:
+def _fast_flows(data: _Map) -> Flows | None:
     """The coordinator's hot frame, checked inline: exactly what the checked path accepts,
     built without it; None for anything unusual (the checked path then decodes it, or names
     what is wrong)."""
@@ -414,7 +424,7 @@ def _fast_flows(data: dict[str, Any]) -> Flows | None:
     return flows
 
 
-def _fast_resync(data: dict[str, Any]) -> Resync | None:
+def _fast_resync(data: _Map) -> Resync | None:
     """A resync (an agent's whole flow set, after each reconnect) checked inline like
     :func:`_fast_flows`; None for anything unusual."""
     opens = data.get("opens")
@@ -425,9 +435,9 @@ def _fast_resync(data: dict[str, Any]) -> Resync | None:
     return resync
 
 
-_FLOWS_KEYS = frozenset(("t", "opens", "progress", "closes"))
-_PACKED_FLOWS_KEYS = frozenset(("t", "opens", "progress_ids", "progress_sent", "closes"))
-_RESYNC_KEYS = frozenset(("t", "opens"))
+_FLOWS_KEYS: Final = frozenset(("t", "opens", "progress", "closes"))
+_PACKED_FLOWS_KEYS: Final = frozenset(("t", "opens", "progress_ids", "progress_sent", "closes"))
+_RESYNC_KEYS: Final = frozenset(("t", "opens"))
 
 
 def _list_or_nil(*values: object) -> bool:
@@ -460,7 +470,7 @@ def _close_entries(items: list[Any]) -> tuple[FlowClose, ...]:
     return tuple(out)
 
 
-def _fast_heartbeat(data: dict[str, Any]) -> Heartbeat | None:
+def _fast_heartbeat(data: _Map) -> Heartbeat | None:
     """A heartbeat checked inline (see :func:`_fast_flows`); None for anything unusual."""
     sent = data.get("t_sent")
     epoch = data.get("epoch", 0)
@@ -478,7 +488,7 @@ def _fast_heartbeat(data: dict[str, Any]) -> Heartbeat | None:
     return None
 
 
-_FAST_DECODERS: dict[str, Callable[[dict[str, Any]], Message | None]] = {
+_FAST_DECODERS: Final[dict[str, Callable[[_Map], Message | None]]] = {
     Flows.TYPE: _fast_flows,
     Heartbeat.TYPE: _fast_heartbeat,
     Resync.TYPE: _fast_resync,
@@ -638,7 +648,7 @@ def decode_body(body: bytes) -> Message:
     return _decode_checked(data)
 
 
-def _decode_checked(data: dict[str, Any]) -> Message:
+def _decode_checked(data: _Map) -> Message:
     """Decode a message map field by field through :class:`_Fields` (every type; the error
     names the field)."""
     kind = data.get("t")
@@ -778,10 +788,10 @@ def _peek_str(view: memoryview, pos: int) -> tuple[str | None, int]:
 
 
 #: msgpack lead bytes of fixed-size scalars -> total size (nil, bools, floats, ints)
-_FIXED_SIZES = {0xC0: 1, 0xC2: 1, 0xC3: 1, 0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5,
+_FIXED_SIZES: Final = {0xC0: 1, 0xC2: 1, 0xC3: 1, 0xCA: 5, 0xCB: 9, 0xCC: 2, 0xCD: 3, 0xCE: 5,
                 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}  # fmt: skip
 #: str and bin with a length field -> size of that field
-_SIZED = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4}
+_SIZED: Final = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4}
 
 
 def _skip_scalar(view: memoryview, pos: int) -> int:

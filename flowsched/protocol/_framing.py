@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Final
+
 from flowsched.protocol._util import LocalProtocolError
 
 #: Default maximum body size of one frame (bytes); both directions.
-DEFAULT_MAX_FRAME_SIZE = 1 << 20
+DEFAULT_MAX_FRAME_SIZE: Final = 1 << 20
 #: Maximum body size of a frame from a peer that has not authenticated yet (``hello`` and
 #: ``auth`` are under 300 bytes): an unauthenticated peer can make us buffer no more than this.
-HANDSHAKE_MAX_FRAME_SIZE = 4096
-HEADER_SIZE = 4
+HANDSHAKE_MAX_FRAME_SIZE: Final = 4096
+HEADER_SIZE: Final = 4
 
 
 def frame(body: bytes, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> bytes:
