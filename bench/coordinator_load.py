@@ -434,6 +434,8 @@ class ModeResult:
     latency: list[LatencyPoint]
     #: how the simulated agents sent progress (simagent.PROGRESS_FORMS)
     progress_form: str = "packed"
+    #: share of the machine's CPU time stolen during the throughput phase (steal_share)
+    steal: float = math.nan
 
     @property
     def label(self) -> str:
@@ -544,9 +546,9 @@ async def run_mode(
             for agent in agents:
                 agent.churn_phase = random.randrange(10)
         await wait_for_flows(coordinator, pid, args.agents * args.flows)
-        throughput = frames = coordinator_cpu = loadgen_cpu = float("nan")
+        throughput = frames = coordinator_cpu = loadgen_cpu = steal = float("nan")
         if "throughput" in args.phases:
-            own = os.times()
+            own, machine = os.times(), cpu_times()
             before = await asyncio.to_thread(scrape, coordinator.metrics, pid)
             for agent in agents:
                 agent.events = 0
@@ -559,6 +561,7 @@ async def run_mode(
             throughput = (after.events - before.events) / elapsed
             frames = (after.frames - before.frames) / elapsed
             coordinator_cpu = (after.cpu_seconds - before.cpu_seconds) / elapsed
+            steal = steal_share(machine, cpu_times())
             log(f"{mode}: waiting for the coordinator to drain its backlog")
             await wait_for_events(coordinator, pid, before.events + sum(a.events for a in agents))
         points = []
@@ -573,6 +576,7 @@ async def run_mode(
             progress_form=form,
             events_per_s=throughput,
             frames_per_s=frames,
+            steal=steal,
             coordinator_cpu=coordinator_cpu,
             loadgen_cpu=loadgen_cpu,
             rss_mib=rss,
@@ -689,12 +693,12 @@ def report(results: list[ModeResult]) -> None:
     print("\nthroughput (saturating load), memory at 10,000 flows / 1,000 agents:")
     print(f"{'build':<11} {'mode':<24} {'events/s':>9} {'frames/s':>9} {'coordCPU':>8} "
           f"{'events/CPU-s':>12} {'genCPU':>6} {'RSS MiB':>7} {'peak':>6} {'flows':>6} "
-          f"{'agents':>6}")  # fmt: skip
+          f"{'agents':>6} {'steal':>6}")  # fmt: skip
     for r in results:
         print(f"{r.build:<11} {r.label:<24} {r.events_per_s:>9.0f} {r.frames_per_s:>9.0f} "
               f"{r.coordinator_cpu:>8.2f} {r.events_per_cpu_second:>12.0f} {r.loadgen_cpu:>6.2f} "
               f"{r.rss_mib:>7.1f} {r.peak_rss_mib:>6.1f} {r.active_flows:>6.0f} "
-              f"{r.agents:>6.0f}")  # fmt: skip
+              f"{r.agents:>6.0f} {r.steal:>6.1%}")  # fmt: skip
     print("\ndecision latency (frame read by the coordinator -> level updates queued) and")
     print("flush time (one policy run + its sends) at paced loads: 'rate' asked for, 'offered'")
     print("sent by the generator, 'achieved' counted by the coordinator (events/s):")
@@ -791,8 +795,10 @@ def compare_batch_delay(
     """Batches flushed after 1 ms at the latest vs once per loop turn: CPU per event, and at
     each rate the coordinator's p99 and the churn opens' end-to-end p99."""
     per_cpu = bounded.events_per_cpu_second / max(per_turn.events_per_cpu_second, 1e-9)
-    print(f"\n{build}, batched (1 ms bound) / per-turn ({promotion}): {per_cpu:.2f}x events per "
-          "CPU-second at saturation")  # fmt: skip
+    print(
+        f"\n{build}, batched (1 ms bound) / per-turn ({promotion}): {per_cpu:.2f}x events per "
+        f"CPU-second at saturation (steal {bounded.steal:.1%} / {per_turn.steal:.1%})"
+    )
     for new, old in zip(bounded.latency, per_turn.latency, strict=False):
         print(f"  {new.nominal_rate:>8.0f} events/s: p99 {new.p99_ms:.2f} ms vs {old.p99_ms:.2f} "
               f"ms, churn opens end to end p99 {new.open_p99_ms:.2f} vs {old.open_p99_ms:.2f} ms, "
