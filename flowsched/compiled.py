@@ -1,13 +1,15 @@
 """The modules a wheel compiles with mypyc, and whether this process runs them compiled.
 
-The coordinator spends its time per event in the flow table and the policy: these modules.
+The coordinator spends its time per event in the flow table, the policy and the decoding of
+the agents' frames: these modules.
 ``pip install .`` (a wheel, the container image) compiles them to C extensions with mypyc
 (setup.py); an editable install (``pip install -e .``, what scripts/setup.sh makes for
 development) keeps them as Python, so that an edit takes effect without a rebuild.
 ``FLOWSCHED_COMPILE=0`` builds a wheel without them, ``=1`` compiles an editable install too.
 The compiled and the interpreted modules take the same decisions: tests/packaging/
-test_wheel.py runs the policy, flow-table and simulator tests on a built wheel and compares
-the simulator's results; bench/coordinator_load.py measures both side by side (``--build``).
+test_wheel.py runs the policy, flow-table, protocol and simulator tests on a built wheel,
+compares the simulator's results and the codec's answer to every test frame with the Python
+source's; bench/coordinator_load.py measures both side by side (``--build``).
 
 setup.py reads :data:`MODULES` by executing this file alone: it must import nothing from
 flowsched at module level.
@@ -31,6 +33,8 @@ MODULES = (
     "flowsched/policies/feasibility.py",
     "flowsched/policies/rmlq.py",
     "flowsched/coordinator/state.py",
+    "flowsched/protocol/_framing.py",
+    "flowsched/protocol/_codec.py",
 )
 
 #: The name mypyc gives the library shared by the compiled modules (``<group>__mypyc``).

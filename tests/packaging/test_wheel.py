@@ -7,9 +7,10 @@ data), with flowsched/compiled.py's modules compiled by mypyc as every wheel has
 installed into a fresh virtual environment whose only other path is the site-packages of the
 interpreter running the tests (for msgpack, matplotlib, pytest, ...: no network), and run from
 an unrelated directory: ``flowsched sim pd-serving`` and the contention benchmark's
-simulator-only mode must find their bundled scenarios and policy files. The policy, flow-table
-and simulator tests then run again on the compiled modules, and the simulator's results of
-both builds are compared.
+simulator-only mode must find their bundled scenarios and policy files. The policy, flow-table,
+protocol and simulator tests then run again on the compiled modules (the protocol tests also
+compare the compiled codec and framing with their Python source, frame by frame), and the
+simulator's results of both builds are compared.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def test_the_installed_wheel_runs_the_compiled_modules(installed: Path, tmp_path
     assert 'flowsched_build_info{compiled="true",' in metrics
 
 
-def test_the_compiled_modules_pass_the_policy_flow_table_and_simulator_tests(
+def test_the_compiled_modules_pass_the_policy_flow_table_protocol_and_simulator_tests(
     installed: Path,
 ) -> None:
     """The same tests as the checkout's, on the wheel's compiled modules (mypyc checks types
@@ -144,7 +145,7 @@ def test_the_compiled_modules_pass_the_policy_flow_table_and_simulator_tests(
         "from flowsched.compiled import is_compiled\n"
         "assert is_compiled(), 'not the compiled build'\n"
         "sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', 'tests/policies',"
-        " 'tests/coordinator/test_coordinator_state.py', 'tests/sim']))"
+        " 'tests/coordinator/test_coordinator_state.py', 'tests/protocol', 'tests/sim']))"
     ))  # fmt: skip
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout.splitlines()[-1], run.stdout[-2000:]
