@@ -12,7 +12,10 @@ Each frame is checked to decode to the same message every way before it is timed
 
 Usage: ``python bench/codec_decode.py [--number 20000] [--repeat 7] [--baseline FILE]``,
 where FILE is a ``_codec.py`` of another revision, e.g. from
-``git show REV:flowsched/protocol/_codec.py``. Prints JSON: per frame the best-of-``repeat``
+``git show REV:flowsched/protocol/_codec.py``, or ``source``: the running codec's own source
+file as Python, which compares the builds when the codec runs compiled (put
+``flowsched.compiled.build_tree``'s folder first on ``PYTHONPATH``; ``"build"`` in the output
+says which one ``decode_body`` is). Prints JSON: per frame the best-of-``repeat``
 CPU microseconds of the msgpack unpack alone, of ``decode_body``, of the checked path (and
 of the baseline's ``decode_body``), the ratios, and the time past the unpack per entry. A
 baseline older than the packed form cannot decode the ``*_packed`` frames (and one from
@@ -28,14 +31,16 @@ import json
 import time
 import timeit
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import msgpack
 
 from flowsched import policies
+from flowsched.compiled import compiled_modules
 from flowsched.coordinator.state import ClusterState
-from flowsched.protocol import Flows, _codec, decode_body
+from flowsched.protocol import Flows, LocalProtocolError, _codec, decode_body
 from flowsched.testbed.simagent import CLASS_MIX, flow_open, progress_fields
 
 
@@ -134,7 +139,7 @@ def measure_frame(
 def _decodes(codec: ModuleType, body: bytes) -> bool:
     try:
         codec.decode_body(body)
-    except _codec.LocalProtocolError:
+    except LocalProtocolError:
         return False
     return True
 
@@ -190,11 +195,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--number", type=int, default=20_000, help="calls per timing")
     parser.add_argument("--repeat", type=int, default=7)
-    parser.add_argument("--baseline", help="a _codec.py of another revision, timed alongside")
+    parser.add_argument(
+        "--baseline",
+        help="a _codec.py of another revision, timed alongside; 'source': this codec's source",
+    )
     args = parser.parse_args()
+    if args.baseline == "source":
+        args.baseline = str(Path(str(_codec.__file__)).with_name("_codec.py"))
     baseline = load_baseline(args.baseline) if args.baseline else None
     frames = common_frames()
     results: dict[str, Any] = {
+        "build": "compiled" if _codec.__name__ in compiled_modules() else "python",
+        "baseline": args.baseline,
+    }
+    results |= {
         name: measure_frame(entries, body, baseline, args.number, args.repeat)
         for name, (entries, body) in frames.items()
     }
