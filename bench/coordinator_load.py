@@ -474,6 +474,8 @@ class CoordinatorProcess:
             command.append("--no-batch")
         elif mode == "per-turn":
             command += ["--max-batch-delay", "inf"]
+        elif args.max_batch_delay is not None:
+            command += ["--max-batch-delay", str(args.max_batch_delay)]
         command += ["--promotion", promotion]
         if args.per_flow_policy != "auto":
             command += ["--per-flow-policy", args.per_flow_policy]
@@ -839,6 +841,12 @@ def main() -> int:
         help="coordinator modes to run side by side (comma-separated): batched (the default"
         " service), per-turn (batched without --max-batch-delay's bound), unbatched",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-batch-delay",
+        type=float,
+        metavar="S",
+        help="the batched mode's --max-batch-delay (default: the coordinator's, 0.001)",
+    )
     parser.add_argument(
         "--promotion", default="sweep,timers",
         help="promotion schemes to run side by side (comma-separated: sweep, timers)",
