@@ -12,7 +12,7 @@ both).
 
 A ``flows`` frame carries its progress in one of two forms (never both): ``progress``, a list
 of ``{"id", "sent"}`` maps (protocol version 1), or ``progress_ids`` and ``progress_sent``,
-two arrays of equal length (version 2, checked whole by a few C-level passes instead of per
+two arrays of equal length (version 2, checked by one loop per array instead of a map per
 entry). Both decode to the same :class:`Flows`; :func:`encode_body` writes the form of the
 version it is given.
 
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from array import array
 from collections.abc import Callable
 from typing import Any, Final, TypeGuard
 
@@ -246,11 +245,9 @@ _set_beat_epoch: Final = vars(Heartbeat)["epoch"].__set__
 _EMPTY: Final[tuple[()]] = ()
 _INF: Final = math.inf
 _NUMBER: Final = (float, int)  # bool is neither (type(x) is compared, not isinstance)
-#: what set(map(type, values)) is for an array of integers (bools excluded)
-_INT_ONLY: Final = {int}
-#: an array of C uint64: filling one from Python ints raises OverflowError outside 0..U64_MAX
-_U64_ARRAY: Final = "Q"
-assert array(_U64_ARRAY).itemsize == 8
+#: Compiled (mypyc) code compares ints below 2**62 inline and larger ones as Python objects:
+#: a range check that tests ``value < _SHORT`` first keeps the usual values inline.
+_SHORT: Final = 2**62 - 1
 
 # FlowOpen's fields, one setter each
 _OPEN_KEYS: Final = tuple(field.name for field in dataclasses.fields(FlowOpen))
@@ -375,20 +372,22 @@ def _progress_entries(items: list[Any], path: str) -> Progress:
 def _packed_arrays(ids: object, sents: object) -> Progress | None:
     """Packed-form progress checked whole: two lists of equal length (at most
     :data:`MAX_PROGRESS`) holding nothing but integers in 0..U64_MAX (``bool`` is not
-    ``int`` here). A few passes in C instead of Python per entry; None for anything else (the
-    checked path then names what is wrong)."""
+    ``int`` here); None for anything else (the checked path then names what is wrong)."""
     if not (type(ids) is list and type(sents) is list and len(ids) == len(sents) <= MAX_PROGRESS):
         return None
-    if not ids:
-        return _EMPTY, _EMPTY
-    both = ids + sents
-    if set(map(type, both)) != _INT_ONLY:
-        return None
-    try:  # the range check in C: about half the time of min() and max() of both arrays
-        array(_U64_ARRAY, both)
-    except OverflowError:
-        return None
-    return tuple(ids), tuple(sents)
+    if _all_u64(ids) and _all_u64(sents):
+        return tuple(ids), tuple(sents)
+    return None
+
+
+def _all_u64(values: list[Any]) -> bool:
+    # One loop: for the usual 10 entries faster than whole-list passes in C
+    # (set(map(type, ...)) and array("Q", ...)): 1.3 vs 1.7 us per frame as Python, 0.2 vs
+    # 1.5 us compiled, where the loop is C too.
+    for value in values:
+        if type(value) is not int or not (0 <= value < _SHORT or 0 <= value <= U64_MAX):
+            return False
+    return True
 
 
 def _fast_flows(data: _Map) -> Flows | None:
