@@ -24,7 +24,8 @@ such as rmlq with RED tiers, and the default policy file did before efbe2df).
 
 Usage:
     .venv/bin/python bench/takeover.py [--agents 1000] [--flows 20] [--runs 3]
-        [--modes rebuild,per-turn,whole-table] [--lease-ttl 2] [--json OUT] [--profile DIR]
+        [--modes rebuild,per-turn,whole-table] [--lease-ttl 2] [--max-batch-delay S]
+        [--json OUT] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -195,6 +196,8 @@ class Coordinator:
                    "--idle-timeout", "60"]  # fmt: skip
         if args.mode in ("per-turn", "whole-table"):
             command.append("--no-rebuild-batching")
+        if args.max_batch_delay is not None:
+            command += ["--max-batch-delay", str(args.max_batch_delay)]
         # per flow: rmlq deciding each flow on its own; whole table: every flush re-evaluates
         # every flow (a policy that is not per-flow)
         whole = args.mode.startswith("whole-table")
@@ -324,6 +327,12 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs per mode")
     parser.add_argument("--modes", default="rebuild,per-turn,whole-table")
     parser.add_argument("--lease-ttl", type=int, default=2)
+    parser.add_argument(
+        "--max-batch-delay",
+        type=float,
+        metavar="S",
+        help="the coordinators' --max-batch-delay (default: theirs, 0.001; inf: per turn only)",
+    )
     parser.add_argument("--leader-cpu", type=int, default=0)
     parser.add_argument(
         "--standby-cpu", type=int, default=0,
