@@ -3,11 +3,11 @@
 Event handling is batched per event-loop turn: every decoded message updates the
 :class:`~flowsched.coordinator.state.ClusterState` at once (cheap), and the first one after a
 flush schedules the next flush with ``call_soon``. By then the loop has handled every read
-that was ready in the same turn, so one policy run covers all of them and each agent gets at
-most one ``levels`` frame per turn. A turn that finds hundreds of agents readable (a burst,
-or a backlog after a busy spell) would hold its first frames' decisions until it has handled
-them all, so a batch is also flushed once it has been collecting for ``max_batch_delay``
-(1 ms by default). A periodic timer (the policy's ``timer_period``) queues
+that was ready in the same turn, so one policy run covers all of them and each agent gets one
+``levels`` frame for the lot. A turn that finds hundreds of agents readable (a burst, or a
+backlog after a busy spell) would hold its first frames' decisions until it has handled them
+all, so a batch is also flushed once it has been collecting for ``max_batch_delay`` (1 ms by
+default). A periodic timer (the policy's ``timer_period``) queues
 every flow with a deadline for re-evaluation; per-flow policies take that sweep in chunks so
 that an event never waits behind a whole pass over the table. When a sweep is still running at
 the next tick, the tick is skipped (counted as an overrun): the effective period stretches.
