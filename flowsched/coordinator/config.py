@@ -31,8 +31,9 @@ class CoordinatorConfig:
 
     ``policy_factory`` builds the one policy object; ``policy_text`` is the policy file sent to
     agents in ``welcome`` (they run the same policy when they fall back). ``batching=False``
-    runs the policy after every message instead of once per event-loop turn (the baseline of
-    ``bench/coordinator_load.py``). ``metrics_port=None`` disables the metrics endpoint.
+    runs the policy after every message instead of once per batch (an event-loop turn, or
+    ``max_batch_delay`` of one; the baseline of ``bench/coordinator_load.py``).
+    ``metrics_port=None`` disables the metrics endpoint.
     """
 
     token: bytes

@@ -1,8 +1,9 @@
 """The coordinator's cluster view: flow table, link loads, job progress, and policy driving.
 
 Pure bookkeeping (no asyncio, no sockets, clock passed in). The service feeds it decoded
-messages and, once per event-loop turn, calls :meth:`ClusterState.flush` to run the policy on
-the flows touched since the last flush and collect the level changes to send, per node.
+messages and, once per event-loop turn (or sooner: ``max_batch_delay``), calls
+:meth:`ClusterState.flush` to run the policy on the flows touched since the last flush and
+collect the level changes to send, per node.
 
 Flow identity on the wire is ``(node, id)``; policies see cluster-unique ``Flow.flow_id`` values
 that this table assigns. Which flows an event makes "dirty" (re-evaluated at the next flush):
