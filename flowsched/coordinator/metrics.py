@@ -37,8 +37,9 @@ def register_standard_collectors(registry: CollectorRegistry) -> None:
     (``process_*``, ``python_info``) to a daemon's own registry."""
     Info(
         "flowsched_build",
-        "flowsched version of this daemon; compiled: whether its flow table and policy run"
-        " as mypyc-compiled modules (a wheel) or as Python (an editable install).",
+        "flowsched version of this daemon; compiled: whether its flow table, policy and"
+        " protocol codec run as mypyc-compiled modules (a wheel) or as Python (an editable"
+        " install).",
         registry=registry,
     ).info({"version": __version__, "compiled": "true" if is_compiled() else "false"})
     ProcessCollector(registry=registry)
