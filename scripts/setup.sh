@@ -7,9 +7,10 @@ cd "$(dirname "$0")/.."
 
 need_apt=()
 # prometheus/promtool, etcd and iperf3 are the real servers the tests start (deploy rules and
-# dashboard, coordinator election, testbed traffic); each test skips with the reason without them.
+# dashboard, coordinator election, testbed traffic); openssl makes the TLS tests' certificates;
+# each test skips with the reason without them.
 for tool in ip:iproute2 tc:iproute2 gcc:gcc make:make ethtool:ethtool nm:binutils \
-    prometheus:prometheus promtool:prometheus etcd:etcd-server iperf3:iperf3; do
+    prometheus:prometheus promtool:prometheus etcd:etcd-server iperf3:iperf3 openssl:openssl; do
   command -v "${tool%%:*}" >/dev/null 2>&1 || case " ${need_apt[*]-} " in *" ${tool##*:} "*) ;; *) need_apt+=("${tool##*:}") ;; esac
 done
 if ((${#need_apt[@]})); then
