@@ -16,7 +16,8 @@ SERVER_NAMES = "DNS:localhost,IP:127.0.0.1"
 @dataclasses.dataclass(frozen=True)
 class TlsFiles:
     """PEM files of a throw-away PKI: ``ca`` signed ``server`` and ``client``; ``other_ca``
-    signed ``stranger``, a client certificate the first CA does not vouch for."""
+    signed ``stranger``, a client certificate the first CA does not vouch for, and
+    ``other_server``, a server certificate for the same names (a renewal under a new CA)."""
 
     ca: Path
     server_cert: Path
@@ -26,6 +27,8 @@ class TlsFiles:
     other_ca: Path
     stranger_cert: Path
     stranger_key: Path
+    other_server_cert: Path
+    other_server_key: Path
 
 
 def _openssl(*args: str | Path, cwd: Path) -> None:
@@ -81,4 +84,5 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     server = _make_leaf(folder, "server", ca, "serverAuth")
     client = _make_leaf(folder, "client", ca, "clientAuth")
     stranger = _make_leaf(folder, "stranger", other, "clientAuth")
-    return TlsFiles(ca[0], *server, *client, other[0], *stranger)
+    other_server = _make_leaf(folder, "other-server", other, "serverAuth")
+    return TlsFiles(ca[0], *server, *client, other[0], *stranger, *other_server)

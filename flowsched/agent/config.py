@@ -11,6 +11,7 @@ from flowsched import rundir
 from flowsched.protocol import is_name
 from flowsched.protocol.sdk import MAX_NODE
 from flowsched.shm import layout
+from flowsched.tls import TlsConfigError, check_pair
 
 #: the most slots a flow table may have (FlowTable.create_or_attach refuses more)
 MAX_NUM_SLOTS = 1 << 24
@@ -103,6 +104,15 @@ class AgentConfig:
     #: follows whichever of them is the elected leader (docs/ha.md)
     coordinators: tuple[tuple[str, int], ...] = ()
     token_file: str | None = None
+    #: connect to the coordinator over TLS, verifying it against ``tls_ca`` (None: the
+    #: system's CAs) and the name ``tls_server_name`` (None: the host dialled); any TLS
+    #: setting turns it on. ``tls_cert``/``tls_key``: the client certificate a coordinator
+    #: with ``--tls-client-ca`` asks for. Files are re-read when they change (flowsched.tls).
+    tls: bool = False
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_server_name: str | None = None
     policy_text: str | None = None
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0
@@ -147,6 +157,12 @@ class AgentConfig:
             _check_positive(name, getattr(self, name))
         if self.link_capacity is not None:
             _check_positive("link_capacity", self.link_capacity)
+        if self.tls_ca or self.tls_cert or self.tls_key or self.tls_server_name:
+            self.tls = True
+        try:
+            check_pair(self.tls_cert, self.tls_key)
+        except TlsConfigError as exc:
+            raise AgentConfigError(exc.field, exc.problem) from None
         if not 1 <= self.num_slots <= MAX_NUM_SLOTS:
             raise AgentConfigError(
                 "num_slots", f"expected 1..{MAX_NUM_SLOTS} slots, got {self.num_slots!r}"

@@ -50,6 +50,7 @@ from flowsched.protocol.aio import AgentLink, HandshakeError, LinkClosed, connec
 from flowsched.shm import layout
 from flowsched.shm.table import FlowTable, monotonic_ns
 from flowsched.signals import wait_for_signal
+from flowsched.tls import ReloadingContext, reloading_client
 
 log = logging.getLogger("flowsched.agent")
 
@@ -131,6 +132,7 @@ class Agent:
         self._repeat_log = RepeatLog(log)
         self._rng = random.Random()  # reconnect jitter
         self._token: bytes | None = None
+        self._tls: ReloadingContext | None = None  # config.tls: the coordinator link's
         self._socket_bound = False
         #: (etcd cluster id, epoch) of the newest leader followed: fencing (docs/ha.md)
         self.leader_epoch = (0, 0)
@@ -143,6 +145,8 @@ class Agent:
         cfg = self.config
         if cfg.coordinator is not None:
             self._token = load_token(cfg.token_file)  # refuse a missing or loose token first
+            if cfg.tls:  # and unusable TLS files (TlsConfigError names the setting)
+                self._tls = reloading_client(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
         if cfg.qos_dev is not None:
             self._apply_qos(self.view.cfg)  # asked for and impossible: refuse to start
         self.rdma_devices = [d.name for d in rdma.discover_devices()]
@@ -442,9 +446,12 @@ class Agent:
 
     async def _handshake(self, address: tuple[str, int]) -> AgentLink:
         token = self._token or load_token(self.config.token_file)
+        config = self.config
         return await connect_agent(
-            *address, node=self.config.node, token=token, timeout=self.config.connect_timeout
-        )
+            *address, node=config.node, token=token, timeout=config.connect_timeout,
+            tls=self._tls.current() if self._tls is not None else None,
+            server_hostname=config.tls_server_name,
+        )  # fmt: skip
 
     def _is_deposed(self, link: AgentLink, address: tuple[str, int]) -> bool:
         """Fencing: True (and logged) when ``link`` leads with an epoch below the highest this

@@ -33,6 +33,7 @@ from flowsched.protocol import TokenFileError, load_token
 from flowsched.qos import link_speed
 from flowsched.shm import layout
 from flowsched.shm.table import TableError
+from flowsched.tls import TlsConfigError, client_context
 
 
 def register(sub: Any) -> None:
@@ -127,9 +128,31 @@ def register(sub: Any) -> None:
         metavar="RATE",
         help="rate those classes shape at, e.g. 25gbit (default: IFACE's link speed)",
     )
+    add_tls_flags(parser)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     parser.add_argument("--no-uvloop", action="store_true", help="use the plain asyncio loop")
     parser.set_defaults(func=_run)
+
+
+def add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    """The agent's flags for a coordinator that serves TLS (``--tls-cert``)."""
+    tls = parser.add_argument_group(
+        "TLS to the coordinator", "needed when it serves TLS; any of these turns TLS on"
+    )
+    tls.add_argument(
+        "--tls", action="store_true",
+        help="connect over TLS, verifying the coordinator against the system's CAs",
+    )  # fmt: skip
+    tls.add_argument("--tls-ca", metavar="FILE", help="verify the coordinator against this CA")
+    tls.add_argument(
+        "--tls-cert", metavar="FILE",
+        help="client certificate (PEM), for a coordinator started with --tls-client-ca",
+    )  # fmt: skip
+    tls.add_argument("--tls-key", metavar="FILE", help="its unencrypted private key (PEM)")
+    tls.add_argument(
+        "--tls-server-name", metavar="NAME",
+        help="name the coordinator's certificate must carry (default: the host dialled)",
+    )  # fmt: skip
 
 
 def host_ports(text: str) -> list[tuple[str, int]]:
@@ -176,6 +199,11 @@ def preflight(config: AgentConfig, metrics_flag: str = "--metrics-port") -> None
     if config.coordinator is not None:
         for host, _ in (config.coordinator, *config.coordinators):
             resolve("--coordinator", host)
+        if config.tls:
+            try:
+                client_context(config.tls_ca, config.tls_cert, config.tls_key)
+            except TlsConfigError as exc:
+                raise UsageError(f"{_FLAGS[exc.field]}: {exc.problem}") from None
     if config.metrics_port is not None:
         check_bindable(metrics_flag, config.metrics_host, config.metrics_port, "--metrics-bind")
 
@@ -188,6 +216,9 @@ _FLAGS = {
     "link_capacity": "--link-capacity",
     "nic_interval": "--nic-interval",
     "num_slots": "--slots",
+    "tls_ca": "--tls-ca",
+    "tls_cert": "--tls-cert",
+    "tls_key": "--tls-key",
 }
 
 
@@ -202,6 +233,11 @@ def _config(
         coordinator=args.coordinator[0] if args.coordinator else None,
         coordinators=tuple(args.coordinator[1:]) if args.coordinator else (),
         token_file=args.token_file,
+        tls=args.tls,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_server_name=args.tls_server_name,
         policy_text=policy_text,
         metrics_host=metrics[0] if metrics else "127.0.0.1",
         metrics_port=metrics[1] if metrics else None,

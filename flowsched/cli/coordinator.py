@@ -19,6 +19,7 @@ from flowsched.cli._common import (
 from flowsched.coordinator import Addresses, CoordinatorConfig, serve
 from flowsched.coordinator.election import ElectionError, EtcdElection, LeadershipLost
 from flowsched.protocol import TokenFileError, load_token
+from flowsched.tls import server_context
 
 
 def register(sub: Any) -> None:
@@ -81,6 +82,15 @@ def register(sub: Any) -> None:
         help="address agents and standbys reach this coordinator at (default: --listen, or "
         "this host's name for a wildcard address)",
     )  # fmt: skip
+    tls = parser.add_argument_group(
+        "TLS", "serve agents over TLS (agents then need --tls or --tls-ca; docs/deploy.md)"
+    )
+    tls.add_argument("--tls-cert", metavar="FILE", help="certificate (chain), PEM")
+    tls.add_argument("--tls-key", metavar="FILE", help="its unencrypted private key, PEM")
+    tls.add_argument(
+        "--tls-client-ca", metavar="FILE",
+        help="require every agent to present a client certificate signed by this CA (mutual TLS)",
+    )  # fmt: skip
     parser.add_argument("--no-uvloop", action="store_true", help="use the plain asyncio loop")
     parser.set_defaults(func=_run)
 
@@ -99,7 +109,8 @@ def _run(args: argparse.Namespace) -> int:
             per_flow_decisions={"auto": None, "yes": True, "no": False}[args.per_flow_policy],
             promotion=args.promotion, rebuild_batching=not args.no_rebuild_batching,
             etcd=args.etcd, election_name=args.election_name, lease_ttl=args.lease_ttl,
-            advertise=args.advertise,
+            advertise=args.advertise, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
         )  # fmt: skip
         preflight(config)
     except (TokenFileError, ValueError) as exc:  # UsageError and PolicyFileError too
@@ -115,6 +126,8 @@ def _run(args: argparse.Namespace) -> int:
 def preflight(config: CoordinatorConfig) -> None:
     """Refuse a taken, privileged or foreign address before anything starts (UsageError)."""
     check_bindable("--listen", config.host, config.port)
+    if config.tls_cert is not None and config.tls_key is not None:  # TlsConfigError
+        server_context(config.tls_cert, config.tls_key, config.tls_client_ca)
     if config.etcd is not None:  # the URL, TTL, name and the etcd3gw package (ElectionError)
         EtcdElection(config.etcd, config.election_name, config.advertise or "", config.lease_ttl)
     if config.metrics_port is not None:
@@ -124,7 +137,8 @@ def preflight(config: CoordinatorConfig) -> None:
 def _flag_named(message: str) -> str:
     """A config error names the field (``idle_timeout: ...``): name the flag instead."""
     field, sep, rest = message.partition(":")
-    if sep and field in ("idle_timeout", "handshake_timeout", "max_batch_delay"):
+    flags = ("idle_timeout", "handshake_timeout", "max_batch_delay", "tls_cert", "tls_key")
+    if sep and field in (*flags, "tls_client_ca"):
         return f"--{field.replace('_', '-')}:{rest}"
     return message
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowsched import tls
 from flowsched.policies.base import Policy
 from flowsched.protocol import DEFAULT_MAX_FRAME_SIZE, Welcome, encode_body
 
@@ -92,10 +93,17 @@ class CoordinatorConfig:
     #: HOST:PORT agents and standbys use to reach this coordinator (None: the bound address,
     #: or this host's name when listening on a wildcard address)
     advertise: str | None = None
+    #: PEM certificate (chain) and unencrypted key: agents connect over TLS (None: plain TCP);
+    #: re-read when the files change (flowsched.tls)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: PEM CA bundle: every agent must present a client certificate it signed (mutual TLS)
+    tls_client_ca: str | None = None
     on_ready: Callable[[Addresses], None] | None = None
 
     def __post_init__(self) -> None:
-        """Refuse timeouts that would drop healthy agents or never fire.
+        """Refuse timeouts that would drop healthy agents or never fire, and TLS settings
+        that lack their other half (the files themselves are read when the service starts).
 
         Raises:
             ValueError: naming the bad field.
@@ -111,6 +119,12 @@ class CoordinatorConfig:
             raise ValueError(
                 f"idle_timeout: {self.idle_timeout:g} s must exceed the heartbeat interval "
                 f"({self.heartbeat_interval:g} s) at which agents send heartbeats"
+            )
+        tls.check_pair(self.tls_cert, self.tls_key)
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise tls.TlsConfigError(
+                "tls_client_ca",
+                "client certificates are checked only over TLS: give a certificate and key",
             )
 
     @classmethod

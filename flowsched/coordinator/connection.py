@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, SupportsIndex
+from typing import TYPE_CHECKING, SupportsIndex, cast
 
 from flowsched.protocol import (
     HANDSHAKE_MAX_FRAME_SIZE,
@@ -51,6 +51,12 @@ IDLE_RECHECK = 0.05
 HANDSHAKE_CHUNK = HANDSHAKE_MAX_FRAME_SIZE + 4
 #: bytes per receive once authenticated (the StreamReader pauses the socket at twice this)
 ESTABLISHED_CHUNK = 4 * READ_SIZE
+#: bytes a TLS peer may send before the coordinator starts its handshake (a TLS hello is one
+#: record of at most 16 KiB plus its header)
+TLS_EARLY_LIMIT = (16 << 10) + 512
+#: encrypted bytes the TLS layer may hold for a connection before it authenticates (asyncio's
+#: default is 256 KiB per connection: a flood's cost, not an agent's need)
+TLS_PREAUTH_READ_LIMIT = 16 << 10
 
 
 class TimedStreamReader(asyncio.StreamReader):
@@ -112,16 +118,49 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
         reader: TimedStreamReader,
         client_connected_cb: Callable[[asyncio.StreamReader, asyncio.StreamWriter], None],
         shared: bytearray,
+        start_tls: Callable[[BoundedReaderProtocol, asyncio.Transport], None] | None = None,
     ) -> None:
         self._inner = asyncio.StreamReaderProtocol(reader, client_connected_cb)
         self.reader = reader
         self._shared = shared
         self._view = memoryview(shared)[: reader.chunk]  # what get_buffer hands out
+        self._start_tls = start_tls
+        self._made = False  # whether the reader's protocol has its transport
+        self._raw: asyncio.Transport | None = None  # the plain transport under TLS
+        #: bytes received before the TLS handshake took the connection over (see above)
+        self.early = bytearray()
+        self._tls_started = False
+        self._decrypted = bytearray()  # the peer's first frames, decrypted before secured()
+        #: the connection ended before the TLS handshake took it over
+        self.lost_early = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self._start_tls is not None:  # (uvloop's transports do not subclass Transport)
+            self._raw = cast(asyncio.Transport, transport)
+            self._start_tls(self, self._raw)
+        else:
+            self.secured(transport)
+
+    def tls_started(self) -> None:
+        """The TLS layer takes the connection over now: what arrives from here on is
+        decrypted, and waits for :meth:`secured` (the TLS layer delivers the bytes that came
+        with the end of its handshake at once, before the service learns that it is done)."""
+        self._tls_started = True
+
+    def secured(self, transport: asyncio.BaseTransport) -> None:
+        """Hand the connection's (TLS, once its handshake is done) transport to the reader."""
+        if self._start_tls is not None:  # until it authenticates (AgentConnection.run)
+            set_tls_read_limit(transport, TLS_PREAUTH_READ_LIMIT)
+        self._made = True
         self._inner.connection_made(transport)
+        if self._decrypted:
+            self._inner.data_received(bytes(self._decrypted))
+            self._decrypted.clear()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self._made:  # before or during a TLS handshake: the service sees to it
+            self.lost_early = True
+            return
         self._inner.connection_lost(exc)
         if self.sink_closed is not None:
             self.sink_closed(exc)
@@ -147,8 +186,35 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.sink is not None:
             self.sink(self._view[:nbytes])
-        else:
+        elif self._made:
             self._inner.data_received(bytes(self._shared[:nbytes]))
+        elif self._tls_started:  # the peer's first frames, before the service calls secured()
+            self._decrypted += self._shared[:nbytes]
+            if len(self._decrypted) > 2 * self.reader.chunk and self._raw is not None:
+                self.lost_early = True  # more than a handshake frame: not an agent
+                self._decrypted.clear()
+                self._raw.abort()
+        else:  # TLS bytes before the handshake started (uvloop)
+            self.early += self._shared[:nbytes]
+            if len(self.early) > TLS_EARLY_LIMIT and self._raw is not None:
+                self.lost_early = True
+                self.early.clear()
+                self._raw.abort()
+
+
+def set_tls_read_limit(transport: asyncio.BaseTransport, high: int | None) -> None:
+    """Bound the encrypted bytes a TLS transport holds for its protocol (None: its default).
+    asyncio's and uvloop's TLS transports both have the method; a plain one has not."""
+    limit = getattr(transport, "set_read_buffer_limits", None)
+    if limit is not None and transport.get_extra_info("ssl_object") is not None:
+        limit(high)
+
+
+def peer_text(peer: object) -> str:
+    """``host:port`` of a ``peername``."""
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        return f"{peer[0]}:{peer[1]}"
+    return str(peer)
 
 
 class ConnectionClosed(Exception):
@@ -179,7 +245,7 @@ class AgentConnection:
             Role.COORDINATOR, token=self._config.token, max_frame_size=self._config.max_frame_size
         )
         peer = writer.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.peer = peer_text(peer)
         self._abort: ConnectionClosed | None = None
         #: resolved (always with an exception) when the established connection ends
         self._ended: asyncio.Future[None] | None = None
@@ -210,6 +276,7 @@ class AgentConnection:
                 await self._handshake()
             established = True
             self._reader.authenticated()
+            set_tls_read_limit(self._writer.transport, None)  # TLS: the usual limit again
             self._coordinator.attach(self)
             await self._serve_established()
         except RemoteProtocolError as exc:

@@ -19,6 +19,10 @@ smaller cap of their own; when either cap is reached, the oldest unauthenticated
 makes room for the new one (a real agent authenticates within one round trip; a peer that
 holds a connection without authenticating is the one that goes). Only established agents
 filling the whole budget make a new connection be refused.
+
+With ``tls_cert`` the listener speaks TLS (:mod:`flowsched.tls`): a peer's TLS handshake must
+finish within ``handshake_timeout`` too, and the caps above count a connection from the end of
+it on.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry
 
+from flowsched.coordinator import tls_accept
 from flowsched.coordinator.config import Addresses, CoordinatorConfig
 from flowsched.coordinator.connection import (
     ESTABLISHED_CHUNK,
@@ -43,6 +48,7 @@ from flowsched.coordinator.connection import (
     AgentConnection,
     BoundedReaderProtocol,
     TimedStreamReader,
+    peer_text,
 )
 from flowsched.coordinator.election import Candidacy, EtcdElection
 from flowsched.coordinator.exposition import MAX_CONNECTIONS, start_metrics_server
@@ -67,6 +73,7 @@ from flowsched.protocol import (
     encode_frame,
 )
 from flowsched.signals import wait_for_signal
+from flowsched.tls import ReloadingContext, reloading_server
 
 log = logging.getLogger("flowsched.coordinator")
 
@@ -170,6 +177,10 @@ class Coordinator:
         self.max_connections = config.max_connections
         self.max_unauthenticated = min(config.max_unauthenticated, config.max_connections)
         self.repeat_log = RepeatLog(log)
+        #: the listener's TLS context (None: plain TCP) and the TLS handshakes under way,
+        #: oldest first, each with its task
+        self._tls: ReloadingContext | None = None
+        self._tls_pending: dict[asyncio.Transport, asyncio.Task[None]] = {}
         self._receive_buffer = bytearray(ESTABLISHED_CHUNK)  # shared by every connection
         self._servers: list[asyncio.Server] = []
         self.addresses: Addresses | None = None
@@ -210,6 +221,8 @@ class Coordinator:
         config = self.config
         self._size_connection_caps(raise_fd_limit())
         loop = asyncio.get_running_loop()
+        if config.tls_cert is not None and config.tls_key is not None:
+            self._tls = reloading_server(config.tls_cert, config.tls_key, config.tls_client_ca)
         server = await loop.create_server(
             self._protocol, config.host, config.port, backlog=LISTEN_BACKLOG
         )
@@ -241,6 +254,9 @@ class Coordinator:
             timer.cancel()
         for connection in list(self._connections):
             connection.abort("shutdown", "coordinator shutting down")
+        for raw, handshake in self._tls_pending.items():
+            handshake.cancel()
+            raw.abort()
         if self._tasks:
             _, pending = await asyncio.wait(self._tasks, timeout=STOP_TIMEOUT)
             for task in pending:
@@ -273,8 +289,63 @@ class Coordinator:
         def accept(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             self._accept(protocol, writer)
 
-        protocol = BoundedReaderProtocol(reader, accept, self._receive_buffer)
+        start_tls = self._start_tls if self._tls is not None else None
+        protocol = BoundedReaderProtocol(reader, accept, self._receive_buffer, start_tls)
         return protocol
+
+    def _start_tls(self, protocol: BoundedReaderProtocol, raw: asyncio.Transport) -> None:
+        """Run a new connection's TLS handshake here rather than in the listener, so that a
+        failure is logged with the peer's address and counted. Handshakes under way share
+        the cap of unauthenticated connections: at the cap the oldest one is dropped."""
+        raw.pause_reading()  # not a byte to the reader before the handshake (see _tls_handshake)
+        if self._at_a_cap():  # the oldest handshake, else the oldest unauthenticated, goes
+            if self._tls_pending:
+                oldest = next(iter(self._tls_pending))
+                self._tls_pending.pop(oldest).cancel()
+                oldest.abort()  # also when its task never ran
+                self.count_rejection("evicted")
+            elif self._unauthenticated:
+                self._evict_oldest_unauthenticated()
+            else:
+                self._refuse(peer_text(raw.get_extra_info("peername")))
+                raw.abort()
+                return
+        task = asyncio.ensure_future(self._tls_handshake(protocol, raw))
+        self._tls_pending[raw] = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _tls_handshake(self, protocol: BoundedReaderProtocol, raw: asyncio.Transport) -> None:
+        assert self._tls is not None
+        peer = raw.get_extra_info("peername")
+        try:
+            if protocol.lost_early:  # a port probe, or a peer past TLS_EARLY_LIMIT: no log
+                return
+            timeout = self.config.handshake_timeout
+            secure = await tls_accept.handshake(raw, protocol, self._tls.current(), timeout)
+        except asyncio.CancelledError:
+            raw.abort()
+            raise
+        except ConnectionError as exc:  # a port probe, or a client that refused us (its log)
+            raw.abort()
+            log.debug("TLS handshake with %s ended by the peer: %r", peer_text(peer), exc)
+            return
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            raw.abort()
+            self.count_rejection("tls")
+            reason = tls_accept.failure_reason(exc)
+            self.repeat_log.log(
+                f"tls:{reason}", logging.WARNING,
+                "TLS handshake with %s failed: %s", peer_text(peer), reason,
+            )  # fmt: skip
+            return
+        finally:
+            self._tls_pending.pop(raw, None)
+        if secure is None or protocol.lost_early:  # gone, or cut off during the handshake
+            if secure is not None:
+                secure.abort()
+            return
+        protocol.secured(secure)
 
     def _accept(self, protocol: BoundedReaderProtocol, writer: asyncio.StreamWriter) -> None:
         connection = AgentConnection(self, protocol, writer)
@@ -291,28 +362,42 @@ class Coordinator:
         """Whether ``connection`` may be served: at a cap, the oldest unauthenticated
         connection is closed for it; with none to close (established agents fill the whole
         budget) the new one is refused."""
-        full = len(self._connections) >= self.max_connections
-        if not full and len(self._unauthenticated) < self.max_unauthenticated:
+        if not self._at_a_cap():
             return True
         if self._unauthenticated:
-            oldest = next(iter(self._unauthenticated))
-            self._forget(oldest)
-            oldest.abort("evicted", "unauthenticated connections at their cap: oldest closed")
-            self.repeat_log.log(
-                "cap:unauthenticated", logging.WARNING,
-                "unauthenticated connections at their cap (%d of %d, %d connections in all): "
-                "closing the oldest (peer %s) for a new one",
-                len(self._unauthenticated) + 1, self.max_unauthenticated,
-                len(self._connections) + 1, oldest.peer,
-            )  # fmt: skip
+            self._evict_oldest_unauthenticated()
             return True
+        self._refuse(connection.peer)
+        return False
+
+    def _at_a_cap(self) -> bool:
+        """Whether one more connection would pass a cap. TLS handshakes under way count as
+        connections and as unauthenticated ones: each holds a socket and buffers."""
+        pending = len(self._tls_pending)
+        return (
+            len(self._connections) + pending >= self.max_connections
+            or len(self._unauthenticated) + pending >= self.max_unauthenticated
+        )
+
+    def _evict_oldest_unauthenticated(self) -> None:
+        oldest = next(iter(self._unauthenticated))
+        self._forget(oldest)
+        oldest.abort("evicted", "unauthenticated connections at their cap: oldest closed")
+        self.repeat_log.log(
+            "cap:unauthenticated", logging.WARNING,
+            "unauthenticated connections at their cap (%d of %d, %d connections in all): "
+            "closing the oldest (peer %s) for a new one",
+            len(self._unauthenticated) + len(self._tls_pending) + 1, self.max_unauthenticated,
+            len(self._connections) + 1, oldest.peer,
+        )  # fmt: skip
+
+    def _refuse(self, peer: object) -> None:
         self.count_rejection("too_many_connections")
         self.repeat_log.log(
             "cap:connections", logging.WARNING,
             "connection limit reached (%d established agents): refusing %s",
-            len(self._connections), connection.peer,
+            len(self._connections), peer,
         )  # fmt: skip
-        return False
 
     def _forget(self, connection: AgentConnection) -> None:
         self._connections.discard(connection)

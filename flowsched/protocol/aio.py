@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import ssl
 
 from flowsched.protocol._connection import NEED_DATA, PEER_CLOSED, Connection, Sentinel
 from flowsched.protocol._framing import DEFAULT_MAX_FRAME_SIZE
@@ -58,6 +60,12 @@ class AgentLink:
         self._writer = writer
         self._conn = conn
         self.welcome: Welcome | None = None
+
+    @property
+    def cipher(self) -> tuple[str, str, int] | None:
+        """(cipher, TLS version, secret bits) of a TLS link; None over plain TCP."""
+        found: tuple[str, str, int] | None = self._writer.get_extra_info("cipher")
+        return found
 
     @property
     def version(self) -> int:
@@ -113,6 +121,8 @@ async def connect_agent(
     timeout: float = 5.0,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
     version: int = PROTOCOL_VERSION,
+    tls: ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
 ) -> AgentLink:
     """Open a connection to the coordinator and run the handshake.
 
@@ -127,17 +137,23 @@ async def connect_agent(
         token: the shared token (see :func:`flowsched.protocol.load_token`).
         timeout: seconds allowed for the connect and for each handshake step.
         version: the highest protocol version to offer.
+        tls: connect over TLS with this context (:func:`flowsched.tls.client_context`).
+        server_hostname: the name the coordinator's certificate must carry (default: host).
 
     Returns:
         The established link; ``link.welcome`` holds the coordinator's welcome and
         ``link.version`` the version agreed.
 
     Raises:
-        HandshakeError: the coordinator answered with an error (wrong token, version, ...).
+        HandshakeError: the coordinator answered with an error (wrong token, version, ...), or
+            the TLS handshake failed (code ``tls``).
         TimeoutError, OSError: the coordinator is unreachable or too slow.
     """
+    secure = _Secure(tls, server_hostname)
     try:
-        return await _connect_once(host, port, node, token, timeout, max_frame_size, version)
+        return await _connect_once(
+            host, port, node, token, timeout, max_frame_size, version, secure
+        )
     except HandshakeError as exc:
         if exc.code != "version" or version <= MIN_PROTOCOL_VERSION:
             raise
@@ -146,8 +162,14 @@ async def connect_agent(
             host, port, version, exc.reason, MIN_PROTOCOL_VERSION,
         )  # fmt: skip
     return await _connect_once(
-        host, port, node, token, timeout, max_frame_size, MIN_PROTOCOL_VERSION
+        host, port, node, token, timeout, max_frame_size, MIN_PROTOCOL_VERSION, secure
     )
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Secure:
+    context: ssl.SSLContext | None
+    server_hostname: str | None
 
 
 async def _connect_once(
@@ -158,17 +180,46 @@ async def _connect_once(
     timeout: float,
     max_frame_size: int,
     version: int,
+    secure: _Secure,
 ) -> AgentLink:
-    async with asyncio.timeout(timeout):
-        reader, writer = await asyncio.open_connection(host, port)
-    conn = Connection(Role.AGENT, token=token, max_frame_size=max_frame_size, version=version)
-    link = AgentLink(reader, writer, conn)
     try:
-        link.welcome = await _handshake(link, node, timeout)
-    except BaseException:
-        await link.close()
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(
+                host, port, ssl=secure.context,
+                server_hostname=(secure.server_hostname or host) if secure.context else None,
+            )  # fmt: skip
+        conn = Connection(Role.AGENT, token=token, max_frame_size=max_frame_size, version=version)
+        link = AgentLink(reader, writer, conn)
+        try:
+            link.welcome = await _handshake(link, node, timeout)
+        except BaseException:
+            await link.close()
+            raise
+    except ssl.SSLError as exc:  # TLS 1.3 reports a refused client certificate on first read
+        raise HandshakeError("tls", _tls_failure(exc)) from None
+    except HandshakeError as exc:
+        if exc.code in ("closed", "frame_too_large"):
+            raise HandshakeError(exc.code, f"{exc.reason} ({_closed_hint(secure)})") from None
         raise
     return link
+
+
+def _closed_hint(secure: _Secure) -> str:
+    if secure.context is None:
+        return "a coordinator that serves TLS closes plain connections: connect with TLS"
+    return (
+        "a coordinator that asks for client certificates closes connections without a client "
+        "certificate it trusts"
+    )
+
+
+def _tls_failure(exc: ssl.SSLError) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"the coordinator's certificate failed verification: {exc.verify_message}"
+    return (
+        f"TLS handshake failed ({exc.reason or exc}): does the coordinator serve TLS, and "
+        "accept this agent's certificate if it asks for one?"
+    )
 
 
 async def _handshake(link: AgentLink, node: str, timeout: float) -> Welcome:

@@ -47,8 +47,16 @@ def start_coordinator(
 
 
 def start_agent(
-    tmp: Path, token: Path, coordinator_port: int, *, node: str = "n1", fallback_after: float = 1.0
+    tmp: Path,
+    token: Path,
+    coordinator_port: int,
+    *,
+    node: str = "n1",
+    fallback_after: float = 1.0,
+    extra: tuple[str, ...] = (),
 ) -> Service:
+    """``flowsched agent`` on lo, following the coordinator on 127.0.0.1 (``extra``: more
+    flags)."""
     return spawn(
         "agent",
         [
@@ -73,6 +81,7 @@ def start_agent(
             "lo",
             "--log-level",
             "INFO",
+            *extra,
         ],
         tmp / f"agent-{node}.log",
         r"ready node=(?P<node>\S+) table=(?P<table>\S+) socket=(?P<socket>\S+) "

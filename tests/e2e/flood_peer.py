@@ -11,6 +11,10 @@ Modes:
              ``flows`` frame, for SECONDS; counts the frames sent.
   drip       N connections, one byte of a hello on each every 0.25 s for 1 s; then prints
              ``holding``, waits for a line on stdin, and waits until every one was closed.
+  tls-hello  N connections to a TLS listener, each sending a TLS client hello and nothing
+             more (a stalled handshake); waits until the coordinator has closed every one.
+  tls-half-sent
+             half-sent, over N completed TLS handshakes (no client certificate).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import resource
+import ssl
 import sys
 import time
 
@@ -107,9 +112,50 @@ async def drip(host: str, port: int, count: int, wait: float) -> dict[str, float
     return {"connections": count, "closed": sum(closed)}
 
 
+def client_hello() -> bytes:
+    """The first flight of a TLS client: its hello, as a real client sends it."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    session = context.wrap_bio(incoming, outgoing)
+    with contextlib.suppress(ssl.SSLWantReadError):
+        session.do_handshake()
+    return outgoing.read()
+
+
+async def tls_hello(host: str, port: int, count: int) -> dict[str, float]:
+    hello = client_hello()
+    opened = [await asyncio.open_connection(host, port) for _ in range(count)]
+    for _, writer in opened:
+        writer.write(hello)
+    closed = await asyncio.gather(*(until_closed(r, 30.0) for r, _ in opened))
+    for _, writer in opened:
+        writer.close()
+    return {"connections": count, "closed": sum(closed)}
+
+
+async def tls_half_sent(host: str, port: int, count: int) -> dict[str, float]:
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    opened = []
+    for _ in range(count):
+        with contextlib.suppress(ConnectionError, ssl.SSLError):  # evicted while connecting
+            opened.append(await asyncio.open_connection(host, port, ssl=context))
+    for _, writer in opened:
+        writer.write(MIB.to_bytes(4, "big") + bytes(64 * 1024))
+    closed = await asyncio.gather(*(until_closed(r, 30.0) for r, _ in opened))
+    for _, writer in opened:
+        writer.close()
+    return {"connections": count, "opened": len(opened), "closed": sum(closed)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=("half-sent", "flows", "drip"))
+    parser.add_argument(
+        "mode", choices=("half-sent", "flows", "drip", "tls-hello", "tls-half-sent")
+    )
     parser.add_argument("--to", required=True, help="HOST:PORT")
     parser.add_argument("--count", type=int, default=1500)
     parser.add_argument("--workers", type=int, default=16)
@@ -121,6 +167,10 @@ def main() -> None:
     host, port = args.to.rsplit(":", 1)
     if args.mode == "half-sent":
         result = asyncio.run(half_sent(host, int(port), args.count))
+    elif args.mode == "tls-hello":
+        result = asyncio.run(tls_hello(host, int(port), args.count))
+    elif args.mode == "tls-half-sent":
+        result = asyncio.run(tls_half_sent(host, int(port), args.count))
     elif args.mode == "flows":
         result = asyncio.run(flows(host, int(port), args.workers, args.seconds))
     else:

@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from e2e_helpers import (
@@ -43,6 +44,8 @@ MIB = 1 << 20
 CONNECTED = "flowsched_agent_coordinator_connected"
 CONNECTS = "flowsched_agent_coordinator_connects_total"
 FALLBACKS = "flowsched_agent_fallback_switches_total"
+#: peak growth allowed for a TLS flood of 1,500 connections (measured: see docs/security.md)
+TLS_FLOOD_MIB = 512
 
 
 @pytest.fixture(autouse=True)
@@ -130,12 +133,17 @@ class Setup:
 
 @contextlib.contextmanager
 def coordinator_and_agent(
-    tmp: Path, token: Path, *, extra: tuple[str, ...] = (), fd_limit: int | None = None
+    tmp: Path,
+    token: Path,
+    *,
+    extra: tuple[str, ...] = (),
+    fd_limit: int | None = None,
+    agent_extra: tuple[str, ...] = (),
 ) -> Iterator[Setup]:
     with cleanup() as started:
         coordinator = start_coordinator(tmp, token, extra=extra, fd_limit=fd_limit)
         started.append(coordinator)
-        agent = start_agent(tmp, token, int(coordinator.fields["port"]))
+        agent = start_agent(tmp, token, int(coordinator.fields["port"]), extra=agent_extra)
         started.append(agent)
         wait_for(lambda: agent_counters(agent)[CONNECTED] == 1.0, 10, "the agent to connect")
         yield Setup(coordinator, agent, tmp)
@@ -298,3 +306,29 @@ def _stopping(service: Service) -> Iterator[Service]:
         yield service
     finally:
         service.stop()
+
+
+@pytest.mark.parametrize("mode", ["tls-hello", "tls-half-sent"])
+def test_tls_floods_cost_bounded_memory(
+    tmp_path: Path, token: Path, tls_files: Any, mode: str
+) -> None:
+    # every TLS connection carries the TLS layer's own buffers and state, taken before the
+    # peer proves anything: pending handshakes share the 2,048-connection unauthenticated cap
+    connections = 1500
+    server = ("--tls-cert", str(tls_files.server_cert), "--tls-key", str(tls_files.server_key))
+    agent_tls = ("--tls-ca", str(tls_files.ca))
+    with coordinator_and_agent(tmp_path, token, extra=server, agent_extra=agent_tls) as setup:
+        pid = setup.coordinator.proc.pid
+        before, rss_before = agent_counters(setup.agent), rss_bytes(pid)
+        peer = flood_peer(setup, mode, "--count", str(connections))
+        with cleanup(peer), Watch(pid, [setup.agent]).running() as watch:
+            result = flood_result(peer, timeout=120)
+        print(
+            f"\n{connections} connections, {mode}: coordinator RSS {rss_before / MIB:.1f} MiB "
+            f"before, peak {watch.rss_peak / MIB:.1f} MiB; {result['closed']:.0f} closed by the "
+            f"coordinator; agent disconnected in {watch.disconnected_samples} of "
+            f"{watch.samples} samples"
+        )
+        assert_agent_never_dropped(setup, before, watch)
+    assert result["closed"] == result.get("opened", connections)
+    assert watch.rss_peak - rss_before < TLS_FLOOD_MIB * MIB

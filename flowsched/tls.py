@@ -1,0 +1,189 @@
+"""TLS for the agent <-> coordinator link: contexts built from PEM files.
+
+The shared token authenticates both ends at the handshake; TLS adds what the token cannot:
+frames nobody on the path can read, alter or inject after the handshake, and a coordinator the
+agent verifies by certificate. The coordinator serves TLS with ``--tls-cert``/``--tls-key`` and,
+with ``--tls-client-ca``, also demands a client certificate signed by that CA (mutual TLS);
+agents connect with ``--tls`` (system CAs) or ``--tls-ca FILE``, and present ``--tls-cert``/
+``--tls-key`` when the coordinator asks. TLS 1.2 is the lowest version either side accepts.
+
+Both sides re-read their files when they change (:class:`ReloadingContext`), so a renewed
+certificate (cert-manager, an ACME client) takes effect for new connections without a
+restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+import time
+from collections.abc import Callable, Iterable
+
+log = logging.getLogger("flowsched.tls")
+
+#: the oldest protocol version either side accepts
+MINIMUM_VERSION = ssl.TLSVersion.TLSv1_2
+#: seconds between two checks of the TLS files for a change
+CHECK_INTERVAL = 1.0
+
+
+class TlsConfigError(ValueError):
+    """A TLS setting that cannot be used; ``field`` names it (``tls_cert``, ...)."""
+
+    def __init__(self, field_name: str, problem: str) -> None:
+        super().__init__(f"{field_name}: {problem}")
+        self.field = field_name
+        self.problem = problem
+
+
+def check_pair(cert: str | None, key: str | None, prefix: str = "tls") -> None:
+    """Refuse a certificate without its key, or a key without its certificate.
+
+    Raises:
+        TlsConfigError: naming ``{prefix}_cert`` or ``{prefix}_key``.
+    """
+    if cert is not None and key is None:
+        raise TlsConfigError(f"{prefix}_key", "missing: the certificate needs its private key")
+    if key is not None and cert is None:
+        raise TlsConfigError(f"{prefix}_cert", "missing: the private key needs its certificate")
+
+
+def server_context(cert: str, key: str, client_ca: str | None = None) -> ssl.SSLContext:
+    """The coordinator's context: its certificate chain and key; with ``client_ca``, every
+    agent must present a certificate that CA (and no other) signed.
+
+    Raises:
+        TlsConfigError: a file is missing, unreadable, or not a usable PEM certificate/key
+            (``field`` is ``tls_cert``, ``tls_key`` or ``tls_client_ca``).
+    """
+    # not create_default_context: it would trust the system's CAs for client certificates too
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = MINIMUM_VERSION
+    _load_chain(context, cert, key, "tls")
+    if client_ca is not None:
+        _load_ca(context, client_ca, "tls_client_ca")
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def client_context(
+    ca: str | None, cert: str | None = None, key: str | None = None
+) -> ssl.SSLContext:
+    """An agent's context: verify the coordinator's certificate and name against ``ca`` alone
+    (None: the system's CAs); present ``cert``/``key`` when the coordinator asks for one.
+
+    Raises:
+        TlsConfigError: as :func:`server_context` (``tls_ca``, ``tls_cert``, ``tls_key``).
+    """
+    check_pair(cert, key)
+    if ca is None:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    else:  # this CA alone: the system's would vouch for any name they certified
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the peer and its name
+        _load_ca(context, ca, "tls_ca")
+    context.minimum_version = MINIMUM_VERSION
+    if cert is not None and key is not None:
+        _load_chain(context, cert, key, "tls")
+    return context
+
+
+class ReloadingContext:
+    """A TLS context rebuilt from its files when they change (a renewed certificate).
+
+    :meth:`current` compares the files' modification times and sizes with the last build, at
+    most once per :data:`CHECK_INTERVAL`; a set that fails to build (say, the certificate
+    renewed but its key not yet) is logged and the previous context kept until the files
+    change again. Each connection takes the context current at its start: live ones keep
+    theirs.
+    """
+
+    def __init__(self, build: Callable[[], ssl.SSLContext], paths: Iterable[str | None]) -> None:
+        self._build = build
+        self._paths = tuple(path for path in paths if path is not None)
+        self._context = build()
+        self._stamp = _stamp(self._paths)
+        self._checked = time.monotonic()
+
+    def current(self) -> ssl.SSLContext:
+        """The context to use for a new connection."""
+        now = time.monotonic()
+        if now - self._checked < CHECK_INTERVAL:
+            return self._context
+        self._checked = now
+        stamp = _stamp(self._paths)
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self._context = self._build()
+            except TlsConfigError as exc:
+                log.warning("kept the previous TLS settings: %s", exc)
+            else:
+                log.info("re-read the TLS files %s", ", ".join(self._paths))
+        return self._context
+
+
+def reloading_server(cert: str, key: str, client_ca: str | None = None) -> ReloadingContext:
+    """:func:`server_context`, rebuilt when its files change."""
+    return ReloadingContext(lambda: server_context(cert, key, client_ca), (cert, key, client_ca))
+
+
+def reloading_client(
+    ca: str | None, cert: str | None = None, key: str | None = None
+) -> ReloadingContext:
+    """:func:`client_context`, rebuilt when its files change."""
+    return ReloadingContext(lambda: client_context(ca, cert, key), (ca, cert, key))
+
+
+def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    found = []
+    for path in paths:
+        try:
+            status = os.stat(path)
+        except OSError:
+            found.append((-1, -1))
+        else:
+            found.append((status.st_mtime_ns, status.st_size))
+    return tuple(found)
+
+
+def _load_chain(
+    context: ssl.SSLContext,
+    cert: str,
+    key: str,
+    prefix: str,
+) -> None:
+    for field_name, path in ((f"{prefix}_cert", cert), (f"{prefix}_key", key)):
+        _check_readable(field_name, path)
+
+    def no_password() -> bytes:  # else OpenSSL would prompt for one on the terminal
+        raise TlsConfigError(
+            f"{prefix}_key", f"{key} is encrypted: a daemon needs an unencrypted key file"
+        )
+
+    try:
+        context.load_cert_chain(cert, key, password=no_password)
+    except ssl.SSLError as exc:
+        raise TlsConfigError(
+            f"{prefix}_cert",
+            f"cannot use {cert} with the key {key} ({exc.reason or exc}): expected a PEM "
+            "certificate (chain) and its matching unencrypted PEM private key",
+        ) from None
+
+
+def _load_ca(context: ssl.SSLContext, path: str, field_name: str) -> None:
+    _check_readable(field_name, path)
+    try:
+        context.load_verify_locations(cafile=path)
+    except ssl.SSLError as exc:
+        raise TlsConfigError(
+            field_name, f"no PEM CA certificate in {path} ({exc.reason or exc})"
+        ) from None
+
+
+def _check_readable(field_name: str, path: str) -> None:
+    try:
+        with open(path, "rb") as file:
+            file.read(1)
+    except OSError as exc:
+        raise TlsConfigError(field_name, f"cannot read {path}: {exc.strerror or exc}") from None

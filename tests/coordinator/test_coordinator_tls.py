@@ -1,0 +1,290 @@
+"""The agent link over TLS: real handshakes on port 0, under asyncio's loop and uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import ssl
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvloop
+from coordinator_helpers import TOKEN, running_coordinator, wait_until
+
+from flowsched import tls
+from flowsched.coordinator import Coordinator, CoordinatorConfig
+from flowsched.coordinator.connection import TLS_EARLY_LIMIT
+from flowsched.model import FlowClass
+from flowsched.protocol import FlowOpen, Flows, Levels, LevelUpdate, Message, Resync
+from flowsched.protocol.aio import AgentLink, HandshakeError, connect_agent
+
+TlsFiles = Any  # tests/conftest.py's (conftest modules are not imported by name)
+Runner = Callable[[Coroutine[Any, Any, None]], None]
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request: pytest.FixtureRequest) -> Runner:
+    """Runs a scenario on asyncio's loop, then on uvloop's. uvloop reads a new socket before
+    the service can start TLS on it (the early bytes are replayed into the TLS layer);
+    asyncio's loop does not: both paths must work."""
+    runner: Runner = asyncio.run if request.param == "asyncio" else uvloop.run
+    return runner
+
+
+def _server(files: TlsFiles, mutual: bool = False) -> dict[str, Any]:
+    settings: dict[str, Any] = {
+        "tls_cert": str(files.server_cert),
+        "tls_key": str(files.server_key),
+    }
+    if mutual:
+        settings["tls_client_ca"] = str(files.ca)
+    return settings
+
+
+async def _connect(
+    coordinator: Coordinator,
+    context: ssl.SSLContext | None,
+    name: str | None = None,
+    node: str = "n1",
+) -> AgentLink:
+    assert coordinator.addresses is not None
+    return await connect_agent(
+        coordinator.addresses.host, coordinator.addresses.port, node=node, token=TOKEN,
+        timeout=5, tls=context, server_hostname=name,
+    )  # fmt: skip
+
+
+async def _levels_for_one_flow(link: AgentLink) -> Levels:
+    await link.send(Resync(()))
+    await link.send(Flows(opens=(FlowOpen(1, FlowClass.KV, time.time()),)))
+    deadline = time.monotonic() + 5
+    while True:
+        message: Message = await link.recv(max(deadline - time.monotonic(), 0.01))
+        if isinstance(message, Levels):
+            return message
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["server-auth", "mutual"])
+def test_an_agent_over_tls_reports_flows_and_gets_levels(
+    run: Runner, tls_files: TlsFiles, mutual: bool
+) -> None:
+    async def scenario() -> None:
+        async with running_coordinator(**_server(tls_files, mutual)) as coordinator:
+            context = tls.client_context(
+                str(tls_files.ca), str(tls_files.client_cert), str(tls_files.client_key)
+            )
+            link = await _connect(coordinator, context)
+            try:
+                assert (await _levels_for_one_flow(link)).updates == (LevelUpdate(1, 7),)
+                assert link.cipher is not None  # the link is encrypted
+            finally:
+                await link.close()
+
+    run(scenario())
+
+
+#: (case, client CA, client certificate, server name) -> error code and words in its reason
+REFUSED = [
+    ("no TLS", None, None, None, "closed", "serves TLS"),
+    ("CA that did not sign the server", "other_ca", None, None, "tls", "failed verification"),
+    ("name not in the certificate", "ca", None, "coordinator.example", "tls", "Hostname mismatch"),
+]
+MUTUAL_REFUSED = [
+    ("no client certificate", None, "client certificate it trusts"),
+    ("client certificate of another CA", "stranger", "client certificate it trusts"),
+]
+
+
+@pytest.mark.parametrize(("case", "ca", "cert", "name", "code", "words"), REFUSED)
+def test_a_refused_tls_handshake_says_why_and_harms_no_other_agent(
+    run: Runner, tls_files: TlsFiles, case: str, ca: str | None, cert: str | None,
+    name: str | None, code: str, words: str,
+) -> None:  # fmt: skip
+    async def scenario() -> None:
+        async with running_coordinator(**_server(tls_files)) as coordinator:
+            context = None if ca is None else tls.client_context(str(getattr(tls_files, ca)))
+            with pytest.raises(HandshakeError) as refused:
+                await _connect(coordinator, context, name)
+            assert refused.value.code == code and words in refused.value.reason, case
+            good = await _connect(coordinator, tls.client_context(str(tls_files.ca)))
+            try:
+                assert (await _levels_for_one_flow(good)).updates == (LevelUpdate(1, 7),)
+            finally:
+                await good.close()
+            assert coordinator.unauthenticated_count == 0
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(("case", "cert", "words"), MUTUAL_REFUSED)
+def test_mutual_tls_refuses_agents_without_a_trusted_certificate_and_logs_the_peer(
+    run: Runner,
+    tls_files: TlsFiles,
+    case: str,
+    cert: str | None,
+    words: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        caplog.set_level(logging.WARNING, "flowsched.coordinator")
+        async with running_coordinator(**_server(tls_files, mutual=True)) as coordinator:
+            files = (None, None)
+            if cert is not None:
+                files = (
+                    str(getattr(tls_files, f"{cert}_cert")),
+                    str(getattr(tls_files, f"{cert}_key")),
+                )
+            context = tls.client_context(str(tls_files.ca), *files)
+            with pytest.raises(HandshakeError) as refused:
+                await _connect(coordinator, context)
+            assert words in refused.value.reason, case
+            assert coordinator.live.rejected == {"tls": 1}
+            logged = [r.getMessage() for r in caplog.records]
+            logged = [line for line in logged if "TLS handshake with" in line]
+            assert len(logged) == 1 and "127.0.0.1:" in logged[0], logged
+
+    run(scenario())
+
+
+def test_a_port_probe_is_not_a_failed_handshake(
+    run: Runner, tls_files: TlsFiles, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> None:
+        # the standby's liveness probe and load-balancer checks connect and close at once
+        caplog.set_level(logging.WARNING, "flowsched.coordinator")
+        async with running_coordinator(**_server(tls_files)) as coordinator:
+            assert coordinator.addresses is not None
+            _, writer = await asyncio.open_connection(
+                coordinator.addresses.host, coordinator.addresses.port
+            )
+            writer.close()
+            await writer.wait_closed()
+            good = await _connect(coordinator, tls.client_context(str(tls_files.ca)))
+            await good.close()
+            await wait_until(lambda: not coordinator._tls_pending, 5, "no handshake left")
+            assert "tls" not in (coordinator.live.rejected or {})
+            assert not [r for r in caplog.records if "TLS handshake" in r.getMessage()]
+
+    run(scenario())
+
+
+def test_a_peer_flooding_bytes_before_the_tls_handshake_is_cut_off(
+    run: Runner,
+    tls_files: TlsFiles,
+) -> None:
+    async def scenario() -> None:
+        async with running_coordinator(**_server(tls_files)) as coordinator:
+            assert coordinator.addresses is not None
+            reader, writer = await asyncio.open_connection(
+                coordinator.addresses.host, coordinator.addresses.port
+            )
+            garbage = b"\x16\x03\x01" + bytes(4 * TLS_EARLY_LIMIT)
+            try:
+                writer.write(garbage)
+                async with asyncio.timeout(5):
+                    assert await reader.read() == b""  # closed by the coordinator
+            except ConnectionError:
+                pass  # reset while still sending: cut off as well
+            finally:
+                writer.close()
+            await wait_until(lambda: not coordinator._tls_pending, 5, "the flood's handshake gone")
+
+    run(scenario())
+
+
+def test_pending_tls_handshakes_count_against_the_unauthenticated_cap(
+    run: Runner,
+    tls_files: TlsFiles,
+) -> None:
+    async def scenario() -> None:
+        overrides = {**_server(tls_files), "max_unauthenticated": 3, "handshake_timeout": 30}
+        async with running_coordinator(**overrides) as coordinator:
+            assert coordinator.addresses is not None
+            address = coordinator.addresses.host, coordinator.addresses.port
+            silent = [await asyncio.open_connection(*address) for _ in range(3)]
+            hello = b"\x16\x03\x01\x00\x05"  # the start of a TLS record: a handshake under way
+            for _, writer in silent:
+                writer.write(hello)
+            await wait_until(lambda: len(coordinator._tls_pending) == 3, 5, "3 pending handshakes")
+            good = await _connect(coordinator, tls.client_context(str(tls_files.ca)))
+            try:
+                assert coordinator.live.rejected == {"evicted": 1}  # the oldest silent one
+                assert len(coordinator._tls_pending) == 2
+            finally:
+                await good.close()
+                for _, writer in silent:
+                    writer.close()
+
+    run(scenario())
+
+
+def test_a_renewed_certificate_is_served_to_new_connections(
+    run: Runner, tls_files: TlsFiles, tmp_path: Path
+) -> None:
+    async def scenario() -> None:
+        cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+        shutil.copy(tls_files.server_cert, cert)
+        shutil.copy(tls_files.server_key, key)
+        async with running_coordinator(tls_cert=str(cert), tls_key=str(key)) as coordinator:
+            old = await _connect(coordinator, tls.client_context(str(tls_files.ca)), node="old")
+            # renewed under another CA: only clients that trust it get through from now on
+            shutil.copy(tls_files.other_server_key, key)
+            shutil.copy(tls_files.other_server_cert, cert)
+            renewed = tls.client_context(str(tls_files.other_ca))
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    link = await _connect(coordinator, renewed)
+                    break
+                except HandshakeError:
+                    assert time.monotonic() < deadline, "the renewed certificate never served"
+                    await asyncio.sleep(0.1)
+            try:
+                assert (await _levels_for_one_flow(link)).updates == (LevelUpdate(1, 7),)
+                with pytest.raises(HandshakeError):  # the old CA no longer verifies it
+                    await _connect(coordinator, tls.client_context(str(tls_files.ca)))
+                await old.send(Resync(()))  # the live link keeps its session
+            finally:
+                await link.close()
+                await old.close()
+
+    run(scenario())
+
+
+def test_a_half_renewed_pair_keeps_the_previous_certificate(
+    run: Runner, tls_files: TlsFiles, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def scenario() -> None:
+        cert, key = tmp_path / "server.pem", tmp_path / "server.key"
+        shutil.copy(tls_files.server_cert, cert)
+        shutil.copy(tls_files.server_key, key)
+        async with running_coordinator(tls_cert=str(cert), tls_key=str(key)) as coordinator:
+            shutil.copy(tls_files.other_server_cert, cert)  # the key not yet: a mismatched pair
+            deadline = time.monotonic() + 10
+            while "kept the previous TLS settings" not in caplog.text:  # files checked at connects
+                assert time.monotonic() < deadline, "the mismatched pair was never noticed"
+                link = await _connect(coordinator, tls.client_context(str(tls_files.ca)))
+                await link.close()
+                await asyncio.sleep(0.1)
+            link = await _connect(coordinator, tls.client_context(str(tls_files.ca)))
+            await link.close()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("settings", "field"),
+    [
+        ({"tls_cert": "c.pem"}, "tls_key"),
+        ({"tls_key": "k.pem"}, "tls_cert"),
+        ({"tls_client_ca": "ca.pem"}, "tls_client_ca"),
+    ],
+)
+def test_config_refuses_half_a_tls_setting(settings: dict[str, str], field: str) -> None:
+    with pytest.raises(tls.TlsConfigError) as refused:
+        CoordinatorConfig(token=TOKEN, policy_factory=object, **settings)  # type: ignore[arg-type]
+    assert refused.value.field == field
