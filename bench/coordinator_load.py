@@ -17,7 +17,9 @@ Both phases run for each mode, side by side: "batched" (each agent frame carries
 reports, the coordinator runs the policy once per event-loop turn, and also once a batch has
 been collecting for 1 ms, its default ``--max-batch-delay``), the baseline
 "per-turn" (the same without that bound: once per turn only) and the baseline "unbatched" (one
-event per frame, the policy run after every frame, ``--no-batch``); and for
+event per frame, the policy run after every frame, ``--no-batch``), and "batched-tls" (batched,
+every agent connected over TLS: ``--tls-cert``, a self-signed certificate made with the
+openssl command), whose baseline is "batched"; and for
 each promotion scheme of ``--promotion``: "timers" (each deadline flow re-evaluated when the
 policy's next promotion time for it comes) and the baseline "sweep" (every deadline flow
 re-evaluated each timer period). The ratios are printed at the end. Each latency point
@@ -35,7 +37,8 @@ profiles one paced load alone.
 
 Usage:
     .venv/bin/python bench/coordinator_load.py [--agents 1000] [--flows 10] [--duration 5]
-        [--rates 10000,30000,100000] [--policy FILE] [--modes batched,per-turn,unbatched]
+        [--rates 10000,30000,100000] [--policy FILE]
+        [--modes batched,per-turn,unbatched,batched-tls]
         [--promotion sweep,timers] [--per-flow-policy auto|yes|no]
         [--phases throughput,latency] [--progress-form maps,packed] [--max-batch-delay S]
         [--profile] [--json OUT]
@@ -61,6 +64,7 @@ import random
 import re
 import shutil
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -94,6 +98,7 @@ from flowsched.testbed.simagent import (
     prepare_load_generator,
     progress_fields,
 )
+from flowsched.tls import client_context
 
 #: the checkout this benchmark belongs to (the compiled build is made from it)
 REPO = Path(__file__).resolve().parents[1]
@@ -101,7 +106,7 @@ DRAIN_TIMEOUT = 120.0
 #: a latency point whose generator sent less than this share of the rate asked for is flagged
 GENERATOR_SHORTFALL = 0.95
 #: the coordinator's modes (see the module docstring)
-MODES = ("batched", "per-turn", "unbatched")
+MODES = ("batched", "per-turn", "unbatched", "batched-tls")
 #: the paced generator's shortest sleep: the event loop's timers have 1 ms resolution, so a
 #: shorter one fires at the next loop turn and the generator spins (at 100,000 events/s that
 #: took most of its core); what falls due meanwhile is sent at the next wake-up, at most one
@@ -208,11 +213,18 @@ class SimAgent:
 
 
 async def connect(
-    host: str, port: int, node: str, token: bytes, flows: int, progress_form: str = "packed"
+    host: str,
+    port: int,
+    node: str,
+    token: bytes,
+    flows: int,
+    progress_form: str = "packed",
+    tls: ssl.SSLContext | None = None,
 ) -> SimAgent:
-    """A simulated agent, connected and authenticated, its ``flows`` flows opened; it offers
-    the protocol version of ``progress_form`` (maps: version 1, as the previous release)."""
-    reader, writer = await asyncio.open_connection(host, port)
+    """A simulated agent, connected (over TLS with ``tls``) and authenticated, its ``flows``
+    flows opened; it offers the protocol version of ``progress_form`` (maps: version 1, as the
+    previous release)."""
+    reader, writer = await asyncio.open_connection(host, port, ssl=tls)
     # a small send buffer keeps the backlog a saturated coordinator builds up bounded
     writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
     conn = Connection(Role.AGENT, token=token, version=PROGRESS_FORMS[progress_form])
@@ -471,6 +483,12 @@ class CoordinatorProcess:
                     "--idle-timeout", "60"]  # fmt: skip
         if args.policy:
             command += ["--policy", args.policy]
+        #: what the simulated agents connect with (batched-tls: the certificate made here)
+        self.tls: ssl.SSLContext | None = None
+        if mode == "batched-tls":
+            cert, key = self_signed_certificate(workdir)
+            command += ["--tls-cert", str(cert), "--tls-key", str(key)]
+            self.tls = client_context(str(cert))
         if mode == "unbatched":
             command.append("--no-batch")
         elif mode == "per-turn":
@@ -511,6 +529,18 @@ class CoordinatorProcess:
         self.log.close()
 
 
+def self_signed_certificate(workdir: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1, its own CA, and its key (the openssl command)."""
+    cert, key = workdir / "tls.pem", workdir / "tls.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=bench",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
 async def run_mode(
     args: argparse.Namespace,
     mode: str,
@@ -536,6 +566,7 @@ async def run_mode(
                     coordinator.token,
                     args.flows,
                     form,
+                    coordinator.tls,
                 )
             listeners.append(asyncio.create_task(agent.listen()))
             return agent
@@ -780,6 +811,9 @@ def compare_modes(build: str, results: list[ModeResult]) -> None:
             per_cpu = batched.events_per_cpu_second / max(unbatched.events_per_cpu_second, 1e-9)
             print(f"\n{build}, batched / unbatched ({promotion}): {ratio:.2f}x events/s, "
                   f"{per_cpu:.2f}x events per CPU-second")  # fmt: skip
+        secure = by_mode.get(f"batched-tls/{promotion}")
+        if batched and secure:
+            compare_tls(build, promotion, secure, batched)
     for mode in sorted({r.mode.split("/")[0] for r in results}):
         timers, sweep = by_mode.get(f"{mode}/timers"), by_mode.get(f"{mode}/sweep")
         if not (timers and sweep):
@@ -803,6 +837,21 @@ def compare_batch_delay(
         f"CPU-second at saturation (steal {bounded.steal:.1%} / {per_turn.steal:.1%})"
     )
     for new, old in zip(bounded.latency, per_turn.latency, strict=False):
+        print(f"  {new.nominal_rate:>8.0f} events/s: p99 {new.p99_ms:.2f} ms vs {old.p99_ms:.2f} "
+              f"ms, churn opens end to end p99 {new.open_p99_ms:.2f} vs {old.open_p99_ms:.2f} ms, "
+              f"coordinator CPU {new.coordinator_cpu:.2f} vs {old.coordinator_cpu:.2f}, "
+              f"steal {new.steal:.1%} / {old.steal:.1%}")  # fmt: skip
+
+
+def compare_tls(build: str, promotion: str, secure: ModeResult, plain: ModeResult) -> None:
+    """Every agent over TLS vs plain TCP: CPU per event and, at each rate, the p99s."""
+    per_cpu = secure.events_per_cpu_second / max(plain.events_per_cpu_second, 1e-9)
+    print(
+        f"\n{build}, batched over TLS / plain ({promotion}): {per_cpu:.2f}x events per "
+        f"CPU-second at saturation (steal {secure.steal:.1%} / {plain.steal:.1%}), peak RSS "
+        f"{secure.peak_rss_mib:.1f} / {plain.peak_rss_mib:.1f} MiB"
+    )
+    for new, old in zip(secure.latency, plain.latency, strict=False):
         print(f"  {new.nominal_rate:>8.0f} events/s: p99 {new.p99_ms:.2f} ms vs {old.p99_ms:.2f} "
               f"ms, churn opens end to end p99 {new.open_p99_ms:.2f} vs {old.open_p99_ms:.2f} ms, "
               f"coordinator CPU {new.coordinator_cpu:.2f} vs {old.coordinator_cpu:.2f}, "
@@ -840,7 +889,8 @@ def main() -> int:
     parser.add_argument(
         "--modes", default="batched,per-turn,unbatched",
         help="coordinator modes to run side by side (comma-separated): batched (the default"
-        " service), per-turn (batched without --max-batch-delay's bound), unbatched",
+        " service), per-turn (batched without --max-batch-delay's bound), unbatched,"
+        " batched-tls (batched with every agent over TLS)",
     )  # fmt: skip
     parser.add_argument(
         "--max-batch-delay",
