@@ -496,8 +496,9 @@ class Agent:
         # a running local policy stops with the coordinator's first message, not here: a
         # coordinator that ends every session right after the handshake must not stop it
         log.info(
-            "connected to the coordinator (epoch %d); protocol version %d; resync sent"
-            " (%d flows)", self.leader_epoch[1], link.version, len(self.registry.flows),
+            "connected to the coordinator (epoch %d) over %s; protocol version %d; resync sent"
+            " (%d flows)", self.leader_epoch[1], link.cipher[1] if link.cipher else "plain TCP",
+            link.version, len(self.registry.flows),
         )  # fmt: skip
         receiver = asyncio.create_task(self._receive(link))
         sender = asyncio.create_task(self._send(link))

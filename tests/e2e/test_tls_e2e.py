@@ -38,6 +38,7 @@ def test_mutual_tls_admits_the_agent_with_a_trusted_certificate_and_names_the_ot
             return total(coordinator.metrics(), f"{COORDINATOR}_{name}", **labels)
 
         wait_for(lambda: coordinator_metric("agents_connected") == 1, 20, "the trusted agent")
+        assert "over TLSv1.3" in (tmp_path / "agent-trusted.log").read_text()
         wait_for(
             lambda: coordinator_metric("closed_connections_total", reason="tls") >= 1, 20,
             "the refused agent's handshake counted",
