@@ -69,6 +69,16 @@ def register(sub: Any) -> None:
     )
     ha.add_argument("--etcd", metavar="URL", help="etcd client URL, e.g. http://10.0.0.5:2379")
     ha.add_argument(
+        "--etcd-cacert", metavar="FILE",
+        help="PEM CA bundle verifying etcd's server certificate (https; default: the system "
+        "trust store)",
+    )  # fmt: skip
+    ha.add_argument(
+        "--etcd-cert", metavar="FILE",
+        help="PEM client certificate for etcd's --client-cert-auth (with --etcd-key)",
+    )  # fmt: skip
+    ha.add_argument("--etcd-key", metavar="FILE", help="its PEM private key (unencrypted)")
+    ha.add_argument(
         "--election-name", default="flowsched", metavar="NAME",
         help="coordinators of one cluster share it (default: flowsched)",
     )  # fmt: skip
@@ -108,7 +118,8 @@ def _run(args: argparse.Namespace) -> int:
             idle_timeout=args.idle_timeout, handshake_timeout=args.handshake_timeout,
             per_flow_decisions={"auto": None, "yes": True, "no": False}[args.per_flow_policy],
             promotion=args.promotion, rebuild_batching=not args.no_rebuild_batching,
-            etcd=args.etcd, election_name=args.election_name, lease_ttl=args.lease_ttl,
+            etcd=args.etcd, etcd_cacert=args.etcd_cacert, etcd_cert=args.etcd_cert,
+            etcd_key=args.etcd_key, election_name=args.election_name, lease_ttl=args.lease_ttl,
             advertise=args.advertise, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
         )  # fmt: skip
@@ -124,12 +135,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def preflight(config: CoordinatorConfig) -> None:
-    """Refuse a taken, privileged or foreign address before anything starts (UsageError)."""
+    """Refuse a taken, privileged or foreign address, or unusable etcd settings (TLS files
+    loaded), before anything starts (UsageError, ElectionError)."""
     check_bindable("--listen", config.host, config.port)
     if config.tls_cert is not None and config.tls_key is not None:  # TlsConfigError
         server_context(config.tls_cert, config.tls_key, config.tls_client_ca)
-    if config.etcd is not None:  # the URL, TTL, name and the etcd3gw package (ElectionError)
-        EtcdElection(config.etcd, config.election_name, config.advertise or "", config.lease_ttl)
+    if config.etcd is not None:  # URL, TTL, name, TLS files, etcd3gw package (ElectionError)
+        EtcdElection.from_config(config, config.advertise or "")
+    else:
+        tls = {"--etcd-cacert": config.etcd_cacert, "--etcd-cert": config.etcd_cert}
+        for flag, value in {**tls, "--etcd-key": config.etcd_key}.items():
+            if value is not None:
+                raise ElectionError(f"{flag}: TLS to etcd, only used with --etcd https://...")
     if config.metrics_port is not None:
         check_bindable("--metrics-port", config.metrics_host, config.metrics_port, "--metrics-bind")
 

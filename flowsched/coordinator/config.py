@@ -85,6 +85,11 @@ class CoordinatorConfig:
     #: etcd client URL for leader election among several coordinators (None: this one leads
     #: alone, no etcd); see flowsched.coordinator.election and docs/ha.md
     etcd: str | None = None
+    #: TLS to an https etcd (PEM files): the CA bundle verifying etcd (None: the system trust
+    #: store), the client certificate and its key (etcd's --client-cert-auth)
+    etcd_cacert: str | None = None
+    etcd_cert: str | None = None
+    etcd_key: str | None = None
     #: coordinators sharing this name (and etcd) elect one leader
     election_name: str = "flowsched"
     #: leader lease TTL, whole seconds: a crashed leader's host going silent is replaced

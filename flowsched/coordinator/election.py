@@ -19,6 +19,11 @@ Every coordinator started with ``--etcd`` is a candidate. The recipe (docs/ha.md
 The client is ``etcd3gw`` (HTTP/JSON gateway, no gRPC), an optional dependency
 (``pip install 'flowsched[ha]'``) imported only here and only when ``--etcd`` is used. Its
 calls block, so they run in worker threads.
+
+TLS (an ``https://`` URL): etcd's certificate is verified against ``--etcd-cacert``, else the
+system trust store (OpenSSL's default paths, as etcdctl does); ``--etcd-cert``/``--etcd-key``
+are the client certificate etcd's ``--client-cert-auth`` asks for. :func:`check_tls` loads the
+files at preflight time; :meth:`EtcdElection.explain` names the TLS cause of a failed request.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import asyncio
 import base64
 import contextlib
 import logging
+import re
+import ssl
 import threading
 import time
 import urllib.parse
@@ -34,8 +41,13 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from flowsched.lograte import RepeatLog
+
 if TYPE_CHECKING:
     from etcd3gw.client import Etcd3Client
+    from requests import Session
+
+    from flowsched.coordinator.config import CoordinatorConfig
 
 log = logging.getLogger("flowsched.coordinator.election")
 T = TypeVar("T")
@@ -48,6 +60,12 @@ KEEPALIVES_PER_TTL = 4
 STEP_DOWN_MARGIN = 0.25
 #: a standby re-reads the key at least every this many TTLs (a silently dead watch stream)
 RECHECK_TTLS = 5
+
+
+#: OpenSSL verify codes of a server certificate whose CA is not trusted (self-signed leaf,
+#: self-signed chain, unknown issuer, leaf signature unverifiable); and of a name mismatch
+UNKNOWN_ISSUER = frozenset({18, 19, 20, 21})
+HOSTNAME_MISMATCH = 62
 
 
 class ElectionError(RuntimeError):
@@ -88,6 +106,106 @@ def parse_endpoint(url: str) -> tuple[str, str, int]:
     except ValueError:
         raise ElectionError(f"--etcd: bad port in {url!r}") from None
     return parsed.scheme, parsed.hostname, port
+
+
+def check_tls(url: str, cacert: str | None, cert: str | None, key: str | None) -> None:
+    """Refuse TLS settings that cannot work, naming the flag: a client certificate without its
+    key (or the reverse), TLS files with a plain-http URL, files that are unreadable, not PEM,
+    a key that does not match its certificate or that needs a passphrase.
+
+    Raises:
+        ElectionError: naming the flag.
+    """
+    flags = {"--etcd-cacert": cacert, "--etcd-cert": cert, "--etcd-key": key}
+    given = [flag for flag, path in flags.items() if path is not None]
+    if not given:
+        return
+    if key is None and cert is not None:
+        raise ElectionError("--etcd-cert: needs --etcd-key, the client certificate's private key")
+    if cert is None and key is not None:
+        raise ElectionError("--etcd-key: needs --etcd-cert, the client certificate of that key")
+    if parse_endpoint(url)[0] != "https":
+        raise ElectionError(
+            f"{given[0]}: TLS files need an https:// etcd URL, and --etcd {url!r} is plain "
+            f"http (write https://...)"
+        )
+    context = ssl.create_default_context()
+    if cacert is not None:
+        load = lambda: context.load_verify_locations(cafile=cacert)  # noqa: E731
+        _load_pem("--etcd-cacert", cacert, "a PEM CA bundle", load)
+    if cert is not None and key is not None:
+        _check_client_certificate(context, cert, key)
+
+
+def _load_pem(flag: str, path: str, what: str, load: Callable[[], object]) -> None:
+    """Run ``load`` (reads ``path``, ``what`` it must hold); ElectionError naming ``flag``."""
+    try:
+        load()
+    except OSError as exc:
+        if isinstance(exc, ssl.SSLError):
+            raise ElectionError(f"{flag}: {path} is not {what} ({_ssl_reason(exc)})") from None
+        raise ElectionError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
+
+
+class _EncryptedKey(Exception):
+    """The client key asked for a passphrase (no prompt from a daemon)."""
+
+
+def _no_passphrase() -> str:
+    raise _EncryptedKey
+
+
+def _check_client_certificate(context: ssl.SSLContext, cert: str, key: str) -> None:
+    def certificate() -> None:
+        with open(cert, encoding="ascii", errors="replace") as file:
+            context.load_verify_locations(cadata=file.read())  # PEM certificates, parsed
+
+    _load_pem("--etcd-cert", cert, "a PEM certificate", certificate)
+    try:
+        chain = lambda: context.load_cert_chain(cert, key, _no_passphrase)  # noqa: E731
+        _load_pem("--etcd-key", key, "a PEM private key", chain)
+    except _EncryptedKey:
+        raise ElectionError(
+            f"--etcd-key: {key} is encrypted: the etcd client cannot ask for its passphrase "
+            f"(decrypt it: openssl pkey -in {key} -out KEY, and keep KEY mode 0600)"
+        ) from None
+    except ElectionError as exc:
+        if "KEY_VALUES_MISMATCH" in str(exc):
+            raise ElectionError(
+                f"--etcd-key: {key} is not the private key of the certificate --etcd-cert {cert}"
+            ) from None
+        raise
+
+
+def _ssl_reason(exc: ssl.SSLError) -> str:
+    """OpenSSL's reason (``SSLV3_ALERT_BAD_CERTIFICATE``), else the message without its
+    ``(_ssl.c:2427)``."""
+    reason = getattr(exc, "reason", None) or exc.strerror or exc
+    return re.sub(r" \(_ssl\.c:\d+\)$", "", str(reason))
+
+
+def _ssl_cause(exc: BaseException) -> ssl.SSLError | None:
+    """The ssl error behind ``exc``: etcd3gw, requests and urllib3 wrap it a few levels deep,
+    as the cause or context, as an argument, or as a MaxRetryError's ``reason``."""
+    pending: list[object] = [exc]
+    seen: set[int] = set()
+    while pending:
+        cause = pending.pop(0)
+        if not isinstance(cause, BaseException) or id(cause) in seen:
+            continue
+        if isinstance(cause, ssl.SSLError):
+            return cause
+        seen.add(id(cause))
+        pending += [cause.__cause__, cause.__context__, getattr(cause, "reason", None)]
+        pending += cause.args
+    return None
+
+
+def system_trust() -> str | bool:
+    """The system trust store (OpenSSL's default CA file or directory, which honour
+    ``SSL_CERT_FILE``/``SSL_CERT_DIR``); True (requests' own bundle) when there is none."""
+    paths = ssl.get_default_verify_paths()
+    return paths.cafile or paths.capath or True
 
 
 def _in_daemon_thread(function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
@@ -133,6 +251,14 @@ class EtcdElection:
         address: this coordinator's agent address, published while it leads.
         lease_ttl: lease TTL in whole seconds (etcd grants at least about 2 s).
         request_timeout: seconds allowed for each etcd request.
+        cacert: PEM CA bundle that verifies etcd's certificate (https; None: the system
+            trust store).
+        cert: PEM client certificate for etcd's ``--client-cert-auth`` (with ``key``).
+        key: its PEM private key (unencrypted).
+
+    Raises:
+        ElectionError: a bad setting, naming its flag (TLS files are loaded: see
+            :func:`check_tls`), or etcd3gw is not installed.
     """
 
     def __init__(
@@ -142,6 +268,10 @@ class EtcdElection:
         address: str,
         lease_ttl: int = 2,
         request_timeout: float | None = None,
+        *,
+        cacert: str | None = None,
+        cert: str | None = None,
+        key: str | None = None,
     ) -> None:
         if not isinstance(lease_ttl, int) or lease_ttl < 1:
             raise ElectionError(f"--lease-ttl: expected whole seconds >= 1, got {lease_ttl!r}")
@@ -150,6 +280,8 @@ class EtcdElection:
         if address and split_address(address) is None:
             raise ElectionError(f"--advertise: expected HOST:PORT, got {address!r}")
         self.protocol, self.host, self.port = parse_endpoint(endpoint)
+        check_tls(endpoint, cacert, cert, key)
+        self.cacert, self.cert, self.cert_key = cacert, cert, key
         self.key = KEY_PREFIX + name
         self.address = address
         self.ttl = lease_ttl
@@ -161,6 +293,17 @@ class EtcdElection:
         #: the lease of this candidate's last won campaign (0: none yet)
         self.won_lease = 0
         self._recheck = asyncio.Event()
+        self._repeat = RepeatLog(log)
+
+    @classmethod
+    def from_config(cls, config: CoordinatorConfig, address: str) -> EtcdElection:
+        """The candidate ``config`` describes (``config.etcd`` and the election settings),
+        publishing ``address``."""
+        assert config.etcd is not None
+        return cls(
+            config.etcd, config.election_name, address, config.lease_ttl,
+            cacert=config.etcd_cacert, cert=config.etcd_cert, key=config.etcd_key,
+        )  # fmt: skip
 
     def _new_client(self) -> Etcd3Client:
         try:
@@ -172,7 +315,80 @@ class EtcdElection:
         return Etcd3Client(
             host=self.host, port=self.port, protocol=self.protocol, timeout=self.timeout,
             api_path="/v3/",  # etcd >= 3.4; skips a /version round trip per client
+            session=self._session(),
         )  # fmt: skip
+
+    def _session(self) -> Session:
+        """A requests session with this candidate's TLS settings.
+
+        Built here rather than by etcd3gw (its ``ca_cert`` etc.): requests lets the
+        ``REQUESTS_CA_BUNDLE``/``CURL_CA_BUNDLE`` variables replace a session's CA bundle on
+        every request (etcd3gw's watch too), which would silently drop ``--etcd-cacert``.
+        """
+        import requests
+
+        session = requests.Session()
+        session.verify = self.cacert or system_trust()
+        if self.cert is not None and self.cert_key is not None:
+            session.cert = (self.cert, self.cert_key)
+        merge = session.merge_environment_settings
+
+        def pinned(url: str, proxies: Any, stream: Any, verify: Any, cert: Any) -> dict[str, Any]:
+            settings = merge(url, proxies, stream, verify, cert)
+            settings["verify"] = session.verify  # proxies etc. still come from the environment
+            return settings
+
+        session.merge_environment_settings = pinned  # type: ignore[method-assign]
+        return session
+
+    @property
+    def url(self) -> str:
+        """etcd's client URL as used."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.protocol}://{host}:{self.port}"
+
+    def explain(self, exc: BaseException) -> str:
+        """What a failed etcd request says, naming the TLS cause and the flag that fixes it
+        (etcd3gw's exceptions keep their text in ``detail_text``: ``str()`` is empty)."""
+        ssl_error = _ssl_cause(exc)
+        if isinstance(ssl_error, ssl.SSLCertVerificationError):
+            return self._explain_verification(ssl_error)
+        if ssl_error is not None:
+            return self._explain_handshake(ssl_error)
+        detail = getattr(exc, "detail_text", None)
+        return str(exc) or (str(detail) if detail else "") or type(exc).__name__
+
+    def _explain_verification(self, error: ssl.SSLCertVerificationError) -> str:
+        trust = f"--etcd-cacert {self.cacert}" if self.cacert else "the system trust store"
+        why = error.verify_message or _ssl_reason(error)
+        if error.verify_code in UNKNOWN_ISSUER:
+            hint = "" if self.cacert else " (no --etcd-cacert)"
+            return (
+                f"TLS: etcd's server certificate is not signed by a CA in {trust}{hint} ({why}):"
+                f" --etcd-cacert must name the CA that signed it"
+            )
+        if error.verify_code == HOSTNAME_MISMATCH:
+            return (
+                f"TLS: etcd's server certificate does not name {self.host} ({why}): give "
+                f"--etcd a host name or address that the certificate lists"
+            )
+        return f"TLS: etcd's server certificate was refused ({why}; verified with {trust})"
+
+    def _explain_handshake(self, ssl_error: ssl.SSLError) -> str:
+        reason = _ssl_reason(ssl_error)
+        if "WRONG_VERSION_NUMBER" in reason:
+            return f"TLS: etcd at {self.url} does not speak TLS ({reason}): use http://"
+        if not isinstance(ssl_error, ssl.SSLEOFError) and "ALERT" not in reason:
+            return f"TLS to etcd failed: {reason}"
+        if self.cert is None:
+            return (
+                f"TLS: etcd refused the connection without a client certificate ({reason}): "
+                f"it requires one (--client-cert-auth): give --etcd-cert and --etcd-key"
+            )
+        return (
+            f"TLS: etcd refused the client certificate --etcd-cert {self.cert} ({reason}): "
+            f"it must be signed by a CA in etcd's --trusted-ca-file and allow clientAuth"
+        )
 
     # -- blocking etcd calls (run in threads) --------------------------------------------------
 
@@ -240,9 +456,12 @@ class EtcdElection:
             try:
                 won, revision = await asyncio.to_thread(self._try_once)
             except Exception as exc:
-                log.warning("etcd %s:%d: campaign failed: %s", self.host, self.port, exc)
+                why = self.explain(exc)
+                self._repeat.log(f"campaign {why}", logging.WARNING,
+                                 "etcd %s: campaign failed: %s", self.url, why)  # fmt: skip
                 await asyncio.sleep(self.ttl / KEEPALIVES_PER_TTL)
                 continue
+            self._repeat.clear_matching("campaign ")
             if won is not None:
                 log.info("elected leader of %s (epoch %d)", self.key, won.epoch)
                 return won
@@ -260,7 +479,7 @@ class EtcdElection:
                 events, cancel = await asyncio.shield(opening)
         except Exception as exc:
             opening.add_done_callback(_close_late_watch)
-            log.warning("etcd watch failed: %s", exc or type(exc).__name__)
+            log.warning("etcd watch failed: %s", self.explain(exc))
             await asyncio.sleep(self.ttl / KEEPALIVES_PER_TTL)
             return
         deleted: asyncio.Future[Any] = _in_daemon_thread(next, events, None)
@@ -286,7 +505,7 @@ class EtcdElection:
                     ttl = await asyncio.to_thread(self._keepalive, leadership.lease)
             except Exception as exc:
                 ttl = None
-                log.warning("etcd keepalive failed: %s", exc or type(exc).__name__)
+                log.warning("etcd keepalive failed: %s", self.explain(exc))
             if ttl is not None and ttl <= 0:
                 log.error("lost leadership (epoch %d): the lease is gone", leadership.epoch)
                 return

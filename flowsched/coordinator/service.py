@@ -239,9 +239,7 @@ class Coordinator:
         self._spawn(self._heartbeat_loop())
         if config.etcd is not None:
             advertise = config.advertise or advertised_address(host, port)
-            self.candidacy = Candidacy(
-                EtcdElection(config.etcd, config.election_name, advertise, config.lease_ttl)
-            )
+            self.candidacy = Candidacy(EtcdElection.from_config(config, advertise))
         self.addresses = Addresses(host, port, metrics_host, metrics_port)
         log.info("listening on %s:%s, metrics on %s:%s", host, port, metrics_host, metrics_port)
         return self.addresses

@@ -7,12 +7,16 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from flowsched.testbed import daemons
 from flowsched.testbed.daemons import Daemon, spawn
-from flowsched.testbed.etcd import etcd_binary, local_etcd
+from flowsched.testbed.etcd import EtcdServerTls, etcd_binary, local_etcd
+
+if TYPE_CHECKING:
+    from conftest import TlsFiles
 
 
 def need_etcd() -> None:
@@ -31,6 +35,39 @@ def etcd_url(tmp_path: Path) -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="session")
+def etcd_server_tls(tls_files: TlsFiles) -> EtcdServerTls:
+    """TLS files for an etcd that requires client certificates signed by ``tls_files.ca``.
+
+    etcd gets a certificate of its own, issued by the same CA for serverAuth *and* clientAuth:
+    etcd 3.4's HTTP gateway presents it to its own gRPC port (see EtcdServerTls)."""
+    folder = tls_files.ca.parent
+    ca_key = tls_files.ca.with_suffix(".key")  # tests/conftest.py keeps it next to ca.pem
+    assert ca_key.exists(), ca_key
+    cert, key, request = folder / "etcd.pem", folder / "etcd.key", folder / "etcd.csr"
+    extensions = folder / "etcd.ext"
+    extensions.write_text(
+        "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
+        "extendedKeyUsage=serverAuth,clientAuth\nsubjectAltName=DNS:localhost,IP:127.0.0.1\n"
+    )
+    for args in (
+        ["req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", key, "-out", request, "-subj", "/CN=etcd"],
+        ["x509", "-req", "-in", request, "-CA", tls_files.ca, "-CAkey", ca_key,
+         "-CAcreateserial", "-out", cert, "-days", "2", "-extfile", extensions],
+    ):  # fmt: skip
+        subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
+    return EtcdServerTls(cert, key, tls_files.ca, tls_files.client_cert, tls_files.client_key)
+
+
+@pytest.fixture
+def etcd_tls_url(tmp_path: Path, etcd_server_tls: EtcdServerTls) -> Iterator[str]:
+    """A fresh https etcd that requires a client certificate of ``tls_files.ca``."""
+    need_etcd()
+    with local_etcd(tmp_path / "etcd.log", etcd_server_tls) as url:
+        yield url
+
+
 # -- real processes --------------------------------------------------------------------------
 
 E2E = Path(__file__).resolve().parents[1] / "e2e"
@@ -41,12 +78,12 @@ def total(metrics: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in metrics.items() if k.split("{")[0] == prefix)
 
 
-def start_coordinator(tmp: Path, token: Path, etcd: str, name: str) -> Daemon:
-    """A coordinator of the election ``ha`` on free ports."""
+def start_coordinator(tmp: Path, token: Path, etcd: str, name: str, *flags: str) -> Daemon:
+    """A coordinator of the election ``ha`` on free ports (``flags``: more of its flags)."""
     return spawn(
         name,
         ["coordinator", "--listen", "127.0.0.1:0", "--metrics-port", "0", "--token-file",
-         str(token), "--etcd", etcd, "--election-name", "ha", "--log-level", "INFO"],
+         str(token), "--etcd", etcd, "--election-name", "ha", "--log-level", "INFO", *flags],
         tmp / f"{name}.log",
         r"listening on (?P<host>[\d.]+):(?P<port>\d+) metrics [\d.]+:(?P<mport>\d+)",
     )  # fmt: skip
