@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import ssl
 import time
 from collections.abc import Callable, Iterable
@@ -147,28 +148,34 @@ def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(found)
 
 
-def _load_chain(
-    context: ssl.SSLContext,
-    cert: str,
-    key: str,
-    prefix: str,
-) -> None:
-    for field_name, path in ((f"{prefix}_cert", cert), (f"{prefix}_key", key)):
-        _check_readable(field_name, path)
+def _load_chain(context: ssl.SSLContext, cert: str, key: str, prefix: str) -> None:
+    """Load ``cert`` and ``key`` into ``context``; errors name ``{prefix}_cert`` or
+    ``{prefix}_key`` and say which of the two is wrong."""
+    cert_field, key_field = f"{prefix}_cert", f"{prefix}_key"
+    _check_readable(cert_field, cert)
+    _check_readable(key_field, key)
+    try:  # parsed alone first, so that a bad certificate is not blamed on the key
+        with open(cert, encoding="ascii", errors="replace") as file:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_verify_locations(cadata=file.read())
+    except ssl.SSLError as exc:
+        raise TlsConfigError(
+            cert_field, f"{cert} is not a PEM certificate ({ssl_reason(exc)})"
+        ) from None
 
     def no_password() -> bytes:  # else OpenSSL would prompt for one on the terminal
         raise TlsConfigError(
-            f"{prefix}_key", f"{key} is encrypted: a daemon needs an unencrypted key file"
-        )
+            key_field, f"{key} is encrypted: a daemon cannot type its passphrase (decrypt it: "
+            f"openssl pkey -in {key} -out KEY, and keep KEY mode 0600)",
+        )  # fmt: skip
 
     try:
         context.load_cert_chain(cert, key, password=no_password)
     except ssl.SSLError as exc:
-        raise TlsConfigError(
-            f"{prefix}_cert",
-            f"cannot use {cert} with the key {key} ({exc.reason or exc}): expected a PEM "
-            "certificate (chain) and its matching unencrypted PEM private key",
-        ) from None
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            problem = f"{key} is not the private key of the certificate {cert}"
+        else:
+            problem = f"{key} is not a PEM private key ({ssl_reason(exc)})"
+        raise TlsConfigError(key_field, problem) from None
 
 
 def _load_ca(context: ssl.SSLContext, path: str, field_name: str) -> None:
@@ -177,8 +184,15 @@ def _load_ca(context: ssl.SSLContext, path: str, field_name: str) -> None:
         context.load_verify_locations(cafile=path)
     except ssl.SSLError as exc:
         raise TlsConfigError(
-            field_name, f"no PEM CA certificate in {path} ({exc.reason or exc})"
+            field_name, f"{path} is not a PEM CA bundle ({ssl_reason(exc)})"
         ) from None
+
+
+def ssl_reason(exc: ssl.SSLError) -> str:
+    """OpenSSL's reason (``NO_CERTIFICATE_OR_CRL_FOUND``), else the message without its
+    ``(_ssl.c:2427)``."""
+    reason = getattr(exc, "reason", None) or exc.strerror or exc
+    return re.sub(r" \(_ssl\.c:\d+\)$", "", str(reason))
 
 
 def _check_readable(field_name: str, path: str) -> None:

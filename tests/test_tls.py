@@ -29,11 +29,13 @@ def _encrypted_copy(key: Path, folder: Path) -> Path:
     [
         ("server_cert", None, None, "tls_key", "missing"),
         (None, "server_key", None, "tls_cert", "missing"),
-        ("server_cert", "client_key", None, "tls_cert", "KEY_VALUES_MISMATCH"),
+        ("server_cert", "client_key", None, "tls_key", "is not the private key"),
         ("missing", "server_key", None, "tls_cert", "cannot read"),
         ("server_cert", "missing", None, "tls_key", "cannot read"),
         ("server_cert", "encrypted", None, "tls_key", "is encrypted"),
-        ("server_cert", "server_key", "server_key", "tls_client_ca", "no PEM CA certificate"),
+        ("server_cert", "server_key", "server_key", "tls_client_ca", "is not a PEM CA bundle"),
+        ("server_key", "server_key", None, "tls_cert", "is not a PEM certificate"),
+        ("server_cert", "server_cert", None, "tls_key", "is not a PEM private key"),
         ("server_cert", "server_key", "missing", "tls_client_ca", "cannot read"),
     ],
 )

@@ -32,7 +32,6 @@ import asyncio
 import base64
 import contextlib
 import logging
-import re
 import ssl
 import threading
 import time
@@ -41,7 +40,9 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from flowsched import tls
 from flowsched.lograte import RepeatLog
+from flowsched.tls import ssl_reason
 
 if TYPE_CHECKING:
     from etcd3gw.client import Etcd3Client
@@ -129,59 +130,14 @@ def check_tls(url: str, cacert: str | None, cert: str | None, key: str | None) -
             f"{given[0]}: TLS files need an https:// etcd URL, and --etcd {url!r} is plain "
             f"http (write https://...)"
         )
-    context = ssl.create_default_context()
-    if cacert is not None:
-        load = lambda: context.load_verify_locations(cafile=cacert)  # noqa: E731
-        _load_pem("--etcd-cacert", cacert, "a PEM CA bundle", load)
-    if cert is not None and key is not None:
-        _check_client_certificate(context, cert, key)
-
-
-def _load_pem(flag: str, path: str, what: str, load: Callable[[], object]) -> None:
-    """Run ``load`` (reads ``path``, ``what`` it must hold); ElectionError naming ``flag``."""
     try:
-        load()
-    except OSError as exc:
-        if isinstance(exc, ssl.SSLError):
-            raise ElectionError(f"{flag}: {path} is not {what} ({_ssl_reason(exc)})") from None
-        raise ElectionError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
+        tls.client_context(cacert, cert, key)  # loads the files: what TLS would use
+    except tls.TlsConfigError as exc:
+        raise ElectionError(f"{_FLAGS[exc.field]}: {exc.problem}") from None
 
 
-class _EncryptedKey(Exception):
-    """The client key asked for a passphrase (no prompt from a daemon)."""
-
-
-def _no_passphrase() -> str:
-    raise _EncryptedKey
-
-
-def _check_client_certificate(context: ssl.SSLContext, cert: str, key: str) -> None:
-    def certificate() -> None:
-        with open(cert, encoding="ascii", errors="replace") as file:
-            context.load_verify_locations(cadata=file.read())  # PEM certificates, parsed
-
-    _load_pem("--etcd-cert", cert, "a PEM certificate", certificate)
-    try:
-        chain = lambda: context.load_cert_chain(cert, key, _no_passphrase)  # noqa: E731
-        _load_pem("--etcd-key", key, "a PEM private key", chain)
-    except _EncryptedKey:
-        raise ElectionError(
-            f"--etcd-key: {key} is encrypted: the etcd client cannot ask for its passphrase "
-            f"(decrypt it: openssl pkey -in {key} -out KEY, and keep KEY mode 0600)"
-        ) from None
-    except ElectionError as exc:
-        if "KEY_VALUES_MISMATCH" in str(exc):
-            raise ElectionError(
-                f"--etcd-key: {key} is not the private key of the certificate --etcd-cert {cert}"
-            ) from None
-        raise
-
-
-def _ssl_reason(exc: ssl.SSLError) -> str:
-    """OpenSSL's reason (``SSLV3_ALERT_BAD_CERTIFICATE``), else the message without its
-    ``(_ssl.c:2427)``."""
-    reason = getattr(exc, "reason", None) or exc.strerror or exc
-    return re.sub(r" \(_ssl\.c:\d+\)$", "", str(reason))
+#: flowsched.tls's names of the settings -> the coordinator's flags for etcd
+_FLAGS = {"tls_ca": "--etcd-cacert", "tls_cert": "--etcd-cert", "tls_key": "--etcd-key"}
 
 
 def _ssl_cause(exc: BaseException) -> ssl.SSLError | None:
@@ -360,7 +316,7 @@ class EtcdElection:
 
     def _explain_verification(self, error: ssl.SSLCertVerificationError) -> str:
         trust = f"--etcd-cacert {self.cacert}" if self.cacert else "the system trust store"
-        why = error.verify_message or _ssl_reason(error)
+        why = error.verify_message or ssl_reason(error)
         if error.verify_code in UNKNOWN_ISSUER:
             hint = "" if self.cacert else " (no --etcd-cacert)"
             return (
@@ -375,7 +331,7 @@ class EtcdElection:
         return f"TLS: etcd's server certificate was refused ({why}; verified with {trust})"
 
     def _explain_handshake(self, ssl_error: ssl.SSLError) -> str:
-        reason = _ssl_reason(ssl_error)
+        reason = ssl_reason(ssl_error)
         if "WRONG_VERSION_NUMBER" in reason:
             return f"TLS: etcd at {self.url} does not speak TLS ({reason}): use http://"
         if not isinstance(ssl_error, ssl.SSLEOFError) and "ALERT" not in reason:

@@ -43,7 +43,7 @@ CASES = {
         "--etcd-key: cannot read"),
     "key-of-another-cert": (
         [*HTTPS, "--etcd-cert", "{cert}", "--etcd-key", "{stranger_key}"],
-        "is not the private key of the certificate --etcd-cert"),
+        "is not the private key of the certificate"),
 }  # fmt: skip
 
 

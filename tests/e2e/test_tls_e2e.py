@@ -60,7 +60,7 @@ def test_mutual_tls_admits_the_agent_with_a_trusted_certificate_and_names_the_ot
         (
             "coordinator",
             ["--tls-cert", "{server_cert}", "--tls-key", "{client_key}"],
-            "--tls-cert:",
+            "--tls-key:",
         ),
         ("coordinator", ["--tls-client-ca", "{ca}"], "--tls-client-ca:"),
         (
@@ -78,7 +78,7 @@ def test_mutual_tls_admits_the_agent_with_a_trusted_certificate_and_names_the_ot
         ("agent", ["--tls-cert", "{client_cert}"], "--tls-key:"),
         ("agent", ["--tls-ca", "{missing}"], "--tls-ca:"),
         ("agent", ["--tls-ca", "{client_key}"], "--tls-ca:"),
-        ("agent", ["--tls-cert", "{client_cert}", "--tls-key", "{server_key}"], "--tls-cert:"),
+        ("agent", ["--tls-cert", "{client_cert}", "--tls-key", "{server_key}"], "--tls-key:"),
     ],
 )
 def test_refuses_an_unusable_tls_setting_naming_the_flag(
