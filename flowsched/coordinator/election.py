@@ -38,7 +38,7 @@ import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from flowsched import tls
 from flowsched.lograte import RepeatLog
@@ -290,11 +290,12 @@ class EtcdElection:
         merge = session.merge_environment_settings
 
         def pinned(url: str, proxies: Any, stream: Any, verify: Any, cert: Any) -> dict[str, Any]:
-            settings = merge(url, proxies, stream, verify, cert)
+            settings: dict[str, Any] = merge(url, proxies, stream, verify, cert)
             settings["verify"] = session.verify  # proxies etc. still come from the environment
             return settings
 
-        session.merge_environment_settings = pinned  # type: ignore[method-assign]
+        # (cast: the wheel's build checks this module without requests' type stubs)
+        cast(Any, session).merge_environment_settings = pinned
         return session
 
     @property
