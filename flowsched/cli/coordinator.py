@@ -41,6 +41,12 @@ def register(sub: Any) -> None:
         "--handshake-timeout", type=float, default=5.0, metavar="S",
         help="seconds allowed for each handshake step of a new connection",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-unauthenticated", type=int, default=2048, metavar="N",
+        help="connections (TLS handshakes included) allowed before they authenticate; at the cap"
+        " the oldest goes (default 2048: every agent of a large cluster reconnecting at once;"
+        " with TLS each costs up to ~180 KiB, docs/security.md)",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     parser.add_argument(
         "--no-batch", action="store_true", help="run the policy per message (benchmark baseline)"
@@ -114,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
         config = CoordinatorConfig.from_policy_file(
             args.policy, token, host=host, port=port, metrics_host=metrics_host,
             metrics_port=metrics_port, batching=not args.no_batch, on_ready=_print_ready,
-            max_batch_delay=args.max_batch_delay,
+            max_batch_delay=args.max_batch_delay, max_unauthenticated=args.max_unauthenticated,
             idle_timeout=args.idle_timeout, handshake_timeout=args.handshake_timeout,
             per_flow_decisions={"auto": None, "yes": True, "no": False}[args.per_flow_policy],
             promotion=args.promotion, rebuild_batching=not args.no_rebuild_batching,
@@ -142,20 +148,21 @@ def preflight(config: CoordinatorConfig) -> None:
         server_context(config.tls_cert, config.tls_key, config.tls_client_ca)
     if config.etcd is not None:  # URL, TTL, name, TLS files, etcd3gw package (ElectionError)
         EtcdElection.from_config(config, config.advertise or "")
-    else:
-        tls = {"--etcd-cacert": config.etcd_cacert, "--etcd-cert": config.etcd_cert}
-        for flag, value in {**tls, "--etcd-key": config.etcd_key}.items():
-            if value is not None:
-                raise ElectionError(f"{flag}: TLS to etcd, only used with --etcd https://...")
     if config.metrics_port is not None:
         check_bindable("--metrics-port", config.metrics_host, config.metrics_port, "--metrics-bind")
+
+
+#: CoordinatorConfig fields whose errors the CLI reports under the flag's name
+_FLAG_FIELDS = (
+    "idle_timeout", "handshake_timeout", "max_batch_delay", "max_unauthenticated",
+    "tls_cert", "tls_key", "tls_client_ca", "etcd_cacert", "etcd_cert", "etcd_key",
+)  # fmt: skip
 
 
 def _flag_named(message: str) -> str:
     """A config error names the field (``idle_timeout: ...``): name the flag instead."""
     field, sep, rest = message.partition(":")
-    flags = ("idle_timeout", "handshake_timeout", "max_batch_delay", "tls_cert", "tls_key")
-    if sep and field in (*flags, "tls_client_ca"):
+    if sep and field in _FLAG_FIELDS:
         return f"--{field.replace('_', '-')}:{rest}"
     return message
 

@@ -125,6 +125,13 @@ class CoordinatorConfig:
                 f"idle_timeout: {self.idle_timeout:g} s must exceed the heartbeat interval "
                 f"({self.heartbeat_interval:g} s) at which agents send heartbeats"
             )
+        etcd_tls = {"etcd_cacert": self.etcd_cacert, "etcd_cert": self.etcd_cert}
+        for name, value in {**etcd_tls, "etcd_key": self.etcd_key}.items():
+            if value is not None and self.etcd is None:
+                raise ValueError(f"{name}: TLS to etcd, only used with --etcd https://...")
+        if not (isinstance(self.max_unauthenticated, int) and self.max_unauthenticated >= 1):
+            cap = self.max_unauthenticated
+            raise ValueError(f"max_unauthenticated: expected a whole number >= 1, got {cap!r}")
         tls.check_pair(self.tls_cert, self.tls_key)
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise tls.TlsConfigError(

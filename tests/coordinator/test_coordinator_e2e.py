@@ -330,9 +330,10 @@ def test_refuses_to_start_with_a_group_readable_token(tmp_path: Path) -> None:
     [
         pytest.param("--idle-timeout", "0.1", id="idle-timeout-below-the-heartbeat-interval"),
         pytest.param("--max-batch-delay", "-1", id="negative-max-batch-delay"),
+        pytest.param("--max-unauthenticated", "0", id="no-room-for-a-handshake"),
     ],
 )
-def test_refuses_a_timing_that_cannot_work_naming_the_flag(
+def test_refuses_a_setting_that_cannot_work_naming_the_flag(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str
 ) -> None:
     from flowsched.cli import main

@@ -288,3 +288,9 @@ def test_config_refuses_half_a_tls_setting(settings: dict[str, str], field: str)
     with pytest.raises(tls.TlsConfigError) as refused:
         CoordinatorConfig(token=TOKEN, policy_factory=object, **settings)  # type: ignore[arg-type]
     assert refused.value.field == field
+
+
+@pytest.mark.parametrize("field", ["etcd_cacert", "etcd_cert", "etcd_key"])
+def test_config_refuses_etcd_tls_files_without_etcd(field: str) -> None:
+    with pytest.raises(ValueError, match=f"^{field}: TLS to etcd"):
+        CoordinatorConfig(token=TOKEN, policy_factory=object, **{field: "f.pem"})  # type: ignore[arg-type]

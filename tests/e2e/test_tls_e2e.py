@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -96,3 +98,28 @@ def test_refuses_an_unusable_tls_setting_naming_the_flag(
                  "--socket", str(tmp_path / "agent.sock")]  # fmt: skip
     assert main(args + [flag.format(**files) for flag in flags]) == 2
     assert named in capsys.readouterr().err
+
+
+def test_max_unauthenticated_caps_handshakes_under_way(tmp_path: Path, tls_files: Any) -> None:
+    # three silent TLS connections against a cap of two: the oldest makes room
+    token = tmp_path / "token"
+    write_token(token)
+    server = ("--tls-cert", str(tls_files.server_cert), "--tls-key", str(tls_files.server_key),
+              "--max-unauthenticated", "2", "--handshake-timeout", "30")  # fmt: skip
+    with cleanup() as started:
+        coordinator = start_coordinator(tmp_path, token, extra=server)
+        started.append(coordinator)
+        address = ("127.0.0.1", int(coordinator.fields["port"]))
+        silent = [socket.create_connection(address, timeout=5) for _ in range(3)]
+        try:
+            wait_for(
+                lambda: total(coordinator.metrics(), f"{COORDINATOR}_closed_connections_total",
+                              reason="evicted") == 1,
+                20, "the oldest handshake evicted",
+            )  # fmt: skip
+            silent[0].settimeout(5)
+            with contextlib.suppress(ConnectionResetError):  # a reset is a close as well
+                assert silent[0].recv(1) == b""  # the coordinator closed the oldest
+        finally:
+            for connection in silent:
+                connection.close()
