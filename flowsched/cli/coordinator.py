@@ -45,7 +45,7 @@ def register(sub: Any) -> None:
         "--max-unauthenticated", type=int, default=2048, metavar="N",
         help="connections (TLS handshakes included) allowed before they authenticate; at the cap"
         " the oldest goes (default 2048: every agent of a large cluster reconnecting at once;"
-        " with TLS each costs up to ~180 KiB, docs/security.md)",
+        " with TLS each costs up to ~360 KiB, docs/security.md)",
     )  # fmt: skip
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     parser.add_argument(
