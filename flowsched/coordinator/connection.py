@@ -189,17 +189,17 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
         elif self._made:
             self._inner.data_received(bytes(self._shared[:nbytes]))
         elif self._tls_started:  # the peer's first frames, before the service calls secured()
-            self._decrypted += self._shared[:nbytes]
-            if len(self._decrypted) > 2 * self.reader.chunk and self._raw is not None:
-                self.lost_early = True  # more than a handshake frame: not an agent
-                self._decrypted.clear()
-                self._raw.abort()
+            self._stash(self._decrypted, nbytes, 2 * self.reader.chunk)  # past it: not an agent
         else:  # TLS bytes before the handshake started (uvloop)
-            self.early += self._shared[:nbytes]
-            if len(self.early) > TLS_EARLY_LIMIT and self._raw is not None:
-                self.lost_early = True
-                self.early.clear()
-                self._raw.abort()
+            self._stash(self.early, nbytes, TLS_EARLY_LIMIT)
+
+    def _stash(self, buffer: bytearray, nbytes: int, limit: int) -> None:
+        """Keep received bytes for later; a peer that sends more than ``limit`` is cut off."""
+        buffer += self._shared[:nbytes]
+        if len(buffer) > limit and self._raw is not None:
+            self.lost_early = True
+            buffer.clear()
+            self._raw.abort()
 
 
 def set_tls_read_limit(transport: asyncio.BaseTransport, high: int | None) -> None:

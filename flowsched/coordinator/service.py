@@ -293,21 +293,12 @@ class Coordinator:
 
     def _start_tls(self, protocol: BoundedReaderProtocol, raw: asyncio.Transport) -> None:
         """Run a new connection's TLS handshake here rather than in the listener, so that a
-        failure is logged with the peer's address and counted. Handshakes under way share
-        the cap of unauthenticated connections: at the cap the oldest one is dropped."""
+        failure is logged with the peer's address and counted. Handshakes under way count as
+        unauthenticated connections (see :meth:`_make_room`)."""
         raw.pause_reading()  # not a byte to the reader before the handshake (see _tls_handshake)
-        if self._at_a_cap():  # the oldest handshake, else the oldest unauthenticated, goes
-            if self._tls_pending:
-                oldest = next(iter(self._tls_pending))
-                self._tls_pending.pop(oldest).cancel()
-                oldest.abort()  # also when its task never ran
-                self.count_rejection("evicted")
-            elif self._unauthenticated:
-                self._evict_oldest_unauthenticated()
-            else:
-                self._refuse(peer_text(raw.get_extra_info("peername")))
-                raw.abort()
-                return
+        if not self._make_room(peer_text(raw.get_extra_info("peername"))):
+            raw.abort()
+            return
         task = asyncio.ensure_future(self._tls_handshake(protocol, raw))
         self._tls_pending[raw] = task
         self._tasks.add(task)
@@ -347,7 +338,7 @@ class Coordinator:
 
     def _accept(self, protocol: BoundedReaderProtocol, writer: asyncio.StreamWriter) -> None:
         connection = AgentConnection(self, protocol, writer)
-        if not self._make_room(connection):
+        if not self._make_room(connection.peer):
             writer.close()
             return
         self._connections.add(connection)
@@ -356,16 +347,36 @@ class Coordinator:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _make_room(self, connection: AgentConnection) -> bool:
-        """Whether ``connection`` may be served: at a cap, the oldest unauthenticated
-        connection is closed for it; with none to close (established agents fill the whole
-        budget) the new one is refused."""
+    def _make_room(self, peer: str) -> bool:
+        """Whether one more connection (from ``peer``) may be served: at a cap, the oldest TLS
+        handshake under way, else the oldest unauthenticated connection, is closed for it;
+        with neither (established agents fill the whole budget) the new one is refused."""
         if not self._at_a_cap():
             return True
-        if self._unauthenticated:
-            self._evict_oldest_unauthenticated()
+        if self._tls_pending:
+            handshake = next(iter(self._tls_pending))
+            self._tls_pending.pop(handshake).cancel()
+            handshake.abort()  # also when its task never ran
+            self.count_rejection("evicted")
             return True
-        self._refuse(connection.peer)
+        if self._unauthenticated:
+            oldest = next(iter(self._unauthenticated))
+            self._forget(oldest)
+            oldest.abort("evicted", "unauthenticated connections at their cap: oldest closed")
+            self.repeat_log.log(
+                "cap:unauthenticated", logging.WARNING,
+                "unauthenticated connections at their cap (%d of %d, %d connections in all): "
+                "closing the oldest (peer %s) for a new one",
+                len(self._unauthenticated) + len(self._tls_pending) + 1, self.max_unauthenticated,
+                len(self._connections) + 1, oldest.peer,
+            )  # fmt: skip
+            return True
+        self.count_rejection("too_many_connections")
+        self.repeat_log.log(
+            "cap:connections", logging.WARNING,
+            "connection limit reached (%d established agents): refusing %s",
+            len(self._connections), peer,
+        )  # fmt: skip
         return False
 
     def _at_a_cap(self) -> bool:
@@ -376,26 +387,6 @@ class Coordinator:
             len(self._connections) + pending >= self.max_connections
             or len(self._unauthenticated) + pending >= self.max_unauthenticated
         )
-
-    def _evict_oldest_unauthenticated(self) -> None:
-        oldest = next(iter(self._unauthenticated))
-        self._forget(oldest)
-        oldest.abort("evicted", "unauthenticated connections at their cap: oldest closed")
-        self.repeat_log.log(
-            "cap:unauthenticated", logging.WARNING,
-            "unauthenticated connections at their cap (%d of %d, %d connections in all): "
-            "closing the oldest (peer %s) for a new one",
-            len(self._unauthenticated) + len(self._tls_pending) + 1, self.max_unauthenticated,
-            len(self._connections) + 1, oldest.peer,
-        )  # fmt: skip
-
-    def _refuse(self, peer: object) -> None:
-        self.count_rejection("too_many_connections")
-        self.repeat_log.log(
-            "cap:connections", logging.WARNING,
-            "connection limit reached (%d established agents): refusing %s",
-            len(self._connections), peer,
-        )  # fmt: skip
 
     def _forget(self, connection: AgentConnection) -> None:
         self._connections.discard(connection)

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowsched import tls
+
 #: seconds allowed for etcd to answer /health after its start
 START_TIMEOUT = 20.0
 
@@ -60,9 +62,7 @@ class EtcdServerTls:
 
     def context(self) -> ssl.SSLContext:
         """A client context that trusts etcd and presents the client certificate."""
-        context = ssl.create_default_context(cafile=str(self.trusted_ca))
-        context.load_cert_chain(self.client_cert, self.client_key)
-        return context
+        return tls.client_context(str(self.trusted_ca), str(self.client_cert), str(self.client_key))
 
 
 def _healthy(url: str, tls: EtcdServerTls | None = None) -> bool:

@@ -45,6 +45,14 @@ def _server(files: TlsFiles, mutual: bool = False) -> dict[str, Any]:
     return settings
 
 
+def _server_pair_copy(files: TlsFiles, folder: Path) -> tuple[Path, Path]:
+    """A copy of the server's certificate and key that a test may replace (a renewal)."""
+    cert, key = folder / "server.pem", folder / "server.key"
+    shutil.copy(files.server_cert, cert)
+    shutil.copy(files.server_key, key)
+    return cert, key
+
+
 async def _connect(
     coordinator: Coordinator,
     context: ssl.SSLContext | None,
@@ -226,9 +234,7 @@ def test_a_renewed_certificate_is_served_to_new_connections(
     run: Runner, tls_files: TlsFiles, tmp_path: Path
 ) -> None:
     async def scenario() -> None:
-        cert, key = tmp_path / "server.pem", tmp_path / "server.key"
-        shutil.copy(tls_files.server_cert, cert)
-        shutil.copy(tls_files.server_key, key)
+        cert, key = _server_pair_copy(tls_files, tmp_path)
         async with running_coordinator(tls_cert=str(cert), tls_key=str(key)) as coordinator:
             old = await _connect(coordinator, tls.client_context(str(tls_files.ca)), node="old")
             # renewed under another CA: only clients that trust it get through from now on
@@ -259,9 +265,7 @@ def test_a_half_renewed_pair_keeps_the_previous_certificate(
     run: Runner, tls_files: TlsFiles, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def scenario() -> None:
-        cert, key = tmp_path / "server.pem", tmp_path / "server.key"
-        shutil.copy(tls_files.server_cert, cert)
-        shutil.copy(tls_files.server_key, key)
+        cert, key = _server_pair_copy(tls_files, tmp_path)
         async with running_coordinator(tls_cert=str(cert), tls_key=str(key)) as coordinator:
             shutil.copy(tls_files.other_server_cert, cert)  # the key not yet: a mismatched pair
             deadline = time.monotonic() + 10
