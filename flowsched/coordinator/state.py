@@ -8,7 +8,9 @@ collect the level changes to send, per node.
 Flow identity on the wire is ``(node, id)``; policies see cluster-unique ``Flow.flow_id`` values
 that this table assigns. Which flows an event makes "dirty" (re-evaluated at the next flush):
 
-* flow open: admitted at once (``policy.admit``), then dirty;
+* flow open: admitted at once (``policy.admit``), then dirty, with the flows the policy's
+  optional ``linked_flows`` names (a request's flows whose MLU counts the new one's bytes;
+  their timers are derived again);
 * flow progress: that flow; with promotion timers and a policy that defines
   ``observe_progress`` (more bytes sent never brings its next change earlier), only the
   policy's measurements follow the bytes (``observe_progress``), and the flow is decided when
@@ -117,6 +119,8 @@ class ClusterState:
         self._observe: Callable[[Iterable[Flow], Context], Mapping[int, Decision]] | None = (
             observe if next_change is not None and per_flow else None
         )
+        #: the policy's linked_flows (flows another flow's opening may promote), or None
+        self._linked: Callable[[Flow], Iterable[int]] | None = getattr(policy, "linked_flows", None)
         #: promotion timers: a heap of (due time, flow id); _due_at holds each flow's live entry
         #: (entries that no longer match it are skipped when they surface)
         self._timers: list[tuple[float, int]] = []
@@ -201,6 +205,11 @@ class ClusterState:
         flow.level = -1 if op.level is None else op.level
         self._apply(fid, flow, self.policy.admit(flow, ctx), count_promotion=False)
         self.dirty.add(fid)  # evaluated (and its timer set) at the next flush
+        if self._linked is not None:
+            for other in self._linked(flow):
+                if other in self.flows:
+                    self._due_at.pop(other, None)  # its timer may now come too late
+                    self.dirty.add(other)
 
     def _refresh(self, fid: int, op: FlowOpen) -> None:
         flow = self.flows[fid]

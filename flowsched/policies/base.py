@@ -28,6 +28,12 @@ when its inputs change and when this time comes (the coordinator's promotion tim
 periodic sweep. It must not be later than the true change (an early answer only costs a
 re-evaluation that changes nothing); policies without it are swept periodically.
 
+A per-flow policy whose decision for a flow also reads other flows of the same request (RMLQ
+with ``mlu_scope = "request"``: a flow's MLU counts its request's bytes on its path) defines
+``linked_flows(flow) -> Iterable[int]`` (optional): the known flows whose decision or
+``next_change`` the opening of ``flow`` may bring forward. A caller that re-evaluates only the
+flows an event touched re-evaluates those too, and derives their timers again.
+
 A per-flow policy with ``next_change`` may also define ``observe_progress(flows, ctx) ->
 Mapping[int, Decision]`` (optional): a caller with promotion timers calls it instead of
 ``reevaluate`` for flows whose news is only more bytes sent (progress reports), plus any flows

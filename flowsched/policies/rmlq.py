@@ -231,6 +231,20 @@ class RmlqPolicy:
         mlu_check = self.args.feasibility and self.args.feasibility_check == "mlu"
         return self.args.red_tiers <= 1 and not mlu_check
 
+    def linked_flows(self, flow: Flow) -> tuple[int, ...]:
+        """With ``mlu_scope = "request"``: the request's other open flows on ``flow``'s path,
+        whose MLU now counts ``flow``'s bytes too (the Policy contract's ``linked_flows``).
+        Elsewhere a flow's arrival changes no other flow's promotion time. Not covered: the
+        model depth learnt from a deeper layer raises every request's estimate of its layers
+        to come, once, while the first requests run."""
+        if not self._request_scope or flow.request is None:
+            return ()
+        siblings = self._siblings.get(flow.request)
+        if not siblings:
+            return ()
+        fid, links = flow.flow_id, flow.links
+        return tuple(other for other, f in siblings.items() if other != fid and f.links == links)
+
     def describe_levels(self) -> list[str]:
         """What each level 0..K-1 holds (for ``flowsched policy show``)."""
         names = []

@@ -16,7 +16,8 @@ Model
   of its job; time: the flows whose time came; plus any flow it decides unasked, such as a
   pruned request's others), others see every active flow. Time: a policy
   with ``next_change`` gets each flow re-evaluated when its promotion time comes (the
-  coordinator's promotion timers); the others are swept every ``timer_period``.
+  coordinator's promotion timers), and again when a flow its ``linked_flows`` names for a new
+  flow opens; the others are swept every ``timer_period``.
 * Message boundaries: a decision change takes effect when the flow's sent bytes reach the next
   multiple of ``chunk_bytes`` (one message never spans two levels). ``chunk_bytes = 0`` models
   infinitesimal messages (changes apply at once).
@@ -33,7 +34,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from flowsched.metrics import FlowRecord, RunRecords
@@ -133,6 +134,10 @@ class Simulator:
         self._next_change: Callable[[Flow, Context], float | None] | None = (
             getattr(policy, "next_change", None) if timers else None
         )
+        #: the policy's linked_flows (flows another flow's opening may promote), with timers
+        self._linked: Callable[[Flow], Iterable[int]] | None = (
+            getattr(policy, "linked_flows", None) if self._next_change is not None else None
+        )
         self.events_processed = 0
         self.observer: Callable[[Simulator], None] | None = None
 
@@ -180,9 +185,20 @@ class Simulator:
         self._touch(link_ids, state.queue)
         if self._next_change is not None:
             self._arm_due(state, self._context())
+            self._touch_linked(flow)
         else:
             self._arm_timer()
         return flow
+
+    def _touch_linked(self, flow: Flow) -> None:
+        """Re-evaluate (and re-time) the flows whose promotion ``flow``'s opening may bring
+        forward (the policy's ``linked_flows``: a request's flows under request-scope MLU)."""
+        if self._linked is None:
+            return
+        linked = [fid for fid in self._linked(flow) if fid in self.active]
+        if linked:
+            self._touched.update(linked)
+            self._request_reevaluate()
 
     def _private_link(self, flow_id: int, links: tuple[int, ...]) -> int:
         """A new link for one flow, at the bottleneck rate of ``links``."""

@@ -334,6 +334,8 @@ def _replay(state: ClusterState, seed: int, steps: int = 60) -> list[dict[tuple[
     classes = [FlowClass.KV, FlowClass.KV, FlowClass.PARAM_SYNC, FlowClass.TP, FlowClass.BULK]
     opened: dict[str, dict[int, int]] = {"a": {}, "b": {}}  # node -> wire id -> size
     sent: dict[tuple[str, int], int] = {}
+    #: KV requests so far: (name, deadline, job), for their later flows (the next layer's)
+    requests: list[tuple[str, float, str | None]] = []
     wire_ids = itertools.count()
     history = []
     now = 100.0
@@ -347,6 +349,10 @@ def _replay(state: ClusterState, seed: int, steps: int = 60) -> list[dict[tuple[
             deadline = now + rng.uniform(0.01, 0.5) if explicit else None
             request = f"r{next(wire_ids)}" if cls is FlowClass.KV else None
             job = rng.choice([None, "j"]) if cls is FlowClass.KV else None
+            if request is not None and requests and rng.random() < 0.5:
+                request, deadline, job = rng.choice(requests)  # a later flow of a request
+            elif request is not None:
+                requests.append((request, deadline or 0.0, job))
             opens = []
             for _ in range(rng.randint(1, 3) if request else 1):
                 wire, size = next(wire_ids), rng.choice([10**6, 10**7, 10**8])
@@ -398,6 +404,23 @@ def test_progress_with_timers_decides_as_reevaluating_every_report(seed: int) ->
     )
     assert observed._observe is not None and reevaluated._observe is None
     assert _replay(observed, seed) == _replay(reevaluated, seed)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), scope=st.sampled_from(["flow", "request"]))
+def test_promotion_timers_decide_as_sweeping_every_flow(seed: int, scope: str) -> None:
+    """rmlq with exact timers (rho from the link capacity alone): deciding each flow when its
+    timer comes gives the same level changes at the same flushes as the baseline sweep, which
+    re-evaluates every flow with a deadline at every tick. With ``mlu_scope = "request"`` a
+    flow's MLU counts its request's other flows on its path, so a later flow of the request
+    brings the earlier ones' promotions forward: their timers must follow."""
+    args = {"rho_source": "none", "feasibility": False, "mlu_scope": scope}
+    timers = ClusterState(create("rmlq", args, num_levels=8), default_bandwidth=1e9)
+    swept = ClusterState(
+        create("rmlq", args, num_levels=8), default_bandwidth=1e9, promotion="sweep"
+    )
+    assert timers.promotion == "timers" and swept.promotion == "sweep"
+    assert _replay(timers, seed) == _replay(swept, seed)
 
 
 def test_progress_feeds_the_policy_without_deciding_and_the_timer_promotes() -> None:

@@ -270,3 +270,29 @@ def test_a_promotion_time_in_the_past_waits_for_the_next_tick() -> None:
     sim.run()
     # 1 s of transfer: one re-evaluation per 10 ms tick at most, not one per microsecond
     assert 50 <= len(policy.seen) <= 110
+
+
+@pytest.mark.parametrize("promotion", ["timers", "sweep"])
+def test_a_later_flow_of_a_request_brings_its_siblings_promotion_forward(promotion: str) -> None:
+    """rmlq with request-scope MLU on one 1e9 B/s link that a long collective holds (level 2):
+    a request's first flow (1e8 B, due at 1.0) waits deferred below it, due for promotion at
+    0.8 on its own bytes. At 0.1 a second flow (3e8 B) of the request opens: the request's
+    4e8 B reach MLU 0.5 at 0.2, and both flows must be promoted then (sharing the link
+    above the collective: the first done at 0.4, the second at 0.6), with timers as with the
+    sweep. Without the re-timing the first kept its 0.8 timer and finished at 0.9."""
+    policy = create(
+        "rmlq",
+        {"rho_source": "none", "feasibility": False, "mlu_scope": "request"},
+        num_levels=8,
+    )
+    config = SimConfig(chunk_bytes=0, timer_period=1e-3, promotion=promotion)
+    sim = Simulator({"a": 1e9}, policy, config)
+    sim.at(0.0, lambda: sim.open_flow(FlowClass.TP, int(1e10), ("a",), job="j", consumer_index=0))
+    for start, size in ((0.0, 1e8), (0.1, 3e8)):
+        sim.at(start, lambda size=size: sim.open_flow(
+            FlowClass.KV, int(size), ("a",), deadline=1.0, request="r"
+        ))  # fmt: skip
+    sim.run(until=2.0)
+    finished = {r.flow_id: r.finished for r in sim.records.flows if r.cls == "kv"}
+    assert set(finished) == {2, 3}
+    assert finished == {2: pytest.approx(0.4, abs=2e-3), 3: pytest.approx(0.6, abs=2e-3)}
