@@ -9,7 +9,7 @@ agents connect with ``--tls`` (system CAs) or ``--tls-ca FILE``, and present ``-
 
 Both sides re-read their files when they change (:class:`ReloadingContext`), so a renewed
 certificate (cert-manager, an ACME client) takes effect for new connections without a
-restart.
+restart; so does the coordinator's link to etcd (flowsched.coordinator.election).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import logging
 import os
 import re
 import ssl
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 log = logging.getLogger("flowsched.tls")
 
@@ -92,36 +93,51 @@ def client_context(
 class ReloadingContext:
     """A TLS context rebuilt from its files when they change (a renewed certificate).
 
-    :meth:`current` compares the files' modification times and sizes with the last build, at
-    most once per :data:`CHECK_INTERVAL`; a set that fails to build (say, the certificate
-    renewed but its key not yet) is logged and the previous context kept until the files
-    change again. Each connection takes the context current at its start: live ones keep
-    theirs.
+    :meth:`current` compares the files' inode numbers, change and modification times and
+    sizes with the last build (so a file rewritten in place, renamed over, or reached through a
+    swapped symlink all count), at most once per :data:`CHECK_INTERVAL`; a set that fails to
+    build (say, the certificate renewed but its key not yet) is logged once, naming the
+    setting as ``names`` spells it (``{"tls_key": "--etcd-key"}``; default: the field), and
+    the previous context kept until the files change again. Each connection takes the context
+    current at its start: live ones keep theirs. Threads may share one.
     """
 
-    def __init__(self, build: Callable[[], ssl.SSLContext], paths: Iterable[str | None]) -> None:
+    def __init__(
+        self,
+        build: Callable[[], ssl.SSLContext],
+        paths: Iterable[str | None],
+        *,
+        names: Mapping[str, str] | None = None,
+    ) -> None:
         self._build = build
         self._paths = tuple(path for path in paths if path is not None)
+        self._names = dict(names or {})
+        self._lock = threading.Lock()
         self._context = build()
         self._stamp = _stamp(self._paths)
         self._checked = time.monotonic()
 
     def current(self) -> ssl.SSLContext:
         """The context to use for a new connection."""
-        now = time.monotonic()
-        if now - self._checked < CHECK_INTERVAL:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._checked >= CHECK_INTERVAL:
+                self._checked = now
+                self._check()
             return self._context
-        self._checked = now
+
+    def _check(self) -> None:
         stamp = _stamp(self._paths)
-        if stamp != self._stamp:
-            self._stamp = stamp
-            try:
-                self._context = self._build()
-            except TlsConfigError as exc:
-                log.warning("kept the previous TLS settings: %s", exc)
-            else:
-                log.info("re-read the TLS files %s", ", ".join(self._paths))
-        return self._context
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            self._context = self._build()
+        except TlsConfigError as exc:
+            name = self._names.get(exc.field, exc.field)
+            log.warning("kept the previous TLS settings: %s: %s", name, exc.problem)
+        else:
+            log.info("re-read the TLS files %s", ", ".join(self._paths))
 
 
 def reloading_server(cert: str, key: str, client_ca: str | None = None) -> ReloadingContext:
@@ -130,21 +146,28 @@ def reloading_server(cert: str, key: str, client_ca: str | None = None) -> Reloa
 
 
 def reloading_client(
-    ca: str | None, cert: str | None = None, key: str | None = None
+    ca: str | None,
+    cert: str | None = None,
+    key: str | None = None,
+    *,
+    names: Mapping[str, str] | None = None,
 ) -> ReloadingContext:
-    """:func:`client_context`, rebuilt when its files change."""
-    return ReloadingContext(lambda: client_context(ca, cert, key), (ca, cert, key))
+    """:func:`client_context`, rebuilt when its files change (without ``ca``: when the system's
+    default CA file or directory does); ``names``: as :class:`ReloadingContext`."""
+    defaults = ssl.get_default_verify_paths()
+    trust = (ca,) if ca is not None else (defaults.cafile, defaults.capath)
+    return ReloadingContext(lambda: client_context(ca, cert, key), (*trust, cert, key), names=names)
 
 
-def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
-    found = []
+def _stamp(paths: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    found: list[tuple[int, ...]] = []
     for path in paths:
         try:
-            status = os.stat(path)
+            status = os.stat(path)  # through symlinks: a swapped link is a change
         except OSError:
-            found.append((-1, -1))
+            found.append((-1,))
         else:
-            found.append((status.st_mtime_ns, status.st_size))
+            found.append((status.st_ino, status.st_ctime_ns, status.st_mtime_ns, status.st_size))
     return tuple(found)
 
 

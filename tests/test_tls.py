@@ -86,6 +86,89 @@ def test_a_reloading_context_follows_its_files_and_keeps_the_last_good_one(
     assert reloading.current() is second  # a broken file keeps the last good context
 
 
+def _replace(path: Path, content: bytes, how: str) -> None:
+    """Give ``path`` ``content`` as ``how`` does, keeping its size and modification time."""
+    times = os.stat(path)
+    if how == "in-place":  # as cp -p onto the file
+        path.write_bytes(content)
+    elif how == "renamed-over":
+        aside = path.with_suffix(".new")
+        aside.write_bytes(content)
+        os.utime(aside, ns=(times.st_atime_ns, times.st_mtime_ns))
+        os.replace(aside, path)
+        return
+    else:  # "symlink-swapped": path -> data/FILE, data -> a new directory
+        fresh = path.parent / "v2"
+        fresh.mkdir()
+        (fresh / "file").write_bytes(content)
+        os.utime(fresh / "file", ns=(times.st_atime_ns, times.st_mtime_ns))
+        (path.parent / "data.new").symlink_to("v2")
+        os.replace(path.parent / "data.new", path.parent / "data")
+        return
+    os.utime(path, ns=(times.st_atime_ns, times.st_mtime_ns))
+
+
+@pytest.mark.parametrize("how", ["in-place", "renamed-over", "symlink-swapped"])
+def test_a_file_replaced_with_the_same_size_and_mtime_is_noticed(
+    how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tls, "CHECK_INTERVAL", 0.0)
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "file").write_bytes(b"A" * 64)
+    (tmp_path / "data").symlink_to("v1")
+    path = tmp_path / "file.pem"
+    path.symlink_to(Path("data") / "file")
+    if how != "symlink-swapped":  # a plain file, not the link
+        path.unlink()
+        path.write_bytes(b"A" * 64)
+    builds: list[bytes] = []
+
+    def build() -> ssl.SSLContext:
+        builds.append(path.read_bytes())
+        return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+    reloading = tls.ReloadingContext(build, [str(path)])
+    first = reloading.current()
+    _replace(path, b"B" * 64, how)
+    assert reloading.current() is not first
+    assert builds == [b"A" * 64, b"B" * 64]
+
+
+def test_without_a_ca_file_the_system_trust_store_is_followed(
+    tls_files: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tls, "CHECK_INTERVAL", 0.0)
+    store = tmp_path / "system.pem"  # OpenSSL's default CA file, as SSL_CERT_FILE names it
+    shutil.copy(tls_files.ca, store)
+    monkeypatch.setenv("SSL_CERT_FILE", str(store))
+    reloading = tls.reloading_client(None)
+    first = reloading.current()
+    shutil.copy(tls_files.other_ca, store)
+    second = reloading.current()
+    assert second is not first
+    assert "other-ca" in str(second.get_ca_certs()), second.get_ca_certs()
+
+
+def test_a_set_that_fails_to_load_is_logged_once_naming_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(tls, "CHECK_INTERVAL", 0.0)
+    path = tmp_path / "key.pem"
+    path.write_text("good")
+
+    def build() -> ssl.SSLContext:
+        if path.read_text() != "good":
+            raise tls.TlsConfigError("tls_key", f"{path} is not the private key")
+        return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+    reloading = tls.ReloadingContext(build, [str(path)], names={"tls_key": "--etcd-key"})
+    first = reloading.current()
+    path.write_text("broken, and longer")
+    assert [reloading.current() for _ in range(3)] == [first] * 3
+    kept = [r.getMessage() for r in caplog.records if "kept the previous" in r.getMessage()]
+    assert kept == [f"kept the previous TLS settings: --etcd-key: {path} is not the private key"]
+
+
 def test_the_coordinator_trusts_the_client_ca_alone(tls_files: Any) -> None:
     # a context made by create_default_context would also take client certificates from
     # every CA of the system's store

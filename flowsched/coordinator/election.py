@@ -24,6 +24,9 @@ TLS (an ``https://`` URL): etcd's certificate is verified against ``--etcd-cacer
 system trust store (OpenSSL's default paths, as etcdctl does); ``--etcd-cert``/``--etcd-key``
 are the client certificate etcd's ``--client-cert-auth`` asks for. :func:`check_tls` loads the
 files at preflight time; :meth:`EtcdElection.explain` names the TLS cause of a failed request.
+The files are re-read when they change (a renewal: :class:`flowsched.tls.ReloadingContext`,
+checked at most once a second as requests start); a set that does not load is logged naming
+the flag, and the previous one kept.
 """
 
 from __future__ import annotations
@@ -157,11 +160,39 @@ def _ssl_cause(exc: BaseException) -> ssl.SSLError | None:
     return None
 
 
-def system_trust() -> str | bool:
-    """The system trust store (OpenSSL's default CA file or directory, which honour
-    ``SSL_CERT_FILE``/``SSL_CERT_DIR``); True (requests' own bundle) when there is none."""
-    paths = ssl.get_default_verify_paths()
-    return paths.cafile or paths.capath or True
+def _reloading_tls(cacert: str | None, cert: str | None, key: str | None) -> tls.ReloadingContext:
+    """The https context: etcd verified against ``cacert`` (None: the system trust store,
+    OpenSSL's default paths, which honour ``SSL_CERT_FILE``/``SSL_CERT_DIR``), ``cert``/``key``
+    presented; rebuilt when the files change, a failure logged naming the flag."""
+    return tls.reloading_client(cacert, cert, key, names=_FLAGS)
+
+
+def _mount_tls(session: Session, contexts: tls.ReloadingContext) -> None:
+    """Make each new https connection of ``session`` take ``contexts.current()``; live
+    connections keep theirs.
+
+    Not requests' ``verify``/``cert``: with them urllib3 loads the files at every new connection
+    (``ssl_wrap_socket``: ``load_verify_locations``, ``load_cert_chain``), so a renewal caught
+    half done (the certificate before its key) fails every connection until it is complete,
+    and ``REQUESTS_CA_BUNDLE``/``CURL_CA_BUNDLE`` would replace ``--etcd-cacert``. One pool per
+    host, whose new connections get the context through its ``conn_kw``.
+    """
+    from requests.adapters import HTTPAdapter
+
+    adapter = HTTPAdapter()
+    host_key = adapter.build_connection_pool_key_attributes
+
+    def pool_key(request: Any, verify: Any, cert: Any = None) -> tuple[Any, dict[str, Any]]:
+        host: dict[str, Any] = host_key(request, verify, None)[0]
+        return host, {"cert_reqs": "CERT_REQUIRED"}
+
+    def use_current(pool: Any, url: str, verify: Any, cert: Any) -> None:
+        pool.conn_kw["ssl_context"] = contexts.current()  # (called before every request)
+
+    # (cast: the wheel's build checks this module without requests' type stubs)
+    cast(Any, adapter).build_connection_pool_key_attributes = pool_key
+    cast(Any, adapter).cert_verify = use_current
+    session.mount("https://", adapter)
 
 
 def _in_daemon_thread(function: Callable[..., T], *args: Any) -> asyncio.Future[T]:
@@ -238,6 +269,8 @@ class EtcdElection:
         self.protocol, self.host, self.port = parse_endpoint(endpoint)
         check_tls(endpoint, cacert, cert, key)
         self.cacert, self.cert, self.cert_key = cacert, cert, key
+        #: the https context, shared by every client (None: plain http)
+        self._tls = _reloading_tls(cacert, cert, key) if self.protocol == "https" else None
         self.key = KEY_PREFIX + name
         self.address = address
         self.ttl = lease_ttl
@@ -275,27 +308,13 @@ class EtcdElection:
         )  # fmt: skip
 
     def _session(self) -> Session:
-        """A requests session with this candidate's TLS settings.
-
-        Built here rather than by etcd3gw (its ``ca_cert`` etc.): requests lets the
-        ``REQUESTS_CA_BUNDLE``/``CURL_CA_BUNDLE`` variables replace a session's CA bundle on
-        every request (etcd3gw's watch too), which would silently drop ``--etcd-cacert``.
-        """
+        """A requests session with this candidate's TLS context (:func:`_mount_tls`; not
+        etcd3gw's ``ca_cert`` etc., which are requests' ``verify``/``cert``)."""
         import requests
 
         session = requests.Session()
-        session.verify = self.cacert or system_trust()
-        if self.cert is not None and self.cert_key is not None:
-            session.cert = (self.cert, self.cert_key)
-        merge = session.merge_environment_settings
-
-        def pinned(url: str, proxies: Any, stream: Any, verify: Any, cert: Any) -> dict[str, Any]:
-            settings: dict[str, Any] = merge(url, proxies, stream, verify, cert)
-            settings["verify"] = session.verify  # proxies etc. still come from the environment
-            return settings
-
-        # (cast: the wheel's build checks this module without requests' type stubs)
-        cast(Any, session).merge_environment_settings = pinned
+        if self._tls is not None:
+            _mount_tls(session, self._tls)
         return session
 
     @property
@@ -455,19 +474,23 @@ class EtcdElection:
         period = self.ttl / KEEPALIVES_PER_TTL
         give_up_after = self.ttl * (1.0 - STEP_DOWN_MARGIN)
         last_good = time.monotonic()
+        failed = 0
         while True:
             sent = time.monotonic()
             try:
                 async with asyncio.timeout(self.timeout):
                     ttl = await asyncio.to_thread(self._keepalive, leadership.lease)
             except Exception as exc:
-                ttl = None
+                ttl, failed = None, failed + 1
                 log.warning("etcd keepalive failed: %s", self.explain(exc))
             if ttl is not None and ttl <= 0:
                 log.error("lost leadership (epoch %d): the lease is gone", leadership.epoch)
                 return
             if ttl is not None:
-                last_good = sent  # the lease runs at least TTL from when this was sent
+                if failed:
+                    log.info("etcd keepalive succeeded again after %d failed (%.2f s since the "
+                             "last one)", failed, sent - last_good)  # fmt: skip
+                last_good, failed = sent, 0  # the lease runs at least TTL from when this was sent
             elif time.monotonic() - last_good >= give_up_after:
                 log.error(
                     "lost leadership (epoch %d): no keepalive succeeded for %.2f s",

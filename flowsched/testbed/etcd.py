@@ -30,7 +30,8 @@ def etcd_binary() -> str | None:
     return shutil.which("etcd")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port: int = probe.getsockname()[1]
@@ -75,8 +76,17 @@ def _healthy(url: str, tls: EtcdServerTls | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def local_etcd(log: Path | None = None, tls: EtcdServerTls | None = None) -> Iterator[str]:
+def local_etcd(
+    log: Path | None = None,
+    tls: EtcdServerTls | None = None,
+    *,
+    data_dir: Path | None = None,
+    ports: tuple[int, int] | None = None,
+) -> Iterator[str]:
     """Run etcd on 127.0.0.1 until the block ends; yields its client URL (https with ``tls``).
+
+    ``data_dir`` and ``ports`` (client, peer) given again make a restart of the same member:
+    its keys and leases, at the same URL (``data_dir`` is then the caller's to remove).
 
     Raises:
         RuntimeError: etcd is not installed or did not become healthy.
@@ -84,9 +94,13 @@ def local_etcd(log: Path | None = None, tls: EtcdServerTls | None = None) -> Ite
     binary = etcd_binary()
     if binary is None:
         raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
+    client_port, peer_port = ports or (free_port(), free_port())
     scheme = "https" if tls is not None else "http"
-    with tempfile.TemporaryDirectory(prefix="flowsched-etcd-") as data:
-        client, peer = f"{scheme}://127.0.0.1:{_free_port()}", f"http://127.0.0.1:{_free_port()}"
+    client, peer = f"{scheme}://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
+    with contextlib.ExitStack() as stack:
+        data = str(data_dir) if data_dir is not None else stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="flowsched-etcd-")
+        )  # fmt: skip
         command = [
             binary, "--name", "ha-test", "--data-dir", data,
             "--listen-client-urls", client, "--advertise-client-urls", client,
@@ -94,17 +108,19 @@ def local_etcd(log: Path | None = None, tls: EtcdServerTls | None = None) -> Ite
             "--initial-cluster", f"ha-test={peer}", "--log-level", "warn",
             *(tls.flags() if tls is not None else []),
         ]  # fmt: skip
-        out = log.open("ab") if log is not None else subprocess.DEVNULL
+        out = stack.enter_context(log.open("ab")) if log is not None else subprocess.DEVNULL
         process = subprocess.Popen(command, stdout=out, stderr=out)
         try:
-            deadline = time.monotonic() + START_TIMEOUT
-            while not _healthy(client, tls):
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"etcd did not start (exit status {process.poll()})")
-                time.sleep(0.05)
+            _wait_healthy(process, client, tls)
             yield client
         finally:
             process.kill()
             process.wait()
-            if log is not None and not isinstance(out, int):
-                out.close()
+
+
+def _wait_healthy(process: subprocess.Popen[bytes], url: str, tls: EtcdServerTls | None) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while not _healthy(url, tls):
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"etcd did not start (exit status {process.poll()})")
+        time.sleep(0.05)

@@ -35,28 +35,34 @@ def etcd_url(tmp_path: Path) -> Iterator[str]:
         yield url
 
 
-@pytest.fixture(scope="session")
-def etcd_server_tls(tls_files: TlsFiles) -> EtcdServerTls:
-    """TLS files for an etcd that requires client certificates signed by ``tls_files.ca``.
-
-    etcd gets a certificate of its own, issued by the same CA for serverAuth *and* clientAuth:
-    etcd 3.4's HTTP gateway presents it to its own gRPC port (see EtcdServerTls)."""
-    folder = tls_files.ca.parent
-    ca_key = tls_files.ca.with_suffix(".key")  # tests/conftest.py keeps it next to ca.pem
+def etcd_certificate(ca: Path, name: str) -> tuple[Path, Path]:
+    """A certificate and key for etcd, signed by ``ca`` (its key next to it, as
+    tests/conftest.py keeps them) for serverAuth *and* clientAuth: etcd 3.4's HTTP gateway
+    presents it to its own gRPC port (see EtcdServerTls)."""
+    ca_key = ca.with_suffix(".key")
     assert ca_key.exists(), ca_key
-    cert, key, request = folder / "etcd.pem", folder / "etcd.key", folder / "etcd.csr"
-    extensions = folder / "etcd.ext"
+    folder = ca.parent
+    cert, key, request = folder / f"{name}.pem", folder / f"{name}.key", folder / f"{name}.csr"
+    extensions = folder / f"{name}.ext"
     extensions.write_text(
         "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
         "extendedKeyUsage=serverAuth,clientAuth\nsubjectAltName=DNS:localhost,IP:127.0.0.1\n"
     )
     for args in (
         ["req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", key, "-out", request, "-subj", "/CN=etcd"],
-        ["x509", "-req", "-in", request, "-CA", tls_files.ca, "-CAkey", ca_key,
+         "-keyout", key, "-out", request, "-subj", f"/CN={name}"],
+        ["x509", "-req", "-in", request, "-CA", ca, "-CAkey", ca_key,
          "-CAcreateserial", "-out", cert, "-days", "2", "-extfile", extensions],
     ):  # fmt: skip
         subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
+    return cert, key
+
+
+@pytest.fixture(scope="session")
+def etcd_server_tls(tls_files: TlsFiles) -> EtcdServerTls:
+    """TLS files for an etcd that requires client certificates signed by ``tls_files.ca``
+    (its own certificate: :func:`etcd_certificate` of that CA)."""
+    cert, key = etcd_certificate(tls_files.ca, "etcd")
     return EtcdServerTls(cert, key, tls_files.ca, tls_files.client_cert, tls_files.client_key)
 
 

@@ -156,6 +156,7 @@ def test_a_failed_request_is_explained_by_its_cause(
 ) -> None:
     pytest.importorskip("etcd3gw", reason="the etcd3gw client is not installed")
     monkeypatch.setattr("flowsched.coordinator.election.check_tls", lambda *args: None)
+    monkeypatch.setattr("flowsched.coordinator.election._reloading_tls", lambda *args: None)
     election = EtcdElection(
         "https://127.0.0.1:2379", "t", "a:1", cacert="/ca.pem", cert="/client.pem", key="/k"
     )
