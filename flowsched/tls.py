@@ -119,7 +119,9 @@ class ReloadingContext:
 
     def current(self) -> ssl.SSLContext:
         """The context to use for a new connection."""
-        with self._lock:
+        if time.monotonic() - self._checked < CHECK_INTERVAL:
+            return self._context
+        with self._lock:  # one thread checks the files; the others see its result
             now = time.monotonic()
             if now - self._checked >= CHECK_INTERVAL:
                 self._checked = now

@@ -160,13 +160,6 @@ def _ssl_cause(exc: BaseException) -> ssl.SSLError | None:
     return None
 
 
-def _reloading_tls(cacert: str | None, cert: str | None, key: str | None) -> tls.ReloadingContext:
-    """The https context: etcd verified against ``cacert`` (None: the system trust store,
-    OpenSSL's default paths, which honour ``SSL_CERT_FILE``/``SSL_CERT_DIR``), ``cert``/``key``
-    presented; rebuilt when the files change, a failure logged naming the flag."""
-    return tls.reloading_client(cacert, cert, key, names=_FLAGS)
-
-
 def _mount_tls(session: Session, contexts: tls.ReloadingContext) -> None:
     """Make each new https connection of ``session`` take ``contexts.current()``; live
     connections keep theirs.
@@ -269,8 +262,13 @@ class EtcdElection:
         self.protocol, self.host, self.port = parse_endpoint(endpoint)
         check_tls(endpoint, cacert, cert, key)
         self.cacert, self.cert, self.cert_key = cacert, cert, key
-        #: the https context, shared by every client (None: plain http)
-        self._tls = _reloading_tls(cacert, cert, key) if self.protocol == "https" else None
+        #: the https context, shared by every client, rebuilt when the files change, a failure
+        #: logged naming the flag (None: plain http)
+        self._tls = (
+            tls.reloading_client(cacert, cert, key, names=_FLAGS)
+            if self.protocol == "https"
+            else None
+        )
         self.key = KEY_PREFIX + name
         self.address = address
         self.ttl = lease_ttl

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from flowsched import tls
+from flowsched.tls import client_context
 
 #: seconds allowed for etcd to answer /health after its start
 START_TIMEOUT = 20.0
@@ -63,7 +63,7 @@ class EtcdServerTls:
 
     def context(self) -> ssl.SSLContext:
         """A client context that trusts etcd and presents the client certificate."""
-        return tls.client_context(str(self.trusted_ca), str(self.client_cert), str(self.client_key))
+        return client_context(str(self.trusted_ca), str(self.client_cert), str(self.client_key))
 
 
 def _healthy(url: str, tls: EtcdServerTls | None = None) -> bool:

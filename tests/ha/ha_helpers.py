@@ -84,6 +84,11 @@ def total(metrics: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in metrics.items() if k.split("{")[0] == prefix)
 
 
+def leads(coordinator: Daemon) -> bool:
+    """Whether ``coordinator`` reports itself the leader on its metrics endpoint."""
+    return total(coordinator.metrics(), "flowsched_coordinator_leader") == 1
+
+
 def start_coordinator(tmp: Path, token: Path, etcd: str, name: str, *flags: str) -> Daemon:
     """A coordinator of the election ``ha`` on free ports (``flags``: more of its flags)."""
     return spawn(

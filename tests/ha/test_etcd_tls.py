@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from ha_helpers import Daemon, start_coordinator, total, wait_for
+from ha_helpers import Daemon, leads, start_coordinator, total, wait_for
 
 from flowsched.coordinator.election import ElectionError, EtcdElection, check_tls
 from flowsched.protocol import write_token
@@ -156,7 +156,7 @@ def test_a_failed_request_is_explained_by_its_cause(
 ) -> None:
     pytest.importorskip("etcd3gw", reason="the etcd3gw client is not installed")
     monkeypatch.setattr("flowsched.coordinator.election.check_tls", lambda *args: None)
-    monkeypatch.setattr("flowsched.coordinator.election._reloading_tls", lambda *args: None)
+    monkeypatch.setattr("flowsched.tls.reloading_client", lambda *args, **names: None)
     election = EtcdElection(
         "https://127.0.0.1:2379", "t", "a:1", cacert="/ca.pem", cert="/client.pem", key="/k"
     )
@@ -243,7 +243,7 @@ def _rejected_files(tls: TlsFiles, change: object) -> dict[str, Path | None]:
 
 @pytest.mark.parametrize(("change", "cause"), list(REJECTED.values()), ids=list(REJECTED))
 @pytest.mark.asyncio
-async def test_a_rejected_tls_connection_is_explained_and_never_leads(
+async def test_a_rejected_tls_connection_is_explained_and_neverleads(
     change: object, cause: str, etcd_tls_url: str, tls_files: TlsFiles
 ) -> None:
     bad = _election(etcd_tls_url, tls_files, "bad:1", **_rejected_files(tls_files, change))
@@ -269,10 +269,6 @@ def _logged(log: Path, text: str) -> Callable[[], bool]:
     return lambda: text in log.read_text()
 
 
-def _leads(coordinator: Daemon) -> bool:
-    return total(coordinator.metrics(), "flowsched_coordinator_leader") == 1
-
-
 def test_coordinators_elect_one_leader_through_https_etcd_and_hand_over(
     tmp_path: Path, etcd_tls_url: str, tls_files: TlsFiles
 ) -> None:
@@ -283,13 +279,13 @@ def test_coordinators_elect_one_leader_through_https_etcd_and_hand_over(
     try:
         for name in ("coord-a", "coord-b"):
             started.append(start_coordinator(tmp_path, token, etcd_tls_url, name, *flags))
-        wait_for(lambda: sum(map(_leads, started)) == 1, 15, "one of two coordinators to lead")
-        leader = next(c for c in started if _leads(c))
+        wait_for(lambda: sum(map(leads, started)) == 1, 15, "one of two coordinators to lead")
+        leader = next(c for c in started if leads(c))
         standby = next(c for c in started if c is not leader)
         epoch = total(leader.metrics(), "flowsched_coordinator_epoch")
-        assert not _leads(standby)
+        assert not leads(standby)
         leader.stop()  # SIGTERM: resigns, the standby's watch sees it
-        wait_for(lambda: _leads(standby), 5, "the standby to take over")
+        wait_for(lambda: leads(standby), 5, "the standby to take over")
         assert total(standby.metrics(), "flowsched_coordinator_epoch") > epoch
     finally:
         for coordinator in started:
@@ -321,13 +317,13 @@ def test_coordinators_with_rejected_tls_log_the_cause_and_never_lead(
             )
         for name, (*_, cause) in BAD_COORDINATORS.items():
             wait_for(_logged(tmp_path / f"{name}.log", cause), 15, f"{name} to log {cause!r}")
-        assert not any(_leads(c) for c in started.values())
+        assert not any(leads(c) for c in started.values())
         # etcd and the key were there to take: a coordinator with good settings leads at once
         good_flags = _tls_flags(tls_files.ca, tls_files.client_cert, tls_files.client_key)
         good = start_coordinator(tmp_path, token, etcd_tls_url, "good", *good_flags)
         started["good"] = good
-        wait_for(lambda: _leads(good), 10, "the coordinator with good TLS settings to lead")
-        assert not any(_leads(c) for name, c in started.items() if name != "good")
+        wait_for(lambda: leads(good), 10, "the coordinator with good TLS settings to lead")
+        assert not any(leads(c) for name, c in started.items() if name != "good")
         assert all(c.proc.poll() is None for c in started.values())  # standbys, still running
     finally:
         for coordinator in started.values():

@@ -18,7 +18,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from ha_helpers import Daemon, etcd_certificate, need_etcd, start_coordinator, total, wait_for
+from ha_helpers import (
+    Daemon,
+    etcd_certificate,
+    leads,
+    need_etcd,
+    start_coordinator,
+    total,
+    wait_for,
+)
 
 from flowsched import tls
 from flowsched.protocol import write_token
@@ -140,10 +148,6 @@ def _start(tmp: Path, url: str, files: Path) -> Daemon:
     return start_coordinator(tmp, token, url, "coord", "--lease-ttl", str(LEASE_TTL), *flags)
 
 
-def _leads(coordinator: Daemon) -> bool:
-    return total(coordinator.metrics(), "flowsched_coordinator_leader") == 1
-
-
 def _epoch(coordinator: Daemon) -> float:
     return total(coordinator.metrics(), "flowsched_coordinator_epoch")
 
@@ -166,7 +170,7 @@ def _etcd_stopped(log: Path) -> None:
 
 def _keeps_leading(coordinator: Daemon, epoch: float, log: Path) -> None:
     wait_for(lambda: _logged(log, RECOVERED), LEASE_TTL, "the leader's keepalives to get through")
-    assert _leads(coordinator) and _epoch(coordinator) == epoch
+    assert leads(coordinator) and _epoch(coordinator) == epoch
     assert coordinator.proc.poll() is None
     assert not _logged(log, "lost leadership")
 
@@ -192,7 +196,7 @@ def test_a_leader_keeps_leading_through_renewed_etcd_tls_files(
     try:
         with _etcd(tmp_path, renewal.etcd_before.files(pki), ports) as url:
             coordinator = _start(tmp_path, url, files)
-            wait_for(lambda: _leads(coordinator), 15, "the coordinator to lead")
+            wait_for(lambda: leads(coordinator), 15, "the coordinator to lead")
             epoch = _epoch(coordinator)
             _install(files, _sources(pki, *renewal.after), mode)
         _etcd_stopped(tmp_path / "coord.log")
@@ -226,7 +230,7 @@ def test_broken_renewed_files_are_logged_and_the_previous_ones_kept(
     try:
         with _etcd(tmp_path, settings, ports) as url:
             coordinator = _start(tmp_path, url, files)
-            wait_for(lambda: _leads(coordinator), 15, "the coordinator to lead")
+            wait_for(lambda: leads(coordinator), 15, "the coordinator to lead")
             epoch = _epoch(coordinator)
             broken = (pki / source).read_bytes() if source != "garbage" else b"-----BEGIN C"
             (files / name).write_bytes(broken)
