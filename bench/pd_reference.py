@@ -24,6 +24,11 @@ requests dropped), alone and with the retroactive replay's drops applied at thei
 
     .venv/bin/python bench/pd_reference.py reachable --loads 0.5,0.6,0.7 --seeds 1,2,3
 
+``orders``: the EDF-rank reference with the P2D ranked by deadline, by the request's KV bytes
+still to send (shortest first) or by its slack (deadline minus those bytes at line rate)::
+
+    .venv/bin/python bench/pd_reference.py orders --loads 0.6,0.7 --seeds 1,2,3
+
 Both take minutes per load and seed on one core; run them under
 ``flock -s /tmp/flowsched-measure.lock`` on a shared machine. docs/rmlq.md has the figures.
 """
@@ -58,40 +63,75 @@ _DONE = 1.0
 
 
 class EdfRankReference:
-    """Collectives (0), Stage-1 fetches (1), P2D by deadline rank over levels 2-6, late P2D and
+    """Collectives (0), Stage-1 fetches (1), P2D by rank over levels 2-6, late P2D and
     everything else 7. Ranks move both ways (no Defer-and-Promote): a reference, not a policy.
-    ``drops``: request -> when its P2D goes to level 7 (admission decided elsewhere)."""
+    ``drops``: request -> when its P2D goes to level 7 (admission decided elsewhere).
+    ``order``: what ranks the P2D (:data:`ORDERS`); ``layers`` and ``rate`` (bytes/s) estimate
+    a request's KV still to send: its open P2D bytes plus its layers still to come, each the
+    size of its last one."""
 
     name: ClassVar[str] = "edf-rank-reference"
     num_levels = LEVELS
+    #: the deadline; the request's KV bytes still to send (shortest first); its slack, the
+    #: deadline minus those bytes at ``rate`` (least first)
+    ORDERS: ClassVar[tuple[str, ...]] = ("deadline", "remaining", "slack")
 
     def _dropped(self, flow: Flow, now: float) -> bool:
         return is_late(flow, now) or self.drops.get(flow.request or "", math.inf) <= now
 
+    def _keys(self, ranked: list[Flow]) -> dict[int, float]:
+        """Flow id -> its rank key (smaller = served first) for the P2D flows ``ranked``."""
+        if self.order == "deadline":
+            return {f.flow_id: f.deadline or 0.0 for f in ranked}
+        open_bytes: dict[str, float] = defaultdict(float)
+        last: dict[str, Flow] = {}
+        for flow in ranked:
+            request = flow.request or ""
+            open_bytes[request] += flow.remaining or 0
+            newest = last.get(request)
+            if newest is None or (flow.consumer_index or 0) > (newest.consumer_index or 0):
+                last[request] = flow
+        keys = {}
+        for request, flow in last.items():
+            to_come = (self.layers - 1 - (flow.consumer_index or 0)) * (flow.size or 0)
+            left = open_bytes[request] + to_come
+            keys[request] = left if self.order == "remaining" else (
+                (flow.deadline or 0.0) - left / self.rate)  # fmt: skip
+        return {f.flow_id: keys[f.request or ""] for f in ranked}
+
     def _levels(self, flows: Iterable[Flow], now: float) -> dict[int, int]:
         flows = list(flows)
-        due = sorted(
-            {f.deadline for f in flows if f.cls is FlowClass.KV and f.deadline is not None}
-            - {d for d in (f.deadline for f in flows if self._dropped(f, now)) if d is not None}
-        )
-        rank = {deadline: i for i, deadline in enumerate(due)}
+        ranked = [
+            f for f in flows
+            if f.cls is FlowClass.KV and f.deadline is not None and not self._dropped(f, now)
+        ]  # fmt: skip
+        keys = self._keys(ranked)
+        order = sorted(set(keys.values()))
+        rank = {key: i for i, key in enumerate(order)}
         levels = {}
         for flow in flows:
             if flow.cls is FlowClass.TP:
                 levels[flow.flow_id] = 0
             elif flow.cls is FlowClass.KV_REUSE:
                 levels[flow.flow_id] = 1
-            elif (
-                flow.cls is FlowClass.KV and flow.deadline in rank and not self._dropped(flow, now)
-            ):
-                levels[flow.flow_id] = 2 + rank_band(rank[flow.deadline], len(due), 5)
+            elif flow.flow_id in keys:
+                levels[flow.flow_id] = 2 + rank_band(rank[keys[flow.flow_id]], len(order), 5)
             else:
                 levels[flow.flow_id] = 7
         return levels
 
-    def __init__(self, drops: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        drops: Mapping[str, float] | None = None,
+        order: str = "deadline",
+        layers: int = 32,
+        rate: float = 100e9 / 8,
+    ) -> None:
+        if order not in self.ORDERS:
+            raise ValueError(f"order: expected one of {', '.join(self.ORDERS)}, got {order!r}")
         self._open: dict[int, Flow] = {}
         self.drops = dict(drops or {})
+        self.order, self.layers, self.rate = order, layers, rate
 
     def admit(self, flow: Flow, ctx: Context) -> Decision:
         self._open[flow.flow_id] = flow
@@ -364,15 +404,17 @@ def ingress_replays(records: RunRecords, cfg: Any) -> dict[str, int]:
 # -- commands -----------------------------------------------------------------------------------
 
 
-def reachable(loads: list[float], seeds: list[int]) -> None:
-    """Print the reachability table (see the module docstring)."""
+def against_the_bound(
+    loads: list[float],
+    seeds: list[int],
+    add: Callable[[scenario.Scenario, float, int, RunRecords, Counter[str]], None],
+    width: int,
+) -> None:
+    """Per load: the bound on each seed, then ``add(scenario, load, seed, the bound's records,
+    counts)`` counts the measured requests each other row meets on that seed; print every row
+    (names ``width`` wide) against the bound."""
     scen = scenario.load(SCENARIO)
     assert scen.serving is not None
-    queues = hwqueues.table(LEVELS, LEVELS)
-    partial = {
-        "P2D private, Stage-1 shared": {},
-        "P2D private, Stage-1 at the collectives' level": {"levels": {"kv_reuse": 0}},
-    }
     for load in loads:
         counts: Counter[str] = Counter()
         total = 0
@@ -380,35 +422,68 @@ def reachable(loads: list[float], seeds: list[int]) -> None:
             bound = run(scen, ideal_spec(LEVELS), load, seed).records
             total += len(measured(bound))
             counts["bound"] += met(bound)
-            for name, value in ingress_replays(bound, scen.serving).items():
-                counts[f"ingress {name} (bound's timeline)"] += value
-            for label, args in partial.items():
-                spec = PolicySpec(
-                    "static",
-                    args,
-                    LEVELS,
-                    label=label,
-                    level_queue=queues,
-                    private_classes=frozenset({FlowClass.KV}),
-                )
-                records = run(scen, spec, load, seed).records
-                counts[label] += met(records)
-                if label == "P2D private, Stage-1 shared":
-                    trace = scenario.serving_trace(scen.serving, load, seed)
-                    counts["  its timeline, collectives first on the prefill NICs: ceiling"] += (
-                        egress_ceiling(records, scen.serving, trace)
-                    )
-            edf_rank = simulate(scen, EdfRankReference(), load, seed)
-            counts["EDF-rank reference, all shared"] += met(edf_rank)
-            drops: dict[str, float] = {}
-            for jobs in ingress_jobs(edf_rank, scen.serving.decode_servers).values():
-                drops.update(retroactive_drops(jobs, scen.serving.nic_gbps * 1e9 / 8))
-            counts["  + the retroactive replay's drops, at their time"] += met(
-                simulate(scen, EdfRankReference(drops), load, seed)
-            )
+            add(scen, load, seed, bound, counts)
         print(f"load {load:g}, seeds {seeds}, {total} measured requests:")
         for name, value in counts.items():
-            print(f"  {name:48s} {value / total:6.1%}  {value / counts['bound']:.2f}x the bound")
+            share, of_bound = value / total, value / counts["bound"]
+            print(f"  {name:{width}s} {share:6.1%}  {of_bound:.2f}x the bound")
+
+
+def reachable(loads: list[float], seeds: list[int]) -> None:
+    """Print the reachability table (see the module docstring)."""
+    queues = hwqueues.table(LEVELS, LEVELS)
+    partial = {
+        "P2D private, Stage-1 shared": {},
+        "P2D private, Stage-1 at the collectives' level": {"levels": {"kv_reuse": 0}},
+    }
+
+    def add(
+        scen: scenario.Scenario, load: float, seed: int, bound: RunRecords, counts: Counter[str]
+    ) -> None:
+        assert scen.serving is not None
+        for name, value in ingress_replays(bound, scen.serving).items():
+            counts[f"ingress {name} (bound's timeline)"] += value
+        for label, args in partial.items():
+            spec = PolicySpec(
+                "static",
+                args,
+                LEVELS,
+                label=label,
+                level_queue=queues,
+                private_classes=frozenset({FlowClass.KV}),
+            )
+            records = run(scen, spec, load, seed).records
+            counts[label] += met(records)
+            if label == "P2D private, Stage-1 shared":
+                trace = scenario.serving_trace(scen.serving, load, seed)
+                counts["  its timeline, collectives first on the prefill NICs: ceiling"] += (
+                    egress_ceiling(records, scen.serving, trace)
+                )
+        edf_rank = simulate(scen, EdfRankReference(), load, seed)
+        counts["EDF-rank reference, all shared"] += met(edf_rank)
+        drops: dict[str, float] = {}
+        for jobs in ingress_jobs(edf_rank, scen.serving.decode_servers).values():
+            drops.update(retroactive_drops(jobs, scen.serving.nic_gbps * 1e9 / 8))
+        counts["  + the retroactive replay's drops, at their time"] += met(
+            simulate(scen, EdfRankReference(drops), load, seed)
+        )
+
+    against_the_bound(loads, seeds, add, 48)
+
+
+def compare_orders(loads: list[float], seeds: list[int], orders: list[str]) -> None:
+    """Print the EDF-rank reference's attainment under each P2D order, against the bound."""
+
+    def add(
+        scen: scenario.Scenario, load: float, seed: int, bound: RunRecords, counts: Counter[str]
+    ) -> None:
+        assert scen.serving is not None
+        rate = scen.serving.nic_gbps * 1e9 / 8
+        for order in orders:
+            reference = EdfRankReference(order=order, layers=scen.serving.layers, rate=rate)
+            counts[order] += met(simulate(scen, reference, load, seed))
+
+    against_the_bound(loads, seeds, add, 10)
 
 
 class IngressProbe:
@@ -560,12 +635,18 @@ def main() -> None:
     many = sub.add_parser("reachable", help="bounds and references")
     many.add_argument("--loads", default="0.5,0.6,0.7")
     many.add_argument("--seeds", default="1,2,3")
+    orders = sub.add_parser("orders", help="the EDF-rank reference under each P2D order")
+    orders.add_argument("--loads", default="0.6,0.7")
+    orders.add_argument("--seeds", default="1,2,3")
+    orders.add_argument("--orders", default=",".join(EdfRankReference.ORDERS))
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.command == "diagnose":
         diagnose(args.policy, args.load, seeds, json.loads(args.args))
-    else:
+    elif args.command == "reachable":
         reachable([float(x) for x in args.loads.split(",")], seeds)
+    else:
+        compare_orders([float(x) for x in args.loads.split(",")], seeds, args.orders.split(","))
 
 
 if __name__ == "__main__":

@@ -73,7 +73,11 @@ def register(sub: Any) -> None:
     ha = parser.add_argument_group(
         "high availability", "several coordinators elect one leader through etcd (docs/ha.md)"
     )
-    ha.add_argument("--etcd", metavar="URL", help="etcd client URL, e.g. http://10.0.0.5:2379")
+    ha.add_argument(
+        "--etcd", metavar="URLS",
+        help="etcd client URLs, one per member, comma-separated, e.g. "
+        "http://10.0.0.5:2379,http://10.0.0.6:2379,http://10.0.0.7:2379",
+    )  # fmt: skip
     ha.add_argument(
         "--etcd-cacert", metavar="FILE",
         help="PEM CA bundle verifying etcd's server certificate (https; default: the system "
@@ -89,9 +93,10 @@ def register(sub: Any) -> None:
         help="coordinators of one cluster share it (default: flowsched)",
     )  # fmt: skip
     ha.add_argument(
-        "--lease-ttl", type=int, default=2, metavar="S",
-        help="leader lease TTL in whole seconds (default 2: a silent leader host is replaced "
-        "after about this long, a crashed leader process within a few hundred ms)",
+        "--lease-ttl", type=int, metavar="S",
+        help="leader lease TTL in whole seconds (default 2 with one --etcd URL, 10 with several:"
+        " outlasting a change of etcd's own leader; a silent leader host is replaced after "
+        "about this long, a crashed leader process within a few hundred ms)",
     )  # fmt: skip
     ha.add_argument(
         "--advertise", metavar="HOST:PORT",

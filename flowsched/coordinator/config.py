@@ -93,8 +93,9 @@ class CoordinatorConfig:
     #: coordinators sharing this name (and etcd) elect one leader
     election_name: str = "flowsched"
     #: leader lease TTL, whole seconds: a crashed leader's host going silent is replaced
-    #: after about this long (a crashed process on a live host within ~0.3 s)
-    lease_ttl: int = 2
+    #: after about this long (a crashed process on a live host within ~0.3 s); None: 2 with
+    #: one etcd URL, 10 with several (:func:`flowsched.coordinator.election.lease_ttl`)
+    lease_ttl: int | None = None
     #: HOST:PORT agents and standbys use to reach this coordinator (None: the bound address,
     #: or this host's name when listening on a wildcard address)
     advertise: str | None = None

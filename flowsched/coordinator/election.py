@@ -34,12 +34,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import logging
+import socket
 import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -49,7 +51,7 @@ from flowsched.tls import ssl_reason
 
 if TYPE_CHECKING:
     from etcd3gw.client import Etcd3Client
-    from requests import Session
+    from requests import Response, Session
 
     from flowsched.coordinator.config import CoordinatorConfig
 
@@ -64,6 +66,17 @@ KEEPALIVES_PER_TTL = 4
 STEP_DOWN_MARGIN = 0.25
 #: a standby re-reads the key at least every this many TTLs (a silently dead watch stream)
 RECHECK_TTLS = 5
+#: seconds at most between campaigns that failed (every member tried; TTL/4 below that)
+MAX_CAMPAIGN_PAUSE = 1.0
+#: seconds before the next keepalive after a failed one (every member tried), and before the
+#: next campaign after a watch that failed or ended: the first keepalive after etcd answers
+#: again renews the lease, well before the leader would give up
+RETRY_AFTER_FAILURE = 0.25
+#: the lease TTL (s) with one etcd URL, and with several: a change of etcd's own (raft) leader
+#: takes one to two of etcd's election timeouts (1 s each by default), during which no
+#: keepalive succeeds, and a leader waits only 0.75 TTL for one (docs/ha.md, "Several etcd
+#: members", has the measurements)
+SINGLE_MEMBER_TTL, CLUSTER_TTL = 2, 10
 
 
 #: OpenSSL verify codes of a server certificate whose CA is not trusted (self-signed leaf,
@@ -112,6 +125,57 @@ def parse_endpoint(url: str) -> tuple[str, str, int]:
     return parsed.scheme, parsed.hostname, port
 
 
+def parse_endpoints(urls: str) -> list[tuple[str, str, int]]:
+    """``--etcd``: one client URL per etcd member, comma-separated (as ``etcdctl
+    --endpoints``) -> [(protocol, host, port)], in the order given.
+
+    Raises:
+        ElectionError: a bad URL, an empty item, a member given twice, or http mixed with
+            https (one set of TLS files serves every member).
+    """
+    members = [parse_endpoint(url.strip()) for url in urls.split(",") if url.strip()]
+    if not members or len(members) != len(urls.split(",")):
+        raise ElectionError(f"--etcd: expected comma-separated http(s)://HOST[:PORT], got {urls!r}")
+    if len(set(members)) != len(members):
+        raise ElectionError(f"--etcd: a member is listed twice in {urls!r}")
+    if len({protocol for protocol, _, _ in members}) > 1:
+        raise ElectionError(f"--etcd: mixes http:// and https:// members in {urls!r}")
+    return members
+
+
+def lease_ttl(config: CoordinatorConfig) -> int:
+    """``config.lease_ttl``, or when unset :data:`SINGLE_MEMBER_TTL` for one etcd URL and
+    :data:`CLUSTER_TTL` for several."""
+    if config.lease_ttl is not None:
+        return config.lease_ttl
+    several = config.etcd is not None and len(parse_endpoints(config.etcd)) > 1
+    return CLUSTER_TTL if several else SINGLE_MEMBER_TTL
+
+
+def short_lease_warning(config: CoordinatorConfig) -> str | None:
+    """Why ``config``'s lease TTL may cost the leadership whenever etcd's own leader changes
+    (several members, a TTL below :data:`CLUSTER_TTL` given), or None."""
+    if config.etcd is None or config.lease_ttl is None or config.lease_ttl >= CLUSTER_TTL:
+        return None
+    members = len(parse_endpoints(config.etcd))
+    if members == 1:
+        return None
+    return (
+        f"--lease-ttl {config.lease_ttl} with {members} etcd members: a change of etcd's own "
+        f"leader (1-2 s at etcd's default election timeout; an etcd upgrade restarts every "
+        f"member) can outlast the {0.75 * config.lease_ttl:g} s this coordinator waits for a "
+        f"keepalive, and it would step down; {CLUSTER_TTL} s, the default with several "
+        f"members, rides it out"
+    )
+
+
+def member_url(member: tuple[str, str, int]) -> str:
+    """(protocol, host, port) -> the client URL."""
+    protocol, host, port = member
+    host = f"[{host}]" if ":" in host else host
+    return f"{protocol}://{host}:{port}"
+
+
 def check_tls(url: str, cacert: str | None, cert: str | None, key: str | None) -> None:
     """Refuse TLS settings that cannot work, naming the flag: a client certificate without its
     key (or the reverse), TLS files with a plain-http URL, files that are unreadable, not PEM,
@@ -128,10 +192,10 @@ def check_tls(url: str, cacert: str | None, cert: str | None, key: str | None) -
         raise ElectionError("--etcd-cert: needs --etcd-key, the client certificate's private key")
     if cert is None and key is not None:
         raise ElectionError("--etcd-key: needs --etcd-cert, the client certificate of that key")
-    if parse_endpoint(url)[0] != "https":
+    if parse_endpoints(url)[0][0] != "https":
         raise ElectionError(
-            f"{given[0]}: TLS files need an https:// etcd URL, and --etcd {url!r} is plain "
-            f"http (write https://...)"
+            f"{given[0]}: TLS files need an https:// etcd URL for each member, and --etcd "
+            f"{url!r} is plain http (write https://...)"
         )
     try:
         tls.client_context(cacert, cert, key)  # loads the files: what TLS would use
@@ -212,10 +276,41 @@ def _in_daemon_thread(function: Callable[..., T], *args: Any) -> asyncio.Future[
     return future
 
 
-def _close_late_watch(opening: asyncio.Future[tuple[Iterator[Any], Callable[[], None]]]) -> None:
-    """Cancel a watch that opened after its waiter gave up on it."""
+def _close_late_watch(opening: asyncio.Future[Response]) -> None:
+    """Close a watch stream that opened after its waiter gave up on it."""
     if not opening.cancelled() and opening.exception() is None:
-        opening.result()[1]()
+        _stop_watch(opening.result())
+
+
+def _next_deletion(stream: Response) -> bool:
+    """Block until the watch ``stream`` reports an event (its filter leaves deletions only):
+    True; False when the stream ends first (its member died or closed it). Not etcd3gw's
+    watch: its iterator waits forever once the stream has ended."""
+    for line in stream.iter_lines():
+        if not line.strip():
+            continue
+        result = json.loads(line).get("result", {})
+        if result.get("events"):
+            return True
+        if result.get("canceled"):
+            return False
+    return False
+
+
+def _stop_watch(stream: Response) -> None:
+    """End ``stream`` from another thread: shutting the socket down wakes a blocked read."""
+    with (
+        contextlib.suppress(Exception),  # already closed
+        socket.fromfd(stream.raw.fileno(), socket.AF_INET, socket.SOCK_STREAM) as dup,
+    ):
+        dup.shutdown(socket.SHUT_RDWR)
+    stream.close()
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark ``future``'s exception retrieved (a watch thread that ended after its waiter)."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _b64(text: str) -> str:
@@ -226,11 +321,15 @@ class EtcdElection:
     """One candidate in the election ``name`` (see the module docstring).
 
     Args:
-        endpoint: an etcd client URL (``http://127.0.0.1:2379``).
+        endpoint: etcd's client URLs, comma-separated (``http://10.0.0.5:2379,...``): every
+            member of the cluster, so that the election survives the loss of any one of
+            them (requests go to one member and move to the next when one fails).
         name: the election (coordinators of one cluster share it).
         address: this coordinator's agent address, published while it leads.
         lease_ttl: lease TTL in whole seconds (etcd grants at least about 2 s).
-        request_timeout: seconds allowed for each etcd request.
+        request_timeout: seconds allowed for each etcd request (default: TTL/4, at most
+            0.5 s: a request sent while etcd elects its own leader is dropped, not answered,
+            so a shorter wait tries the next member sooner).
         cacert: PEM CA bundle that verifies etcd's certificate (https; None: the system
             trust store).
         cert: PEM client certificate for etcd's ``--client-cert-auth`` (with ``key``).
@@ -259,7 +358,12 @@ class EtcdElection:
             raise ElectionError(f"--election-name: expected a printable name without '/': {name!r}")
         if address and split_address(address) is None:
             raise ElectionError(f"--advertise: expected HOST:PORT, got {address!r}")
-        self.protocol, self.host, self.port = parse_endpoint(endpoint)
+        #: etcd's members, (protocol, host, port) each; requests go to ``_member``'s
+        self.members = parse_endpoints(endpoint)
+        self._member = 0
+        #: the member whose request failed last (named by :meth:`explain`)
+        self._failed = 0
+        self.protocol = self.members[0][0]
         check_tls(endpoint, cacert, cert, key)
         self.cacert, self.cert, self.cert_key = cacert, cert, key
         #: the https context, shared by every client, rebuilt when the files change, a failure
@@ -272,11 +376,17 @@ class EtcdElection:
         self.key = KEY_PREFIX + name
         self.address = address
         self.ttl = lease_ttl
-        self.timeout = request_timeout or max(0.2, lease_ttl / KEEPALIVES_PER_TTL)
-        self._client = self._new_client()
-        self._keepalive_client = self._new_client()
+        self.timeout = request_timeout or min(max(0.2, lease_ttl / KEEPALIVES_PER_TTL), 0.5)
+        #: the longest one request may take, through every member (connect and read each)
+        self.call_timeout = 2 * self.timeout * len(self.members)
+        #: (member, role) -> its client: one per thread that uses them ("campaign", the
+        #: campaign and resign; "keepalive", the leader's keepalives), built on first use
+        self._clients: dict[tuple[int, str], Etcd3Client] = {}
+        self._clients[0, "campaign"] = self._new_client(0)  # (a missing etcd3gw fails here)
         #: the leader last seen (None: nobody, or not known yet)
         self.leader: Leader | None = None
+        #: while leading: when (monotonic) the last keepalive that etcd answered was sent
+        self.renewed_at = 0.0
         #: the lease of this candidate's last won campaign (0: none yet)
         self.won_lease = 0
         self._recheck = asyncio.Event()
@@ -288,19 +398,20 @@ class EtcdElection:
         publishing ``address``."""
         assert config.etcd is not None
         return cls(
-            config.etcd, config.election_name, address, config.lease_ttl,
+            config.etcd, config.election_name, address, lease_ttl(config),
             cacert=config.etcd_cacert, cert=config.etcd_cert, key=config.etcd_key,
         )  # fmt: skip
 
-    def _new_client(self) -> Etcd3Client:
+    def _new_client(self, member: int) -> Etcd3Client:
         try:
             from etcd3gw.client import Etcd3Client
         except ImportError:
             raise ElectionError(
                 "--etcd needs the etcd3gw package: pip install 'flowsched[ha]'"
             ) from None
+        protocol, host, port = self.members[member]
         return Etcd3Client(
-            host=self.host, port=self.port, protocol=self.protocol, timeout=self.timeout,
+            host=host, port=port, protocol=protocol, timeout=self.timeout,
             api_path="/v3/",  # etcd >= 3.4; skips a /version round trip per client
             session=self._session(),
         )  # fmt: skip
@@ -317,9 +428,28 @@ class EtcdElection:
 
     @property
     def url(self) -> str:
-        """etcd's client URL as used."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.protocol}://{host}:{self.port}"
+        """The client URL of the member that requests go to now."""
+        return member_url(self.members[self._member])
+
+    @property
+    def failed_url(self) -> str:
+        """The client URL of the member whose request failed last."""
+        return member_url(self.members[self._failed])
+
+    def _client(self, role: str) -> tuple[int, Etcd3Client]:
+        """The member that requests go to now and its client for ``role``."""
+        member = self._member
+        client = self._clients.get((member, role))
+        if client is None:
+            client = self._clients[member, role] = self._new_client(member)
+        return member, client
+
+    def _next_member(self, failed: int) -> None:
+        """A request to member ``failed`` failed: later requests go to the next member (unless
+        another thread moved on already)."""
+        self._failed = failed
+        if self._member == failed:
+            self._member = (failed + 1) % len(self.members)
 
     def explain(self, exc: BaseException) -> str:
         """What a failed etcd request says, naming the TLS cause and the flag that fixes it
@@ -342,8 +472,9 @@ class EtcdElection:
                 f" --etcd-cacert must name the CA that signed it"
             )
         if error.verify_code == HOSTNAME_MISMATCH:
+            host = self.members[self._failed][1]
             return (
-                f"TLS: etcd's server certificate does not name {self.host} ({why}): give "
+                f"TLS: etcd's server certificate does not name {host} ({why}): give "
                 f"--etcd a host name or address that the certificate lists"
             )
         return f"TLS: etcd's server certificate was refused ({why}; verified with {trust})"
@@ -351,7 +482,7 @@ class EtcdElection:
     def _explain_handshake(self, ssl_error: ssl.SSLError) -> str:
         reason = ssl_reason(ssl_error)
         if "WRONG_VERSION_NUMBER" in reason:
-            return f"TLS: etcd at {self.url} does not speak TLS ({reason}): use http://"
+            return f"TLS: etcd at {self.failed_url} does not speak TLS ({reason}): use http://"
         if not isinstance(ssl_error, ssl.SSLEOFError) and "ALERT" not in reason:
             return f"TLS to etcd failed: {reason}"
         if self.cert is None:
@@ -366,30 +497,51 @@ class EtcdElection:
 
     # -- blocking etcd calls (run in threads) --------------------------------------------------
 
-    def _post(self, client: Etcd3Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = client.post(client.get_url(path), json=body)
-        return result
+    def _post(self, path: str, body: dict[str, Any], role: str = "campaign") -> dict[str, Any]:
+        """POST ``body`` with ``role``'s client ("once": a client of its own) to the current
+        member, and on a failure to the next ones in turn (later requests start there); the
+        last member's error when every one failed. A dead member fails fast (refused) or
+        within the request timeout, so a request reaches a live member within
+        :attr:`call_timeout`."""
+        for _ in self.members:
+            if role == "once":
+                member, client = self._member, self._new_client(self._member)
+            else:
+                member, client = self._client(role)
+            try:
+                result: dict[str, Any] = client.post(client.get_url(path), json=body)
+            except Exception as exc:
+                self._next_member(member)
+                if self._member != member:
+                    why = self.explain(exc)
+                    self._repeat.log(f"member {member} {why}", logging.WARNING,
+                                     "etcd %s failed (%s): trying %s", self.failed_url, why,
+                                     self.url)  # fmt: skip
+                error = exc
+                continue
+            return result
+        raise error
 
     def _try_once(self) -> tuple[Leadership | None, int]:
         """Grant a fresh lease and run the campaign transaction once.
 
         Returns (leadership or None, the revision the read saw).
         """
-        lease = int(self._post(self._client, "/lease/grant", {"TTL": self.ttl})["ID"])
+        lease = int(self._post("/lease/grant", {"TTL": self.ttl})["ID"])
         key = _b64(self.key)
         txn = {
             "compare": [{"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
             "success": [{"request_put": {"key": key, "value": _b64(self.address), "lease": lease}}],
             "failure": [{"request_range": {"key": key}}],
         }
-        reply = self._post(self._client, "/kv/txn", txn)
+        reply = self._post("/kv/txn", txn)
         header = reply["header"]
         revision = int(header["revision"])
         if reply.get("succeeded"):
             self.won_lease = lease
             self.leader = Leader(self.address, revision, lease)
             return Leadership(revision, int(header.get("cluster_id", 0)), lease), revision
-        self._revoke(self._client, lease)  # never used: do not leave it to expire
+        self._revoke(lease)  # never used: do not leave it to expire
         self.leader = self._leader_from(reply["responses"][0]["response_range"])
         return None, revision
 
@@ -402,29 +554,42 @@ class EtcdElection:
         address = base64.b64decode(kv.get("value", "")).decode(errors="replace")
         return Leader(address, int(kv["create_revision"]), int(kv.get("lease", 0)))
 
-    def _revoke(self, client: Etcd3Client, lease: int) -> None:
+    def _revoke(self, lease: int, role: str = "campaign") -> None:
         with contextlib.suppress(Exception):  # an expired lease is as good as revoked
-            self._post(client, "/kv/lease/revoke", {"ID": lease})
+            self._post("/kv/lease/revoke", {"ID": lease}, role)
 
     def _keepalive(self, lease: int) -> int:
-        reply = self._post(self._keepalive_client, "/lease/keepalive", {"ID": lease})
+        reply = self._post("/lease/keepalive", {"ID": lease}, "keepalive")
         return int(reply.get("result", {}).get("TTL", -1))
 
-    def _open_watch(self, revision: int) -> tuple[Iterator[Any], Callable[[], None]]:
-        """Watch the key's deletions after ``revision`` (a dedicated client: the stream stays
-        open while the standby waits)."""
-        client = self._new_client()
-        client.timeout = None
-        events, cancel = client.watch(self.key, start_revision=revision + 1, filters=["NOPUT"])
-        return events, cancel
+    def _open_watch(self, revision: int) -> Response:
+        """Watch the key's deletions after ``revision``: the open stream (a session of its
+        own: the stream keeps its connection while the standby waits)."""
+        member = self._member
+        request: dict[str, Any] = {
+            "key": _b64(self.key), "start_revision": revision + 1, "filters": ["NOPUT"]
+        }  # fmt: skip
+        try:
+            stream = self._session().post(
+                f"{member_url(self.members[member])}/v3/watch",
+                json={"create_request": request}, stream=True, timeout=(self.timeout, None),
+            )  # fmt: skip
+        except Exception:
+            self._next_member(member)
+            raise
+        if not stream.ok:
+            stream.close()
+            self._next_member(member)
+            stream.raise_for_status()
+        return stream
 
     # -- the election, as coroutines ----------------------------------------------------------
 
     async def campaign(self) -> Leadership:
         """Wait until this candidate leads; returns the leadership (epoch = fencing token).
 
-        etcd errors are logged and retried every TTL/4: a coordinator that cannot reach etcd
-        stays a standby.
+        etcd errors are logged and retried every TTL/4 (at most every second): a coordinator
+        that cannot reach etcd stays a standby.
         """
         while True:
             try:
@@ -432,8 +597,8 @@ class EtcdElection:
             except Exception as exc:
                 why = self.explain(exc)
                 self._repeat.log(f"campaign {why}", logging.WARNING,
-                                 "etcd %s: campaign failed: %s", self.url, why)  # fmt: skip
-                await asyncio.sleep(self.ttl / KEEPALIVES_PER_TTL)
+                                 "etcd %s: campaign failed: %s", self.failed_url, why)  # fmt: skip
+                await self._pause(min(self.ttl / KEEPALIVES_PER_TTL, MAX_CAMPAIGN_PAUSE))
                 continue
             self._repeat.clear_matching("campaign ")
             if won is not None:
@@ -444,28 +609,46 @@ class EtcdElection:
 
     async def _wait_for_vacancy(self, revision: int) -> None:
         self._recheck.clear()
-        # the watch runs in daemon threads of its own: etcd3gw opens it without a timeout, and
-        # a hung open (etcd unreachable) must neither take the threads of the campaign and the
-        # keepalives nor hold up the process's exit
+        # the watch runs in daemon threads of its own: its stream has no read timeout, and a
+        # hung open or read (etcd unreachable) must neither take the threads of the campaign
+        # and the keepalives nor hold up the process's exit
+        member = self._member
         opening = _in_daemon_thread(self._open_watch, revision)
         try:
             async with asyncio.timeout(self.timeout):
-                events, cancel = await asyncio.shield(opening)
+                stream = await asyncio.shield(opening)
         except Exception as exc:
             opening.add_done_callback(_close_late_watch)
-            log.warning("etcd watch failed: %s", self.explain(exc))
-            await asyncio.sleep(self.ttl / KEEPALIVES_PER_TTL)
+            self._next_member(member)  # (the open may still hang in its thread)
+            log.warning("etcd %s: watch failed: %s", self.failed_url, self.explain(exc))
+            await self._pause(RETRY_AFTER_FAILURE)
             return
-        deleted: asyncio.Future[Any] = _in_daemon_thread(next, events, None)
+        deleted: asyncio.Future[bool] = _in_daemon_thread(_next_deletion, stream)
         recheck: asyncio.Future[Any] = asyncio.ensure_future(self._recheck.wait())
         try:
-            await asyncio.wait(
+            done, _ = await asyncio.wait(
                 {deleted, recheck}, timeout=RECHECK_TTLS * self.ttl,
                 return_when=asyncio.FIRST_COMPLETED,
             )  # fmt: skip
         finally:
-            cancel()  # ends the iteration, so the thread waiting in next() returns
+            _stop_watch(stream)  # so the thread reading it returns
             recheck.cancel()
+            deleted.add_done_callback(_retrieve)
+        if deleted in done and (deleted.exception() is not None or not deleted.result()):
+            # the stream ended without a deletion: its member died, or closed it
+            self._next_member(member)
+            error = deleted.exception()
+            why = self.explain(error) if error is not None else "the stream ended"
+            log.warning("etcd %s: watch ended: %s", self.failed_url, why)
+            await self._pause(RETRY_AFTER_FAILURE)
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait ``seconds`` before campaigning again, or less when :meth:`depose` asks for a
+        campaign at once."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._recheck.wait()
+        self._recheck.clear()
 
     async def hold(self, leadership: Leadership) -> None:
         """Keep the lease alive; returns once leadership is (or may be) lost."""
@@ -475,33 +658,38 @@ class EtcdElection:
         failed = 0
         while True:
             sent = time.monotonic()
+            # bounded by the give-up time too, so that leadership ends in time even when etcd
+            # stops answering in the middle of a request
+            left = max(0.0, last_good + give_up_after - sent)
             try:
-                async with asyncio.timeout(self.timeout):
+                async with asyncio.timeout(min(self.call_timeout, left)):
                     ttl = await asyncio.to_thread(self._keepalive, leadership.lease)
             except Exception as exc:
                 ttl, failed = None, failed + 1
-                log.warning("etcd keepalive failed: %s", self.explain(exc))
+                log.warning("etcd %s: keepalive failed: %s", self.failed_url, self.explain(exc))
             if ttl is not None and ttl <= 0:
                 log.error("lost leadership (epoch %d): the lease is gone", leadership.epoch)
                 return
             if ttl is not None:
                 if failed:
-                    log.info("etcd keepalive succeeded again after %d failed (%.2f s since the "
-                             "last one)", failed, sent - last_good)  # fmt: skip
+                    log.info("etcd %s: keepalive succeeded again after %d failed (%.2f s since "
+                             "the last one)", self.url, failed, sent - last_good)  # fmt: skip
                 last_good, failed = sent, 0  # the lease runs at least TTL from when this was sent
+                self.renewed_at = sent
             elif time.monotonic() - last_good >= give_up_after:
                 log.error(
                     "lost leadership (epoch %d): no keepalive succeeded for %.2f s",
                     leadership.epoch, time.monotonic() - last_good,
                 )  # fmt: skip
                 return
-            await asyncio.sleep(max(0.0, sent + period - time.monotonic()))
+            pause = period if ttl is not None else min(period, RETRY_AFTER_FAILURE)
+            await asyncio.sleep(max(0.0, sent + pause - time.monotonic()))
 
     async def resign(self, leadership: Leadership) -> None:
         """Give leadership up now (graceful stop): a standby takes over at once."""
         with contextlib.suppress(Exception):
-            async with asyncio.timeout(self.timeout):
-                await asyncio.to_thread(self._revoke, self._client, leadership.lease)
+            async with asyncio.timeout(self.call_timeout):
+                await asyncio.to_thread(self._revoke, leadership.lease)
         log.info("resigned leadership (epoch %d)", leadership.epoch)
 
     async def depose(self, leader: Leader) -> None:
@@ -512,10 +700,9 @@ class EtcdElection:
             "(epoch %d) instead of waiting up to %d s for it to expire",
             leader.address, leader.epoch, self.ttl,
         )  # fmt: skip
-        client = self._new_client()  # the campaign may be using the others in its thread
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.timeout):
-                await asyncio.to_thread(self._revoke, client, leader.lease)
+        with contextlib.suppress(TimeoutError):  # (a client of its own: the campaign may be
+            async with asyncio.timeout(self.call_timeout):  # using the others in its thread)
+                await asyncio.to_thread(self._revoke, leader.lease, "once")
         self._recheck.set()
 
     def _leader_text(self) -> str:

@@ -50,7 +50,7 @@ from flowsched.coordinator.connection import (
     TimedStreamReader,
     peer_text,
 )
-from flowsched.coordinator.election import Candidacy, EtcdElection
+from flowsched.coordinator.election import Candidacy, EtcdElection, short_lease_warning
 from flowsched.coordinator.exposition import MAX_CONNECTIONS, start_metrics_server
 from flowsched.coordinator.histogram import Histogram
 from flowsched.coordinator.metrics import (
@@ -240,6 +240,9 @@ class Coordinator:
         if config.etcd is not None:
             advertise = config.advertise or advertised_address(host, port)
             self.candidacy = Candidacy(EtcdElection.from_config(config, advertise))
+            warning = short_lease_warning(config)
+            if warning is not None:
+                log.warning("%s", warning)
         self.addresses = Addresses(host, port, metrics_host, metrics_port)
         log.info("listening on %s:%s, metrics on %s:%s", host, port, metrics_host, metrics_port)
         return self.addresses

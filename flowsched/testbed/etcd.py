@@ -1,13 +1,15 @@
-"""A throwaway single-member etcd (Debian's ``etcd-server``) for the HA tests and benchmark.
+"""Throwaway etcd servers (Debian's ``etcd-server``) for the HA tests and benchmark.
 
-It listens on free loopback ports, keeps its data in a temporary directory, and is killed with
-that directory removed on exit; with :class:`EtcdServerTls` its client URL is https and it
-requires client certificates. Nothing here is used by the coordinator itself.
+:func:`local_etcd` runs one member, :func:`local_etcd_cluster` a cluster of several on one
+machine. They listen on free loopback ports, keep their data in temporary directories, and are
+killed with those directories removed on exit; with :class:`EtcdServerTls` the client URL is
+https and etcd requires client certificates. Nothing here is used by the coordinator itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import socket
 import ssl
@@ -101,13 +103,8 @@ def local_etcd(
         data = str(data_dir) if data_dir is not None else stack.enter_context(
             tempfile.TemporaryDirectory(prefix="flowsched-etcd-")
         )  # fmt: skip
-        command = [
-            binary, "--name", "ha-test", "--data-dir", data,
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"ha-test={peer}", "--log-level", "warn",
-            *(tls.flags() if tls is not None else []),
-        ]  # fmt: skip
+        command = _member_command(binary, "ha-test", data, client, peer, f"ha-test={peer}")
+        command += tls.flags() if tls is not None else []
         out = stack.enter_context(log.open("ab")) if log is not None else subprocess.DEVNULL
         process = subprocess.Popen(command, stdout=out, stderr=out)
         try:
@@ -116,6 +113,89 @@ def local_etcd(
         finally:
             process.kill()
             process.wait()
+
+
+def _member_command(
+    binary: str, name: str, data: str, client: str, peer: str, cluster: str
+) -> list[str]:
+    # the token is the member list: clusters started side by side (other ports) never join
+    return [
+        binary, "--name", name, "--data-dir", data,
+        "--listen-client-urls", client, "--advertise-client-urls", client,
+        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+        "--initial-cluster", cluster, "--initial-cluster-token", cluster,
+        "--log-level", "warn",
+    ]  # fmt: skip
+
+
+class EtcdCluster:
+    """The members of a :func:`local_etcd_cluster`: their client URLs, which one leads, and
+    ways to kill or stop one."""
+
+    def __init__(self, urls: list[str], processes: list[subprocess.Popen[bytes]]) -> None:
+        self.urls = urls
+        self._processes = processes
+
+    @property
+    def endpoints(self) -> str:
+        """Every member's client URL, comma-separated (the coordinator's ``--etcd``)."""
+        return ",".join(self.urls)
+
+    def raft_leader(self) -> int:
+        """The member that leads etcd's own (raft) consensus now; killing it makes the others
+        elect a new one, about one to two of etcd's election timeouts (1 s by default)."""
+        for url in self.urls:
+            request = urllib.request.Request(f"{url}/v3/maintenance/status", data=b"{}")
+            try:
+                with urllib.request.urlopen(request, timeout=2) as response:
+                    status = json.load(response)
+            except OSError:
+                continue  # a killed member
+            if status.get("leader") == status["header"]["member_id"]:
+                return self.urls.index(url)
+        raise RuntimeError("no etcd member says it leads")
+
+    def kill(self, member: int) -> None:
+        """``kill -9`` member ``member`` (the others keep quorum while a majority lives)."""
+        self._processes[member].kill()
+        self._processes[member].wait()
+
+    def signal(self, member: int, number: int) -> None:
+        """Send signal ``number`` to member ``member`` (SIGSTOP: a hung member whose
+        connections stay open)."""
+        self._processes[member].send_signal(number)
+
+
+@contextlib.contextmanager
+def local_etcd_cluster(size: int = 3, log_dir: Path | None = None) -> Iterator[EtcdCluster]:
+    """Run a cluster of ``size`` etcd members on 127.0.0.1 until the block ends (member ``i``
+    logs to ``log_dir/etcd-i.log``).
+
+    Raises:
+        RuntimeError: etcd is not installed or a member did not become healthy.
+    """
+    binary = etcd_binary()
+    if binary is None:
+        raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
+    clients = [f"http://127.0.0.1:{free_port()}" for _ in range(size)]
+    peers = [f"http://127.0.0.1:{free_port()}" for _ in range(size)]
+    cluster = ",".join(f"m{i}={peer}" for i, peer in enumerate(peers))
+    processes: list[subprocess.Popen[bytes]] = []
+    with contextlib.ExitStack() as stack:
+        for i, (client, peer) in enumerate(zip(clients, peers, strict=True)):
+            data = stack.enter_context(tempfile.TemporaryDirectory(prefix="flowsched-etcd-"))
+            path = log_dir / f"etcd-{i}.log" if log_dir is not None else None
+            out = stack.enter_context(path.open("ab")) if path is not None else subprocess.DEVNULL
+            command = _member_command(binary, f"m{i}", data, client, peer, cluster)
+            processes.append(subprocess.Popen(command, stdout=out, stderr=out))
+        try:
+            for process, client in zip(processes, clients, strict=True):
+                _wait_healthy(process, client, None)  # (healthy once a quorum has formed)
+            yield EtcdCluster(clients, processes)
+        finally:
+            for process in processes:
+                process.kill()
+                process.wait()
 
 
 def _wait_healthy(process: subprocess.Popen[bytes], url: str, tls: EtcdServerTls | None) -> None:

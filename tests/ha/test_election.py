@@ -9,12 +9,15 @@ from unittest import mock
 
 import pytest
 
+from flowsched.coordinator.config import CoordinatorConfig
 from flowsched.coordinator.election import (
     Candidacy,
     ElectionError,
     EtcdElection,
     LeadershipLost,
+    lease_ttl,
     refuses_connections,
+    short_lease_warning,
     split_address,
 )
 
@@ -118,7 +121,7 @@ async def test_candidacy_raises_when_its_lease_is_revoked(etcd_url: str) -> None
     assert candidacy.refusal() is None and candidacy.epoch > 0
     leadership = candidacy.leadership
     other = EtcdElection(etcd_url, "t", "other:1")
-    await asyncio.to_thread(other._revoke, other._client, leadership.lease)
+    await asyncio.to_thread(other._revoke, leadership.lease)
     with pytest.raises(LeadershipLost):
         await asyncio.wait_for(running, 5)
 
@@ -206,3 +209,80 @@ async def test_without_etcd_a_candidate_keeps_trying_and_never_leads() -> None:
     assert candidacy.refusal() == "no leader elected yet"
     stop.set_result(None)
     await asyncio.wait_for(running, 5)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("http://a,https://b", "mixes http:// and https://"),
+        ("http://a,,http://b", "comma-separated"),
+        ("http://a,http://a:2379", "listed twice"),
+        ("http://a,http://b:x", "bad port in 'http://b:x'"),
+        ("http://a,ftp://b", "got 'ftp://b'"),
+    ],
+)
+def test_bad_member_lists_are_refused_naming_the_flag(text: str, message: str) -> None:
+    with pytest.raises(ElectionError, match=r"^--etcd: ") as refused:
+        EtcdElection(text, "n", "a:1")
+    assert message in str(refused.value)
+
+
+def test_a_request_goes_to_the_next_members_in_turn_until_one_answers() -> None:
+    election = EtcdElection("http://a:1,http://b:2,http://c:3", "t", "x:1")
+    dead: set[int] = set()
+    tried: list[int] = []
+
+    class Member:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def get_url(self, path: str) -> str:
+            return path
+
+        def post(self, url: str, json: object) -> dict[str, object]:
+            tried.append(self.index)
+            if self.index in dead:
+                raise ConnectionError(f"member {self.index} refused")
+            return {"result": {"TTL": "5"}}
+
+    election._clients.clear()
+    with mock.patch.object(election, "_new_client", Member):
+        assert election._keepalive(1) == 5 and tried == [0]
+        dead.add(0)
+        assert election._keepalive(1) == 5 and tried == [0, 0, 1]
+        assert election.url == "http://b:2" and election.failed_url == "http://a:1"
+        assert election._keepalive(1) == 5 and tried == [0, 0, 1, 1]  # later ones start at b
+        dead.update({1, 2})
+        with pytest.raises(ConnectionError, match="member 0"):  # the last one's error
+            election._keepalive(1)
+        assert tried[4:] == [1, 2, 0]
+        dead.clear()
+        assert election._keepalive(1) == 5 and tried[7:] == [1]
+
+
+@pytest.mark.parametrize(
+    ("etcd", "given", "ttl", "warned"),
+    [
+        ("http://a", None, 2, False),
+        ("http://a,http://b,http://c", None, 10, False),
+        ("http://a,http://b,http://c", 2, 2, True),
+        ("http://a,http://b,http://c", 5, 5, True),
+        ("http://a,http://b,http://c", 10, 10, False),
+        ("http://a", 1, 1, False),
+    ],
+)
+def test_the_lease_ttl_outlasts_an_etcd_leader_change_with_several_members(
+    etcd: str, given: int | None, ttl: int, warned: bool
+) -> None:
+    config = CoordinatorConfig(
+        token=b"t" * 32,
+        policy_factory=object,
+        etcd=etcd,
+        lease_ttl=given,  # type: ignore[arg-type]
+    )
+    assert lease_ttl(config) == ttl
+    assert EtcdElection.from_config(config, "x:1").ttl == ttl
+    warning = short_lease_warning(config)
+    assert (warning is not None) == warned
+    if warning is not None:
+        assert warning.startswith(f"--lease-ttl {given} with 3 etcd members")

@@ -45,7 +45,7 @@ LEASE_TTL = 16
 NAMES = ("ca.pem", "client.pem", "client.key")
 FLAGS = ("--etcd-cacert", "--etcd-cert", "--etcd-key")
 #: logged by the leader when a keepalive fails, and once etcd answers them again
-FAILED, RECOVERED = "etcd keepalive failed", "etcd keepalive succeeded again"
+FAILED, RECOVERED = ": keepalive failed", ": keepalive succeeded again"
 
 
 @pytest.fixture(scope="session")

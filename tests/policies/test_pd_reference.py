@@ -16,6 +16,8 @@ import pytest
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
+from flowsched.model import Flow, FlowClass
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "pd_reference.py"
 
 
@@ -143,3 +145,38 @@ def test_every_schedule_serves_every_byte_by_the_same_makespan(jobs: Jobs) -> No
         # makespans may differ by that many bytes' time per request
         dust = len(jobs) * ref._DONE / RATE
         assert max(finish.values()) == pytest.approx(max(schedules[0].values()), abs=dust)
+
+
+def _p2d(flow_id: int, request: str, deadline: float, layer: int, size: int, sent: int) -> Flow:
+    return Flow(
+        flow_id, FlowClass.KV, 0.0, size=size, sent=sent, deadline=deadline,
+        consumer_index=layer, request=request,
+    )  # fmt: skip
+
+
+#: at t = 0, 4 layers, 1 byte/s: A is due at 10 with 1 + 3 x 2 = 7 bytes left (slack 3), B at
+#: 12 with 1 + 2 x 1 = 3 bytes (its open layer 1 and layers 2-3; slack 9), C at 5 with 1 + 0
+#: (slack 4), D was due at -1 (late: level 7). The collective goes on 0, the fetch on 1.
+ORDERS = [
+    _p2d(1, "A", 10.0, 0, 2, 1),
+    _p2d(2, "B", 12.0, 0, 1, 1),  # sent: only B's layer 1 (flow 3) is still open
+    _p2d(3, "B", 12.0, 1, 1, 0),
+    _p2d(4, "C", 5.0, 3, 2, 1),
+    _p2d(5, "D", -1.0, 3, 2, 0),
+    Flow(6, FlowClass.TP, 0.0, size=8),
+    Flow(7, FlowClass.KV_REUSE, 0.0, size=8),
+]
+
+
+@pytest.mark.parametrize(
+    ("order", "levels"),
+    [
+        ("deadline", {1: 3, 2: 4, 3: 4, 4: 2}),  # C, A, B
+        ("remaining", {1: 4, 2: 3, 3: 3, 4: 2}),  # C (1 byte), B (3), A (7)
+        ("slack", {1: 2, 2: 4, 3: 4, 4: 3}),  # A (3), C (4), B (9)
+    ],
+)
+def test_the_reference_ranks_the_p2d_by_its_order(order: str, levels: dict[int, int]) -> None:
+    reference = ref.EdfRankReference(order=order, layers=4, rate=1.0)
+    got = reference._levels(ORDERS, 0.0)
+    assert got == {**levels, 5: 7, 6: 0, 7: 1}

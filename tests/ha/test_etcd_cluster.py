@@ -1,0 +1,148 @@
+"""The election against a real three-member etcd cluster, losing the member in use.
+
+The member killed is etcd's own (raft) leader, listed first in ``--etcd``: the coordinators
+talk to it, and the other two must elect a new raft leader before any keepalive succeeds.
+With every member listed and the default TTL for several members, a leader keeps its lease
+through another member and a standby whose watch died with the member keeps standing by;
+with one URL the leader steps down (what listing every member avoids). End to end: real
+coordinators and an agent, the member and then the leading coordinator killed with
+``kill -9``. Run with ``-s`` for the times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from ha_helpers import Daemon, leads, need_etcd, start_agent, start_coordinator, total, wait_for
+
+from flowsched.coordinator.election import CLUSTER_TTL, EtcdElection
+from flowsched.protocol import write_token
+from flowsched.testbed.etcd import EtcdCluster, local_etcd_cluster
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    """Three etcd members on free loopback ports (logs: tmp_path/etcd-i.log)."""
+    need_etcd()
+    with local_etcd_cluster(3, tmp_path) as members:
+        yield members
+
+
+def raft_leader_first(cluster: EtcdCluster) -> tuple[int, str]:
+    """The raft leader's index, and every member's URL with the raft leader's first."""
+    first = cluster.raft_leader()
+    urls = [cluster.urls[first]] + [u for i, u in enumerate(cluster.urls) if i != first]
+    return first, ",".join(urls)
+
+
+async def _until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll every 10 ms; the seconds it took (AssertionError naming ``what``)."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - started
+
+
+@pytest.mark.asyncio
+async def test_the_leader_and_its_standby_outlive_the_etcd_member_they_use(
+    cluster: EtcdCluster,
+) -> None:
+    first, endpoints = raft_leader_first(cluster)
+    leader = EtcdElection(endpoints, "t", "leader:1", lease_ttl=CLUSTER_TTL)
+    standby = EtcdElection(endpoints, "t", "standby:1", lease_ttl=CLUSTER_TTL)
+    won = await leader.campaign()
+    holding = asyncio.ensure_future(leader.hold(won))
+    waiting = asyncio.ensure_future(standby.campaign())
+    await _until(lambda: standby.leader is not None, 5, "the standby to see the leader")
+    await _until(lambda: leader.renewed_at > 0, CLUSTER_TTL, "a first keepalive")
+
+    killed = time.monotonic()
+    last_before = leader.renewed_at
+    cluster.kill(first)
+    renewed = await _until(lambda: leader.renewed_at > killed, CLUSTER_TTL, "a renewal")
+    assert leader.url != cluster.urls[first]
+    assert not holding.done(), "the leader stepped down although two members live"
+    await _until(lambda: standby.url != cluster.urls[first], 2 * CLUSTER_TTL, "the standby")
+    assert not waiting.done(), "the standby took over from a live leader"
+    assert standby.leader is not None and standby.leader.epoch == won.epoch
+
+    holding.cancel()
+    resigned = time.monotonic()
+    await leader.resign(won)  # through a live member: the standby's watch sees it
+    taken = await asyncio.wait_for(waiting, 5)
+    handover = time.monotonic() - resigned
+    assert taken.epoch > won.epoch and taken.cluster == won.cluster
+    print(
+        f"\nraft leader killed: the lease renewed through another member {renewed:.2f} s "
+        f"later ({leader.renewed_at - last_before:.2f} s after the previous renewal); "
+        f"handover after resign: {handover * 1e3:.0f} ms"
+    )
+
+
+@pytest.mark.asyncio
+async def test_with_only_the_member_in_use_listed_the_leader_steps_down(
+    cluster: EtcdCluster,
+) -> None:
+    first = cluster.raft_leader()
+    leader = EtcdElection(cluster.urls[first], "t", "leader:1", lease_ttl=2)
+    won = await leader.campaign()
+    holding = asyncio.ensure_future(leader.hold(won))
+    await _until(lambda: leader.renewed_at > 0, 2, "a first keepalive")
+    cluster.kill(first)
+    await asyncio.wait_for(holding, 4)  # no keepalive for 1.5 s: it gives up
+    survivor = next(u for i, u in enumerate(cluster.urls) if i != first)
+    taken = await asyncio.wait_for(EtcdElection(survivor, "t", "b:1").campaign(), 15)
+    assert taken.epoch > won.epoch
+
+
+def test_kill9_of_the_etcd_member_in_use_then_of_the_leader(
+    tmp_path: Path, cluster: EtcdCluster
+) -> None:
+    token = tmp_path / "token"
+    write_token(token)
+    first, endpoints = raft_leader_first(cluster)
+    coordinators: list[Daemon] = []
+    agent: Daemon | None = None
+    try:
+        coordinators += [
+            start_coordinator(tmp_path, token, endpoints, f"coord{i}") for i in range(2)
+        ]
+        wait_for(lambda: any(leads(c) for c in coordinators), 15, "a leader")
+        leader = next(c for c in coordinators if leads(c))
+        agent = start_agent(tmp_path, token, coordinators, "n0")
+        wait_for(lambda: _serves(leader), 15, "the agent on the leader")
+
+        log = tmp_path / f"{leader.name}.log"
+        moved_on = f"etcd {cluster.urls[first]} failed ("  # (then: "trying <the next one>")
+        cluster.kill(first)  # the member both coordinators use, and etcd's raft leader
+        moved = wait_for(lambda: moved_on in log.read_text(), CLUSTER_TTL, "the next member")
+        assert leads(leader) and leader.proc.poll() is None
+        assert _serves(leader), "the agent left a leader that kept its lease"
+
+        killed = time.monotonic()
+        leader.kill9()
+        successor = next(c for c in coordinators if c is not leader)
+        wait_for(lambda: leads(successor), 15, "the standby to lead")
+        took_over = time.monotonic() - killed
+        wait_for(lambda: _serves(successor), 15, "the agent on the new leader")
+        back = time.monotonic() - killed
+        print(
+            f"\netcd's raft leader killed: the leader turned to another member within "
+            f"{moved:.2f} s; then kill -9 of the leader: a standby leads after "
+            f"{took_over * 1e3:.0f} ms, the agent is back after {back * 1e3:.0f} ms"
+        )
+    finally:
+        for daemon in [*coordinators, *([agent] if agent else [])]:
+            daemon.stop()
+
+
+def _serves(coordinator: Daemon) -> bool:
+    return total(coordinator.metrics(), "flowsched_coordinator_agents_connected") == 1
