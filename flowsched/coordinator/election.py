@@ -16,9 +16,14 @@ Every coordinator started with ``--etcd`` is a candidate. The recipe (docs/ha.md
   listens on its address any more): leases are fresh per campaign, so this can only end the
   leadership it names.
 
+``--etcd`` lists every member of the etcd cluster: a request that fails on one member goes to
+the next, and later ones start there; the lease TTL defaults to 10 s then, to outlast a change
+of etcd's own leader (docs/ha.md, "Several etcd members").
+
 The client is ``etcd3gw`` (HTTP/JSON gateway, no gRPC), an optional dependency
 (``pip install 'flowsched[ha]'``) imported only here and only when ``--etcd`` is used. Its
-calls block, so they run in worker threads.
+calls block, so they run in worker threads; the standby's watch reads its stream itself
+(etcd3gw's watch iterator never returns once the stream has ended).
 
 TLS (an ``https://`` URL): etcd's certificate is verified against ``--etcd-cacert``, else the
 system trust store (OpenSSL's default paths, as etcdctl does); ``--etcd-cert``/``--etcd-key``
