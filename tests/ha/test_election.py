@@ -276,9 +276,9 @@ def test_the_lease_ttl_outlasts_an_etcd_leader_change_with_several_members(
 ) -> None:
     config = CoordinatorConfig(
         token=b"t" * 32,
-        policy_factory=object,
+        policy_factory=object,  # type: ignore[arg-type]
         etcd=etcd,
-        lease_ttl=given,  # type: ignore[arg-type]
+        lease_ttl=given,
     )
     assert lease_ttl(config) == ttl
     assert EtcdElection.from_config(config, "x:1").ttl == ttl
