@@ -392,6 +392,8 @@ class EtcdElection:
         self.leader: Leader | None = None
         #: while leading: when (monotonic) the last keepalive that etcd answered was sent
         self.renewed_at = 0.0
+        #: while standing by: whether a watch stream on the leader key is open
+        self.watching = False
         #: the lease of this candidate's last won campaign (0: none yet)
         self.won_lease = 0
         self._recheck = asyncio.Event()
@@ -630,12 +632,14 @@ class EtcdElection:
             return
         deleted: asyncio.Future[bool] = _in_daemon_thread(_next_deletion, stream)
         recheck: asyncio.Future[Any] = asyncio.ensure_future(self._recheck.wait())
+        self.watching = True
         try:
             done, _ = await asyncio.wait(
                 {deleted, recheck}, timeout=RECHECK_TTLS * self.ttl,
                 return_when=asyncio.FIRST_COMPLETED,
             )  # fmt: skip
         finally:
+            self.watching = False
             _stop_watch(stream)  # so the thread reading it returns
             recheck.cancel()
             deleted.add_done_callback(_retrieve)

@@ -61,7 +61,7 @@ async def test_the_leader_and_its_standby_outlive_the_etcd_member_they_use(
     won = await leader.campaign()
     holding = asyncio.ensure_future(leader.hold(won))
     waiting = asyncio.ensure_future(standby.campaign())
-    await _until(lambda: standby.leader is not None, 5, "the standby to see the leader")
+    await _until(lambda: standby.watching, 5, "the standby to watch the leader key")
     await _until(lambda: leader.renewed_at > 0, CLUSTER_TTL, "a first keepalive")
 
     killed = time.monotonic()
