@@ -569,24 +569,19 @@ class EtcdElection:
         reply = self._post("/lease/keepalive", {"ID": lease}, "keepalive")
         return int(reply.get("result", {}).get("TTL", -1))
 
-    def _open_watch(self, revision: int) -> Response:
-        """Watch the key's deletions after ``revision``: the open stream (a session of its
-        own: the stream keeps its connection while the standby waits)."""
-        member = self._member
+    def _open_watch(self, revision: int, member: int) -> Response:
+        """Watch the key's deletions after ``revision`` on ``member``: the open stream (a
+        session of its own: the stream keeps its connection while the standby waits). The
+        caller moves to the next member when it fails."""
         request: dict[str, Any] = {
             "key": _b64(self.key), "start_revision": revision + 1, "filters": ["NOPUT"]
         }  # fmt: skip
-        try:
-            stream = self._session().post(
-                f"{member_url(self.members[member])}/v3/watch",
-                json={"create_request": request}, stream=True, timeout=(self.timeout, None),
-            )  # fmt: skip
-        except Exception:
-            self._next_member(member)
-            raise
+        stream = self._session().post(
+            f"{member_url(self.members[member])}/v3/watch",
+            json={"create_request": request}, stream=True, timeout=(self.timeout, None),
+        )  # fmt: skip
         if not stream.ok:
             stream.close()
-            self._next_member(member)
             stream.raise_for_status()
         return stream
 
@@ -620,7 +615,7 @@ class EtcdElection:
         # hung open or read (etcd unreachable) must neither take the threads of the campaign
         # and the keepalives nor hold up the process's exit
         member = self._member
-        opening = _in_daemon_thread(self._open_watch, revision)
+        opening = _in_daemon_thread(self._open_watch, revision, member)
         try:
             async with asyncio.timeout(self.timeout):
                 stream = await asyncio.shield(opening)

@@ -4,6 +4,7 @@ for its ready line, scrape its metrics, stop it (SIGTERM, then SIGKILL) or kill 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -98,6 +99,19 @@ def scrape(port: int | str, timeout: float = 5.0) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             out[name] = float(value)
     return out
+
+
+async def wait_until(
+    predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.01
+) -> float:
+    """:func:`wait_for` on the running event loop: poll every ``interval`` s, sleeping with
+    asyncio between polls; the seconds it took (AssertionError naming ``what``)."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(interval)
+    return time.monotonic() - start
 
 
 def wait_for(

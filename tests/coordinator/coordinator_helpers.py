@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry
 
 from flowsched.coordinator import Coordinator, CoordinatorConfig
 from flowsched.model import Context, Decision, Flow
+from flowsched.testbed.daemons import wait_until as wait_until  # (the coordinator tests' import)
 
 TOKEN = b"test-token-0123456789abcdef"
 
@@ -87,12 +86,3 @@ async def running_coordinator(**overrides: Any) -> AsyncIterator[Coordinator]:
         yield coordinator
     finally:
         await coordinator.stop()
-
-
-async def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    """Poll ``predicate`` every 10 ms; AssertionError naming ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.01)

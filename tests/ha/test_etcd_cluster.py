@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ from ha_helpers import Daemon, leads, need_etcd, start_agent, start_coordinator,
 
 from flowsched.coordinator.election import CLUSTER_TTL, EtcdElection
 from flowsched.protocol import write_token
+from flowsched.testbed.daemons import wait_until
 from flowsched.testbed.etcd import EtcdCluster, local_etcd_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
@@ -41,16 +42,6 @@ def raft_leader_first(cluster: EtcdCluster) -> tuple[int, str]:
     return first, ",".join(urls)
 
 
-async def _until(predicate: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll every 10 ms; the seconds it took (AssertionError naming ``what``)."""
-    started = time.monotonic()
-    while not predicate():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        await asyncio.sleep(0.01)
-    return time.monotonic() - started
-
-
 @pytest.mark.asyncio
 async def test_the_leader_and_its_standby_outlive_the_etcd_member_they_use(
     cluster: EtcdCluster,
@@ -61,16 +52,16 @@ async def test_the_leader_and_its_standby_outlive_the_etcd_member_they_use(
     won = await leader.campaign()
     holding = asyncio.ensure_future(leader.hold(won))
     waiting = asyncio.ensure_future(standby.campaign())
-    await _until(lambda: standby.watching, 5, "the standby to watch the leader key")
-    await _until(lambda: leader.renewed_at > 0, CLUSTER_TTL, "a first keepalive")
+    await wait_until(lambda: standby.watching, 5, "the standby to watch the leader key")
+    await wait_until(lambda: leader.renewed_at > 0, CLUSTER_TTL, "a first keepalive")
 
     killed = time.monotonic()
     last_before = leader.renewed_at
     cluster.kill(first)
-    renewed = await _until(lambda: leader.renewed_at > killed, CLUSTER_TTL, "a renewal")
+    renewed = await wait_until(lambda: leader.renewed_at > killed, CLUSTER_TTL, "a renewal")
     assert leader.url != cluster.urls[first]
     assert not holding.done(), "the leader stepped down although two members live"
-    await _until(lambda: standby.url != cluster.urls[first], 2 * CLUSTER_TTL, "the standby")
+    await wait_until(lambda: standby.url != cluster.urls[first], 2 * CLUSTER_TTL, "the standby")
     assert not waiting.done(), "the standby took over from a live leader"
     assert standby.leader is not None and standby.leader.epoch == won.epoch
 
@@ -95,7 +86,7 @@ async def test_with_only_the_member_in_use_listed_the_leader_steps_down(
     leader = EtcdElection(cluster.urls[first], "t", "leader:1", lease_ttl=2)
     won = await leader.campaign()
     holding = asyncio.ensure_future(leader.hold(won))
-    await _until(lambda: leader.renewed_at > 0, 2, "a first keepalive")
+    await wait_until(lambda: leader.renewed_at > 0, 2, "a first keepalive")
     cluster.kill(first)
     await asyncio.wait_for(holding, 4)  # no keepalive for 1.5 s: it gives up
     survivor = next(u for i, u in enumerate(cluster.urls) if i != first)
