@@ -29,19 +29,29 @@ still to send (shortest first) or by its slack (deadline minus those bytes at li
 
     .venv/bin/python bench/pd_reference.py orders --loads 0.6,0.7 --seeds 1,2,3
 
-Both take minutes per load and seed on one core; run them under
+``offline``: the offline optimum (:func:`offline_optimum`, an integer program solved with
+HiGHS through scipy) of every schedule that serves the collectives and the Stage-1 fetches as
+one P2D-private run does, above every P2D (static's order, and rmlq's own): no such schedule
+meets more; next to it rmlq, and the EDF-rank reference admitting only the requests the
+optimum meets (the rest dropped from the start)::
+
+    .venv/bin/python bench/pd_reference.py offline --loads 0.5,0.6,0.7 --seeds 1,2,3
+
+Each takes minutes per load and seed on one core; run them under
 ``flock -s /tmp/flowsched-measure.lock`` on a shared machine. docs/rmlq.md has the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import math
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from flowsched import scenario
 from flowsched.cli.sim import specs
@@ -157,11 +167,29 @@ def simulate(
     seed: int,
     observer: Callable[[Simulator, ServingWorkload], None] | None = None,
 ) -> RunRecords:
-    """One run of ``policy`` (a Policy object) with the CLI's engine settings."""
+    """The records of :func:`simulate_on` with the default simulator, no class private."""
+    return simulate_on(scen, policy, load, seed, observer).records
+
+
+def simulate_on(
+    scen: scenario.Scenario,
+    policy: Any,
+    load: float,
+    seed: int,
+    observer: Callable[[Simulator, ServingWorkload], None] | None = None,
+    *,
+    private: frozenset[FlowClass] = frozenset(),
+    simulator: type[Simulator] = Simulator,
+) -> Simulator:
+    """One run of ``policy`` (a Policy object) with the CLI's engine settings, the ``private``
+    classes on private full-rate paths, on a ``simulator`` (a Simulator subclass): the
+    simulator after the run."""
     assert scen.serving is not None
-    base = PolicySpec("static", {}, LEVELS, level_queue=hwqueues.table(LEVELS, LEVELS))
+    base = PolicySpec(
+        "static", {}, LEVELS, level_queue=hwqueues.table(LEVELS, LEVELS), private_classes=private
+    )
     topo = build_topology(scen)
-    sim = Simulator(topo.capacity, policy, sim_config(scen, base))
+    sim = simulator(topo.capacity, policy, sim_config(scen, base))
     trace = scenario.serving_trace(scen.serving, load, seed)
     workload = ServingWorkload(sim, topo, scen.serving, trace)
     if observer is not None:
@@ -169,7 +197,7 @@ def simulate(
     workload.start()
     sim.run()
     workload.finish()
-    return sim.records
+    return sim
 
 
 def measured(records: RunRecords) -> list[Any]:
@@ -401,6 +429,233 @@ def ingress_replays(records: RunRecords, cfg: Any) -> dict[str, int]:
     return dict(counts)
 
 
+# -- the offline optimum on a collectives-first timeline ----------------------------------------
+
+
+class P2dDemand(NamedTuple):
+    """One request's P2D transfers: due at ``deadline``, across ``links`` (every layer of a
+    request takes the same path), each released as ``(time, bytes)``."""
+
+    deadline: float
+    links: tuple[str, ...]
+    releases: tuple[tuple[float, float], ...]
+
+
+#: (link, t0, t1) -> the bytes that link can carry for the P2D between t0 and t1
+FreeBytes = Callable[[str, float, float], float]
+#: bytes per unit inside the program (the solver works best on numbers near 1)
+_MB = 1e6
+
+
+def offline_optimum(
+    demands: Mapping[str, P2dDemand], free: FreeBytes, slot: float, *, integer: bool = True
+) -> tuple[int, set[str]]:
+    """No fewer of ``demands`` than any schedule can meet when the P2D get ``free`` bytes of
+    each link, and the requests met by the optimum of the time-indexed program below.
+
+    Over slots of ``slot`` seconds: x_r = 1 when request r is met (0..1 with ``integer``
+    False), z_rk = the bytes r has sent by the end of slot k. A slot's bytes of r
+    (z_rk - z_r,k-1 >= 0) count against every link of r's path in that slot, since a flow
+    crosses its links at one rate, and no link carries more than its free bytes in a slot;
+    z_rk <= x_r times r's bytes released before the end of slot k; a met request has sent
+    everything by the end of the last slot that starts before its deadline. Relaxed in the
+    requests' favour: a release counts from the start of its slot and a deadline from the
+    end of its slot, a slot's bytes need no order, and a request that misses costs nothing (it
+    can go after the others), so no schedule on the same ``free`` meets more than the optimum.
+    The count is the solver's proven bound (within its gap), rounded down.
+    """
+    import numpy as np
+    from scipy import optimize
+
+    names = sorted(demands)
+    rows = _ProgramRows()
+    upper = [1.0] * len(names)  # x_r's upper bounds; z's follow
+    on_link: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
+    for r, name in enumerate(names):
+        demand = demands[name]
+        releases = sorted(demand.releases)
+        first = math.floor(releases[0][0] / slot)
+        last = math.ceil(demand.deadline / slot) - 1
+        if last < first:
+            upper[r] = 0.0
+            continue
+        total = sum(size for _, size in releases) / _MB
+        before, released = None, 0.0
+        for k in range(first, last + 1):
+            z = len(upper)
+            upper.append(math.inf)
+            while releases and releases[0][0] < (k + 1) * slot:
+                released += releases.pop(0)[1] / _MB
+            if released < total:
+                rows.at_most({z: 1.0, r: -released}, 0.0)
+            if before is not None:
+                rows.at_most({before: 1.0, z: -1.0}, 0.0)
+            for link in demand.links:
+                on_link[link, k].append((z, -1 if before is None else before))
+            before = z
+        assert before is not None
+        rows.equal({before: 1.0, r: -total})
+    for (link, k), columns in on_link.items():
+        terms: dict[int, float] = defaultdict(float)
+        for z, previous in columns:
+            terms[z] += 1.0
+            if previous >= 0:
+                terms[previous] -= 1.0
+        rows.at_most(terms, max(free(link, k * slot, (k + 1) * slot), 0.0) / _MB)
+    width = len(upper)
+    objective = np.zeros(width)
+    objective[: len(names)] = -1.0
+    kinds = np.zeros(width)
+    if integer:
+        kinds[: len(names)] = 1
+    result = optimize.milp(
+        objective,
+        constraints=rows.constraints(width),
+        integrality=kinds,
+        bounds=optimize.Bounds(np.zeros(width), np.array(upper)),
+    )
+    if result.x is None:
+        raise RuntimeError(f"offline_optimum: the solver found no schedule ({result.message})")
+    proven = -getattr(result, "mip_dual_bound", result.fun) if integer else -result.fun
+    chosen = {name for name, x in zip(names, result.x, strict=False) if x > 0.5}
+    return math.floor(proven + 1e-6), chosen
+
+
+class _ProgramRows:
+    """Sparse rows of a linear program: ``<= bound`` and ``= 0`` rows, kept apart."""
+
+    def __init__(self) -> None:
+        self._ub: tuple[list[int], list[int], list[float]] = ([], [], [])
+        self._bounds: list[float] = []
+        self._eq: tuple[list[int], list[int], list[float]] = ([], [], [])
+        self._equals = 0
+
+    def at_most(self, terms: Mapping[int, float], bound: float) -> None:
+        self._add(self._ub, len(self._bounds), terms)
+        self._bounds.append(bound)
+
+    def equal(self, terms: Mapping[int, float]) -> None:
+        self._add(self._eq, self._equals, terms)
+        self._equals += 1
+
+    @staticmethod
+    def _add(
+        into: tuple[list[int], list[int], list[float]], row: int, terms: Mapping[int, float]
+    ) -> None:
+        for column, value in terms.items():
+            into[0].append(row)
+            into[1].append(column)
+            into[2].append(value)
+
+    def constraints(self, width: int) -> list[Any]:
+        """The rows as scipy LinearConstraints over ``width`` columns (empty blocks left out)."""
+        from scipy import optimize, sparse
+
+        blocks: list[tuple[tuple[list[int], list[int], list[float]], int, Any, Any]] = [
+            (self._ub, len(self._bounds), -math.inf, self._bounds),
+            (self._eq, self._equals, 0.0, 0.0),
+        ]
+        return [
+            optimize.LinearConstraint(
+                sparse.csr_array((values, (rows, columns)), shape=(count, width)), low, high
+            )
+            for (rows, columns, values), count, low, high in blocks
+            if count
+        ]
+
+
+class LinkRates:
+    """Observer: the rate (bytes/s) each of ``links`` carries over a run, as change points,
+    and the bytes it carried between two instants (:meth:`sent`)."""
+
+    def __init__(self, capacity: Mapping[str, float], links: Iterable[str]) -> None:
+        self.capacity = capacity
+        self.changes: dict[str, list[tuple[float, float]]] = {link: [(0.0, 0.0)] for link in links}
+        self._cumulative: dict[str, list[float]] = {}
+
+    def __call__(self, sim: Simulator, _workload: Any = None) -> None:
+        for link in self.changes:
+            self.record(sim.now, link, sim.link_utilization(link) * self.capacity[link])
+
+    def record(self, now: float, link: str, rate: float) -> None:
+        """``link`` carries ``rate`` from ``now`` on (times never go back)."""
+        changes = self.changes[link]
+        if changes[-1][1] == rate:
+            return
+        if changes[-1][0] == now:
+            changes[-1] = (now, rate)
+        else:
+            changes.append((now, rate))
+        self._cumulative.pop(link, None)
+
+    def sent(self, link: str, start: float, end: float) -> float:
+        """Bytes ``link`` carried between ``start`` and ``end``."""
+        return self._carried(link, end) - self._carried(link, start)
+
+    def _carried(self, link: str, when: float) -> float:
+        changes = self.changes[link]
+        cumulative = self._cumulative.get(link)
+        if cumulative is None:
+            cumulative = [0.0]
+            for (t0, rate), (t1, _) in itertools.pairwise(changes):
+                cumulative.append(cumulative[-1] + rate * (t1 - t0))
+            self._cumulative[link] = cumulative
+        i = max(bisect.bisect_right(changes, (when, math.inf)) - 1, 0)
+        t0, rate = changes[i]
+        return cumulative[i] + rate * max(when - t0, 0.0)
+
+
+class P2dPaths(Simulator):
+    """A Simulator that remembers the links of every P2D flow (flow id -> link names)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.p2d_links: dict[int, tuple[str, ...]] = {}
+
+    def open_flow(
+        self, cls: FlowClass, size: int, links: tuple[str, ...], *args: Any, **kw: Any
+    ) -> Flow:
+        flow = super().open_flow(cls, size, links, *args, **kw)
+        if cls is FlowClass.KV:
+            self.p2d_links[flow.flow_id] = links
+        return flow
+
+
+def collectives_first(
+    scen: scenario.Scenario, policy: Any, load: float, seed: int
+) -> tuple[RunRecords, dict[str, P2dDemand], FreeBytes]:
+    """``policy``'s run with every P2D on a private full-rate path: its records, its measured
+    requests' P2D demands, and the bytes its collectives and Stage-1 fetches leave the P2D on
+    each link. Any schedule that serves those two as this run does, above every P2D, gets
+    the same free bytes: their timeline does not depend on the P2D. Warm-up requests are left
+    out: like a request that misses, they can wait until the others are done."""
+    assert scen.serving is not None
+    topo = build_topology(scen)
+    rates = LinkRates(topo.capacity, list(topo.capacity))
+    sim = simulate_on(
+        scen, policy, load, seed, rates, private=frozenset({FlowClass.KV}), simulator=P2dPaths
+    )
+    assert isinstance(sim, P2dPaths)
+    requests = {r.request: r for r in measured(sim.records)}
+    releases: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    paths: dict[str, tuple[str, ...]] = {}
+    for flow in sim.records.flows:
+        if flow.cls == "kv" and flow.request is not None and flow.request in requests:
+            releases[flow.request].append((flow.opened, float(flow.size)))
+            paths[flow.request] = sim.p2d_links[flow.flow_id]
+    demands = {
+        request: P2dDemand(
+            requests[request].arrival + requests[request].slo, paths[request], tuple(parts)
+        )
+        for request, parts in releases.items()
+    }
+
+    def free(link: str, start: float, end: float) -> float:
+        return topo.capacity[link] * (end - start) - rates.sent(link, start, end)
+
+    return sim.records, demands, free
+
+
 # -- commands -----------------------------------------------------------------------------------
 
 
@@ -615,6 +870,29 @@ def diagnose(policy: str, load: float, seeds: list[int], args: dict[str, Any]) -
         )
 
 
+def offline(loads: list[float], seeds: list[int], slot: float) -> None:
+    """Print the offline optimum on two collectives-first timelines, with rmlq and the
+    EDF-rank reference given the optimum's admissions, against the bound."""
+    rmlq = specs(["rmlq"], None, LEVELS)[0]
+    static = PolicySpec("static", {}, LEVELS, level_queue=hwqueues.table(LEVELS, LEVELS))
+
+    def add(
+        scen: scenario.Scenario, load: float, seed: int, bound: RunRecords, counts: Counter[str]
+    ) -> None:
+        counts["rmlq"] += met(run(scen, rmlq, load, seed).records)
+        for label, spec in (("static", static), ("rmlq", rmlq)):
+            records, demands, free = collectives_first(scen, spec.build(), load, seed)
+            most, chosen = offline_optimum(demands, free, slot)
+            counts[f"offline optimum, collectives and fetches as {label}: at most"] += most
+            if spec is static:  # the EDF-rank reference serves those two as static does
+                drops = {r.request: 0.0 for r in records.requests if r.request not in chosen}
+                counts["  EDF-rank reference admitting the optimum's requests"] += met(
+                    simulate(scen, EdfRankReference(drops), load, seed)
+                )
+
+    against_the_bound(loads, seeds, add, 60)
+
+
 def _phases(record: Any) -> tuple[float, float, float]:
     """(queue wait, prefill, after prefill) of a finished request, seconds."""
     return (
@@ -639,12 +917,18 @@ def main() -> None:
     orders.add_argument("--loads", default="0.6,0.7")
     orders.add_argument("--seeds", default="1,2,3")
     orders.add_argument("--orders", default=",".join(EdfRankReference.ORDERS))
+    best = sub.add_parser("offline", help="the offline optimum with the collectives first")
+    best.add_argument("--loads", default="0.5,0.6,0.7")
+    best.add_argument("--seeds", default="1,2,3")
+    best.add_argument("--slot-ms", type=float, default=0.5, help="the program's time slot")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.command == "diagnose":
         diagnose(args.policy, args.load, seeds, json.loads(args.args))
     elif args.command == "reachable":
         reachable([float(x) for x in args.loads.split(",")], seeds)
+    elif args.command == "offline":
+        offline([float(x) for x in args.loads.split(",")], seeds, args.slot_ms / 1e3)
     else:
         compare_orders([float(x) for x in args.loads.split(",")], seeds, args.orders.split(","))
 

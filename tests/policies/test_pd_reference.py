@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from hypothesis import assume, example, given, settings
@@ -180,3 +181,88 @@ def test_the_reference_ranks_the_p2d_by_its_order(order: str, levels: dict[int, 
     reference = ref.EdfRankReference(order=order, layers=4, rate=1.0)
     got = reference._levels(ORDERS, 0.0)
     assert got == {**levels, 5: 7, 6: 0, 7: 1}
+
+
+# -- the offline optimum ------------------------------------------------------------------------
+
+
+def full_rate(_link: str, start: float, end: float) -> float:
+    return RATE * (end - start)
+
+
+def as_demands(jobs: Jobs, links: tuple[str, ...] = ("L",)) -> dict[str, Any]:
+    return {
+        r: ref.P2dDemand(deadline, links, tuple(parts)) for r, (deadline, parts) in jobs.items()
+    }
+
+
+#: A crosses both links; B needs L1 in [0, 1], C needs L2 in [1, 2]. Each link alone could
+#: serve all three (A on L1 in [1, 2], on L2 in [0, 1]), but A's bytes cross L1 and L2 at once
+CROSSING = {
+    "A": ref.P2dDemand(2.0, ("L1", "L2"), ((0.0, 1 * MB),)),
+    "B": ref.P2dDemand(1.0, ("L1",), ((0.0, 1 * MB),)),
+    "C": ref.P2dDemand(2.0, ("L2",), ((1.0, 1 * MB),)),
+}
+
+
+def busy_until_one(_link: str, start: float, end: float) -> float:
+    return RATE * max(end - max(start, 1.0), 0.0)
+
+
+@pytest.mark.parametrize(
+    "demands,free,slot,most",
+    [
+        pytest.param(as_demands({"A": (2.0, [(0.0, MB)]), "B": (2.0, [(0.0, MB)])}), full_rate,
+                     0.5, 2, id="both fit"),
+        pytest.param(as_demands({"A": (1.0, [(0.0, MB)]), "B": (1.0, [(0.0, MB)])}), full_rate,
+                     0.5, 1, id="one of two"),
+        pytest.param(CROSSING, full_rate, 0.5, 2, id="a flow crosses its links at one rate"),
+        # released at 0.5, due 1.2: 0.7 s for 1 s of bytes; 1 s slots count it from 0 to 2
+        pytest.param(as_demands({"A": (1.2, [(0.5, MB)])}), full_rate, 0.1, 0, id="late release"),
+        pytest.param(as_demands({"A": (1.2, [(0.5, MB)])}), full_rate, 1.0, 1,
+                     id="a coarse slot favours the request"),
+        pytest.param(as_demands({"A": (1.0, [(0.0, MB)])}), busy_until_one, 0.5, 0,
+                     id="other traffic first"),
+        pytest.param(as_demands({"A": (2.0, [(0.0, MB)])}), busy_until_one, 0.5, 1,
+                     id="after the other traffic"),
+        # 1.5 MB in 2 s would fit, but the second layer's 1 MB exists only from 1.5
+        pytest.param(as_demands({"A": (2.0, [(0.0, MB / 2), (1.5, MB)])}), full_rate, 0.5, 0,
+                     id="layers released over time"),
+        pytest.param(as_demands({"A": (2.5, [(0.0, MB / 2), (1.5, MB)])}), full_rate, 0.5, 1,
+                     id="layers in time"),
+    ],
+)  # fmt: skip
+def test_offline_optimum(demands: dict[str, Any], free: Any, slot: float, most: int) -> None:
+    count, chosen = ref.offline_optimum(demands, free, slot)
+    assert count == most
+    assert len(chosen) == most
+
+
+def test_the_fractional_optimum_bounds_the_integer_one() -> None:
+    fractional, _ = ref.offline_optimum(CROSSING, full_rate, 0.5, integer=False)
+    assert fractional == 2  # x_A <= (1 - x_B) + (1 - x_C)
+    assert ref.offline_optimum(CROSSING, full_rate, 0.5)[1] in ({"B", "C"}, {"A", "B"}, {"A", "C"})
+
+
+@settings(max_examples=60, deadline=None)
+@given(_jobs, st.sampled_from([0.25, 1.0]))
+def test_no_schedule_on_one_link_meets_more_than_the_offline_optimum(
+    jobs: Jobs, slot: float
+) -> None:
+    """EDF with and without admission are schedules on one link at RATE: each meets at most
+    the optimum, whatever the slot (a coarser one only relaxes the program)."""
+    most, _ = ref.offline_optimum(as_demands(jobs), full_rate, slot)
+    for finish in (edf(jobs), ref.serve_with_admission(jobs, RATE)):
+        on_time = sum(finish[r] <= deadline + 1e-9 for r, (deadline, _) in jobs.items())
+        assert on_time <= most <= len(jobs)
+
+
+def test_link_rates_integrate_the_rate_between_changes() -> None:
+    rates = ref.LinkRates({"L": 10.0}, ["L"])
+    rates.record(1.0, "L", 4.0)
+    rates.record(1.0, "L", 5.0)  # the same instant: the later rate holds
+    rates.record(3.0, "L", 5.0)  # no change
+    rates.record(4.0, "L", 0.0)
+    assert rates.sent("L", 0.0, 1.0) == 0.0
+    assert rates.sent("L", 0.0, 10.0) == pytest.approx(15.0)
+    assert rates.sent("L", 2.5, 4.5) == pytest.approx(7.5)
