@@ -368,6 +368,10 @@ class EtcdElection:
         self._member = 0
         #: the member whose request failed last (named by :meth:`explain`)
         self._failed = 0
+        #: member URL -> its failed requests and watch streams (each moved the next request
+        #: on to the next member); ``flowsched_coordinator_etcd_failures_total``
+        self.failures: dict[str, int] = {member_url(m): 0 for m in self.members}
+        self._failures_lock = threading.Lock()  # the campaign's and keepalive's threads count
         self.protocol = self.members[0][0]
         check_tls(endpoint, cacert, cert, key)
         self.cacert, self.cert, self.cert_key = cacert, cert, key
@@ -455,6 +459,8 @@ class EtcdElection:
         """A request to member ``failed`` failed: later requests go to the next member (unless
         another thread moved on already)."""
         self._failed = failed
+        with self._failures_lock:
+            self.failures[member_url(self.members[failed])] += 1
         if self._member == failed:
             self._member = (failed + 1) % len(self.members)
 

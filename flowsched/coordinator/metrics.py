@@ -8,7 +8,7 @@ units, ``_total`` counters, ``_ratio`` for 0..1); the list is in docs/deploy.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Info, PlatformCollector, ProcessCollector
@@ -65,6 +65,8 @@ class CoordinatorCollector:
         agents_connected: returns the number of authenticated agent connections now.
         leadership: returns (leading, epoch) now (see flowsched.coordinator.election); None:
             always the leader, epoch 0 (no election).
+        etcd_failures: returns each etcd member URL's failed requests and watch streams so far
+            (empty without an election).
     """
 
     def __init__(
@@ -73,11 +75,13 @@ class CoordinatorCollector:
         live: LiveCounters,
         agents_connected: Callable[[], int],
         leadership: Callable[[], tuple[bool, int]] | None = None,
+        etcd_failures: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         self._state = state
         self._live = live
         self._agents = agents_connected
         self._leadership = leadership
+        self._etcd_failures = etcd_failures
 
     def collect(self) -> Iterator[Metric]:
         """The metric families (called by the registry on each scrape)."""
@@ -106,6 +110,15 @@ class CoordinatorCollector:
         )
         token.add_metric([], float(epoch))
         yield token
+        failures = CounterMetricFamily(
+            f"{PREFIX}_etcd_failures",
+            "etcd requests and watch streams that failed, by member URL (each moves the next "
+            "request on to the next member of --etcd).",
+            labels=["member"],
+        )
+        for member, count in sorted((self._etcd_failures or dict)().items()):
+            failures.add_metric([member], count)
+        yield failures
 
     def _active_flows(self) -> Metric:
         family = GaugeMetricFamily(

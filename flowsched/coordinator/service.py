@@ -151,7 +151,11 @@ class Coordinator:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.registry.register(
             CoordinatorCollector(
-                self.state, self.live, self.agent_count, lambda: (self.leading, self.epoch)
+                self.state,
+                self.live,
+                self.agent_count,
+                lambda: (self.leading, self.epoch),
+                lambda: self.candidacy.election.failures if self.candidacy is not None else {},
             )
         )
         register_standard_collectors(self.registry)

@@ -194,10 +194,16 @@ def test_every_dashboard_query_returns_series(system: PromAPI) -> None:
     assert not empty, "queries without series:\n" + "\n".join(empty)
 
 
+#: alerts on series that only a coordinator with --etcd exports (`flowsched up` runs without):
+#: tests/ha/test_etcd_cluster.py reads that series from a real coordinator of an etcd cluster
+ETCD_ONLY = {"FlowschedEtcdMemberFailing"}
+
+
 def test_every_alert_expression_evaluates_and_watches_live_series(system: PromAPI) -> None:
     for rule in alert_rules():
         system.query(rule["expr"])  # evaluates without error (series only when firing)
-        assert system.query(without_threshold(rule["expr"])), rule["alert"]
+        if rule["alert"] not in ETCD_ONLY:
+            assert system.query(without_threshold(rule["expr"])), rule["alert"]
 
 
 def test_prometheus_loaded_and_evaluated_every_rule_cleanly(system: PromAPI) -> None:

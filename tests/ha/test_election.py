@@ -258,6 +258,7 @@ def test_a_request_goes_to_the_next_members_in_turn_until_one_answers() -> None:
         assert tried[4:] == [1, 2, 0]
         dead.clear()
         assert election._keepalive(1) == 5 and tried[7:] == [1]
+    assert election.failures == {"http://a:1": 2, "http://b:2": 1, "http://c:3": 1}
 
 
 @pytest.mark.parametrize(

@@ -116,6 +116,8 @@ def test_kill9_of_the_etcd_member_in_use_then_of_the_leader(
         cluster.kill(first)  # the member both coordinators use, and etcd's raft leader
         moved = wait_for(lambda: moved_on in log.read_text(), CLUSTER_TTL, "the next member")
         assert leads(leader) and leader.proc.poll() is None
+        counted = f'flowsched_coordinator_etcd_failures_total{{member="{cluster.urls[first]}"}}'
+        assert leader.metrics()[counted] >= 1
         assert _serves(leader), "the agent left a leader that kept its lease"
 
         killed = time.monotonic()
