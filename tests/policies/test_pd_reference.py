@@ -238,7 +238,7 @@ def test_offline_optimum(demands: dict[str, Any], free: Any, slot: float, most: 
     assert len(chosen) == most
 
 
-def test_the_fractional_optimum_bounds_the_integer_one() -> None:
+def test_the_fractional_program_also_meets_two_of_the_crossing_three() -> None:
     fractional, _ = ref.offline_optimum(CROSSING, full_rate, 0.5, integer=False)
     assert fractional == 2  # x_A <= (1 - x_B) + (1 - x_C)
     assert ref.offline_optimum(CROSSING, full_rate, 0.5)[1] in ({"B", "C"}, {"A", "B"}, {"A", "C"})
