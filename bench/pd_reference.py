@@ -1,6 +1,6 @@
 """pd-serving: where a policy loses against the ideal-network bound, and what is reachable.
 
-Two commands (seeds pooled; every run uses the simulator and the bundled scenario as
+Four commands (seeds pooled; every run uses the simulator and the bundled scenario as
 ``flowsched sim pd-serving`` does, K = 8 on 8 hardware queues):
 
 ``diagnose``: one policy against the bound, request by request (queue wait, prefill, the tail
