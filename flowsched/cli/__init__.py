@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
 from collections.abc import Sequence
 
 from flowsched.cli._common import (
+    EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_STATUS_HELP,
     Parser,
@@ -47,6 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         status: int = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
     except KeyboardInterrupt:
         return fail("flowsched", "interrupted", EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        # the reader went away (``flowsched policy show F | head``): no traceback, and no
+        # second error when the interpreter flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_FAILURE
     return status

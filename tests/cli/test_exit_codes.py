@@ -1,4 +1,5 @@
-"""Every bad input the daemons can get ends with status 2 and one line naming it.
+"""Every bad input the daemons can get ends with status 2 and one line naming it; a reader
+that closes the output pipe ends any command with status 1 and no traceback.
 
 Table-driven: each case runs the real ``flowsched`` command in a subprocess (as a user would)
 and checks the exit status, that stderr is exactly one line without a traceback, and that the
@@ -161,3 +162,19 @@ def test_help_documents_the_exit_statuses(workdir: Path, taken_port: int) -> Non
     text = " ".join(proc.stdout.split())
     assert "exit status: 0 success; 1 failure at run time" in text
     assert "2 bad input" in text
+
+
+def test_a_closed_pipe_ends_quietly(workdir: Path) -> None:
+    # ``flowsched policy show F | head -1``: the reader is gone before the first write here
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "flowsched", "policy", "show",
+             str(ROOT / "policies" / "default.toml")],
+            stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, cwd=workdir,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 1
+    assert proc.stderr == ""
