@@ -17,8 +17,9 @@ K-1 scavenger  [7]     ``bulk`` and pruned requests
 MLU = remaining / (time left x B x (1 - rho)), rho = the windowed load of the traffic more
 urgent than the flow (``rho_source = "above"``, the paper's Alg. 1 semantics). P2D of a job
 still in prefill (its job in ``Context.job_index``) stays below the job's collectives. Pruning
-(``feasibility``): past-deadline requests at once, and MFS Algorithm 1 over the requests in
-RED order (``feasibility_check = "alg1"``, :mod:`flowsched.policies.feasibility`).
+(``feasibility``): past-deadline requests at once, MFS Algorithm 1 over the requests in RED
+order (``feasibility_check = "alg1"``, :mod:`flowsched.policies.feasibility`), and a request
+whose layer pace says its last layer comes too late (``pace_layers``).
 ``next_change`` gives the coordinator each flow's next promotion time. The reasoning behind
 each rule and argument, and the measurements, are in docs/rmlq.md.
 """
@@ -71,6 +72,7 @@ class Args:
     max_load: float = 0.9
     feasibility: bool = True
     feasibility_check: str = "alg1"
+    pace_layers: int = 4
     drop_budget: int = 1
     alg1_interval: float = 0.01
     feasibility_grace: float = 0.0
@@ -102,6 +104,7 @@ _FIELDS = {
     "max_load": number(0.0, 0.99),
     "feasibility": boolean,
     "feasibility_check": one_of("alg1", "mlu"),
+    "pace_layers": integer(0, 1 << 20),
     "drop_budget": integer(0),
     "alg1_interval": number(0.0),
     "feasibility_grace": number(0.0),
@@ -205,6 +208,10 @@ class RmlqPolicy:
         self._job_seen: dict[str, tuple[int, float]] = {}
         self._job_pace: dict[str, float] = {}
         self._depth = 0
+        #: request -> (first layer index, latest layer index, when the latest opened, the
+        #: shortest time per layer between two of its layers so far), for ``pace_layers``
+        self._layer_pace: dict[str, tuple[int, int, float, float]] = {}
+        self._pace_check = args.feasibility and args.pace_layers > 0
         #: open explicit-deadline flows by request, for the request's remaining bytes (MLU)
         self._siblings: dict[str, dict[int, Flow]] = {}
         self._request_scope = args.mlu_scope == "request"
@@ -430,6 +437,33 @@ class RmlqPolicy:
             self._prune(key)
         return True
 
+    def _check_pace(self, flow: Flow, ctx: Context) -> None:
+        """``pace_layers``: prune ``flow``'s request when its last layer, released at the
+        fastest pace its layers have opened so far, comes too late for that layer's bytes to
+        cross at line rate before the deadline. Judged once ``pace_layers`` layers have opened
+        since its first (a request's first layers can open more slowly than its later ones);
+        the model depth is the deepest ``consumer_index`` seen. Optimistic on purpose: no
+        queueing, no other layer's bytes, no layer faster than the fastest seen (docs/rmlq.md).
+        """
+        index, request, deadline = flow.consumer_index, flow.request, flow.deadline
+        if index is None or request is None or deadline is None:
+            return
+        self._depth = max(self._depth, index + 1)
+        seen = self._layer_pace.get(request)
+        if seen is None:
+            self._layer_pace[request] = (index, index, ctx.now, math.inf)
+            return
+        first, last, when, step = seen
+        if index <= last:
+            return
+        step = min(step, (ctx.now - when) / (index - last))
+        self._layer_pace[request] = (first, index, ctx.now, step)
+        if index - first < self.args.pace_layers:
+            return
+        last_release = ctx.now + (self._depth - 1 - index) * step
+        if deadline < last_release + (flow.size or 0) / bottleneck(flow, ctx):
+            self._prune(request)
+
     def _prune(self, key: str) -> None:
         if key not in self._pruned:
             self._pruned.add(key)
@@ -453,6 +487,7 @@ class RmlqPolicy:
             if now - since < self.args.request_memory:
                 return
             del idle[request]
+            self._layer_pace.pop(request, None)
             self._pruned.discard(request)
             self._infeasible_since.pop(request, None)
 
@@ -554,6 +589,8 @@ class RmlqPolicy:
             self._tracked[flow.flow_id] = flow
             if flow.consumer_index is not None:
                 self._depth = max(self._depth, flow.consumer_index + 1)
+        if self._pace_check and self._prunable(flow):
+            self._check_pace(flow, ctx)
         self._judge(flow, ctx, found)
         level = self._decide(flow, ctx, found)
         self._watch_urgent(flow, level, found)
@@ -701,8 +738,13 @@ class RmlqPolicy:
             self._request_flows[flow.request] = left
             return
         self._alg1_due = self._alg1_due or self._alg1
-        if flow.request in self._pruned or flow.request in self._infeasible_since:
-            self._idle_requests[flow.request] = ctx.now
+        request = flow.request
+        if (
+            request in self._pruned
+            or request in self._infeasible_since
+            or request in self._layer_pace
+        ):
+            self._idle_requests[request] = ctx.now
 
     # -- promotion timers -----------------------------------------------------------------------
 

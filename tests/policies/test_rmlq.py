@@ -551,6 +551,90 @@ def test_pruning_moves_the_request_flows_not_passed(check: str, released: bool) 
     assert pol.reevaluate([first, second], ctx(0.201)) == {}  # moved once, not at every call
 
 
+# -- the pace check --------------------------------------------------------------------------
+
+
+def _learn_depth(pol: rmlq.RmlqPolicy, layers: int) -> None:
+    """Let ``pol`` see a finished request's last layer (the model depth it learns)."""
+    deepest = build_flow(99, cls="kv", size=10, deadline=9.0, request="old",
+                         consumer_index=layers - 1)  # fmt: skip
+    pol.admit(deepest, ctx())
+    pol.release(deepest, ctx())
+
+
+# A 32-layer model; request r's layer i (1e6 bytes: 1 ms at B) opens at opens[i]. At its fastest
+# step of 10 ms, its last layer opens 27 steps after layer 4 and is across 1 ms later.
+_STEADY = [0.01 * i for i in range(6)]
+_SLOW_START = [0.0, 0.03, 0.04, 0.05, 0.06, 0.07]
+
+
+@pytest.mark.parametrize(
+    ("opens", "deadline", "args", "pruned_at"),
+    [
+        (_STEADY, 0.3, {}, 4),  # last layer across at 0.04 + 0.27 + 0.001 > 0.3
+        (_STEADY, 0.3105, {}, 4),
+        (_STEADY, 0.3115, {}, None),
+        (_STEADY[:4], 0.3, {}, None),  # three steps seen: not judged yet
+        (_STEADY, 0.3, {"pace_layers": 2}, 2),  # 0.02 + 0.29 + 0.001 > 0.3
+        (_STEADY, 0.3, {"pace_layers": 0}, None),
+        (_STEADY, 0.3, {"feasibility": False}, None),
+        (_SLOW_START, 0.34, {}, None),  # fastest step 10 ms: 0.06 + 0.27 + 0.001 <= 0.34
+        (_SLOW_START, 0.33, {}, 4),
+    ],
+    ids=[
+        "doomed",
+        "doomed-by-the-last-layer-bytes",
+        "just-in-time",
+        "too-few-layers",
+        "judged-after-two",
+        "off",
+        "no-feasibility",
+        "fastest-step-not-the-mean",
+        "slow-start-doomed",
+    ],
+)
+def test_pace_check_prunes_a_request_whose_last_layer_comes_too_late(
+    opens: list[float], deadline: float, args: dict[str, Any], pruned_at: int | None
+) -> None:
+    pol = policy(**args)
+    _learn_depth(pol, 32)
+    levels = []
+    for layer, now in enumerate(opens):
+        flow = build_flow(layer + 1, cls="kv", size=int(1e6), deadline=deadline, request="r",
+                          consumer_index=layer, opened_at=now)  # fmt: skip
+        levels.append(pol.admit(flow, ctx(now)).level)
+    first_pruned = next((i for i, level in enumerate(levels) if level == 7), None)
+    assert first_pruned == pruned_at
+    assert all(level == 7 for level in levels[first_pruned or len(levels) :])
+
+
+def test_pace_check_moves_the_request_layers_already_open() -> None:
+    pol = policy()
+    _learn_depth(pol, 32)
+    other = build_flow(50, cls="kv", size=int(1e6), deadline=5.0, request="q", consumer_index=0)
+    other.level = pol.admit(other, ctx()).level
+    flows = []
+    for layer, now in enumerate(_STEADY[:5]):
+        flow = build_flow(layer + 1, cls="kv", size=int(1e6), deadline=0.3, request="r",
+                          consumer_index=layer, opened_at=now)  # fmt: skip
+        flow.level = pol.admit(flow, ctx(now)).level
+        flows.append(flow)
+    assert flows[-1].level == 7
+    decisions = pol.reevaluate([], ctx(0.041))
+    assert {fid: d.level for fid, d in decisions.items()} == {1: 7, 2: 7, 3: 7, 4: 7}
+
+
+def test_pace_check_forgets_a_request_after_its_memory() -> None:
+    pol = policy(request_memory=0.5)
+    flow = build_flow(1, cls="kv", size=10, deadline=5.0, request="r", consumer_index=0)
+    pol.admit(flow, ctx())
+    pol.release(flow, ctx(0.1))
+    pol.reevaluate([], ctx(0.5))
+    assert "r" in pol._layer_pace  # a later layer may still come
+    pol.reevaluate([], ctx(0.7))
+    assert "r" not in pol._layer_pace
+
+
 # -- promotion timers -----------------------------------------------------------------------
 
 
@@ -699,6 +783,7 @@ def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -
         ({"feasibility_check": "always"}, "policy.args.feasibility_check"),
         ({"drop_budget": -1}, "policy.args.drop_budget"),
         ({"alg1_interval": -1}, "policy.args.alg1_interval"),
+        ({"pace_layers": -1}, "policy.args.pace_layers"),
         ({"urgent_levels": 0}, "policy.args.urgent_levels"),
         ({"urgent_ratio": 1.0}, "policy.args.urgent_ratio"),
         ({"urgent_order": "size"}, "policy.args.urgent_order"),
@@ -717,6 +802,7 @@ def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -
         "feasibility-check",
         "drop-budget",
         "alg1-interval",
+        "pace-layers",
         "urgent-levels",
         "urgent-ratio",
         "urgent-order",
