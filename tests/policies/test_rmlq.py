@@ -465,15 +465,21 @@ def test_algorithm_1_prunes_requests_in_the_policy(budget: int, level: int) -> N
     assert 1 not in decisions and 3 not in decisions  # r1 and the collective keep theirs
 
 
+def _learn_depth(pol: rmlq.RmlqPolicy, layers: int) -> None:
+    """Let ``pol`` see a finished request's last layer (the model depth it learns)."""
+    deepest = build_flow(99, cls="kv", size=10, deadline=9.0, request="old",
+                         consumer_index=layers - 1)  # fmt: skip
+    pol.admit(deepest, ctx())
+    pol.release(deepest, ctx())
+
+
 def test_algorithm_1_counts_the_layers_not_opened_and_the_remaining_compute() -> None:
     # a 4-layer job (depth learned from a finished request's layer 3) at layer 1 going at
     # 0.1 s per layer: 0.2 s of compute left; its request's layer-1 P2D of 2e8 bytes (MLU 0.5:
     # at its promotion point, held below the collectives) alone would be done at 0.3 s, but
     # with layers 2 and 3 it is 6e8 bytes: 0.8 s at the earliest, deadline 0.4
     pol = policy()
-    depth = build_flow(9, cls="kv", size=10, deadline=5.0, request="old", consumer_index=3)
-    pol.admit(depth, ctx())
-    pol.release(depth, ctx())
+    _learn_depth(pol, 4)
     flow = build_flow(1, cls="kv", size=int(2e8), deadline=0.4, job="j", request="r",
                       consumer_index=1)  # fmt: skip
     flow.level = pol.admit(flow, ctx(0.0, job_index={"j": 0})).level
@@ -552,14 +558,6 @@ def test_pruning_moves_the_request_flows_not_passed(check: str, released: bool) 
 
 
 # -- the pace check --------------------------------------------------------------------------
-
-
-def _learn_depth(pol: rmlq.RmlqPolicy, layers: int) -> None:
-    """Let ``pol`` see a finished request's last layer (the model depth it learns)."""
-    deepest = build_flow(99, cls="kv", size=10, deadline=9.0, request="old",
-                         consumer_index=layers - 1)  # fmt: skip
-    pol.admit(deepest, ctx())
-    pol.release(deepest, ctx())
 
 
 # A 32-layer model; request r's layer i (1e6 bytes: 1 ms at B) opens at opens[i]. At its fastest
