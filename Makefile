@@ -22,7 +22,6 @@ $(VENV)/.installed-demo: $(SETUP_INPUTS)
 # The main job: the contention benchmark on the embedded local testbed (falls back to the
 # simulator, and says so, without root or the needed kernel features).
 demo: $(if $(wildcard $(VENV)/.installed),setup,$(VENV)/.installed-demo)
-	$(BIN)/python -c 'import matplotlib' 2>/dev/null || $(BIN)/python -m pip install -q 'matplotlib>=3.8'
 	$(BIN)/flowsched bench contention --out results/contention
 
 # A wheel in dist/ (with the plugin when a C compiler is there; FLOWSCHED_SKIP_PLUGIN=1 without)

@@ -33,7 +33,7 @@ if ((${#need_apt[@]})); then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
     if [ "$own_policy_rc" = 1 ]; then rm -f /usr/sbin/policy-rc.d; fi
   else
-    echo "setup: missing ${need_apt[*]} and not root; some tests will be skipped" >&2
+    echo "setup: missing ${need_apt[*]} and not root; what needs them will be skipped" >&2
   fi
 fi
 
