@@ -91,6 +91,71 @@ def register(sub: Any) -> None:
         help="skip the testbed, run the simulator replay only",
     )
     contention.set_defaults(func=_contention)
+    _register_serving(benches)
+
+
+#: the serving benchmark's defaults: each testbed run takes about 90 s (55-80 s of arrivals)
+SERVING_POLICIES = "rmlq,static+late,edf+late"
+SERVING_SIM_POLICIES = "ideal"
+
+
+def _register_serving(benches: Any) -> None:
+    serving = benches.add_parser(
+        "serving",
+        help="pd-serving shrunk to the netns testbed: live and in the simulator side by side",
+        description="Run the scenario pd-serving-testbed (pd-serving on 200 Mbit/s links, "
+        "every time x 100: bench/scenarios/pd-serving-testbed.toml) on a network-namespace "
+        "testbed with the real coordinator, one agent per node and real sockets, and in the "
+        "simulator, on the same request traces; the ideal-network bound in the simulator. "
+        "rmlq runs policies/default.toml, a baseline its levels and queues; every time in the "
+        "file x 100, every layer count / 4. Without root or kernel support it runs the "
+        "simulator only.",
+    )
+    serving.add_argument("--out", default="results/serving", help="output directory")
+    serving.add_argument(
+        "--policies",
+        default=SERVING_POLICIES,
+        help=f"comma-separated, each also as NAME+late (default {SERVING_POLICIES})",
+    )
+    serving.add_argument(
+        "--sim-policies",
+        default=SERVING_SIM_POLICIES,
+        help=f"simulator only: 'ideal' and policies as above (default {SERVING_SIM_POLICIES})",
+    )
+    serving.add_argument("--loads", default="0.6", help="comma-separated (default 0.6)")
+    serving.add_argument("--seed", type=int, default=1, help="first seed (default 1)")
+    serving.add_argument("--seeds", type=int, default=1, help="how many seeds (default 1)")
+    serving.add_argument("--simulate-only", action="store_true", help="skip the testbed")
+    serving.set_defaults(func=_serving)
+
+
+def _serving(args: argparse.Namespace) -> int:
+    from flowsched.testbed import netns, serving
+
+    try:
+        options = serving.ServingOptions(
+            out=Path(args.out),
+            policies=_names(args.policies),
+            loads=tuple(float(v) for v in _names(args.loads)),
+            seeds=tuple(range(args.seed, args.seed + max(args.seeds, 1))),
+            sim_policies=_names(args.sim_policies),
+            simulate_only=args.simulate_only,
+            command="flowsched bench serving " + " ".join(sys.argv[3:]),
+        )
+        serving.run(options)
+    except (OSError, ValueError) as exc:
+        print(f"flowsched bench serving: {exc}", file=sys.stderr)
+        return 2
+    except netns.Terminated:
+        print("flowsched bench serving: terminated; the testbed was removed", file=sys.stderr)
+        return 143
+    except KeyboardInterrupt:
+        print("flowsched bench serving: interrupted; the testbed was removed", file=sys.stderr)
+        return 130
+    except netns.TestbedUnavailable as exc:
+        print(f"flowsched bench serving: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _contention(args: argparse.Namespace) -> int:

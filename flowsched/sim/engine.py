@@ -36,6 +36,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from flowsched.metrics import FlowRecord, RunRecords
 from flowsched.model import Context, Decision, Flow, FlowClass
@@ -67,6 +68,30 @@ class SimConfig:
     #: "timers": as the coordinator, per-flow policies see only touched flows and policies
     #: with ``next_change`` get promotion timers; "sweep": every flow at every event and tick
     promotion: str = "timers"
+
+
+class Engine(Protocol):
+    """What a workload drives: the simulator here, the testbed's live engine
+    (:class:`flowsched.testbed.live.LiveEngine`) with real flows in real time."""
+
+    now: float
+    records: RunRecords
+    job_index: dict[str, int]
+
+    def at(self, when: float, callback: Callable[[], None]) -> None: ...
+
+    def after(self, delay: float, callback: Callable[[], None]) -> None: ...
+
+    def open_flow(
+        self,
+        cls: FlowClass,
+        size: int,
+        links: tuple[str, ...],
+        on_done: DoneCallback | None = None,
+        **fields: object,
+    ) -> Flow: ...
+
+    def set_job_index(self, job: str, index: int) -> None: ...
 
 
 @dataclass(slots=True, eq=False)

@@ -32,7 +32,7 @@ from flowsched.scenario import (
     layer_compute_time,
     store_held,
 )
-from flowsched.sim.engine import Simulator
+from flowsched.sim.engine import Engine
 from flowsched.sim.topology import Topology
 
 
@@ -57,7 +57,7 @@ class _Batch:
 class ServingWorkload:
     """Drives the requests of one trace through prefill instances and decode servers."""
 
-    def __init__(self, sim: Simulator, topo: Topology, cfg: ServingSection, trace: list[Request]):
+    def __init__(self, sim: Engine, topo: Topology, cfg: ServingSection, trace: list[Request]):
         self.sim, self.topo, self.cfg = sim, topo, cfg
         self.trace = trace
         self.queues: list[deque[Request]] = [deque() for _ in range(cfg.instances)]

@@ -69,7 +69,8 @@ def _python(module: str, *args: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def _processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """A list to append started processes to; all are stopped when the block exits."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
         yield procs
@@ -106,7 +107,7 @@ def run_policy(
     trace_path.write_text(trace.to_json(), encoding="utf-8")
     started = time.monotonic()
     before = topo.class_bytes()
-    with _processes() as procs:
+    with processes() as procs:
         if control == "agent":  # agents take a while to start: the trace starts after them
             ctl = _start_control(topo, procs, policy_path, 0, trace.rate_bytes, control, workdir)
         t0_ns = time.monotonic_ns() + int(START_MARGIN * 1e9)
@@ -129,7 +130,7 @@ def run_policy(
             control,
             trace.duration,
         )
-        errors = _wait_workers(workers, trace.duration * 3 + 30)
+        errors = wait_workers(workers, trace.duration * 3 + 30)
         cpu = {_label(p): cpu_seconds(p.pid) for p in procs if p not in workers}
         sniffer.send_signal(signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -156,7 +157,7 @@ def _start_control(
 ) -> str:
     """Start the control plane; return the address the workers use (mini) or ""."""
     if control == "agent":
-        _start_agents(topo, procs, policy, bandwidth, workdir)
+        start_agents(topo, procs, policy, bandwidth, workdir)
         return ""
     address = f"{topo.switch_mgmt_ip}:{CTL_PORT}"
     argv = _python(
@@ -197,7 +198,7 @@ def _spawn_daemon(command: list[str], log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=sink)
 
 
-def _start_agents(
+def start_agents(
     topo: Topology,
     procs: list[subprocess.Popen[bytes]],
     policy: Path,
@@ -335,7 +336,8 @@ def _label(proc: subprocess.Popen[bytes]) -> str:
     )
 
 
-def _wait_workers(workers: list[subprocess.Popen[bytes]], timeout: float) -> list[str]:
+def wait_workers(workers: list[subprocess.Popen[bytes]], timeout: float) -> list[str]:
+    """Wait for every worker to exit (killing those still running at ``timeout``); the errors."""
     deadline, errors = time.monotonic() + timeout, []
     for i, proc in enumerate(workers):
         try:

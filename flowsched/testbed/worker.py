@@ -301,7 +301,7 @@ class Worker:
         try:
             with self.control.flow(t) as handle:
                 self.journal.add("admitted", id=t.flow_id, t=self.clock.now())
-                sock = _connect_retry((self.ips[t.dst], TRANSFER_PORT), 5.0)
+                sock = connect_retry((self.ips[t.dst], TRANSFER_PORT), 5.0)
                 self.journal.add(
                     "tuple",
                     id=t.flow_id,
@@ -338,7 +338,7 @@ class Worker:
         index = self.trace.tp_jobs.index(job)
         peer = job.hosts[1] if job.hosts[0] == self.host else job.hosts[0]
         if server is None:  # rank 0: the peer listens; it connects back on the same socket
-            out = _connect_retry((self.ips[peer], TP_PORT + index), 10.0)
+            out = connect_retry((self.ips[peer], TP_PORT + index), 10.0)
             return out, out
         conn, _ = server.accept()
         return conn, conn
@@ -522,7 +522,7 @@ class _Backoff:
 CONGESTION = os.environ.get("FLOWSCHED_TESTBED_CC", "")
 
 
-def _connect_retry(address: tuple[str, int], timeout: float) -> socket.socket:
+def connect_retry(address: tuple[str, int], timeout: float) -> socket.socket:
     deadline = time.monotonic() + timeout
     while True:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -1,0 +1,390 @@
+"""The serving benchmark: pd-serving on the netns testbed, live, and in the simulator side by side.
+
+``flowsched bench serving`` runs the scenario ``pd-serving-testbed`` (pd-serving shrunk to the
+testbed's 200 Mbit/s links with every time x :data:`TIME_SCALE`; its file says how). For each
+seed and load every policy runs once on the testbed and once in the simulator, on the same
+request trace; the ideal-network bound runs in the simulator. On the testbed the simulator's
+own serving workload (routing, batching, layer pace, Stage-1 fetches, the EP all-to-all, the
+per-layer P2D) drives real flows through :class:`flowsched.testbed.live.LiveEngine`: one host
+process per node sends them through the real agent of its host, under the real coordinator.
+
+Policies: ``rmlq`` is ``policies/default.toml``, as ``flowsched sim`` runs it without a policy
+file; a baseline takes that file's levels, queues and timer with the policy swapped in
+(``NAME+late`` adds ``drop_late``). Every time in the file is multiplied by :data:`TIME_SCALE`
+and every layer count divided by :data:`LAYER_GROUP`, so that the policy sees the scenario as
+the original sees pd-serving.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from flowsched import policies, policyfile, scenario
+from flowsched import report as shared_report
+from flowsched.data import data_path
+from flowsched.metrics import RunRecords, merge
+from flowsched.sim.run import IDEAL, PolicySpec, build_topology, ideal_spec
+from flowsched.sim.run import run as simulate
+from flowsched.sim.serving import ServingWorkload
+from flowsched.testbed import netns, runner
+from flowsched.testbed.live import LiveEngine
+from flowsched.testbed.procstat import cpu_times, steal_share
+
+#: the scenario the benchmark runs (bench/scenarios/pd-serving-testbed.toml)
+SCENARIO = "pd-serving-testbed"
+#: how much slower than pd-serving the scenario runs (its bytes / 10 on links 500x slower,
+#: one link per server where pd-serving has two)
+TIME_SCALE = 100.0
+#: model layers per scenario layer (pd-serving's 32 layers become 8)
+LAYER_GROUP = 4
+#: policy arguments in seconds (x TIME_SCALE) and in layers (/ LAYER_GROUP)
+SECONDS_ARGS = frozenset(
+    {
+        "urgent_slack",
+        "deferred_slack",
+        "rho_window",
+        "alg1_interval",
+        "feasibility_grace",
+        "request_memory",
+        "promotion_lead",
+    }
+)
+LAYER_ARGS = frozenset({"pace_layers"})
+#: the policy file every run derives from, and the late-dropping suffix
+BASE_POLICY_FILE = "default.toml"
+LATE_SUFFIX = "+late"
+#: seconds between starting the host processes and the trace's time zero
+START_MARGIN = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ServingOptions:
+    """What ``flowsched bench serving`` was asked to do."""
+
+    out: Path
+    policies: tuple[str, ...]
+    loads: tuple[float, ...]
+    seeds: tuple[int, ...]
+    #: policies run in the simulator only (the ideal bound is always one of them)
+    sim_policies: tuple[str, ...] = (IDEAL,)
+    simulate_only: bool = False
+    scenario: str = SCENARIO
+    prefix: str = "fsv"
+    command: str = ""
+
+
+@dataclass(slots=True)
+class LiveRun:
+    """What one policy measured on the testbed at one load and seed."""
+
+    records: RunRecords
+    errors: list[str] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+
+# ----------------------------------------------------------------------------- policy files
+def policy_document(name: str) -> dict[str, Any]:
+    """The TOML document of ``name``'s policy file for the scenario (see the module docstring)."""
+    text = (data_path("policies") / BASE_POLICY_FILE).read_text(encoding="utf-8")
+    document = copy.deepcopy(tomllib.loads(text))
+    section = document["policy"]
+    base = name.removesuffix(LATE_SUFFIX)
+    if base not in policies.names():
+        raise ValueError(f"unknown policy {base!r} (known: {', '.join(policies.names())})")
+    if base != section["name"]:
+        section["name"], section["args"] = base, {}
+    args = section.setdefault("args", {})
+    if name.endswith(LATE_SUFFIX):
+        args["drop_late"] = True
+    if base == "rmlq":  # the code defaults in seconds or layers that the file leaves out
+        from flowsched.policies.rmlq import Args
+
+        for key in SECONDS_ARGS | LAYER_ARGS:
+            args.setdefault(key, getattr(Args(), key))
+    section["timer_period"] = section.get("timer_period", 0.001) * TIME_SCALE
+    for key in SECONDS_ARGS & set(args):
+        args[key] = args[key] * TIME_SCALE
+    for key in LAYER_ARGS & set(args):
+        args[key] = max(1, round(args[key] / LAYER_GROUP))
+    for rule in document.get("classes", {}).values():
+        if "deadline" in rule:
+            rule["deadline"] = rule["deadline"] * TIME_SCALE
+    document["description"] = f"{name} for {SCENARIO} (times x {TIME_SCALE:g})"
+    return document
+
+
+def write_policy_file(name: str, path: Path) -> policyfile.PolicyConfig:
+    """Write ``name``'s policy file to ``path`` and return it parsed (checked)."""
+    text = to_toml(policy_document(name))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return policyfile.load(path)
+
+
+def to_toml(document: Mapping[str, Any], prefix: str = "") -> str:
+    """TOML text of ``document``: scalars, lists of scalars, tables and arrays of tables."""
+    lines: list[str] = []
+    nested: list[tuple[str, Any]] = []
+    for key, value in document.items():
+        if isinstance(value, Mapping) or (
+            isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value)
+        ):
+            nested.append((key, value))
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    out = "\n".join(lines) + ("\n" if lines else "")
+    for key, value in nested:
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out += f"\n[{name}]\n" + to_toml(value, f"{name}.")
+        else:
+            for item in value:
+                out += f"\n[[{name}]]\n" + to_toml(item, f"{name}.")
+    return out
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def sim_spec(name: str, work: Path) -> PolicySpec:
+    """The simulator's spec of ``name`` from the same file the testbed run uses."""
+    if name == IDEAL:
+        return ideal_spec(write_policy_file("static", work / "ideal.toml").num_levels)
+    cfg = write_policy_file(name, work / f"{name}.toml")
+    return PolicySpec(
+        cfg.policy,
+        dict(cfg.args),
+        cfg.num_levels,
+        cfg.timer_period,
+        label=name,
+        level_queue=cfg.level_queue,
+    )
+
+
+# ----------------------------------------------------------------------------- one live run
+def node_hosts(topo: netns.Topology, scen: scenario.Scenario) -> dict[str, str]:
+    """The scenario's nodes (prefill servers, decode servers, KV store) on testbed hosts."""
+    nodes = list(build_topology(scen).nodes)
+    if len(nodes) > len(topo.hosts):
+        raise ValueError(f"{len(nodes)} nodes need as many hosts, not {len(topo.hosts)}")
+    return {node: host.name for node, host in zip(nodes, topo.hosts, strict=False)}
+
+
+def job_nodes(cfg: scenario.ServingSection, job: str) -> list[str]:
+    """The prefill servers of a batch's instance (batch jobs are named ``i<instance>/b<n>``)."""
+    instance = int(job.split("/", 1)[0].removeprefix("i"))
+    first = instance * cfg.servers_per_instance
+    return [f"{cfg.prefill_prefix}{first + s}" for s in range(cfg.servers_per_instance)]
+
+
+def run_live(
+    topo: netns.Topology,
+    scen: scenario.Scenario,
+    load: float,
+    seed: int,
+    policy_path: Path,
+    workdir: Path,
+) -> LiveRun:
+    """One policy at one load and seed on the testbed; the records as the simulator keeps them."""
+    assert scen.serving is not None
+    cfg = policyfile.load(policy_path)
+    workdir.mkdir(parents=True, exist_ok=True)
+    topo.configure_classes([m.dscp for m in cfg.levels])
+    hosts = node_hosts(topo, scen)
+    trace = scenario.serving_trace(scen.serving, load, seed)
+    timeout = trace[-1].arrival * 3 + 60 if trace else 60.0
+    started = time.monotonic()
+    errors: list[str] = []
+    with runner.processes() as procs:
+        runner.start_agents(topo, procs, policy_path, topo.spec.rate_bytes, workdir)
+        t0_ns = time.monotonic_ns() + int(START_MARGIN * 1e9)
+        t0_wall = time.time() + START_MARGIN
+        serving = scen.serving
+        engine = LiveEngine(
+            workdir / "engine.sock",
+            hosts,
+            t0_ns,
+            lambda job: [hosts[node] for node in job_nodes(serving, job)],
+        )
+        workers = _start_hosts(topo, procs, sorted(set(hosts.values())), workdir, engine, t0_wall)
+        workload = ServingWorkload(engine, build_topology(scen), serving, trace)
+        try:
+            engine.wait_for_hosts(set(hosts.values()), 30.0)
+            workload.start()
+            engine.run(timeout)
+        except TimeoutError as exc:
+            errors.append(str(exc))
+        finally:
+            engine.stop()
+        workload.finish()
+        errors += runner.wait_workers(workers, 30.0)
+    errors += engine.errors
+    for path in sorted(workdir.glob("host-*.json")):
+        events = json.loads(path.read_text(encoding="utf-8") or "[]")
+        errors += [f"{path.stem}: flow {e['id']}: {e['error']}" for e in events if "error" in e]
+    return LiveRun(engine.records, errors, time.monotonic() - started)
+
+
+def _start_hosts(
+    topo: netns.Topology,
+    procs: list[subprocess.Popen[bytes]],
+    names: Iterable[str],
+    workdir: Path,
+    engine: LiveEngine,
+    t0_wall: float,
+) -> list[subprocess.Popen[bytes]]:
+    ips = json.dumps({h.name: h.data_ip for h in topo.hosts})
+    by_name = {h.name: h for h in topo.hosts}
+    started = []
+    for name in names:
+        argv = [
+            sys.executable,
+            "-m",
+            "flowsched.testbed.serving_host",
+            "--host",
+            name,
+            "--engine",
+            str(workdir / "engine.sock"),
+            "--ips",
+            ips,
+            "--t0-ns",
+            str(engine.t0_ns),
+            "--t0-wall",
+            repr(t0_wall),
+            "--out",
+            str(workdir / f"host-{name}.json"),
+        ]
+        env = dict(os.environ, FLOWSCHED_SOCKET=str(workdir / f"{name}.sock"))
+        proc = subprocess.Popen(topo.ns_command(by_name[name].netns, argv), env=env)
+        procs.append(proc)
+        started.append(proc)
+    return started
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def run(options: ServingOptions, stream: TextIO = sys.stdout) -> list[shared_report.Outcome]:
+    """Run the benchmark, print its table and write its report into ``options.out``."""
+    scen = scenario.load(options.scenario)
+    if scen.serving is None:
+        raise ValueError(f"{options.scenario}: not a serving scenario")
+    work = options.out / "work"
+    specs = {name: sim_spec(name, work / "policies") for name in options.policies}
+    sim_only = {name: sim_spec(name, work / "policies") for name in options.sim_policies}
+    spec = netns.TopologySpec(
+        prefix=options.prefix,
+        hosts=len(build_topology(scen).nodes),
+        rate_mbit=scen.serving.nic_gbps * 1000,
+    )
+    reason = "asked" if options.simulate_only else netns.probe(spec.prefix)
+    if reason is not None and not options.simulate_only:
+        print(f"testbed unavailable: {reason}; running the simulator only", file=sys.stderr)
+    runs = len(options.loads) * len(options.seeds)
+    progress = shared_report.Progress(runs * (len(specs) * (1 if reason else 2) + len(sim_only)))
+    testbed: dict[tuple[str, float], list[RunRecords]] = {}
+    errors: list[str] = []
+    steal = None
+    if reason is None:
+        machine = cpu_times()
+        with netns.testbed(spec, probed=True) as topo:
+            errors = _testbed_runs(topo, scen, options, list(specs), testbed, progress)
+        steal = steal_share(machine, cpu_times())
+    outcomes = _outcomes(scen, options, {**sim_only, **specs}, testbed, progress)
+    progress.close()
+    title = f"{scen.scenario.name}, seeds {', '.join(map(str, options.seeds))} pooled"
+    print(shared_report.table(outcomes, title), file=stream)
+    if steal is not None:
+        print(f"the hypervisor stole {steal:.1%} of the machine's CPU time", file=stream)
+    for line in errors[:20]:
+        print(f"error: {line}", file=stream)
+    meta = {
+        "command": options.command or "flowsched bench serving",
+        "scenario": scen.scenario.name,
+        "seeds": list(options.seeds),
+        "loads": list(options.loads),
+        "mode": "testbed + simulator" if reason is None else f"simulator only ({reason})",
+        "time_scale": TIME_SCALE,
+        "steal": steal,
+        "errors": errors,
+    }
+    paths = shared_report.write_all(options.out, outcomes, meta)
+    print("wrote " + ", ".join(str(p) for p in paths), file=stream)
+    return outcomes
+
+
+def _testbed_runs(
+    topo: netns.Topology,
+    scen: scenario.Scenario,
+    options: ServingOptions,
+    names: list[str],
+    testbed: dict[tuple[str, float], list[RunRecords]],
+    progress: shared_report.Progress,
+) -> list[str]:
+    """Every policy at every load and seed on the testbed, into ``testbed``; the errors."""
+    errors: list[str] = []
+    work = options.out / "work"
+    for load in options.loads:
+        for seed in options.seeds:
+            for name in names:
+                where = f"{name}, load {load:g}, seed {seed}"
+                measured = run_live(
+                    topo,
+                    scen,
+                    load,
+                    seed,
+                    work / "policies" / f"{name}.toml",
+                    work / f"{name}-load{load:g}-seed{seed}",
+                )
+                testbed.setdefault((name, load), []).append(measured.records)
+                errors += [f"{where}: {e}" for e in measured.errors]
+                progress.advance(f"{where}: testbed")
+    return errors
+
+
+def _outcomes(
+    scen: scenario.Scenario,
+    options: ServingOptions,
+    specs: Mapping[str, PolicySpec],
+    testbed: Mapping[tuple[str, float], list[RunRecords]],
+    progress: shared_report.Progress,
+) -> list[shared_report.Outcome]:
+    """The simulator's runs, and one row per policy and load for each source."""
+    outcomes = []
+    for load in options.loads:
+        for name, policy_spec in specs.items():
+            seeds = []
+            for seed in options.seeds:
+                seeds.append(simulate(scen, policy_spec, load, seed).records)
+                progress.advance(f"{name}, load {load:g}, seed {seed}: simulator")
+            label = f"{name} sim" if name in options.policies else name
+            outcomes.append(
+                shared_report.Outcome.from_records(
+                    label, load, merge(seeds), bound=policy_spec.bound, seeds=seeds
+                )
+            )
+        for name in options.policies:
+            if (records := testbed.get((name, load))) is not None:
+                outcomes.append(
+                    shared_report.Outcome.from_records(
+                        f"{name} testbed", load, merge(records), seeds=records
+                    )
+                )
+    return outcomes

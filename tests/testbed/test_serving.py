@@ -1,0 +1,350 @@
+"""The serving benchmark: scaled policy files, the live engine's protocol, one live run."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowsched import policyfile, scenario
+from flowsched.model import FlowClass
+from flowsched.testbed import serving
+from flowsched.testbed.live import LiveEngine
+
+DEFAULT_FILE = Path(policyfile.__file__).parent / "data" / "policies" / "default.toml"
+DEFAULT = tomllib.loads(DEFAULT_FILE.read_text())
+
+
+# ----------------------------------------------------------------------------- policy files
+@pytest.mark.parametrize(
+    ("name", "policy", "drop_late"),
+    [
+        ("rmlq", "rmlq", None),
+        ("static", "static", None),
+        ("static+late", "static", True),
+        ("edf+late", "edf", True),
+    ],
+)
+def test_policy_files_scale_times_and_swap_the_policy(
+    tmp_path: Path, name: str, policy: str, drop_late: bool | None
+) -> None:
+    cfg = serving.write_policy_file(name, tmp_path / f"{name}.toml")
+    assert cfg.policy == policy
+    assert cfg.args.get("drop_late") == drop_late
+    assert cfg.timer_period == pytest.approx(DEFAULT["policy"]["timer_period"] * serving.TIME_SCALE)
+    assert cfg.num_levels == DEFAULT["policy"]["num_levels"]
+    assert cfg.levels == policyfile.load(DEFAULT_FILE).levels
+
+
+def test_rmlq_file_scales_every_argument_in_seconds_and_layers(tmp_path: Path) -> None:
+    from flowsched.policies.rmlq import Args
+
+    args = serving.write_policy_file("rmlq", tmp_path / "rmlq.toml").args
+    file_args = DEFAULT["policy"]["args"]
+    for key in serving.SECONDS_ARGS:
+        original = file_args.get(key, getattr(Args(), key))
+        assert args[key] == pytest.approx(original * serving.TIME_SCALE), key
+    assert args["pace_layers"] == max(1, round(Args().pace_layers / serving.LAYER_GROUP))
+    scaled = serving.SECONDS_ARGS | serving.LAYER_ARGS
+    assert {k: v for k, v in args.items() if k not in scaled} == {
+        k: v for k, v in file_args.items() if k not in scaled
+    }
+
+
+def test_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        serving.policy_document("nope+late")
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"a": 1, "b": 2.5, "c": 'x"y', "d": [1, 2], "e": True},
+        {"top": 1, "t": {"x": 1, "u": {"y": "z"}}, "arr": [{"k": 1}, {"k": 2}]},
+        DEFAULT,
+    ],
+)
+def test_to_toml_round_trips(document: dict[str, Any]) -> None:
+    assert tomllib.loads(serving.to_toml(document)) == document
+
+
+def test_scenario_is_pd_serving_at_the_time_scale() -> None:
+    """The policy files' scale must be the scenario's: compute and timers x TIME_SCALE,
+    layers / LAYER_GROUP, bytes / (TIME_SCALE / 10) on links 500x slower, one per server."""
+    small, full = scenario.load(serving.SCENARIO), scenario.load("pd-serving")
+    s, f = small.serving, full.serving
+    assert s is not None and f is not None
+    assert s.gpu_tflops * serving.TIME_SCALE == pytest.approx(f.gpu_tflops)
+    assert s.gpu_mem_gbps * serving.TIME_SCALE == pytest.approx(f.gpu_mem_gbps)
+    assert small.sim.timer_ms == pytest.approx(full.sim.timer_ms * serving.TIME_SCALE)
+    assert s.layers * serving.LAYER_GROUP == f.layers
+    link_slowdown = f.nic_gbps / s.nic_gbps * f.nics_per_server / s.nics_per_server
+    byte_share = s.kv_bytes_per_token_layer / (f.kv_bytes_per_token_layer * serving.LAYER_GROUP)
+    assert link_slowdown * byte_share == pytest.approx(serving.TIME_SCALE, rel=1e-3)
+    assert scenario.isolated_ttft(s, 1000, 350, 650) > 0
+
+
+def test_job_nodes_are_the_instance_prefill_servers() -> None:
+    cfg = scenario.load(serving.SCENARIO).serving
+    assert cfg is not None
+    assert serving.job_nodes(cfg, "i0/b3") == ["p0", "p1"]
+    assert serving.job_nodes(cfg, "i1/b12") == ["p2", "p3"]
+
+
+# ----------------------------------------------------------------------------- the live engine
+class FakeHost:
+    """A host process stand-in: says hello, records the engine's lines, reports completions."""
+
+    def __init__(self, path: Path, name: str) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))
+        self.sock.settimeout(10)
+        self.sock.sendall(json.dumps({"t": "hello", "host": name}).encode() + b"\n")
+        self.lines = self.sock.makefile("rb")
+
+    def next(self) -> dict[str, Any]:
+        return dict(json.loads(self.lines.readline()))
+
+    def close(self) -> None:
+        self.lines.close()
+        self.sock.close()
+
+    def done(self, flow_id: int, at: float, ok: bool = True) -> None:
+        message = {"t": "done", "id": flow_id, "at": at, "ok": ok, "error": "boom"}
+        self.sock.sendall(json.dumps(message).encode() + b"\n")
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[tuple[LiveEngine, FakeHost, FakeHost]]:
+    path = tmp_path / "engine.sock"
+    live = LiveEngine(path, {"p0": "h0", "d0": "h1"}, time.monotonic_ns(), lambda job: ["h0"])
+    hosts = FakeHost(path, "h0"), FakeHost(path, "h1")
+    live.wait_for_hosts({"h0", "h1"}, 10)
+    yield live, *hosts
+    live.stop()
+    for host in hosts:
+        host.close()
+
+
+def test_engine_sends_a_flow_to_its_source_and_finishes_it_at_the_reported_time(
+    engine: tuple[LiveEngine, FakeHost, FakeHost],
+) -> None:
+    live, source, _ = engine
+    finished: list[float] = []
+    live.open_flow(
+        FlowClass.KV,
+        1000,
+        ("p0.nic0.tx", "d0.nic0.rx"),
+        lambda flow: finished.append(live.now),
+        request="q1",
+        deadline=2.5,
+        consumer_index=3,
+        job="i0/b1",
+    )
+    opened = source.next()
+    assert opened == {
+        "t": "open",
+        "id": 1,
+        "cls": "kv",
+        "size": 1000,
+        "dst": "h1",
+        "deadline": 2.5,
+        "request": "q1",
+        "job": "i0/b1",
+        "step": 3,
+    }
+    threading.Thread(target=source.done, args=(1, 0.125), daemon=True).start()
+    live.run(10)
+    assert finished == [0.125]
+    (record,) = live.records.flows
+    assert (record.cls, record.size, record.finished, record.request) == ("kv", 1000, 0.125, "q1")
+
+
+def test_engine_runs_timers_in_order_at_their_time(
+    engine: tuple[LiveEngine, FakeHost, FakeHost],
+) -> None:
+    live, _, _ = engine
+    fired: list[tuple[str, float]] = []
+    start = live.clock()
+    live.at(start + 0.05, lambda: fired.append(("b", live.now)))
+    live.at(start + 0.01, lambda: fired.append(("a", live.now)))
+    live.at(start + 0.01, lambda: live.after(0.02, lambda: fired.append(("c", live.now))))
+    live.run(10)
+    assert [name for name, _ in fired] == ["a", "c", "b"]
+    assert fired[1][1] == pytest.approx(start + 0.03)
+    assert live.clock() >= start + 0.05
+
+
+def test_engine_reports_job_progress_to_the_job_hosts_once_per_change(
+    engine: tuple[LiveEngine, FakeHost, FakeHost],
+) -> None:
+    live, source, _ = engine
+    live.set_job_index("i0/b1", 2)
+    live.set_job_index("i0/b1", 2)
+    live.set_job_index("i0/b1", 3)
+    assert source.next() == {"t": "job", "job": "i0/b1", "step": 2}
+    assert source.next() == {"t": "job", "job": "i0/b1", "step": 3}
+
+
+def test_engine_keeps_failed_and_unknown_reports_as_errors(
+    engine: tuple[LiveEngine, FakeHost, FakeHost],
+) -> None:
+    live, source, receiver = engine
+    live.open_flow(FlowClass.KV, 10, ("p0.nic0.tx", "d0.nic0.rx"))
+    source.next()
+    receiver.done(99, 0.1)
+    receiver.done(1, 0.2, ok=False)
+    live.run(10)
+    assert live.errors == [
+        "a host reported flow 99, which is not in flight",
+        "flow 1: boom",
+    ]
+
+
+def test_engine_times_out_naming_the_flows_in_flight(
+    engine: tuple[LiveEngine, FakeHost, FakeHost],
+) -> None:
+    live = engine[0]
+    live.open_flow(FlowClass.TP, 10, ("p0.nic0.tx", "d0.nic0.rx"))
+    with pytest.raises(TimeoutError, match="1 flows still in flight"):
+        live.run(0.2)
+
+
+def test_flow_inside_a_node_finishes_at_once(engine: tuple[LiveEngine, FakeHost, FakeHost]) -> None:
+    live, _, _ = engine
+    done: list[int] = []
+    live.open_flow(FlowClass.TP, 10, (), lambda flow: done.append(flow.flow_id))
+    live.run(10)
+    assert done == [1]
+
+
+def test_engine_names_hosts_that_never_connect(tmp_path: Path) -> None:
+    live = LiveEngine(tmp_path / "e.sock", {"p0": "h0"}, time.monotonic_ns(), lambda job: [])
+    try:
+        with pytest.raises(TimeoutError, match="did not connect within 0 s: h0"):
+            live.wait_for_hosts({"h0"}, 0.1)
+    finally:
+        live.stop()
+
+
+# ----------------------------------------------------------------------------- one live run
+TINY = """
+[scenario]
+name = "tiny"
+[sim]
+chunk_kib = 64
+timer_ms = 50.0
+load_tau_ms = 50.0
+[serving]
+instances = 2
+servers_per_instance = 2
+gpus_per_server = 4
+nics_per_server = 1
+nic_gbps = 0.2
+decode_servers = 1
+decode_nics = 1
+kv_store_nodes = 1
+kv_store_nics = 1
+layers = 2
+kv_bytes_per_token_layer = 819
+a2a_bytes_per_token_layer = 6554
+flops_per_token_layer = 3.12e9
+weight_bytes_per_gpu_layer = 1408e6
+gpu_tflops = 6.24
+gpu_mem_gbps = 40.0
+lookahead = 1
+mean_prompt_tokens = 500.0
+prefix_groups = 16
+cached_groups = 4
+load_basis = "network"
+warmup_requests = 0
+requests = 6
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.usefixtures("netns_ok")
+def test_live_run_serves_every_request_through_the_real_agents(tmp_path: Path) -> None:
+    from flowsched.testbed import netns
+
+    scen = scenario.parse(TINY, "tiny.toml")
+    policy = tmp_path / "rmlq.toml"
+    serving.write_policy_file("rmlq", policy)
+    spec = netns.TopologySpec(prefix="fsE-sv-", hosts=6, rate_mbit=200)
+    with netns.testbed(spec) as topo:
+        run = serving.run_live(topo, scen, 0.5, 1, policy, tmp_path / "work")
+    assert run.errors == []
+    trace = scenario.serving_trace(scen.serving, 0.5, 1)  # type: ignore[arg-type]
+    assert sorted(r.request for r in run.records.requests) == sorted(r.request_id for r in trace)
+    assert all(r.finished is not None and r.finished > r.arrival for r in run.records.requests)
+    classes = {f.cls for f in run.records.flows}
+    assert {"tp", "kv"} <= classes
+    # every P2D flow crossed the testbed: its completion is at least its bytes at line rate
+    for flow in run.records.flows:
+        if flow.cls == "kv":
+            assert flow.finished - flow.opened >= flow.size / spec.rate_bytes * 0.9
+    # the agents saw the flows: each host journalled the levels its SDK flows were given
+    levels = [
+        e
+        for path in (tmp_path / "work").glob("host-*.json")
+        for e in json.loads(path.read_text())
+        if e["kind"] == "level"
+    ]
+    assert levels
+
+
+# ----------------------------------------------------------------------------- the command
+def test_simulate_only_reports_the_bound_and_each_policy(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flowsched",
+            "bench",
+            "serving",
+            "--simulate-only",
+            "--policies",
+            "rmlq,static+late",
+            "--loads",
+            "0.6",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for row in ("ideal (bound)", "rmlq sim", "static+late sim"):
+        assert row in proc.stdout
+    assert "testbed" not in proc.stdout.split("pooled", 1)[1]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["meta"]["mode"] == "simulator only (asked)"
+    assert results["meta"]["time_scale"] == serving.TIME_SCALE
+    assert (tmp_path / "work" / "policies" / "static+late.toml").exists()
+
+
+def test_unknown_policy_exits_2_naming_it(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "flowsched", "bench", "serving", "--simulate-only"),
+            *("--policies", "rmlq,nope", "--out", str(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "unknown policy 'nope'" in proc.stderr
