@@ -16,8 +16,10 @@ Stage-1 fetches, the EP all-to-all and the per-layer P2D) drives the testbed unc
 Host processes connect to the engine's unix socket (a path: network namespaces do not separate
 the file system) and speak JSON lines. Host -> engine: ``{"t": "hello", "host": H}`` once, then
 ``{"t": "done", "id": N, "at": S, "ok": B, "error": E}`` per received flow. Engine -> host:
-``{"t": "open", "id", "cls", "size", "dst", "deadline", "request", "job", "step"}``,
-``{"t": "job", "job", "step"}`` and ``{"t": "stop"}``.
+``{"t": "start", "t0_ns", "t0_wall"}`` once every host said hello (time zero, so that a host
+that was slow to start never shifts the trace), then ``{"t": "open", "id", "cls", "size",
+"dst", "deadline", "request", "job", "step"}``, ``{"t": "job", "job", "step"}`` and
+``{"t": "stop"}``.
 """
 
 from __future__ import annotations
@@ -54,14 +56,15 @@ class LiveEngine:
         self,
         socket_path: Path,
         node_host: Mapping[str, str],
-        t0_ns: int,
         job_hosts: Callable[[str], Iterable[str]],
     ) -> None:
         self.now = 0.0
         self.records = RunRecords()
         self.job_index: dict[str, int] = {}
         self.errors: list[str] = []
-        self._node_host, self.t0_ns, self._job_hosts = dict(node_host), t0_ns, job_hosts
+        self._node_host, self._job_hosts = dict(node_host), job_hosts
+        #: time zero on CLOCK_MONOTONIC (and the wall clock): construction until :meth:`start`
+        self.t0_ns, self.t0_wall = time.monotonic_ns(), time.time()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._ids = itertools.count(1)
@@ -134,6 +137,13 @@ class LiveEngine:
                 raise TimeoutError(
                     f"host processes did not connect within {timeout:.0f} s: {missing}"
                 )
+
+    def start(self, delay: float) -> None:
+        """Set time zero ``delay`` seconds from now and tell every connected host."""
+        self.t0_ns = time.monotonic_ns() + int(delay * 1e9)
+        self.t0_wall = time.time() + delay
+        for host in list(self._hosts):
+            self._send(host, {"t": "start", "t0_ns": self.t0_ns, "t0_wall": self.t0_wall})
 
     def clock(self) -> float:
         """Seconds since time zero, now."""

@@ -63,8 +63,8 @@ LAYER_ARGS = frozenset({"pace_layers"})
 #: the policy file every run derives from, and the late-dropping suffix
 BASE_POLICY_FILE = "default.toml"
 LATE_SUFFIX = "+late"
-#: seconds between starting the host processes and the trace's time zero
-START_MARGIN = 2.0
+#: seconds between telling the connected host processes time zero and time zero
+START_MARGIN = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,19 +216,17 @@ def run_live(
     errors: list[str] = []
     with runner.processes() as procs:
         runner.start_agents(topo, procs, policy_path, topo.spec.rate_bytes, workdir)
-        t0_ns = time.monotonic_ns() + int(START_MARGIN * 1e9)
-        t0_wall = time.time() + START_MARGIN
         serving = scen.serving
         engine = LiveEngine(
             workdir / "engine.sock",
             hosts,
-            t0_ns,
             lambda job: [hosts[node] for node in job_nodes(serving, job)],
         )
-        workers = _start_hosts(topo, procs, sorted(set(hosts.values())), workdir, engine, t0_wall)
+        workers = _start_hosts(topo, procs, sorted(set(hosts.values())), workdir)
         workload = ServingWorkload(engine, build_topology(scen), serving, trace)
         try:
             engine.wait_for_hosts(set(hosts.values()), 30.0)
+            engine.start(START_MARGIN)
             workload.start()
             engine.run(timeout)
         except TimeoutError as exc:
@@ -249,8 +247,6 @@ def _start_hosts(
     procs: list[subprocess.Popen[bytes]],
     names: Iterable[str],
     workdir: Path,
-    engine: LiveEngine,
-    t0_wall: float,
 ) -> list[subprocess.Popen[bytes]]:
     ips = json.dumps({h.name: h.data_ip for h in topo.hosts})
     by_name = {h.name: h for h in topo.hosts}
@@ -266,10 +262,6 @@ def _start_hosts(
             str(workdir / "engine.sock"),
             "--ips",
             ips,
-            "--t0-ns",
-            str(engine.t0_ns),
-            "--t0-wall",
-            repr(t0_wall),
             "--out",
             str(workdir / f"host-{name}.json"),
         ]

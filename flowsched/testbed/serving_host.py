@@ -1,15 +1,15 @@
 """One testbed host of the live serving run (runs inside the host's network namespace).
 
 It connects to the run's :class:`flowsched.testbed.live.LiveEngine` over a unix socket, says
-hello, then: receives every flow addressed to its host and reports each completion (the time
-its last byte arrived); opens each flow the engine asks for through the real agent
-(``flowsched.client`` with the flow's class, size, deadline, request, job and consumer step,
-``dst_node`` = the receiving host) and sends it with ``flowsched.transfer.send_flow``, so the
-socket follows the flow's level; passes job progress on to the agent. Collectives (class ``tp``,
-the EP all-to-all) go as messages over one persistent connection per peer host, registered once
-as a ``tp`` flow, as NCCL keeps its connections for the communicator's lifetime. Level changes,
-timings and errors go to ``--out`` as JSON at the end, as the contention benchmark's workers
-journal them.
+hello, learns the run's time zero, then: receives every flow addressed to its host and reports
+each completion (the time its last byte arrived); opens each flow the engine asks for through the
+real agent (``flowsched.client`` with the flow's class, size, deadline, request, job and consumer
+step, ``dst_node`` = the receiving host) and sends it with ``flowsched.transfer.send_flow``, so
+the socket follows the flow's level; passes job progress on to the agent. Collectives (class
+``tp``, the EP all-to-all) go as messages over one persistent connection per peer host, registered
+once as a ``tp`` flow, as NCCL keeps its connections for the communicator's lifetime. Level
+changes, timings and errors go to ``--out`` as JSON at the end, as the contention benchmark's
+workers journal them.
 """
 
 from __future__ import annotations
@@ -65,15 +65,15 @@ class _Channel:
 class ServingHost:
     """The host's side of the engine's protocol (see :mod:`flowsched.testbed.live`)."""
 
-    def __init__(
-        self, host: str, ips: dict[str, str], clock: Clock, t0_wall: float, journal: Journal
-    ) -> None:
-        self.host, self.ips, self.clock, self.t0_wall = host, ips, clock, t0_wall
-        self.journal = journal
+    def __init__(self, host: str, ips: dict[str, str], journal: Journal) -> None:
+        self.host, self.ips, self.journal = host, ips, journal
+        #: the run's time zero, from the engine's ``start`` (no flow comes before it)
+        self.clock, self.t0_wall = Clock(time.monotonic_ns()), time.time()
         self._engine: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._channels: dict[str, _Channel] = {}
         self._channels_lock = threading.Lock()
+        self._receiver: transfer.Receiver | None = None
 
     def run(self, engine_path: str, timeout: float) -> None:
         """Serve the engine until it says stop or its socket closes."""
@@ -87,7 +87,7 @@ class ServingHost:
         engine.settimeout(None)
         self._engine = engine
         self._report({"t": "hello", "host": self.host})
-        threading.Thread(target=self._drain, args=(receiver,), daemon=True).start()
+        self._receiver = receiver
         try:
             with engine.makefile("rb") as lines:
                 for raw in iter(lambda: lines.readline(MAX_LINE), b""):
@@ -102,7 +102,10 @@ class ServingHost:
 
     def _command(self, message: dict[str, Any]) -> bool:
         kind = message.get("t")
-        if kind == "open" and message.get("cls") == "tp":
+        if kind == "start":
+            self.clock, self.t0_wall = Clock(int(message["t0_ns"])), float(message["t0_wall"])
+            threading.Thread(target=self._drain, args=(self._receiver,), daemon=True).start()
+        elif kind == "open" and message.get("cls") == "tp":
             threading.Thread(target=self._send_collective, args=(message,), daemon=True).start()
         elif kind == "open":
             threading.Thread(target=self._send_flow, args=(message,), daemon=True).start()
@@ -218,13 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", required=True)
     parser.add_argument("--engine", required=True, help="the engine's unix socket")
     parser.add_argument("--ips", required=True, help="JSON host -> data IP")
-    parser.add_argument("--t0-ns", type=int, required=True)
-    parser.add_argument("--t0-wall", type=float, required=True)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     journal = Journal()
-    host = ServingHost(args.host, json.loads(args.ips), Clock(args.t0_ns), args.t0_wall, journal)
+    host = ServingHost(args.host, json.loads(args.ips), journal)
     try:
         host.run(args.engine, args.timeout)
     finally:

@@ -7,7 +7,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -126,9 +125,12 @@ class FakeHost:
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[tuple[LiveEngine, FakeHost, FakeHost]]:
     path = tmp_path / "engine.sock"
-    live = LiveEngine(path, {"p0": "h0", "d0": "h1"}, time.monotonic_ns(), lambda job: ["h0"])
+    live = LiveEngine(path, {"p0": "h0", "d0": "h1"}, lambda job: ["h0"])
     hosts = FakeHost(path, "h0"), FakeHost(path, "h1")
     live.wait_for_hosts({"h0", "h1"}, 10)
+    live.start(0.0)
+    for host in hosts:
+        assert host.next() == {"t": "start", "t0_ns": live.t0_ns, "t0_wall": live.t0_wall}
     yield live, *hosts
     live.stop()
     for host in hosts:
@@ -228,7 +230,7 @@ def test_flow_inside_a_node_finishes_at_once(engine: tuple[LiveEngine, FakeHost,
 
 
 def test_engine_names_hosts_that_never_connect(tmp_path: Path) -> None:
-    live = LiveEngine(tmp_path / "e.sock", {"p0": "h0"}, time.monotonic_ns(), lambda job: [])
+    live = LiveEngine(tmp_path / "e.sock", {"p0": "h0"}, lambda job: [])
     try:
         with pytest.raises(TimeoutError, match="did not connect within 0 s: h0"):
             live.wait_for_hosts({"h0"}, 0.1)
