@@ -11,8 +11,8 @@ process per node sends them through the real agent of its host, under the real c
 Policies: ``rmlq`` is ``policies/default.toml``, as ``flowsched sim`` runs it without a policy
 file; a baseline takes that file's levels, queues and timer with the policy swapped in
 (``NAME+late`` adds ``drop_late``). Every time in the file is multiplied by :data:`TIME_SCALE`
-and every layer count divided by :data:`LAYER_GROUP`, so that the policy sees the scenario as
-the original sees pd-serving.
+and every layer count divided by :data:`LAYER_GROUP`, so that the policy's timing constants keep
+their meaning against the scenario's times.
 """
 
 from __future__ import annotations
