@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -130,7 +131,7 @@ def _register_serving(benches: Any) -> None:
 
 
 def _serving(args: argparse.Namespace) -> int:
-    from flowsched.testbed import netns, serving
+    from flowsched.testbed import serving
 
     try:
         options = serving.ServingOptions(
@@ -142,40 +143,37 @@ def _serving(args: argparse.Namespace) -> int:
             simulate_only=args.simulate_only,
             command="flowsched bench serving " + " ".join(sys.argv[3:]),
         )
-        serving.run(options)
+        return _on_testbed("serving", lambda: serving.run(options))
     except (OSError, ValueError) as exc:
         print(f"flowsched bench serving: {exc}", file=sys.stderr)
         return 2
-    except netns.Terminated:
-        print("flowsched bench serving: terminated; the testbed was removed", file=sys.stderr)
-        return 143
-    except KeyboardInterrupt:
-        print("flowsched bench serving: interrupted; the testbed was removed", file=sys.stderr)
-        return 130
-    except netns.TestbedUnavailable as exc:
-        print(f"flowsched bench serving: {exc}", file=sys.stderr)
-        return 1
-    return 0
 
 
 def _contention(args: argparse.Namespace) -> int:
-    from flowsched.testbed import bench, netns
+    from flowsched.testbed import bench
 
     try:
         options = _options(args)
     except (OSError, ValueError) as exc:
         print(f"flowsched bench contention: {exc}", file=sys.stderr)
         return 2
+    return _on_testbed("contention", lambda: bench.run(options))
+
+
+def _on_testbed(name: str, run: Callable[[], object]) -> int:
+    """Run a testbed benchmark; the exit status, with a line for a stop or a missing testbed."""
+    from flowsched.testbed import netns
+
     try:
-        bench.run(options)
+        run()
     except netns.Terminated:
-        print("flowsched bench contention: terminated; the testbed was removed", file=sys.stderr)
+        print(f"flowsched bench {name}: terminated; the testbed was removed", file=sys.stderr)
         return 143
     except KeyboardInterrupt:
-        print("flowsched bench contention: interrupted; the testbed was removed", file=sys.stderr)
+        print(f"flowsched bench {name}: interrupted; the testbed was removed", file=sys.stderr)
         return 130
     except netns.TestbedUnavailable as exc:
-        print(f"flowsched bench contention: {exc}", file=sys.stderr)
+        print(f"flowsched bench {name}: {exc}", file=sys.stderr)
         return 1
     return 0
 

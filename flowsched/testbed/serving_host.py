@@ -20,7 +20,6 @@ import socket
 import struct
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from flowsched import client, transfer
@@ -33,6 +32,7 @@ from flowsched.testbed.worker import (
     Clock,
     Journal,
     connect_retry,
+    skip_exact,
 )
 
 #: a collective message on a channel: flow id and payload size, then the payload
@@ -191,16 +191,11 @@ class ServingHost:
             threading.Thread(target=self._read_channel, args=(conn,), daemon=True).start()
 
     def _read_channel(self, conn: socket.socket) -> None:
-        buf = bytearray(256 * 1024)
         with conn:
             while True:
                 try:
-                    flow_id, left = _MESSAGE.unpack(transfer.recv_exact(conn, _MESSAGE.size))
-                    while left:
-                        n = conn.recv_into(buf, min(len(buf), left))
-                        if n == 0:
-                            raise OSError("the peer closed the channel mid-message")
-                        left -= n
+                    flow_id, size = _MESSAGE.unpack(transfer.recv_exact(conn, _MESSAGE.size))
+                    skip_exact(conn, size)
                 except (OSError, transfer.TransferError):
                     return  # the peer finished (or died: its flows never complete, the run says)
                 self._report({"t": "done", "id": flow_id, "at": self.clock.now(), "ok": True})
@@ -229,8 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         host.run(args.engine, args.timeout)
     finally:
-        journal.add("cpu", what="serving host", host=args.host, seconds=time.process_time())
-        Path(args.out).write_text(json.dumps(journal.events), encoding="utf-8")
+        journal.write(args.out, "serving host", args.host)
     return 0
 
 

@@ -62,6 +62,11 @@ class Journal:
         with self._lock:
             self.events.append({"kind": kind, **fields})
 
+    def write(self, path: str, what: str, host: str) -> None:
+        """Add the process's CPU seconds (as ``what`` on ``host``) and write ``path``."""
+        self.add("cpu", what=what, host=host, seconds=time.process_time())
+        Path(path).write_text(json.dumps(self.events), encoding="utf-8")
+
 
 class MiniHandle:
     """A flow registered with the minimal controller (implements ``transfer.MarkedFlow``)."""
@@ -564,15 +569,19 @@ def _exchange(sock: socket.socket, size: int, handle: Any) -> None:
     _barrier(sock)
 
 
-def _recv_message(sock: socket.socket) -> transfer.ReceiveStats:
-    header = transfer.recv_exact(sock, 8)
-    remaining = int.from_bytes(header, "big")
+def skip_exact(sock: socket.socket, size: int) -> None:
+    """Read and drop exactly ``size`` bytes of a collective (OSError if the peer closes)."""
     buf = bytearray(256 * 1024)
-    while remaining:
-        n = sock.recv_into(buf, min(len(buf), remaining))
+    while size:
+        n = sock.recv_into(buf, min(len(buf), size))
         if n == 0:
             raise OSError("peer closed during a collective")
-        remaining -= n
+        size -= n
+
+
+def _recv_message(sock: socket.socket) -> transfer.ReceiveStats:
+    header = transfer.recv_exact(sock, 8)
+    skip_exact(sock, int.from_bytes(header, "big"))
     now = time.monotonic()
     return transfer.ReceiveStats(0, 0, 0, True, "", now, now, now, time.time(), "", None)
 
@@ -604,8 +613,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker.run(args.timeout)
     finally:
-        journal.add("cpu", what="worker", host=args.host, seconds=time.process_time())
-        Path(args.out).write_text(json.dumps(journal.events), encoding="utf-8")
+        journal.write(args.out, "worker", args.host)
     return 0
 
 
