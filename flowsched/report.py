@@ -36,6 +36,8 @@ class Outcome:
     bound: bool = False
     #: the metrics of each seed (for error bars); empty when only pooled records exist
     per_seed: list[RunMetrics] = field(default_factory=list)
+    #: where it ran ("" = the simulator); a row's ``x ideal`` uses the bound of its own source
+    source: str = ""
 
     @classmethod
     def from_records(
@@ -48,6 +50,7 @@ class Outcome:
         wall_s: float = 0.0,
         bound: bool = False,
         seeds: Sequence[RunRecords] = (),
+        source: str = "",
     ) -> Outcome:
         """Summarize ``records`` (pooled) and each of ``seeds`` into an outcome."""
         return cls(
@@ -60,6 +63,7 @@ class Outcome:
             wall_s,
             bound,
             [summarize(r) for r in seeds] if len(seeds) > 1 else [],
+            source,
         )
 
     @property
@@ -110,8 +114,12 @@ def _order(outcome: Outcome) -> int:
 
 
 def vs_bound(outcome: Outcome, outcomes: Iterable[Outcome]) -> float | None:
-    """``outcome``'s SLO attainment / the ideal bound's at the same load (None if either lacks)."""
-    bound = next((o for o in outcomes if o.bound and o.load == outcome.load), None)
+    """``outcome``'s SLO attainment / the ideal bound's at the same load and from the same
+    source (None if either lacks)."""
+    bound = next(
+        (o for o in outcomes if o.bound and o.load == outcome.load and o.source == outcome.source),
+        None,
+    )
     mine = outcome.metrics.slo_attainment
     if bound is None or mine is None or not bound.metrics.slo_attainment:
         return None
@@ -154,6 +162,7 @@ def to_json(outcomes: Sequence[Outcome], meta: dict[str, Any] | None = None) -> 
                 "load": o.load,
                 "oracle": o.oracle,
                 "bound": o.bound,
+                "source": o.source or "simulator",
                 "wall_s": round(o.wall_s, 3),
                 "vs_ideal": vs_bound(o, outcomes),
                 "metrics": _finite(json_metrics(o.metrics)),

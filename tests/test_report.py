@@ -42,6 +42,24 @@ def test_table_lists_every_run_with_oracles_marked_and_last() -> None:
     assert "llf (oracle)" in block[-1] and "90.0%" in block[-1]
 
 
+def test_x_ideal_is_against_the_bound_of_the_same_source() -> None:
+    outcomes = [
+        dataclasses.replace(_outcome("ideal", 0.5, 0.8), bound=True),
+        dataclasses.replace(_outcome("ideal testbed", 0.5, 0.5), bound=True, source="testbed"),
+        _outcome("rmlq sim", 0.5, 0.4),
+        dataclasses.replace(_outcome("rmlq testbed", 0.5, 0.4), source="testbed"),
+        dataclasses.replace(_outcome("static testbed", 0.9, 0.4), source="testbed"),
+    ]
+    runs = {(r["policy"], r["load"]): r for r in to_json(outcomes)["runs"]}
+    assert runs["rmlq sim", 0.5]["vs_ideal"] == pytest.approx(0.5)
+    assert runs["rmlq testbed", 0.5]["vs_ideal"] == pytest.approx(0.8)
+    assert runs["rmlq testbed", 0.5]["source"] == "testbed"
+    assert runs["rmlq sim", 0.5]["source"] == "simulator"
+    assert runs["static testbed", 0.9]["vs_ideal"] is None  # no testbed bound at that load
+    rows = {line.split("  ")[1].strip(): line for line in table(outcomes).splitlines()[2:]}
+    assert rows["rmlq testbed"].split()[-1] == "0.80"
+
+
 def test_best_baseline_ignores_oracles_and_the_candidate() -> None:
     best = best_baseline(OUTCOMES, 0.5, exclude="rmlq")
     assert best is not None and best.policy == "fair"

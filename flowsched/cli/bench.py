@@ -95,7 +95,7 @@ def register(sub: Any) -> None:
     _register_serving(benches)
 
 
-#: the serving benchmark's defaults: each testbed run takes about 90 s (55-80 s of arrivals)
+#: the serving benchmark's defaults: each testbed run takes 75-90 s (55-80 s of arrivals)
 SERVING_POLICIES = "rmlq,static+late,edf+late"
 SERVING_SIM_POLICIES = "ideal"
 
@@ -107,7 +107,8 @@ def _register_serving(benches: Any) -> None:
         description="Run the scenario pd-serving-testbed (pd-serving on 200 Mbit/s links, "
         "every time x 100: bench/scenarios/pd-serving-testbed.toml) on a network-namespace "
         "testbed with the real coordinator, one agent per node and real sockets, and in the "
-        "simulator, on the same request traces; the ideal-network bound in the simulator. "
+        "simulator, on the same request traces; the ideal-network bound on both (each side's "
+        "x ideal is against its own). "
         "rmlq runs policies/default.toml, a baseline its levels and queues; every time in the "
         "file x 100, every layer count / 4. Without root or kernel support it runs the "
         "simulator only.",
@@ -121,7 +122,8 @@ def _register_serving(benches: Any) -> None:
     serving.add_argument(
         "--sim-policies",
         default=SERVING_SIM_POLICIES,
-        help=f"simulator only: 'ideal' and policies as above (default {SERVING_SIM_POLICIES})",
+        help="simulator only: policies as above (the ideal bound runs in any case; "
+        f"default {SERVING_SIM_POLICIES})",
     )
     serving.add_argument("--loads", default="0.6", help="comma-separated (default 0.6)")
     serving.add_argument("--seed", type=int, default=1, help="first seed (default 1)")

@@ -16,7 +16,7 @@ from flowsched import policies, scenario
 from flowsched.metrics import merge
 from flowsched.policies import hwqueues
 from flowsched.report import Outcome, Progress, table, write_all
-from flowsched.sim.run import IDEAL, PolicySpec, ideal_spec, run
+from flowsched.sim.run import IDEAL, LATE_SUFFIX, PolicySpec, ideal_spec, run
 
 DEFAULT_POLICIES = "ideal,rmlq,fair,static,static+late,edf,edf+late,sjf,pias,karuna,llf,llf+late"
 #: ``flowsched sim paper``: the MFS paper's serving setting with the paper's comparison
@@ -26,8 +26,7 @@ PAPER = {
     "loads": "0.5,0.6,0.7",
     "seeds": 3,
 }
-#: suffix of a baseline with late-dropping, and the arguments it adds
-LATE_SUFFIX = "+late"
+#: the arguments a NAME+late baseline adds
 LATE_ARGS = {"drop_late": True}
 #: hardware queues a fabric offers when no policy file says (switches have 8 at best)
 DEFAULT_HW_QUEUES = 8

@@ -24,6 +24,8 @@ IDEAL_PRIVATE = frozenset(
 )
 #: the label of the ideal-network bound in tables and plots
 IDEAL = "ideal"
+#: suffix of a baseline with late-dropping (``drop_late = true``), as in ``static+late``
+LATE_SUFFIX = "+late"
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,9 @@ Stage-1 fetches, the EP all-to-all and the per-layer P2D) drives the testbed unc
   flow's class, size, deadline, request, job and consumer step;
 * the flow's ``on_done`` runs when the receiving host reports its last byte, with ``now`` = the
   time that byte arrived;
-* ``set_job_index`` becomes ``job_progress`` at the hosts that run the job.
+* ``set_job_index`` becomes ``job_progress`` at the hosts that run the job;
+* a flow of a ``private`` class (the ideal-network bound) never touches the network: it finishes
+  ``size / private_rate`` seconds after it opens, as on a private full-rate path.
 
 Host processes connect to the engine's unix socket (a path: network namespaces do not separate
 the file system) and speak JSON lines. Host -> engine: ``{"t": "hello", "host": H}`` once, then
@@ -49,7 +51,8 @@ class LiveEngine:
     """Timers and flows of one workload on the testbed (see the module docstring).
 
     ``node_host`` maps the workload's node names to testbed hosts; ``job_hosts(job)`` names
-    the hosts whose agents hear a job's progress.
+    the hosts whose agents hear a job's progress. Flows of the ``private`` classes finish at
+    ``private_rate`` bytes/s without being sent (the ideal-network bound's private paths).
     """
 
     def __init__(
@@ -57,12 +60,18 @@ class LiveEngine:
         socket_path: Path,
         node_host: Mapping[str, str],
         job_hosts: Callable[[str], Iterable[str]],
+        *,
+        private: frozenset[FlowClass] = frozenset(),
+        private_rate: float = 0.0,
     ) -> None:
+        if private and private_rate <= 0:
+            raise ValueError(f"private_rate: {private_rate} must be positive with private classes")
         self.now = 0.0
         self.records = RunRecords()
         self.job_index: dict[str, int] = {}
         self.errors: list[str] = []
         self._node_host, self._job_hosts = dict(node_host), job_hosts
+        self._private, self._private_rate = private, private_rate
         #: time zero on CLOCK_MONOTONIC (and the wall clock): construction until :meth:`start`
         self.t0_ns, self.t0_wall = time.monotonic_ns(), time.time()
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
@@ -100,6 +109,10 @@ class LiveEngine:
         flow = Flow(next(self._ids), cls, self.now, size=int(size), links=links, **fields)
         if not links or size <= 0:  # inside one node: no network
             self.at(self.now, lambda: self._finish(flow, on_done, self.now))
+            return flow
+        if cls in self._private:
+            done = self.now + int(size) / self._private_rate
+            self.at(done, lambda: self._finish(flow, on_done, done))
             return flow
         src, dst = (self._node_host[_node_of(link)] for link in (links[0], links[-1]))
         self._in_flight[flow.flow_id] = (flow, on_done)

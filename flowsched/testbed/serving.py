@@ -3,7 +3,9 @@
 ``flowsched bench serving`` runs the scenario ``pd-serving-testbed`` (pd-serving shrunk to the
 testbed's 200 Mbit/s links with every time x :data:`TIME_SCALE`; its file says how). For each
 seed and load every policy runs once on the testbed and once in the simulator, on the same
-request trace; the ideal-network bound runs in the simulator. On the testbed the simulator's
+request trace, and so does the ideal-network bound: on the testbed its KV and KV-reuse flows
+finish at line rate without being sent (private paths) while its all-to-all runs for real, so
+that each side's rows are judged against the bound of the same side. On the testbed the simulator's
 own serving workload (routing, batching, layer pace, Stage-1 fetches, the EP all-to-all, the
 per-layer P2D) drives real flows through :class:`flowsched.testbed.live.LiveEngine`: one host
 process per node sends them through the real agent of its host, under the real coordinator.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,7 +36,15 @@ from flowsched import policies, policyfile, scenario
 from flowsched import report as shared_report
 from flowsched.data import data_path
 from flowsched.metrics import RunRecords, merge
-from flowsched.sim.run import IDEAL, PolicySpec, build_topology, ideal_spec
+from flowsched.model import FlowClass
+from flowsched.sim.run import (
+    IDEAL,
+    IDEAL_PRIVATE,
+    LATE_SUFFIX,
+    PolicySpec,
+    build_topology,
+    ideal_spec,
+)
 from flowsched.sim.run import run as simulate
 from flowsched.sim.serving import ServingWorkload
 from flowsched.testbed import netns, runner
@@ -60,11 +71,15 @@ SECONDS_ARGS = frozenset(
     }
 )
 LAYER_ARGS = frozenset({"pace_layers"})
-#: the policy file every run derives from, and the late-dropping suffix
+#: the policy file every run derives from
 BASE_POLICY_FILE = "default.toml"
-LATE_SUFFIX = "+late"
 #: seconds between telling the connected host processes time zero and time zero
 START_MARGIN = 0.5
+#: guaranteed share of each level's htb class: none, strict priority as a switch's priority
+#: queues serve them. With the contention testbed's 2 % every backlogged lower class takes
+#: 4 Mbit/s whatever its priority, and here the KV flows spread over several levels at once
+#: (docs/results.md, "pd-serving on the testbed", compares runs with both)
+MIN_SHARE = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +90,7 @@ class ServingOptions:
     policies: tuple[str, ...]
     loads: tuple[float, ...]
     seeds: tuple[int, ...]
-    #: policies run in the simulator only (the ideal bound is always one of them)
+    #: policies run in the simulator only (the ideal bound runs in any case, on both sides)
     sim_policies: tuple[str, ...] = (IDEAL,)
     simulate_only: bool = False
     scenario: str = SCENARIO
@@ -90,6 +105,8 @@ class LiveRun:
     records: RunRecords
     errors: list[str] = field(default_factory=list)
     wall_seconds: float = 0.0
+    #: share of the machine's CPU time the hypervisor stole during the run (NaN: not reported)
+    steal: float = math.nan
 
 
 # ----------------------------------------------------------------------------- policy files
@@ -203,8 +220,13 @@ def run_live(
     seed: int,
     policy_path: Path,
     workdir: Path,
+    *,
+    private: frozenset[FlowClass] = frozenset(),
 ) -> LiveRun:
-    """One policy at one load and seed on the testbed; the records as the simulator keeps them."""
+    """One policy at one load and seed on the testbed; the records as the simulator keeps them.
+
+    Flows of the ``private`` classes finish at line rate without being sent (the ideal bound).
+    """
     assert scen.serving is not None
     cfg = policyfile.load(policy_path)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -212,7 +234,7 @@ def run_live(
     hosts = node_hosts(topo, scen)
     trace = scenario.serving_trace(scen.serving, load, seed)
     timeout = trace[-1].arrival * 3 + 60 if trace else 60.0
-    started = time.monotonic()
+    started, machine = time.monotonic(), cpu_times()
     errors: list[str] = []
     with runner.processes() as procs:
         runner.start_agents(topo, procs, policy_path, topo.spec.rate_bytes, workdir)
@@ -221,6 +243,8 @@ def run_live(
             workdir / "engine.sock",
             hosts,
             lambda job: [hosts[node] for node in job_nodes(serving, job)],
+            private=private,
+            private_rate=topo.spec.rate_bytes,
         )
         workers = _start_hosts(topo, procs, sorted(set(hosts.values())), workdir)
         workload = ServingWorkload(engine, build_topology(scen), serving, trace)
@@ -239,7 +263,9 @@ def run_live(
     for path in sorted(workdir.glob("host-*.json")):
         events = json.loads(path.read_text(encoding="utf-8") or "[]")
         errors += [f"{path.stem}: flow {e['id']}: {e['error']}" for e in events if "error" in e]
-    return LiveRun(engine.records, errors, time.monotonic() - started)
+    return LiveRun(
+        engine.records, errors, time.monotonic() - started, steal_share(machine, cpu_times())
+    )
 
 
 def _start_hosts(
@@ -279,25 +305,32 @@ def run(options: ServingOptions, stream: TextIO = sys.stdout) -> list[shared_rep
     if scen.serving is None:
         raise ValueError(f"{options.scenario}: not a serving scenario")
     work = options.out / "work"
-    specs = {name: sim_spec(name, work / "policies") for name in options.policies}
-    sim_only = {name: sim_spec(name, work / "policies") for name in options.sim_policies}
+    specs = {name: sim_spec(name, work / "policies") for name in options.policies if name != IDEAL}
+    sim_only = {
+        name: sim_spec(name, work / "policies")
+        for name in dict.fromkeys((IDEAL, *options.sim_policies))
+        if name not in specs
+    }
     spec = netns.TopologySpec(
         prefix=options.prefix,
         hosts=len(build_topology(scen).nodes),
         rate_mbit=scen.serving.nic_gbps * 1000,
+        min_share=MIN_SHARE,
     )
     reason = "asked" if options.simulate_only else netns.probe(spec.prefix)
     if reason is not None and not options.simulate_only:
         print(f"testbed unavailable: {reason}; running the simulator only", file=sys.stderr)
     runs = len(options.loads) * len(options.seeds)
-    progress = shared_report.Progress(runs * (len(specs) * (1 if reason else 2) + len(sim_only)))
+    live = [] if reason else [IDEAL, *specs]
+    progress = shared_report.Progress(runs * (len(specs) + len(sim_only) + len(live)))
     testbed: dict[tuple[str, float], list[RunRecords]] = {}
     errors: list[str] = []
+    live_runs: list[dict[str, Any]] = []
     steal = None
     if reason is None:
         machine = cpu_times()
         with netns.testbed(spec, probed=True) as topo:
-            errors = _testbed_runs(topo, scen, options, list(specs), testbed, progress)
+            errors = _testbed_runs(topo, scen, options, live, testbed, progress, live_runs)
         steal = steal_share(machine, cpu_times())
     outcomes = _outcomes(scen, options, {**sim_only, **specs}, testbed, progress)
     progress.close()
@@ -316,6 +349,7 @@ def run(options: ServingOptions, stream: TextIO = sys.stdout) -> list[shared_rep
         "time_scale": TIME_SCALE,
         "steal": steal,
         "errors": errors,
+        "testbed_runs": live_runs,
     }
     paths = shared_report.write_all(options.out, outcomes, meta)
     print("wrote " + ", ".join(str(p) for p in paths), file=stream)
@@ -329,8 +363,10 @@ def _testbed_runs(
     names: list[str],
     testbed: dict[tuple[str, float], list[RunRecords]],
     progress: shared_report.Progress,
+    runs: list[dict[str, Any]],
 ) -> list[str]:
-    """Every policy at every load and seed on the testbed, into ``testbed``; the errors."""
+    """Every policy at every load and seed on the testbed, into ``testbed`` (and each run's
+    wall time and CPU steal into ``runs``); the errors."""
     errors: list[str] = []
     work = options.out / "work"
     for load in options.loads:
@@ -344,9 +380,19 @@ def _testbed_runs(
                     seed,
                     work / "policies" / f"{name}.toml",
                     work / f"{name}-load{load:g}-seed{seed}",
+                    private=IDEAL_PRIVATE if name == IDEAL else frozenset(),
                 )
                 testbed.setdefault((name, load), []).append(measured.records)
                 errors += [f"{where}: {e}" for e in measured.errors]
+                runs.append(
+                    {
+                        "policy": name,
+                        "load": load,
+                        "seed": seed,
+                        "wall_s": round(measured.wall_seconds, 1),
+                        "steal": None if math.isnan(measured.steal) else round(measured.steal, 4),
+                    }
+                )
                 progress.advance(f"{where}: testbed")
     return errors
 
@@ -372,11 +418,16 @@ def _outcomes(
                     label, load, merge(seeds), bound=policy_spec.bound, seeds=seeds
                 )
             )
-        for name in options.policies:
+        for name in dict.fromkeys((IDEAL, *specs)):
             if (records := testbed.get((name, load))) is not None:
                 outcomes.append(
                     shared_report.Outcome.from_records(
-                        f"{name} testbed", load, merge(records), seeds=records
+                        f"{name} testbed",
+                        load,
+                        merge(records),
+                        bound=name == IDEAL,
+                        seeds=records,
+                        source="testbed",
                     )
                 )
     return outcomes

@@ -229,6 +229,48 @@ def test_flow_inside_a_node_finishes_at_once(engine: tuple[LiveEngine, FakeHost,
     assert done == [1]
 
 
+def test_private_flows_finish_at_line_rate_without_reaching_a_host(tmp_path: Path) -> None:
+    path = tmp_path / "engine.sock"
+    live = LiveEngine(
+        path,
+        {"p0": "h0", "d0": "h1"},
+        lambda job: [],
+        private=frozenset({FlowClass.KV}),
+        private_rate=1e6,
+    )
+    source = FakeHost(path, "h0")
+    try:
+        live.wait_for_hosts({"h0"}, 10)
+        live.start(0.0)
+        assert source.next()["t"] == "start"
+        finished: list[tuple[str, float]] = []
+        live.open_flow(
+            FlowClass.KV,
+            50_000,
+            ("p0.nic0.tx", "d0.nic0.rx"),
+            lambda f: finished.append(("kv", live.now)),
+        )
+        live.open_flow(
+            FlowClass.TP,
+            10,
+            ("p0.nic0.tx", "d0.nic0.rx"),
+            lambda f: finished.append(("tp", live.now)),
+        )
+        assert source.next()["cls"] == "tp"  # the private flow was never sent
+        threading.Thread(target=source.done, args=(2, 0.01), daemon=True).start()
+        live.run(10)
+        assert finished == [("tp", 0.01), ("kv", pytest.approx(0.05))]
+        assert [r.finished for r in live.records.flows if r.cls == "kv"] == [pytest.approx(0.05)]
+    finally:
+        live.stop()
+        source.close()
+
+
+def test_private_classes_need_a_rate(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"private_rate: 0.0 must be positive"):
+        LiveEngine(tmp_path / "e.sock", {}, lambda job: [], private=frozenset({FlowClass.KV}))
+
+
 def test_engine_names_hosts_that_never_connect(tmp_path: Path) -> None:
     live = LiveEngine(tmp_path / "e.sock", {"p0": "h0"}, lambda job: [])
     try:
@@ -305,6 +347,34 @@ def test_live_run_serves_every_request_through_the_real_agents(tmp_path: Path) -
     assert levels
 
 
+@pytest.mark.netns
+@pytest.mark.slow
+@pytest.mark.usefixtures("netns_ok")
+def test_live_ideal_bound_sends_only_the_all_to_all(tmp_path: Path) -> None:
+    from flowsched.sim.run import IDEAL_PRIVATE
+    from flowsched.testbed import netns
+
+    scen = scenario.parse(TINY, "tiny.toml")
+    policy = tmp_path / "ideal.toml"
+    serving.write_policy_file("static", policy)
+    spec = netns.TopologySpec(prefix="fsE-si-", hosts=6, rate_mbit=200)
+    with netns.testbed(spec) as topo:
+        run = serving.run_live(topo, scen, 0.5, 1, policy, tmp_path / "work", private=IDEAL_PRIVATE)
+    assert run.errors == []
+    assert all(r.finished is not None for r in run.records.requests)
+    kv = [f for f in run.records.flows if f.cls == "kv"]
+    assert kv and {f.cls for f in run.records.flows} >= {"tp"}
+    for flow in kv:  # a private path: exactly its bytes at line rate
+        assert flow.finished - flow.opened == pytest.approx(flow.size / spec.rate_bytes)
+    opened = [
+        e
+        for path in (tmp_path / "work").glob("host-*.json")
+        for e in json.loads(path.read_text())
+        if e["kind"] == "open"
+    ]
+    assert opened == []  # no P2D or Stage-1 flow went through an agent
+
+
 # ----------------------------------------------------------------------------- the command
 def test_simulate_only_reports_the_bound_and_each_policy(tmp_path: Path) -> None:
     proc = subprocess.run(
@@ -317,6 +387,8 @@ def test_simulate_only_reports_the_bound_and_each_policy(tmp_path: Path) -> None
             "--simulate-only",
             "--policies",
             "rmlq,static+late",
+            "--sim-policies",
+            "llf+late",  # the ideal bound runs without being named
             "--loads",
             "0.6",
             "--out",
@@ -328,7 +400,7 @@ def test_simulate_only_reports_the_bound_and_each_policy(tmp_path: Path) -> None
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for row in ("ideal (bound)", "rmlq sim", "static+late sim"):
+    for row in ("ideal (bound)", "rmlq sim", "static+late sim", "llf+late"):
         assert row in proc.stdout
     assert "testbed" not in proc.stdout.split("pooled", 1)[1]
     results = json.loads((tmp_path / "results.json").read_text())

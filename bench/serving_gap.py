@@ -1,0 +1,129 @@
+"""Where the serving testbed's rows fall short of the simulator's: two overheads, one at a time.
+
+``flowsched bench serving`` runs pd-serving-testbed live and in the simulator; the testbed rows
+come out lower. This script runs the same policy files in the simulator with one overhead of the
+testbed modelled at a time, to tell which one accounts for the gap:
+
+* ``--open-delay S``: every KV and KV-reuse flow starts S seconds after the workload opens it
+  (the agent's open round trip: the SDK waits for the coordinator's first level). The bound has
+  no agents on its private paths, so it is not delayed.
+* ``--collective-scale F``: every all-to-all flow carries F x its bytes (the testbed's
+  collectives take longer than line rate: TCP, thread wake-ups and reports on 2 shared cores).
+
+Each row is pooled over the seeds; ``x ideal`` is against the bound run with the same overhead::
+
+    .venv/bin/python bench/serving_gap.py --open-delay 0,0.01,0.02 --collective-scale 1,1.2,1.4
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from flowsched import scenario
+from flowsched.metrics import RunRecords, merge, summarize
+from flowsched.model import Flow, FlowClass
+from flowsched.sim.engine import DoneCallback, Simulator
+from flowsched.sim.run import IDEAL, PolicySpec, build_topology, sim_config
+from flowsched.sim.serving import ServingWorkload
+from flowsched.testbed.serving import SCENARIO, sim_spec
+
+DELAYED = frozenset({FlowClass.KV, FlowClass.KV_REUSE})
+
+
+class OverheadSimulator(Simulator):
+    """The simulator with a start delay on deadline flows and scaled collectives."""
+
+    def __init__(self, *args: Any, open_delay: float, collective_scale: float) -> None:
+        super().__init__(*args)
+        self.open_delay, self.collective_scale = open_delay, collective_scale
+
+    def open_flow(
+        self,
+        cls: FlowClass,
+        size: int,
+        links: tuple[str, ...],
+        on_done: DoneCallback | None = None,
+        **fields: object,
+    ) -> Flow:
+        if cls == FlowClass.TP:
+            size = int(size * self.collective_scale)
+        if cls in DELAYED and self.open_delay > 0:
+            opened: list[Flow] = []
+            self.after(
+                self.open_delay,
+                lambda: opened.append(
+                    super(OverheadSimulator, self).open_flow(cls, size, links, on_done, **fields)
+                ),
+            )
+            # the workload keeps no reference to the flow it opened: a placeholder is enough
+            return Flow(-1, cls, self.now, size=size, links=links)
+        return super().open_flow(cls, size, links, on_done, **fields)
+
+
+def simulate(
+    scen: scenario.Scenario,
+    spec: PolicySpec,
+    load: float,
+    seed: int,
+    make: Callable[..., Simulator],
+) -> RunRecords:
+    """One run of the serving scenario, as :func:`flowsched.sim.run.run` does it."""
+    assert scen.serving is not None
+    topo = build_topology(scen)
+    sim = make(topo.capacity, spec.build(), sim_config(scen, spec))
+    workload = ServingWorkload(
+        sim, topo, scen.serving, scenario.serving_trace(scen.serving, load, seed)
+    )
+    workload.start()
+    sim.run()
+    workload.finish()
+    return sim.records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policies", default="rmlq,static+late,static")
+    parser.add_argument("--loads", default="0.5,0.6,0.7")
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--open-delay", default="0,0.01,0.02", help="seconds, comma-separated")
+    parser.add_argument("--collective-scale", default="1,1.4", help="comma-separated")
+    args = parser.parse_args()
+    scen = scenario.load(SCENARIO)
+    names = [IDEAL, *args.policies.split(",")]
+    with tempfile.TemporaryDirectory() as work:
+        specs = {name: sim_spec(name, Path(work)) for name in names}
+    cases = [(float(d), 1.0) for d in args.open_delay.split(",")]
+    cases += [(0.0, float(f)) for f in args.collective_scale.split(",") if float(f) != 1.0]
+    print(f"{'delay s':>7}  {'TP x':>4}  {'load':>4}  " + "  ".join(f"{n:>16}" for n in names))
+    for delay, scale in cases:
+        for load in (float(v) for v in args.loads.split(",")):
+            cells = []
+            for name, spec in specs.items():
+                pooled = merge(
+                    [
+                        simulate(
+                            scen,
+                            spec,
+                            load,
+                            int(seed),
+                            _maker(delay if name != IDEAL else 0.0, scale),
+                        )
+                        for seed in args.seeds.split(",")
+                    ]
+                )
+                cells.append(summarize(pooled).slo_attainment or 0.0)
+            bound = cells[0] or 1.0
+            row = "  ".join(f"{c:6.1%} ({c / bound:.2f}x)" for c in cells)
+            print(f"{delay:7g}  {scale:4g}  {load:4g}  {row}", flush=True)
+
+
+def _maker(delay: float, scale: float) -> Callable[..., Simulator]:
+    return lambda *a: OverheadSimulator(*a, open_delay=delay, collective_scale=scale)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""bench/serving_gap.py's simulator: deadline flows start late, collectives carry more bytes."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from flowsched.model import Flow, FlowClass
+from flowsched.policies import create
+from flowsched.sim.engine import SimConfig
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "serving_gap.py"
+
+
+def load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("serving_gap", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gap = load()
+
+
+@pytest.mark.parametrize(
+    ("cls", "delay", "scale", "finished"),
+    [
+        (FlowClass.KV, 0.0, 1.0, 1.0),
+        (FlowClass.KV, 0.25, 3.0, 1.25),  # delayed, not scaled
+        (FlowClass.KV_REUSE, 0.5, 1.0, 1.5),
+        (FlowClass.TP, 0.25, 3.0, 3.0),  # scaled, not delayed
+        (FlowClass.TP, 0.0, 1.5, 1.5),
+    ],
+)
+def test_overheads_apply_to_their_classes_only(
+    cls: FlowClass, delay: float, scale: float, finished: float
+) -> None:
+    sim = gap.OverheadSimulator(
+        {"l": 100.0},
+        create("fair"),
+        SimConfig(chunk_bytes=0, timer_period=0),
+        open_delay=delay,
+        collective_scale=scale,
+    )
+    done: list[float] = []
+
+    def on_done(flow: Flow) -> None:
+        done.append(sim.now)
+
+    sim.open_flow(cls, 100, ("l",), on_done)
+    sim.run()
+    assert done == [pytest.approx(finished)]
+    (record,) = sim.records.flows
+    assert record.opened == pytest.approx(delay if cls != FlowClass.TP else 0.0)
