@@ -315,19 +315,30 @@ requests = 6
 """
 
 
+def live_tiny_run(
+    tmp_path: Path, policy_name: str, prefix: str, private: frozenset[FlowClass] = frozenset()
+) -> tuple[serving.LiveRun, float]:
+    """The tiny scenario at load 0.5, seed 1, live on a fresh testbed; the run, the link rate."""
+    from flowsched.testbed import netns
+
+    policy = tmp_path / f"{policy_name}.toml"
+    serving.write_policy_file(policy_name, policy)
+    spec = netns.TopologySpec(prefix=prefix, hosts=6, rate_mbit=200)
+    with netns.testbed(spec) as topo:
+        run = serving.run_live(
+            topo, scenario.parse(TINY, "tiny.toml"), 0.5, 1, policy, tmp_path / "work",
+            private=private,
+        )  # fmt: skip
+    return run, spec.rate_bytes
+
+
 @pytest.mark.netns
 @pytest.mark.slow
 @pytest.mark.usefixtures("netns_ok")
 def test_live_run_serves_every_request_through_the_real_agents(tmp_path: Path) -> None:
-    from flowsched.testbed import netns
-
-    scen = scenario.parse(TINY, "tiny.toml")
-    policy = tmp_path / "rmlq.toml"
-    serving.write_policy_file("rmlq", policy)
-    spec = netns.TopologySpec(prefix="fsE-sv-", hosts=6, rate_mbit=200)
-    with netns.testbed(spec) as topo:
-        run = serving.run_live(topo, scen, 0.5, 1, policy, tmp_path / "work")
+    run, rate = live_tiny_run(tmp_path, "rmlq", "fsE-sv-")
     assert run.errors == []
+    scen = scenario.parse(TINY, "tiny.toml")
     trace = scenario.serving_trace(scen.serving, 0.5, 1)  # type: ignore[arg-type]
     assert sorted(r.request for r in run.records.requests) == sorted(r.request_id for r in trace)
     assert all(r.finished is not None and r.finished > r.arrival for r in run.records.requests)
@@ -336,7 +347,7 @@ def test_live_run_serves_every_request_through_the_real_agents(tmp_path: Path) -
     # every P2D flow crossed the testbed: its completion is at least its bytes at line rate
     for flow in run.records.flows:
         if flow.cls == "kv":
-            assert flow.finished - flow.opened >= flow.size / spec.rate_bytes * 0.9
+            assert flow.finished - flow.opened >= flow.size / rate * 0.9
     # the agents saw the flows: each host journalled the levels its SDK flows were given
     levels = [
         e
@@ -352,20 +363,14 @@ def test_live_run_serves_every_request_through_the_real_agents(tmp_path: Path) -
 @pytest.mark.usefixtures("netns_ok")
 def test_live_ideal_bound_sends_only_the_all_to_all(tmp_path: Path) -> None:
     from flowsched.sim.run import IDEAL_PRIVATE
-    from flowsched.testbed import netns
 
-    scen = scenario.parse(TINY, "tiny.toml")
-    policy = tmp_path / "ideal.toml"
-    serving.write_policy_file("static", policy)
-    spec = netns.TopologySpec(prefix="fsE-si-", hosts=6, rate_mbit=200)
-    with netns.testbed(spec) as topo:
-        run = serving.run_live(topo, scen, 0.5, 1, policy, tmp_path / "work", private=IDEAL_PRIVATE)
+    run, rate = live_tiny_run(tmp_path, "static", "fsE-si-", IDEAL_PRIVATE)
     assert run.errors == []
     assert all(r.finished is not None for r in run.records.requests)
     kv = [f for f in run.records.flows if f.cls == "kv"]
     assert kv and {f.cls for f in run.records.flows} >= {"tp"}
     for flow in kv:  # a private path: exactly its bytes at line rate
-        assert flow.finished - flow.opened == pytest.approx(flow.size / spec.rate_bytes)
+        assert flow.finished - flow.opened == pytest.approx(flow.size / rate)
     opened = [
         e
         for path in (tmp_path / "work").glob("host-*.json")
