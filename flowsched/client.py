@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import socket
@@ -68,8 +69,12 @@ class Marking:
     decided_ns: int | None = field(default=None, compare=False)
 
 
+@functools.cache
 def static_marking(cls: FlowClass) -> Marking:
-    """The class's static default level and marking from the embedded default policy."""
+    """The class's static default level and marking from the embedded default policy.
+
+    Cached: parsing the policy file takes a few ms with the GIL held, on every flow open.
+    """
     try:
         from flowsched import policyfile
 

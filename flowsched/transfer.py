@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import logging
 import queue
@@ -148,15 +149,26 @@ class SocketMarker:
 # ------------------------------------------------------------------------- payload
 def pattern(size: int, seed: int = 0) -> Iterator[bytes]:
     """Deterministic pseudo-random payload of ``size`` bytes, in blocks of up to 1 MiB."""
-    base = random.Random(seed).randbytes(_PATTERN_BLOCK)
+    doubled = _pattern_base(seed)
     offset, block = 0, 0
     while offset < size:
-        shift = (block * 4099) % _PATTERN_BLOCK
-        piece = base[shift:] + base[:shift]
+        shift = (block * 4099) % _PATTERN_BLOCK  # block i is the base rotated left by shift
         take = min(size - offset, _PATTERN_BLOCK)
-        yield piece[:take]
+        yield doubled[shift : shift + take]
         offset += take
         block += 1
+
+
+@functools.lru_cache(maxsize=4)
+def _pattern_base(seed: int) -> bytes:
+    """The seed's random block, twice over, so that any rotation of it is one slice.
+
+    Cached: drawing 1 MiB from ``random`` takes ~9 ms with the GIL held, which every other
+    thread of a sending process (other flows, the SDK's link to its agent) would wait out
+    at the start of each transfer.
+    """
+    base = random.Random(seed).randbytes(_PATTERN_BLOCK)
+    return base + base
 
 
 def pattern_digest(size: int, seed: int = 0) -> str:

@@ -47,6 +47,45 @@ def test_pattern_payload_arrives_byte_exact(size: int) -> None:
     assert got.digest == stats.digest == transfer.pattern_digest(size, seed=7)
 
 
+def reference_pattern(size: int, seed: int) -> bytes:
+    """Block i of the payload is the seed's 1 MiB random block rotated left by i * 4099."""
+    import random
+
+    base, out = random.Random(seed).randbytes(1 << 20), bytearray()
+    for block in range(-(-size // (1 << 20))):
+        shift = block * 4099 % (1 << 20)
+        out += (base[shift:] + base[:shift])[: size - len(out)]
+    return bytes(out)
+
+
+@pytest.mark.parametrize("size", [0, 1, 1 << 20, (1 << 20) + 5, 5 * (1 << 20) + 77], ids=str)
+@pytest.mark.parametrize("seed", [0, 3])
+def test_pattern_is_a_fixed_function_of_size_and_seed(size: int, seed: int) -> None:
+    # twice: the second call comes from the cached block and must not differ
+    for _ in range(2):
+        assert b"".join(transfer.pattern(size, seed)) == reference_pattern(size, seed)
+
+
+def test_pattern_draws_each_seeds_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import random
+
+    draws: list[int] = []
+
+    class CountingRandom(random.Random):
+        def randbytes(self, n: int) -> bytes:
+            draws.append(n)
+            return super().randbytes(n)
+
+    monkeypatch.setattr(transfer.random, "Random", CountingRandom)
+    transfer._pattern_base.cache_clear()
+    try:
+        for seed in (11, 12, 11, 12, 11):
+            b"".join(transfer.pattern(3 << 20, seed))
+    finally:
+        transfer._pattern_base.cache_clear()
+    assert draws == [1 << 20, 1 << 20]  # one per seed, not one per transfer
+
+
 def test_explicit_bytes_arrive_byte_exact() -> None:
     data = os.urandom(1_000_003)
     with transfer.Receiver() as rx:

@@ -165,6 +165,33 @@ def test_static_default_follows_the_embedded_policy() -> None:
     assert mark.dscp == cfg.levels[mark.level].dscp
 
 
+def test_static_default_reads_the_policy_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every flow starts at its class's static level: parsing the policy file per open cost
+    # milliseconds of the application's time with the GIL held
+    from flowsched import policyfile
+
+    reads: list[int] = []
+    embedded = policyfile.embedded_default
+
+    def counting() -> policyfile.PolicyConfig:
+        reads.append(1)
+        return embedded()
+
+    monkeypatch.setattr(policyfile, "embedded_default", counting)
+    client.static_marking.cache_clear()
+    path = str(tmp_path / "nobody.sock")
+    try:
+        for _ in range(3):
+            with client.flow("kv", socket_path=path) as handle:
+                assert handle.marking == client.static_marking(FlowClass.KV)
+    finally:
+        client._connections.pop(path, None)
+        client.static_marking.cache_clear()
+    assert len(reads) == 1
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
