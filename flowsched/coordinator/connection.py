@@ -133,10 +133,14 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
         self._decrypted = bytearray()  # the peer's first frames, decrypted before secured()
         #: the connection ended before the TLS handshake took it over
         self.lost_early = False
+        #: done once ``early`` holds the peer's whole first TLS record (its client hello), or
+        #: the peer stopped sending or closed: the handshake may start (TLS only)
+        self.hello_ready: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._start_tls is not None:  # (uvloop's transports do not subclass Transport)
             self._raw = cast(asyncio.Transport, transport)
+            self.hello_ready = asyncio.get_running_loop().create_future()
             self._start_tls(self, self._raw)
         else:
             self.secured(transport)
@@ -160,6 +164,7 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if not self._made:  # before or during a TLS handshake: the service sees to it
             self.lost_early = True
+            self._hello_done()
             return
         self._inner.connection_lost(exc)
         if self.sink_closed is not None:
@@ -172,6 +177,7 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
         self._inner.resume_writing()
 
     def eof_received(self) -> bool | None:
+        self._hello_done()  # no more of a hello is coming: the handshake says what is wrong
         keep_open = self._inner.eof_received()
         if self.sink_closed is not None:
             self.sink_closed(None)
@@ -190,8 +196,10 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
             self._inner.data_received(bytes(self._shared[:nbytes]))
         elif self._tls_started:  # the peer's first frames, before the service calls secured()
             self._stash(self._decrypted, nbytes, 2 * self.reader.chunk)  # past it: not an agent
-        else:  # TLS bytes before the handshake started (uvloop)
+        else:  # the client hello, before the handshake starts (see tls_accept)
             self._stash(self.early, nbytes, TLS_EARLY_LIMIT)
+            if first_record_complete(self.early):
+                self._hello_done()
 
     def _stash(self, buffer: bytearray, nbytes: int, limit: int) -> None:
         """Keep received bytes for later; a peer that sends more than ``limit`` is cut off."""
@@ -200,6 +208,25 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
             self.lost_early = True
             buffer.clear()
             self._raw.abort()
+
+    def _hello_done(self) -> None:
+        if self.hello_ready is not None and not self.hello_ready.done():
+            self.hello_ready.set_result(None)
+
+
+#: the TLS record type of handshake messages (a client hello comes in one)
+_TLS_HANDSHAKE_RECORD = 0x16
+
+
+def first_record_complete(data: bytes | bytearray) -> bool:
+    """Whether ``data`` starts with a whole TLS record (type, version, 16-bit length, body),
+    or cannot be a TLS handshake at all, so that waiting for more would only delay the
+    handshake's own error."""
+    if not data:
+        return False
+    if data[0] != _TLS_HANDSHAKE_RECORD:
+        return True
+    return len(data) >= 5 and len(data) >= 5 + int.from_bytes(data[3:5], "big")
 
 
 def set_tls_read_limit(transport: asyncio.BaseTransport, high: int | None) -> None:

@@ -185,6 +185,7 @@ class Coordinator:
         #: oldest first, each with its task
         self._tls: ReloadingContext | None = None
         self._tls_pending: dict[asyncio.Transport, asyncio.Task[None]] = {}
+        self._handshake_pace = tls_accept.HandshakePace()
         self._receive_buffer = bytearray(ESTABLISHED_CHUNK)  # shared by every connection
         self._servers: list[asyncio.Server] = []
         self.addresses: Addresses | None = None
@@ -302,7 +303,6 @@ class Coordinator:
         """Run a new connection's TLS handshake here rather than in the listener, so that a
         failure is logged with the peer's address and counted. Handshakes under way count as
         unauthenticated connections (see :meth:`_make_room`)."""
-        raw.pause_reading()  # not a byte to the reader before the handshake (see _tls_handshake)
         if not self._make_room(peer_text(raw.get_extra_info("peername"))):
             raw.abort()
             return
@@ -315,9 +315,17 @@ class Coordinator:
         assert self._tls is not None
         peer = raw.get_extra_info("peername")
         try:
-            if protocol.lost_early:  # a port probe, or a peer past TLS_EARLY_LIMIT: no log
-                return
-            timeout = self.config.handshake_timeout
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.config.handshake_timeout
+            async with asyncio.timeout_at(deadline):  # the hello, then a turn with room
+                assert protocol.hello_ready is not None
+                await protocol.hello_ready
+                if protocol.lost_early:  # a port probe, or a peer past TLS_EARLY_LIMIT: no log
+                    return
+                await self._handshake_pace.turn()
+            timeout = deadline - loop.time()
+            if timeout <= 0:
+                raise TimeoutError
             secure = await tls_accept.handshake(raw, protocol, self._tls.current(), timeout)
         except asyncio.CancelledError:
             raw.abort()

@@ -6,27 +6,71 @@ report a failed server-side handshake only at debug level and without the peer, 
 operator needs both to find the agent with the wrong certificate. The service also counts
 handshakes under way against its connection caps (flowsched.coordinator.service).
 
-One wrinkle: uvloop starts reading a socket right after ``connection_made``, whatever the
-protocol asked, so the first bytes of the peer's TLS hello may reach our protocol before the
-handshake starts (:class:`~flowsched.coordinator.connection.BoundedReaderProtocol` keeps them
-in ``early``). :func:`handshake` hands them to the TLS layer that ``start_tls`` installs,
-which buffers them until its own ``connection_made``. asyncio's loop honours the pause.
+A handshake starts only once the peer's whole client hello has arrived
+(:class:`~flowsched.coordinator.connection.BoundedReaderProtocol` keeps it in ``early``, at
+most ``TLS_EARLY_LIMIT`` bytes), and at most :data:`HANDSHAKES_PER_TURN` start per event-loop
+turn (:class:`HandshakePace`). Answering a hello is the expensive step (key exchange and
+signature, about a millisecond in all): a flood of hellos arriving together would otherwise
+be answered in one loop turn, and a turn of seconds silences the heartbeats of every agent.
+A peer that sends half a hello holds only its bytes, never a handshake slot.
+:func:`handshake` hands the buffered hello to the TLS layer that ``start_tls`` installs,
+which buffers it until its own ``connection_made``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import ssl
 from typing import cast
 
 from flowsched.coordinator.connection import BoundedReaderProtocol
 
+#: TLS handshakes the coordinator starts per event-loop turn at most
+HANDSHAKES_PER_TURN = 16
+
+
+class HandshakePace:
+    """Lets at most ``per_turn`` callers of :meth:`turn` through per event-loop turn, first
+    come first served."""
+
+    def __init__(self, per_turn: int = HANDSHAKES_PER_TURN) -> None:
+        if per_turn < 1:
+            raise ValueError("per_turn must be at least 1")
+        self.per_turn = per_turn
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._armed = False  # a _next_turn is scheduled
+
+    async def turn(self) -> None:
+        """Return in a later loop turn that has room for this caller."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append(future)
+        if not self._armed:
+            self._armed = True
+            asyncio.get_running_loop().call_soon(self._next_turn)
+        await future  # cancelled: _next_turn skips it
+
+    def _next_turn(self) -> None:
+        # One run per loop turn while callers wait (it re-arms itself for the next turn):
+        # the callers it wakes resume in the next turn, so no turn resumes more than per_turn.
+        self._armed = False
+        woken = 0
+        while self._waiting and woken < self.per_turn:
+            future = self._waiting.popleft()
+            if not future.done():
+                future.set_result(None)
+                woken += 1
+        if self._waiting:
+            self._armed = True
+            asyncio.get_running_loop().call_soon(self._next_turn)
+
 
 async def handshake(
     raw: asyncio.Transport, protocol: BoundedReaderProtocol, context: ssl.SSLContext, timeout: float
 ) -> asyncio.BaseTransport | None:
-    """Run the server side of ``raw``'s TLS handshake; the TLS transport (whose protocol is
-    ``protocol``), or None when the peer closed during it.
+    """Run the server side of ``raw``'s TLS handshake (the peer's hello is in
+    ``protocol.early``); the TLS transport (whose protocol is ``protocol``), or None when the
+    peer closed during it.
 
     Raises:
         ssl.SSLError, ConnectionError, TimeoutError: as ``loop.start_tls``.

@@ -16,8 +16,8 @@ import uvloop
 from coordinator_helpers import TOKEN, running_coordinator, wait_until
 
 from flowsched import tls
-from flowsched.coordinator import Coordinator, CoordinatorConfig
-from flowsched.coordinator.connection import TLS_EARLY_LIMIT
+from flowsched.coordinator import Coordinator, CoordinatorConfig, tls_accept
+from flowsched.coordinator.connection import TLS_EARLY_LIMIT, first_record_complete
 from flowsched.model import FlowClass
 from flowsched.protocol import FlowOpen, Flows, Levels, LevelUpdate, Message, Resync
 from flowsched.protocol.aio import AgentLink, HandshakeError, connect_agent
@@ -28,9 +28,8 @@ Runner = Callable[[Coroutine[Any, Any, None]], None]
 
 @pytest.fixture(params=["asyncio", "uvloop"])
 def run(request: pytest.FixtureRequest) -> Runner:
-    """Runs a scenario on asyncio's loop, then on uvloop's. uvloop reads a new socket before
-    the service can start TLS on it (the early bytes are replayed into the TLS layer);
-    asyncio's loop does not: both paths must work."""
+    """Runs a scenario on asyncio's loop, then on uvloop's: their TLS layers differ, and both
+    must take over a connection whose client hello the coordinator already read."""
     runner: Runner = asyncio.run if request.param == "asyncio" else uvloop.run
     return runner
 
@@ -226,6 +225,135 @@ def test_pending_tls_handshakes_count_against_the_unauthenticated_cap(
                 await good.close()
                 for _, writer in silent:
                     writer.close()
+
+    run(scenario())
+
+
+def _client_hello() -> bytes:
+    """A real TLS client hello, as an agent's first flight."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    client = context.wrap_bio(incoming, outgoing)
+    with pytest.raises(ssl.SSLWantReadError):
+        client.do_handshake()
+    return outgoing.read()
+
+
+@pytest.mark.parametrize(
+    ("data", "complete"),
+    [
+        (b"", False),
+        (b"\x16", False),
+        (b"\x16\x03\x01\x00", False),  # header cut short
+        (b"\x16\x03\x01\x00\x05abcd", False),  # one body byte missing
+        (b"\x16\x03\x01\x00\x05abcde", True),
+        (b"\x16\x03\x01\x00\x05abcdef", True),  # the next record's first byte too
+        (b"GET / HTTP/1.1\r\n", True),  # not TLS: the handshake fails at once, with its reason
+        (b"\x80\x2e\x01", True),  # an SSLv2-style hello: no handshake record either
+    ],
+    ids=["empty", "type-only", "short-header", "short-body", "whole", "more", "http", "sslv2"],
+)
+def test_a_hello_is_complete_with_its_whole_first_record(data: bytes, complete: bool) -> None:
+    assert first_record_complete(data) is complete
+
+
+def test_a_real_client_hello_is_one_complete_record() -> None:
+    hello = _client_hello()
+    assert first_record_complete(hello)
+    assert not first_record_complete(hello[:-1])
+
+
+def test_the_pace_lets_at_most_per_turn_callers_through_each_turn() -> None:
+    async def scenario() -> tuple[list[tuple[int, int]], int]:
+        loop = asyncio.get_running_loop()
+        turns = 0
+
+        def tick() -> None:  # once per loop turn
+            nonlocal turns
+            turns += 1
+            loop.call_soon(tick)
+
+        tick()
+        pace = tls_accept.HandshakePace(per_turn=2)
+        passed: list[tuple[int, int]] = []
+
+        async def caller(index: int) -> None:
+            await pace.turn()
+            passed.append((index, turns))
+
+        tasks = [asyncio.ensure_future(caller(i)) for i in range(7)]
+        await asyncio.sleep(0)  # every caller asked (the first two went through)
+        tasks[3].cancel()  # a caller gone while waiting takes no slot
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return passed, len(tasks)
+
+    passed, _ = asyncio.run(scenario())
+    assert [index for index, _ in passed] == [0, 1, 2, 4, 5, 6]  # first come, first served
+    per_turn: dict[int, int] = {}
+    for _, turn in passed:
+        per_turn[turn] = per_turn.get(turn, 0) + 1
+    assert max(per_turn.values()) == 2 and len(per_turn) == 3, per_turn
+
+
+def test_the_pace_refuses_an_empty_turn() -> None:
+    with pytest.raises(ValueError, match="per_turn"):
+        tls_accept.HandshakePace(per_turn=0)
+
+
+def test_a_flood_of_hellos_is_answered_a_few_per_turn_and_half_hellos_wait(
+    run: Runner, tls_files: TlsFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # answering a hello costs the key exchange and a signature: a flood answered in one loop
+    # turn would silence every agent's heartbeats; half a hello must not hold a slot
+    started: list[int] = []
+    real_handshake = tls_accept.handshake
+
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        started.append(turns)
+        return await real_handshake(*args, **kwargs)
+
+    monkeypatch.setattr(tls_accept, "handshake", recording)
+    turns = 0
+
+    async def scenario() -> None:
+        nonlocal turns
+        loop = asyncio.get_running_loop()
+
+        def tick() -> None:
+            nonlocal turns
+            turns += 1
+            loop.call_soon(tick)
+
+        tick()
+        overrides = {**_server(tls_files), "handshake_timeout": 30}
+        async with running_coordinator(**overrides) as coordinator:
+            coordinator._handshake_pace = tls_accept.HandshakePace(per_turn=3)
+            assert coordinator.addresses is not None
+            address = coordinator.addresses.host, coordinator.addresses.port
+            hello = _client_hello()
+            half = [await asyncio.open_connection(*address) for _ in range(5)]
+            for _, writer in half:
+                writer.write(hello[: len(hello) // 2])
+            flood = [await asyncio.open_connection(*address) for _ in range(30)]
+            for _, writer in flood:
+                writer.write(hello)
+            # every complete hello is answered: the server's first flight comes back
+            answers = await asyncio.gather(*(reader.read(5) for reader, _ in flood))
+            assert all(answer[:1] == b"\x16" for answer in answers)
+            good = await _connect(coordinator, tls.client_context(str(tls_files.ca)))
+            try:
+                assert (await _levels_for_one_flow(good)).updates == (LevelUpdate(1, 7),)
+            finally:
+                await good.close()
+            assert len(started) == 31  # the flood and the agent; no half hello
+            assert len(coordinator._tls_pending) == 35  # still counted against the caps
+            for _, writer in half + flood:
+                writer.close()
+        per_turn: dict[int, int] = {}
+        for turn in started:
+            per_turn[turn] = per_turn.get(turn, 0) + 1
+        assert max(per_turn.values()) <= 3, per_turn
 
     run(scenario())
 
