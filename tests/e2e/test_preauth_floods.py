@@ -88,19 +88,30 @@ def agent_counters(agent: Service) -> dict[str, float]:
 
 @dataclass
 class Watch:
-    """Samples the coordinator's RSS and the agent's connection state in a thread."""
+    """Samples the coordinator's RSS and the agent's connection state in a thread; with
+    ``coordinator_metrics`` (its metrics port) also times a scrape of the coordinator, which
+    serves it on its event loop: the slowest one bounds the loop's longest stall."""
 
     coordinator_pid: int
     agents: list[Service]
+    coordinator_metrics: str | None = None
     rss_peak: int = 0
     samples: int = 0
     disconnected_samples: int = 0
     failed_scrapes: int = 0
+    slowest_scrape: float = 0.0
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def run(self) -> None:
         while not self._stop.wait(0.05):
             self.rss_peak = max(self.rss_peak, rss_bytes(self.coordinator_pid))
+            if self.coordinator_metrics is not None:
+                began = time.perf_counter()
+                try:
+                    scrape(self.coordinator_metrics)
+                except OSError:
+                    self.failed_scrapes += 1
+                self.slowest_scrape = max(self.slowest_scrape, time.perf_counter() - began)
             for agent in self.agents:
                 try:
                     connected = agent_counters(agent)[CONNECTED]
@@ -322,13 +333,14 @@ def test_tls_floods_cost_bounded_memory(
         pid = setup.coordinator.proc.pid
         before, rss_before = agent_counters(setup.agent), rss_bytes(pid)
         peer = flood_peer(setup, mode, "--count", str(connections))
-        with cleanup(peer), Watch(pid, [setup.agent]).running() as watch:
+        metrics = setup.coordinator.fields["mport"]
+        with cleanup(peer), Watch(pid, [setup.agent], metrics).running() as watch:
             result = flood_result(peer, timeout=120)
         print(
             f"\n{connections} connections, {mode}: coordinator RSS {rss_before / MIB:.1f} MiB "
             f"before, peak {watch.rss_peak / MIB:.1f} MiB; {result['closed']:.0f} closed by the "
-            f"coordinator; agent disconnected in {watch.disconnected_samples} of "
-            f"{watch.samples} samples"
+            f"coordinator; slowest scrape of the coordinator {watch.slowest_scrape * 1e3:.0f} "
+            f"ms; agent disconnected in {watch.disconnected_samples} of {watch.samples} samples"
         )
         assert_agent_never_dropped(setup, before, watch)
     assert result["closed"] == result.get("opened", connections)
