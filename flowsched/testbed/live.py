@@ -70,6 +70,8 @@ class LiveEngine:
         self.records = RunRecords()
         self.job_index: dict[str, int] = {}
         self.errors: list[str] = []
+        #: ids of the flows whose host reported them failed (each one is in ``errors``)
+        self.failed: set[int] = set()
         self._node_host, self._job_hosts = dict(node_host), job_hosts
         self._private, self._private_rate = private, private_rate
         #: time zero on CLOCK_MONOTONIC (and the wall clock): construction until :meth:`start`
@@ -200,6 +202,7 @@ class LiveEngine:
             self.errors.append(f"a host reported flow {message['id']}, which is not in flight")
             return
         if not message.get("ok", True):
+            self.failed.add(int(message["id"]))
             self.errors.append(f"flow {message['id']}: {message.get('error', 'failed')}")
         self.now = float(message["at"])
         self._finish(*entry, self.now)

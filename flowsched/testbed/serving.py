@@ -259,13 +259,24 @@ def run_live(
             engine.stop()
         workload.finish()
         errors += runner.wait_workers(workers, 30.0)
-    errors += engine.errors
-    for path in sorted(workdir.glob("host-*.json")):
-        events = json.loads(path.read_text(encoding="utf-8") or "[]")
-        errors += [f"{path.stem}: flow {e['id']}: {e['error']}" for e in events if "error" in e]
+    errors += engine.errors + journal_errors(workdir, engine.failed)
     return LiveRun(
         engine.records, errors, time.monotonic() - started, steal_share(machine, cpu_times())
     )
+
+
+def journal_errors(workdir: Path, reported: set[int]) -> list[str]:
+    """The errors in the hosts' journals (``host-*.json``) of flows other than ``reported``
+    (those the engine heard of already), each named with its host."""
+    errors = []
+    for path in sorted(workdir.glob("host-*.json")):
+        events = json.loads(path.read_text(encoding="utf-8") or "[]")
+        errors += [
+            f"{path.stem}: flow {e['id']}: {e['error']}"
+            for e in events
+            if "error" in e and e.get("id") not in reported
+        ]
+    return errors
 
 
 def _start_hosts(

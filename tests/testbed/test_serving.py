@@ -210,6 +210,24 @@ def test_engine_keeps_failed_and_unknown_reports_as_errors(
         "a host reported flow 99, which is not in flight",
         "flow 1: boom",
     ]
+    assert live.failed == {1}
+
+
+def test_journal_errors_skip_the_flows_the_engine_reported(tmp_path: Path) -> None:
+    # a host journals a failed send and reports it to the engine: one error, not two
+    journal = [
+        {"kind": "open", "id": 5, "t": 1.0},
+        {"kind": "error", "id": 5, "error": "send stalled for 60.0 s"},
+        {"kind": "error", "id": 6, "error": "refused"},
+        {"kind": "error", "id": -1, "error": "channel lost"},
+    ]
+    (tmp_path / "host-h2.json").write_text(json.dumps(journal))
+    (tmp_path / "host-h3.json").write_text("")
+    assert serving.journal_errors(tmp_path, {5}) == [
+        "host-h2: flow 6: refused",
+        "host-h2: flow -1: channel lost",
+    ]
+    assert len(serving.journal_errors(tmp_path, set())) == 3
 
 
 def test_engine_times_out_naming_the_flows_in_flight(
