@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from flowsched import scenario
-from flowsched.metrics import RunRecords, merge, summarize
+from flowsched.metrics import merge, summarize
 from flowsched.model import Flow, FlowClass
 from flowsched.sim.engine import DoneCallback, Simulator
-from flowsched.sim.run import IDEAL, PolicySpec, build_topology, sim_config
-from flowsched.sim.serving import ServingWorkload
+from flowsched.sim.run import IDEAL, run
 from flowsched.testbed.serving import SCENARIO, sim_spec
 
 DELAYED = frozenset({FlowClass.KV, FlowClass.KV_REUSE})
@@ -64,26 +63,6 @@ class OverheadSimulator(Simulator):
         return super().open_flow(cls, size, links, on_done, **fields)
 
 
-def simulate(
-    scen: scenario.Scenario,
-    spec: PolicySpec,
-    load: float,
-    seed: int,
-    make: Callable[..., Simulator],
-) -> RunRecords:
-    """One run of the serving scenario, as :func:`flowsched.sim.run.run` does it."""
-    assert scen.serving is not None
-    topo = build_topology(scen)
-    sim = make(topo.capacity, spec.build(), sim_config(scen, spec))
-    workload = ServingWorkload(
-        sim, topo, scen.serving, scenario.serving_trace(scen.serving, load, seed)
-    )
-    workload.start()
-    sim.run()
-    workload.finish()
-    return sim.records
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--policies", default="rmlq,static+late,static")
@@ -103,15 +82,10 @@ def main() -> None:
         for load in (float(v) for v in args.loads.split(",")):
             cells = []
             for name, spec in specs.items():
+                make = _maker(delay if name != IDEAL else 0.0, scale)
                 pooled = merge(
                     [
-                        simulate(
-                            scen,
-                            spec,
-                            load,
-                            int(seed),
-                            _maker(delay if name != IDEAL else 0.0, scale),
-                        )
+                        run(scen, spec, load, int(seed), simulator=make).records
                         for seed in args.seeds.split(",")
                     ]
                 )

@@ -134,12 +134,16 @@ def run(
     seed: int | None = None,
     *,
     observer: Callable[[Simulator], None] | None = None,
+    simulator: Callable[..., Simulator] = Simulator,
 ) -> RunResult:
-    """Simulate ``scenario`` at ``load`` under the policy ``spec``; same seed = same trace."""
+    """Simulate ``scenario`` at ``load`` under the policy ``spec``; same seed = same trace.
+
+    ``simulator`` builds the engine from (capacity, policy, config): a Simulator subclass
+    that models something more (bench/serving_gap.py)."""
     seed = scenario.scenario.seed if seed is None else seed
     started = time.perf_counter()
     topo = build_topology(scenario)
-    sim = Simulator(topo.capacity, spec.build(), sim_config(scenario, spec))
+    sim = simulator(topo.capacity, spec.build(), sim_config(scenario, spec))
     sim.observer = observer
     serving = None
     if scenario.serving is not None:
