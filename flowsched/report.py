@@ -253,10 +253,7 @@ _KNOWN = (
 
 
 def colour(policy: str) -> str:
-    """The colour of ``policy`` in every plot (known names fixed, others by a stable hash);
-    ``NAME-late`` (the contention benchmark's file names) is ``NAME+late``."""
-    if policy.endswith("-late"):
-        policy = policy.removesuffix("-late") + "+late"
+    """The colour of ``policy`` in every plot (known names fixed, others by a stable hash)."""
     if policy in _KNOWN:
         return _PALETTE[_KNOWN.index(policy) % len(_PALETTE)]
     return _PALETTE[sum(policy.encode()) % len(_PALETTE)]

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 DEFAULT_POLICIES = "fair,static,edf,rmlq"
 #: simulator-only rows: the ideal-network bound (the ceiling), the late-dropping baselines and
 #: the oracle; replays cost seconds, testbed runs ~35 s each (make demo stays under 10 min)
-DEFAULT_SIM_POLICIES = "ideal,static-late,edf-late,llf,llf-late"
+DEFAULT_SIM_POLICIES = "ideal,static+late,edf+late,llf,llf+late"
 #: traces per benchmark: one run on this 2-core testbed varies by several percent of SLO
 #: attainment from run to run (fair most), so the default pools three seeds
 DEFAULT_SEEDS = 3
@@ -183,6 +183,7 @@ def _on_testbed(name: str, run: Callable[[], object]) -> int:
 def _options(args: argparse.Namespace) -> BenchOptions:
     """The validated :class:`~flowsched.testbed.bench.BenchOptions` of the command line;
     OSError or ValueError (naming the option or field) when something is wrong."""
+    from flowsched.sim.run import IDEAL
     from flowsched.testbed import bench, netns
 
     if args.seeds < 1:
@@ -190,7 +191,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     policies, ablation = _policy_names(args)
     sim_policies = tuple(n for n in _names(args.sim_policies) if n not in policies)
     for name in sim_policies:
-        if name != bench.IDEAL:
+        if name != IDEAL:
             bench.policy_config(name)
     params = _params(args)
     return bench.BenchOptions(

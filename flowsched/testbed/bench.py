@@ -14,7 +14,7 @@ from flowsched import policies, policyfile
 from flowsched import report as shared_report
 from flowsched.data import data_path
 from flowsched.metrics import RunMetrics, RunRecords
-from flowsched.sim.run import IDEAL_PRIVATE
+from flowsched.sim.run import IDEAL, IDEAL_PRIVATE, LATE_SUFFIX
 from flowsched.testbed import netns, replay, report, runner
 from flowsched.testbed.procstat import cpu_times, steal_share
 from flowsched.testbed.trace import ScenarioParams, Trace, Transfer, generate
@@ -61,12 +61,6 @@ def other_control(control: str) -> str:
 CALIBRATION: dict[str, float] = {}
 
 
-#: the ideal-network bound's name in the benchmark (simulator only)
-IDEAL = "ideal"
-#: suffix of a baseline with late-dropping (``edf-late`` = edf + ``drop_late = true``)
-LATE_SUFFIX = "-late"
-
-
 def policy_path(name: str) -> Path:
     """The benchmark's policy file for ``name`` (``bench/contention/policies/NAME.toml``)."""
     path = BENCH_DIR / "policies" / f"{name}.toml"
@@ -76,20 +70,24 @@ def policy_path(name: str) -> Path:
 
 
 def policy_config(name: str) -> policyfile.PolicyConfig:
-    """``name``'s benchmark policy file; for a registered policy without one (e.g. ``llf``,
-    ``llf-late``), static's file (the K, hardware queues, marking and timer every benchmark
-    file shares) with the policy swapped in, plus ``drop_late = true`` for ``-late``."""
+    """``name``'s benchmark policy file. ``NAME+late`` is ``NAME``'s with ``drop_late = true``
+    (late-dropping: a KV transfer past its deadline goes to the scavenger level); a registered
+    policy without a file (e.g. ``llf``) takes static's file (the K, hardware queues, marking
+    and timer every benchmark file shares) with the policy swapped in."""
     path = BENCH_DIR / "policies" / f"{name}.toml"
     if path.exists():
         return policyfile.load(path)
     base = name.removesuffix(LATE_SUFFIX)
+    if base != name:
+        cfg = policy_config(base)
+        args = {**cfg.args, "drop_late": True}
+        return dataclasses.replace(cfg, args=args, source=f"{cfg.source} ({name})")
     if base not in policies.names():
         raise FileNotFoundError(
             f"no benchmark policy file {path} and no registered policy {base!r}"
         )
-    args = {"drop_late": True} if name.endswith(LATE_SUFFIX) else {}
     shared = policyfile.load(policy_path("static"))
-    return dataclasses.replace(shared, policy=base, args=args, source=f"{shared.source} ({name})")
+    return dataclasses.replace(shared, policy=base, args={}, source=f"{shared.source} ({name})")
 
 
 class Progress:

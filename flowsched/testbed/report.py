@@ -20,6 +20,7 @@ from flowsched import report as shared_report
 from flowsched.metrics import RunMetrics, RunRecords, merge, summarize
 from flowsched.policies import ORACLES
 from flowsched.report import Outcome, colour, json_metrics
+from flowsched.sim.run import IDEAL, LATE_SUFFIX
 
 
 @dataclass(slots=True)
@@ -109,23 +110,22 @@ COLUMNS = (
     "KV FCT p99 ms",
 )
 
-#: the ideal-network bound's name (simulator only)
-IDEAL = "ideal"
-
 
 def display(policy: str) -> str:
-    """``ideal (bound)``, ``llf (oracle)``, ``llf-late (oracle)`` or the policy name."""
+    """``ideal (bound)``, ``llf (oracle)``, ``llf+late (oracle)`` or the policy name."""
     if policy == IDEAL:
         return f"{policy} (bound)"
-    if policy.removesuffix("-late") in ORACLES:
+    if _is_oracle(policy):
         return f"{policy} (oracle)"
     return policy
 
 
+def _is_oracle(policy: str) -> bool:
+    return policy.removesuffix(LATE_SUFFIX) in ORACLES
+
+
 def _order(result: PolicyResult) -> int:
-    return (
-        0 if result.policy == IDEAL else 2 if result.policy.removesuffix("-late") in ORACLES else 1
-    )
+    return 0 if result.policy == IDEAL else 2 if _is_oracle(result.policy) else 1
 
 
 def _row(

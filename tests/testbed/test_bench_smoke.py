@@ -98,8 +98,8 @@ def test_simulate_only_needs_no_root(tmp_path: Path) -> None:
     assert data["meta"]["mode"] == "simulator only"
     # the default comparison: the bound, late-dropping baselines and the oracle, simulated
     policies = data["policies"]
-    assert {"ideal", "static-late", "edf-late", "llf", "llf-late"} <= set(policies)
-    assert policies["ideal"]["bound"] and policies["llf-late"]["oracle"]
+    assert {"ideal", "static+late", "edf+late", "llf", "llf+late"} <= set(policies)
+    assert policies["ideal"]["bound"] and policies["llf+late"]["oracle"]
     assert policies["rmlq"]["sim_kv_top_pct"] is not None
     assert "ideal (bound)" in proc.stdout and "KV@top %" in proc.stdout
     assert "rmlq" in proc.stdout and "vs edf" in proc.stdout

@@ -338,9 +338,9 @@ def test_report_scores_attainment_and_collectives_jointly() -> None:
         metrics = summarize(records)
         return report.PolicyResult(name, None, metrics, sim_records=records)
 
-    results = [result(n) for n in ("edf", "rmlq", "llf-late", "ideal")]
+    results = [result(n) for n in ("edf", "rmlq", "llf+late", "ideal")]
     rows = report.table_rows(results)
-    assert [r[0] for r in rows] == ["ideal (bound)", "edf", "rmlq", "llf-late (oracle)"]
+    assert [r[0] for r in rows] == ["ideal (bound)", "edf", "rmlq", "llf+late (oracle)"]
     assert rows[0][3] == "1.00"
     edf, rmlq = results[0].sim, results[1].sim
     assert edf.slo_attainment is not None and rmlq.slo_attainment is not None
@@ -372,7 +372,7 @@ def test_report_names_the_source_of_the_ratio_line_without_edf() -> None:
 
 
 def test_policies_without_a_benchmark_file_share_statics_settings() -> None:
-    cfg = bench.policy_config("llf-late")
+    cfg = bench.policy_config("llf+late")
     static = bench.policy_config("static")
     assert cfg.policy == "llf" and cfg.args == {"drop_late": True}
     assert (cfg.num_levels, cfg.hw_queues, cfg.timer_period) == (
@@ -382,3 +382,12 @@ def test_policies_without_a_benchmark_file_share_statics_settings() -> None:
     )
     with pytest.raises(FileNotFoundError, match="no registered policy 'nope'"):
         bench.policy_config("nope")
+
+
+@pytest.mark.parametrize("name", ["edf", "static", "rmlq"])
+def test_late_dropping_is_the_files_policy_with_drop_late(name: str) -> None:
+    plain, late = bench.policy_config(name), bench.policy_config(name + "+late")
+    assert late.args == {**plain.args, "drop_late": True}
+    assert replace(late, args=plain.args, source=plain.source) == plain
+    with pytest.raises(FileNotFoundError, match=f"no registered policy '{name}-late'"):
+        bench.policy_config(name + "-late")
