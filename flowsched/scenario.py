@@ -62,6 +62,9 @@ class SimSection:
     load_tau_ms: float = 1.0
     num_levels: int = 8
     oversubscription: float = 0.0
+    #: share of every link's rate that carries payload, the rest being packet headers (1 = a
+    #: fluid model of the nominal rate; the testbed scenario sets TCP's share, see SimConfig)
+    payload_share: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +169,7 @@ _POSITIVE = {
     "flops_per_token_layer",
     "gpu_tflops",
     "gpu_efficiency",
+    "payload_share",
     "gpu_mem_gbps",
     "batch_tokens",
     "mean_prompt_tokens",
@@ -188,7 +192,7 @@ _POSITIVE = {
     "kv_store_nics",
 }
 _CHOICES = {"load_basis": ("compute", "network")}
-_FRACTIONS = {"reuse_mean", "gpu_efficiency"}
+_FRACTIONS = {"reuse_mean", "gpu_efficiency", "payload_share"}
 
 
 # --------------------------------------------------------------------------- parsing
@@ -301,7 +305,7 @@ def _out_of_range(key: str, value: float) -> bool:
     if isinstance(value, float) and not math.isfinite(value):
         return True
     if key in _FRACTIONS:
-        return not 0.0 <= value <= 1.0 or (key == "gpu_efficiency" and value == 0)
+        return not 0.0 <= value <= 1.0 or (key in _POSITIVE and value == 0)
     if key in _POSITIVE:
         return value <= 0
     return value < 0
@@ -309,7 +313,7 @@ def _out_of_range(key: str, value: float) -> bool:
 
 def _range_text(key: str) -> str:
     if key in _FRACTIONS:
-        return "expected 0..1"
+        return "expected > 0 and <= 1" if key in _POSITIVE else "expected 0..1"
     return "expected > 0" if key in _POSITIVE else "expected >= 0"
 
 

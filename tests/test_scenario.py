@@ -48,6 +48,11 @@ BAD_FILES = [
     ("missing-name", "[scenario]\nseed = 1\n[rl]\n", "scenario.name: missing required key"),
     ("no-workload", '[scenario]\nname = "x"\n', "serving: a scenario needs"),
     ("sim-key", MINIMAL + "[sim]\ntimer_ms = -2.0\n", "sim.timer_ms: -2.0 is out of range"),
+    (
+        "zero-share",
+        MINIMAL + "[sim]\npayload_share = 0\n",
+        "sim.payload_share: 0.0 is out of range (expected > 0 and <= 1)",
+    ),
     ("nan-positive", MINIMAL + "gpu_tflops = nan\n", "serving.gpu_tflops: nan is out of range"),
     ("inf-fraction", MINIMAL + "reuse_mean = inf\n", "serving.reuse_mean: inf is out of range"),
     ("rl-key", '[scenario]\nname = "x"\n[rl]\nsteps_per_iteration = 0\n', "rl.steps_per_iteration"),

@@ -65,6 +65,10 @@ class SimConfig:
     level_queue: tuple[int, ...] = ()
     #: classes whose flows travel on a private full-rate path (the ideal-network bound)
     private_classes: frozenset[FlowClass] = frozenset()
+    #: share of every link's rate that carries payload (the rest: packet headers). Flows move at
+    #: that share of the capacity; policies still see the nominal rate, as agents are told it.
+    #: 1 = the fluid model of the nominal rate; the testbed's replays set TCP/IPv4's 1448 / 1514
+    payload_share: float = 1.0
     #: "timers": as the coordinator, per-flow policies see only touched flows and policies
     #: with ``next_change`` get promotion timers; "sweep": every flow at every event and tick
     promotion: str = "timers"
@@ -135,7 +139,10 @@ class Simulator:
         self.records = RunRecords()
         self.link_names = list(capacity)
         self._link_index = {name: i for i, name in enumerate(self.link_names)}
-        self.capacity = [float(capacity[name]) for name in self.link_names]
+        if not 0 < self.config.payload_share <= 1:
+            raise ValueError(f"payload_share: {self.config.payload_share} is outside (0, 1]")
+        share = self.config.payload_share
+        self.capacity = [float(capacity[name]) * share for name in self.link_names]
         self._bandwidth = dict(capacity)
         self._on_link: list[dict[int, ActiveFlow]] = [{} for _ in self.link_names]
         self._link_rate = [0.0] * len(self.link_names)
@@ -231,7 +238,7 @@ class Simulator:
         self._link_index[name] = len(self.link_names)
         self.link_names.append(name)
         self.capacity.append(min(self.capacity[link] for link in links))
-        self._bandwidth[name] = self.capacity[-1]
+        self._bandwidth[name] = min(self._bandwidth[self.link_names[link]] for link in links)
         for column in (self._link_rate, self._ewma, self._ewma_t):
             column.append(0.0)
         self._on_link.append({})

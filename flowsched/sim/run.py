@@ -124,6 +124,7 @@ def sim_config(scenario: Scenario, spec: PolicySpec) -> SimConfig:
         load_tau=scenario.sim.load_tau_ms / 1e3,
         level_queue=spec.level_queue,
         private_classes=spec.private_classes,
+        payload_share=scenario.sim.payload_share,
     )
 
 

@@ -1,9 +1,10 @@
 """Replay a testbed :class:`~flowsched.testbed.trace.Trace` in the flow-level simulator.
 
 The simulator gets the testbed's link rates (every host has one NIC, egress and ingress at the
-testbed's rate) and the same flows at the same times with the same dependencies, and runs the
-same policy object the coordinator runs. Its records are comparable one to one with the
-testbed's (:mod:`flowsched.testbed.records`).
+testbed's rate, of which TCP's payload gets 1448 / 1514: the rest is headers) and the same
+flows at the same times with the same dependencies, and runs the same policy object the
+coordinator runs. Its records are comparable one to one with the testbed's
+(:mod:`flowsched.testbed.records`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from flowsched.model import Flow, FlowClass
 from flowsched.policies.base import Policy
 from flowsched.sim.engine import SimConfig, Simulator
 from flowsched.testbed.minictl import LOAD_TAU
+from flowsched.testbed.netns import TCP_PAYLOAD_SHARE
 from flowsched.testbed.records import RecordBuilder
 from flowsched.testbed.trace import TpJob, Trace, Transfer
 
@@ -41,11 +43,13 @@ def replay(
     chunk_bytes: int = 65536,
     level_queue: tuple[int, ...] = (),
     private_classes: frozenset[FlowClass] = frozenset(),
+    payload_share: float = TCP_PAYLOAD_SHARE,
 ) -> RunRecords:
     """Run ``trace`` under ``policy`` in the simulator; return its records.
 
     ``level_queue`` maps the policy's levels onto the hardware queues (the policy file's);
-    ``private_classes`` puts those classes on private full-rate paths (the ideal bound).
+    ``private_classes`` puts those classes on private full-rate paths (the ideal bound);
+    ``payload_share`` of each link's rate carries payload (default: TCP's on the testbed).
     """
     config = SimConfig(
         chunk_bytes=chunk_bytes,
@@ -54,6 +58,7 @@ def replay(
         default_bandwidth=trace.rate_bytes,
         level_queue=level_queue,
         private_classes=private_classes,
+        payload_share=payload_share,
     )
     sim = Simulator(capacity(trace), policy, config)
     builder = RecordBuilder(trace)

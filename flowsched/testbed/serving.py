@@ -244,7 +244,7 @@ def run_live(
             hosts,
             lambda job: [hosts[node] for node in job_nodes(serving, job)],
             private=private,
-            private_rate=topo.spec.rate_bytes,
+            private_rate=topo.spec.rate_bytes * netns.TCP_PAYLOAD_SHARE,
         )
         workers = _start_hosts(topo, procs, sorted(set(hosts.values())), workdir)
         workload = ServingWorkload(engine, build_topology(scen), serving, trace)

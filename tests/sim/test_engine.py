@@ -223,6 +223,42 @@ def test_private_classes_get_a_full_rate_link_of_their_own() -> None:
     assert finish == {1: 2.0, 2: 2.0, 3: 2.0, 4: 1.0}
 
 
+class BandwidthSeen(FixedPolicy):
+    """FixedPolicy that keeps the link bandwidth each admission saw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[dict[str, float]] = []
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        self.seen.append(dict(ctx.link_bandwidth))
+        return super().admit(flow, ctx)
+
+
+def test_payload_share_slows_the_flows_not_the_rate_policies_see() -> None:
+    """Headers take 1 - share of every link, private paths included; policies see the
+    nominal rate, as the agents are told it."""
+    config = SimConfig(
+        chunk_bytes=0,
+        timer_period=0.0,
+        private_classes=frozenset({FlowClass.KV}),
+        payload_share=0.8,
+    )
+    policy = BandwidthSeen()
+    sim = Simulator({"a": 100.0, "b": 50.0}, policy, config)
+    sim.at(0.0, lambda: sim.open_flow(FlowClass.TP, 80, ("a",), consumer_index=1))
+    sim.at(0.0, lambda: sim.open_flow(FlowClass.KV, 40, ("a", "b"), consumer_index=1))
+    assert _finish_times(sim) == pytest.approx({1: 1.0, 2: 1.0})
+    assert policy.seen[0] == {"a": 100.0, "b": 50.0}
+    assert policy.seen[1]["private2"] == 50.0
+
+
+@pytest.mark.parametrize("share", [0.0, -0.5, 1.5])
+def test_payload_share_outside_0_1_is_refused(share: float) -> None:
+    with pytest.raises(ValueError, match="payload_share"):
+        Simulator({"a": 1.0}, FixedPolicy(), SimConfig(payload_share=share))
+
+
 class TimedPolicy(FixedPolicy):
     """Per-flow decisions with promotion timers: flow ``i`` moves to level 0 at ``i * 0.1`` s."""
 

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -86,7 +85,7 @@ _SEND = textwrap.dedent(
     s = socket.socket()
     s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, int(sys.argv[2]) << 2)
     s.connect((sys.argv[1], 5000))
-    s.sendall(b"x" * 300000)
+    s.sendall(b"x" * int(sys.argv[3]))
     s.close()
     """
 )
@@ -104,8 +103,25 @@ _RECV = textwrap.dedent(
 
 @pytest.mark.parametrize("dscp", [46, 26, 0], ids=["ef", "af31", "unmarked"])
 def test_dscp_reaches_its_htb_class(dscp: int) -> None:
-    prefix = "fsE-t5-"
     levels = [46, 34, 26]
+    counters = _send_through_switch("fsE-t5-", levels, dscp, 300_000)
+    expected = netns.level_classes(levels).get(dscp, netns.UNMARKED_CLASS)
+    assert counters[expected] >= 300000
+    others = {c: n for c, n in counters.items() if c not in (expected, 1, netns.ACK_CLASS)}
+    assert all(n < 10000 for n in others.values()), others
+
+
+def test_htb_counts_the_headers_tcp_payload_share_leaves_out() -> None:
+    """The simulator's testbed replays move payload at TCP_PAYLOAD_SHARE of the link rate: the
+    switch port's htb class counts that many wire bytes per payload byte."""
+    size = 4_000_000
+    counters = _send_through_switch("fsE-t6-", [46], 46, size)
+    wire = counters[netns.level_classes([46])[46]]
+    assert size / wire == pytest.approx(netns.TCP_PAYLOAD_SHARE, rel=0.005)
+
+
+def _send_through_switch(prefix: str, levels: list[int], dscp: int, size: int) -> dict[int, int]:
+    """Send ``size`` bytes h0 -> h1 marked ``dscp``; the switch port toward h1's class bytes."""
     with netns.testbed(netns.TopologySpec(prefix=prefix, hosts=2), levels) as topo:
         a, b = topo.hosts
         rx = subprocess.Popen(
@@ -115,14 +131,11 @@ def test_dscp_reaches_its_htb_class(dscp: int) -> None:
         )
         assert rx.stdout is not None and rx.stdout.readline().strip() == "ready"
         subprocess.run(
-            topo.ns_command(a.netns, [sys.executable, "-c", _SEND, b.data_ip, str(dscp)]),
+            topo.ns_command(
+                a.netns, [sys.executable, "-c", _SEND, b.data_ip, str(dscp), str(size)]
+            ),
             check=True,
             timeout=30,
         )
         rx.wait(timeout=30)
-        time.sleep(0.1)
-        counters = topo.class_bytes()[f"{topo.switch_ns}/{b.switch_port}"]
-    expected = netns.level_classes(levels).get(dscp, netns.UNMARKED_CLASS)
-    assert counters[expected] >= 300000
-    others = {c: n for c, n in counters.items() if c not in (expected, 1, netns.ACK_CLASS)}
-    assert all(n < 10000 for n in others.values()), others
+        return topo.class_bytes()[f"{topo.switch_ns}/{b.switch_port}"]

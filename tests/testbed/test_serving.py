@@ -16,7 +16,7 @@ import pytest
 
 from flowsched import policyfile, scenario
 from flowsched.model import FlowClass
-from flowsched.testbed import serving
+from flowsched.testbed import netns, serving
 from flowsched.testbed.live import LiveEngine
 
 DEFAULT_FILE = Path(policyfile.__file__).parent / "data" / "policies" / "default.toml"
@@ -387,8 +387,9 @@ def test_live_ideal_bound_sends_only_the_all_to_all(tmp_path: Path) -> None:
     assert all(r.finished is not None for r in run.records.requests)
     kv = [f for f in run.records.flows if f.cls == "kv"]
     assert kv and {f.cls for f in run.records.flows} >= {"tp"}
-    for flow in kv:  # a private path: exactly its bytes at line rate
-        assert flow.finished - flow.opened == pytest.approx(flow.size / rate)
+    payload_rate = rate * netns.TCP_PAYLOAD_SHARE
+    for flow in kv:  # a private path: exactly its bytes at the link's TCP payload rate
+        assert flow.finished - flow.opened == pytest.approx(flow.size / payload_rate)
     opened = [
         e
         for path in (tmp_path / "work").glob("host-*.json")
@@ -445,3 +446,9 @@ def test_unknown_policy_exits_2_naming_it(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "unknown policy 'nope'" in proc.stderr
+
+
+def test_the_testbed_scenario_simulates_tcps_payload_rate() -> None:
+    """The simulator side runs the links at the payload rate TCP gets on the testbed's."""
+    scen = scenario.load(serving.SCENARIO)
+    assert scen.sim.payload_share == pytest.approx(netns.TCP_PAYLOAD_SHARE, abs=1e-4)

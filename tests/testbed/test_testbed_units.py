@@ -132,12 +132,13 @@ def test_promotion_latency_matches_new_dscp_after_first_packet() -> None:
     assert runner.promotion_latencies(events, sniffed, dscp) == [(5, 0, 500 / 1e9)]
 
 
-def test_replay_closed_form_shared_links() -> None:
+@pytest.mark.parametrize("share", [1.0, netns.TCP_PAYLOAD_SHARE])
+def test_replay_closed_form_shared_links(share: float) -> None:
     """h0->h2 and h1->h2 share h2's ingress; h1->h3 joins at 10 ms and shares h1's egress.
 
-    Max-min: every flow gets half a link (12.5 MB/s), so the two first flows finish at
-    1.5 MB / 12.5 MB/s = 0.12 s; by then the third has sent 0.11 s x 12.5 MB/s = 1.375 MB and
-    sends the last 0.125 MB alone at 25 MB/s: 0.125 s.
+    Max-min at the payload rate R = 25 MB/s x share: every flow gets R / 2, so the two first
+    flows finish at 1.5 MB / (R / 2) = 0.12 s / share; by then the third has sent
+    (0.12 / share - 0.01) x R / 2 and sends the rest alone at R: 0.12 s / share + 0.005 s.
     """
     from flowsched.testbed.trace import Transfer
 
@@ -147,9 +148,10 @@ def test_replay_closed_form_shared_links() -> None:
         Transfer(3, "kv", "h1", "h3", 0.01, 1_500_000, deadline=1.0, request="c", slo=1.0),
     ]
     trace = Trace(0, 4, 25e6, 1.0, 0.0, [], transfers)
-    records = replay.replay(trace, policies.create("fair", num_levels=1))
+    records = replay.replay(trace, policies.create("fair", num_levels=1), payload_share=share)
     finished = {f.request: f.finished for f in records.flows}
-    assert finished == pytest.approx({"a": 0.12, "b": 0.12, "c": 0.125}, abs=1e-6)
+    expected = {"a": 0.12 / share, "b": 0.12 / share, "c": 0.12 / share + 0.005}
+    assert finished == pytest.approx(expected, abs=1e-6)
     assert summarize(records).slo_attainment == 1.0
 
 
