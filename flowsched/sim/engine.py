@@ -27,6 +27,8 @@ Model
   a queue share it max-min fairly, as a switch serves them. The records keep the policy levels.
 * Private paths: flows of the classes in ``SimConfig.private_classes`` each get a link of their
   own at their path's bottleneck rate (the ideal-network bound: they never contend).
+* Headers: flows move at ``SimConfig.payload_share`` of each link's rate (default 1, a fluid
+  model of the nominal rate); policies see the nominal rate.
 """
 
 from __future__ import annotations
