@@ -148,6 +148,16 @@ class Topology:
             for netns, dev in self.shaped_ports()
         }
 
+    def dropped_packets(self) -> dict[str, int]:
+        """Packets each shaped port's htb tree has dropped so far (its leaf queues' drops
+        included), per ``"netns/dev"`` (from ``tc -s qdisc``)."""
+        return {
+            f"{netns}/{dev}": parse_root_drops(
+                _run(["tc", "-n", netns, "-s", "qdisc", "show", "dev", dev])
+            )
+            for netns, dev in self.shaped_ports()
+        }
+
 
 def level_classes(dscp_by_level: Sequence[int]) -> dict[int, int]:
     """DSCP -> classid minor, one class per distinct DSCP in order of urgency.
@@ -200,6 +210,8 @@ def htb_commands(
 
 _CLASS_LINE = re.compile(r"^class htb 1:([0-9a-f]+) ")
 _SENT_LINE = re.compile(r"^\s*Sent (\d+) bytes")
+_ROOT_QDISC_LINE = re.compile(r"^qdisc htb 1: root ")
+_DROPPED = re.compile(r"\(dropped (\d+),")
 
 
 def parse_class_bytes(text: str) -> dict[int, int]:
@@ -213,6 +225,17 @@ def parse_class_bytes(text: str) -> dict[int, int]:
             counters[current] = int(match.group(1))
             current = None
     return counters
+
+
+def parse_root_drops(text: str) -> int:
+    """Packets dropped by the root htb qdisc, from ``tc -s qdisc show`` output (0 if absent)."""
+    in_root = False
+    for line in text.splitlines():
+        if line.startswith("qdisc "):
+            in_root = bool(_ROOT_QDISC_LINE.match(line))
+        elif in_root and (match := _DROPPED.search(line)):
+            return int(match.group(1))
+    return 0
 
 
 # -- building and tearing down ------------------------------------------------------------

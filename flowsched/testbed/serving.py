@@ -80,6 +80,13 @@ START_MARGIN = 0.5
 #: 4 Mbit/s whatever its priority, and here the KV flows spread over several levels at once
 #: (docs/results.md, "pd-serving on the testbed", compares runs with both)
 MIN_SHARE = 0.0
+#: byte limit of each level's queue on the switch ports. The scenario is an RDMA fabric, which
+#: does not drop (PFC), and the simulator's fluid links do not either. With the contention
+#: testbed's 256 kB the decoder's port dropped 1 % of its packets in the deferred classes (pd-
+#: serving-testbed, rmlq, load 0.6, seed 2); a starved TCP flow that loses its few packets in
+#: flight waits out backed-off retransmission timeouts, seconds after the other layers of its
+#: request arrived. 8 MB: no drop in that run (docs/results.md, "pd-serving on the testbed")
+SWITCH_QUEUE_BYTES = 8_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +114,8 @@ class LiveRun:
     wall_seconds: float = 0.0
     #: share of the machine's CPU time the hypervisor stole during the run (NaN: not reported)
     steal: float = math.nan
+    #: packets the testbed's shaped ports dropped during the run
+    dropped_packets: int = 0
 
 
 # ----------------------------------------------------------------------------- policy files
@@ -198,6 +207,19 @@ def sim_spec(name: str, work: Path) -> PolicySpec:
 
 
 # ----------------------------------------------------------------------------- one live run
+def topology_spec(scen: scenario.Scenario, prefix: str) -> netns.TopologySpec:
+    """The testbed of a serving scenario: one host per node, its NIC rate, strict priority,
+    switch queues that do not drop."""
+    assert scen.serving is not None
+    return netns.TopologySpec(
+        prefix=prefix,
+        hosts=len(build_topology(scen).nodes),
+        rate_mbit=scen.serving.nic_gbps * 1000,
+        min_share=MIN_SHARE,
+        switch_queue_bytes=SWITCH_QUEUE_BYTES,
+    )
+
+
 def node_hosts(topo: netns.Topology, scen: scenario.Scenario) -> dict[str, str]:
     """The scenario's nodes (prefill servers, decode servers, KV store) on testbed hosts."""
     nodes = list(build_topology(scen).nodes)
@@ -261,7 +283,12 @@ def run_live(
         errors += runner.wait_workers(workers, 30.0)
     errors += engine.errors + journal_errors(workdir, engine.failed)
     return LiveRun(
-        engine.records, errors, time.monotonic() - started, steal_share(machine, cpu_times())
+        engine.records,
+        errors,
+        time.monotonic() - started,
+        steal_share(machine, cpu_times()),
+        # configure_classes rebuilt every port's qdisc at the start: its counters are this run's
+        sum(topo.dropped_packets().values()),
     )
 
 
@@ -322,12 +349,7 @@ def run(options: ServingOptions, stream: TextIO = sys.stdout) -> list[shared_rep
         for name in dict.fromkeys((IDEAL, *options.sim_policies))
         if name not in specs
     }
-    spec = netns.TopologySpec(
-        prefix=options.prefix,
-        hosts=len(build_topology(scen).nodes),
-        rate_mbit=scen.serving.nic_gbps * 1000,
-        min_share=MIN_SHARE,
-    )
+    spec = topology_spec(scen, options.prefix)
     reason = "asked" if options.simulate_only else netns.probe(spec.prefix)
     if reason is not None and not options.simulate_only:
         print(f"testbed unavailable: {reason}; running the simulator only", file=sys.stderr)
@@ -349,6 +371,12 @@ def run(options: ServingOptions, stream: TextIO = sys.stdout) -> list[shared_rep
     print(shared_report.table(outcomes, title), file=stream)
     if steal is not None:
         print(f"the hypervisor stole {steal:.1%} of the machine's CPU time", file=stream)
+        dropped = [r["dropped_packets"] for r in live_runs]
+        print(
+            f"the testbed's ports dropped {sum(dropped)} packets"
+            f" ({sum(1 for d in dropped if d == 0)} of {len(dropped)} runs without a drop)",
+            file=stream,
+        )
     for line in errors[:20]:
         print(f"error: {line}", file=stream)
     meta = {
@@ -358,6 +386,7 @@ def run(options: ServingOptions, stream: TextIO = sys.stdout) -> list[shared_rep
         "loads": list(options.loads),
         "mode": "testbed + simulator" if reason is None else f"simulator only ({reason})",
         "time_scale": TIME_SCALE,
+        "switch_queue_bytes": spec.switch_queue_bytes,
         "steal": steal,
         "errors": errors,
         "testbed_runs": live_runs,
@@ -402,6 +431,7 @@ def _testbed_runs(
                         "seed": seed,
                         "wall_s": round(measured.wall_seconds, 1),
                         "steal": None if math.isnan(measured.steal) else round(measured.steal, 4),
+                        "dropped_packets": measured.dropped_packets,
                     }
                 )
                 progress.advance(f"{where}: testbed")

@@ -337,17 +337,23 @@ def live_tiny_run(
     tmp_path: Path, policy_name: str, prefix: str, private: frozenset[FlowClass] = frozenset()
 ) -> tuple[serving.LiveRun, float]:
     """The tiny scenario at load 0.5, seed 1, live on a fresh testbed; the run, the link rate."""
-    from flowsched.testbed import netns
-
     policy = tmp_path / f"{policy_name}.toml"
     serving.write_policy_file(policy_name, policy)
-    spec = netns.TopologySpec(prefix=prefix, hosts=6, rate_mbit=200)
+    scen = scenario.parse(TINY, "tiny.toml")
+    spec = serving.topology_spec(scen, prefix)
     with netns.testbed(spec) as topo:
         run = serving.run_live(
-            topo, scenario.parse(TINY, "tiny.toml"), 0.5, 1, policy, tmp_path / "work",
-            private=private,
+            topo, scen, 0.5, 1, policy, tmp_path / "work", private=private
         )  # fmt: skip
     return run, spec.rate_bytes
+
+
+def test_topology_spec_is_one_host_per_node_at_the_nic_rate_with_deep_switch_queues() -> None:
+    spec = serving.topology_spec(scenario.parse(TINY, "tiny.toml"), "fsE-x-")
+    # 4 prefill servers, a decoder and a KV store; nic_gbps 0.2
+    assert (spec.hosts, spec.rate_mbit, spec.min_share) == (6, 200.0, serving.MIN_SHARE)
+    assert spec.switch_queue_bytes == serving.SWITCH_QUEUE_BYTES
+    assert spec.switch_queue_bytes > netns.TopologySpec().switch_queue_bytes
 
 
 @pytest.mark.netns
@@ -356,6 +362,7 @@ def live_tiny_run(
 def test_live_run_serves_every_request_through_the_real_agents(tmp_path: Path) -> None:
     run, rate = live_tiny_run(tmp_path, "rmlq", "fsE-sv-")
     assert run.errors == []
+    assert run.dropped_packets == 0  # the switch queues hold what six requests send
     scen = scenario.parse(TINY, "tiny.toml")
     trace = scenario.serving_trace(scen.serving, 0.5, 1)  # type: ignore[arg-type]
     assert sorted(r.request for r in run.records.requests) == sorted(r.request_id for r in trace)

@@ -26,6 +26,28 @@ def test_parse_class_bytes() -> None:
     assert netns.parse_class_bytes(TC_OUTPUT) == {0x11: 1234, 0x1: 99}
 
 
+QDISC_OUTPUT = """qdisc htb 1: root refcnt 3 r2q 10 default 0xf direct_packets_stat 0
+ Sent 1218135996 bytes 808335 pkt (dropped 7993, overlimits 105460 requeues 0)
+ backlog 0b 0p requeues 0
+qdisc bfifo 9920: parent 1:15 limit 250Kb
+ Sent 387148672 bytes 255939 pkt (dropped 1918, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (QDISC_OUTPUT, 7993),
+        ("\n".join(QDISC_OUTPUT.splitlines()[3:]), 0),  # a leaf's drops without the root: none
+        ("", 0),
+    ],
+    ids=["root-counts-its-leaves", "no-root", "empty"],
+)
+def test_parse_root_drops(text: str, expected: int) -> None:
+    assert netns.parse_root_drops(text) == expected
+
+
 @pytest.mark.parametrize(
     ("dscps", "expected"),
     [
