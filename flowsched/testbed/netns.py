@@ -29,10 +29,13 @@ import os
 import re
 import signal
 import subprocess
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import TypeVar
+
+_T = TypeVar("_T")
 
 DATA_NET = "10.77.0"
 MGMT_NET = "10.78.0"
@@ -141,20 +144,17 @@ class Topology:
 
     def class_bytes(self) -> dict[str, dict[int, int]]:
         """Bytes sent so far by each htb class, per ``"netns/dev"`` (from ``tc -s class``)."""
-        return {
-            f"{netns}/{dev}": parse_class_bytes(
-                _run(["tc", "-n", netns, "-s", "class", "show", "dev", dev])
-            )
-            for netns, dev in self.shaped_ports()
-        }
+        return self._port_stats("class", parse_class_bytes)
 
     def dropped_packets(self) -> dict[str, int]:
         """Packets each shaped port's htb tree has dropped so far (its leaf queues' drops
         included), per ``"netns/dev"`` (from ``tc -s qdisc``)."""
+        return self._port_stats("qdisc", parse_root_drops)
+
+    def _port_stats(self, kind: str, parse: Callable[[str], _T]) -> dict[str, _T]:
+        """``parse`` of ``tc -s <kind> show`` on every shaped port, per ``"netns/dev"``."""
         return {
-            f"{netns}/{dev}": parse_root_drops(
-                _run(["tc", "-n", netns, "-s", "qdisc", "show", "dev", dev])
-            )
+            f"{netns}/{dev}": parse(_run(["tc", "-n", netns, "-s", kind, "show", "dev", dev]))
             for netns, dev in self.shaped_ports()
         }
 
