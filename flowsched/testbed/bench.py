@@ -160,6 +160,7 @@ def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.Polic
             " (/proc/stat)",
             file=stream,
         )
+        print(report.drops_line(results), file=stream)
     print("wrote " + ", ".join(str(p) for p in paths), file=stream)
     return results
 
@@ -261,6 +262,7 @@ def _testbed_run(
         total = result.class_bytes.setdefault(port, {})
         for minor, count in classes.items():
             total[minor] = total.get(minor, 0) + count
+    result.dropped_packets += measured.dropped_packets
     result.errors += [f"seed {trace.seed}: {e}" for e in measured.errors]
     result.wall_seconds += measured.wall_seconds
     for name, seconds in measured.cpu_seconds.items():

@@ -53,6 +53,8 @@ class PolicyResult:
     sim_records: RunRecords | None = None
     promotions: list[float] = field(default_factory=list)
     class_bytes: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: packets the testbed's shaped ports dropped during this policy's runs
+    dropped_packets: int = 0
     errors: list[str] = field(default_factory=list)
     wall_seconds: float = 0.0
     #: open -> first level delays of the testbed run's transfers (sorted, seconds)
@@ -273,6 +275,15 @@ def promotion_summary(results: list[PolicyResult]) -> dict[str, Any]:
     }
 
 
+def drops_line(results: list[PolicyResult]) -> str:
+    """One line: the packets the testbed's shaped ports dropped, in all and per policy that ran
+    there (a drop costs TCP a retransmission the fluid simulator never pays)."""
+    ran = [r for r in results if r.testbed_records is not None]
+    total = sum(r.dropped_packets for r in ran)
+    each = ", ".join(f"{r.policy} {r.dropped_packets}" for r in ran)
+    return f"the testbed's ports dropped {total} packets ({each})"
+
+
 def _quantiles(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
@@ -304,6 +315,7 @@ def to_json(results: list[PolicyResult], meta: dict[str, Any]) -> dict[str, Any]
                 "class_bytes": {
                     k: {f"1:{c:x}": n for c, n in v.items()} for k, v in r.class_bytes.items()
                 },
+                "dropped_packets": r.dropped_packets,
                 "errors": r.errors,
                 "wall_seconds": r.wall_seconds,
                 "per_seed": [
@@ -569,6 +581,9 @@ def markdown(results: list[PolicyResult], meta: dict[str, Any], plots: Sequence[
             f"{promo['count']} promotions."
         )
         lines.append("")
+    if any(r.testbed_records is not None for r in results):
+        drops = drops_line(results)
+        lines += [drops[0].upper() + drops[1:] + ".", ""]
     lines += [f"- {note}" for note in meta.get("notes", [])]
     lines.append("")
     for name, title in PLOT_TITLES.items():

@@ -57,6 +57,8 @@ class TestbedRun:
     admission: list[float] = field(default_factory=list)
     #: bytes per htb class minor on each switch port during the run
     class_bytes: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: packets the shaped ports (hosts' NICs and switch ports) dropped during the run
+    dropped_packets: int = 0
     errors: list[str] = field(default_factory=list)
     control: str = "agent"
     wall_seconds: float = 0.0
@@ -141,6 +143,8 @@ def run_policy(
         trace, cfg.policy, journals, _read_json(sniff_out, {}), errors, [m.dscp for m in cfg.levels]
     )
     run.class_bytes = _class_delta(before, after)
+    # configure_classes rebuilt every port's qdisc at the start: its counters are this run's
+    run.dropped_packets = sum(topo.dropped_packets().values())
     run.cpu_seconds = {k: v for k, v in cpu.items() if v is not None}
     run.control, run.wall_seconds = control, time.monotonic() - started
     return run

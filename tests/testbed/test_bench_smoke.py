@@ -64,6 +64,14 @@ def test_bench_contention_smoke(tmp_path: Path) -> None:
         assert tb["cct_mean_ms"] is not None
         assert [run["seed"] for run in entry["per_seed"]] == [1, 2]
         assert all(run["testbed_slo_attainment_pct"] is not None for run in entry["per_seed"])
+    # the shaped ports' drops, per policy in results.json and summed on the printed line
+    drops = {p: data["policies"][p]["dropped_packets"] for p in ("fair", "rmlq")}
+    assert all(isinstance(n, int) and n >= 0 for n in drops.values())
+    assert (
+        f"the testbed's ports dropped {sum(drops.values())} packets"
+        f" (fair {drops['fair']}, rmlq {drops['rmlq']})" in proc.stdout
+    )
+    assert "The testbed's ports dropped " in (out / "report.md").read_text()
     # rmlq also ran with the minimal controller, labelled as an ablation
     ablation = data["policies"]["rmlq"]
     assert ablation["ablation_control"] == "mini"
@@ -103,3 +111,5 @@ def test_simulate_only_needs_no_root(tmp_path: Path) -> None:
     assert policies["rmlq"]["sim_kv_top_pct"] is not None
     assert "ideal (bound)" in proc.stdout and "KV@top %" in proc.stdout
     assert "rmlq" in proc.stdout and "vs edf" in proc.stdout
+    # nothing ran on the testbed: no drop count claims otherwise
+    assert "dropped" not in proc.stdout and "dropped" not in (out / "report.md").read_text()

@@ -10,7 +10,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from flowsched import policies
-from flowsched.metrics import RunMetrics
+from flowsched.metrics import RunMetrics, RunRecords
 from flowsched.testbed import replay, report
 from flowsched.testbed.trace import ScenarioParams, generate
 
@@ -111,3 +111,14 @@ def test_summaries_use_nearest_rank() -> None:
     assert report._quantiles(result.admission) == {"p50": 0.3, "p90": 0.4, "count": 4.0}
     summary = report.promotion_summary([result])
     assert (summary["median"], summary["p90"]) == (pytest.approx(0.25), 0.4)
+
+
+def test_drops_line_counts_the_policies_that_ran_on_the_testbed() -> None:
+    """Each testbed policy's drops and their sum; a simulator-only row is left out."""
+    fair = report.PolicyResult("fair", None, RunMetrics(), testbed_records=RunRecords())
+    static = report.PolicyResult(
+        "static", None, RunMetrics(), testbed_records=RunRecords(), dropped_packets=12
+    )
+    sim_only = report.PolicyResult("edf+late", None, RunMetrics(), dropped_packets=0)
+    line = report.drops_line([fair, static, sim_only])
+    assert line == "the testbed's ports dropped 12 packets (fair 0, static 12)"
