@@ -151,6 +151,11 @@ class Topology:
         included), per ``"netns/dev"`` (from ``tc -s qdisc``)."""
         return self._port_stats("qdisc", parse_root_drops)
 
+    def run_drops(self) -> int:
+        """Packets dropped on every shaped port since :meth:`configure_classes` last rebuilt
+        the qdiscs (and so reset their counters): a run's drops, read when it ends."""
+        return sum(self.dropped_packets().values())
+
     def _port_stats(self, kind: str, parse: Callable[[str], _T]) -> dict[str, _T]:
         """``parse`` of ``tc -s <kind> show`` on every shaped port, per ``"netns/dev"``."""
         return {

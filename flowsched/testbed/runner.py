@@ -143,8 +143,7 @@ def run_policy(
         trace, cfg.policy, journals, _read_json(sniff_out, {}), errors, [m.dscp for m in cfg.levels]
     )
     run.class_bytes = _class_delta(before, after)
-    # configure_classes rebuilt every port's qdisc at the start: its counters are this run's
-    run.dropped_packets = sum(topo.dropped_packets().values())
+    run.dropped_packets = topo.run_drops()
     run.cpu_seconds = {k: v for k, v in cpu.items() if v is not None}
     run.control, run.wall_seconds = control, time.monotonic() - started
     return run

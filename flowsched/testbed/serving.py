@@ -287,8 +287,7 @@ def run_live(
         errors,
         time.monotonic() - started,
         steal_share(machine, cpu_times()),
-        # configure_classes rebuilt every port's qdisc at the start: its counters are this run's
-        sum(topo.dropped_packets().values()),
+        topo.run_drops(),
     )
 
 
