@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from flowsched.nccl import gpu_check  # noqa: E402
+from flowsched.testbed.daemons import free_ports  # noqa: E402
 
 BUILD = ROOT / "nccl_plugin" / "build"
 SETUP_OFI = Path(__file__).resolve().with_name("setup_aws_ofi_nccl.sh")
@@ -138,13 +138,6 @@ def find_cuda_python(explicit: str | None, timeout: float) -> str | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def mode_env(
     mode: str, rank: int, port: int, table: Path, log: Path, inner: Path | None
 ) -> dict[str, str]:
@@ -228,7 +221,7 @@ def run_mode(
     with tempfile.TemporaryDirectory(prefix="flowsched-gpu-", dir="/dev/shm") as tmp:
         table = create_table(Path(tmp))
         try:
-            port = free_port()
+            (port,) = free_ports(1)
             logs = [out / f"{mode}-rank{r}.log" for r in range(2)]
             procs = []
             for rank in range(2):

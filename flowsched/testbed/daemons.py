@@ -1,16 +1,19 @@
 """Started ``python -m flowsched`` processes for the end-to-end and HA tests: spawn one, wait
-for its ready line, scrape its metrics, stop it (SIGTERM, then SIGKILL) or kill -9 it; and
-:func:`wait_for`, polling a condition with a deadline."""
+for its ready line, scrape its metrics, stop it (SIGTERM, then SIGKILL) or kill -9 it;
+:func:`wait_for`, polling a condition with a deadline; and :func:`free_ports` for servers
+that cannot listen on port 0 (etcd's peer URLs, Prometheus)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import random
 import re
 import resource
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -87,6 +90,43 @@ def spawn(
             break
     proc.kill()
     raise AssertionError(f"{name} did not become ready; log:\n{log.read_text()[-3000:]}")
+
+
+#: where :func:`free_ports` looks when the kernel's ephemeral range leaves room below it
+PORT_BAND = (10000, 20000)
+#: the kernel's ephemeral port range (``connect`` and bind to port 0 pick from it)
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct loopback TCP ports that were free a moment ago, for a server started
+    next that must be told its port.
+
+    Probing with a bind to port 0 and closing is racy twice over: the kernel may hand the same
+    port to the next probe, and any ``connect`` may take it as its local port before the server
+    binds it (etcd then exits "bind: address already in use"). So every probe stays bound until
+    all are chosen, and the ports come from :data:`PORT_BAND`, below the ephemeral range, which
+    the kernel never hands out by itself; only where that range starts too low for the band do
+    the probes fall back to port 0.
+    """
+    low, high = PORT_BAND
+    with contextlib.suppress(OSError, ValueError):
+        high = min(high, int(EPHEMERAL_RANGE.read_text().split()[0]))
+    candidates = random.sample(range(low, high), min(high - low, 8 * count)) if high > low else []
+    ports: list[int] = []
+    with contextlib.ExitStack() as held:
+        for port in [*candidates, *[0] * count]:
+            if len(ports) == count:
+                break
+            probe = held.enter_context(socket.socket())
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            ports.append(probe.getsockname()[1])
+    if len(ports) < count:
+        raise RuntimeError(f"found {len(ports)} of {count} free loopback ports")
+    return ports
 
 
 def scrape(port: int | str, timeout: float = 5.0) -> dict[str, float]:

@@ -11,33 +11,27 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import ssl
 import subprocess
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from flowsched.testbed.daemons import free_ports
 from flowsched.tls import client_context
 
 #: seconds allowed for etcd to answer /health after its start
 START_TIMEOUT = 20.0
+#: bytes of a member's log quoted when it fails to start
+LOG_TAIL = 2000
 
 
 def etcd_binary() -> str | None:
     """Path of the ``etcd`` server binary, None when it is not installed."""
     return shutil.which("etcd")
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @dataclass(frozen=True)
@@ -83,7 +77,7 @@ def local_etcd(
     tls: EtcdServerTls | None = None,
     *,
     data_dir: Path | None = None,
-    ports: tuple[int, int] | None = None,
+    ports: Sequence[int] | None = None,
 ) -> Iterator[str]:
     """Run etcd on 127.0.0.1 until the block ends; yields its client URL (https with ``tls``).
 
@@ -96,7 +90,7 @@ def local_etcd(
     binary = etcd_binary()
     if binary is None:
         raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
-    client_port, peer_port = ports or (free_port(), free_port())
+    client_port, peer_port = ports or free_ports(2)
     scheme = "https" if tls is not None else "http"
     client, peer = f"{scheme}://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
     with contextlib.ExitStack() as stack:
@@ -105,10 +99,11 @@ def local_etcd(
         )  # fmt: skip
         command = _member_command(binary, "ha-test", data, client, peer, f"ha-test={peer}")
         command += tls.flags() if tls is not None else []
-        out = stack.enter_context(log.open("ab")) if log is not None else subprocess.DEVNULL
+        log = log or _scratch_log(stack)
+        out = stack.enter_context(log.open("ab"))
         process = subprocess.Popen(command, stdout=out, stderr=out)
         try:
-            _wait_healthy(process, client, tls)
+            _wait_healthy(process, client, tls, log)
             yield client
         finally:
             process.kill()
@@ -177,20 +172,21 @@ def local_etcd_cluster(size: int = 3, log_dir: Path | None = None) -> Iterator[E
     binary = etcd_binary()
     if binary is None:
         raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
-    clients = [f"http://127.0.0.1:{free_port()}" for _ in range(size)]
-    peers = [f"http://127.0.0.1:{free_port()}" for _ in range(size)]
+    urls = [f"http://127.0.0.1:{port}" for port in free_ports(2 * size)]
+    clients, peers = urls[:size], urls[size:]
     cluster = ",".join(f"m{i}={peer}" for i, peer in enumerate(peers))
     processes: list[subprocess.Popen[bytes]] = []
+    logs: list[Path] = []
     with contextlib.ExitStack() as stack:
         for i, (client, peer) in enumerate(zip(clients, peers, strict=True)):
             data = stack.enter_context(tempfile.TemporaryDirectory(prefix="flowsched-etcd-"))
-            path = log_dir / f"etcd-{i}.log" if log_dir is not None else None
-            out = stack.enter_context(path.open("ab")) if path is not None else subprocess.DEVNULL
+            logs.append(log_dir / f"etcd-{i}.log" if log_dir is not None else _scratch_log(stack))
+            out = stack.enter_context(logs[-1].open("ab"))
             command = _member_command(binary, f"m{i}", data, client, peer, cluster)
             processes.append(subprocess.Popen(command, stdout=out, stderr=out))
         try:
-            for process, client in zip(processes, clients, strict=True):
-                _wait_healthy(process, client, None)  # (healthy once a quorum has formed)
+            for process, client, log in zip(processes, clients, logs, strict=True):
+                _wait_healthy(process, client, None, log)  # (healthy once a quorum has formed)
             yield EtcdCluster(clients, processes)
         finally:
             for process in processes:
@@ -198,9 +194,20 @@ def local_etcd_cluster(size: int = 3, log_dir: Path | None = None) -> Iterator[E
                 process.wait()
 
 
-def _wait_healthy(process: subprocess.Popen[bytes], url: str, tls: EtcdServerTls | None) -> None:
+def _scratch_log(stack: contextlib.ExitStack) -> Path:
+    """A log file that goes away with ``stack`` (kept for a failed start's message)."""
+    folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="flowsched-etcd-log-"))
+    return Path(folder) / "etcd.log"
+
+
+def _wait_healthy(
+    process: subprocess.Popen[bytes], url: str, tls: EtcdServerTls | None, log: Path
+) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while not _healthy(url, tls):
         if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"etcd did not start (exit status {process.poll()})")
+            tail = log.read_bytes()[-LOG_TAIL:].decode(errors="replace")
+            raise RuntimeError(
+                f"etcd at {url} did not start (exit status {process.poll()}); {log} ends:\n{tail}"
+            )
         time.sleep(0.05)

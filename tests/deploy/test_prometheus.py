@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -32,6 +31,7 @@ from deploy_helpers import (
 
 from flowsched import client
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
+from flowsched.testbed.daemons import free_ports
 
 UP_READY = (
     r"coordinator [\d.]+:\d+ metrics (?P<chost>[\d.]+):(?P<cport>\d+); "
@@ -39,12 +39,6 @@ UP_READY = (
 )
 #: $__rate_interval for the dashboard queries: a few 1 s scrapes
 RATE_INTERVAL = "10s"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def wait_until(what: str, check: Callable[[], bool], timeout: float = 20.0) -> None:
@@ -96,7 +90,7 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PromAPI]:
     prom: subprocess.Popen[bytes] | None = None
     try:
         traffic.start()
-        port = _free_port()
+        (port,) = free_ports(1)
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(RULES)],

@@ -30,7 +30,8 @@ from ha_helpers import (
 
 from flowsched import tls
 from flowsched.protocol import write_token
-from flowsched.testbed.etcd import EtcdServerTls, free_port, local_etcd
+from flowsched.testbed.daemons import free_ports
+from flowsched.testbed.etcd import EtcdServerTls, local_etcd
 
 if TYPE_CHECKING:
     from conftest import TlsFiles
@@ -131,7 +132,7 @@ def _install(folder: Path, sources: dict[str, Path], mode: str) -> None:
 
 
 @contextlib.contextmanager
-def _etcd(tmp: Path, settings: EtcdServerTls, ports: tuple[int, int]) -> Iterator[str]:
+def _etcd(tmp: Path, settings: EtcdServerTls, ports: list[int]) -> Iterator[str]:
     """etcd with ``settings``; run again with the same ``ports``: the same member, restarted."""
     need_etcd()
     data = tmp / "etcd-data"
@@ -189,7 +190,7 @@ def test_a_leader_keeps_leading_through_renewed_etcd_tls_files(
     case: str, mode: str, tmp_path: Path, pki: Path
 ) -> None:
     renewal = RENEWALS[case]
-    files, ports = tmp_path / "etcd-tls", (free_port(), free_port())
+    files, ports = tmp_path / "etcd-tls", free_ports(2)
     files.mkdir()
     _install(files, _sources(pki, *renewal.before), mode)
     coordinator: Daemon | None = None
@@ -222,7 +223,7 @@ BROKEN = {
 def test_broken_renewed_files_are_logged_and_the_previous_ones_kept(
     name: str, source: str, message: tuple[str, ...], tmp_path: Path, pki: Path
 ) -> None:
-    files, ports = tmp_path / "etcd-tls", (free_port(), free_port())
+    files, ports = tmp_path / "etcd-tls", free_ports(2)
     files.mkdir()
     _install(files, _sources(pki, "ca", "client"), "in-place")
     settings, log = Etcd("etcd-ca", "ca", "client").files(pki), tmp_path / "coord.log"

@@ -11,6 +11,7 @@ import pytest
 
 from flowsched import torch as fs_torch
 from flowsched.model import FlowClass
+from flowsched.testbed.daemons import free_ports
 
 
 class _Config:
@@ -138,8 +139,6 @@ def test_detection_agrees_with_the_installed_torch() -> None:
 
 @needs_torch
 def test_real_gloo_group_falls_back_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    import socket
-
     import torch.distributed as dist
 
     monkeypatch.delenv("FLOWSCHED_CLASS", raising=False)
@@ -156,9 +155,7 @@ def test_real_gloo_group_falls_back_to_the_environment(monkeypatch: pytest.Monke
 
     spy("new_group")
     spy("barrier")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    (port,) = free_ports(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         result = fs_torch.new_group("experience", backend="gloo")

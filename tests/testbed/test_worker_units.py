@@ -17,6 +17,7 @@ import pytest
 from flowsched import nccl, transfer
 from flowsched.nccl import harness
 from flowsched.testbed import worker
+from flowsched.testbed.daemons import free_ports
 from flowsched.testbed.runner import collect
 from flowsched.testbed.trace import TpJob, Trace, Transfer
 
@@ -56,9 +57,7 @@ class AgentControl(worker.AgentClient):
 def _free_ports(monkeypatch: pytest.MonkeyPatch) -> None:
     """Receivers on an ephemeral port; the TP listener on a port that was free just now."""
     monkeypatch.setattr(worker, "TRANSFER_PORT", 0)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        monkeypatch.setattr(worker, "TP_PORT", probe.getsockname()[1])
+    monkeypatch.setattr(worker, "TP_PORT", free_ports(1)[0])
 
 
 def _run_ranks(trace: Trace, controls: dict[str, Any], timeout: float = 10.0) -> worker.Journal:

@@ -1,0 +1,72 @@
+"""free_ports: distinct ports, outside the kernel's ephemeral range where it leaves room."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from flowsched.testbed import daemons
+from flowsched.testbed.daemons import PORT_BAND, free_ports
+
+
+def _ephemeral_low() -> int:
+    return int(daemons.EPHEMERAL_RANGE.read_text().split()[0])
+
+
+def _listen(port: int) -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", port))
+        server.listen()
+
+
+def test_ports_are_distinct_free_and_below_the_ephemeral_range() -> None:
+    for _ in range(50):
+        ports = free_ports(6)
+        assert len(set(ports)) == 6
+        assert all(PORT_BAND[0] <= port < min(PORT_BAND[1], _ephemeral_low()) for port in ports)
+    for port in ports:
+        _listen(port)
+
+
+@pytest.fixture
+def busy() -> Iterator[int]:
+    """A port in the band that is held bound (listening) for the test."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", free_ports(1)[0]))
+        server.listen()
+        yield server.getsockname()[1]
+
+
+def test_a_port_in_use_is_passed_over(busy: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    others = [port for port in range(*PORT_BAND) if port != busy][:40]
+    monkeypatch.setattr(daemons.random, "sample", lambda band, k: [busy, *others][:k])
+    ports = free_ports(3)
+    assert busy not in ports and ports == others[:3]
+
+
+@pytest.mark.parametrize(
+    ("range_text", "expect_band"),
+    [
+        ("1024\t65535\n", False),  # no room below the range: the kernel picks
+        ("9000 65535\n", False),
+        ("15000 60999\n", True),  # the band, cut at 15000
+        (None, True),  # unreadable: the whole band
+    ],
+)
+def test_where_the_ports_come_from(
+    range_text: str | None, expect_band: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "ip_local_port_range"
+    if range_text is not None:
+        path.write_text(range_text)
+    monkeypatch.setattr(daemons, "EPHEMERAL_RANGE", path)
+    ports = free_ports(4)
+    assert len(set(ports)) == 4
+    high = int(range_text.split()[0]) if range_text is not None else PORT_BAND[1]
+    in_band = [PORT_BAND[0] <= port < min(high, PORT_BAND[1]) for port in ports]
+    assert all(in_band) if expect_band else not any(in_band)
+    for port in ports:
+        _listen(port)
