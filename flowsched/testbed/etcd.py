@@ -99,7 +99,7 @@ def local_etcd(
         )  # fmt: skip
         command = _member_command(binary, "ha-test", data, client, peer, f"ha-test={peer}")
         command += tls.flags() if tls is not None else []
-        log = log or _scratch_log(stack)
+        log = log or _scratch_logs(stack) / "etcd.log"
         out = stack.enter_context(log.open("ab"))
         process = subprocess.Popen(command, stdout=out, stderr=out)
         try:
@@ -176,12 +176,12 @@ def local_etcd_cluster(size: int = 3, log_dir: Path | None = None) -> Iterator[E
     clients, peers = urls[:size], urls[size:]
     cluster = ",".join(f"m{i}={peer}" for i, peer in enumerate(peers))
     processes: list[subprocess.Popen[bytes]] = []
-    logs: list[Path] = []
     with contextlib.ExitStack() as stack:
+        folder = log_dir or _scratch_logs(stack)
+        logs = [folder / f"etcd-{i}.log" for i in range(size)]
         for i, (client, peer) in enumerate(zip(clients, peers, strict=True)):
             data = stack.enter_context(tempfile.TemporaryDirectory(prefix="flowsched-etcd-"))
-            logs.append(log_dir / f"etcd-{i}.log" if log_dir is not None else _scratch_log(stack))
-            out = stack.enter_context(logs[-1].open("ab"))
+            out = stack.enter_context(logs[i].open("ab"))
             command = _member_command(binary, f"m{i}", data, client, peer, cluster)
             processes.append(subprocess.Popen(command, stdout=out, stderr=out))
         try:
@@ -194,10 +194,10 @@ def local_etcd_cluster(size: int = 3, log_dir: Path | None = None) -> Iterator[E
                 process.wait()
 
 
-def _scratch_log(stack: contextlib.ExitStack) -> Path:
-    """A log file that goes away with ``stack`` (kept for a failed start's message)."""
-    folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="flowsched-etcd-log-"))
-    return Path(folder) / "etcd.log"
+def _scratch_logs(stack: contextlib.ExitStack) -> Path:
+    """A folder for logs nobody asked for, gone with ``stack`` (kept for a failed start's
+    message)."""
+    return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="flowsched-etcd-log-")))
 
 
 def _wait_healthy(
