@@ -23,6 +23,7 @@ import importlib.util
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,8 @@ def build_tree(repo: Path, cache: Path) -> Path:
     For benchmarks that run the compiled build next to the editable (interpreted) one: put
     the returned folder first on ``PYTHONPATH`` (and use it as the working directory). The
     tree is keyed by a hash of every source file of the package and the mypy version, so a
-    stale build is never reused; building takes about half a minute.
+    stale build is never reused; building takes about half a minute. After a build, only the
+    :data:`KEEP_TREES` most recently used trees stay (:func:`prune_trees`).
 
     Raises:
         RuntimeError: mypy is missing, or mypyc or the C compiler failed (their output).
@@ -84,6 +86,7 @@ def build_tree(repo: Path, cache: Path) -> Path:
         digest.update(str(path.relative_to(repo)).encode() + b"\0" + path.read_bytes())
     tree = cache / digest.hexdigest()[:16]
     if (tree / ".built").exists():
+        (tree / ".built").touch()  # its last use, for prune_trees
         return tree
     staging = cache / f"{tree.name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
@@ -107,7 +110,34 @@ def build_tree(repo: Path, cache: Path) -> Path:
     (staging / ".built").write_text(" ".join(MODULES) + "\n")
     shutil.rmtree(tree, ignore_errors=True)
     staging.rename(tree)
+    prune_trees(cache, keep=KEEP_TREES)
     return tree
+
+
+#: built trees :func:`build_tree` keeps: each source edit makes a new one (16 MB here)
+KEEP_TREES = 3
+
+
+def prune_trees(cache: Path, keep: int) -> list[Path]:
+    """Remove all but the ``keep`` most recently used built trees in ``cache``, and staging
+    folders of builds that died a day or more ago; the folders removed.
+
+    A tree's last use is its ``.built`` file's mtime. Folders without that file other than
+    stale staging ones are left alone (another process may be building there).
+    """
+    built = sorted(
+        (path for path in cache.iterdir() if (path / ".built").is_file()),
+        key=lambda path: (path / ".built").stat().st_mtime,
+        reverse=True,
+    )
+    day_ago = time.time() - 86400
+    stale = [
+        path for path in cache.glob("*.partial") if path.is_dir() and path.stat().st_mtime < day_ago
+    ]
+    removed = built[keep:] + stale
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def _mypy_version() -> str:

@@ -1,7 +1,8 @@
 """Started ``python -m flowsched`` processes for the end-to-end and HA tests: spawn one, wait
 for its ready line, scrape its metrics, stop it (SIGTERM, then SIGKILL) or kill -9 it;
-:func:`wait_for`, polling a condition with a deadline; and :func:`free_ports` for servers
-that cannot listen on port 0 (etcd's peer URLs, Prometheus)."""
+:func:`wait_for`, polling a condition with a deadline; :func:`free_ports` for servers
+that cannot listen on port 0 (etcd's peer URLs, Prometheus); :func:`closed_port` for a port
+that refuses connections."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,6 +128,20 @@ def free_ports(count: int) -> list[int]:
     if len(ports) < count:
         raise RuntimeError(f"found {len(ports)} of {count} free loopback ports")
     return ports
+
+
+@contextlib.contextmanager
+def closed_port() -> Iterator[int]:
+    """A loopback TCP port that refuses connections while the ``with`` block runs: a dead
+    server's address.
+
+    A socket holds the port bound but never listens: the kernel answers a connect there with a
+    reset, and no other socket can bind the port meanwhile (a probe closed at once could be
+    taken by the next bind to port 0 or a connect's local port, and then accept).
+    """
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        yield holder.getsockname()[1]
 
 
 def scrape(port: int | str, timeout: float = 5.0) -> dict[str, float]:

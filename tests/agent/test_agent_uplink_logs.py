@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +18,7 @@ from flowsched.agent.service import RECONNECT_JITTER, Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.lograte import RepeatLog
 from flowsched.protocol import write_token
+from flowsched.testbed.daemons import closed_port
 
 
 class FakeClock:
@@ -72,13 +72,6 @@ def test_jitter_spreads_pauses_around_their_value() -> None:
     assert max(pauses) - min(pauses) > RECONNECT_JITTER  # really spread
 
 
-def _closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port  # nothing listens there any more: connects are refused
-
-
 def _agent(tmp_path: Path, port: int, token_file: Path) -> AgentThread:
     return AgentThread(
         AgentConfig(
@@ -122,7 +115,7 @@ def test_a_refused_connection_is_logged_as_such_and_less_and_less(
     token_file = tmp_path / "token"
     write_token(token_file)
     started = time.monotonic()
-    with _agent(tmp_path, _closed_port(), token_file) as running:
+    with closed_port() as port, _agent(tmp_path, port, token_file) as running:
         wait_until(lambda: running.agent.stats["connects_failed"] >= 15)
         elapsed = time.monotonic() - started
     said = [r for r in caplog.records if "refused the connection" in r.getMessage()]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from unittest import mock
 
@@ -20,6 +19,7 @@ from flowsched.coordinator.election import (
     short_lease_warning,
     split_address,
 )
+from flowsched.testbed.daemons import closed_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -149,26 +149,25 @@ async def test_a_candidate_never_deposes_the_leadership_it_has_just_won(etcd_url
 async def test_a_standby_redirects_and_deposes_a_leader_whose_port_is_closed(
     etcd_url: str,
 ) -> None:
-    with socket.socket() as closed:  # a port nothing listens on: a crashed coordinator
-        closed.bind(("127.0.0.1", 0))
-        dead_address = f"127.0.0.1:{closed.getsockname()[1]}"
-    assert await refuses_connections(dead_address)
-    dead = EtcdElection(etcd_url, "t", dead_address)
-    won = await dead.campaign()
-    standby = Candidacy(EtcdElection(etcd_url, "t", "127.0.0.1:1"))
-    never = asyncio.get_running_loop().create_future()
-    running = asyncio.ensure_future(standby.run(never))
-    while standby.election.leader is None:
-        await asyncio.sleep(0.01)
-    started = time.monotonic()
-    assert standby.refusal() == f"leader={dead_address} epoch={won.epoch}"  # and a probe
-    while standby.leadership is None:
-        await asyncio.sleep(0.005)
-    elapsed = time.monotonic() - started
-    assert standby.leadership.epoch > won.epoch
-    assert elapsed < 1.0, elapsed  # not the 2 s TTL
-    never.set_result(None)
-    await asyncio.wait_for(running, 5)  # stops and resigns
+    with closed_port() as port:  # a crashed coordinator's address
+        dead_address = f"127.0.0.1:{port}"
+        assert await refuses_connections(dead_address)
+        dead = EtcdElection(etcd_url, "t", dead_address)
+        won = await dead.campaign()
+        standby = Candidacy(EtcdElection(etcd_url, "t", "127.0.0.1:1"))
+        never = asyncio.get_running_loop().create_future()
+        running = asyncio.ensure_future(standby.run(never))
+        while standby.election.leader is None:
+            await asyncio.sleep(0.01)
+        started = time.monotonic()
+        assert standby.refusal() == f"leader={dead_address} epoch={won.epoch}"  # and a probe
+        while standby.leadership is None:
+            await asyncio.sleep(0.005)
+        elapsed = time.monotonic() - started
+        assert standby.leadership.epoch > won.epoch
+        assert elapsed < 1.0, elapsed  # not the 2 s TTL
+        never.set_result(None)
+        await asyncio.wait_for(running, 5)  # stops and resigns
 
 
 @pytest.mark.asyncio
@@ -198,17 +197,17 @@ async def test_a_listening_leader_is_not_deposed(etcd_url: str) -> None:
 
 @pytest.mark.asyncio
 async def test_without_etcd_a_candidate_keeps_trying_and_never_leads() -> None:
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
-        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
-    candidacy = Candidacy(EtcdElection(url, "t", "127.0.0.1:1"))
-    stop = asyncio.get_running_loop().create_future()
-    running = asyncio.ensure_future(candidacy.run(stop))
-    await asyncio.sleep(1.5)  # several failed campaigns, logged and retried
-    assert not running.done() and candidacy.leadership is None
-    assert candidacy.refusal() == "no leader elected yet"
-    stop.set_result(None)
-    await asyncio.wait_for(running, 5)
+    with closed_port() as port:  # no etcd there
+        election = EtcdElection(f"http://127.0.0.1:{port}", "t", "127.0.0.1:1")
+        candidacy = Candidacy(election)
+        stop = asyncio.get_running_loop().create_future()
+        with mock.patch.object(election, "_try_once", wraps=election._try_once) as tries:
+            running = asyncio.ensure_future(candidacy.run(stop))
+            await wait_until(lambda: tries.call_count >= 3, 10, "three failed campaigns")
+        assert not running.done() and candidacy.leadership is None
+        assert candidacy.refusal() == "no leader elected yet"
+        stop.set_result(None)
+        await asyncio.wait_for(running, 5)
 
 
 @pytest.mark.parametrize(

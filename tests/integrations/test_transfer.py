@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from flowsched import transfer
+from flowsched.testbed.daemons import closed_port
 
 
 class FakeHandle:
@@ -171,11 +172,7 @@ def test_bad_magic_is_rejected() -> None:
 
 
 def test_unreachable_receiver_is_a_transfer_error() -> None:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    with pytest.raises(transfer.TransferError, match="cannot connect"):
+    with closed_port() as port, pytest.raises(transfer.TransferError, match="cannot connect"):
         transfer.send_flow(("127.0.0.1", port), 10, timeout=2)
 
 

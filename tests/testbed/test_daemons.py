@@ -1,4 +1,5 @@
-"""free_ports: distinct ports, outside the kernel's ephemeral range where it leaves room."""
+"""free_ports: distinct ports, outside the kernel's ephemeral range where it leaves room;
+closed_port: a port that refuses connections and cannot be taken while held."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flowsched.testbed import daemons
-from flowsched.testbed.daemons import PORT_BAND, free_ports
+from flowsched.testbed.daemons import PORT_BAND, closed_port, free_ports
 
 
 def _ephemeral_low() -> int:
@@ -70,3 +71,14 @@ def test_where_the_ports_come_from(
     assert all(in_band) if expect_band else not any(in_band)
     for port in ports:
         _listen(port)
+
+
+def test_a_closed_port_refuses_connections_and_cannot_be_taken_while_held() -> None:
+    with closed_port() as port:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with socket.socket() as server:
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do
+            with pytest.raises(OSError, match="in use"):
+                server.bind(("127.0.0.1", port))
+    _listen(port)  # free again once the block ends
