@@ -28,6 +28,7 @@ import pytest
 from plugin_table import TestTable
 
 from flowsched.shm import layout
+from flowsched.testbed.daemons import wait_for
 from flowsched.testbed.netns import veth_pair
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
@@ -236,8 +237,13 @@ def test_promotion_changes_dscp_and_takes_the_bottleneck(
                 env={**env, "FLOWSCHED_SOCKET_IFNAME": bed.dev_tx},
             )
         )
-        time.sleep(1.0)
-        sends = [i for i, s in table.slots(layout.SLOT_ACTIVE) if s["direction"] == layout.DIR_SEND]
+
+        def send_slots() -> list[int]:
+            active = table.slots(layout.SLOT_ACTIVE)
+            return [i for i, slot in active if slot["direction"] == layout.DIR_SEND]
+
+        wait_for(send_slots, 10, "the plugin's send connection in the table")
+        sends = send_slots()
         assert len(sends) == 1, table.slots()
         promote_ms, windows = run_promotions(bed, table, sends[0])
         flow, other = _bins(recv), _bins(sink)
