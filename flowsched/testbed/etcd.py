@@ -127,9 +127,15 @@ class EtcdCluster:
     """The members of a :func:`local_etcd_cluster`: their client URLs, which one leads, and
     ways to kill or stop one."""
 
-    def __init__(self, urls: list[str], processes: list[subprocess.Popen[bytes]]) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        processes: list[subprocess.Popen[bytes]],
+        tls: EtcdServerTls | None = None,
+    ) -> None:
         self.urls = urls
         self._processes = processes
+        self._tls = tls
 
     @property
     def endpoints(self) -> str:
@@ -139,10 +145,11 @@ class EtcdCluster:
     def raft_leader(self) -> int:
         """The member that leads etcd's own (raft) consensus now; killing it makes the others
         elect a new one, about one to two of etcd's election timeouts (1 s by default)."""
+        context = self._tls.context() if self._tls is not None else None
         for url in self.urls:
             request = urllib.request.Request(f"{url}/v3/maintenance/status", data=b"{}")
             try:
-                with urllib.request.urlopen(request, timeout=2) as response:
+                with urllib.request.urlopen(request, timeout=2, context=context) as response:
                     status = json.load(response)
             except OSError:
                 continue  # a killed member
@@ -162,9 +169,12 @@ class EtcdCluster:
 
 
 @contextlib.contextmanager
-def local_etcd_cluster(size: int = 3, log_dir: Path | None = None) -> Iterator[EtcdCluster]:
+def local_etcd_cluster(
+    size: int = 3, log_dir: Path | None = None, tls: EtcdServerTls | None = None
+) -> Iterator[EtcdCluster]:
     """Run a cluster of ``size`` etcd members on 127.0.0.1 until the block ends (member ``i``
-    logs to ``log_dir/etcd-i.log``).
+    logs to ``log_dir/etcd-i.log``). With ``tls``, every member serves https on its client URL
+    with those files (the members' own peer traffic stays plain http).
 
     Raises:
         RuntimeError: etcd is not installed or a member did not become healthy.
@@ -172,8 +182,10 @@ def local_etcd_cluster(size: int = 3, log_dir: Path | None = None) -> Iterator[E
     binary = etcd_binary()
     if binary is None:
         raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
-    urls = [f"http://127.0.0.1:{port}" for port in free_ports(2 * size)]
-    clients, peers = urls[:size], urls[size:]
+    ports = free_ports(2 * size)
+    scheme = "https" if tls is not None else "http"
+    clients = [f"{scheme}://127.0.0.1:{port}" for port in ports[:size]]
+    peers = [f"http://127.0.0.1:{port}" for port in ports[size:]]
     cluster = ",".join(f"m{i}={peer}" for i, peer in enumerate(peers))
     processes: list[subprocess.Popen[bytes]] = []
     with contextlib.ExitStack() as stack:
@@ -183,11 +195,12 @@ def local_etcd_cluster(size: int = 3, log_dir: Path | None = None) -> Iterator[E
             data = stack.enter_context(tempfile.TemporaryDirectory(prefix="flowsched-etcd-"))
             out = stack.enter_context(logs[i].open("ab"))
             command = _member_command(binary, f"m{i}", data, client, peer, cluster)
+            command += tls.flags() if tls is not None else []
             processes.append(subprocess.Popen(command, stdout=out, stderr=out))
         try:
             for process, client, log in zip(processes, clients, logs, strict=True):
-                _wait_healthy(process, client, None, log)  # (healthy once a quorum has formed)
-            yield EtcdCluster(clients, processes)
+                _wait_healthy(process, client, tls, log)  # (healthy once a quorum has formed)
+            yield EtcdCluster(clients, processes, tls)
         finally:
             for process in processes:
                 process.kill()

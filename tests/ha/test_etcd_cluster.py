@@ -4,7 +4,8 @@ The member killed is etcd's own (raft) leader, listed first in ``--etcd``: the c
 talk to it, and the other two must elect a new raft leader before any keepalive succeeds.
 With every member listed and the default TTL for several members, a leader keeps its lease
 through another member and a standby whose watch died with the member keeps standing by;
-with one URL the leader steps down (what listing every member avoids). End to end: real
+with one URL the leader steps down (what listing every member avoids); the first test runs
+over http and over https with client certificates. End to end: real
 coordinators and an agent, the member and then the leading coordinator killed with
 ``kill -9``. Run with ``-s`` for the times.
 """
@@ -15,6 +16,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from ha_helpers import Daemon, leads, need_etcd, start_agent, start_coordinator, total, wait_for
@@ -22,7 +24,10 @@ from ha_helpers import Daemon, leads, need_etcd, start_agent, start_coordinator,
 from flowsched.coordinator.election import CLUSTER_TTL, EtcdElection
 from flowsched.protocol import write_token
 from flowsched.testbed.daemons import wait_until
-from flowsched.testbed.etcd import EtcdCluster, local_etcd_cluster
+from flowsched.testbed.etcd import EtcdCluster, EtcdServerTls, local_etcd_cluster
+
+if TYPE_CHECKING:
+    from conftest import TlsFiles
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
@@ -35,6 +40,22 @@ def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
         yield members
 
 
+@pytest.fixture
+def tls_cluster(tmp_path: Path, etcd_server_tls: EtcdServerTls) -> Iterator[EtcdCluster]:
+    """Three etcd members serving https that require client certificates."""
+    need_etcd()
+    with local_etcd_cluster(3, tmp_path, etcd_server_tls) as members:
+        yield members
+
+
+def _tls_files(scheme: str, tls: TlsFiles) -> dict[str, str]:
+    """EtcdElection's TLS arguments for a cluster of ``scheme``: the CA and client pair of
+    tests/conftest.py for https, none for http."""
+    if scheme == "http":
+        return {}
+    return {"cacert": str(tls.ca), "cert": str(tls.client_cert), "key": str(tls.client_key)}
+
+
 def raft_leader_first(cluster: EtcdCluster) -> tuple[int, str]:
     """The raft leader's index, and every member's URL with the raft leader's first."""
     first = cluster.raft_leader()
@@ -43,12 +64,16 @@ def raft_leader_first(cluster: EtcdCluster) -> tuple[int, str]:
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("scheme", ["http", "https"])
 async def test_the_leader_and_its_standby_outlive_the_etcd_member_they_use(
-    cluster: EtcdCluster,
+    scheme: str, request: pytest.FixtureRequest, tls_files: TlsFiles
 ) -> None:
+    cluster: EtcdCluster = request.getfixturevalue("cluster" if scheme == "http" else "tls_cluster")
+    files = _tls_files(scheme, tls_files)
     first, endpoints = raft_leader_first(cluster)
-    leader = EtcdElection(endpoints, "t", "leader:1", lease_ttl=CLUSTER_TTL)
-    standby = EtcdElection(endpoints, "t", "standby:1", lease_ttl=CLUSTER_TTL)
+    assert endpoints.startswith(f"{scheme}://")
+    leader = EtcdElection(endpoints, "t", "leader:1", lease_ttl=CLUSTER_TTL, **files)
+    standby = EtcdElection(endpoints, "t", "standby:1", lease_ttl=CLUSTER_TTL, **files)
     won = await leader.campaign()
     holding = asyncio.ensure_future(leader.hold(won))
     waiting = asyncio.ensure_future(standby.campaign())
