@@ -7,8 +7,9 @@ Every coordinator started with ``--etcd`` is a candidate. The recipe (docs/ha.md
   it". Winning makes the key's create revision this leadership's **epoch**, the fencing token
   stamped on every message to agents (revisions only grow in an etcd cluster);
 * standby: watch the key from the revision after the losing read, for its deletion only
-  (lease expired, revoked, or deleted), then campaign again; a standby also re-reads the key
-  every few TTLs in case the watch stream died silently;
+  (lease expired, revoked, or deleted), then campaign again; every TTL/4 it also reads the
+  key on the watch's member, so that a member that hangs or is cut off from etcd's quorum
+  (its watch stays open and silent) is left within a fraction of the TTL;
 * leader: keep the lease alive every TTL/4 and give up once a keepalive reports the lease gone
   or no keepalive succeeded for TTL minus a margin (the lease may have expired at etcd);
 * graceful stop revokes the lease: a standby's watch sees the deletion within milliseconds;
@@ -69,8 +70,6 @@ KEY_PREFIX = "/flowsched/leader/"
 KEEPALIVES_PER_TTL = 4
 #: a leader steps down this share of the TTL before its lease may have expired at etcd
 STEP_DOWN_MARGIN = 0.25
-#: a standby re-reads the key at least every this many TTLs (a silently dead watch stream)
-RECHECK_TTLS = 5
 #: seconds at most between campaigns that failed (every member tried; TTL/4 below that)
 MAX_CAMPAIGN_PAUSE = 1.0
 #: seconds before the next keepalive after a failed one (every member tried), and before the
@@ -635,10 +634,14 @@ class EtcdElection:
         recheck: asyncio.Future[Any] = asyncio.ensure_future(self._recheck.wait())
         self.watching = True
         try:
-            done, _ = await asyncio.wait(
-                {deleted, recheck}, timeout=RECHECK_TTLS * self.ttl,
-                return_when=asyncio.FIRST_COMPLETED,
-            )  # fmt: skip
+            done: set[asyncio.Future[Any]] = set()
+            while not done:
+                done, _ = await asyncio.wait(
+                    {deleted, recheck}, timeout=self.ttl / KEEPALIVES_PER_TTL,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )  # fmt: skip
+                if not done and not await self._same_leader_on(member):
+                    break
         finally:
             self.watching = False
             _stop_watch(stream)  # so the thread reading it returns
@@ -651,6 +654,32 @@ class EtcdElection:
             why = self.explain(error) if error is not None else "the stream ended"
             log.warning("etcd %s: watch ended: %s", self.failed_url, why)
             await self._pause(RETRY_AFTER_FAILURE)
+
+    async def _same_leader_on(self, member: int) -> bool:
+        """Whether ``member`` still answers that the leader last seen leads. A watch stream
+        stays open and silent when its member hangs, or is cut off from etcd's quorum (it can
+        no longer learn of the deletion): this read, linearizable, fails then, and the next
+        campaign goes to the next member. False also when the key is gone or changed (a
+        deletion the watch has not reported yet): campaign again."""
+        try:
+            async with asyncio.timeout(2 * self.timeout):
+                now = await asyncio.to_thread(self._leader_on, member)
+        except Exception as exc:
+            self._next_member(member)
+            why = self.explain(exc) if not isinstance(exc, TimeoutError) else "no answer"
+            log.warning("etcd %s: watch's member failed a read: %s", self.failed_url, why)
+            await self._pause(RETRY_AFTER_FAILURE)
+            return False
+        seen = self.leader
+        return now is not None and seen is not None and now.epoch == seen.epoch
+
+    def _leader_on(self, member: int) -> Leader | None:
+        """The leader key as ``member`` alone reads it (a linearizable range)."""
+        client = self._clients.get((member, "campaign"))
+        if client is None:
+            client = self._clients[member, "campaign"] = self._new_client(member)
+        reply = client.post(client.get_url("/kv/range"), json={"key": _b64(self.key)})
+        return self._leader_from(reply)
 
     async def _pause(self, seconds: float) -> None:
         """Wait ``seconds`` before campaigning again, or less when :meth:`depose` asks for a

@@ -13,6 +13,7 @@ coordinators and an agent, the member and then the leading coordinator killed wi
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -117,6 +118,41 @@ async def test_with_only_the_member_in_use_listed_the_leader_steps_down(
     survivor = next(u for i, u in enumerate(cluster.urls) if i != first)
     taken = await asyncio.wait_for(EtcdElection(survivor, "t", "b:1").campaign(), 15)
     assert taken.epoch > won.epoch
+
+
+@pytest.mark.asyncio
+async def test_a_standby_leaves_a_hung_member_and_takes_over_when_the_lease_expires(
+    cluster: EtcdCluster,
+) -> None:
+    """A stopped member keeps its watch streams open and silent: the standby must notice by
+    its own reads, or it would learn of the leader's expired lease only much later."""
+    ttl = 3
+    raft = cluster.raft_leader()
+    hung = next(i for i in range(3) if i != raft)  # a follower: no raft election follows
+    others = [url for i, url in enumerate(cluster.urls) if i != hung]
+    endpoints = ",".join([cluster.urls[hung], *others])
+    leader = EtcdElection(endpoints, "t", "leader:1", lease_ttl=ttl)
+    standby = EtcdElection(endpoints, "t", "standby:1", lease_ttl=ttl)
+    won = await leader.campaign()
+    holding = asyncio.ensure_future(leader.hold(won))
+    waiting = asyncio.ensure_future(standby.campaign())
+    await wait_until(lambda: standby.watching, 5, "the standby to watch the leader key")
+    cluster.signal(hung, signal.SIGSTOP)
+    try:
+        await wait_until(lambda: standby.url != cluster.urls[hung], ttl, "the standby to move")
+        await wait_until(lambda: standby.watching, ttl, "a watch on another member")
+        assert not waiting.done() and not holding.done()
+        holding.cancel()  # the leader goes silent, as a hung host does: its lease runs out
+        silent = time.monotonic()
+        taken = await asyncio.wait_for(waiting, 5 * ttl)
+        took = time.monotonic() - silent
+    finally:
+        cluster.signal(hung, signal.SIGCONT)
+    assert taken.epoch > won.epoch
+    # the lease ends TTL after the last keepalive, plus etcd's expiry scan (up to 0.5 s); a
+    # watch left on the hung member would have waited for a re-read (five TTLs before)
+    assert took < 2 * ttl, took
+    print(f"\nleader silent -> standby leads: {took:.2f} s (TTL {ttl} s)")
 
 
 def test_kill9_of_the_etcd_member_in_use_then_of_the_leader(

@@ -167,11 +167,13 @@ def test_a_failed_request_is_explained_by_its_cause(
 # -- the election against an https etcd that requires client certificates --------------------
 
 
-def _election(url: str, tls: TlsFiles, address: str, **files: Path | None) -> EtcdElection:
+def _election(
+    url: str, tls: TlsFiles, address: str, lease_ttl: int = 2, **files: Path | None
+) -> EtcdElection:
     """A candidate with the good CA and client certificate unless ``files`` says otherwise."""
     settings = {"cacert": tls.ca, "cert": tls.client_cert, "key": tls.client_key} | files
     paths = {name: str(path) if path is not None else None for name, path in settings.items()}
-    return EtcdElection(url, "t", address, **paths)  # type: ignore[arg-type]
+    return EtcdElection(url, "t", address, lease_ttl, **paths)  # type: ignore[arg-type]
 
 
 @pytest.mark.asyncio
@@ -179,7 +181,9 @@ async def test_elected_through_https_with_a_client_certificate(
     etcd_tls_url: str, tls_files: TlsFiles
 ) -> None:
     first = _election(etcd_tls_url, tls_files, "first:1")
-    second = _election(etcd_tls_url, tls_files, "second:1")
+    # a TTL of 20 s: the standby reads the key every 5 s, so only its watch can see a resign
+    # within a second
+    second = _election(etcd_tls_url, tls_files, "second:1", lease_ttl=20)
     won = await asyncio.wait_for(first.campaign(), 10)
     waiting = asyncio.ensure_future(second.campaign())
     holding = asyncio.ensure_future(first.hold(won))
@@ -193,7 +197,7 @@ async def test_elected_through_https_with_a_client_certificate(
     taken = await asyncio.wait_for(waiting, 5)
     assert taken.epoch > won.epoch
     # the standby's watch (etcd3gw's own session.post) works over TLS: the deletion arrives at
-    # once, not at the re-read every RECHECK_TTLS TTLs
+    # once, not at its next read of the key
     assert time.monotonic() - resigned < 1.0
     await second.resign(taken)
 
