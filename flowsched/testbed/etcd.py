@@ -1,9 +1,11 @@
 """Throwaway etcd servers (Debian's ``etcd-server``) for the HA tests and benchmark.
 
 :func:`local_etcd` runs one member, :func:`local_etcd_cluster` a cluster of several on one
-machine. They listen on free loopback ports, keep their data in temporary directories, and are
-killed with those directories removed on exit; with :class:`EtcdServerTls` the client URL is
-https and etcd requires client certificates. Nothing here is used by the coordinator itself.
+machine, :func:`etcd_cluster_in_namespaces` one member in each of several network namespaces
+(the netns testbed's hosts, so that a member can be cut off). They keep their data in
+temporary directories, and are killed with those directories removed on exit; with
+:class:`EtcdServerTls` the client URL is https and etcd requires client certificates. Nothing
+here is used by the coordinator itself.
 """
 
 from __future__ import annotations
@@ -201,6 +203,48 @@ def local_etcd_cluster(
             for process, client, log in zip(processes, clients, logs, strict=True):
                 _wait_healthy(process, client, tls, log)  # (healthy once a quorum has formed)
             yield EtcdCluster(clients, processes, tls)
+        finally:
+            for process in processes:
+                process.kill()
+                process.wait()
+
+
+#: the client and peer ports of :func:`etcd_cluster_in_namespaces`' members (etcd's own)
+NAMESPACE_PORTS = (2379, 2380)
+
+
+@contextlib.contextmanager
+def etcd_cluster_in_namespaces(
+    members: Sequence[tuple[str, str]], log_dir: Path
+) -> Iterator[list[str]]:
+    """Run one member of a cluster in each network namespace of ``members`` ((namespace, IPv4
+    address) each; as root) until the block ends; yields their client URLs, in order.
+
+    Their health is not awaited: nothing outside those namespaces' network reaches them, so the
+    caller checks from there (member ``i`` logs to ``log_dir/etcd-i.log``).
+
+    Raises:
+        RuntimeError: etcd is not installed.
+    """
+    binary = etcd_binary()
+    if binary is None:
+        raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
+    client_port, peer_port = NAMESPACE_PORTS
+    clients = [f"http://{address}:{client_port}" for _, address in members]
+    peers = [f"http://{address}:{peer_port}" for _, address in members]
+    cluster = ",".join(f"m{i}={peer}" for i, peer in enumerate(peers))
+    processes: list[subprocess.Popen[bytes]] = []
+    with contextlib.ExitStack() as stack:
+        for i, (netns, _) in enumerate(members):
+            data = stack.enter_context(tempfile.TemporaryDirectory(prefix="flowsched-etcd-"))
+            out = stack.enter_context((log_dir / f"etcd-{i}.log").open("ab"))
+            command = _member_command(binary, f"m{i}", data, clients[i], peers[i], cluster)
+            # ``ip netns exec`` execs etcd: the process is etcd itself
+            processes.append(
+                subprocess.Popen(["ip", "netns", "exec", netns, *command], stdout=out, stderr=out)
+            )
+        try:
+            yield clients
         finally:
             for process in processes:
                 process.kill()
