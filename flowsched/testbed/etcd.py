@@ -89,9 +89,7 @@ def local_etcd(
     Raises:
         RuntimeError: etcd is not installed or did not become healthy.
     """
-    binary = etcd_binary()
-    if binary is None:
-        raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
+    binary = _binary()
     client_port, peer_port = ports or free_ports(2)
     scheme = "https" if tls is not None else "http"
     client, peer = f"{scheme}://127.0.0.1:{client_port}", f"http://127.0.0.1:{peer_port}"
@@ -108,8 +106,7 @@ def local_etcd(
             _wait_healthy(process, client, tls, log)
             yield client
         finally:
-            process.kill()
-            process.wait()
+            _kill(process)
 
 
 def _member_command(
@@ -181,32 +178,18 @@ def local_etcd_cluster(
     Raises:
         RuntimeError: etcd is not installed or a member did not become healthy.
     """
-    binary = etcd_binary()
-    if binary is None:
-        raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
     ports = free_ports(2 * size)
     scheme = "https" if tls is not None else "http"
     clients = [f"{scheme}://127.0.0.1:{port}" for port in ports[:size]]
     peers = [f"http://127.0.0.1:{port}" for port in ports[size:]]
-    cluster = ",".join(f"m{i}={peer}" for i, peer in enumerate(peers))
-    processes: list[subprocess.Popen[bytes]] = []
     with contextlib.ExitStack() as stack:
         folder = log_dir or _scratch_logs(stack)
         logs = [folder / f"etcd-{i}.log" for i in range(size)]
-        for i, (client, peer) in enumerate(zip(clients, peers, strict=True)):
-            data = stack.enter_context(tempfile.TemporaryDirectory(prefix="flowsched-etcd-"))
-            out = stack.enter_context(logs[i].open("ab"))
-            command = _member_command(binary, f"m{i}", data, client, peer, cluster)
-            command += tls.flags() if tls is not None else []
-            processes.append(subprocess.Popen(command, stdout=out, stderr=out))
-        try:
-            for process, client, log in zip(processes, clients, logs, strict=True):
-                _wait_healthy(process, client, tls, log)  # (healthy once a quorum has formed)
-            yield EtcdCluster(clients, processes, tls)
-        finally:
-            for process in processes:
-                process.kill()
-                process.wait()
+        extra = tls.flags() if tls is not None else []
+        processes = stack.enter_context(_members(clients, peers, logs, extra=extra))
+        for process, client, log in zip(processes, clients, logs, strict=True):
+            _wait_healthy(process, client, tls, log)  # (healthy once a quorum has formed)
+        yield EtcdCluster(clients, processes, tls)
 
 
 #: the client and peer ports of :func:`etcd_cluster_in_namespaces`' members (etcd's own)
@@ -226,29 +209,54 @@ def etcd_cluster_in_namespaces(
     Raises:
         RuntimeError: etcd is not installed.
     """
-    binary = etcd_binary()
-    if binary is None:
-        raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
     client_port, peer_port = NAMESPACE_PORTS
     clients = [f"http://{address}:{client_port}" for _, address in members]
     peers = [f"http://{address}:{peer_port}" for _, address in members]
+    logs = [log_dir / f"etcd-{i}.log" for i in range(len(members))]
+    # ``ip netns exec`` execs etcd: the process is etcd itself
+    wrappers = [["ip", "netns", "exec", netns] for netns, _ in members]
+    with _members(clients, peers, logs, wrappers=wrappers):
+        yield clients
+
+
+@contextlib.contextmanager
+def _members(
+    clients: list[str],
+    peers: list[str],
+    logs: list[Path],
+    *,
+    extra: Sequence[str] = (),
+    wrappers: Sequence[Sequence[str]] | None = None,
+) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Start member ``i`` of one cluster on ``clients[i]`` and ``peers[i]`` (its command after
+    ``wrappers[i]``, with ``extra`` flags; logging to ``logs[i]``); every started member is
+    killed when the block ends, also when a later one fails to start."""
+    binary = _binary()
     cluster = ",".join(f"m{i}={peer}" for i, peer in enumerate(peers))
     processes: list[subprocess.Popen[bytes]] = []
     with contextlib.ExitStack() as stack:
-        for i, (netns, _) in enumerate(members):
+        for i, (client, peer) in enumerate(zip(clients, peers, strict=True)):
             data = stack.enter_context(tempfile.TemporaryDirectory(prefix="flowsched-etcd-"))
-            out = stack.enter_context((log_dir / f"etcd-{i}.log").open("ab"))
-            command = _member_command(binary, f"m{i}", data, clients[i], peers[i], cluster)
-            # ``ip netns exec`` execs etcd: the process is etcd itself
-            processes.append(
-                subprocess.Popen(["ip", "netns", "exec", netns, *command], stdout=out, stderr=out)
-            )
-        try:
-            yield clients
-        finally:
-            for process in processes:
-                process.kill()
-                process.wait()
+            out = stack.enter_context(logs[i].open("ab"))
+            command = _member_command(binary, f"m{i}", data, client, peer, cluster)
+            wrapper = wrappers[i] if wrappers is not None else []
+            process = subprocess.Popen([*wrapper, *command, *extra], stdout=out, stderr=out)
+            stack.callback(_kill, process)
+            processes.append(process)
+        yield processes
+
+
+def _kill(process: subprocess.Popen[bytes]) -> None:
+    process.kill()
+    process.wait()
+
+
+def _binary() -> str:
+    """:func:`etcd_binary`, or RuntimeError saying how to install it."""
+    binary = etcd_binary()
+    if binary is None:
+        raise RuntimeError("etcd is not installed (Debian: apt-get install etcd-server)")
+    return binary
 
 
 def _scratch_logs(stack: contextlib.ExitStack) -> Path:
