@@ -4,7 +4,6 @@ on NCCL log lines written in NCCL's documented formats and on made-up slots."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from bench_script_loader import load_bench_script
 
 from flowsched.model import FlowClass
 from flowsched.nccl import gpu_check
@@ -32,11 +32,7 @@ def run_script(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("allreduce_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("gpu/allreduce_check.py")
 
 
 def rank_log(rank: int, via: str = "NET/flowsched/0") -> str:

@@ -3,22 +3,15 @@ benchmark's business, not a test's)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "plugin_bench.py"
+from bench_script_loader import load_bench_script
 
 
 def load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("plugin_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("plugin_bench.py")
 
 
 def report(quiet: float, hog: float, rtt: float = 1.2) -> dict[str, Any]:

@@ -4,16 +4,15 @@ benchmark's business, not a test's)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from bench_script_loader import load_bench_script
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
@@ -22,15 +21,7 @@ from flowsched.model import Flow, FlowClass
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "pd_reference.py"
 
 
-def load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("pd_reference", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ref = load()
+ref = load_bench_script("pd_reference.py")
 
 Jobs = dict[str, tuple[float, list[tuple[float, float]]]]
 #: bytes per unit below (the replays count a request with less than a byte left as done)

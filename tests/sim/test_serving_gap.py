@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+from bench_script_loader import load_bench_script
 
 from flowsched.model import Flow, FlowClass
 from flowsched.policies import create
 from flowsched.sim.engine import SimConfig
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "serving_gap.py"
-
-
-def load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("serving_gap", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gap = load()
+gap = load_bench_script("serving_gap.py")
 
 
 @pytest.mark.parametrize(
