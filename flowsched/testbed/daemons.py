@@ -59,10 +59,12 @@ def spawn(
     *,
     timeout: float = 30.0,
     fd_limit: int | None = None,
+    cwd: Path | None = None,
 ) -> Daemon:
     """Start ``python -m flowsched ARGS`` (stderr appended to ``log``; ``fd_limit``: its soft
-    and hard open-file limit) and wait for a stdout line matching ``pattern``; AssertionError
-    with the log's tail when it exits or ``timeout`` passes first."""
+    and hard open-file limit; ``cwd``: its working directory, whose ``flowsched`` package, if
+    it has one, is the one it runs) and wait for a stdout line matching ``pattern``;
+    AssertionError with the log's tail when it exits or ``timeout`` passes first."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
 
     def limit_fds() -> None:  # in the child: soft and hard open-file limit
@@ -77,6 +79,7 @@ def spawn(
             text=True,
             env=env,
             preexec_fn=limit_fds if fd_limit is not None else None,
+            cwd=cwd,
         )
     assert proc.stdout is not None
     end = time.monotonic() + timeout

@@ -23,9 +23,10 @@ def start_coordinator(
     *,
     extra: tuple[str, ...] = (),
     fd_limit: int | None = None,
+    cwd: Path | None = None,
 ) -> Service:
     """``flowsched coordinator`` on 127.0.0.1 (``fd_limit``: its soft and hard open-file
-    limit; ``extra``: more flags)."""
+    limit; ``extra``: more flags; ``cwd``: see :func:`spawn`)."""
     return spawn(
         "coordinator",
         [
@@ -43,6 +44,7 @@ def start_coordinator(
         tmp / "coordinator.log",
         r"listening on (?P<host>[\d.]+):(?P<port>\d+) metrics (?P<mhost>[\d.]+):(?P<mport>\d+)",
         fd_limit=fd_limit,
+        cwd=cwd,
     )
 
 
@@ -54,9 +56,10 @@ def start_agent(
     node: str = "n1",
     fallback_after: float = 1.0,
     extra: tuple[str, ...] = (),
+    cwd: Path | None = None,
 ) -> Service:
     """``flowsched agent`` on lo, following the coordinator on 127.0.0.1 (``extra``: more
-    flags)."""
+    flags; ``cwd``: see :func:`spawn`)."""
     return spawn(
         "agent",
         [
@@ -86,6 +89,7 @@ def start_agent(
         tmp / f"agent-{node}.log",
         r"ready node=(?P<node>\S+) table=(?P<table>\S+) socket=(?P<socket>\S+) "
         r"metrics=(?P<mhost>[\d.]+):(?P<mport>\d+)",
+        cwd=cwd,
     )
 
 

@@ -1,0 +1,113 @@
+"""This release's programs next to the previous release's, as they run during a rolling
+upgrade: the previous release is the repository at :data:`PREVIOUS_RELEASE` (protocol 1, the
+last commit before protocol 2), extracted from git and run from its own folder.
+
+* a new agent against a previous coordinator: its offer of version 2 is refused, it reconnects
+  offering 1, and its flows are ranked by that coordinator;
+* a previous agent against a new coordinator: version 1, its progress sent as maps is decoded;
+  applications on this release's SDK open flows through that agent.
+
+Skipped with the reason where the repository's history is not there (a shallow clone, an
+unpacked archive).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from e2e_helpers import cleanup, scrape, start_agent, start_coordinator, total, wait_for
+
+from flowsched import client
+from flowsched.model import FlowClass
+from flowsched.protocol import write_token
+
+ROOT = Path(__file__).resolve().parents[2]
+#: protocol 1: the commit before f5486d9 ("protocol 2: flows progress as two uint64 arrays")
+PREVIOUS_RELEASE = "9a0b2409f0c4a1640a3f4c86eea54b8e505292be"
+ACTIVE = "flowsched_coordinator_active_flows"
+
+
+@pytest.fixture(scope="module")
+def previous(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding the previous release's ``flowsched`` package (the Python programs;
+    its NCCL plugin is not built)."""
+    folder = tmp_path_factory.mktemp("previous-release")
+    archive = folder / "release.tar"
+    made = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "-o", str(archive), PREVIOUS_RELEASE, "flowsched"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if made.returncode != 0:
+        pytest.skip(f"the previous release is not in this checkout's history: {made.stderr}")
+    with tarfile.open(archive) as tar:
+        tar.extractall(folder, filter="data")
+    return folder
+
+
+@pytest.fixture
+def token(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    write_token(path)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _fresh_sdk_connections() -> Iterator[None]:
+    yield
+    for conn in list(client._connections.values()):
+        conn.close()
+    client._connections.clear()
+
+
+def _ranks_a_kv_flow(coordinator_metrics: str, sock: str) -> None:
+    """An SDK ``kv`` flow with a far deadline, opened through the agent at ``sock``, gets the
+    coordinator's deferred level (not its class default), is counted by the coordinator, its
+    progress decoded, and goes when closed."""
+    deadline = time.time() + 60
+    with client.flow("kv", bytes=1 << 30, deadline=deadline, socket_path=sock) as kv:
+        assert kv.connected
+        assert kv.level > client.static_marking(FlowClass.KV).level, kv.level
+        wait_for(lambda: total(scrape(coordinator_metrics), ACTIVE) == 1, 5, "the flow")
+        kv.progress(1 << 20)  # reported at version 1: a map per report
+        progress = "flowsched_coordinator_events_total"
+        wait_for(lambda: total(scrape(coordinator_metrics), progress, kind="progress") >= 1, 5,
+                 "the progress report")  # fmt: skip
+    wait_for(lambda: total(scrape(coordinator_metrics), ACTIVE) == 0, 5, "the flow to close")
+
+
+def test_a_new_agent_follows_a_previous_coordinator(
+    tmp_path: Path, token: Path, previous: Path
+) -> None:
+    with cleanup() as started:
+        coord = start_coordinator(tmp_path, token, cwd=previous)
+        started.append(coord)
+        agent = start_agent(tmp_path, token, int(coord.fields["port"]))
+        started.append(agent)
+        cm = coord.fields["mport"]
+        wait_for(lambda: total(scrape(cm), "flowsched_coordinator_agents_connected") == 1, 10,
+                 "the agent to connect")  # fmt: skip
+        _ranks_a_kv_flow(cm, agent.fields["socket"])
+    agent_log = (tmp_path / "agent-n1.log").read_text()
+    assert "refused protocol version 2" in agent_log, agent_log[-2000:]
+    assert "; protocol version 1;" in agent_log, agent_log[-2000:]
+    assert "unsupported version 2" in (tmp_path / "coordinator.log").read_text()
+
+
+def test_a_previous_agent_follows_a_new_coordinator(
+    tmp_path: Path, token: Path, previous: Path
+) -> None:
+    with cleanup() as started:
+        coord = start_coordinator(tmp_path, token)
+        started.append(coord)
+        agent = start_agent(tmp_path, token, int(coord.fields["port"]), cwd=previous)
+        started.append(agent)
+        cm = coord.fields["mport"]
+        wait_for(lambda: total(scrape(cm), "flowsched_coordinator_agents_connected") == 1, 10,
+                 "the agent to connect")  # fmt: skip
+        _ranks_a_kv_flow(cm, agent.fields["socket"])
+    assert "protocol version" not in (tmp_path / "agent-n1.log").read_text()  # (it predates it)
