@@ -5,7 +5,9 @@ talk to it, and the other two must elect a new raft leader before any keepalive 
 With every member listed and the default TTL for several members, a leader keeps its lease
 through another member and a standby whose watch died with the member keeps standing by;
 with one URL the leader steps down (what listing every member avoids); the first test runs
-over http and over https with client certificates. End to end: real
+over http and over https with client certificates. A stopped member keeps its watch streams
+open and silent: the standby leaves it by its own reads and takes over once a silenced
+leader's lease runs out (tests/ha/test_etcd_partition.py: a partitioned one). End to end: real
 coordinators and an agent, the member and then the leading coordinator killed with
 ``kill -9``. Run with ``-s`` for the times.
 """
