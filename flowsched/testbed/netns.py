@@ -104,6 +104,9 @@ class Host:
     mgmt_dev: str
     mgmt_ip: str
     switch_port: str
+    #: the switch's end of the management link (taking it down cuts the host off the control
+    #: plane, silently, as a pulled cable does)
+    mgmt_port: str
 
 
 @dataclass(slots=True)
@@ -128,6 +131,12 @@ class Topology:
         """Every (namespace, device) whose egress is an htb bottleneck."""
         ports = [(h.netns, h.data_dev) for h in self.hosts]
         return ports + [(self.switch_ns, h.switch_port) for h in self.hosts]
+
+    def set_control_link(self, name: str, up: bool) -> None:
+        """Cut host ``name`` off the management network (the control plane: coordinator,
+        agents) at the switch, silently, or connect it again; its data link stays."""
+        state = "up" if up else "down"
+        _ip_batch(self.switch_ns, [f"link set {self.host(name).mgmt_port} {state}"])
 
     def ns_command(self, netns: str, argv: Sequence[str]) -> list[str]:
         """``argv`` wrapped to run inside ``netns``."""
@@ -284,8 +293,9 @@ def plan(spec: TopologySpec) -> Topology:
             mgmt_dev=f"{p}{name}m",
             mgmt_ip=f"{MGMT_NET}.{i + 1}",
             switch_port=f"{p}{name}s",
+            mgmt_port=f"{p}{name}n",
         )
-        for dev in (host.data_dev, host.mgmt_dev, host.switch_port):
+        for dev in (host.data_dev, host.mgmt_dev, host.switch_port, host.mgmt_port):
             if len(dev) > MAX_IFNAME:
                 raise ValueError(f"interface name {dev!r} is longer than {MAX_IFNAME}")
         hosts.append(host)
@@ -318,12 +328,11 @@ def _build(topo: Topology, dscp_by_level: Sequence[int]) -> None:
 
 def _link_host(topo: Topology, host: Host) -> None:
     p, sw, ns = topo.spec.prefix, topo.switch_ns, host.netns
-    mgmt_peer = f"{p}{host.name}n"
     _ip_batch(
         ns,
         [
             f"link add {host.data_dev} type veth peer name {host.switch_port} netns {sw}",
-            f"link add {host.mgmt_dev} type veth peer name {mgmt_peer} netns {sw}",
+            f"link add {host.mgmt_dev} type veth peer name {host.mgmt_port} netns {sw}",
             f"link set {host.data_dev} gso_max_size {topo.spec.gso_max_size}",
             f"addr add {host.data_ip}/24 dev {host.data_dev}",
             f"addr add {host.mgmt_ip}/24 dev {host.mgmt_dev}",
@@ -338,9 +347,9 @@ def _link_host(topo: Topology, host: Host) -> None:
         sw,
         [
             f"link set {host.switch_port} master {p}br",
-            f"link set {mgmt_peer} master {p}mb",
+            f"link set {host.mgmt_port} master {p}mb",
             f"link set {host.switch_port} up",
-            f"link set {mgmt_peer} up",
+            f"link set {host.mgmt_port} up",
         ],
     )
 
