@@ -286,6 +286,17 @@ def _close_late_watch(opening: asyncio.Future[Response]) -> None:
         _stop_watch(opening.result())
 
 
+def _answered(exc: BaseException) -> bool:
+    """Whether a failed request got an answer from etcd that names the request's fault, not
+    the member's: an HTTP status that etcd3gw maps to no error of its own, such as 404 for a
+    lease already revoked or expired (timeouts, 503 "no leader" and 5xx are the member's)."""
+    try:
+        from etcd3gw.exceptions import Etcd3Exception
+    except ImportError:
+        return False
+    return type(exc) is Etcd3Exception
+
+
 def _next_deletion(stream: Response) -> bool:
     """Block until the watch ``stream`` reports an event (its filter leaves deletions only):
     True; False when the stream ends first (its member died or closed it). Not etcd3gw's
@@ -514,7 +525,8 @@ class EtcdElection:
         member, and on a failure to the next ones in turn (later requests start there); the
         last member's error when every one failed. A dead member fails fast (refused) or
         within the request timeout, so a request reaches a live member within
-        :attr:`call_timeout`."""
+        :attr:`call_timeout`. An answer that faults the request (a lease not found) is raised
+        at once and is no failure of the member."""
         for _ in self.members:
             if role == "once":
                 member, client = self._member, self._new_client(self._member)
@@ -523,6 +535,8 @@ class EtcdElection:
             try:
                 result: dict[str, Any] = client.post(client.get_url(path), json=body)
             except Exception as exc:
+                if _answered(exc):
+                    raise  # the member works: the next one would give the same answer
                 self._next_member(member)
                 if self._member != member:
                     why = self.explain(exc)

@@ -260,6 +260,41 @@ def test_a_request_goes_to_the_next_members_in_turn_until_one_answers() -> None:
     assert election.failures == {"http://a:1": 2, "http://b:2": 1, "http://c:3": 1}
 
 
+def test_an_answer_that_faults_the_request_is_no_failure_of_the_member() -> None:
+    """Revoking a lease that is already gone (a second depose, a resign after expiry) gets
+    etcd's 404: the member answered, so it is neither counted as failing nor left."""
+    pytest.importorskip("etcd3gw", reason="the etcd3gw client is not installed")
+    from etcd3gw.exceptions import ConnectionFailedError, Etcd3Exception
+
+    election = EtcdElection("http://a:1,http://b:2", "t", "x:1")
+    answers: list[BaseException] = []
+    tried: list[int] = []
+
+    class Member:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def get_url(self, path: str) -> str:
+            return path
+
+        def post(self, url: str, json: object) -> dict[str, object]:
+            tried.append(self.index)
+            raise answers[len(tried) - 1]
+
+    election._clients.clear()
+    with mock.patch.object(election, "_new_client", Member):
+        answers.append(
+            Etcd3Exception('{"error":"etcdserver: requested lease not found"}', "Not Found")
+        )
+        election._revoke(7)  # (suppressed: a lease gone is as good as revoked)
+        assert tried == [0] and election.url == "http://a:1"
+        assert election.failures == {"http://a:1": 0, "http://b:2": 0}
+        answers += [ConnectionFailedError("no leader"), Etcd3Exception("x", "Not Found")]
+        election._revoke(7)  # a 503 is the member's: the next one is asked
+        assert tried == [0, 0, 1] and election.url == "http://b:2"
+        assert election.failures == {"http://a:1": 1, "http://b:2": 0}
+
+
 @pytest.mark.parametrize(
     ("etcd", "given", "ttl", "warned"),
     [
