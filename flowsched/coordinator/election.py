@@ -457,9 +457,9 @@ class EtcdElection:
         """The client URL of the member whose request failed last."""
         return member_url(self.members[self._failed])
 
-    def _client(self, role: str) -> tuple[int, Etcd3Client]:
-        """The member that requests go to now and its client for ``role``."""
-        member = self._member
+    def _client(self, role: str, member: int | None = None) -> tuple[int, Etcd3Client]:
+        """The member that requests go to now (or ``member``) and its client for ``role``."""
+        member = self._member if member is None else member
         client = self._clients.get((member, role))
         if client is None:
             client = self._clients[member, role] = self._new_client(member)
@@ -679,6 +679,8 @@ class EtcdElection:
             async with asyncio.timeout(2 * self.timeout):
                 now = await asyncio.to_thread(self._leader_on, member)
         except Exception as exc:
+            if _answered(exc):  # the member works; the campaign reads the key again
+                return False
             self._next_member(member)
             why = self.explain(exc) if not isinstance(exc, TimeoutError) else "no answer"
             log.warning("etcd %s: watch's member failed a read: %s", self.failed_url, why)
@@ -689,9 +691,7 @@ class EtcdElection:
 
     def _leader_on(self, member: int) -> Leader | None:
         """The leader key as ``member`` alone reads it (a linearizable range)."""
-        client = self._clients.get((member, "campaign"))
-        if client is None:
-            client = self._clients[member, "campaign"] = self._new_client(member)
+        _, client = self._client("campaign", member)
         reply = client.post(client.get_url("/kv/range"), json={"key": _b64(self.key)})
         return self._leader_from(reply)
 
