@@ -1,10 +1,12 @@
-"""Fixtures shared by every test directory: TLS certificates made with the openssl CLI."""
+"""Fixtures shared by every test directory: TLS certificates made with the openssl CLI, and
+fresh SDK connections for tests that talk to several agents."""
 
 from __future__ import annotations
 
 import dataclasses
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -86,3 +88,15 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
     stranger = _make_leaf(folder, "stranger", other, "clientAuth")
     other_server = _make_leaf(folder, "other-server", other, "serverAuth")
     return TlsFiles(ca[0], *server, *client, other[0], *stranger, *other_server)
+
+
+@pytest.fixture
+def fresh_sdk_connections() -> Iterator[None]:
+    """Close the SDK's shared agent connections after the test (each test's agent has a socket
+    of its own; a connection kept open would try to reconnect to a dead one)."""
+    from flowsched import client
+
+    yield
+    for conn in list(client._connections.values()):
+        conn.close()
+    client._connections.clear()

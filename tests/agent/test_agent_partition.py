@@ -24,7 +24,12 @@ from flowsched.testbed import netns
 from flowsched.testbed.daemons import wait_for
 from flowsched.testbed.runner import start_agents
 
-pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [
+    pytest.mark.netns,
+    pytest.mark.slow,
+    pytest.mark.timeout(120),
+    pytest.mark.usefixtures("fresh_sdk_connections"),
+]
 
 POLICY = Path(__file__).resolve().parents[2] / "policies" / "default.toml"
 RESYNC = re.compile(r"connected to the coordinator .*; resync sent \((\d+) flows\)")
@@ -47,14 +52,6 @@ def topo(tmp_path: Path) -> Iterator[netns.Topology]:
                     proc.wait(timeout=10)
     except netns.TestbedUnavailable as unavailable:
         pytest.skip(f"testbed unavailable: {unavailable}")
-
-
-@pytest.fixture(autouse=True)
-def _fresh_sdk_connections() -> Iterator[None]:
-    yield
-    for conn in list(client._connections.values()):
-        conn.close()
-    client._connections.clear()
 
 
 def test_an_agent_cut_off_from_its_coordinator_falls_back_and_rejoins(

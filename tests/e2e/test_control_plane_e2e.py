@@ -26,28 +26,12 @@ from e2e_helpers import (
 
 from flowsched import client, transfer
 from flowsched.model import FlowClass
-from flowsched.protocol import write_token
 from flowsched.shm import layout
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("fresh_sdk_connections")]
 
 ACTIVE = "flowsched_coordinator_active_flows"
-
-
-@pytest.fixture
-def token(tmp_path: Path) -> Path:
-    path = tmp_path / "token"
-    write_token(path)
-    return path
-
-
-@pytest.fixture(autouse=True)
-def _fresh_sdk_connections() -> object:
-    yield
-    for conn in list(client._connections.values()):
-        conn.close()
-    client._connections.clear()
 
 
 def _slot_level(table: FlowTable, index: int) -> int:

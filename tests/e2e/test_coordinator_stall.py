@@ -15,8 +15,6 @@ import pytest
 from e2e_helpers import wait_for
 from test_preauth_floods import CONNECTS, agent_counters, coordinator_and_agent
 
-from flowsched.protocol import write_token
-
 pytestmark = pytest.mark.slow
 
 
@@ -28,13 +26,6 @@ def _established(port: int) -> int:
         if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
             count += 1
     return count
-
-
-@pytest.fixture
-def token(tmp_path: Path) -> Path:
-    path = tmp_path / "token"
-    write_token(path)
-    return path
 
 
 def test_an_agent_reconnecting_after_a_coordinator_stall_is_not_two_agents(

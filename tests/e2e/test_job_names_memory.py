@@ -15,18 +15,11 @@ import pytest
 from e2e_helpers import scrape, total, wait_for
 from test_preauth_floods import MIB, coordinator_and_agent, rss_bytes
 
-from flowsched.protocol import sdk, write_token
+from flowsched.protocol import sdk
 
 pytestmark = pytest.mark.slow
 
 NAMES = 200_000
-
-
-@pytest.fixture
-def token(tmp_path: Path) -> Path:
-    path = tmp_path / "token"
-    write_token(path)
-    return path
 
 
 def _coordinator_events(port: str) -> float:

@@ -36,8 +36,6 @@ from e2e_helpers import (
     wait_for,
 )
 
-from flowsched.protocol import write_token
-
 pytestmark = pytest.mark.slow
 
 MIB = 1 << 20
@@ -55,13 +53,6 @@ def _enough_descriptors() -> None:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard != resource.RLIM_INFINITY and hard < 4096:
         pytest.skip(f"the floods need an open-file hard limit of 4096 or more (have {hard})")
-
-
-@pytest.fixture
-def token(tmp_path: Path) -> Path:
-    path = tmp_path / "token"
-    write_token(path)
-    return path
 
 
 # -- measuring --------------------------------------------------------------------------------

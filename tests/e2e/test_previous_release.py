@@ -16,7 +16,6 @@ from __future__ import annotations
 import subprocess
 import tarfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,8 @@ from e2e_helpers import cleanup, scrape, start_agent, start_coordinator, total, 
 
 from flowsched import client
 from flowsched.model import FlowClass
-from flowsched.protocol import write_token
+
+pytestmark = pytest.mark.usefixtures("fresh_sdk_connections")
 
 ROOT = Path(__file__).resolve().parents[2]
 #: protocol 1: the commit before f5486d9 ("protocol 2: flows progress as two uint64 arrays")
@@ -47,21 +47,6 @@ def previous(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with tarfile.open(archive) as tar:
         tar.extractall(folder, filter="data")
     return folder
-
-
-@pytest.fixture
-def token(tmp_path: Path) -> Path:
-    path = tmp_path / "token"
-    write_token(path)
-    return path
-
-
-@pytest.fixture(autouse=True)
-def _fresh_sdk_connections() -> Iterator[None]:
-    yield
-    for conn in list(client._connections.values()):
-        conn.close()
-    client._connections.clear()
 
 
 def _ranks_a_kv_flow(coordinator_metrics: str, sock: str) -> None:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 from flowsched.coordinator.election import EtcdElection
+from flowsched.testbed.daemons import wait_until
 from flowsched.testbed.etcd import EtcdCluster
 
 
@@ -36,14 +37,12 @@ def raft_leader(urls: list[str], timeout: float) -> int:
             time.sleep(0.2)
 
 
-async def wait_until(predicate: Callable[[], object], timeout: float) -> float | None:
+async def seconds_until(predicate: Callable[[], object], timeout: float) -> float | None:
     """Seconds until ``predicate()`` held; None when ``timeout`` passed first."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            return None
-        await asyncio.sleep(0.01)
-    return time.monotonic() - start
+    try:
+        return await wait_until(predicate, timeout, "")
+    except AssertionError:
+        return None
 
 
 async def main(urls: list[str], ttl: int) -> None:
@@ -55,13 +54,13 @@ async def main(urls: list[str], ttl: int) -> None:
     won = await leader.campaign()
     holding = asyncio.ensure_future(leader.hold(won))
     waiting = asyncio.ensure_future(standby.campaign())
-    await wait_until(lambda: standby.watching and leader.renewed_at > 0, 5 * ttl)
+    await seconds_until(lambda: standby.watching and leader.renewed_at > 0, 5 * ttl)
     say(event="ready", cut=cut, standby_url=standby.url, leader_url=leader.url)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     cut_at = time.monotonic()
-    moved = await wait_until(lambda: standby.url != urls[cut] and standby.watching, 3 * ttl)
+    moved = await seconds_until(lambda: standby.url != urls[cut] and standby.watching, 3 * ttl)
     # a renewal sent a TTL after the cut: past the 0.75 TTL a leader waits before stepping down
-    renewed = await wait_until(lambda: leader.renewed_at > cut_at + ttl, 3 * ttl)
+    renewed = await seconds_until(lambda: leader.renewed_at > cut_at + ttl, 3 * ttl)
     kept = not holding.done() and not waiting.done()
     holding.cancel()  # the leader goes silent, as a hung host does
     silent = time.monotonic()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Callable
 from unittest import mock
 
 import pytest
@@ -226,10 +228,11 @@ def test_bad_member_lists_are_refused_naming_the_flag(text: str, message: str) -
     assert message in str(refused.value)
 
 
-def test_a_request_goes_to_the_next_members_in_turn_until_one_answers() -> None:
-    election = EtcdElection("http://a:1,http://b:2,http://c:3", "t", "x:1")
-    dead: set[int] = set()
-    tried: list[int] = []
+def _fake_members(
+    election: EtcdElection, answer: Callable[[int], dict[str, object]]
+) -> contextlib.AbstractContextManager[object]:
+    """Patch ``election`` so that each member's client answers every POST with
+    ``answer(member index)`` (which may raise, as a failing member does)."""
 
     class Member:
         def __init__(self, index: int) -> None:
@@ -239,13 +242,24 @@ def test_a_request_goes_to_the_next_members_in_turn_until_one_answers() -> None:
             return path
 
         def post(self, url: str, json: object) -> dict[str, object]:
-            tried.append(self.index)
-            if self.index in dead:
-                raise ConnectionError(f"member {self.index} refused")
-            return {"result": {"TTL": "5"}}
+            return answer(self.index)
 
     election._clients.clear()
-    with mock.patch.object(election, "_new_client", Member):
+    return mock.patch.object(election, "_new_client", Member)
+
+
+def test_a_request_goes_to_the_next_members_in_turn_until_one_answers() -> None:
+    election = EtcdElection("http://a:1,http://b:2,http://c:3", "t", "x:1")
+    dead: set[int] = set()
+    tried: list[int] = []
+
+    def answer(index: int) -> dict[str, object]:
+        tried.append(index)
+        if index in dead:
+            raise ConnectionError(f"member {index} refused")
+        return {"result": {"TTL": "5"}}
+
+    with _fake_members(election, answer):
         assert election._keepalive(1) == 5 and tried == [0]
         dead.add(0)
         assert election._keepalive(1) == 5 and tried == [0, 0, 1]
@@ -270,19 +284,11 @@ def test_an_answer_that_faults_the_request_is_no_failure_of_the_member() -> None
     answers: list[BaseException] = []
     tried: list[int] = []
 
-    class Member:
-        def __init__(self, index: int) -> None:
-            self.index = index
+    def answer(index: int) -> dict[str, object]:
+        tried.append(index)
+        raise answers[len(tried) - 1]
 
-        def get_url(self, path: str) -> str:
-            return path
-
-        def post(self, url: str, json: object) -> dict[str, object]:
-            tried.append(self.index)
-            raise answers[len(tried) - 1]
-
-    election._clients.clear()
-    with mock.patch.object(election, "_new_client", Member):
+    with _fake_members(election, answer):
         answers.append(
             Etcd3Exception('{"error":"etcdserver: requested lease not found"}', "Not Found")
         )
