@@ -4,34 +4,48 @@ The plugin marks each connection's packets with the DSCP of its level's hardware
 module makes the host's own egress honour those marks, with the kernel features every Linux
 host has (htb and u32; ``prio``/``mqprio`` are not available everywhere). The tree on ``DEV``::
 
-    root qdisc htb 1: (default 1:f)
-      class 1:1      the link rate (RATE)
-        class 1:2    small packets (pure ACKs, control messages), prio 0
-        class 1:10+q hardware queue q of the policy, prio min(q, 7)
-        class 1:f    unmarked traffic, prio 7 (or --unmarked-prio)
+    root qdisc htb f5: (default f5:f)
+      class f5:1      the link rate (RATE)
+        class f5:10+q hardware queue q of the policy, prio min(q, 7)
+        class f5:2    small packets without a queue's DSCP (pure ACKs), prio 0, ceil 10 %
+        class f5:f    everything else, prio 7 (--unmarked-prio), or the prio of the
+                      policy's DSCP-0 queue, which it then carries
 
 Every leaf has a small guaranteed rate (``guarantee`` x RATE) and may borrow up to RATE;
 spare bandwidth goes to the lowest htb prio first, which makes the queues strictly ordered.
-u32 filters select the class from the DSCP of IPv4 (TOS byte) and IPv6 (traffic class),
-ignoring the ECN bits. SO_PRIORITY is not used here: htb would read it only as a classid.
+u32 filters, in this order: a queue's DSCP (IPv4 TOS byte, IPv6 traffic class, ECN bits
+ignored), then a zero length field (a BIG TCP packet over 64 KiB) to the default class, then
+small packets to f5:2. SO_PRIORITY is not used here: htb would read it only as a classid.
 
-:func:`apply` is idempotent: it reads the device's tree back (``tc``), compares it with the
-plan and runs only the changes (nothing when they agree), so applying a changed policy
-converges without dropping the qdisc and its queued packets. See docs/qos.md.
+The handle ``f5:`` marks the tree as ours: :func:`apply` replaces the kernel's default root
+qdisc (handle ``0:``) and the tree of an earlier release (``htb 1:`` with its small-packet
+filter), and refuses any other root unless forced. It is idempotent: it reads the tree back
+(``tc``), compares it with the plan and runs only the changes, under a per-device lock, so
+applying a changed policy converges without dropping the qdisc and its queued packets. See
+docs/qos.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
 import re
 import socket
 import subprocess
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from flowsched.policyfile import LevelMarking, PolicyConfig
 
+#: the tree's qdisc handle (major): unusual enough to mark a tree as flowsched's
+HANDLE = 0xF5
+#: the handle, the small-packet filter and its class of an earlier release's tree
+LEGACY_HANDLE = 0x1
+LEGACY_SIGNATURE = ("ip", 0, 0xFF80, 0, 0x2)  # protocol, value, mask, offset, flowid
 #: classid minors of the fixed classes; queue q is QUEUE_CLASS_BASE + q
 PARENT_CLASS = 0x1
 SMALL_CLASS = 0x2
@@ -42,13 +56,22 @@ MAX_HTB_PRIO = 7
 #: default guaranteed share of the link per class (a larger one drains a promoted flow's
 #: backlog faster but weakens strict priority: see docs/qos.md)
 DEFAULT_GUARANTEE = 0.01
-#: u32 filter preferences (evaluated in this order)
-PREF_SMALL_V4, PREF_SMALL_V6, PREF_DSCP_V4, PREF_DSCP_V6 = 1, 2, 3, 4
+#: the small-packet class may take at most this share of RATE: pure ACKs of a node receiving at
+#: line rate need 2-5 %, and a flood of small unmarked packets must not starve the queues
+SMALL_CEIL_SHARE = 0.1
+#: u32 filter preferences (evaluated in this order): the queues' DSCPs first, so that a marked
+#: packet always follows its queue; then a zero length field (BIG TCP: a GSO packet over
+#: 64 KiB carries 0) to the default class, before the small-packet test would take it
+PREF_DSCP_V4, PREF_DSCP_V6, PREF_BIG_V4, PREF_BIG_V6, PREF_SMALL_V4, PREF_SMALL_V6 = range(1, 7)
 #: packets below these sizes go to the small-packet class: IPv4 total length < 128 bytes,
 #: IPv6 payload length < 64 bytes (u32 matches by mask, so powers of two)
 SMALL_V4_MASK = 0xFF80
 SMALL_V6_MASK = 0xFFC0
+#: above this rate one htb (one qdisc lock for every CPU) is the bottleneck: see docs/qos.md
+HTB_RATE_ADVICE = 10 * 10**9
 TC_TIMEOUT = 10.0
+#: per-device locks, so that two applies (two agents, an agent and an operator) take turns
+LOCK_DIR = Path("/run/flowsched-qos")
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
 
@@ -58,6 +81,10 @@ class QosInputError(ValueError):
 
 class QosError(RuntimeError):
     """``tc`` failed (no permission, no htb in this kernel): exit status 1."""
+
+
+class QosForeignRootError(QosError):
+    """The device's root qdisc is someone else's; replaced only when forced (exit status 1)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,17 +107,34 @@ class TcFilter:
     value: int
     mask: int
     offset: int
-    flowid: int  # classid minor under 1:
+    flowid: int  # classid minor under the tree's handle
 
 
 @dataclass(frozen=True, slots=True)
 class Tree:
     """The part of a device's egress tree that :func:`apply` manages."""
 
-    root: str  # e.g. "htb 1:" or "noqueue"
+    root: str  # e.g. "htb f5:", "noqueue 0:" (a kernel default) or "none"
     default: int | None
     classes: dict[int, TcClass] = field(default_factory=dict)
     filters: frozenset[TcFilter] = frozenset()
+
+    @property
+    def owner(self) -> str:
+        """``ours``, ``legacy`` (an earlier release's), ``kernel`` (its default) or ``foreign``."""
+        if self.root == ROOT_LABEL:
+            return "ours"
+        if self.root == f"htb {LEGACY_HANDLE:x}:" and any(
+            (f.protocol, f.value, f.mask, f.offset, f.flowid) == LEGACY_SIGNATURE
+            for f in self.filters
+        ):
+            return "legacy"
+        if self.root == "none" or self.root.endswith(" 0:"):
+            return "kernel"
+        return "foreign"
+
+
+ROOT_LABEL = f"htb {HANDLE:x}:"
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,31 +181,43 @@ def plan(
     rate: int,
     *,
     guarantee: float = DEFAULT_GUARANTEE,
-    unmarked_prio: int = MAX_HTB_PRIO,
+    unmarked_prio: int | None = None,
 ) -> Plan:
-    """The tree for a policy's hardware-queue table (``PolicyConfig.queues``) at ``rate``."""
+    """The tree for a policy's hardware-queue table (``PolicyConfig.queues``) at ``rate``.
+
+    ``unmarked_prio`` (default 7) is the htb prio of traffic with no queue's DSCP; a policy
+    queue with DSCP 0 carries that traffic itself, at its own prio, and then refuses one.
+    """
     if not 0 < guarantee * (len(queues) + 2) <= 1:
         raise QosInputError(
             f"--guarantee: {guarantee:g} x {len(queues) + 2} classes must be in (0, 1]"
         )
-    if not 0 <= unmarked_prio <= MAX_HTB_PRIO:
+    if unmarked_prio is not None and not 0 <= unmarked_prio <= MAX_HTB_PRIO:
         raise QosInputError(f"--unmarked-prio: expected 0..7, got {unmarked_prio}")
+    best_effort = [q for q, marking in enumerate(queues) if marking.dscp == 0]
+    if best_effort and unmarked_prio is not None:
+        raise QosInputError(
+            f"--unmarked-prio: the policy's queue {best_effort[0]} has DSCP 0 and carries the "
+            f"unmarked traffic at its own prio {min(best_effort[0], MAX_HTB_PRIO)}"
+        )
     floor = max(round(rate * guarantee), 8000)
     classes = {PARENT_CLASS: TcClass(PARENT_CLASS, None, None, rate, rate)}
+    small_ceil = max(floor, round(rate * SMALL_CEIL_SHARE))
+    classes[SMALL_CLASS] = TcClass(SMALL_CLASS, PARENT_CLASS, 0, floor, small_ceil)
+    unmarked = MAX_HTB_PRIO if unmarked_prio is None else unmarked_prio
     dscps: dict[int, int] = {}
-    default = UNMARKED_CLASS
-    leaves = [(SMALL_CLASS, 0)]
     for q, marking in enumerate(queues):
-        minor = QUEUE_CLASS_BASE + q
-        leaves.append((minor, min(q, MAX_HTB_PRIO)))
-        dscps[minor] = marking.dscp
-        if marking.dscp == 0:  # this queue is best effort: unmarked traffic belongs to it
-            default = minor
-    if default == UNMARKED_CLASS:
-        leaves.append((UNMARKED_CLASS, unmarked_prio))
-    for minor, prio in leaves:
-        classes[minor] = TcClass(minor, PARENT_CLASS, prio, floor, rate)
+        # the default class is fixed (htb cannot change it in place): a DSCP-0 queue is it
+        minor = UNMARKED_CLASS if marking.dscp == 0 else QUEUE_CLASS_BASE + q
+        dscps.setdefault(minor, marking.dscp)
+        if minor == UNMARKED_CLASS:
+            unmarked = min(unmarked, min(q, MAX_HTB_PRIO))
+        else:
+            classes[minor] = TcClass(minor, PARENT_CLASS, min(q, MAX_HTB_PRIO), floor, rate)
+    classes[UNMARKED_CLASS] = TcClass(UNMARKED_CLASS, PARENT_CLASS, unmarked, floor, rate)
     filters = {
+        TcFilter(PREF_BIG_V4, "ip", 0, 0xFFFF, 0, UNMARKED_CLASS),
+        TcFilter(PREF_BIG_V6, "ipv6", 0, 0xFFFF << 16, 4, UNMARKED_CLASS),
         TcFilter(PREF_SMALL_V4, "ip", 0, SMALL_V4_MASK, 0, SMALL_CLASS),
         TcFilter(PREF_SMALL_V6, "ipv6", 0, SMALL_V6_MASK << 16, 4, SMALL_CLASS),
     }
@@ -171,7 +227,20 @@ def plan(
             filters.add(TcFilter(PREF_DSCP_V6, "ipv6", dscp << 22, 0xFC << 20, 0, minor))
     # ~1 ms of traffic per round, at least 32 KiB: a burst below rate/HZ caps the throughput
     burst = max(32 * 1024, rate // 8 // 1000)
-    return Plan(dev, Tree("htb 1:", default, classes, frozenset(filters)), dscps, burst)
+    tree = Tree(ROOT_LABEL, UNMARKED_CLASS, classes, frozenset(filters))
+    return Plan(dev, tree, dscps, burst)
+
+
+def rate_advice(want: Plan) -> str | None:
+    """A warning for a rate where one htb qdisc lock limits the host (None below it)."""
+    rate = want.tree.classes[PARENT_CLASS].rate
+    if rate <= HTB_RATE_ADVICE:
+        return None
+    return (
+        f"{want.dev}: shaping at {format_rate(rate)} through one htb qdisc (one lock for every "
+        "CPU); at this rate prefer the NIC's own priority queues (DCB/ETS) mapped from the same "
+        "DSCPs, see docs/qos.md"
+    )
 
 
 def plan_for_policy(
@@ -207,7 +276,7 @@ def _tc(args: Sequence[str], *, stdin: str | None = None) -> str:
 
 
 def observe(dev: str) -> Tree:
-    """The device's current root qdisc, htb classes and u32 filters under ``1:``."""
+    """The device's current root qdisc and, under an htb root, its classes and u32 filters."""
     roots = [
         q for q in json.loads(_tc(["-j", "qdisc", "show", "dev", dev]) or "[]") if q.get("root")
     ]
@@ -215,25 +284,27 @@ def observe(dev: str) -> Tree:
         return Tree("none", None)
     root = roots[0]
     label = f"{root['kind']} {root.get('handle', '')}".strip()
-    if label != "htb 1:":
+    if root["kind"] != "htb" or label not in (ROOT_LABEL, f"htb {LEGACY_HANDLE:x}:"):
         return Tree(label, None)
+    major = int(str(root["handle"]).rstrip(":"), 16)
     default = int(str(root.get("options", {}).get("default", "0")), 16)
-    classes = parse_classes(_tc(["class", "show", "dev", dev]))
-    filters = parse_filters(json.loads(_tc(["-j", "filter", "show", "dev", dev]) or "[]"))
-    return Tree(label, default, classes, frozenset(filters))
+    classes = parse_classes(_tc(["class", "show", "dev", dev]), major)
+    entries = json.loads(_tc(["-j", "filter", "show", "dev", dev]) or "[]")
+    return Tree(label, default, classes, frozenset(parse_filters(entries, major)))
 
 
-_CLASS = re.compile(
-    r"^class htb 1:([0-9a-f]+) (?:root|parent 1:([0-9a-f]+))(?: leaf \S+)?"
-    r"(?: prio (\d+))? rate (\S+) ceil (\S+)"
-)
+def _class_pattern(major: int) -> re.Pattern[str]:
+    return re.compile(
+        rf"^class htb {major:x}:([0-9a-f]+) (?:root|parent {major:x}:([0-9a-f]+))(?: leaf \S+)?"
+        r"(?: prio (\d+))? rate (\S+) ceil (\S+)"
+    )
 
 
-def parse_classes(text: str) -> dict[int, TcClass]:
-    """htb classes of ``tc class show`` output, by classid minor."""
-    classes = {}
+def parse_classes(text: str, major: int = HANDLE) -> dict[int, TcClass]:
+    """htb classes of ``tc class show`` output under ``major:``, by classid minor."""
+    classes, pattern = {}, _class_pattern(major)
     for line in text.splitlines():
-        if match := _CLASS.match(line):
+        if match := pattern.match(line):
             minor, parent, prio, rate, ceil = match.groups()
             classes[int(minor, 16)] = TcClass(
                 int(minor, 16),
@@ -254,15 +325,15 @@ def _printed_rate(text: str) -> int:
     )
 
 
-def parse_filters(entries: Sequence[dict[str, object]]) -> set[TcFilter]:
-    """Single-key u32 filters with a flowid under ``1:``, from ``tc -j filter show``."""
-    found = set()
+def parse_filters(entries: Sequence[dict[str, object]], major: int = HANDLE) -> set[TcFilter]:
+    """Single-key u32 filters with a flowid under ``major:``, from ``tc -j filter show``."""
+    found, prefix = set(), f"{major:x}:"
     for entry in entries:
         options = entry.get("options")
         if entry.get("kind") != "u32" or not isinstance(options, dict):
             continue
         match, flowid = options.get("match"), str(options.get("flowid", ""))
-        if not isinstance(match, dict) or not flowid.startswith("1:"):
+        if not isinstance(match, dict) or not flowid.startswith(prefix):
             continue
         found.add(
             TcFilter(
@@ -271,7 +342,7 @@ def parse_filters(entries: Sequence[dict[str, object]]) -> set[TcFilter]:
                 int(str(match["value"]), 16),
                 int(str(match["mask"]), 16),
                 int(str(match["off"])),
-                int(flowid[2:], 16),
+                int(flowid[len(prefix) :], 16),
             )
         )
     return found
@@ -286,65 +357,151 @@ def _same_class(have: TcClass | None, want: TcClass) -> bool:
     return all(abs(h - w) <= 0.01 * w for h, w in ((have.rate, want.rate), (have.ceil, want.ceil)))
 
 
-def changes(want: Plan, have: Tree) -> list[str]:
-    """``tc -batch`` lines that turn ``have`` into ``want.tree`` (empty when they agree)."""
+#: the filter prefs this module manages; an operator's filters at other prefs are left alone
+MANAGED_PREFS = frozenset(range(PREF_DSCP_V4, PREF_SMALL_V6 + 1))
+
+
+def changes(want: Plan, have: Tree, *, force: bool = False) -> list[str]:
+    """``tc -batch`` lines that turn ``have`` into ``want.tree`` (empty when they agree).
+
+    Raises:
+        QosForeignRootError: ``have`` is someone else's root qdisc and ``force`` is false.
+    """
     dev, tree, lines = want.dev, want.tree, []
-    if (have.root, have.default) != (tree.root, tree.default):
-        # replace keeps the classes of an htb 1: (a change of its default) and swaps any other
-        lines.append(f"qdisc replace dev {dev} root handle 1: htb default {tree.default:x}")
-        if have.root != "htb 1:":
-            have = Tree(tree.root, tree.default)
-    filters_differ = have.filters != tree.filters
-    if filters_differ and have.filters:
-        lines.append(f"filter del dev {dev} parent 1:")
+    owner = have.owner
+    if owner == "foreign" and not force:
+        raise QosForeignRootError(
+            f"{dev}: the root qdisc is {have.root}, not flowsched's; `flowsched qos apply "
+            f"--dev {dev} --force` replaces it (and `clear` then leaves the kernel's default)"
+        )
+    if owner == "ours" and have.default != tree.default:
+        lines.append(f"qdisc del dev {dev} root")  # htb cannot change its default in place
+        owner = "kernel"
+    if owner != "ours":  # a new root: grafted over the old one, which the kernel destroys
+        lines.append(
+            f"qdisc replace dev {dev} root handle {HANDLE:x}: htb default {tree.default:x}"
+        )
+        have = Tree(tree.root, tree.default)
+    managed = {f for f in have.filters if f.pref in MANAGED_PREFS}
+    keys = sorted({(f.pref, f.protocol) for f in managed | tree.filters})
+    differ = [k for k in keys if _filters_at(managed, k) != _filters_at(tree.filters, k)]
+    for pref, protocol in differ:  # before the classes they point to go
+        if _filters_at(managed, (pref, protocol)):
+            lines.append(
+                f"filter del dev {dev} parent {HANDLE:x}: pref {pref} protocol {protocol} u32"
+            )
     for minor in sorted(tree.classes):  # parent first
         spec = tree.classes[minor]
         if not _same_class(have.classes.get(minor), spec):
             lines.append(_class_line(dev, spec, want.burst))
     stale = [m for m in have.classes if m not in tree.classes]
     for minor in sorted(stale, key=lambda m: have.classes[m].parent is None):  # leaves first
-        lines.append(f"class del dev {dev} classid 1:{minor:x}")
-    if filters_differ:
-        lines += [_filter_line(dev, f) for f in sorted(tree.filters)]
+        lines.append(f"class del dev {dev} classid {HANDLE:x}:{minor:x}")
+    for key in differ:
+        lines += [_filter_line(dev, f) for f in sorted(_filters_at(tree.filters, key))]
     return lines
 
 
+def _filters_at(
+    filters: frozenset[TcFilter] | set[TcFilter], key: tuple[int, str]
+) -> set[TcFilter]:
+    return {f for f in filters if (f.pref, f.protocol) == key}
+
+
 def _class_line(dev: str, spec: TcClass, burst: int) -> str:
-    parent = "1:" if spec.parent is None else f"1:{spec.parent:x}"
-    prio = "" if spec.prio is None else f" prio {spec.prio} quantum 60000"
+    parent = f"{HANDLE:x}:" if spec.parent is None else f"{HANDLE:x}:{spec.parent:x}"
+    prio = "" if spec.prio is None else f" prio {spec.prio}"
+    # an explicit quantum: htb's rate/r2q default exceeds its 200000-byte cap at Gbit rates
     return (
-        f"class replace dev {dev} parent {parent} classid 1:{spec.minor:x} htb"
+        f"class replace dev {dev} parent {parent} classid {HANDLE:x}:{spec.minor:x} htb"
         f" rate {spec.rate}bit ceil {spec.ceil}bit burst {burst} cburst {burst}{prio}"
+        " quantum 60000"
     )
 
 
 def _filter_line(dev: str, spec: TcFilter) -> str:
     return (
-        f"filter add dev {dev} parent 1: protocol {spec.protocol} pref {spec.pref} u32"
+        f"filter add dev {dev} parent {HANDLE:x}: protocol {spec.protocol} pref {spec.pref} u32"
         f" match u32 0x{spec.value:08x} 0x{spec.mask:08x} at {spec.offset}"
-        f" flowid 1:{spec.flowid:x}"
+        f" flowid {HANDLE:x}:{spec.flowid:x}"
     )
 
 
-def apply(want: Plan, *, dry_run: bool = False) -> list[str]:
-    """Converge the device to ``want``; return the ``tc`` lines run (empty: already in place).
+@contextlib.contextmanager
+def device_lock(dev: str) -> Iterator[None]:
+    """Hold ``dev``'s lock (per network namespace and ifindex) while reading and changing it.
+
+    Without the right to create the lock (not root) it holds none: tc refuses the change then.
 
     Raises:
+        QosError: another holder kept the device for over ``TC_TIMEOUT`` seconds.
+    """
+    try:
+        name = f"{os.stat('/proc/self/ns/net').st_ino}-{socket.if_nametoindex(dev)}.lock"
+        LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(LOCK_DIR / name, flags, 0o600)
+    except PermissionError:
+        yield
+        return
+    except OSError as exc:
+        raise QosInputError(f"--dev: {dev}: {exc.strerror}") from None
+    try:
+        deadline = time.monotonic() + TC_TIMEOUT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise QosError(
+                        f"{dev}: another `flowsched qos` change held the device for over "
+                        f"{TC_TIMEOUT:g} s"
+                    ) from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _run(lines: Sequence[str]) -> None:
+    if any("#" in line for line in lines):  # tc -batch reads "#" as a comment: one call each
+        for line in lines:  # (a device name holds no whitespace)
+            _tc(line.split())
+    else:
+        _tc(["-batch", "-"], stdin="\n".join(lines) + "\n")
+
+
+def apply(want: Plan, *, dry_run: bool = False, force: bool = False) -> list[str]:
+    """Converge the device to ``want``; return the ``tc`` lines run (empty: already in place).
+
+    Replaces the kernel's default root qdisc and an earlier release's tree; another root only
+    with ``force``.
+
+    Raises:
+        QosForeignRootError: someone else's root qdisc, and not ``force``.
         QosError: ``tc`` failed (no CAP_NET_ADMIN, no htb or u32 in this kernel).
     """
-    lines = changes(want, observe(want.dev))
-    if lines and not dry_run:
-        _tc(["-batch", "-"], stdin="\n".join(lines) + "\n")
+    if dry_run:
+        return changes(want, observe(want.dev), force=force)
+    with device_lock(want.dev):
+        lines = changes(want, observe(want.dev), force=force)
+        if lines:
+            _run(lines)
     return lines
 
 
-def clear(dev: str) -> bool:
-    """Remove the htb tree that :func:`apply` installed; False when there was none."""
+def clear(dev: str) -> Tree:
+    """Remove flowsched's tree (or an earlier release's) from ``dev``, nothing else.
+
+    Returns the tree found: its ``owner`` says whether it was removed (``ours``, ``legacy``).
+    """
     check_device(dev)
-    if observe(dev).root != "htb 1:":
-        return False
-    _tc(["qdisc", "del", "dev", dev, "root"])
-    return True
+    with device_lock(dev):
+        tree = observe(dev)
+        if tree.owner in ("ours", "legacy"):
+            _tc(["qdisc", "del", "dev", dev, "root"])
+    return tree
 
 
 # -- showing --------------------------------------------------------------------------------
@@ -353,11 +510,11 @@ _SENT = re.compile(r"^\s*Sent (\d+) bytes (\d+) pkt \(dropped (\d+)")
 
 
 def class_counters(dev: str) -> dict[int, tuple[int, int, int]]:
-    """classid minor -> (bytes, packets, drops) sent by each htb class under ``1:``."""
+    """classid minor -> (bytes, packets, drops) sent by each htb class of the tree."""
     counters: dict[int, tuple[int, int, int]] = {}
-    current = None
+    current, pattern = None, _class_pattern(HANDLE)
     for line in _tc(["-s", "class", "show", "dev", dev]).splitlines():
-        if match := _CLASS.match(line):
+        if match := pattern.match(line):
             current = int(match.group(1), 16)
         elif (match := _SENT.match(line)) and current is not None:
             counters[current] = (int(match.group(1)), int(match.group(2)), int(match.group(3)))
@@ -369,17 +526,20 @@ def describe(dev: str) -> list[str]:
     """Human-readable lines: each class, the DSCPs that select it, its counters."""
     check_device(dev)
     tree = observe(dev)
-    if tree.root != "htb 1:":
+    if tree.owner == "legacy":
+        return [f"{dev}: the tree of an earlier flowsched release ({tree.root}); "
+                "`flowsched qos apply` replaces it"]  # fmt: skip
+    if tree.owner != "ours":
         return [f"{dev}: no flowsched classes (root qdisc: {tree.root})"]
     dscps: dict[int, list[str]] = {}
     for f in sorted(tree.filters):
-        if f.pref in (PREF_DSCP_V4, PREF_DSCP_V6) and f.protocol == "ip":
+        if f.pref == PREF_DSCP_V4 and f.protocol == "ip":
             dscps.setdefault(f.flowid, []).append(str(f.value >> 18))
         elif f.pref == PREF_SMALL_V4:
             dscps.setdefault(f.flowid, []).append("small packets")
     counters = class_counters(dev)
-    lines = [f"{dev}: htb 1:, unmarked traffic -> 1:{tree.default:x}"]
-    lines.append("class  prio       rate      ceil     sent_bytes    packets  drops  selected by")
+    lines = [f"{dev}: {tree.root}, unmarked traffic -> {HANDLE:x}:{tree.default:x}"]
+    lines.append("class   prio       rate      ceil     sent_bytes    packets  drops  selected by")
     for minor, spec in sorted(tree.classes.items()):
         sent, packets, drops = counters.get(minor, (0, 0, 0))
         what = ", ".join(dscps.get(minor, [])) or ("unmarked" if minor == tree.default else "-")
@@ -387,8 +547,8 @@ def describe(dev: str) -> list[str]:
             what = f"DSCP {what}"
         prio = "-" if spec.prio is None else str(spec.prio)
         lines.append(
-            f"1:{minor:<4x} {prio:>4}  {format_rate(spec.rate):>9} {format_rate(spec.ceil):>9}"
-            f" {sent:>14} {packets:>10} {drops:>6}  {what}"
+            f"{HANDLE:x}:{minor:<4x} {prio:>4}  {format_rate(spec.rate):>9}"
+            f" {format_rate(spec.ceil):>9} {sent:>14} {packets:>10} {drops:>6}  {what}"
         )
     return lines
 

@@ -73,6 +73,7 @@ _POSITIVE_FIELDS = (
     "nic_interval",
     "reconnect_interval",
     "connect_timeout",
+    "qos_check_interval",
 )
 
 
@@ -139,6 +140,8 @@ class AgentConfig:
     qos_dev: str | None = None
     #: rate (bit/s) those classes shape at; None = the interface's speed from sysfs
     qos_rate: int | None = None
+    #: how often the agent checks that the classes are still in place and restores them (s)
+    qos_check_interval: float = 30.0
     on_ready: Callable[[ReadyInfo], None] | None = None
 
     def __post_init__(self) -> None:

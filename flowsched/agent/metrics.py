@@ -162,6 +162,11 @@ _COUNTERS = (
     ("resyncs", "resyncs_sent", "Resyncs sent after (re)connecting."),
     ("slots_reaped", "reaped", "Slots of dead processes freed."),
     ("coordinator_connects", "connects", "Successful coordinator handshakes."),
+    (
+        "qos_repairs",
+        "qos_repairs",
+        "Checks that found the --qos-dev classes changed and restored them.",
+    ),
 )
 
 

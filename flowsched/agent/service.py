@@ -106,6 +106,7 @@ class Agent:
         #: the next report tick (an application waits for an open's first level)
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._qos_due = asyncio.Event()  # the policy changed: converge --qos-dev now
         self._servers: list[asyncio.AbstractServer] = []
         self.sdk: SdkServer | None = None
         self.stats: dict[str, float] = {
@@ -122,6 +123,7 @@ class Agent:
             "connects_failed": 0,
             "handshakes_refused": 0,
             "deposed_refused": 0,
+            "qos_repairs": 0,
         }
         self.ready: ReadyInfo | None = None
         self.telemetry = Telemetry()
@@ -147,8 +149,10 @@ class Agent:
             self._token = load_token(cfg.token_file)  # refuse a missing or loose token first
             if cfg.tls:  # and unusable TLS files (TlsConfigError names the setting)
                 self._tls = reloading_client(cfg.tls_ca, cfg.tls_cert, cfg.tls_key)
-        if cfg.qos_dev is not None:
-            self._apply_qos(self.view.cfg)  # asked for and impossible: refuse to start
+        if cfg.qos_dev is not None:  # asked for and impossible: refuse to start
+            changed = self._apply_qos(self.view.cfg)
+            log.info("host QoS on %s: %s", cfg.qos_dev,
+                     f"{len(changed)} changes" if changed else "in place")  # fmt: skip
         self.rdma_devices = [d.name for d in rdma.discover_devices()]
         log.info("RDMA devices: %s", ", ".join(self.rdma_devices) or "none (or no pyverbs)")
         generation = self._attach_table()
@@ -189,6 +193,8 @@ class Agent:
             self._fallback_watch,
             self._nic_loop,
         ]
+        if self.config.qos_dev is not None:
+            loops.append(self._qos_loop)
         if self.config.coordinator is not None:
             loops.append(self._uplink)
         self._tasks = [asyncio.create_task(loop()) for loop in loops]
@@ -573,19 +579,42 @@ class Agent:
         if self.table is not None:
             self.table.write_config(self.view.table_config())
         log.info("policy from the coordinator: %s", cfg.summary())
-        if self.config.qos_dev is not None:
-            try:  # a few tc calls (~10 ms), only when the policy changes
-                self._apply_qos(cfg)
-            except (qos.QosError, qos.QosInputError) as exc:
-                log.error("host QoS on %s not updated for the new policy: %s",
-                          self.config.qos_dev, exc)  # fmt: skip
+        self._qos_due.set()
 
-    def _apply_qos(self, cfg: policyfile.PolicyConfig) -> None:
+    def _apply_qos(self, cfg: policyfile.PolicyConfig) -> list[str]:
         """Converge ``--qos-dev``'s egress classes to the policy's hardware queues."""
         dev = self.config.qos_dev
         assert dev is not None
-        changed = qos.apply(qos.plan_for_policy(dev, cfg, self.config.qos_rate))
-        log.info("host QoS on %s: %s", dev, f"{len(changed)} changes" if changed else "in place")
+        want = qos.plan_for_policy(dev, cfg, self.config.qos_rate)
+        if advice := qos.rate_advice(want):
+            log.warning("%s", advice)
+        return qos.apply(want)
+
+    async def _qos_loop(self) -> None:
+        """Keep ``--qos-dev``'s tree on the policy: at each policy change and every check.
+
+        Another agent or an operator may change the device; a check that finds it changed
+        restores the classes, logs it and counts it (``flowsched_agent_qos_repairs_total``).
+        """
+        dev = self.config.qos_dev
+        while True:
+            policy_changed = False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.qos_check_interval):
+                    await self._qos_due.wait()
+                    policy_changed = True
+            self._qos_due.clear()
+            try:  # a few tc calls (~10 ms), off the loop
+                changed = await asyncio.to_thread(self._apply_qos, self.view.cfg)
+            except (qos.QosError, qos.QosInputError) as exc:
+                log.error("host QoS on %s not in place: %s", dev, exc)
+                continue
+            if policy_changed:
+                log.info("host QoS on %s for the new policy: %d changes", dev, len(changed))
+            elif changed:
+                self.stats["qos_repairs"] += 1
+                log.warning("host QoS on %s had been changed (by another agent or an operator?): "
+                            "%d tc changes restored it", dev, len(changed))  # fmt: skip
 
     def job_progress(
         self, job: str, step: int, layer: int | None, *, owner: int | None = None

@@ -128,6 +128,14 @@ def register(sub: Any) -> None:
         metavar="RATE",
         help="rate those classes shape at, e.g. 25gbit (default: IFACE's link speed)",
     )
+    parser.add_argument(
+        "--qos-check-interval",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="how often to check that IFACE's classes are in place and restore them "
+        "(default %(default)g)",
+    )
     add_tls_flags(parser)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     parser.add_argument("--no-uvloop", action="store_true", help="use the plain asyncio loop")
@@ -248,6 +256,7 @@ def _config(
         default_bandwidth=args.link_bandwidth,
         qos_dev=args.qos_dev,
         qos_rate=args.qos_rate,
+        qos_check_interval=args.qos_check_interval,
         on_ready=print_ready,
         **overrides,  # type: ignore[arg-type]
     )

@@ -1,9 +1,10 @@
 """``flowsched qos apply|show|clear``: the host's egress classes for the policy's DSCPs.
 
 ``apply`` installs (or converges to) one strict-priority htb class per hardware queue of the
-policy file, selected by DSCP; running it again changes nothing. ``show`` prints the classes
-with the DSCPs that select them and their counters; ``clear`` removes the tree. Needs
-CAP_NET_ADMIN in the device's network namespace. See :mod:`flowsched.qos`.
+policy file, selected by DSCP; running it again changes nothing. It replaces the kernel's
+default root qdisc, and another one only with ``--force``. ``show`` prints the classes with
+the DSCPs that select them and their counters; ``clear`` removes flowsched's tree and nothing
+else. Needs CAP_NET_ADMIN in the device's network namespace. See :mod:`flowsched.qos`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def register(sub: Any) -> None:
         help="strict-priority egress classes by DSCP on a host interface (tc htb)",
         description="Make this host's egress honour the DSCP marks of the policy's hardware "
         "queues: one htb class per queue in strict priority, selected by u32 filters on the "
-        "DSCP of IPv4 and IPv6 packets. Idempotent; needs CAP_NET_ADMIN.",
+        "DSCP of IPv4 and IPv6 packets. Idempotent; replaces the kernel's default root qdisc "
+        "(another only with --force); needs CAP_NET_ADMIN.",
     )
     actions = parser.add_subparsers(dest="qos_action", metavar="ACTION", required=True)
     apply = actions.add_parser("apply", help="install or update the classes (idempotent)")
@@ -44,9 +46,15 @@ def register(sub: Any) -> None:
     apply.add_argument(
         "--unmarked-prio",
         type=int,
-        default=qos.MAX_HTB_PRIO,
+        default=None,
         metavar="0-7",
-        help="htb prio of traffic with no scheduled DSCP (default 7: last)",
+        help="htb prio of traffic with no scheduled DSCP (default 7: last; a policy queue with "
+        "DSCP 0 carries it at its own prio instead)",
+    )
+    apply.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a root qdisc that is not the kernel's default nor flowsched's",
     )
     apply.add_argument(
         "--dry-run", action="store_true", help="print the tc commands, change nothing"
@@ -55,7 +63,9 @@ def register(sub: Any) -> None:
     show = actions.add_parser("show", help="print the classes, their DSCPs and counters")
     show.add_argument("--dev", required=True, metavar="IFACE")
     show.set_defaults(func=run_show)
-    clear = actions.add_parser("clear", help="remove the classes (the kernel default returns)")
+    clear = actions.add_parser(
+        "clear", help="remove flowsched's classes (the kernel default returns), nothing else"
+    )
     clear.add_argument("--dev", required=True, metavar="IFACE")
     clear.set_defaults(func=run_clear)
 
@@ -78,13 +88,15 @@ def run_apply(args: argparse.Namespace) -> int:
             guarantee=args.guarantee,
             unmarked_prio=args.unmarked_prio,
         )
-        lines = qos.apply(want, dry_run=args.dry_run)
+        lines = qos.apply(want, dry_run=args.dry_run, force=args.force)
     except (policyfile.PolicyFileError, qos.QosInputError) as exc:
         print(f"flowsched qos: {_one_line(exc)}", file=sys.stderr)
         return 2
     except qos.QosError as exc:
         print(f"flowsched qos: {exc}", file=sys.stderr)
         return 1
+    if advice := qos.rate_advice(want):
+        print(f"flowsched qos: note: {advice}", file=sys.stderr)
     if args.dry_run:
         print("\n".join(lines) if lines else f"# {args.dev}: already in place")
     elif lines:
@@ -103,7 +115,13 @@ def run_clear(args: argparse.Namespace) -> int:
     """Remove the tree; succeed also when there is none."""
 
     def clear() -> None:
-        print(f"{args.dev}: {'cleared' if qos.clear(args.dev) else 'nothing to clear'}")
+        found = qos.clear(args.dev)
+        if found.owner in ("ours", "legacy"):
+            print(f"{args.dev}: cleared")
+        elif found.owner == "foreign":
+            print(f"{args.dev}: nothing to clear (root qdisc {found.root} is not flowsched's)")
+        else:
+            print(f"{args.dev}: nothing to clear")
 
     return _guarded(clear)
 
