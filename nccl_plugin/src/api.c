@@ -258,10 +258,27 @@ ncclResult_t fs_api_test(void* request, int* done, int* sizes) {
   return result_of(rc, "test");
 }
 
+/* Sends NCCL never tested to completion (ncclCommAbort and error paths close a comm with
+ * requests in flight) give their permits back: otherwise their level stays "in flight" on the
+ * device for the rest of the process and defers every less urgent send there. */
+static void gate_release_outstanding(struct fs_comm* comm) {
+  if (!comm->is_send) {
+    return;
+  }
+  for (int i = 0; i < FS_MAX_REQUESTS; i++) {
+    struct fs_request* req = &comm->reqs[i];
+    if (req->in_use && req->gate_level >= 0) {
+      fs_gate_done(comm->dev, (uint32_t)req->gate_level);
+      req->gate_level = -1;
+    }
+  }
+}
+
 ncclResult_t fs_api_close_comm(void* comm) {
   if (comm == NULL) {
     return ncclSuccess;
   }
+  gate_release_outstanding(comm);
   return result_of(fs_close_comm(comm), "close");
 }
 

@@ -55,8 +55,8 @@ int fs_gate_enabled(void);
 /* May a send at `level` on `dev` start now? 1 = yes (call fs_gate_started once the
  * transport accepted it), 0 = defer (answer NCCL with a NULL request). */
 int fs_gate_permit(struct fs_gate_conn* conn, int dev, uint32_t level);
-/* A permitted send was accepted / completed (or failed). Levels and devices out of range are
- * ignored (never gated). */
+/* A permitted send was accepted / completed (or failed, or its connection was closed with it
+ * still in flight). Levels and devices out of range are ignored (never gated). */
 void fs_gate_started(int dev, uint32_t level, size_t bytes);
 void fs_gate_done(int dev, uint32_t level);
 void fs_gate_stats(struct fs_gate_stats* out);

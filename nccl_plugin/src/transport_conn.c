@@ -129,6 +129,7 @@ static struct fs_comm* comm_new(struct fs_context* ctx, int dev, int is_send, in
   }
   for (int i = 0; i < FS_MAX_REQUESTS; i++) {
     comm->reqs[i].comm = comm;
+    comm->reqs[i].gate_level = -1; /* not counted by the permit (api.c) */
   }
   struct fs_flow_info info = {
       .comm_id = comm_id,
@@ -383,17 +384,43 @@ int fs_connect(struct fs_context* ctx, int dev, int32_t traffic_class, void* han
 
 /* ---- accept ----------------------------------------------------------------------------- */
 
-static void accept_new_sockets(struct fs_listen_comm* lcomm) {
+/* accept(2): on Linux a new connection's pending network error is reported by accept itself;
+ * such an error concerns that connection only and is to be treated like EAGAIN. */
+static int accept_error_transient(int err) {
+  switch (err) {
+    case EAGAIN:
+#if EWOULDBLOCK != EAGAIN
+    case EWOULDBLOCK:
+#endif
+    case ENETDOWN:
+    case EPROTO:
+    case ENOPROTOOPT:
+    case EHOSTDOWN:
+    case ENONET:
+    case EHOSTUNREACH:
+    case EOPNOTSUPP:
+    case ENETUNREACH:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+/* 0, or -errno of a hard error (EMFILE, ENFILE, ENOBUFS, ENOMEM, ...): NCCL retries a NULL
+ * accept forever, so a listener that can accept nothing more must fail, as NCCL's own socket
+ * transport does, rather than hang the job. */
+static int accept_new_sockets(struct fs_listen_comm* lcomm) {
   while (lcomm->npending < FS_MAX_PENDING) {
     int fd = accept4(lcomm->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) {
         continue;
       }
-      return; /* EAGAIN, or a transient error: try again on the next call */
+      return accept_error_transient(errno) ? 0 : FS_NEG_ERRNO(); /* transient: next call */
     }
     lcomm->pending[lcomm->npending++] = (struct fs_pending){.fd = fd};
   }
+  return 0;
 }
 
 static void pending_drop(struct fs_listen_comm* lcomm, int i, int close_fd) {
@@ -479,7 +506,7 @@ static struct fs_comm* accept_place(struct fs_listen_comm* lcomm, struct fs_pend
 
 int fs_accept(struct fs_listen_comm* lcomm, struct fs_comm** out) {
   *out = NULL;
-  accept_new_sockets(lcomm);
+  FS_CHECK(accept_new_sockets(lcomm));
   for (int i = 0; i < lcomm->npending && *out == NULL;) {
     struct fs_pending* p = &lcomm->pending[i];
     int rc = pending_read_hello(p);

@@ -39,6 +39,10 @@ struct fs_wrap_ctx {
    * while NCCL sets up the communicator the connection belongs to. */
   char class_name[32];
   int legacy;
+  /* What NCCL gave the init that created this context, for every later inner init (an inner
+   * may keep the logger per context and call it unchecked, as IBext's v11 init does). */
+  ncclDebugLogger_t logger;
+  ncclProfilerCallback_t prof;
 };
 
 struct fs_wrap_listen {
@@ -207,11 +211,14 @@ static int inner_traffic_class(int32_t nccl_tc, const char* class_name) {
 
 /* ---- contexts -------------------------------------------------------------------------------- */
 
-static struct fs_wrap_ctx* wrap_ctx_new(uint64_t comm_id, int32_t traffic_class) {
+static struct fs_wrap_ctx* wrap_ctx_new(uint64_t comm_id, int32_t traffic_class,
+                                        ncclDebugLogger_t logger, ncclProfilerCallback_t prof) {
   struct fs_wrap_ctx* ctx = calloc(1, sizeof(*ctx));
   if (ctx != NULL) {
     ctx->comm_id = comm_id;
     ctx->traffic_class = traffic_class;
+    ctx->logger = logger;
+    ctx->prof = prof;
     atomic_init(&ctx->refs, 1);
     pthread_mutex_init(&ctx->lock, NULL);
   }
@@ -252,7 +259,7 @@ static ncclResult_t inner_ctx_for(struct fs_wrap_ctx* ctx, int tc, void** out) {
       i = 0; /* more classes than slots: share the first context */
     } else {
       void* ictx = NULL;
-      res = fs_wrap.inner.ops.init(&ictx, ctx->comm_id, tc, NULL, NULL);
+      res = fs_wrap.inner.ops.init(&ictx, ctx->comm_id, tc, ctx->logger, ctx->prof);
       if (res == ncclSuccess) {
         ctx->inner[i].traffic_class = tc;
         ctx->inner[i].ctx = ictx;
@@ -280,7 +287,7 @@ static ncclResult_t wrap_ctx_create(uint64_t comm_id, int32_t nccl_tc, ncclDebug
   }
   table_attach(0);
   fs_gate_setup(&fs_wrap.params, 1); /* per communicator (the policy may change); on by default */
-  struct fs_wrap_ctx* ctx = wrap_ctx_new(comm_id, nccl_tc);
+  struct fs_wrap_ctx* ctx = wrap_ctx_new(comm_id, nccl_tc, logger, prof);
   if (ctx == NULL) {
     return ncclSystemError;
   }
@@ -289,7 +296,7 @@ static ncclResult_t wrap_ctx_create(uint64_t comm_id, int32_t nccl_tc, ncclDebug
   fs_param_peek("FLOWSCHED_CLASS", ctx->class_name, sizeof(ctx->class_name));
   int tc = inner_traffic_class(nccl_tc, ctx->class_name);
   void* ictx = NULL;
-  res = fs_wrap.inner.ops.init(&ictx, comm_id, tc, logger, prof);
+  res = fs_wrap.inner.ops.init(&ictx, comm_id, tc, ctx->logger, ctx->prof);
   if (res != ncclSuccess) {
     FS_WARN("inner net plugin %s: init failed (ncclResult %d)", fs_wrap.inner.name, (int)res);
     pthread_mutex_destroy(&ctx->lock);
@@ -565,11 +572,29 @@ ncclResult_t fs_wrap_close_listen(void* listen_comm) {
   return res;
 }
 
+/* Sends NCCL never tested to completion (ncclCommAbort and error paths close a comm with
+ * requests in flight): give their permits back, or their level would stay "in flight" on
+ * the device for the rest of the process and defer every less urgent send there. A box is
+ * outstanding while it holds an inner request; a send whose test failed was already
+ * released (its kind became FS_REQ_FLUSH). */
+static void comm_release_sends(struct fs_wrap_comm* comm) {
+  for (struct fs_wrap_req_block* b = comm->blocks; b != NULL; b = b->next) {
+    for (int i = 0; i < FS_WRAP_REQ_BLOCK; i++) {
+      struct fs_wrap_req* req = &b->reqs[i];
+      if (req->inner != NULL && req->kind == FS_REQ_SEND) {
+        fs_gate_done(comm->dev, req->level);
+        req->inner = NULL;
+      }
+    }
+  }
+}
+
 static ncclResult_t close_comm(struct fs_wrap_comm* comm, ncclResult_t (*inner_close)(void*)) {
   if (comm == NULL) {
     return ncclSuccess;
   }
   ncclResult_t res = inner_close(comm->inner);
+  comm_release_sends(comm); /* after the inner close: until then they may still be moving */
   comm_free(comm);
   return res;
 }

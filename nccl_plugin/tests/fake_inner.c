@@ -37,11 +37,16 @@ static struct fake_call* rec(const char* fn) {
 
 static int token_listen, token_send, token_recv;
 
+/* Every init keeps the logger it was given and logs through it at once, as IBext's v11 init
+ * does (IBext calls it unchecked: a NULL logger would crash it; the fake records it instead). */
 static ncclResult_t f_init12(void** ctx, uint64_t comm_id, ncclNetCommConfig_v12_t* config,
                              ncclDebugLogger_t l, ncclProfilerCallback_t p) {
-  (void)l;
-  (void)p;
   struct fake_call* c = rec("init");
+  c->logger = l;
+  c->prof = p;
+  if (l != NULL) {
+    l(NCCL_LOG_INFO, NCCL_INIT, __FILE__, __LINE__, "fake inner init %d", fake_state.ncalls);
+  }
   c->comm_id = comm_id;
   c->tc = config != NULL ? config->trafficClass : -3;
   *ctx = fake_state.fail_init ? NULL : malloc(16);

@@ -8,6 +8,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "nccl/common.h"
+
 #define FAKE_MAX_CALLS 256
 #define FAKE_MAX_N 8
 
@@ -20,6 +22,8 @@ struct fake_call {
   int dev;
   int tc;         /* init (v11/v12) or connect (v10): the trafficClass; -2 = none given */
   uint64_t comm_id;
+  ncclDebugLogger_t logger;    /* init: the logger it was given (and called at once) */
+  ncclProfilerCallback_t prof; /* init: the profiler callback it was given */
   void* data;
   size_t size;
   int type;

@@ -18,11 +18,16 @@
  *                                         (service) thread connects, transfers, closes and
  *                                         sends setNetAttr hints on the same contexts
  *   harness PLUGIN.so cycles VERSION      init/finalize cycles, then dlclose/dlopen cycles
- *   harness PLUGIN.so errors VERSION      misuse returns NCCL error codes, never crashes
+ *   harness PLUGIN.so errors VERSION      misuse returns NCCL error codes, never crashes; accept
+ *                                         with no file descriptor left is an error, not a NULL
+ *                                         comm to retry forever
  *   harness PLUGIN.so lifetime VERSION    finalize before the context's listen comm, open
  *                                         connections or pending connect are closed: they
  *                                         keep working, and the context is freed by the last
  *                                         close (v11/v12; run under ASan+LSan by make check)
+ *   harness PLUGIN.so gateleak VERSION    the permit (FLOWSCHED_GATING=1, no guard): a tp send
+ *                                         still in flight when its connection is closed no
+ *                                         longer defers a later bulk send on the device
  *   harness PLUGIN.so marking VERSION     after each level change written to a flow table, every
  *                                         connected socket's IP_TOS/IPV6_TCLASS and SO_PRIORITY
  *                                         (getsockopt) are the level's marking
@@ -45,6 +50,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -651,6 +657,35 @@ static int test_cycles(int version) {
 
 /* ---- misuse: NCCL error codes, no crash ------------------------------------------------- */
 
+/* accept when the process can open no more files (EMFILE): an error, on which NCCL aborts the
+ * communicator, never a NULL comm that NCCL would retry forever. The connect side completes
+ * in the kernel's backlog first; then the open-file limit is lowered to the lowest free
+ * descriptor for the accept calls only. */
+static void errors_accept_emfile(struct net* n, void* ctx) {
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void* lcomm = NULL;
+  net_listen(n, ctx, handle, &lcomm);
+  void* scomm = net_connect(n, ctx, handle, -1);
+  struct rlimit saved;
+  CHECK(getrlimit(RLIMIT_NOFILE, &saved) == 0, "getrlimit");
+  int lowest = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  CHECK(lowest >= 0, "open /dev/null");
+  close(lowest);
+  struct rlimit none_left = {.rlim_cur = (rlim_t)lowest, .rlim_max = saved.rlim_max};
+  CHECK(setrlimit(RLIMIT_NOFILE, &none_left) == 0, "setrlimit");
+  void* rcomm = NULL;
+  ncclResult_t res = ncclSuccess;
+  for (int i = 0; i < 100 && res == ncclSuccess && rcomm == NULL; i++) {
+    res = CALL(n, accept, lcomm, &rcomm, NULL);
+  }
+  CHECK(setrlimit(RLIMIT_NOFILE, &saved) == 0, "setrlimit (restore)");
+  CHECK(res == ncclSystemError && rcomm == NULL,
+        "accept with no descriptor left: ncclResult %d, comm %p (a NULL forever hangs NCCL)",
+        (int)res, rcomm);
+  NCHECK(CALL(n, closeSend, scomm));
+  NCHECK(CALL(n, closeListen, lcomm));
+}
+
 static int test_errors(int version) {
   struct net n;
   net_open(&n, version);
@@ -692,6 +727,7 @@ static int test_errors(int version) {
   CHECK(net_connect_step(&n, ctx, junk, -1, &bad) != ncclSuccess && bad == NULL, "junk handle");
   NCHECK(CALL(&n, closeSend, scomm));
   NCHECK(CALL(&n, closeRecv, rcomm));
+  errors_accept_emfile(&n, ctx);
   net_finalize(&n, ctx);
   net_close(&n);
   return 0;
@@ -768,6 +804,67 @@ static int test_lifetime(int version) {
   net_close(&n);
   unsetenv("FLOWSCHED_CONNECT_RETRIES");
   unsetenv("FSTCP_CONNECT_RETRIES");
+  return 0;
+}
+
+/* ---- the permit: a close with a permitted send in flight gives it back ------------------ */
+
+static void wait_request(struct net* n, void* req);
+static void* post_recv(struct net* n, void* comm, void* buf, size_t size, void* mh);
+
+/* Post a receive and one send on the pair; the send must be permitted within 2 s. */
+static void gateleak_bulk_message(struct net* n, void* scomm, void* rcomm) {
+  static char sbuf[65536], rbuf[65536];
+  void* rreq = post_recv(n, rcomm, rbuf, sizeof(rbuf), NULL);
+  void* sreq = NULL;
+  long deferred = 0;
+  double deadline = now_s() + 2;
+  while (sreq == NULL && now_s() < deadline) {
+    NCHECK(CALL(n, isend, scomm, sbuf, sizeof(sbuf), 0, NULL, NULL, &sreq));
+    deferred += sreq == NULL;
+  }
+  CHECK(sreq != NULL, "bulk send deferred for 2 s (%ld tries): a closed connection's send "
+        "still holds the device", deferred);
+  wait_request(n, sreq);
+  wait_request(n, rreq);
+}
+
+/* NCCL closes comms with requests in flight on ncclCommAbort and on error paths. Here a tp
+ * (level 0) send is accepted and its connection closed before a test saw it complete; then a
+ * bulk (level 7) send on the same device must start at once. Neither starvation guard is on,
+ * so a leaked in-flight count would defer it for good. The class comes from FLOWSCHED_CLASS
+ * (at init on v11/v12, at listen/connect on v8-v10). */
+static int test_gateleak(int version) {
+  setenv("FLOWSCHED_GATING", "1", 1); /* the TCP transport's permit is off by default */
+  setenv("FLOWSCHED_GATE_MIN_SHARE", "0", 1);
+  setenv("FLOWSCHED_GATE_MAX_DEFER_US", "0", 1);
+  struct net n;
+  net_open(&n, version);
+  setenv("FLOWSCHED_CLASS", "tp", 1);
+  void* hctx = net_init(&n, 0x71, -1);
+  void *hs, *hr, *ls, *lr;
+  connect_alternating(&n, hctx, &hs, &hr);
+  setenv("FLOWSCHED_CLASS", "bulk", 1);
+  void* lctx = n.version == 10 ? hctx : net_init(&n, 0x72, -1);
+  connect_alternating(&n, lctx, &ls, &lr);
+  unsetenv("FLOWSCHED_CLASS");
+  static char tp_buf[4096];
+  void* hreq = NULL;
+  while (hreq == NULL) NCHECK(CALL(&n, isend, hs, tp_buf, sizeof(tp_buf), 0, NULL, NULL, &hreq));
+  void* lreq = NULL;
+  NCHECK(CALL(&n, isend, ls, tp_buf, sizeof(tp_buf), 0, NULL, NULL, &lreq));
+  CHECK(lreq == NULL, "the permit did not defer bulk behind an untested tp send");
+  NCHECK(CALL(&n, closeSend, hs)); /* the tp send was never tested to completion */
+  NCHECK(CALL(&n, closeRecv, hr));
+  if (n.version != 10) net_finalize(&n, hctx);
+  gateleak_bulk_message(&n, ls, lr);
+  NCHECK(CALL(&n, closeSend, ls));
+  NCHECK(CALL(&n, closeRecv, lr));
+  if (n.version != 10) net_finalize(&n, lctx);
+  net_close(&n);
+  unsetenv("FLOWSCHED_GATING");
+  unsetenv("FLOWSCHED_GATE_MIN_SHARE");
+  unsetenv("FLOWSCHED_GATE_MAX_DEFER_US");
   return 0;
 }
 
@@ -1068,6 +1165,8 @@ static int run_one(const char* name, int version) {
     rc = test_marking(version);
   } else if (strcmp(name, "lifetime") == 0) {
     rc = test_lifetime(version);
+  } else if (strcmp(name, "gateleak") == 0) {
+    rc = test_gateleak(version);
   } else {
     fprintf(stderr, "unknown test %s\n", name);
     return 2;
@@ -1080,7 +1179,8 @@ static int run_one(const char* name, int version) {
 int main(int argc, char** argv) {
   if (argc < 3) {
     fprintf(stderr,
-            "usage: %s PLUGIN.so all|transfer|alternate|contexts|cycles|errors|lifetime [VERSION]\n",
+            "usage: %s PLUGIN.so all|transfer|alternate|contexts|cycles|errors|lifetime|gateleak "
+            "[VERSION]\n",
             argv[0]);
     return 2;
   }
@@ -1096,7 +1196,7 @@ int main(int argc, char** argv) {
     return run_one(argv[2], argc > 3 ? atoi(argv[3]) : 11);
   }
   static const char* const tests[] = {"transfer", "alternate", "contexts", "cycles", "errors",
-                                      "lifetime", "marking"};
+                                      "lifetime", "gateleak", "marking"};
   for (int version = 8; version <= 12; version++) {
     for (size_t t = 0; t < sizeof(tests) / sizeof(tests[0]); t++) {
       if (run_one(tests[t], version) != 0) {

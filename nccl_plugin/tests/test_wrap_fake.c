@@ -13,10 +13,14 @@
  *  - inner tables v10 and v8 (trafficClass at connect; int sizes, hint cleared);
  *  - a failing inner init or connect is NCCL's error code, and a missing inner too;
  *  - the permit: deferral while a more urgent send is in flight, lifted by a promotion (a
- *    level written into the flow table) and by completion, the age bound, the share guard.
+ *    level written into the flow table) and by completion, the age bound, the share guard;
+ *    a connection closed with a send in flight gives its permit back;
+ *  - every inner init (also the extra inner contexts made for another traffic class) gets
+ *    the logger and profiler callback NCCL gave our init.
  * Exit status 0 when every check passed. */
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -547,6 +551,135 @@ static void permit(const char* fake) {
   printf("ok permit: the policy's gating off, the environment wins\n");
 }
 
+/* closeSend with a permitted send still in flight (ncclCommAbort and NCCL's error paths do
+ * this) gives the permit back: a less urgent send on the same device then starts at once.
+ * Neither guard is on, so a leaked in-flight count would defer it for good. */
+static void permit_close_in_flight(const char* fake) {
+  setenv("FLOWSCHED_GATE_MIN_SHARE", "0", 1);
+  setenv("FLOWSCHED_GATE_MAX_DEFER_US", "0", 1);
+  const ncclNet_v12_t* net = load(fake, "ncclNetPlugin_v12");
+  void *hctx, *lctx;
+  void* hs = send_comm(net, 0, &hctx); /* tp: level 0 */
+  void* ls = send_comm(net, 5, &lctx); /* bulk: level 7 */
+  char buf[256];
+  g_fake->complete_sends = 0;
+  void *hreq = NULL, *lreq = NULL;
+  OK(net->isend(hs, buf, 100, 0, NULL, NULL, &hreq));
+  CHECK(hreq != NULL, "the urgent send starts");
+  void* inner_hreq = last("isend")->request;
+  OK(net->isend(ls, buf, 100, 0, NULL, NULL, &lreq));
+  CHECK(lreq == NULL, "deferred while the urgent send is in flight");
+  OK(net->closeSend(hs)); /* never tested to completion */
+  free(inner_hreq);       /* the fake's request (a real inner frees it at close) */
+  OK(net->finalize(hctx));
+  for (int i = 0; i < 100 && lreq == NULL; i++) {
+    OK(net->isend(ls, buf, 100, 0, NULL, NULL, &lreq));
+  }
+  CHECK(lreq != NULL, "the closed connection's send still defers bulk on its device");
+  g_fake->complete_sends = 1;
+  int done = 0, size = 0;
+  OK(net->test(lreq, &done, &size));
+  CHECK(done, "bulk send done");
+  OK(net->closeSend(ls));
+  OK(net->finalize(lctx));
+  unload();
+  unsetenv("FLOWSCHED_GATE_MIN_SHARE");
+  unsetenv("FLOWSCHED_GATE_MAX_DEFER_US");
+  printf("ok permit: a close with a send in flight gives the permit back\n");
+}
+
+/* ---- the logger and profiler callback of every inner init ------------------------------ */
+
+static int g_fake_logs;
+
+/* NCCL's logger stands in: counts the fake's own "init" lines. */
+static void test_logger(ncclDebugLogLevel level, unsigned long flags, const char* file, int line,
+                        const char* fmt, ...) {
+  (void)level;
+  (void)flags;
+  (void)file;
+  (void)line;
+  g_fake_logs += strncmp(fmt, "fake inner init", 15) == 0;
+}
+
+static ncclResult_t test_prof(void** handle, int type, void* phandle, int64_t id, void* data) {
+  (void)handle;
+  (void)type;
+  (void)phandle;
+  (void)id;
+  (void)data;
+  return ncclSuccess;
+}
+
+/* Every inner init recorded so far got our init's logger and profiler callback (and logged). */
+static void check_inits_logged(int expected, const char* what) {
+  CHECK(count("init") == expected, "%s: %d inner inits, want %d", what, count("init"), expected);
+  for (int i = 0; i < g_fake->ncalls; i++) {
+    const struct fake_call* c = &g_fake->calls[i];
+    if (strcmp(c->fn, "init") == 0) {
+      CHECK(c->logger == test_logger && c->prof == test_prof,
+            "%s: inner init (tc %d) got logger %p, profiler %p", what, c->tc,
+            (void*)(uintptr_t)c->logger, (void*)(uintptr_t)c->prof);
+    }
+  }
+  CHECK(g_fake_logs == expected, "%s: the inner logged %d times, want %d", what, g_fake_logs,
+        expected);
+}
+
+/* v10 export (one process-wide context): another class at a later listen, and another
+ * trafficClass at a connect, each make a new inner context. */
+static void logger_inner_inits_v10(const char* fake) {
+  const ncclNet_v10_t* n10 = load(fake, "ncclNetPlugin_v10");
+  g_fake_logs = 0;
+  setenv("FLOWSCHED_CLASS", "tp", 1);
+  OK(n10->init(test_logger, test_prof));
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void *l1 = NULL, *l2 = NULL, *s = NULL;
+  OK(n10->listen(0, handle, &l1));
+  setenv("FLOWSCHED_CLASS", "bulk", 1); /* the next group's class */
+  OK(n10->listen(0, handle, &l2));
+  unsetenv("FLOWSCHED_CLASS");
+  ncclNetCommConfig_v10_t c10 = {.trafficClass = 2}; /* param_sync */
+  ncclNetDeviceHandle_t* dh = NULL;
+  while (s == NULL) OK(n10->connect(0, &c10, handle, &s, &dh));
+  check_inits_logged(3, "v10 export");
+  OK(n10->closeSend(s));
+  OK(n10->closeListen(l1));
+  OK(n10->closeListen(l2));
+  unload();
+}
+
+/* v12 export: the agent gives the class's level another DSCP between init and listen. */
+static void logger_inner_inits_v12(const char* fake) {
+  char path[] = "/tmp/fs-wrap-table-XXXXXX";
+  int fd = mkstemp(path);
+  CHECK(fd >= 0, "mkstemp");
+  close(fd);
+  struct fs_table_header* h = table_create(path, 16);
+  setenv("FLOWSCHED_TABLE", path, 1);
+  const ncclNet_v12_t* net = load(fake, "ncclNetPlugin_v12");
+  g_fake_logs = 0;
+  ncclNetCommConfig_v12_t cfg = {.trafficClass = 0}; /* tp: level 0 */
+  void* ctx = NULL;
+  OK(net->init(&ctx, 0xE, &cfg, test_logger, test_prof));
+  atomic_store(&h->config_seq, 3); /* the agent's seqlock: odd while it writes */
+  h->level_marking[0].dscp = 40;
+  atomic_store(&h->config_seq, 4);
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void* lcomm = NULL;
+  OK(net->listen(ctx, 0, handle, &lcomm));
+  CHECK(last("init")->tc == 40 << 2, "the new DSCP makes a new inner context (tc %d)",
+        last("init")->tc);
+  check_inits_logged(2, "v12 export");
+  OK(net->closeListen(lcomm));
+  OK(net->finalize(ctx));
+  unload();
+  unsetenv("FLOWSCHED_TABLE");
+  munmap(h, FS_TABLE_HEADER_SIZE + 16 * FS_TABLE_SLOT_SIZE);
+  unlink(path);
+  printf("ok logger: every inner init gets NCCL's logger and profiler callback\n");
+}
+
 /* ---- class per communicator, peer rank from what is known ------------------------------- */
 
 static struct fs_table_slot* slot_by(struct fs_table_header* h, uint64_t comm_id, int direction) {
@@ -680,6 +813,9 @@ int main(int argc, char** argv) {
   inner_v8(argv[4]);
   missing_inner();
   permit(argv[2]);
+  permit_close_in_flight(argv[2]);
+  logger_inner_inits_v10(argv[2]);
+  logger_inner_inits_v12(argv[2]);
   class_and_peer(argv[2]);
   return 0;
 }

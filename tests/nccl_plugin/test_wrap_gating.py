@@ -2,7 +2,8 @@
 
 * the recording fake inner plugin: every call and argument forwarded, properties passed
   through, inner tables v12/v10/v8, failing init/connect as NCCL error codes, the permit's
-  deferral, promotion, age bound and share guard (nccl_plugin/tests/test_wrap_fake.c);
+  deferral, promotion, age bound and share guard, a close with a send in flight, and the
+  logger of every inner init (nccl_plugin/tests/test_wrap_fake.c);
 * the cross-node dependency of rdma-wrapping.md §5 (a high send that completes only once the
   receiver got a low message the permit defers): it ends with the starvation guard, through
   the wrapper and on our TCP transport, and it really deadlocks without the guard.
@@ -54,7 +55,14 @@ def test_fake_inner_sees_every_call(wrap_build: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for line in ("ok forwarding (exported v12", "ok inner v10", "ok inner v8", "share guard"):
+    for line in (
+        "ok forwarding (exported v12",
+        "ok inner v10",
+        "ok inner v8",
+        "share guard",
+        "a close with a send in flight gives the permit back",
+        "every inner init gets NCCL's logger and profiler callback",
+    ):
         assert line in proc.stdout
     # the inner's companion tables are not hidden silently
     assert "also exports ncclTunerPlugin_v3, which NCCL does not see through flowsched" in (
