@@ -19,16 +19,16 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "flowsched-dashboard.json"
 DAEMONSET = ROOT / "agent" / "kubernetes" / "daemonset.yaml"
 EXAMPLE_JOB = ROOT / "agent" / "kubernetes" / "example-job.yaml"
 COORDINATOR = ROOT / "deploy" / "kubernetes" / "coordinator.yaml"
-MANIFESTS = sorted(
-    p
-    for folder in (ROOT / "deploy" / "kubernetes", ROOT / "agent" / "kubernetes")
-    for p in folder.glob("*.yaml")
-    if p.name != "kustomization.yaml"
-)
-KUSTOMIZATIONS = [
-    ROOT / "deploy" / "kubernetes" / "kustomization.yaml",
-    ROOT / "agent" / "kubernetes" / "kustomization.yaml",
+HA_COORDINATOR = ROOT / "deploy" / "kubernetes-ha" / "coordinator.yaml"
+MANIFEST_DIRS = [
+    ROOT / "deploy" / "kubernetes",
+    ROOT / "deploy" / "kubernetes-ha",
+    ROOT / "agent" / "kubernetes",
 ]
+MANIFESTS = sorted(
+    p for folder in MANIFEST_DIRS for p in folder.glob("*.yaml") if p.name != "kustomization.yaml"
+)
+KUSTOMIZATIONS = [folder / "kustomization.yaml" for folder in MANIFEST_DIRS]
 
 
 def need(tool: str) -> str:

@@ -56,3 +56,9 @@ def test_every_panel_query_parses(tmp_path: Path) -> None:
     result = subprocess.run([promtool, "check", "rules", str(file)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(rules)} rules found" in result.stdout
+
+
+def test_active_flows_stat_reads_zero_without_flows() -> None:
+    # the gauge has no series while no flow is open: the stat shows 0, not "No data"
+    (expr,) = [expr for title, expr in panel_targets() if title == "Active flows"]
+    assert expr.replace(" ", "").endswith("orvector(0)")

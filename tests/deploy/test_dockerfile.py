@@ -63,3 +63,15 @@ def test_hadolint() -> None:
         [hadolint, "--ignore", "DL3008", str(DOCKERFILE)], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_image_installs_the_extras_both_daemons_need() -> None:
+    # fast: uvloop; ha: etcd3gw, without which a coordinator with --etcd exits 2 (the HA
+    # overlay deploy/kubernetes-ha runs this image with --etcd)
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(dep.startswith("etcd3gw") for dep in extras["optional-dependencies"]["ha"])
+    build = _stages()[0]
+    installs = re.findall(r'pip install [^"]*"\.\[([\w,]+)\]"', " ".join(build))
+    assert installs and {"fast", "ha"} <= set(installs[0].split(","))

@@ -1,13 +1,20 @@
 """Kubernetes manifests: schema-valid (strict), and consistent with the CLI they run: the
 DaemonSet's and the Deployment's args parse, their ports, probes and mounts match the flags,
-and a dry start with those args (host paths moved into a temporary directory) comes up."""
+and a dry start with those args (host paths moved into a temporary directory) comes up. The
+shell lines the pods run (the plugin's install, the agent's optional QoS flags) run here
+against a temporary directory; the kustomizations are rendered with `kubectl kustomize`."""
 
 from __future__ import annotations
 
 import grp
+import json
+import mmap
 import os
 import re
 import shlex
+import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +26,7 @@ from deploy_helpers import (
     COORDINATOR_READY,
     DAEMONSET,
     EXAMPLE_JOB,
+    HA_COORDINATOR,
     KUSTOMIZATIONS,
     MANIFESTS,
     ROOT,
@@ -26,10 +34,13 @@ from deploy_helpers import (
     documents,
     find,
     http_status,
+    need,
 )
 
+from flowsched import qos
 from flowsched.cli import build_parser
 from flowsched.protocol import write_token
+from flowsched.rundir import ROOT_DIR
 
 VERSIONS = ["1.30", kubernetes_validate.latest_version()]
 
@@ -48,7 +59,7 @@ def test_strict_validation_catches_a_typo() -> None:
         kubernetes_validate.validate(daemonset, VERSIONS[0], strict=True)
 
 
-@pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: p.parent.parent.name)
+@pytest.mark.parametrize("path", KUSTOMIZATIONS, ids=lambda p: p.parent.name)
 def test_kustomization_resources_exist(path: Path) -> None:
     for doc in documents(path):
         for resource in doc["resources"]:
@@ -83,7 +94,29 @@ def _mount_for(container: dict[str, Any], path: str) -> dict[str, Any]:
 AGENT = find(DAEMONSET, "DaemonSet")
 AGENT_POD = AGENT["spec"]["template"]["spec"]
 AGENT_CONTAINER = _container(AGENT, "agent")
-AGENT_ENV = {"NODE_NAME": "gpu-node-1", "FLOWSCHED_QOS_DEV": "eth0"}
+AGENT_CONFIG = find(DAEMONSET, "ConfigMap")["data"]
+
+
+def _pod_env(container: dict[str, Any], config: dict[str, str], **fields: str) -> dict[str, str]:
+    """The container's environment: ConfigMap keys from ``config`` (a missing optional key
+    leaves the variable unset), downward-API fields from ``fields`` (by variable name)."""
+    env = {}
+    for var in container["env"]:
+        source = var.get("valueFrom", {})
+        if "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            if ref["key"] in config:
+                env[var["name"]] = config[ref["key"]]
+            else:
+                assert ref.get("optional"), f"{var['name']}: no key {ref['key']}"
+        elif "fieldRef" in source:
+            env[var["name"]] = fields[var["name"]]
+        else:
+            env[var["name"]] = var["value"]
+    return env
+
+
+AGENT_ENV = _pod_env(AGENT_CONTAINER, AGENT_CONFIG, NODE_NAME="gpu-node-1")
 
 
 def test_daemonset_args_parse_with_the_cli() -> None:
@@ -92,7 +125,128 @@ def test_daemonset_args_parse_with_the_cli() -> None:
     assert set(re.findall(r"\$\((\w+)\)", " ".join(args))) <= defined
     assert args[0] == "agent"
     parsed = build_parser().parse_args(_expand(args, AGENT_ENV))
-    assert parsed.node == "gpu-node-1" and parsed.qos_dev == "eth0"
+    assert parsed.node == "gpu-node-1"
+
+
+# -- the shell lines the pods run ----------------------------------------------------------------
+
+
+def _exec_argv(container: dict[str, Any], env: dict[str, str], tmp: Path) -> list[str]:
+    """The argv the container's command execs, run here with a stand-in for the image's
+    ``flowsched`` on PATH (after Kubernetes' $(VAR) expansion of command and args); asserts
+    that the shell replaced itself (``exec``: flowsched gets the kubelet's signals)."""
+    fake = tmp / "bin" / "flowsched"
+    fake.parent.mkdir(exist_ok=True)
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, os, sys\n"
+        "json.dump({'pid': os.getpid(), 'argv': sys.argv}, open(os.environ['ARGV_OUT'], 'w'))\n"
+    )
+    fake.chmod(0o755)
+    out = tmp / "argv.json"
+    command = _expand([*container["command"], *container.get("args", [])], env)
+    path = f"{fake.parent}:{os.environ['PATH']}"
+    proc = subprocess.Popen(command, env={**env, "PATH": path, "ARGV_OUT": str(out)})
+    assert proc.wait(timeout=30) == 0
+    seen = json.loads(out.read_text())
+    assert seen["pid"] == proc.pid, "the shell did not exec flowsched"
+    argv: list[str] = seen["argv"]
+    assert Path(argv[0]).name == "flowsched"  # the image's ENTRYPOINT
+    return argv[1:]
+
+
+def test_agent_command_is_the_entrypoint_with_its_args_and_no_qos_by_default(
+    tmp_path: Path,
+) -> None:
+    # host QoS is opt-in: the shipped ConfigMap leaves qos-dev empty, and an empty value
+    # passes no flag at all (--qos-dev= is an error, and eth0 is not every node's NIC)
+    assert AGENT_CONFIG["qos-dev"] == "" and AGENT_CONFIG["qos-rate"] == ""
+    argv = _exec_argv(AGENT_CONTAINER, AGENT_ENV, tmp_path)
+    assert argv == _expand(AGENT_CONTAINER["args"], AGENT_ENV)
+    assert not [a for a in argv if a.startswith("--qos")]
+    parsed = build_parser().parse_args(argv)
+    assert parsed.qos_dev is None and parsed.qos_rate is None
+
+
+@pytest.mark.parametrize(
+    ("dev", "rate", "expected"),
+    [
+        ("ens1f0", "25gbit", ["--qos-dev=ens1f0", "--qos-rate=25gbit"]),
+        ("ens1f0", "", ["--qos-dev=ens1f0"]),
+        (None, None, []),  # keys absent from the ConfigMap (optional)
+        ("odd name*", "", ["--qos-dev=odd name*"]),  # one word, never split or globbed
+    ],
+)
+def test_agent_command_passes_qos_flags_only_when_set(
+    tmp_path: Path, dev: str | None, rate: str | None, expected: list[str]
+) -> None:
+    config = dict(AGENT_CONFIG)
+    for key, value in (("qos-dev", dev), ("qos-rate", rate)):
+        if value is None:
+            del config[key]
+        else:
+            config[key] = value
+    env = _pod_env(AGENT_CONTAINER, config, NODE_NAME="gpu-node-1")
+    argv = _exec_argv(AGENT_CONTAINER, env, tmp_path)
+    assert argv == [*_expand(AGENT_CONTAINER["args"], env), *expected]
+    parsed = build_parser().parse_args(argv)
+    assert parsed.qos_dev == dev or (parsed.qos_dev is None and not dev)
+    assert parsed.qos_rate == (qos.parse_rate(rate) if rate else None)
+
+
+def _plugin_install(tmp: Path) -> tuple[list[str], Path, Path]:
+    """The init container's command with the image's plugin and the host directory moved
+    into ``tmp``: (command, source file, installed file)."""
+    (init,) = AGENT_POD["initContainers"]
+    command = list(init["command"])
+    source, directory = Path(command[-2]), Path(command[-1])
+    assert init["volumeMounts"] == [{"name": "run", "mountPath": str(directory)}]
+    (tmp / "image").mkdir()
+    (tmp / "host").mkdir()
+    command[-2:] = [str(tmp / "image" / source.name), str(tmp / "host")]
+    return command, tmp / "image" / source.name, tmp / "host" / source.name
+
+
+def _install_while_mapped(command: list[str], source: Path, target: Path) -> tuple[bytes, bool]:
+    """Install a new build over ``target`` while this process maps the old one (as a job's
+    dlopen does): (what the mapping reads afterwards, whether ``target`` kept its inode)."""
+    old, new = b"\x7fELF old build " * 512, b"\x7fELF new build " * 512
+    target.write_bytes(old)
+    source.write_bytes(new)
+    with open(target, "rb") as handle:
+        mapped = mmap.mmap(handle.fileno(), 0, prot=mmap.PROT_READ)
+        inode = os.fstat(handle.fileno()).st_ino
+    try:
+        subprocess.run(command, check=True, timeout=30)
+        return bytes(mapped[:]), os.stat(target).st_ino == inode
+    finally:
+        mapped.close()
+
+
+def test_plain_cp_would_rewrite_what_running_jobs_map(tmp_path: Path) -> None:
+    # the hazard the init container avoids, shown by the same check: `cp` onto the file
+    # rewrites the inode that running jobs execute (they crash: SIGSEGV or SIGBUS)
+    _, source, target = _plugin_install(tmp_path)
+    seen, same_inode = _install_while_mapped(["cp", str(source), str(target)], source, target)
+    assert same_inode and seen == source.read_bytes()
+
+
+def test_plugin_install_replaces_the_file_atomically(tmp_path: Path) -> None:
+    command, source, target = _plugin_install(tmp_path)
+    old = b"\x7fELF old build " * 512
+    seen, same_inode = _install_while_mapped(command, source, target)
+    assert seen == old and not same_inode  # running jobs keep the old build, untouched
+    assert target.read_bytes() == source.read_bytes()  # new jobs load the new one
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no leftovers
+    assert stat.S_IMODE(target.stat().st_mode) & 0o044 == 0o044  # job users may read it
+    subprocess.run(command, check=True, timeout=30)  # the next pod start: same again
+    assert target.read_bytes() == source.read_bytes()
+
+
+def test_plugin_install_into_an_empty_directory(tmp_path: Path) -> None:
+    command, source, target = _plugin_install(tmp_path)
+    source.write_bytes(b"\x7fELF")
+    subprocess.run(command, check=True, timeout=30)
+    assert target.read_bytes() == b"\x7fELF"
 
 
 def test_daemonset_shares_the_host_pid_namespace_and_network() -> None:
@@ -107,8 +261,11 @@ def test_daemonset_mounts_hold_the_table_socket_and_token_but_not_all_of_dev_shm
     for volume in volumes.values():
         host = volume.get("hostPath", {}).get("path")
         assert host not in ("/dev/shm", "/dev", "/run", "/"), f"mounts the host's whole {host}"
+    # table and socket in the directory the plugin and the SDK look in by default, so a job
+    # that sets neither FLOWSCHED_TABLE nor FLOWSCHED_SOCKET still finds them
+    assert str(Path(flags["table"]).parent) == str(Path(flags["socket"]).parent) == ROOT_DIR
     table = _mount_for(AGENT_CONTAINER, flags["table"])
-    assert volumes[table["name"]]["hostPath"]["path"] == table["mountPath"] == "/dev/shm/flowsched"
+    assert volumes[table["name"]]["hostPath"]["path"] == table["mountPath"] == ROOT_DIR
     sock = _mount_for(AGENT_CONTAINER, flags["socket"])
     assert volumes[sock["name"]]["hostPath"]["path"] == sock["mountPath"]
     token = _mount_for(AGENT_CONTAINER, flags["token-file"])
@@ -132,7 +289,31 @@ def test_agent_reaches_the_coordinator_service() -> None:
     rpc = {p["name"]: p["port"] for p in service["spec"]["ports"]}["rpc"]
     meta = service["metadata"]
     expected = f"{meta['name']}.{meta['namespace']}.svc:{rpc}"
-    assert _flags(AGENT_CONTAINER["args"])["coordinator"] == expected
+    assert _flags(_expand(AGENT_CONTAINER["args"], AGENT_ENV))["coordinator"] == expected
+
+
+def test_pods_carry_no_service_account_token() -> None:
+    # neither daemon nor the job talks to the API server; the agent pod is root on the host
+    pods = [AGENT_POD, find(COORDINATOR, "Deployment")["spec"]["template"]["spec"]]
+    pods += [find(HA_COORDINATOR, "StatefulSet")["spec"]["template"]["spec"]]
+    pods += [find(EXAMPLE_JOB, "Pod")["spec"]]
+    assert all(pod["automountServiceAccountToken"] is False for pod in pods)
+
+
+def test_example_job_shares_the_pid_namespace_the_agent_sees() -> None:
+    # the plugin writes its getpid() into its slots; the agent judges slots alive, and links
+    # SDK flows to connections, by the pids it sees: a job in its own pid namespace gets its
+    # live slots freed and its SDK flows never linked
+    job = find(EXAMPLE_JOB, "Pod")["spec"]
+    assert job.get("hostPID", False) == AGENT_POD.get("hostPID", False)
+    assert job["hostPID"] is True
+
+
+def test_example_job_starts_before_the_agent_ran_on_its_node() -> None:
+    job = find(EXAMPLE_JOB, "Pod")["spec"]
+    for volume in job["volumes"]:
+        if "hostPath" in volume:  # "Directory" would fail the mount until the agent made it
+            assert volume["hostPath"]["type"] == "DirectoryOrCreate", volume["name"]
 
 
 def test_example_job_shares_the_agents_paths_and_plugin() -> None:
@@ -185,7 +366,6 @@ def test_agent_dry_start_with_the_daemonset_args(tmp_path: Path) -> None:
             "socket": str(tmp_path / "run" / "agent.sock"),
             "group": grp.getgrgid(os.getgid()).gr_name,
             "metrics-bind": "127.0.0.1:0",
-            "qos-dev": None,  # tc on a host NIC needs CAP_NET_ADMIN
         },
     )
     agent = Daemon(args, tmp_path / "agent.log", AGENT_READY)
@@ -252,3 +432,165 @@ def test_table_owner_and_group_let_job_users_in() -> None:
     assert f"groupadd --system --gid {gid} flowsched" in (ROOT / "agent" / "Dockerfile").read_text()
     job = find(EXAMPLE_JOB, "Pod")
     assert gid in job["spec"]["securityContext"]["supplementalGroups"]
+
+
+# -- the kustomizations as kubectl renders them, and the HA overlay ----------------------------
+
+RENDERED = [p.parent for p in KUSTOMIZATIONS if p.parent.parent.name == "deploy"]
+
+
+def _render(folder: Path) -> list[dict[str, Any]]:
+    kubectl = need("kubectl")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(folder)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    import yaml
+
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    return {folder.name: _render(folder) for folder in RENDERED}
+
+
+def _one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    (doc,) = [
+        d for d in docs if d["kind"] == kind and name in (None, d["metadata"]["name"])
+    ]  # fmt: skip
+    return doc
+
+
+@pytest.mark.parametrize("folder", RENDERED, ids=lambda p: p.name)
+def test_rendered_kustomization_is_schema_valid_and_carries_no_secret(
+    rendered: dict[str, list[dict[str, Any]]], folder: Path
+) -> None:
+    docs = rendered[folder.name]
+    for doc in docs:
+        for version in VERSIONS:
+            kubernetes_validate.validate(doc, version, strict=True)
+    # the token Secret is created out of band: an apply -k must never overwrite it
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert {d["metadata"]["namespace"] for d in docs if d["kind"] != "Namespace"} == {"flowsched"}
+
+
+@pytest.fixture(scope="module")
+def ha(rendered: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    return rendered["kubernetes-ha"]
+
+
+def _ha_parts(ha: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(StatefulSet, its coordinator container, its headless Service)."""
+    sts = _one(ha, "StatefulSet", "flowsched-coordinator")
+    return sts, _container(sts, "coordinator"), _one(ha, "Service", sts["spec"]["serviceName"])
+
+
+def _ha_env(ha: list[dict[str, Any]], container: dict[str, Any], pod: str) -> dict[str, str]:
+    config = _one(ha, "ConfigMap", "flowsched-coordinator")["data"]
+    return _pod_env(container, config, POD_NAME=pod)
+
+
+def test_ha_replaces_the_deployment_with_a_statefulset(ha: list[dict[str, Any]]) -> None:
+    assert not [d for d in ha if d["kind"] == "Deployment"]  # never an unelected coordinator
+    sts, _, headless = _ha_parts(ha)
+    assert sts["spec"]["replicas"] == 3
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert sts["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # every replica's name resolves through the headless Service as soon as it has an address
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is True
+    assert headless["spec"]["selector"].items() <= labels.items()
+    service = _one(ha, "Service", "flowsched-coordinator")  # the base's, for one-address use
+    assert service["spec"]["selector"].items() <= labels.items()
+
+
+def test_ha_replica_advertises_its_own_resolvable_name(ha: list[dict[str, Any]]) -> None:
+    sts, container, headless = _ha_parts(ha)
+    rpc = {p["name"]: p["port"] for p in headless["spec"]["ports"]}["rpc"]
+    names = set()
+    for ordinal in range(sts["spec"]["replicas"]):
+        pod = f"{sts['metadata']['name']}-{ordinal}"
+        parsed = build_parser().parse_args(_expand(container["args"], _ha_env(ha, container, pod)))
+        ns = sts["metadata"]["namespace"]
+        assert parsed.advertise == f"{pod}.{headless['metadata']['name']}.{ns}.svc:{rpc}"
+        assert parsed.listen[1] == rpc and parsed.etcd
+        names.add(parsed.advertise)
+    assert len(names) == sts["spec"]["replicas"]
+    (pod_name,) = [e for e in container["env"] if e["name"] == "POD_NAME"]
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+
+
+def test_ha_agents_get_every_replica(ha: list[dict[str, Any]]) -> None:
+    sts, container, _ = _ha_parts(ha)
+    daemonset = _one(ha, "DaemonSet", "flowsched-agent")
+    agent = _container(daemonset, "agent")
+    env = _pod_env(agent, _one(ha, "ConfigMap", "flowsched-agent")["data"], NODE_NAME="n1")
+    parsed = build_parser().parse_args(_expand(agent["args"], env))
+    advertised = {
+        build_parser().parse_args(_expand(container["args"], _ha_env(ha, container, pod))).advertise
+        for pod in (f"{sts['metadata']['name']}-{i}" for i in range(sts["spec"]["replicas"]))
+    }
+    assert {f"{host}:{port}" for host, port in parsed.coordinator} == advertised
+
+
+def test_ha_rollouts_progress_and_disruptions_keep_a_quorum_of_coordinators(
+    ha: list[dict[str, Any]],
+) -> None:
+    sts, container, _ = _ha_parts(ha)
+    # readiness must hold for a healthy standby (/readyz is 503 there): the dry start below
+    # shows both answers of a real standby
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert sts["spec"]["updateStrategy"]["type"] == "RollingUpdate"
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    pdb = _one(ha, "PodDisruptionBudget")
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert 2 <= pdb["spec"]["minAvailable"] < sts["spec"]["replicas"]
+    (term,) = sts["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"][
+        "preferredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert term["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= labels.items()
+
+
+def test_ha_standby_is_ready_by_the_probe_the_statefulset_uses(
+    ha: list[dict[str, Any]], tmp_path: Path
+) -> None:
+    # a replica whose election cannot win (etcd refuses here) stays a standby and keeps
+    # serving: its readiness probe's path answers 200, /readyz 503
+    pytest.importorskip("etcd3gw")
+    sts, container, _ = _ha_parts(ha)
+    token = tmp_path / "token"
+    write_token(token)
+    args = _remap(
+        _expand(container["args"], _ha_env(ha, container, f"{sts['metadata']['name']}-1")),
+        tmp_path,
+        {
+            "listen": "127.0.0.1:0",
+            "metrics-bind": "127.0.0.1:0",
+            "token-file": str(token),
+            "etcd": "http://127.0.0.1:9,http://127.0.0.2:9",  # the discard port: refused
+        },
+    )
+    coordinator = Daemon(args, tmp_path / "coordinator.log", COORDINATOR_READY)
+    try:
+        base = f"http://{coordinator.fields['mhost']}:{coordinator.fields['mport']}"
+        probe = container["readinessProbe"]["httpGet"]["path"]
+        assert http_status(f"{base}{probe}")[0] == 200
+        status, body = http_status(f"{base}/readyz")
+        assert status == 503 and "standby" in body
+    finally:
+        coordinator.stop()
+
+
+def test_ha_coordinator_token_copy_matches_the_base(ha: list[dict[str, Any]]) -> None:
+    sts, container, _ = _ha_parts(ha)
+    base_pod = DEPLOYMENT["spec"]["template"]["spec"]
+    pod = sts["spec"]["template"]["spec"]
+    assert pod["initContainers"] == base_pod["initContainers"]
+    assert pod["volumes"] == base_pod["volumes"]
+    assert pod["securityContext"] == base_pod["securityContext"]
+    assert (
+        _flags(container["args"])["token-file"]
+        == _flags(COORDINATOR_CONTAINER["args"])["token-file"]
+    )

@@ -3,11 +3,12 @@ not firing (deploy/prometheus/flowsched-rules.test.yml)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 
 import yaml
-from deploy_helpers import RULES, RULES_TEST, alert_rules, need, without_threshold
+from deploy_helpers import ROOT, RULES, RULES_TEST, alert_rules, need, without_threshold
 
 #: what an operator must be told about (issue: deploy and operate)
 REQUIRED = {
@@ -82,3 +83,9 @@ def test_without_threshold_strips_only_the_comparison() -> None:
     assert without_threshold("histogram_quantile(0.99, rate(h[5m]))\n  > 2") == (
         "histogram_quantile(0.99, rate(h[5m]))"
     )
+
+
+def test_every_alert_is_in_the_docs_alert_table() -> None:
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    table = set(re.findall(r"^\| (Flowsched\w+) \|", doc, flags=re.M))
+    assert table == {rule["alert"] for rule in alert_rules()}

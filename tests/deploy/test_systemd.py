@@ -14,8 +14,11 @@ from deploy_helpers import ROOT, need
 
 from flowsched.cli import build_parser
 
+DEPLOY_DOC = ROOT / "docs" / "deploy.md"
 UNITS = sorted((ROOT / "agent" / "systemd").glob("*.service"))
 ENV_FILE = ROOT / "agent" / "systemd" / "flowsched.env"
+#: the venv docs/deploy.md installs into (Debian's system Python refuses pip installs)
+UNIT_EXECUTABLE = "/opt/flowsched/bin/flowsched"
 
 
 def _env() -> dict[str, str]:
@@ -33,7 +36,7 @@ def _executable() -> str:
 @pytest.mark.parametrize("unit", UNITS, ids=lambda p: p.name)
 def test_unit_verifies(unit: Path, tmp_path: Path) -> None:
     analyze = need("systemd-analyze")
-    text = unit.read_text().replace("/usr/local/bin/flowsched", _executable())
+    text = unit.read_text().replace(UNIT_EXECUTABLE, _executable())
     (tmp_path / unit.name).write_text(text)
     result = subprocess.run(
         [analyze, "verify", f"./{unit.name}"],
@@ -75,3 +78,22 @@ def test_units_name_the_fixed_metrics_ports() -> None:
     env = _env()
     assert f":{AGENT_METRICS_PORT}" in env["FLOWSCHED_AGENT_ARGS"]
     assert f":{COORDINATOR_METRICS_PORT}" in env["FLOWSCHED_COORDINATOR_ARGS"]
+
+
+def test_units_run_the_venv_the_docs_install() -> None:
+    for unit in UNITS:
+        execs = [line for line in unit.read_text().splitlines() if line.startswith("Exec")]
+        commands = [line.split("=", 1)[1].split()[0] for line in execs]
+        flowsched = [c for c in commands if c.endswith("/flowsched")]
+        assert flowsched and set(flowsched) == {UNIT_EXECUTABLE}, unit.name
+    assert f"{Path(UNIT_EXECUTABLE).parent.parent}/bin/pip install" in DEPLOY_DOC.read_text()
+
+
+def test_agent_keeps_table_and_socket_where_the_plugin_and_sdk_look_by_default() -> None:
+    # a job that sets neither FLOWSCHED_TABLE nor FLOWSCHED_SOCKET finds both (root agent)
+    from flowsched.rundir import ROOT_DIR, SOCKET_NAME, TABLE_NAME
+
+    args = build_parser().parse_args(["agent", *shlex.split(_env()["FLOWSCHED_AGENT_ARGS"])])
+    assert args.table == f"{ROOT_DIR}/{TABLE_NAME}" and args.socket == f"{ROOT_DIR}/{SOCKET_NAME}"
+    agent = (ROOT / "agent" / "systemd" / "flowsched-agent.service").read_text()
+    assert f"RuntimeDirectory={Path(ROOT_DIR).name}" in agent.splitlines()
