@@ -50,11 +50,9 @@ from typing import Any
 import msgpack
 
 from flowsched.protocol import (
-    PROTOCOL_VERSION,
     Challenge,
     Connection,
     Error,
-    Hello,
     ReceiveBuffer,
     Role,
     Sentinel,
@@ -128,7 +126,7 @@ class SimAgent:
         async with asyncio.timeout(10):
             reader, writer = await asyncio.open_connection(host, port)
             conn = Connection(Role.AGENT, token=self.token)
-            writer.write(conn.send(Hello(PROTOCOL_VERSION, self.node)))
+            writer.write(conn.hello(self.node))
             challenge = await _next(reader, conn)
             if not isinstance(challenge, Challenge):
                 writer.close()

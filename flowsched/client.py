@@ -16,7 +16,10 @@ with :meth:`FlowHandle.add_listener` are called (from the SDK's reader thread) o
 
 The agent is found through the unix socket named by ``FLOWSCHED_SOCKET`` (default
 :func:`default_socket_path`). With no agent, the SDK degrades to the class's static default
-from the embedded default policy, logs that once, and never raises into the application.
+from the embedded default policy, logs that once, and never raises into the application. It
+does the same, with a warning, rather than use a socket whose directory another user owns or can
+write, or one served by a process running as neither root, this user nor
+``$FLOWSCHED_AGENT_UID`` (docs/security.md).
 Open flows are re-opened (with new ids) when the agent restarts, or adopted when an agent
 first appears; a flow is closed at the agent when its process disconnects.
 """
@@ -29,6 +32,7 @@ import functools
 import itertools
 import logging
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -216,6 +220,7 @@ class AgentConnection:
         self._warned = False
         self._closed = False
         self._reconnecting = False
+        self._refusal: str | None = None
 
     def ensure_connected(self) -> bool:
         """Connect if not connected (at most once per RECONNECT_INTERVAL); True if connected."""
@@ -226,6 +231,11 @@ class AgentConnection:
             if now - self._last_attempt < RECONNECT_INTERVAL:
                 return False
             self._last_attempt = now
+            problem = rundir.client_dir_problem(self.path)
+            if problem is not None:
+                self._warn(f"not using the flowsched agent socket {self.path}: {problem}; "
+                           "using static default levels")  # fmt: skip
+                return False
             try:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.settimeout(OPEN_TIMEOUT)
@@ -235,6 +245,15 @@ class AgentConnection:
                 self._warn(
                     f"no flowsched agent at {self.path} ({exc.strerror or exc}); "
                     "using static default levels"
+                )
+                return False
+            uid = _peer_uid(sock)
+            if uid not in rundir.trusted_agent_uids():
+                sock.close()
+                self._warn(
+                    f"the process serving {self.path} runs as uid {uid}, not as root, this user "
+                    f"or ${rundir.AGENT_UID_ENV}: not a flowsched agent to trust; using static "
+                    "default levels"
                 )
                 return False
             self._sock = sock
@@ -257,7 +276,9 @@ class AgentConnection:
             with self._send_lock:
                 sock.sendall(sdk.encode(message))
         except OSError:
-            self._drop(sock)
+            # the agent closed it: the reader thread closes the socket once it has read what
+            # the agent said last (a refusal, logged there)
+            self._drop(sock, close=False)
             return False
         return True
 
@@ -369,6 +390,11 @@ class AgentConnection:
                     )  # fmt: skip
                 pending[1].append(message)
                 pending[0].set()
+        elif isinstance(message, sdk.Error):  # about the connection (a cap): it closes next
+            if message.reason != self._refusal:
+                self._refusal = message.reason
+                log.warning("flowsched agent refused the connection (%s): %s; using static "
+                            "default levels", message.code, message.reason)  # fmt: skip
         elif isinstance(message, sdk.Level):
             with self._state_lock:
                 handle = self._handles.get(message.id)
@@ -384,7 +410,7 @@ class AgentConnection:
                 )
                 handle._set_marking(marking)
 
-    def _drop(self, sock: socket.socket) -> None:
+    def _drop(self, sock: socket.socket, *, close: bool = True) -> None:
         with self._state_lock:
             if self._sock is sock:
                 self._sock = None
@@ -393,8 +419,9 @@ class AgentConnection:
             for handle in self._live:
                 handle.id = None
             self._handles.clear()
-        with contextlib.suppress(OSError):
-            sock.close()
+        if close:
+            with contextlib.suppress(OSError):
+                sock.close()
         self._start_reconnecting()
 
     def close(self) -> None:
@@ -405,6 +432,15 @@ class AgentConnection:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
             self._drop(sock)
+
+
+def _peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a unix socket (SO_PEERCRED), or None."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    except OSError:
+        return None
+    return int(struct.unpack("3i", raw)[1])
 
 
 _connections: dict[str, AgentConnection] = {}
@@ -518,7 +554,8 @@ def job_progress(
         sdk.check_message(sdk.JobProgress(job, step, layer))
     except sdk.SdkProtocolError as exc:
         raise ValueError(
-            "job must be a printable name, step and layer integers in 0..2**63-1, "
+            f"job must be a printable name, step an integer in 0..{sdk.MAX_STEP} and layer in "
+            f"0..{sdk.MAX_LAYER}, "
             f"got {job!r}, {step!r}, {layer!r} ({exc})"
         ) from None
     global _last_job

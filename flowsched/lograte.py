@@ -46,17 +46,19 @@ class RepeatLog:
         self._clock = clock
         self._keys: dict[str, _Key] = {}
 
-    def log(self, key: str, level: int, msg: str, *args: object) -> bool:
+    def log(
+        self, key: str, level: int, msg: str, *args: object, exc_info: BaseException | None = None
+    ) -> bool:
         """Log ``msg % args`` unless ``key`` was logged too recently; True when logged.
 
         A message that stands for suppressed occurrences ends with ``(N more since the
-        last message)``.
+        last message)``. ``exc_info``: an exception whose traceback the message carries.
         """
         now = self._clock()
         state = self._keys.get(key)
         if state is None:
             self._keys[key] = _Key(now + self._first, self._first)
-            self._log.log(level, msg, *args)
+            self._log.log(level, msg, *args, exc_info=exc_info)
             return True
         if now < state.next_at:
             state.suppressed += 1
@@ -65,9 +67,12 @@ class RepeatLog:
         state.interval = min(state.interval * 2, self._max)
         state.next_at = now + state.interval
         if suppressed:
-            self._log.log(level, msg + " (%d more since the last message)", *args, suppressed)
+            self._log.log(
+                level, msg + " (%d more since the last message)", *args, suppressed,
+                exc_info=exc_info,
+            )  # fmt: skip
         else:
-            self._log.log(level, msg, *args)
+            self._log.log(level, msg, *args, exc_info=exc_info)
         return True
 
     def clear(self, key: str) -> None:

@@ -5,7 +5,10 @@ The agent's default directory is ``/run/flowsched`` when it runs as root, else
 look for the socket and the table in the same places (:func:`client_path`). A directory the
 agent uses must be its own: :func:`prepare_private_dir` refuses one owned by another user or
 writable by group or others, because whoever can write the directory can swap the socket
-(and read every job's flows, set their levels). The trust model is in ``docs/security.md``.
+(and read every job's flows, set their levels). Clients apply the same rule to the directory
+of the socket they use (:func:`client_dir_problem`) and accept only an agent running as root,
+as themselves, or as ``$FLOWSCHED_AGENT_UID`` (:func:`trusted_agent_uids`). The trust model is
+in ``docs/security.md``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import os
 import stat
 
 ROOT_DIR = "/run/flowsched"
+#: names one more uid (a number) whose agent clients trust, besides root and their own
+AGENT_UID_ENV = "FLOWSCHED_AGENT_UID"
 SOCKET_NAME = "agent.sock"
 TABLE_NAME = "table"
 
@@ -45,10 +50,36 @@ def client_path(name: str, env: str) -> str:
     if given:
         return given
     own = os.path.join(agent_runtime_dir(), name)
-    if os.geteuid() == 0 or os.path.exists(own):
+    if os.geteuid() == 0 or (os.path.exists(own) and client_dir_problem(own) is None):
         return own
     shared = os.path.join(ROOT_DIR, name)
     return shared if os.path.exists(shared) else own
+
+
+def trusted_agent_uids() -> frozenset[int]:
+    """The uids a client accepts as its agent's: root, this user, and ``$FLOWSCHED_AGENT_UID``
+    (an agent running as a service account; ignored unless a number)."""
+    uids = {0, os.geteuid()}
+    extra = os.environ.get(AGENT_UID_ENV, "").strip()
+    if extra.isdigit():
+        uids.add(int(extra))
+    return frozenset(uids)
+
+
+def client_dir_problem(path: str) -> str | None:
+    """Why a client must not use the agent's file ``path`` (its directory is a symbolic link,
+    owned by an untrusted user, or writable by group or others), or None. A directory that
+    does not exist is no problem here: there is nothing to connect to."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        info = os.lstat(directory)
+    except OSError:
+        return None
+    try:
+        _check_dir(directory, info, trusted_agent_uids())
+    except RuntimeDirError as exc:
+        return str(exc)
+    return None
 
 
 def prepare_private_dir(path: str, gid: int | None = None) -> None:
@@ -86,13 +117,13 @@ def prepare_private_dir(path: str, gid: int | None = None) -> None:
             os.chmod(path, 0o750)
 
 
-def _check_dir(path: str, info: os.stat_result) -> None:
+def _check_dir(path: str, info: os.stat_result, owners: frozenset[int] | None = None) -> None:
     if stat.S_ISLNK(info.st_mode):
         raise RuntimeDirError(f"{path} is a symbolic link; refusing it as the agent's directory")
     if not stat.S_ISDIR(info.st_mode):
         raise RuntimeDirError(f"{path} is not a directory")
     mode = stat.S_IMODE(info.st_mode)
-    if info.st_uid not in (os.geteuid(), 0):
+    if info.st_uid not in (owners or (os.geteuid(), 0)):
         raise RuntimeDirError(
             f"{path} is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()}): "
             "another user could swap the socket or the table in it; remove it or choose "

@@ -1,11 +1,14 @@
 """TLS for the agent <-> coordinator link: contexts built from PEM files.
 
-The shared token authenticates both ends at the handshake; TLS adds what the token cannot:
-frames nobody on the path can read, alter or inject after the handshake, and a coordinator the
-agent verifies by certificate. The coordinator serves TLS with ``--tls-cert``/``--tls-key`` and,
-with ``--tls-client-ca``, also demands a client certificate signed by that CA (mutual TLS);
-agents connect with ``--tls`` (system CAs) or ``--tls-ca FILE``, and present ``--tls-cert``/
-``--tls-key`` when the coordinator asks. TLS 1.2 is the lowest version either side accepts.
+The shared token authenticates the agent at the handshake, and from protocol version 3 the
+coordinator too (its welcome MAC; docs/protocol.md). TLS adds what the token cannot: frames
+nobody on the path can read, alter, inject or relay after the handshake, and a coordinator
+the agent verifies by certificate, which is what authenticates a coordinator of an older
+release (below version 3) to an agent. The coordinator serves TLS with ``--tls-cert``/
+``--tls-key`` and, with ``--tls-client-ca``, also demands a client certificate signed by that
+CA (mutual TLS); agents connect with ``--tls`` (system CAs) or ``--tls-ca FILE``, and present
+``--tls-cert``/``--tls-key`` when the coordinator asks. TLS 1.2 is the lowest version either
+side accepts.
 
 Both sides re-read their files when they change (:class:`ReloadingContext`), so a renewed
 certificate (cert-manager, an ACME client) takes effect for new connections without a

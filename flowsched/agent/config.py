@@ -114,6 +114,10 @@ class AgentConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_server_name: str | None = None
+    #: accept a coordinator that cannot prove it holds the token (one below protocol version
+    #: 3, i.e. of an older release) without TLS that verifies it: only for a rolling upgrade
+    #: that upgrades agents before coordinators (docs/protocol.md)
+    allow_unproven_coordinator: bool = False
     policy_text: str | None = None
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0

@@ -5,6 +5,12 @@ agent's own (:func:`flowsched.rundir.prepare_private_dir`: created 0700, or 0750
 group; one owned by another user or writable by others is refused). The process id of a
 client comes from ``SO_PEERCRED``. A malformed frame gets an ``error`` frame and closes that
 client only; its flows are closed (as are those of a client that disconnects).
+
+Limits (docs/security.md): open flows per uid (all of its connections together) and per node;
+connections per uid and in total (the total below the open-file limit, so that accepts do not
+fail); a connection with no open flow that sends nothing for :data:`IDLE_TIMEOUT` is closed
+(one holding flows never is: applications keep a flow open for minutes). A refused connection
+or flow gets an ``error`` frame that the client logs.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from flowsched import rundir
 from flowsched.agent.flows import JobTable, SlotKey
+from flowsched.lograte import RepeatLog
 from flowsched.model import Flow, FlowClass
 from flowsched.protocol import sdk
 
@@ -33,7 +40,19 @@ log = logging.getLogger("flowsched.agent.sdk")
 
 MAX_CLIENT_BACKLOG = 1 << 20  # bytes queued to one client before it is dropped
 READ_SIZE = 65536
-MAX_FLOWS_PER_CLIENT = 4096  # one client cannot grow the agent's memory without bound
+#: open SDK flows of one uid, all of its connections together (a user cannot grow the agent's
+#: memory, nor the coordinator's, without bound by opening more connections)
+MAX_FLOWS_PER_UID = 4096
+#: open SDK flows on the node, every user together
+MAX_FLOWS = 16384
+#: SDK connections of one uid (a process keeps one per socket path)
+MAX_CONNECTIONS_PER_UID = 256
+#: SDK connections in total; lowered to the open-file limit minus :data:`FD_RESERVE`
+MAX_CONNECTIONS = 4096
+#: descriptors left to the agent itself (table, coordinator link, metrics, NIC counters)
+FD_RESERVE = 128
+#: seconds a connection without open flows may stay silent before it is closed
+IDLE_TIMEOUT = 300.0
 #: how long an ``open`` waits for the coordinator's first level before answering with the
 #: class default (the coordinator answers within one report interval plus its own turn)
 FIRST_LEVEL_WAIT = 0.15
@@ -46,12 +65,24 @@ class SocketPathError(RuntimeError):
 class SdkServer:
     """Serves SDK clients for one :class:`~flowsched.agent.service.Agent`."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Agent, fd_limit: int | None = None) -> None:
         self.agent = agent
         self._owner: dict[int, asyncio.StreamWriter] = {}
         self._writers: set[asyncio.StreamWriter] = set()
         self.clients_total = 0
         self.errors_total = 0
+        self.refused_total = 0
+        self.max_connections = MAX_CONNECTIONS
+        if fd_limit is not None:
+            self.max_connections = max(min(MAX_CONNECTIONS, fd_limit - FD_RESERVE), 1)
+        self.max_connections_per_uid = MAX_CONNECTIONS_PER_UID
+        self.max_flows_per_uid = MAX_FLOWS_PER_UID
+        self.max_flows = MAX_FLOWS
+        self.idle_timeout = IDLE_TIMEOUT
+        self._connections_of: Counter[int | None] = Counter()
+        self._flows_of: Counter[int | None] = Counter()
+        self._flows = 0
+        self._repeat_log = RepeatLog(log)
         self.requests: Counter[str] = Counter()
         self._first_level: dict[int, asyncio.Future[int]] = {}
 
@@ -112,12 +143,15 @@ class SdkServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         pid, uid = _peer_cred(writer)
+        if not self._admit_connection(pid, uid, writer):
+            return
         owned: set[int] = set()
         self._writers.add(writer)
+        self._connections_of[uid] += 1
         self.clients_total += 1
         decoder = sdk.SdkDecoder("agent")
         try:
-            while data := await reader.read(READ_SIZE):
+            while data := await self._read(reader, idle=not owned):
                 decoder.feed(data)
                 while (message := decoder.next_message()) is not None:
                     await self._handle(message, (pid, uid), writer, owned)
@@ -126,22 +160,63 @@ class SdkServer:
             log.warning("SDK client pid %d sent a bad frame: %s", pid, exc)
             with contextlib.suppress(Exception):
                 writer.write(sdk.encode(sdk.Error("bad_frame", str(exc)[:4000])))
+        except TimeoutError:
+            log.debug("SDK client pid %d: idle for %g s without open flows; closed", pid,
+                      self.idle_timeout)  # fmt: skip
         except (ConnectionError, OSError):
             pass
         finally:
-            self._disconnect(pid, writer, owned)
+            self._disconnect(pid, uid, writer, owned)
 
-    def _disconnect(self, pid: int, writer: asyncio.StreamWriter, owned: set[int]) -> None:
+    async def _read(self, reader: asyncio.StreamReader, *, idle: bool) -> bytes:
+        """The next bytes; a connection without open flows (``idle``) waits at most
+        :attr:`idle_timeout` (TimeoutError), one with flows as long as it likes."""
+        async with asyncio.timeout(self.idle_timeout if idle else None):
+            return await reader.read(READ_SIZE)
+
+    def _admit_connection(self, pid: int, uid: int | None, writer: asyncio.StreamWriter) -> bool:
+        """False (the client told why, the refusal logged at a falling rate) when the
+        connection caps are reached."""
+        if len(self._writers) >= self.max_connections:
+            key, reason = "all", f"the agent serves at most {self.max_connections} SDK connections"
+        elif self._connections_of[uid] >= self.max_connections_per_uid:
+            key = f"uid:{uid}"
+            reason = f"at most {self.max_connections_per_uid} SDK connections per user"
+        else:
+            return True
+        self.refused_total += 1
+        self._repeat_log.log(
+            f"refused:{key}", logging.WARNING,
+            "SDK connection of pid %d (uid %s) refused: %s", pid, uid, reason,
+        )  # fmt: skip
+        with contextlib.suppress(Exception):
+            writer.write(sdk.encode(sdk.Error("too_many_connections", reason)))
+        writer.close()
+        return False
+
+    def _disconnect(
+        self, pid: int, uid: int | None, writer: asyncio.StreamWriter, owned: set[int]
+    ) -> None:
         self._writers.discard(writer)
+        self._connections_of[uid] -= 1
+        if self._connections_of[uid] <= 0:
+            del self._connections_of[uid]
         registry = self.agent.registry
         now = time.time()
         for flow_id in owned:
             self._owner.pop(flow_id, None)
+            self._count_flow(uid, -1)
             if registry is not None:
                 for key in registry.close_sdk(flow_id, pid, None, now):
                     self.agent.write_slot(key)
         self.agent.admit_now()
         writer.close()
+
+    def _count_flow(self, uid: int | None, delta: int) -> None:
+        self._flows += delta
+        self._flows_of[uid] += delta
+        if self._flows_of[uid] <= 0:
+            del self._flows_of[uid]
 
     async def _handle(
         self,
@@ -161,6 +236,7 @@ class SdkServer:
         elif isinstance(message, sdk.Close) and message.id in owned:
             owned.discard(message.id)
             self._owner.pop(message.id, None)
+            self._count_flow(uid, -1)
             for key in registry.close_sdk(message.id, pid, message.sent, time.time()):
                 self.agent.write_slot(key)
             self.agent.admit_now()
@@ -175,12 +251,19 @@ class SdkServer:
         writer: asyncio.StreamWriter,
         owned: set[int],
     ) -> None:
-        if len(owned) >= MAX_FLOWS_PER_CLIENT:
-            reason = f"at most {MAX_FLOWS_PER_CLIENT} open flows per client"
+        uid = cred[1]
+        if self._flows_of[uid] >= self.max_flows_per_uid:
+            reason = f"at most {self.max_flows_per_uid} open SDK flows per user on a node"
+        elif self._flows >= self.max_flows:
+            reason = f"at most {self.max_flows} open SDK flows on this node"
+        else:
+            reason = None
+        if reason is not None:
             self._write(writer, sdk.Error("too_many_flows", reason, message.ref))
             return
         flow, linked = self._register(message, *cred)
         owned.add(flow.flow_id)
+        self._count_flow(uid, 1)
         self.agent.admit_now()
         for key in linked:
             self.agent.write_slot(key)
@@ -207,8 +290,10 @@ class SdkServer:
             size=message.size,
             deadline=message.deadline,
             consumer_index=message.consumer_index,
+            # both scoped to the client's uid: another user can neither prune this user's
+            # request (the policy keys pruning by request) nor set its job's step
             job=None if message.job is None else JobTable.scoped(uid, message.job),
-            request=message.request,
+            request=None if message.request is None else JobTable.scoped(uid, message.request),
             peer=message.peer,
             dst_node=message.dst_node,
         )

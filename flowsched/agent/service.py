@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -34,6 +35,7 @@ from flowsched.agent.nic import NicMonitor, default_interfaces
 from flowsched.agent.policy_view import PolicyView
 from flowsched.agent.sdk_server import SdkServer
 from flowsched.agent.telemetry import SlotTelemetry, Telemetry
+from flowsched.fdlimit import raise_fd_limit
 from flowsched.lograte import RepeatLog
 from flowsched.model import Context, Decision, Flow
 from flowsched.policies.base import Policy
@@ -156,7 +158,7 @@ class Agent:
         self.rdma_devices = [d.name for d in rdma.discover_devices()]
         log.info("RDMA devices: %s", ", ".join(self.rdma_devices) or "none (or no pyverbs)")
         generation = self._attach_table()
-        self.sdk = SdkServer(self)
+        self.sdk = SdkServer(self, raise_fd_limit(log))
         self._servers.append(await self.sdk.start(cfg.socket_path, cfg.group))
         self._socket_bound = True
         metrics_addr = None
@@ -415,9 +417,10 @@ class Agent:
                 redirect = _redirect(exc)
                 if exc.code != "not_leader":  # a wrong token repeats: once, then less often
                     self.stats["handshakes_refused"] += 1
+                    said = "refused coordinator %s:%d: %s" if exc.by_agent else (
+                        "coordinator %s:%d refused us: %s")  # fmt: skip
                     self._repeat_log.log(
-                        f"refused:{address}:{exc.code}", logging.ERROR,
-                        "coordinator %s:%d refused us: %s", *address, exc,
+                        f"refused:{address}:{exc.code}", logging.ERROR, said, *address, exc,
                     )  # fmt: skip
                     pause = REFUSED_PAUSE
                 elif redirect is not None:
@@ -457,6 +460,7 @@ class Agent:
             *address, node=config.node, token=token, timeout=config.connect_timeout,
             tls=self._tls.current() if self._tls is not None else None,
             server_hostname=config.tls_server_name,
+            allow_unproven=config.allow_unproven_coordinator,
         )  # fmt: skip
 
     def _is_deposed(self, link: AgentLink, address: tuple[str, int]) -> bool:
@@ -490,10 +494,7 @@ class Agent:
         assert self.registry is not None and link.welcome is not None
         self._adopt_policy(link.welcome.policy_toml)
         self._heartbeat_interval = link.welcome.heartbeat_interval or 0.2
-        for message in resync_frames(self.registry.resync_opens()):
-            await link.send(message)
-        for update in self._latest_jobs():
-            await link.send(update)
+        await self._send_resync(link)
         self.stats["resyncs_sent"] += 1
         self.stats["connects"] += 1
         self.connected = True
@@ -516,6 +517,26 @@ class Agent:
             receiver.cancel()
             sender.cancel()
             await asyncio.gather(receiver, sender, return_exceptions=True)
+
+    async def _send_resync(self, link: AgentLink) -> None:
+        """Send the flow set and the jobs' progress. Each frame must leave within the silence
+        limit: a coordinator that stops reading would otherwise hold the uplink in drain()
+        for as long as the connection lives. On TimeoutError the next attempt starts with the
+        next coordinator address."""
+        assert self.registry is not None
+        limit = max(SILENCE_HEARTBEATS * self._heartbeat_interval, 0.3)
+        loop = asyncio.get_running_loop()
+        frames = itertools.chain(resync_frames(self.registry.resync_opens()), self._latest_jobs())
+        try:
+            async with asyncio.timeout(limit) as deadline:
+                for message in frames:
+                    await link.send(message)
+                    deadline.reschedule(loop.time() + limit)
+        except TimeoutError:
+            self._leader_index += 1
+            raise TimeoutError(
+                f"the coordinator took no resync frame for {limit:g} s (not reading)"
+            ) from None
 
     async def _receive(self, link: AgentLink) -> None:
         silence = SILENCE_HEARTBEATS * self._heartbeat_interval

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +138,13 @@ def register(sub: Any) -> None:
         "(default %(default)g)",
     )
     add_tls_flags(parser)
+    parser.add_argument(
+        "--allow-unproven-coordinator",
+        action="store_true",
+        help="accept a coordinator of an older release (protocol below 3), which cannot prove "
+        "that it holds the token, over plain TCP: only while upgrading agents before "
+        "coordinators (docs/protocol.md); TLS with a verified certificate needs no flag",
+    )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     parser.add_argument("--no-uvloop", action="store_true", help="use the plain asyncio loop")
     parser.set_defaults(func=_run)
@@ -191,6 +199,24 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     return config
 
 
+def check_coordinators_resolve(hosts: list[str]) -> None:
+    """UsageError when no coordinator name resolves; a warning on stderr for each of several
+    that does not (a replica's name exists only while its pod does, e.g. during a rollout:
+    the agent connects to the others and retries it)."""
+    unresolved = []
+    for host in hosts:
+        try:
+            resolve("--coordinator", host)
+        except UsageError as exc:
+            if len(hosts) == 1:
+                raise
+            unresolved.append(str(exc))
+    if len(unresolved) == len(hosts):
+        raise UsageError(f"{unresolved[0]}; no other --coordinator resolves either")
+    for problem in unresolved:
+        print(f"{PROG}: warning: {problem}; trying the others", file=sys.stderr)
+
+
 def preflight(config: AgentConfig, metrics_flag: str = "--metrics-port") -> None:
     """Refuse, before anything starts, what would make the agent fail: raises UsageError."""
     if config.table_path != default_table_path():  # the default directory is the agent's own
@@ -205,8 +231,7 @@ def preflight(config: AgentConfig, metrics_flag: str = "--metrics-port") -> None
     if config.group is not None:
         check_group("--group", config.group)
     if config.coordinator is not None:
-        for host, _ in (config.coordinator, *config.coordinators):
-            resolve("--coordinator", host)
+        check_coordinators_resolve([host for host, _ in (config.coordinator, *config.coordinators)])
         if config.tls:
             try:
                 client_context(config.tls_ca, config.tls_cert, config.tls_key)
@@ -246,6 +271,7 @@ def _config(
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_server_name=args.tls_server_name,
+        allow_unproven_coordinator=args.allow_unproven_coordinator,
         policy_text=policy_text,
         metrics_host=metrics[0] if metrics else "127.0.0.1",
         metrics_port=metrics[1] if metrics else None,

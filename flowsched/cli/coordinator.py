@@ -47,6 +47,11 @@ def register(sub: Any) -> None:
         " the oldest goes (default 2048: every agent of a large cluster reconnecting at once;"
         " with TLS each costs up to ~360 KiB, docs/security.md)",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-flows-per-node", type=int, default=65536, metavar="N",
+        help="open flows one agent may have; its opens beyond are refused, logged and counted"
+        " (default 65536: real nodes have tens)",
+    )  # fmt: skip
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     parser.add_argument(
         "--no-batch", action="store_true", help="run the policy per message (benchmark baseline)"
@@ -126,6 +131,7 @@ def _run(args: argparse.Namespace) -> int:
             args.policy, token, host=host, port=port, metrics_host=metrics_host,
             metrics_port=metrics_port, batching=not args.no_batch, on_ready=_print_ready,
             max_batch_delay=args.max_batch_delay, max_unauthenticated=args.max_unauthenticated,
+            max_flows_per_node=args.max_flows_per_node,
             idle_timeout=args.idle_timeout, handshake_timeout=args.handshake_timeout,
             per_flow_decisions={"auto": None, "yes": True, "no": False}[args.per_flow_policy],
             promotion=args.promotion, rebuild_batching=not args.no_rebuild_batching,
@@ -160,6 +166,7 @@ def preflight(config: CoordinatorConfig) -> None:
 #: CoordinatorConfig fields whose errors the CLI reports under the flag's name
 _FLAG_FIELDS = (
     "idle_timeout", "handshake_timeout", "max_batch_delay", "max_unauthenticated",
+    "max_flows_per_node",
     "tls_cert", "tls_key", "tls_client_ca", "etcd_cacert", "etcd_cert", "etcd_key",
 )  # fmt: skip
 

@@ -60,6 +60,10 @@ class CoordinatorConfig:
     #: connections still in their handshake; at the cap the oldest one makes room. Sized for
     #: every agent of a large cluster reconnecting at once (a coordinator takeover).
     max_unauthenticated: int = 2048
+    #: open flows one node (agent) may have; opens beyond are refused, logged and counted
+    #: (flowsched_coordinator_refused_flows_total). Real nodes have tens (the SDK caps a
+    #: client at 4,096): this bounds what one runaway or hostile agent costs (~0.7 KB a flow)
+    max_flows_per_node: int = 65536
     batching: bool = True
     #: a batch of events is flushed (policy run, level updates queued) once it has been
     #: collecting for this long since its first frame was handled, even in the middle of an
@@ -130,9 +134,10 @@ class CoordinatorConfig:
         for name, value in {**etcd_tls, "etcd_key": self.etcd_key}.items():
             if value is not None and self.etcd is None:
                 raise ValueError(f"{name}: TLS to etcd, only used with --etcd https://...")
-        if not (isinstance(self.max_unauthenticated, int) and self.max_unauthenticated >= 1):
-            cap = self.max_unauthenticated
-            raise ValueError(f"max_unauthenticated: expected a whole number >= 1, got {cap!r}")
+        for name in ("max_unauthenticated", "max_flows_per_node"):
+            cap = getattr(self, name)
+            if not (isinstance(cap, int) and not isinstance(cap, bool) and cap >= 1):
+                raise ValueError(f"{name}: expected a whole number >= 1, got {cap!r}")
         tls.check_pair(self.tls_cert, self.tls_key)
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise tls.TlsConfigError(

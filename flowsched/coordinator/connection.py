@@ -2,8 +2,15 @@
 
 It feeds received bytes to the sans-IO :class:`~flowsched.protocol.Connection`, hands decoded
 messages to the coordinator, and turns every failure into a close with a logged reason:
-protocol errors (answered with an ``error`` frame first), timeouts, and the connection errors
-listed in :data:`CONNECTION_ERRORS`. A failure never propagates beyond this connection.
+protocol errors (answered with an ``error`` frame first), timeouts, the connection errors
+listed in :data:`CONNECTION_ERRORS`, and any other exception (a bug: logged with its traceback,
+counted as ``internal``). A failure never propagates beyond this connection.
+
+How the socket goes: a peer that does not read (``send_overflow``), went silent (``timeout``),
+was replaced, evicted or lost has its transport aborted at once (:data:`ABORT_CODES`), queued
+bytes and all, so that it holds no descriptor or buffer; any other close flushes what is
+queued (the ``error`` frame saying why) for at most :data:`CLOSE_TIMEOUT` seconds, then aborts.
+Text a peer sent (its ``error`` frame) is logged quoted and truncated (:func:`quoted`).
 
 The handshake reads through a bounded StreamReader (an unauthenticated peer's bytes stay in
 the kernel). Once the agent authenticated, the transport's receive callback feeds the
@@ -57,6 +64,12 @@ TLS_EARLY_LIMIT = (16 << 10) + 512
 #: encrypted bytes the TLS layer may hold for a connection before it authenticates (asyncio's
 #: default is 256 KiB per connection: a flood's cost, not an agent's need)
 TLS_PREAUTH_READ_LIMIT = 16 << 10
+#: seconds a graceful close may wait for the peer to take the queued bytes before it aborts
+CLOSE_TIMEOUT = 1.0
+#: close reasons whose connection is aborted at once (see the module docstring)
+ABORT_CODES = frozenset({"send_overflow", "timeout", "replaced", "evicted", "connection_lost"})
+#: characters of a peer-supplied text (and of a close reason) that are logged
+PEER_TEXT_LIMIT = 200
 
 
 class TimedStreamReader(asyncio.StreamReader):
@@ -244,6 +257,14 @@ def peer_text(peer: object) -> str:
     return str(peer)
 
 
+def quoted(text: str, limit: int = PEER_TEXT_LIMIT) -> str:
+    """``text`` for a log line: quoted with every control character escaped (``repr``), so that
+    it cannot forge a line, and cut to ``limit`` characters."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 class ConnectionClosed(Exception):
     """Raised inside a connection to end it with ``code`` and ``reason`` (logged)."""
 
@@ -282,6 +303,8 @@ class AgentConnection:
         self._watchdog: asyncio.TimerHandle | None = None
         #: something was sent since the heartbeat loop last visited this connection
         self.sent_since_beat = False
+        #: the reason code the connection was closed with (None while open)
+        self.closed_with: str | None = None
 
     @property
     def node(self) -> str | None:
@@ -314,13 +337,19 @@ class AgentConnection:
             self._reject("timeout", self._timeout_reason(established), established)
         except CONNECTION_ERRORS as exc:
             self._reject("connection_lost", f"{type(exc).__name__}: {exc}", established)
+        except Exception as exc:  # a bug: this connection ends, the service goes on
+            self._coordinator.repeat_log.log(
+                "internal", logging.ERROR, "unexpected error serving peer=%s node=%s",
+                self.peer, self._conn.node, exc_info=exc,
+            )  # fmt: skip
+            self._reject("internal", f"internal error ({type(exc).__name__})", established)
         finally:
             self._protocol.sink = self._protocol.sink_closed = None
             if self._watchdog is not None:
                 self._watchdog.cancel()
             if established:
                 self._coordinator.detach(self)
-            self._writer.close()
+            self._close(self.closed_with or "closed")
 
     def _timeout_reason(self, established: bool) -> str:
         if established:
@@ -356,8 +385,10 @@ class AgentConnection:
     def _message_or_close(event: Event) -> Message:
         if event is PEER_CLOSED:
             raise ConnectionClosed("peer_closed", "peer closed the connection")
-        if isinstance(event, Error):
-            raise ConnectionClosed("peer_error", f"peer sent error {event.code}: {event.reason}")
+        if isinstance(event, Error):  # the peer's words: quoted, they cannot forge log lines
+            raise ConnectionClosed(
+                "peer_error", f"peer sent error {quoted(event.code)}: {quoted(event.reason)}"
+            )
         assert not isinstance(event, Sentinel)
         return event
 
@@ -477,19 +508,34 @@ class AgentConnection:
             self._abort = ConnectionClosed(code, reason)
             if tell_peer:
                 self._send_error(code, reason)
-            self._writer.close()
+            self._close(code)
             self._end(self._abort)
 
     # -- closing -----------------------------------------------------------------------------
 
+    def _close(self, code: str) -> None:
+        """Close the transport (once) as ``code`` asks: aborted at once (:data:`ABORT_CODES`),
+        else gracefully, aborted if the peer has not taken the queued bytes within
+        :data:`CLOSE_TIMEOUT` seconds."""
+        transport = self._writer.transport
+        if code in ABORT_CODES:
+            transport.abort()
+        elif not transport.is_closing():
+            self._writer.close()
+            if transport.get_write_buffer_size():  # else closed at once
+                asyncio.get_running_loop().call_later(CLOSE_TIMEOUT, transport.abort)
+
     def _reject(self, code: str, reason: str, established: bool) -> None:
         if self._abort is not None and code in ("peer_closed", "connection_lost"):
             code, reason = self._abort.code, self._abort.reason
+        self.closed_with = code
         self._coordinator.count_rejection(code)
         quiet = ("peer_closed", "shutdown", "replaced", "not_leader")
         level = logging.INFO if code in quiet else logging.WARNING
         text = "closing connection peer=%s node=%s state=%s: %s: %s"
-        args = (self.peer, self._conn.node, self._conn.state.value, code, reason)
+        limit = 2 * PEER_TEXT_LIMIT
+        shown = reason if len(reason) <= limit else f"{reason[:limit]}..."
+        args = (self.peer, self._conn.node, self._conn.state.value, code, shown)
         if established:
             log.log(level, text, *args)
         else:  # a flood of bad peers must not flood the log: once, then at a falling rate

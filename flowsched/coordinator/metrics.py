@@ -8,7 +8,7 @@ units, ``_total`` counters, ``_ratio`` for 0..1); the list is in docs/deploy.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Info, PlatformCollector, ProcessCollector
@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from flowsched import __version__
 from flowsched.compiled import is_compiled
 from flowsched.coordinator.histogram import Histogram
-from flowsched.coordinator.state import ClusterState
+from flowsched.coordinator.state import ClusterState, node_links
 
 #: Buckets (seconds) of the decision-latency histogram: 50 us .. 1 s.
 LATENCY_BUCKETS = (
@@ -67,6 +67,9 @@ class CoordinatorCollector:
             always the leader, epoch 0 (no election).
         etcd_failures: returns each etcd member URL's failed requests and watch streams so far
             (empty without an election).
+        connected_nodes: returns the nodes with an authenticated connection now: link series
+            are exported for their links only (None: for every link the state holds), so that
+            the series are bounded by the agents, not by the names anyone ever reported.
     """
 
     def __init__(
@@ -76,12 +79,14 @@ class CoordinatorCollector:
         agents_connected: Callable[[], int],
         leadership: Callable[[], tuple[bool, int]] | None = None,
         etcd_failures: Callable[[], Mapping[str, int]] | None = None,
+        connected_nodes: Callable[[], Iterable[str]] | None = None,
     ) -> None:
         self._state = state
         self._live = live
         self._agents = agents_connected
         self._leadership = leadership
         self._etcd_failures = etcd_failures
+        self._connected_nodes = connected_nodes
 
     def collect(self) -> Iterator[Metric]:
         """The metric families (called by the registry on each scrape)."""
@@ -157,6 +162,16 @@ class CoordinatorCollector:
             f"{PREFIX}_timer_overruns", "Timer ticks skipped: previous sweep unfinished.",
             value=stats.sweep_overruns,
         )  # fmt: skip
+        yield CounterMetricFamily(
+            f"{PREFIX}_refused_flows",
+            "Flow opens refused: their node had --max-flows-per-node flows open.",
+            value=stats.refused_opens,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_policy_errors",
+            "Times the policy raised (each flow it raised on is no longer evaluated; see the log).",
+            value=stats.policy_errors,
+        )
         rejected = CounterMetricFamily(
             f"{PREFIX}_closed_connections",
             "Agent connections closed, by reason.",
@@ -211,9 +226,17 @@ class CoordinatorCollector:
             "Reported link capacity.",
             labels=["link"],
         )
-        for link, load in sorted(self._state.link_load.items()):
+        loads, capacities = self._state.link_load, self._state.link_bandwidth
+        if self._connected_nodes is None:
+            links = sorted(loads)
+        else:
+            links = sorted(link for node in self._connected_nodes() for link in node_links(node))
+        for link in links:
+            load = loads.get(link)
+            if load is None:  # not reported yet
+                continue
             util.add_metric([link], load)
-            capacity = self._state.link_bandwidth.get(link)
+            capacity = capacities.get(link)
             if capacity is not None:  # absent, not 0, while no agent has reported it
                 bandwidth.add_metric([link], capacity)
         yield util

@@ -32,7 +32,6 @@ import gc
 import itertools
 import logging
 import math
-import resource
 import socket
 import time
 from collections import defaultdict
@@ -59,9 +58,11 @@ from flowsched.coordinator.metrics import (
     LiveCounters,
     register_standard_collectors,
 )
-from flowsched.coordinator.state import ClusterState
+from flowsched.coordinator.state import ClusterState, node_links
+from flowsched.fdlimit import raise_fd_limit
 from flowsched.lograte import RepeatLog
 from flowsched.protocol import (
+    FlowOpen,
     Flows,
     Heartbeat,
     JobProgress,
@@ -69,6 +70,8 @@ from flowsched.protocol import (
     LevelUpdate,
     Message,
     NicLoad,
+    NicLoadEntry,
+    RemoteProtocolError,
     Resync,
     encode_frame,
 )
@@ -102,30 +105,6 @@ JOB_TTL = 600.0
 FD_RESERVE = 64
 #: concurrent connections of the metrics listener (scrapes); kept out of the agents' budget
 METRICS_MAX_CONNECTIONS = MAX_CONNECTIONS
-#: when the hard limit is unlimited, raise the soft limit to this
-FD_CEILING = 1 << 20
-
-
-def raise_fd_limit() -> int:
-    """Raise the soft open-file limit to the hard limit (logged); return the soft limit now.
-
-    Every agent connection is a descriptor: under the usual 1024 soft limit a thousand
-    connections would exhaust the process and every further accept would fail.
-    """
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = FD_CEILING if hard == resource.RLIM_INFINITY else hard
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError) as exc:
-            log.warning(
-                "open-file limit stays at %d (raising it to %d failed: %s)", soft, target, exc
-            )
-            return soft
-        log.info("open-file limit raised from %d to %d (the hard limit)", soft, target)
-        return target
-    log.info("open-file limit is %d (the hard limit is %s)", soft, hard)
-    return soft if soft != resource.RLIM_INFINITY else FD_CEILING
 
 
 class Coordinator:
@@ -144,6 +123,7 @@ class Coordinator:
             config.policy_factory(),
             per_flow=config.per_flow_decisions,
             promotion=config.promotion,
+            max_flows_per_node=config.max_flows_per_node,
         )
         self.live = LiveCounters(
             Histogram(LATENCY_BUCKETS), Histogram(LATENCY_BUCKETS), rejected=defaultdict(int)
@@ -156,6 +136,7 @@ class Coordinator:
                 self.agent_count,
                 lambda: (self.leading, self.epoch),
                 lambda: self.candidacy.election.failures if self.candidacy is not None else {},
+                lambda: self.sessions.keys(),
             )
         )
         register_standard_collectors(self.registry)
@@ -224,7 +205,7 @@ class Coordinator:
     async def start(self) -> Addresses:
         """Bind the agent and metrics listeners and start the timers; return the addresses."""
         config = self.config
-        self._size_connection_caps(raise_fd_limit())
+        self._size_connection_caps(raise_fd_limit(log))
         loop = asyncio.get_running_loop()
         if config.tls_cert is not None and config.tls_key is not None:
             self._tls = reloading_server(config.tls_cert, config.tls_key, config.tls_client_ca)
@@ -516,12 +497,20 @@ class Coordinator:
     # -- events ------------------------------------------------------------------------------
 
     def handle(self, node: str, message: Message, arrival: float) -> None:
-        """Apply one message from ``node``'s agent (``arrival``: ``perf_counter()`` on read)."""
+        """Apply one message from ``node``'s agent (``arrival``: ``perf_counter()`` on read).
+
+        Raises:
+            RemoteProtocolError: ``bad_field``: the message names a link ``node`` may not
+                report or send on (see :func:`check_nic_load`, :func:`check_flow_links`);
+                nothing of it was applied.
+        """
         self.live.frames_received += 1
         state = self.state
         kind = type(message)
         if kind is Flows:
             assert isinstance(message, Flows)
+            if message.opens:
+                check_flow_links(node, message.opens, "flows.opens")
             self._flows(node, message)
         elif kind is Heartbeat:
             return
@@ -531,10 +520,16 @@ class Coordinator:
             state.job_progress(message)
         elif kind is NicLoad:
             assert isinstance(message, NicLoad)
+            check_nic_load(node, message.entries)
             state.nic_load(message.entries)
         elif kind is Resync:
             assert isinstance(message, Resync)
-            state.resync(node, message.opens, time.time(), defer=self.config.rebuild_batching)
+            check_flow_links(node, message.opens, "resync.opens")
+            refused = state.resync(
+                node, message.opens, time.time(), defer=self.config.rebuild_batching
+            )
+            if refused:
+                self._log_refused(node, refused)
             if self.config.rebuild_batching:
                 self._settle_resyncs_soon()
         arrivals = self._arrivals
@@ -554,11 +549,21 @@ class Coordinator:
         state = self.state
         now = time.time()  # one instant for the frame's opens and closes
         if message.opens:
-            state.open_flows(node, message.opens, now)
+            refused = state.open_flows(node, message.opens, now)
+            if refused:
+                self._log_refused(node, refused)
         if message.progress_ids:
             state.progress(node, message.progress_ids, message.progress_sent)
         if message.closes:
             state.close_flows(node, message.closes, now)
+
+    def _log_refused(self, node: str, refused: int) -> None:
+        self.repeat_log.log(
+            "cap:node_flows", logging.WARNING,
+            "node %s has %d flows open, the most one node may have (--max-flows-per-node): "
+            "%d more refused; they keep the agent's static levels",
+            node, len(self.state.by_node.get(node, ())), refused,
+        )  # fmt: skip
 
     def _settle_resyncs_soon(self) -> None:
         # A resync burst (every agent of a new leader at once) is re-evaluated once it pauses
@@ -587,7 +592,14 @@ class Coordinator:
         if sweep:
             self._flush_scheduled = False
         started = time.perf_counter()
-        outbox = self.state.flush(time.time(), self.config.sweep_budget if sweep else 0.0)
+        try:  # the policy's own failures are the state's (one flow each): this is a backstop
+            outbox = self.state.flush(time.time(), self.config.sweep_budget if sweep else 0.0)
+        except Exception as exc:
+            self.repeat_log.log(
+                "flush", logging.ERROR, "flush failed: sending the level updates queued so far",
+                exc_info=exc,
+            )  # fmt: skip
+            outbox, self.state.outbox = self.state.outbox, {}
         for node, updates in outbox.items():
             connection = self.sessions.get(node)
             if connection is not None:
@@ -670,6 +682,42 @@ class Coordinator:
                     connection.sent_since_beat = False  # "alive" just as well
                 else:
                     connection.send_frame(Heartbeat.TYPE, beat)
+
+
+def check_nic_load(node: str, entries: tuple[NicLoadEntry, ...]) -> None:
+    """Refuse a ``nic_load`` entry for a link other than ``node``'s own (:func:`node_links`):
+    an agent reports its own NIC only, and another node's capacity is not its to set.
+
+    Raises:
+        RemoteProtocolError: ``bad_field``, naming the entry.
+    """
+    own = node_links(node)
+    for index, entry in enumerate(entries):
+        if entry.link not in own:
+            raise RemoteProtocolError(
+                f"nic_load.entries[{index}].link: {entry.link!r} is not a link of node "
+                f"{node!r} (an agent reports {own[0]!r} and {own[1]!r} only)",
+                code="bad_field",
+            )
+
+
+def check_flow_links(node: str, opens: tuple[FlowOpen, ...], path: str) -> None:
+    """Refuse a flow open whose links cannot be ``node``'s: an agent's flow crosses its node's
+    egress ``<node>:tx`` and, when it names its destination, an ingress ``<dst>:rx``
+    (flowsched.agent.flows).
+
+    Raises:
+        RemoteProtocolError: ``bad_field``, naming the open and the link.
+    """
+    egress = node_links(node)[0]
+    for index, op in enumerate(opens):
+        for link in op.links:
+            if link != egress and not link.endswith(":rx"):
+                raise RemoteProtocolError(
+                    f"{path}[{index}].links: {link!r} is neither node {node!r}'s egress "
+                    f"{egress!r} nor an ingress link '<node>:rx'",
+                    code="bad_field",
+                )
 
 
 async def serve(

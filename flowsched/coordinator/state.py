@@ -27,20 +27,30 @@ Policies whose decisions depend on other flows (rank-based ones such as EDF) mus
 flow at once: unless the policy sets ``per_flow_decisions = True``, a flush re-evaluates all
 flows whenever anything is dirty. A per-flow policy may also return decisions for flows it was
 not passed (rmlq pruning a request moves its other flows): they are applied, timers included.
+
+A policy that raises on a flow does not take the others down with it: the flow is quarantined
+(logged with its node and wire id, counted in ``Stats.policy_errors``, kept at its level,
+never evaluated again until it closes) and the rest of the batch is decided and sent. Each node
+may have at most ``max_flows_per_node`` flows open; opens beyond that are refused (counted in
+``Stats.refused_opens``, returned by :meth:`ClusterState.open_flows`), so that one agent cannot
+grow the table without bound.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flowsched.coordinator.histogram import DeadlineSlack
+from flowsched.lograte import RepeatLog
 from flowsched.model import Context, Decision, Flow, FlowClass
 from flowsched.policies.base import Policy
+from flowsched.policies.common import MIN_BANDWIDTH
 from flowsched.protocol import (
     FlowClose,
     FlowOpen,
@@ -49,9 +59,21 @@ from flowsched.protocol import (
     NicLoadEntry,
 )
 
+log = logging.getLogger("flowsched.coordinator")
+
 #: Most flows of the timer sweep evaluated between two checks of its time budget (a step is
 #: sized to what the budget left allows at the last step's cost per flow).
 SWEEP_STEP = 32
+#: open flows one node may have by default: a real node has tens (bench/coordinator_load.py
+#: models 1,000 agents x 10-20 flows; the SDK caps one client at 4,096), so only a runaway or
+#: hostile agent meets it (docs/security.md)
+MAX_FLOWS_PER_NODE = 65536
+
+
+def node_links(node: str) -> tuple[str, str]:
+    """The links ``node``'s agent reports the load of: its egress ``<node>:tx`` and its
+    ingress ``<node>:rx`` (flowsched.agent.nic)."""
+    return f"{node}:tx", f"{node}:rx"
 
 
 @dataclass(slots=True)
@@ -68,6 +90,10 @@ class Stats:
     timer_fires: int = 0
     #: timer ticks that found the previous sweep unfinished (the effective period stretched)
     sweep_overruns: int = 0
+    #: flow opens refused because their node had max_flows_per_node flows open
+    refused_opens: int = 0
+    #: flows the policy raised on (each quarantined: see the module docstring)
+    policy_errors: int = 0
     completed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     slack: DeadlineSlack = field(default_factory=DeadlineSlack)
 
@@ -92,6 +118,7 @@ class ClusterState:
         promotion: ``"timers"`` (re-evaluate a flow when the time the policy's
             ``next_change`` gave comes; "sweep" for policies without it) or ``"sweep"``
             (every timer tick queues every flow with a deadline).
+        max_flows_per_node: open flows one node may have; its opens beyond are refused.
     """
 
     def __init__(
@@ -102,10 +129,12 @@ class ClusterState:
         clock: Callable[[], float] = time.perf_counter,
         mono_clock: Callable[[], int] = time.monotonic_ns,
         promotion: str = "timers",
+        max_flows_per_node: int = MAX_FLOWS_PER_NODE,
     ) -> None:
         if promotion not in ("timers", "sweep"):
             raise ValueError(f"promotion: expected 'timers' or 'sweep', got {promotion!r}")
         self.policy = policy
+        self.max_flows_per_node = max_flows_per_node
         next_change = getattr(policy, "next_change", None) if promotion == "timers" else None
         #: the policy's next_change, or None when promotions are swept
         self._next_change: Callable[[Flow, Context], float | None] | None = next_change
@@ -157,6 +186,9 @@ class ClusterState:
         self.rates: dict[int, float] = {}
         self.stats = Stats()
         self._ids = itertools.count(1)
+        #: flows the policy raised on: kept at their level, not evaluated again until closed
+        self.quarantined: set[int] = set()
+        self._repeat_log = RepeatLog(log)
 
     def context(self, now: float) -> Context:
         """The policy's view of the cluster at ``now`` (shares the live dicts, no copies; the
@@ -172,19 +204,28 @@ class ClusterState:
 
     def open_flows(
         self, node: str, opens: Iterable[FlowOpen], now: float, kind: str = "open"
-    ) -> None:
-        """Admit newly opened flows of ``node`` (a re-sent open of a known flow is an update)."""
+    ) -> int:
+        """Admit newly opened flows of ``node`` (a re-sent open of a known flow is an update).
+
+        Returns how many new flows were refused: ``node`` had ``max_flows_per_node`` open.
+        """
         self._stamp(now)
         ctx = self.context(now)
         table = self.by_node.setdefault(node, {})
         events = self.stats.events
+        cap, refused = self.max_flows_per_node, 0
         for op in opens:
             events[kind] += 1
             known = table.get(op.id)
-            if known is None:
+            if known is not None:
+                self._refresh(known, op)
+            elif len(table) < cap:
                 self._admit(node, table, op, ctx)
             else:
-                self._refresh(known, op)
+                refused += 1
+        if refused:
+            self.stats.refused_opens += refused
+        return refused
 
     def _admit(self, node: str, table: dict[int, int], op: FlowOpen, ctx: Context) -> None:
         fid = next(self._ids)
@@ -203,13 +244,18 @@ class ClusterState:
             self.by_link[link].add(fid)
         # the agent's current level (resync) is what it applies now: send only differences
         flow.level = -1 if op.level is None else op.level
-        self._apply(fid, flow, self.policy.admit(flow, ctx), count_promotion=False)
+        try:
+            decision = self.policy.admit(flow, ctx)
+            linked = self._linked(flow) if self._linked is not None else ()
+        except Exception as exc:  # the agent keeps its own level for it
+            self._quarantine(flow, "admit", exc)
+            return
+        self._apply(fid, flow, decision, count_promotion=False)
         self.dirty.add(fid)  # evaluated (and its timer set) at the next flush
-        if self._linked is not None:
-            for other in self._linked(flow):
-                if other in self.flows:
-                    self._due_at.pop(other, None)  # its timer may now come too late
-                    self.dirty.add(other)
+        for other in linked:
+            if other in self.flows:
+                self._due_at.pop(other, None)  # its timer may now come too late
+                self.dirty.add(other)
 
     def _refresh(self, fid: int, op: FlowOpen) -> None:
         flow = self.flows[fid]
@@ -268,24 +314,29 @@ class ClusterState:
         self.dirty.update(self.by_job.get(report.job, ()))
 
     def nic_load(self, entries: Iterable[NicLoadEntry]) -> None:
-        """Update link capacities and loads (rho); flows on changed links become dirty."""
+        """Update link capacities and loads (rho); flows on changed links become dirty.
+
+        A capacity below :data:`~flowsched.policies.common.MIN_BANDWIDTH` (1 byte/s; the
+        protocol allows 0) is stored as that floor. Which node may report which link is the
+        service's check (:func:`node_links`)."""
         for entry in entries:
             self.stats.events["nic_load"] += 1
             old = self.link_load.get(entry.link)
-            self.link_bandwidth[entry.link] = entry.bandwidth
+            self.link_bandwidth[entry.link] = max(entry.bandwidth, MIN_BANDWIDTH)
             self.link_load[entry.link] = entry.load
             if old != entry.load:
                 self.dirty.update(self.by_link.get(entry.link, ()))
 
     def resync(
         self, node: str, opens: tuple[FlowOpen, ...], now: float, *, defer: bool = False
-    ) -> None:
+    ) -> int:
         """Replace ``node``'s flow set by ``opens`` (its complete set after a (re)connect).
 
         Every flow gets its admission decision at once. With ``defer``, the policy's
         re-evaluation of these flows waits for :meth:`settle_resyncs`: a new leader absorbs
         the resyncs of every agent at once, and one re-evaluation of the whole burst costs far
-        less than one per event-loop turn (``bench/takeover.py``).
+        less than one per event-loop turn (``bench/takeover.py``). Returns how many flows were
+        refused (see :meth:`open_flows`).
         """
         self.stats.events["resync"] += 1
         current = {op.id for op in opens}
@@ -294,12 +345,13 @@ class ClusterState:
         for wire_id in [w for w in table if w not in current]:
             self._remove(table.pop(wire_id), ctx)
         self.outbox.pop(node, None)  # updates queued for the old connection are stale
-        self.open_flows(node, opens, now, kind="resync_flow")
+        refused = self.open_flows(node, opens, now, kind="resync_flow")
         if defer:
             table = self.by_node[node]  # created by open_flows for a new node
-            resynced = [table[op.id] for op in opens]
+            resynced = [fid for op in opens if (fid := table.get(op.id)) is not None]
             self.dirty.difference_update(resynced)
             self.resynced.update(resynced)
+        return refused
 
     def settle_resyncs(self) -> None:
         """Queue the flows of deferred resyncs for the next flush (see :meth:`resync`)."""
@@ -307,11 +359,15 @@ class ClusterState:
         self.resynced.clear()
 
     def drop_node(self, node: str, now: float) -> None:
-        """Forget every flow of ``node`` (its agent stayed away past the grace period)."""
+        """Forget every flow of ``node`` and the loads of its links (its agent stayed away past
+        the grace period): a link nobody reports has the default bandwidth and no load."""
         ctx = self.context(now)
         for fid in self.by_node.pop(node, {}).values():
             self._remove(fid, ctx)
         self.outbox.pop(node, None)
+        for link in node_links(node):
+            self.link_bandwidth.pop(link, None)
+            self.link_load.pop(link, None)
 
     def start_sweep(self, now: float | None = None) -> bool:
         """The periodic timer tick: queue the flows due for re-evaluation.
@@ -398,9 +454,14 @@ class ClusterState:
         flows = self.flows
         if batch:
             progressed |= batch
+        if self.quarantined:
+            progressed -= self.quarantined
         active = [flows[fid] for fid in progressed if fid in flows]
         ctx = self.context(now)
-        changed = self._observe(active, ctx)
+        try:
+            changed = self._observe(active, ctx)
+        except Exception:  # one flow's fault (found alone) or several's: see _isolate
+            changed = self._isolate(self._observe, active, ctx, "observe_progress")
         if changed:
             for fid, decision in changed.items():
                 flow = flows.get(fid)
@@ -436,11 +497,17 @@ class ClusterState:
 
     def _evaluate(self, batch: Iterable[int], now: float) -> None:
         flows = self.flows
+        if self.quarantined:
+            batch = [fid for fid in batch if fid not in self.quarantined]
         active = [flows[fid] for fid in batch]
         self.last_batch += len(active)
         self.stats.evaluations += len(active)
         ctx = self.context(now)
-        changed = self.policy.reevaluate(active, ctx)
+        try:
+            changed = self.policy.reevaluate(active, ctx)
+        except Exception:
+            changed = self._isolate(self.policy.reevaluate, active, ctx, "reevaluate")
+            active = [flow for flow in active if flow.flow_id not in self.quarantined]
         for fid, decision in changed.items():
             flow = flows.get(fid)
             if flow is not None:
@@ -469,7 +536,11 @@ class ClusterState:
             fid = flow.flow_id
             if fid in due_at and fid not in changed:
                 continue
-            when = next_change(flow, ctx)
+            try:
+                when = next_change(flow, ctx)
+            except Exception as exc:
+                self._quarantine(flow, "next_change", exc)
+                continue
             if when is None:
                 due_at.pop(fid, None)
             elif due_at.get(fid) != when:
@@ -478,6 +549,53 @@ class ClusterState:
         if len(timers) > 2 * len(due_at) + 1024:  # drop the stale entries now and then
             self._timers = [(when, fid) for fid, when in due_at.items()]
             heapq.heapify(self._timers)
+
+    def _isolate(
+        self,
+        decide: Callable[[Iterable[Flow], Context], Mapping[int, Decision]],
+        active: list[Flow],
+        ctx: Context,
+        hook: str,
+    ) -> Mapping[int, Decision]:
+        """``decide`` (the policy's ``hook``) raised on ``active``: find the flows it raises on
+        (each alone), quarantine them, and decide the others: a per-flow policy's answers for
+        them alone stand; another policy decides them again together (without the culprits)."""
+        changed: dict[int, Decision] = {}
+        for flow in active:
+            try:
+                changed.update(decide([flow], ctx))
+            except Exception as exc:
+                self._quarantine(flow, hook, exc)
+        if self.per_flow:
+            return changed
+        rest = [flow for flow in active if flow.flow_id not in self.quarantined]
+        try:
+            return decide(rest, ctx)
+        except Exception as exc:  # no one flow's fault: these keep their levels this time
+            self.stats.policy_errors += 1
+            self._repeat_log.log(
+                "policy_error", logging.ERROR,
+                "policy %s failed on %d flows together (none alone): their levels stay",
+                hook, len(rest), exc_info=exc,
+            )  # fmt: skip
+            return {}
+
+    def _quarantine(self, flow: Flow, hook: str, exc: Exception) -> None:
+        """The policy raised on ``flow``: it keeps its level and is not evaluated again (its
+        node's reports, closes and the rest of the batch go on)."""
+        fid = flow.flow_id
+        self.quarantined.add(fid)
+        self.dirty.discard(fid)
+        self.progressed.discard(fid)
+        self._due_at.pop(fid, None)
+        self.stats.policy_errors += 1
+        node, wire_id = self.origin.get(fid, (flow.node, -1))
+        self._repeat_log.log(
+            "policy_error", logging.ERROR,
+            "policy %s raised on flow %d of node %s (%s, links %s): the flow keeps level %d and "
+            "is no longer evaluated", hook, wire_id, node, flow.cls.label, flow.links,
+            flow.level, exc_info=exc,
+        )  # fmt: skip
 
     def _apply(self, fid: int, flow: Flow, decision: Decision, count_promotion: bool) -> None:
         rate_changed = decision.rate != self.rates.get(fid)
@@ -510,7 +628,7 @@ class ClusterState:
 
     def _remove(self, fid: int, ctx: Context) -> Flow:
         flow = self.flows.pop(fid)
-        del self.origin[fid]
+        node, wire_id = self.origin.pop(fid)
         self.rates.pop(fid, None)
         self.dirty.discard(fid)
         self.progressed.discard(fid)
@@ -520,7 +638,16 @@ class ClusterState:
             self._discard(self.by_job, flow.job, fid)
         for link in flow.links:
             self._discard(self.by_link, link, fid)
-        self.policy.release(flow, ctx)
+        if self.quarantined:
+            self.quarantined.discard(fid)
+        try:
+            self.policy.release(flow, ctx)
+        except Exception as exc:  # the flow is gone from the table anyway
+            self.stats.policy_errors += 1
+            self._repeat_log.log(
+                "policy_error", logging.ERROR, "policy release raised on flow %d of node %s",
+                wire_id, node, exc_info=exc,
+            )  # fmt: skip
         return flow
 
     @staticmethod

@@ -10,14 +10,21 @@ from typing import Any
 from flowsched.model import EXPLICIT_DEADLINE, Context, Decision, Flow, FlowClass
 from flowsched.policies.argcheck import Checker, boolean, list_of, one_of
 
+#: the smallest link capacity a policy divides by (bytes/s): a reported capacity of 0, or one
+#: so small that a product with it underflows to 0, reads as this (no real link is this slow,
+#: so decisions on real capacities never change)
+MIN_BANDWIDTH = 1.0
+
 
 def bottleneck(flow: Flow, ctx: Context) -> float:
     """B of the flow's path: the smallest capacity on its links (``ctx.default_bandwidth``
-    for a flow with no known links). The load of a path is the policy's own business (rmlq
-    measures it with a :class:`TrafficMeter`)."""
+    for a flow with no known links), at least :data:`MIN_BANDWIDTH`. The load of a path is the
+    policy's own business (rmlq measures it with a :class:`TrafficMeter`)."""
     if not flow.links:
-        return ctx.default_bandwidth
-    return min(ctx.bandwidth(link) for link in flow.links)
+        found = ctx.default_bandwidth
+    else:
+        found = min(ctx.bandwidth(link) for link in flow.links)
+    return found if found >= MIN_BANDWIDTH else MIN_BANDWIDTH  # (NaN too)
 
 
 class BottleneckCache:
@@ -223,11 +230,18 @@ class TrafficMeter:
     Traffic the policy never sees (unscheduled flows) is not counted. With ``flow_rates``
     off, the per-flow rates are not kept (:meth:`flow_rate` and :meth:`others_load` read 0
     for the flows' own share); the link loads are the same.
+
+    A sample that is not finite (bytes over a vanishing interval, or on a link reported with
+    a capacity below :data:`MIN_BANDWIDTH`, which counts as unknown) is skipped. Every
+    :data:`PRUNE_WINDOWS` windows, the (link, level) entries no open flow is counted under and
+    that carried no byte for that long are forgotten (their utilization has decayed by
+    ``exp(-PRUNE_WINDOWS)``, far below any float's resolution next to a live sample): link
+    names of closed flows are not kept forever, and no decision changes.
     """
 
     __slots__ = (
-        "_counted", "_flow_rate", "_flow_rates", "_link_util", "_pending", "_tallies", "_then",
-        "_touched", "window",
+        "_counted", "_flow_rate", "_flow_rates", "_link_util", "_next_prune", "_pending",
+        "_tallies", "_then", "_touched", "window",
     )  # fmt: skip
 
     def __init__(self, window: float, *, flow_rates: bool = True) -> None:
@@ -255,6 +269,8 @@ class TrafficMeter:
         #: decayed lazily, so an update costs only the (link, level) pairs that carried bytes
         #: (no bytes: exp(-dt/w) composes)
         self._link_util: dict[str, dict[int, list[float]]] = {}
+        #: meter time of the next pass over the tallies for idle ones (see _prune)
+        self._next_prune = -math.inf
 
     def open(self, flow: Flow, now: float) -> None:
         """Start counting ``flow`` from its current ``sent`` (the meter's clock starts too)."""
@@ -270,6 +286,8 @@ class TrafficMeter:
         record = self._counted.pop(flow.flow_id, None)
         if record is not None:
             self._add_link_bytes(flow, record, max(flow.sent - record.sent, 0))
+            for tally in record.tallies:
+                tally.refs -= 1
         self._flow_rate.pop(flow.flow_id, None)
 
     def _add_link_bytes(self, flow: Flow, record: _Counted, sent: int) -> None:
@@ -295,11 +313,14 @@ class TrafficMeter:
         """File ``flow``'s next bytes under ``level``: its record's level and the (link, level)
         tallies of that level (looked up once per level, not per report)."""
         tallies = self._tallies
+        for old in record.tallies:
+            old.refs -= 1
         found = []
         for link in flow.links:
             tally = tallies.get((link, level))
             if tally is None:
                 tally = tallies[(link, level)] = _Tally(link, level)
+            tally.refs += 1
             found.append(tally)
         record.level, record.tallies = level, tuple(found)
 
@@ -314,9 +335,9 @@ class TrafficMeter:
         self._add_link_bytes(flow, record, sent)
         if self._flow_rates:
             rate = self._flow_rate[flow.flow_id]
-            self._flow_rate[flow.flow_id] = ewma_step(
-                rate, sent / (now - then), now - then, self.window
-            )
+            sample = sent / (now - then)
+            if math.isfinite(sample):  # else skipped (see the class docstring)
+                self._flow_rate[flow.flow_id] = ewma_step(rate, sample, now - then, self.window)
 
     def update(self, flows: Iterable[Flow], ctx: Context) -> None:
         """Fold the bytes sent since the previous update into the averages.
@@ -361,11 +382,12 @@ class TrafficMeter:
         # one per report when each node has its own link)
         factor = math.exp(-elapsed / window) if elapsed > 0 else 1.0
         link_util, bandwidth, default = self._link_util, ctx.link_bandwidth, ctx.default_bandwidth
-        exp = math.exp
+        exp, isfinite = math.exp, math.isfinite
         for tally, moved in zip(touched, pending, strict=True):
             tally.slot = -1
             capacity = bandwidth.get(tally.link, default)
-            sample = moved / elapsed / capacity if elapsed > 0 and capacity > 0 else 0.0
+            known = elapsed > 0 and capacity >= MIN_BANDWIDTH  # (below the floor, NaN: unknown)
+            sample = moved / elapsed / capacity if known else 0.0
             entry = tally.entry
             if entry is None:
                 util = 0.0
@@ -373,13 +395,34 @@ class TrafficMeter:
                 util, since = entry
                 if start - since > 0:  # the decay: ewma_step towards 0, the same product
                     util = util * exp(-(start - since) / window)
-            util = sample + (util - sample) * factor if elapsed > 0 else util
+            if elapsed > 0 and isfinite(sample):  # a non-finite sample is skipped
+                util = sample + (util - sample) * factor
             if entry is None:  # the (link, level)'s first bytes: its entry from now on
                 tally.entry = link_util.setdefault(tally.link, {})[tally.level] = [util, now]
             else:
                 entry[0], entry[1] = util, now
         touched.clear()
         pending.clear()
+        if now >= self._next_prune:
+            self._next_prune = now + PRUNE_WINDOWS * window
+            self._prune(now - PRUNE_WINDOWS * window)
+
+    def _prune(self, idle_since: float) -> None:
+        """Forget the (link, level) tallies no open flow is filed under whose last bytes came
+        at or before ``idle_since`` (none is pending: called at the end of an update)."""
+        link_util = self._link_util
+        idle = [
+            key
+            for key, tally in self._tallies.items()
+            if tally.refs <= 0 and (tally.entry is None or tally.entry[1] <= idle_since)
+        ]
+        for key in idle:
+            tally = self._tallies.pop(key)
+            levels = link_util.get(tally.link)
+            if levels is not None and levels.get(tally.level) is tally.entry:
+                del levels[tally.level]
+                if not levels:
+                    del link_util[tally.link]
 
     def link_load(self, link: str) -> float:
         """Windowed utilization of ``link`` by the scheduled flows (0 when never seen)."""
@@ -411,13 +454,16 @@ class TrafficMeter:
         loads = [0.0]
         for link in flow.links:
             capacity = ctx.bandwidth(link)
-            own = rate / capacity if capacity > 0 else 0.0
+            own = rate / capacity if capacity >= MIN_BANDWIDTH else 0.0
             loads.append(self.link_load(link) - own)
         return max(loads)
 
 
 #: the level under which the meter files bytes of a flow not placed yet (below every level)
 _UNPLACED = 1 << 20
+#: windows without bytes after which the meter forgets a (link, level) no open flow is filed
+#: under, and how often it looks for them (see TrafficMeter)
+PRUNE_WINDOWS = 200
 
 
 class _Counted:
@@ -435,12 +481,14 @@ class _Counted:
 
 class _Tally:
     """One (link, level): its slot in the meter's pending bytes until the next update (-1:
-    none since the last) and its utilization entry in the meter (None until its first bytes)."""
+    none since the last), its utilization entry in the meter (None until its first bytes) and
+    how many open flows' records are filed under it."""
 
-    __slots__ = ("entry", "level", "link", "slot")
+    __slots__ = ("entry", "level", "link", "refs", "slot")
 
     def __init__(self, link: str, level: int) -> None:
         self.link = link
         self.level = level
         self.slot = -1
         self.entry: list[float] | None = None
+        self.refs = 0

@@ -41,13 +41,24 @@ from flowsched.policies.argcheck import (
     one_of,
     optional,
 )
-from flowsched.policies.common import BottleneckCache, TrafficMeter, bottleneck, ewma_step
+from flowsched.policies.common import (
+    MIN_BANDWIDTH,
+    BottleneckCache,
+    TrafficMeter,
+    bottleneck,
+    ewma_step,
+)
 from flowsched.policies.feasibility import Demand, inter_scheduling, robust_effective_deadline
 
 NAME = "rmlq"
 #: largest ratio between two MLU band thresholds (E) and largest MLU scale (U) accepted
 MAX_BAND_RATIO = 1024.0
 MAX_BAND_SCALE = 1024.0
+#: a ``consumer_index`` at or above this is not a layer: it never deepens the learned model
+#: depth (one absurd index would make the pace check prune every later request of its scope)
+MAX_DEPTH = 1 << 20
+#: scopes whose model depth is remembered (the least recently deepened is forgotten beyond)
+MAX_DEPTH_SCOPES = 4096
 
 __all__ = ["NAME", "Args", "RmlqPolicy", "mlu", "new", "robust_effective_deadline", "validate"]
 
@@ -204,10 +215,11 @@ class RmlqPolicy:
         self._urgent: dict[int, Flow] = {}
         self._alg1_due = False
         self._alg1_last = -math.inf
-        #: job -> (index, when it was reached), EWMA seconds per index step; deepest index seen
+        #: job -> (index, when it was reached), EWMA seconds per index step; the deepest index
+        #: seen per scope (see _depth_scope: one user's flows never deepen another's model)
         self._job_seen: dict[str, tuple[int, float]] = {}
         self._job_pace: dict[str, float] = {}
-        self._depth = 0
+        self._depths: dict[str, int] = {}
         #: request -> (first layer index, latest layer index, when the latest opened, the
         #: shortest time per layer between two of its layers so far), for ``pace_layers``
         self._layer_pace: dict[str, tuple[int, int, float, float]] = {}
@@ -341,8 +353,9 @@ class RmlqPolicy:
     def _request_remaining(self, flow: Flow, remaining: int, ctx: Context) -> int:
         """Bytes ``flow``'s request still has to move on ``flow``'s path: its open flows there
         and, while its job is in prefill, the layers not opened yet (each of ``flow``'s size;
-        the model depth is the deepest ``consumer_index`` seen). Its layers share its deadline,
-        so one layer's bytes understate its urgency by the layer count (docs/rmlq.md)."""
+        the model depth is the deepest ``consumer_index`` seen in its scope, :meth:`_depth`).
+        Its layers share its deadline, so one layer's bytes understate its urgency by the layer
+        count (docs/rmlq.md)."""
         siblings = self._siblings.get(flow.request or "")
         last = flow.consumer_index
         for other in siblings.values() if siblings else ():
@@ -353,8 +366,9 @@ class RmlqPolicy:
             index = other.consumer_index
             if index is not None and (last is None or index > last):
                 last = index
-        if last is not None and flow.job in ctx.job_index and self._depth > last + 1:
-            remaining += (self._depth - 1 - last) * (flow.size or 0)
+        depth = self._depth(flow)
+        if last is not None and flow.job in ctx.job_index and depth > last + 1:
+            remaining += (depth - 1 - last) * (flow.size or 0)
         return remaining
 
     def flow_mlu(
@@ -417,6 +431,25 @@ class RmlqPolicy:
     def _request_key(self, flow: Flow) -> str:
         return flow.request if flow.request is not None else f"#flow-{flow.flow_id}"
 
+    def _depth(self, flow: Flow) -> int:
+        """The model depth (deepest ``consumer_index`` + 1) learned in ``flow``'s scope."""
+        return self._depths.get(_depth_scope(flow), 0)
+
+    def _learn_depth(self, flow: Flow, index: int) -> None:
+        """Deepen ``flow``'s scope's model depth to ``index`` + 1; an index of
+        :data:`MAX_DEPTH` or more is not a layer and is ignored."""
+        if index >= MAX_DEPTH:
+            return
+        scope = _depth_scope(flow)
+        depths = self._depths
+        known = depths.get(scope)
+        if known is not None and known > index:
+            return
+        if known is None and len(depths) >= MAX_DEPTH_SCOPES:
+            del depths[next(iter(depths))]
+        depths.pop(scope, None)  # most recently deepened last
+        depths[scope] = index + 1
+
     def _prunable(self, flow: Flow) -> bool:
         return self.args.feasibility and flow.cls in self.prune_classes
 
@@ -442,13 +475,14 @@ class RmlqPolicy:
         fastest pace its layers have opened so far, comes too late for that layer's bytes to
         cross at line rate before the deadline. Judged once ``pace_layers`` layers have opened
         since its first (a request's first layers can open more slowly than its later ones);
-        the model depth is the deepest ``consumer_index`` seen. Optimistic on purpose: no
-        queueing, no other layer's bytes, no layer faster than the fastest seen (docs/rmlq.md).
+        the model depth is the deepest ``consumer_index`` seen in the request's scope
+        (:meth:`_depth`). Optimistic on purpose: no queueing, no other layer's bytes, no layer
+        faster than the fastest seen (docs/rmlq.md).
         """
         index, request, deadline = flow.consumer_index, flow.request, flow.deadline
         if index is None or request is None or deadline is None:
             return
-        self._depth = max(self._depth, index + 1)
+        self._learn_depth(flow, index)
         seen = self._layer_pace.get(request)
         if seen is None:
             self._layer_pace[request] = (index, index, ctx.now, math.inf)
@@ -460,7 +494,7 @@ class RmlqPolicy:
         self._layer_pace[request] = (first, index, ctx.now, step)
         if index - first < self.args.pace_layers:
             return
-        last_release = ctx.now + (self._depth - 1 - index) * step
+        last_release = ctx.now + (self._depth(flow) - 1 - index) * step
         if deadline < last_release + (flow.size or 0) / bottleneck(flow, ctx):
             self._prune(request)
 
@@ -520,6 +554,7 @@ class RmlqPolicy:
         demands: dict[str, Demand] = {}
         compute: dict[str, float] = {}
         last_layer: dict[str, int] = {}
+        depth: dict[str, int] = {}
         for flow in self._urgent.values():
             key = self._request_key(flow)
             remaining, deadline = flow.remaining or 0, flow.deadline
@@ -532,14 +567,15 @@ class RmlqPolicy:
             demand.deadline = min(demand.deadline, deadline)
             for link in flow.links or ("",):
                 demand.load[link] = demand.load.get(link, 0.0) + remaining
+            depth[key] = self._depth(flow)
             if flow.consumer_index is not None:
                 last_layer[key] = max(last_layer.get(key, -1), flow.consumer_index)
             if flow.job in ctx.job_index and flow.job in self._job_pace:
-                left = max(self._depth - 1 - ctx.job_index[flow.job], 0)
+                left = max(depth[key] - 1 - ctx.job_index[flow.job], 0)
                 compute[batch] = left * self._job_pace[flow.job]
         for key, demand in demands.items():  # the layers whose P2D has not opened yet
             if key in last_layer and demand.batch in compute:
-                more = max(self._depth - 1 - last_layer[key], 0)
+                more = max(depth[key] - 1 - last_layer[key], 0)
                 for link in demand.load:
                     demand.load[link] *= 1 + more
         capacity = self._capacity(ctx)
@@ -551,8 +587,14 @@ class RmlqPolicy:
     @staticmethod
     def _capacity(ctx: Context) -> Callable[[str], float]:
         """Bandwidth the requests may use per link: all of it, since the urgent tier preempts
-        the collectives (docs/rmlq.md: counting their load pruned requests that finish)."""
-        return lambda link: ctx.bandwidth(link) if link else ctx.default_bandwidth
+        the collectives (docs/rmlq.md: counting their load pruned requests that finish); at
+        least MIN_BANDWIDTH."""
+
+        def capacity(link: str) -> float:
+            found = ctx.bandwidth(link) if link else ctx.default_bandwidth
+            return found if found >= MIN_BANDWIDTH else MIN_BANDWIDTH
+
+        return capacity
 
     # -- the Policy protocol --------------------------------------------------------------------
 
@@ -581,14 +623,14 @@ class RmlqPolicy:
         if self._request_scope and flow.request is not None and flow.cls in EXPLICIT_DEADLINE:
             self._siblings.setdefault(flow.request, {})[flow.flow_id] = flow
             if flow.consumer_index is not None:
-                self._depth = max(self._depth, flow.consumer_index + 1)
+                self._learn_depth(flow, flow.consumer_index)
         found = self.urgency(flow, ctx) if flow.cls in EXPLICIT_DEADLINE else None
         if self._alg1 and self._prunable(flow) and found is not None:
             arrives = flow.request is None or self._request_flows.get(flow.request) == 1
             self._alg1_due = self._alg1_due or arrives
             self._tracked[flow.flow_id] = flow
             if flow.consumer_index is not None:
-                self._depth = max(self._depth, flow.consumer_index + 1)
+                self._learn_depth(flow, flow.consumer_index)
         if self._pace_check and self._prunable(flow):
             self._check_pace(flow, ctx)
         self._judge(flow, ctx, found)
@@ -819,7 +861,7 @@ class RmlqPolicy:
 
     def _time_to_reach(self, found: _Urgency, threshold: float) -> float:
         """Seconds until MLU may reach ``threshold``, rho rising as fast as its EWMA can."""
-        if found.bandwidth <= 0:
+        if not found.bandwidth * threshold > 0:  # (a product that underflows, or NaN)
             return _MIN_STEP
         need = found.remaining / (threshold * found.bandwidth)  # (time left) x (1 - rho) at it
         floor = 1.0 - self.args.max_load
@@ -848,6 +890,17 @@ class RmlqPolicy:
 #: as not reached yet at that very instant); and the wait near a worst-case crossing
 _MIN_STEP = 1e-6
 _NEAR_STEP = 1e-3
+
+
+def _depth_scope(flow: Flow) -> str:
+    """Whose model depth ``flow`` informs and uses: the owner in front of the first ``/`` of its
+    request name (or of its job's, without a request). The agent scopes SDK names to the
+    client's uid (``"1000/r7"``), so one user's absurd layer index cannot make the pace check
+    prune every other user's requests; unscoped names (the simulator's) share ``""``."""
+    name = flow.request if flow.request is not None else flow.job
+    if name is None or "/" not in name:
+        return ""
+    return name.split("/", 1)[0]
 
 
 def _slack(found: _Urgency) -> float:

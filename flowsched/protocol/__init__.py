@@ -12,6 +12,12 @@ coordinator's highest. Version 2 adds one thing: ``flows`` progress as two integ
 decodes both forms from any agent; an agent sends the arrays only on a version-2 connection.
 Agents of the previous release offer 1 and keep working. Coordinators of the previous release
 refuse any other offer (error code ``version``); a newer agent then reconnects offering 1.
+
+Version 3 makes the handshake mutual: the agent's ``hello`` carries a fresh nonce and the
+coordinator's ``welcome`` a MAC over it (:func:`compute_welcome_mac`), which the agent checks.
+A coordinator below version 3 cannot prove that it holds the token: :func:`aio.connect_agent
+<flowsched.protocol.aio.connect_agent>` refuses it unless the link is verified TLS or the
+caller allows it (``flowsched agent --allow-unproven-coordinator``, for rolling upgrades).
 """
 
 from flowsched.protocol._codec import (
@@ -23,6 +29,7 @@ from flowsched.protocol._codec import (
     encode_body,
     is_name,
     peek_type,
+    welcome_digest,
 )
 from flowsched.protocol._connection import (
     NEED_DATA,
@@ -41,6 +48,7 @@ from flowsched.protocol._framing import (
 from flowsched.protocol._messages import (
     MESSAGE_TYPES,
     MIN_PROTOCOL_VERSION,
+    MUTUAL_AUTH_VERSION,
     PACKED_PROGRESS_VERSION,
     PROTOCOL_VERSION,
     Auth,
@@ -66,8 +74,10 @@ from flowsched.protocol.auth import (
     DEFAULT_TOKEN_PATH,
     TokenFileError,
     compute_mac,
+    compute_welcome_mac,
     load_token,
     verify_mac,
+    verify_welcome_mac,
     write_token,
 )
 
@@ -80,6 +90,7 @@ __all__ = [
     "MAX_PROGRESS",
     "MESSAGE_TYPES",
     "MIN_PROTOCOL_VERSION",
+    "MUTUAL_AUTH_VERSION",
     "NEED_DATA",
     "PACKED_PROGRESS_VERSION",
     "PEER_CLOSED",
@@ -113,6 +124,7 @@ __all__ = [
     "TokenFileError",
     "Welcome",
     "compute_mac",
+    "compute_welcome_mac",
     "decode_body",
     "encode_body",
     "encode_frame",
@@ -121,5 +133,7 @@ __all__ = [
     "load_token",
     "peek_type",
     "verify_mac",
+    "verify_welcome_mac",
+    "welcome_digest",
     "write_token",
 ]

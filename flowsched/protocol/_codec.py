@@ -25,6 +25,7 @@ it should be, so that both builds raise the same :class:`LocalProtocolError` for
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 from collections.abc import Callable
 from typing import Any, Final, TypeGuard
@@ -75,6 +76,9 @@ _MISSING: Final = object()
 _CLASSES: Final = {c.label: c for c in FlowClass}
 #: optional fields left out of a frame when 0 (the leadership epoch and etcd cluster id)
 _ZERO_MEANS_ABSENT: Final = ("epoch", "cluster")
+#: optional fields of ``hello`` and ``welcome`` left out when empty (the agent's nonce and the
+#: coordinator's MAC, from version 3): a peer of an older version knows neither
+_EMPTY_MEANS_ABSENT: Final = ("nonce", "mac")
 
 
 def is_name(value: object, max_len: int = MAX_NAME) -> TypeGuard[str]:
@@ -153,10 +157,14 @@ class _Fields:
             )
         return value
 
-    def blob(self, name: str, size: int) -> bytes:
-        value = self._get(name, False)
+    def blob(self, name: str, size: int, optional: bool = False) -> bytes:
+        """``size`` bytes; with ``optional``, absent or nil reads as ``b""``."""
+        value = self._get(name, optional)
+        if value is None and optional:
+            return b""
         if type(value) is not bytes or len(value) != size:
-            raise _bad(f"{self._path}.{name}", f"{size} bytes (bin)", value)
+            what = f"{size} bytes (bin)" + (" or nil" if optional else "")
+            raise _bad(f"{self._path}.{name}", what, value)
         return value
 
     def has(self, name: str) -> bool:
@@ -608,7 +616,9 @@ def _decode_fields(cls: type[Message], f: _Fields) -> Message:
 
 def _decode_handshake(cls: type[Message], f: _Fields) -> Message:
     if cls is Hello:
-        return Hello(f.integer("version", 0, 65535), f.name("node"))
+        return Hello(
+            f.integer("version", 0, 65535), f.name("node"), f.blob("nonce", NONCE_SIZE, True)
+        )
     if cls is Challenge:
         return Challenge(f.integer("version", 0, 65535), f.blob("nonce", NONCE_SIZE))
     if cls is Auth:
@@ -621,6 +631,7 @@ def _decode_handshake(cls: type[Message], f: _Fields) -> Message:
             f.number("heartbeat_interval", 0.0),
             _epoch(f, "epoch"),
             _epoch(f, "cluster"),
+            f.blob("mac", MAC_SIZE, True),
         )
     assert cls is Error
     return Error(f.text("code"), f.text("reason", max_len=MAX_REASON))
@@ -716,7 +727,28 @@ def _body_map(message: Message, version: int) -> dict[str, Any]:
     for name in _ZERO_MEANS_ABSENT:  # frames without an election stay what they were
         if body.get(name) == 0:
             del body[name]
+    if isinstance(message, (Hello, Welcome)):
+        for name in _EMPTY_MEANS_ABSENT:
+            if body.get(name) == b"":
+                del body[name]
     return body
+
+
+def welcome_digest(welcome: Welcome) -> bytes:
+    """SHA-256 of every field of ``welcome`` but its MAC, in a canonical form (the numbers
+    as decoded: the floats as msgpack float64s), for the welcome MAC
+    (:func:`flowsched.protocol.auth.compute_welcome_mac`). A field added to :class:`Welcome`
+    must be added here (tests/protocol/test_protocol_mutual_auth.py checks each field)."""
+    fields = [
+        welcome.policy_toml,
+        float(welcome.timer_period),
+        float(welcome.server_time),
+        float(welcome.heartbeat_interval),
+        welcome.epoch,
+        welcome.cluster,
+    ]
+    packed: bytes = msgpack.packb(fields, use_bin_type=True)
+    return hashlib.sha256(packed).digest()
 
 
 def encode_body(message: Message, version: int = PROTOCOL_VERSION) -> bytes:

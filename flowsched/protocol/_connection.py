@@ -5,15 +5,28 @@ A :class:`Connection` never touches a socket. The caller feeds it received bytes
 whatever :meth:`Connection.send` returns. It also settles the protocol version of the
 connection (:attr:`Connection.version`, see :mod:`flowsched.protocol`) and encodes what it
 sends for that version.
+
+From version 3 (:data:`MUTUAL_AUTH_VERSION`) the handshake authenticates both ends: the agent
+proves it holds the token by its ``auth`` MAC over the coordinator's nonce, and the
+coordinator by its ``welcome`` MAC over the agent's nonce (sent in ``hello``), its own, the
+node, both versions and the welcome's content. :attr:`Connection.peer_proven` says whether the
+peer has proven it; below version 3 a coordinator never has.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Final
 
-from flowsched.protocol._codec import NONCE_SIZE, decode_body, encode_body, peek_type
+from flowsched.protocol._codec import (
+    NONCE_SIZE,
+    decode_body,
+    encode_body,
+    peek_type,
+    welcome_digest,
+)
 from flowsched.protocol._framing import (
     DEFAULT_MAX_FRAME_SIZE,
     HANDSHAKE_MAX_FRAME_SIZE,
@@ -22,16 +35,23 @@ from flowsched.protocol._framing import (
 )
 from flowsched.protocol._messages import (
     MIN_PROTOCOL_VERSION,
+    MUTUAL_AUTH_VERSION,
     PROTOCOL_VERSION,
     Auth,
     Challenge,
     Error,
     Hello,
     Message,
+    Welcome,
 )
 from flowsched.protocol._state import TRANSITIONS, Role, State, next_state
 from flowsched.protocol._util import LocalProtocolError, RemoteProtocolError
-from flowsched.protocol.auth import compute_mac, verify_mac
+from flowsched.protocol.auth import (
+    compute_mac,
+    compute_welcome_mac,
+    verify_mac,
+    verify_welcome_mac,
+)
 
 
 class Sentinel:
@@ -71,13 +91,16 @@ class Connection:
 
     Args:
         role: which end this is.
-        token: the shared token. The coordinator end verifies ``auth`` MACs with it; the agent
-            end uses it in :meth:`answer`. None disables the check (tests only).
+        token: the shared token. The coordinator end verifies ``auth`` MACs and signs its
+            ``welcome`` (version 3 on) with it; the agent end uses it in :meth:`answer` and
+            verifies the welcome's MAC. None disables the checks and the signature (tests
+            only).
         max_frame_size: largest frame body accepted or sent, in bytes.
         handshake_frame_size: the coordinator end accepts no larger frame body until the
             agent has authenticated (a peer that has not proven it holds the token can make
             this end buffer at most this much).
-        nonce_factory: source of the 32-byte challenge nonce (``os.urandom``).
+        nonce_factory: source of the 32-byte nonces: the coordinator's challenge, and the
+            agent's in its hello from version 3 (``os.urandom``).
         version: the highest protocol version this end speaks: the coordinator end answers
             a hello with the lower of it and the agent's offer; the agent end offers it
             through :meth:`hello`. ``MIN_PROTOCOL_VERSION`` acts as the previous release.
@@ -85,6 +108,10 @@ class Connection:
     Attributes:
         version: the connection's protocol version: this end's highest until the handshake
             settles it (the coordinator end on ``hello``, the agent end on ``challenge``).
+        peer_proven: whether the peer has proven that it holds the token: the coordinator
+            end's agent by a right ``auth`` MAC, the agent end's coordinator by a right
+            ``welcome`` MAC (version 3 on: below it a coordinator cannot, and this stays
+            False). Always False without a token.
     """
 
     def __init__(
@@ -111,7 +138,9 @@ class Connection:
         self._token = token
         self._max_frame_size = max_frame_size
         self._nonce_factory = nonce_factory
-        self._nonce: bytes | None = None
+        self._nonce: bytes | None = None  # the coordinator's (challenge)
+        self._agent_nonce = b""  # the agent's (hello, version 3 on)
+        self.peer_proven = False
         receive_limit = max_frame_size
         if role is Role.COORDINATOR:  # the agent end's peer (the coordinator) sends the policy
             receive_limit = min(handshake_frame_size, max_frame_size)
@@ -134,6 +163,8 @@ class Connection:
             reason = f"cannot send {message.TYPE} in state {self.state.value} as {self.role.value}"
             self.state = State.ERROR
             raise LocalProtocolError(reason, code="bad_state")
+        if isinstance(message, Welcome) and self.role is Role.COORDINATOR:
+            message = self._signed(message)
         data = encode_frame(message, self._max_frame_size, self.version)
         self._note_sent(message)
         self.state = new_state
@@ -159,12 +190,32 @@ class Connection:
         if isinstance(message, Hello):
             self.node = message.node
             self._offered = message.version  # what the challenge may answer with, at most
+            self._agent_nonce = message.nonce
         elif isinstance(message, Challenge):
             self._nonce = message.nonce
 
+    def _signed(self, welcome: Welcome) -> Welcome:
+        """The coordinator's ``welcome`` with its MAC, from version 3 (unsigned below it, or
+        without a token)."""
+        if self.version < MUTUAL_AUTH_VERSION or self._token is None:
+            return dataclasses.replace(welcome, mac=b"")
+        return dataclasses.replace(welcome, mac=self._welcome_mac(welcome))
+
+    def _welcome_mac(self, welcome: Welcome) -> bytes:
+        assert self._token is not None and self._nonce is not None and self.node is not None
+        return compute_welcome_mac(
+            self._token, agent_nonce=self._agent_nonce, coordinator_nonce=self._nonce,
+            node=self.node, offered=self._offered, version=self.version,
+            digest=welcome_digest(welcome),
+        )  # fmt: skip
+
     def hello(self, node: str) -> bytes:
-        """Agent: send the ``hello`` of agent ``node``, offering this end's version."""
-        return self.send(Hello(self.version, node))
+        """Agent: send the ``hello`` of agent ``node``, offering this end's version (from
+        version 3 with a fresh nonce, which the coordinator's welcome MAC must cover)."""
+        nonce = b""
+        if self.version >= MUTUAL_AUTH_VERSION:
+            nonce = self._nonce_factory(NONCE_SIZE)
+        return self.send(Hello(self.version, node, nonce))
 
     def challenge(self) -> bytes:
         """Coordinator: send a challenge with a fresh nonce (after receiving ``hello``)."""
@@ -254,9 +305,23 @@ class Connection:
         if isinstance(message, Hello | Challenge):
             self._settle_version(message)
         if isinstance(message, Hello):
-            self.node = message.node
+            self._received_hello(message)
+        elif isinstance(message, Challenge):
+            self._nonce = message.nonce
         elif isinstance(message, Auth):
             self._check_mac(message.mac)
+        elif isinstance(message, Welcome):
+            self._check_welcome(message)
+
+    def _received_hello(self, hello: Hello) -> None:
+        self.node = hello.node
+        self._offered = hello.version  # covered by the welcome MAC (a downgrade shows)
+        self._agent_nonce = hello.nonce
+        if self.version >= MUTUAL_AUTH_VERSION and not hello.nonce:
+            raise LocalProtocolError(
+                f"hello.nonce: missing (an agent offering version {hello.version} sends one)",
+                code="bad_field",
+            )
 
     def _settle_version(self, message: Hello | Challenge) -> None:
         """Version negotiation: a hello offers the agent's highest version, and the
@@ -287,3 +352,27 @@ class Connection:
                 f"auth.mac: wrong MAC for node {self.node!r} (bad token or replayed auth)",
                 code="auth_failed",
             )
+        self.peer_proven = True
+
+    def _check_welcome(self, welcome: Welcome) -> None:
+        """Agent end, version 3 on: the coordinator must prove it holds the token."""
+        if self.version < MUTUAL_AUTH_VERSION or self._token is None:
+            return
+        if not welcome.mac:
+            raise LocalProtocolError(
+                f"welcome.mac: missing at protocol version {self.version}: the coordinator did"
+                " not prove that it holds the token",
+                code="auth_failed",
+            )
+        assert self._nonce is not None and self.node is not None  # guaranteed by the table
+        if not verify_welcome_mac(
+            self._token, welcome.mac, agent_nonce=self._agent_nonce,
+            coordinator_nonce=self._nonce, node=self.node, offered=self._offered,
+            version=self.version, digest=welcome_digest(welcome),
+        ):  # fmt: skip
+            raise LocalProtocolError(
+                "welcome.mac: wrong MAC: the coordinator does not hold this agent's token, or"
+                " the welcome was altered on the way",
+                code="auth_failed",
+            )
+        self.peer_proven = True

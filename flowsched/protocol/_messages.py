@@ -15,12 +15,17 @@ from flowsched.model import FlowClass
 #: The highest protocol version this implementation speaks: an agent offers it in
 #: ``hello.version``, the coordinator answers with the version both speak in
 #: ``challenge.version`` (see :mod:`flowsched.protocol`).
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 #: The lowest version spoken (agents and coordinators of the previous release speak only 1).
 MIN_PROTOCOL_VERSION = 1
 #: The first version whose ``flows`` frames may carry progress as two parallel arrays
 #: (``progress_ids`` / ``progress_sent``) instead of a list of ``{"id", "sent"}`` maps.
 PACKED_PROGRESS_VERSION = 2
+#: The first version whose handshake is mutual: the agent's ``hello`` carries a nonce, and
+#: the coordinator's ``welcome`` a MAC proving that it holds the token
+#: (:func:`flowsched.protocol.auth.compute_welcome_mac`). Below it the coordinator proves
+#: nothing, and an agent accepts it only over verified TLS or when told to.
+MUTUAL_AUTH_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,11 +88,17 @@ class LevelUpdate:
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """agent -> coordinator: first frame of a connection."""
+    """agent -> coordinator: first frame of a connection.
+
+    ``nonce`` is the agent's fresh 32-byte challenge to the coordinator, sent when the agent
+    offers version :data:`MUTUAL_AUTH_VERSION` or higher (empty, and absent on the wire,
+    below it): the coordinator's ``welcome`` answers it.
+    """
 
     TYPE: ClassVar[str] = "hello"
     version: int
     node: str
+    nonce: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +136,12 @@ class Welcome:
     epoch: int = 0
     #: the etcd cluster id that ``epoch`` belongs to (epochs compare only within one cluster)
     cluster: int = 0
+    #: from version :data:`MUTUAL_AUTH_VERSION`: the coordinator's proof that it holds the
+    #: token, over both nonces, the node, the versions and every other field of this welcome
+    #: (:func:`flowsched.protocol.auth.compute_welcome_mac`); filled in by the coordinator's
+    #: :class:`~flowsched.protocol.Connection` when it sends the welcome, empty (and absent on
+    #: the wire) below that version. Ignored by equality.
+    mac: bytes = field(default=b"", compare=False)
 
 
 @dataclass(frozen=True, slots=True)

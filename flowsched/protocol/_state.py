@@ -14,9 +14,10 @@ every message either side sends, because the handshake is lock-step::
 In ``ESTABLISHED`` the agent (A) may send flows, job_progress, nic_load, resync and heartbeat;
 the coordinator (C) may send levels and heartbeat. Either side may send ``error`` in any state
 (including ``ERROR``, to explain to the peer why it is being dropped); the connection is then
-``CLOSED``. The version negotiation and the HMAC check happen on top of the table: a hello
-offering no version this end speaks, a challenge answering one the agent did not offer, or an
-auth with a wrong MAC is rejected even though its type is legal.
+``CLOSED``. The version negotiation and the HMAC checks happen on top of the table: a hello
+offering no version this end speaks (or version 3 without its nonce), a challenge answering one
+the agent did not offer, an auth with a wrong MAC, or (version 3 on) a welcome without the
+coordinator's right MAC is rejected even though its type is legal.
 """
 
 from __future__ import annotations

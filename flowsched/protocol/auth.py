@@ -13,10 +13,15 @@ MAC_PREFIX = b"flowsched/1"
 #: Where the token lives when no ``--token-file`` is given.
 DEFAULT_TOKEN_PATH = Path("~/.config/flowsched/token")
 MIN_TOKEN_BYTES = 16
+#: Placeholders that deployment files shipped in place of a token: public, so never a secret.
+#: Earlier releases' deploy/kubernetes/token-secret.yaml put the first one into the
+#: flowsched-token Secret on every ``kubectl apply -k deploy/kubernetes``.
+PLACEHOLDER_TOKENS = frozenset({b"REPLACE-WITH-64-HEX-CHARACTERS-FROM-os.urandom-32"})
 
 
 class TokenFileError(Exception):
-    """The token file is missing, unsafe (group/other may access it) or too short."""
+    """The token file is missing, unsafe (group/other may access it), too short, or holds a
+    shipped placeholder."""
 
 
 def compute_mac(token: bytes, nonce: bytes, node: str) -> bytes:
@@ -37,7 +42,8 @@ def load_token(path: str | os.PathLike[str] | None = None) -> bytes:
 
     Raises:
         TokenFileError: the file cannot be read, is accessible by group or others
-            (``mode & 0o077``), is not a regular file, or holds fewer than 16 bytes.
+            (``mode & 0o077``), is not a regular file, holds fewer than 16 bytes, or holds
+            a placeholder of the deployment files (:data:`PLACEHOLDER_TOKENS`).
     """
     file = Path(path if path is not None else DEFAULT_TOKEN_PATH).expanduser()
     try:
@@ -56,6 +62,12 @@ def load_token(path: str | os.PathLike[str] | None = None) -> bytes:
     token = data.strip()
     if len(token) < MIN_TOKEN_BYTES:
         raise TokenFileError(f"token file {file}: token shorter than {MIN_TOKEN_BYTES} bytes")
+    if token in PLACEHOLDER_TOKENS:
+        raise TokenFileError(
+            f"token file {file}: holds the placeholder of the deployment files"
+            f" ({token.decode()}), which is public; put a secret token there, e.g. the output of:"
+            " python3 -c 'import os; print(os.urandom(32).hex())'"
+        )
     return token
 
 
@@ -69,3 +81,59 @@ def write_token(path: str | os.PathLike[str], token: bytes | None = None) -> byt
         os.fchmod(handle.fileno(), 0o600)
         handle.write(token + b"\n")
     return token
+
+
+#: Domain-separation label of the coordinator's welcome MAC (never a prefix of an agent's
+#: ``auth`` MAC input, which starts with :data:`MAC_PREFIX`).
+WELCOME_MAC_LABEL = b"flowsched/welcome"
+
+
+def compute_welcome_mac(
+    token: bytes,
+    *,
+    agent_nonce: bytes,
+    coordinator_nonce: bytes,
+    node: str,
+    offered: int,
+    version: int,
+    digest: bytes,
+) -> bytes:
+    """The MAC with which a coordinator proves to agent ``node`` that it holds ``token``.
+
+    The input is :data:`WELCOME_MAC_LABEL`, the agent's nonce (its ``hello``), the
+    coordinator's (its ``challenge``), the version the agent offered and the one agreed (two
+    bytes each, big-endian), ``digest`` (the SHA-256 of the welcome's other fields,
+    :func:`flowsched.protocol.welcome_digest`), and the node name (UTF-8): everything but the
+    name has a fixed size, so no two inputs read alike.
+
+    Raises:
+        ValueError: a nonce or the digest is not 32 bytes, or a version outside 0..65535.
+    """
+    for name, value in (("agent_nonce", agent_nonce), ("coordinator_nonce", coordinator_nonce),
+                        ("digest", digest)):  # fmt: skip
+        if len(value) != 32:
+            raise ValueError(f"{name}: expected 32 bytes, got {len(value)}")
+    message = b"".join((
+        WELCOME_MAC_LABEL, agent_nonce, coordinator_nonce,
+        offered.to_bytes(2, "big"), version.to_bytes(2, "big"), digest, node.encode(),
+    ))  # fmt: skip
+    return hmac.new(token, message, hashlib.sha256).digest()
+
+
+def verify_welcome_mac(
+    token: bytes,
+    mac: bytes,
+    *,
+    agent_nonce: bytes,
+    coordinator_nonce: bytes,
+    node: str,
+    offered: int,
+    version: int,
+    digest: bytes,
+) -> bool:
+    """Constant-time check of a welcome's ``mac`` against :func:`compute_welcome_mac`."""
+    expected = compute_welcome_mac(
+        token, agent_nonce=agent_nonce, coordinator_nonce=coordinator_nonce, node=node,
+        offered=offered, version=version, digest=digest,
+    )  # fmt: skip
+    return hmac.compare_digest(expected, mac)

@@ -12,7 +12,10 @@ Client -> agent:
   an SDK flow. ``ref`` is the client's name for the pending request; the agent answers
   ``opened`` (or ``error`` with the same ``ref``). ``dst_node`` names the node that receives
   the flow: the agent adds that node's ingress link (``<dst_node>:rx``) to the flow's links.
-  The process id comes from the socket (SO_PEERCRED), never from the message.
+  The process id comes from the socket (SO_PEERCRED), never from the message. The agent scopes
+  ``job`` and ``request`` to the client's uid (``"<uid>/<name>"``) before forwarding them.
+  ``consumer_index`` is a layer index for kv and kv_reuse (at most :data:`MAX_LAYER`), else a
+  step (at most :data:`MAX_STEP`).
 * ``progress{id, sent}``, ``close{id, sent}``: bytes the application moved itself.
 * ``job_progress{job, step, layer?}``: the job reached a step (and layer).
 
@@ -50,9 +53,18 @@ MAX_TEXT = MAX_NAME
 U32_MAX = 2**32 - 1
 #: longest node name in ``open.dst_node`` (its link id ``<node>:rx`` must fit a protocol name)
 MAX_NODE = 128
-#: longest job name: the agent scopes it to the client's uid (``"<uid>/<job>"``), which must
-#: still fit a protocol name
+#: longest job and request name: the agent scopes both to the client's uid (``"<uid>/<job>"``),
+#: which must still fit a protocol name
 MAX_JOB = MAX_NAME - 16
+MAX_REQUEST = MAX_JOB
+#: largest layer index: ``job_progress.layer``, and ``open.consumer_index`` of the classes whose
+#: consumer is a layer (kv, kv_reuse). The coordinator learns a model's depth from the deepest
+#: index it sees; no model has a million layers
+MAX_LAYER = 1 << 20
+#: largest step: ``job_progress.step``, and ``open.consumer_index`` of the other classes
+MAX_STEP = 1 << 40
+#: the classes whose ``consumer_index`` is a layer index (bounded by :data:`MAX_LAYER`)
+LAYER_CLASSES = frozenset({FlowClass.KV, FlowClass.KV_REUSE})
 
 
 class SdkProtocolError(ValueError):
@@ -159,9 +171,9 @@ _RULES: dict[str, tuple[str, float, float]] = {
     "sent": ("u", 0, U64_MAX),
     "size": ("u", 0, U64_MAX),
     "deadline": ("f", 0, math.inf),
-    "consumer_index": ("u", 0, I64_MAX),
-    "step": ("u", 0, I64_MAX),
-    "layer": ("u", 0, I64_MAX),
+    "consumer_index": ("u", 0, MAX_STEP),
+    "step": ("u", 0, MAX_STEP),
+    "layer": ("u", 0, MAX_LAYER),
     "peer": ("u", -1, 2**31 - 1),
     "level": ("u", 0, 255),
     "dscp": ("u", 0, 63),
@@ -169,7 +181,7 @@ _RULES: dict[str, tuple[str, float, float]] = {
     "nccl_traffic_class": ("u", -(2**31), 2**31 - 1),
     "cls": ("s", 1, 32),
     "job": ("n", 1, MAX_JOB),
-    "request": ("n", 1, MAX_TEXT),
+    "request": ("n", 1, MAX_REQUEST),
     "dst_node": ("n", 1, MAX_NODE),
     "decided_at": ("f", 0, math.inf),
     "decided_ns": ("u", 0, I64_MAX),
@@ -234,6 +246,7 @@ def _build(cls: type[Any], data: dict[str, Any]) -> SdkMessage:
     if cls is Open:
         _check_class(values["cls"])
         _check_node(values.get("dst_node"))
+        _check_layer(values["cls"], values.get("consumer_index"))
     message: SdkMessage = cls(**values)
     return message
 
@@ -267,6 +280,15 @@ def _check_node(node: str | None) -> None:
     # make a link id no agent reports
     if node is not None and node != node.strip():
         raise SdkProtocolError("open.dst_node: expected a printable node name", "dst_node")
+
+
+def _check_layer(label: str, index: int | None) -> None:
+    if index is not None and index > MAX_LAYER and FlowClass.parse(label) in LAYER_CLASSES:
+        raise SdkProtocolError(
+            f"open.consumer_index: a {label} flow's consumer is a layer: expected an integer "
+            f"in 0..{MAX_LAYER}",
+            "consumer_index",
+        )
 
 
 def _check_class(label: str) -> None:

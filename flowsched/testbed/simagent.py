@@ -50,7 +50,7 @@ def flow_open(
     return {
         "id": wire_id, "cls": cls, "opened_at": now, "sent": 0, "size": size,
         "deadline": deadline, "job": job, "consumer_index": consumer, "request": None,
-        "links": [f"{node}/eth0"], "level": None,
+        "links": [f"{node}:tx"], "level": None,  # its egress, as a real agent names it
     }  # fmt: skip
 
 

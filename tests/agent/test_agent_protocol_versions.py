@@ -1,5 +1,6 @@
-"""The agent against coordinators of this release and of the previous one (protocol 1): it
-sends progress as arrays only where the coordinator said it speaks version 2."""
+"""The agent against coordinators of this release and of an earlier one (protocol 1, allowed
+with ``allow_unproven_coordinator``): it sends progress as arrays only where the coordinator
+said it speaks version 2 or later."""
 
 from __future__ import annotations
 
@@ -136,7 +137,11 @@ def test_the_agent_sends_progress_in_the_form_its_coordinator_decodes(
     recording: RecordingCoordinator, tmp_path: Path
 ) -> None:
     config = agent_config(
-        tmp_path, coordinator=("127.0.0.1", recording.port), token_file=str(tmp_path / "token")
+        tmp_path,
+        coordinator=("127.0.0.1", recording.port),
+        token_file=str(tmp_path / "token"),
+        # the previous release cannot prove it holds the token (protocol 3 can)
+        allow_unproven_coordinator=recording.old,
     )
     with AgentThread(config) as running:
         wait_until(lambda: running.agent.connected)

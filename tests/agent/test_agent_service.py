@@ -22,16 +22,9 @@ from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
 
 @pytest.fixture
-def agent(tmp_path: Path) -> Iterator[AgentThread]:
-    running = AgentThread(agent_config(tmp_path))
-    running.start()
-    try:
+def agent(tmp_path: Path, fresh_sdk_connections: None) -> Iterator[AgentThread]:
+    with AgentThread(agent_config(tmp_path)) as running:
         yield running
-    finally:
-        for conn in list(client._connections.values()):
-            conn.close()
-        client._connections.clear()
-        running.stop()
 
 
 def test_socket_and_table_are_private(agent: AgentThread) -> None:

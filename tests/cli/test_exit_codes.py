@@ -95,6 +95,10 @@ CASES = {
     "agent-coordinator-unresolvable": (
         [*AGENT, "--token-file", "{dir}/token", "--coordinator", "no-such-host.invalid:7711"],
         "--coordinator: cannot resolve host"),
+    "agent-coordinators-none-resolve": (
+        [*AGENT, "--token-file", "{dir}/token", "--coordinator",
+         "a.no-such-host.invalid:7711,b.no-such-host.invalid:7711"],
+        "no other --coordinator resolves either"),
     "agent-coordinator-port-range": (
         [*AGENT, "--coordinator", "127.0.0.1:70000"], "0..65535"),
     # flowsched up
@@ -178,3 +182,14 @@ def test_a_closed_pipe_ends_quietly(workdir: Path) -> None:
         os.close(write_end)
     assert proc.returncode == 1
     assert proc.stderr == ""
+
+
+def test_an_unresolvable_replica_among_several_coordinators_is_a_warning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # a replica's DNS name exists only while its pod does (a rollout): the agent starts
+    from flowsched.cli.agent import check_coordinators_resolve
+
+    check_coordinators_resolve(["127.0.0.1", "gone.no-such-host.invalid"])
+    err = capsys.readouterr().err
+    assert "warning: --coordinator: cannot resolve host 'gone.no-such-host.invalid'" in err

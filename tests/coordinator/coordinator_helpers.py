@@ -1,8 +1,10 @@
-"""Shared helpers of the coordinator tests: a deterministic policy and a running service."""
+"""Shared helpers of the coordinator tests: a deterministic policy, a running service and an
+agent link to it."""
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -10,6 +12,8 @@ from prometheus_client import CollectorRegistry
 
 from flowsched.coordinator import Coordinator, CoordinatorConfig
 from flowsched.model import Context, Decision, Flow
+from flowsched.protocol import Levels, Message
+from flowsched.protocol.aio import AgentLink, connect_agent
 from flowsched.testbed.daemons import wait_until as wait_until  # (the coordinator tests' import)
 
 TOKEN = b"test-token-0123456789abcdef"
@@ -86,3 +90,20 @@ async def running_coordinator(**overrides: Any) -> AsyncIterator[Coordinator]:
         yield coordinator
     finally:
         await coordinator.stop()
+
+
+async def connect_as(coordinator: Coordinator, node: str, token: bytes = TOKEN) -> AgentLink:
+    """An authenticated agent link of ``node`` to the running ``coordinator``."""
+    assert coordinator.addresses is not None
+    return await connect_agent(
+        coordinator.addresses.host, coordinator.addresses.port, node=node, token=token, timeout=5
+    )
+
+
+async def next_levels(link: AgentLink, timeout: float = 3.0) -> Levels:
+    """The next ``levels`` frame on ``link`` (other messages skipped)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        message: Message = await link.recv(max(deadline - time.monotonic(), 0.01))
+        if isinstance(message, Levels):
+            return message

@@ -26,13 +26,11 @@ import pytest
 
 from flowsched.model import FlowClass
 from flowsched.protocol import (
-    PROTOCOL_VERSION,
     Challenge,
     Connection,
     FlowOpen,
     Flows,
     Heartbeat,
-    Hello,
     Levels,
     Resync,
     Role,
@@ -164,7 +162,7 @@ async def _challenge(reader: asyncio.StreamReader, conn: Connection) -> Challeng
 async def _authenticated(stream: Stream, c: Coordinator, node: str) -> Connection:
     reader, writer = stream
     conn = Connection(Role.AGENT, token=c.token)
-    writer.write(conn.send(Hello(PROTOCOL_VERSION, node)))
+    writer.write(conn.hello(node))
     writer.write(conn.answer(await _challenge(reader, conn)))
     return conn
 
@@ -198,7 +196,7 @@ async def fuzz_unknown_version(stream: Stream, c: Coordinator, rng: random.Rando
 async def fuzz_wrong_token(stream: Stream, c: Coordinator, rng: random.Random) -> None:
     reader, writer = stream
     conn = Connection(Role.AGENT, token=b"guessed-token-guessed-token")
-    writer.write(conn.send(Hello(PROTOCOL_VERSION, "guesser")))
+    writer.write(conn.hello("guesser"))
     writer.write(conn.answer(await _challenge(reader, conn)))
 
 
@@ -206,12 +204,12 @@ async def fuzz_replayed_auth(stream: Stream, c: Coordinator, rng: random.Random)
     # record a genuine auth frame on one connection, replay it on another
     earlier = await asyncio.open_connection(c.host, c.port)
     conn = Connection(Role.AGENT, token=c.token)
-    earlier[1].write(conn.send(Hello(PROTOCOL_VERSION, "replayed")))
+    earlier[1].write(conn.hello("replayed"))
     recorded = conn.answer(await _challenge(earlier[0], conn))
     earlier[1].close()
     reader, writer = stream
     victim = Connection(Role.AGENT, token=None)
-    writer.write(victim.send(Hello(PROTOCOL_VERSION, "replayed")))
+    writer.write(victim.hello("replayed"))
     await _challenge(reader, victim)
     writer.write(recorded)
 

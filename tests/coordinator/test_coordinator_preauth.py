@@ -10,20 +10,14 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from coordinator_helpers import TOKEN, running_coordinator, wait_until
+from coordinator_helpers import TOKEN, connect_as, running_coordinator, wait_until
 
 from flowsched.coordinator import Coordinator
-from flowsched.coordinator.service import FD_RESERVE, METRICS_MAX_CONNECTIONS, raise_fd_limit
-from flowsched.protocol import PROTOCOL_VERSION, Connection, Heartbeat, Hello, Role
-from flowsched.protocol.aio import AgentLink, connect_agent
+from flowsched.coordinator.service import FD_RESERVE, METRICS_MAX_CONNECTIONS
+from flowsched.fdlimit import raise_fd_limit
+from flowsched.protocol import Connection, Heartbeat, Role
 
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-
-
-async def _connect(coordinator: Coordinator, node: str) -> AgentLink:
-    assert coordinator.addresses is not None
-    host, port = coordinator.addresses.host, coordinator.addresses.port
-    return await connect_agent(host, port, node=node, token=TOKEN, timeout=5)
 
 
 @contextlib.asynccontextmanager
@@ -47,7 +41,7 @@ async def _closed_by_peer(reader: asyncio.StreamReader, timeout: float) -> None:
 
 @pytest.mark.asyncio
 async def test_a_byte_dripping_peer_is_cut_at_the_handshake_deadline() -> None:
-    hello = Connection(Role.AGENT, token=TOKEN).send(Hello(PROTOCOL_VERSION, "drip"))
+    hello = Connection(Role.AGENT, token=TOKEN).hello("drip")
     async with (
         running_coordinator(handshake_timeout=0.6) as coordinator,
         _raw_connections(coordinator, 1) as [(reader, writer)],
@@ -72,13 +66,13 @@ async def test_unauthenticated_connections_are_capped_and_agents_still_get_in(
 ) -> None:
     caplog.set_level(logging.INFO, logger="flowsched.coordinator")
     async with running_coordinator(max_unauthenticated=8, handshake_timeout=30) as coordinator:
-        first = await _connect(coordinator, "first")
+        first = await connect_as(coordinator, "first")
         async with _raw_connections(coordinator, 40) as idle:
             await wait_until(
                 lambda: coordinator.live.rejected.get("evicted", 0) >= 32, 5, "evictions"
             )
             assert coordinator.unauthenticated_count <= 8
-            late = await _connect(coordinator, "late")  # evicts the oldest idle peer
+            late = await connect_as(coordinator, "late")  # evicts the oldest idle peer
             await first.send(Heartbeat(1.0))
             assert coordinator.agent_count() == 2
             for reader, _ in idle[:32]:  # the oldest were closed for the newer ones
@@ -92,7 +86,7 @@ async def test_unauthenticated_connections_are_capped_and_agents_still_get_in(
 async def test_established_agents_filling_the_budget_refuse_new_connections() -> None:
     async with running_coordinator(max_connections=3) as coordinator:
         coordinator.max_connections = 3  # what the fd budget would leave
-        links = [await _connect(coordinator, f"n{i}") for i in range(3)]
+        links = [await connect_as(coordinator, f"n{i}") for i in range(3)]
         try:
             async with _raw_connections(coordinator, 1) as [(reader, _)]:
                 await _closed_by_peer(reader, 2.0)
@@ -112,7 +106,7 @@ def test_the_fd_soft_limit_is_raised_to_the_hard_limit_and_logged(
     caplog.set_level(logging.INFO, logger="flowsched.coordinator")
     resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
     try:
-        assert raise_fd_limit() == hard
+        assert raise_fd_limit(logging.getLogger("flowsched.coordinator")) == hard
         assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
@@ -201,7 +195,7 @@ async def test_idle_connections_to_the_metrics_port_lock_neither_scrapes_nor_age
             writer.close()
             assert response.startswith(b"HTTP/1.1 200 OK")
             assert b"flowsched_coordinator_agents_connected" in response
-            link = await _connect(coordinator, "n1")  # the agents' listener is untouched
+            link = await connect_as(coordinator, "n1")  # the agents' listener is untouched
             assert coordinator.agent_count() == 1
             await link.close()
             closed = 0

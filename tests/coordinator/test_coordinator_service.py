@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from coordinator_helpers import TOKEN, DeadlineStepPolicy, running_coordinator, wait_until
+from coordinator_helpers import (
+    TOKEN,
+    DeadlineStepPolicy,
+    connect_as,
+    next_levels,
+    running_coordinator,
+    wait_until,
+)
 
 from flowsched.coordinator import Coordinator
 from flowsched.model import FlowClass
@@ -25,7 +32,6 @@ from flowsched.protocol import (
     FlowOpen,
     Flows,
     Heartbeat,
-    Hello,
     Levels,
     LevelUpdate,
     Message,
@@ -38,22 +44,7 @@ from flowsched.protocol import (
     encode_body,
     frame,
 )
-from flowsched.protocol.aio import AgentLink, HandshakeError, LinkClosed, connect_agent
-
-
-async def _connect(coordinator: Coordinator, node: str, token: bytes = TOKEN) -> AgentLink:
-    assert coordinator.addresses is not None
-    return await connect_agent(
-        coordinator.addresses.host, coordinator.addresses.port, node=node, token=token, timeout=5
-    )
-
-
-async def _next_levels(link: AgentLink, timeout: float = 3.0) -> Levels:
-    deadline = time.monotonic() + timeout
-    while True:
-        message: Message = await link.recv(max(deadline - time.monotonic(), 0.01))
-        if isinstance(message, Levels):
-            return message
+from flowsched.protocol.aio import HandshakeError, LinkClosed, connect_agent
 
 
 def _open(wire_id: int, **kw: object) -> FlowOpen:
@@ -70,19 +61,19 @@ async def _scrape(coordinator: Coordinator) -> str:
 @pytest.mark.asyncio
 async def test_agent_reports_flows_and_receives_only_its_level_changes() -> None:
     async with running_coordinator() as coordinator:
-        first, second = await _connect(coordinator, "n1"), await _connect(coordinator, "n2")
+        first, second = await connect_as(coordinator, "n1"), await connect_as(coordinator, "n2")
         try:
             assert first.welcome is not None and first.welcome.heartbeat_interval == 0.2
             await first.send(Resync(()))
             await first.send(Flows(opens=(_open(1), _open(2))))
-            assert set((await _next_levels(first)).updates) == {
+            assert set((await next_levels(first)).updates) == {
                 LevelUpdate(1, 7),
                 LevelUpdate(2, 7),
             }
             await first.send(Flows(progress_ids=(2,), progress_sent=(250,)))
-            assert (await _next_levels(first)).updates == (LevelUpdate(2, 5),)
+            assert (await next_levels(first)).updates == (LevelUpdate(2, 5),)
             with pytest.raises(TimeoutError):
-                await _next_levels(second, timeout=0.3)  # n2 has no flows: no levels for it
+                await next_levels(second, timeout=0.3)  # n2 has no flows: no levels for it
         finally:
             await first.close()
             await second.close()
@@ -97,16 +88,17 @@ async def test_progress_as_maps_and_as_arrays_moves_flows_alike() -> None:
         old = await connect_agent(
             coordinator.addresses.host, coordinator.addresses.port,
             node="old", token=TOKEN, timeout=5, version=1,
+            allow_unproven=True,  # (as that release's agent: it did not check the coordinator)
         )  # fmt: skip
-        new = await _connect(coordinator, "new")
+        new = await connect_as(coordinator, "new")
         try:
             assert (old.version, new.version) == (1, PROTOCOL_VERSION)
             for link in (old, new):
                 await link.send(Resync(()))
                 await link.send(Flows(opens=(_open(1), _open(2))))
-                assert {u.level for u in (await _next_levels(link)).updates} == {7}
+                assert {u.level for u in (await next_levels(link)).updates} == {7}
                 await link.send(Flows(progress_ids=(2, 1), progress_sent=(250, 0)))
-                assert (await _next_levels(link)).updates == (LevelUpdate(2, 5),)
+                assert (await next_levels(link)).updates == (LevelUpdate(2, 5),)
             flows = coordinator.state.flows.values()
             assert sorted((f.node, f.sent) for f in flows) == [
                 ("new", 0), ("new", 250), ("old", 0), ("old", 250),
@@ -119,21 +111,21 @@ async def test_progress_as_maps_and_as_arrays_moves_flows_alike() -> None:
 @pytest.mark.asyncio
 async def test_metrics_endpoint_reflects_live_state() -> None:
     async with running_coordinator() as coordinator:
-        link = await _connect(coordinator, "n1")
+        link = await connect_as(coordinator, "n1")
         try:
             deadline = time.time() + 60
             await link.send(Flows(opens=(_open(1, deadline=deadline), _open(2, sent=700))))
-            await link.send(NicLoad((NicLoadEntry("eth0", 12.5e9, 0.25),)))
+            await link.send(NicLoad((NicLoadEntry("n1:tx", 12.5e9, 0.25),)))
             await link.send(Flows(closes=(FlowClose(1, 10, time.time()),)))
-            await _next_levels(link)
+            await next_levels(link)
             text = await _scrape(coordinator)
         finally:
             await link.close()
     assert 'flowsched_coordinator_active_flows{class="kv",level="0"} 1.0' in text
     assert "flowsched_coordinator_agents_connected 1.0" in text
     assert 'flowsched_coordinator_completed_flows_total{class="kv",deadline="met"} 1.0' in text
-    assert 'flowsched_coordinator_link_utilization_ratio{link="eth0"} 0.25' in text
-    assert 'flowsched_coordinator_link_bandwidth_bytes_per_second{link="eth0"} 1.25e+10' in text
+    assert 'flowsched_coordinator_link_utilization_ratio{link="n1:tx"} 0.25' in text
+    assert 'flowsched_coordinator_link_bandwidth_bytes_per_second{link="n1:tx"} 1.25e+10' in text
     assert 'flowsched_coordinator_events_total{kind="open"} 2.0' in text
     assert "flowsched_coordinator_decision_latency_seconds_count" in text
     assert "flowsched_coordinator_deadline_earliness_seconds_count 1.0" in text
@@ -146,7 +138,7 @@ async def test_wrong_token_is_refused_and_logged(caplog: pytest.LogCaptureFixtur
     caplog.set_level(logging.INFO, logger="flowsched.coordinator")
     async with running_coordinator() as coordinator:
         with pytest.raises(HandshakeError) as info:
-            await _connect(coordinator, "intruder", token=b"not-the-token-at-all")
+            await connect_as(coordinator, "intruder", token=b"not-the-token-at-all")
         assert info.value.code == "auth_failed"
         assert coordinator.agent_count() == 0
         await asyncio.sleep(0.05)
@@ -156,15 +148,15 @@ async def test_wrong_token_is_refused_and_logged(caplog: pytest.LogCaptureFixtur
 @pytest.mark.asyncio
 async def test_quick_reconnect_keeps_flows_and_grace_expiry_drops_them() -> None:
     async with running_coordinator(grace_period=0.5) as coordinator:
-        link = await _connect(coordinator, "n1")
+        link = await connect_as(coordinator, "n1")
         await link.send(Flows(opens=(_open(1), _open(2, sent=300))))
-        await _next_levels(link)
+        await next_levels(link)
         await link.close()
         await asyncio.sleep(0.1)
         assert len(coordinator.state.flows) == 2  # kept during the grace period
-        link = await _connect(coordinator, "n1")
+        link = await connect_as(coordinator, "n1")
         await link.send(Resync((_open(1, level=7), _open(2, level=6))))
-        levels = await _next_levels(link)
+        levels = await next_levels(link)
         assert levels.updates == (LevelUpdate(2, 4),)  # only the level the agent had wrong
         await link.close()
         closed = time.monotonic()
@@ -175,15 +167,15 @@ async def test_quick_reconnect_keeps_flows_and_grace_expiry_drops_them() -> None
 @pytest.mark.asyncio
 async def test_newer_connection_of_a_node_replaces_the_older() -> None:
     async with running_coordinator() as coordinator:
-        old = await _connect(coordinator, "n1")
-        new = await _connect(coordinator, "n1")
+        old = await connect_as(coordinator, "n1")
+        new = await connect_as(coordinator, "n1")
         try:
             with pytest.raises(LinkClosed):
                 while True:
                     await old.recv(2.0)
             assert coordinator.agent_count() == 1
             await new.send(Flows(opens=(_open(5),)))
-            assert (await _next_levels(new)).updates == (LevelUpdate(5, 7),)
+            assert (await next_levels(new)).updates == (LevelUpdate(5, 7),)
         finally:
             await old.close()
             await new.close()
@@ -195,7 +187,7 @@ async def test_silent_agent_is_dropped_after_the_idle_timeout(
 ) -> None:
     caplog.set_level(logging.INFO, logger="flowsched.coordinator")
     async with running_coordinator(idle_timeout=0.3) as coordinator:
-        link = await _connect(coordinator, "quiet")
+        link = await connect_as(coordinator, "quiet")
         try:
             with pytest.raises(LinkClosed) as info:
                 while True:
@@ -209,7 +201,7 @@ async def test_silent_agent_is_dropped_after_the_idle_timeout(
 @pytest.mark.asyncio
 async def test_heartbeats_keep_an_idle_agent_connected() -> None:
     async with running_coordinator(idle_timeout=0.5) as coordinator:
-        link = await _connect(coordinator, "n1")
+        link = await connect_as(coordinator, "n1")
         try:
             for _ in range(8):
                 assert isinstance(await link.recv(1.0), Heartbeat | Levels)
@@ -225,7 +217,7 @@ async def test_stuck_agent_is_disconnected_when_its_send_queue_overflows(
 ) -> None:
     caplog.set_level(logging.INFO, logger="flowsched.coordinator")
     async with running_coordinator(send_buffer_limit=-1) as coordinator:
-        link = await _connect(coordinator, "slow")
+        link = await connect_as(coordinator, "slow")
         try:
             with pytest.raises(LinkClosed):
                 while True:
@@ -239,10 +231,10 @@ async def test_stuck_agent_is_disconnected_when_its_send_queue_overflows(
 @pytest.mark.asyncio
 async def test_unbatched_mode_gives_the_same_decisions() -> None:
     async with running_coordinator(batching=False) as coordinator:
-        link = await _connect(coordinator, "n1")
+        link = await connect_as(coordinator, "n1")
         try:
             await link.send(Flows(opens=(_open(1),), progress_ids=(1,), progress_sent=(120,)))
-            assert (await _next_levels(link)).updates == (LevelUpdate(1, 6),)
+            assert (await next_levels(link)).updates == (LevelUpdate(1, 6),)
         finally:
             await link.close()
 
@@ -293,7 +285,7 @@ async def test_frames_pipelined_right_after_auth_are_handled_without_more_data()
         )
         conn = Connection(Role.AGENT, token=TOKEN)
         try:
-            writer.write(conn.send(Hello(PROTOCOL_VERSION, "eager")))
+            writer.write(conn.hello("eager"))
             challenge = await _receive(reader, conn)
             assert isinstance(challenge, Challenge)
             # auth, resync and flows in one write (built by hand: the sans-IO agent end waits
@@ -323,7 +315,7 @@ async def _receive(
 async def test_a_new_coordinator_rebuilds_state_from_resyncs_within_two_seconds() -> None:
     agents, flows_per_agent = 50, 200
     async with running_coordinator() as coordinator:
-        links = [await _connect(coordinator, f"n{i}") for i in range(agents)]
+        links = [await connect_as(coordinator, f"n{i}") for i in range(agents)]
         try:
             started = time.monotonic()
             opens = tuple(_open(i, level=7) for i in range(flows_per_agent))
@@ -341,8 +333,8 @@ async def test_a_new_coordinator_rebuilds_state_from_resyncs_within_two_seconds(
 async def test_a_replaced_connection_is_told_why(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="flowsched.coordinator")
     async with running_coordinator() as coordinator:
-        old = await _connect(coordinator, "n1")
-        new = await _connect(coordinator, "n1")
+        old = await connect_as(coordinator, "n1")
+        new = await connect_as(coordinator, "n1")
         try:
             with pytest.raises(LinkClosed) as closed:
                 while True:
@@ -364,6 +356,9 @@ async def test_a_replaced_connection_is_told_why(caplog: pytest.LogCaptureFixtur
         pytest.param({"handshake_timeout": float("inf")}, "handshake_timeout", id="inf-handshake"),
         pytest.param({"max_batch_delay": -0.001}, "max_batch_delay", id="negative-batch-delay"),
         pytest.param({"max_batch_delay": float("nan")}, "max_batch_delay", id="nan-batch-delay"),
+        pytest.param({"max_flows_per_node": 0}, "max_flows_per_node", id="no-flows-per-node"),
+        pytest.param({"max_flows_per_node": 1.5}, "max_flows_per_node", id="fractional-cap"),
+        pytest.param({"max_flows_per_node": True}, "max_flows_per_node", id="bool-cap"),
     ],
 )
 def test_config_refuses_timeouts_that_cannot_work(overrides: dict[str, float], field: str) -> None:
@@ -394,7 +389,7 @@ def test_policy_file_too_big_for_the_welcome_frame_is_refused(tmp_path: Path) ->
 async def test_an_agent_receiving_level_updates_gets_no_heartbeats_and_stays_connected() -> None:
     interval = 0.2  # the default: a level update comes far more often even on a loaded machine
     async with running_coordinator(heartbeat_interval=interval, idle_timeout=2.0) as coordinator:
-        link = await _connect(coordinator, "busy")
+        link = await connect_as(coordinator, "busy")
         try:
             started, beats, levels = time.monotonic(), 0, 0
             wire_id = 0
@@ -421,7 +416,7 @@ async def test_an_agent_receiving_level_updates_gets_no_heartbeats_and_stays_con
 async def test_the_idle_watchdog_closes_a_silent_agent_after_the_timeout_not_before() -> None:
     idle = 0.4
     async with running_coordinator(idle_timeout=idle, heartbeat_interval=0.05) as coordinator:
-        link = await _connect(coordinator, "talks-then-stops")
+        link = await connect_as(coordinator, "talks-then-stops")
         try:
             for _ in range(3):  # a talking agent outlives several idle timeouts
                 await link.send(Heartbeat(time.time()))
@@ -443,7 +438,7 @@ async def test_the_idle_watchdog_closes_a_silent_agent_after_the_timeout_not_bef
 @pytest.mark.asyncio
 async def test_frames_followed_at_once_by_the_end_of_the_stream_are_handled() -> None:
     async with running_coordinator() as coordinator:
-        link = await _connect(coordinator, "brief")
+        link = await connect_as(coordinator, "brief")
         link._writer.write(frame(encode_body(Flows(opens=(_open(1), _open(2))))))
         link._writer.write_eof()  # the frame and the FIN may arrive in one read
         await wait_until(lambda: coordinator.agent_count() == 0, 5.0, "the agent to be detached")
@@ -481,12 +476,12 @@ async def test_the_timer_loop_sleeps_until_a_promotion_is_due_and_it_fires_on_ti
         co.state = counting  # type: ignore[assignment]
         await asyncio.sleep(0.3)
         assert len(ticks) <= 2, len(ticks)  # no timer armed: nothing to look at
-        link = await _connect(co, "n1")
+        link = await connect_as(co, "n1")
         try:
             deadline = time.time() + 0.6
             await link.send(Flows(opens=(_open(1, deadline=deadline),)))
-            assert [u.level for u in (await _next_levels(link)).updates] == [7]
-            promoted = (await _next_levels(link, timeout=2.0)).updates
+            assert [u.level for u in (await next_levels(link)).updates] == [7]
+            promoted = (await next_levels(link, timeout=2.0)).updates
             assert [u.level for u in promoted] == [0]
             late = promoted[0].decided_at - (deadline - 0.2)
             assert 0 <= late < 0.1, late

@@ -495,3 +495,126 @@ def test_sweep_steps_shrink_to_the_budget_at_the_measured_cost_per_flow() -> Non
     assert per_flush[0] == SWEEP_STEP
     assert max(per_flush[1:]) <= 3, per_flush
     assert sum(per_flush) == 200
+
+
+# -- hardening: a node's flow cap, its links, the policy's failures (docs/security.md) --------
+
+
+@pytest.mark.parametrize(
+    ("cap", "batches", "admitted", "refused"),
+    [
+        pytest.param(3, [[1, 2, 3, 4, 5]], [1, 2, 3], 2, id="one-frame-over"),
+        pytest.param(3, [[1, 2], [3, 4], [5]], [1, 2, 3], 2, id="frame-by-frame"),
+        pytest.param(2, [[1, 2], [1, 2]], [1, 2], 0, id="re-sent-opens-are-updates"),
+        pytest.param(65536, [list(range(100))], list(range(100)), 0, id="default-room"),
+    ],
+)
+def test_a_node_has_at_most_its_cap_of_open_flows(
+    cap: int, batches: list[list[int]], admitted: list[int], refused: int
+) -> None:
+    state = ClusterState(BytesPolicy(), max_flows_per_node=cap)
+    got = sum(state.open_flows("a", [_open(i) for i in ids], now=1.0) for ids in batches)
+    state.open_flows("b", [_open(i) for i in range(cap)], now=1.0)  # another node: its own cap
+    assert (got, state.stats.refused_opens) == (refused, refused)
+    assert sorted(state.by_node["a"]) == admitted
+    assert len(state.by_node["b"]) == cap
+    outbox = state.flush(1.0)
+    assert sorted(outbox["a"]) == admitted  # a refused flow gets no level: its agent's stays
+    state.close_flows("a", [FlowClose(admitted[0], 0, 2.0)], now=2.0)  # room again
+    assert state.open_flows("a", [_open(1000)], now=2.0) == 0
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_resync_over_the_cap_keeps_the_first_flows(defer: bool) -> None:
+    state = ClusterState(BytesPolicy(), max_flows_per_node=4)
+    assert state.resync("a", tuple(_open(i) for i in range(10)), 1.0, defer=defer) == 6
+    state.settle_resyncs()
+    assert sorted(state.by_node["a"]) == [0, 1, 2, 3]
+    assert sorted(state.flush(1.0)["a"]) == [0, 1, 2, 3]
+
+
+def test_a_dropped_node_takes_its_link_loads_along(state: ClusterState) -> None:
+    state.nic_load(
+        [NicLoadEntry(link, 1e9, 0.5) for link in ("a:tx", "a:rx", "b:tx", "b:rx", "ab:tx")]
+    )
+    state.open_flows("b", [_open(1, links=("b:tx", "a:rx"))], now=1.0)
+    state.drop_node("a", now=2.0)
+    assert sorted(state.link_bandwidth) == sorted(state.link_load) == ["ab:tx", "b:rx", "b:tx"]
+    assert state.context(2.0).bandwidth("a:rx") == state.default_bandwidth  # b's flow to a
+
+
+@pytest.mark.parametrize(
+    ("reported", "stored"), [(0.0, 1.0), (5e-324, 1.0), (0.5, 1.0), (1.0, 1.0), (12.5e9, 12.5e9)]
+)
+def test_link_capacities_below_one_byte_per_second_are_stored_as_one(
+    state: ClusterState, reported: float, stored: float
+) -> None:
+    state.nic_load([NicLoadEntry("a:tx", reported, 0.0)])
+    assert state.link_bandwidth["a:tx"] == stored
+
+
+class _RaisingPolicy(DeadlineStepPolicy):
+    """DeadlineStepPolicy whose ``hook`` raises on flows of node "evil" (an rmlq bug, or a
+    poisoned link, as in docs/security.md's H2)."""
+
+    def __init__(self, hook: str, per_flow: bool = True) -> None:
+        super().__init__()
+        self.hook = hook
+        self.per_flow_decisions = per_flow
+
+    def _check(self, hook: str, flows: Iterable[Flow]) -> None:
+        if hook == self.hook and any(flow.node == "evil" for flow in flows):
+            raise ZeroDivisionError("float division by zero")
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        self._check("admit", [flow])
+        return super().admit(flow, ctx)
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        flows = list(flows)
+        self._check("reevaluate", flows)
+        return super().reevaluate(flows, ctx)
+
+    def next_change(self, flow: Flow, ctx: Context) -> float | None:
+        self._check("next_change", [flow])
+        return super().next_change(flow, ctx)
+
+    def observe_progress(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        self._check("observe_progress", list(flows))
+        return {}
+
+    def release(self, flow: Flow, ctx: Context) -> None:
+        self._check("release", [flow])
+        super().release(flow, ctx)
+
+
+@pytest.mark.parametrize(
+    ("hook", "per_flow"),
+    [
+        ("admit", True),
+        ("reevaluate", True),
+        ("reevaluate", False),
+        ("next_change", True),
+        ("observe_progress", True),
+        ("release", True),
+    ],
+)
+def test_a_policy_raising_on_one_flow_spares_the_batch(
+    hook: str, per_flow: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = ClusterState(_RaisingPolicy(hook, per_flow))
+    # one batch: the evil flow and the victim's, both due in 0.5 s (level 0 from 1 s before)
+    state.open_flows("evil", [_open(13, deadline=100.5, links=("victim:rx",))], now=100.0)
+    state.open_flows("victim", [_open(1, deadline=100.5), _open(2)], now=100.0)
+    outbox = state.flush(100.0)
+    assert outbox["victim"][1].level == 0  # the rest of the batch was decided and sent
+    state.progress("evil", [13], [100])
+    state.progress("victim", [2], [100])
+    state.nic_load([NicLoadEntry("victim:rx", 1e9, 0.5)])  # the victim's event: evil's flow
+    state.flush(100.1)
+    state.close_flows("evil", [FlowClose(13, 100, 100.2)], now=100.2)
+    state.close_flows("victim", [FlowClose(1, 100, 100.2)], now=100.2)
+    assert [flow.node for flow in state.flows.values()] == ["victim"]
+    assert not state.quarantined and state.stats.policy_errors >= 1
+    assert "flow 13 of node evil" in caplog.text
+    assert "ZeroDivisionError" in caplog.text

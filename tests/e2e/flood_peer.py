@@ -30,11 +30,9 @@ import time
 
 from flowsched.model import FlowClass
 from flowsched.protocol import (
-    PROTOCOL_VERSION,
     Connection,
     FlowOpen,
     Flows,
-    Hello,
     Role,
     encode_body,
     frame,
@@ -97,7 +95,7 @@ async def flows(host: str, port: int, workers: int, seconds: float) -> dict[str,
 
 
 async def drip(host: str, port: int, count: int, wait: float) -> dict[str, float]:
-    hello = Connection(Role.AGENT, token=b"x" * 16).send(Hello(PROTOCOL_VERSION, "drip"))
+    hello = Connection(Role.AGENT, token=b"x" * 16).hello("drip")
     opened = [await asyncio.open_connection(host, port) for _ in range(count)]
     for step in range(4):  # a byte of a hello every 0.25 s: never a whole handshake
         for _, writer in opened:

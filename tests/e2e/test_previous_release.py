@@ -2,8 +2,10 @@
 upgrade: the previous release is the repository at :data:`PREVIOUS_RELEASE` (protocol 1, the
 last commit before protocol 2), extracted from git and run from its own folder.
 
-* a new agent against a previous coordinator: its offer of version 2 is refused, it reconnects
-  offering 1, and its flows are ranked by that coordinator;
+* a new agent against a previous coordinator: by default it refuses that coordinator, which
+  cannot prove that it holds the token (protocol 3 can); with ``--allow-unproven-coordinator``
+  (upgrading agents first) its offer of version 3 is refused, it reconnects offering 1, and
+  its flows are ranked by that coordinator;
 * a previous agent against a new coordinator: version 1, its progress sent as maps is decoded;
   applications on this release's SDK open flows through that agent.
 
@@ -65,22 +67,49 @@ def _ranks_a_kv_flow(coordinator_metrics: str, sock: str) -> None:
     wait_for(lambda: total(scrape(coordinator_metrics), ACTIVE) == 0, 5, "the flow to close")
 
 
-def test_a_new_agent_follows_a_previous_coordinator(
+def test_a_new_agent_refuses_a_previous_coordinator_by_default(
+    tmp_path: Path, token: Path, previous: Path
+) -> None:
+    log = tmp_path / "agent-n1.log"
+    with cleanup() as started:
+        coord = start_coordinator(tmp_path, token, cwd=previous)
+        started.append(coord)
+        port = coord.fields["port"]
+        agent = start_agent(tmp_path, token, int(port))
+        started.append(agent)
+        wait_for(lambda: "unproven_coordinator" in log.read_text(), 10, "the refusal")
+        cm = coord.fields["mport"]
+        assert total(scrape(cm), "flowsched_coordinator_agents_connected") == 0
+    agent_log = log.read_text()
+    assert (
+        f"refused coordinator 127.0.0.1:{port}: unproven_coordinator: the coordinator refused"
+        " protocol version 3 (hello: unknown field(s) nonce)" in agent_log
+    ), agent_log[-2000:]
+    assert "--allow-unproven-coordinator" in agent_log
+    assert "connected to the coordinator" not in agent_log
+    assert "reconnecting with version 1" not in agent_log  # its MAC never went there
+    assert "unknown field(s) nonce" in (tmp_path / "coordinator.log").read_text()
+
+
+def test_a_new_agent_allowed_to_follow_a_previous_coordinator(
     tmp_path: Path, token: Path, previous: Path
 ) -> None:
     with cleanup() as started:
         coord = start_coordinator(tmp_path, token, cwd=previous)
         started.append(coord)
-        agent = start_agent(tmp_path, token, int(coord.fields["port"]))
+        agent = start_agent(
+            tmp_path, token, int(coord.fields["port"]), extra=("--allow-unproven-coordinator",)
+        )
         started.append(agent)
         cm = coord.fields["mport"]
         wait_for(lambda: total(scrape(cm), "flowsched_coordinator_agents_connected") == 1, 10,
                  "the agent to connect")  # fmt: skip
         _ranks_a_kv_flow(cm, agent.fields["socket"])
     agent_log = (tmp_path / "agent-n1.log").read_text()
-    assert "refused protocol version 2" in agent_log, agent_log[-2000:]
+    assert "refused protocol version 3" in agent_log, agent_log[-2000:]
     assert "; protocol version 1;" in agent_log, agent_log[-2000:]
-    assert "unsupported version 2" in (tmp_path / "coordinator.log").read_text()
+    assert "cannot prove that it holds the token" in agent_log, agent_log[-2000:]
+    assert "unknown field(s) nonce" in (tmp_path / "coordinator.log").read_text()
 
 
 def test_a_previous_agent_follows_a_new_coordinator(

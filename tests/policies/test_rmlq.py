@@ -1081,3 +1081,36 @@ def test_levels_observe_progress_skips_are_ones_where_bytes_never_move_a_flow(
                 if level in pol._inert_levels:
                     assert not pol._moved_by_progress(flow, now), (level, cls, sent)
                 pol.release(flow, now)
+
+
+# -- the model depth is learned per scope (audit H4) -----------------------------------------
+
+
+def _open_layers(pol: rmlq.RmlqPolicy, request: str, deadline: float) -> list[int]:
+    levels = []
+    for layer, now in enumerate(_STEADY):
+        flow = build_flow(layer + 1, cls="kv", size=int(1e6), deadline=deadline, request=request,
+                          consumer_index=layer, opened_at=now)  # fmt: skip
+        levels.append(pol.admit(flow, ctx(now)).level)
+    return levels
+
+
+@pytest.mark.parametrize("index", [2**20 - 1, 2**63 - 1])
+def test_one_users_absurd_layer_index_does_not_prune_another_users_requests(index: int) -> None:
+    # a 32-layer model: at its 10 ms pace, request 1000/r's last layer is across just in time
+    pol = policy()
+    for layers, request in ((32, "1000/old"), (1, "666/x")):
+        deepest = build_flow(90 + layers, cls="kv", size=10, deadline=9.0, request=request,
+                             consumer_index=layers - 1 if layers > 1 else index)  # fmt: skip
+        pol.admit(deepest, ctx())
+        pol.release(deepest, ctx())
+    assert 7 not in _open_layers(pol, "1000/r", 0.3115)
+    # the other user's own requests are judged by its own (absurd) depth when it is a layer
+    assert (7 in _open_layers(pol, "666/y", 0.3115)) == (index < rmlq.MAX_DEPTH)
+
+
+def test_an_index_that_is_no_layer_never_deepens_the_model() -> None:
+    pol = policy()
+    _learn_depth(pol, 32)
+    _learn_depth(pol, rmlq.MAX_DEPTH + 1)
+    assert 7 not in _open_layers(pol, "r", 0.3115)  # still the 32-layer model: just in time

@@ -67,11 +67,21 @@ level_updates = st.builds(
     LevelUpdate, u64, st.integers(0, 255), st.none() | st.floats(0.0, 1e12, allow_nan=False)
 )
 
+#: a hello's nonce or a welcome's MAC: absent (below version 3) or 32 bytes
+nonces = st.just(b"") | st.binary(min_size=32, max_size=32)
+
 messages: st.SearchStrategy[Message] = st.one_of(
-    st.builds(Hello, st.integers(0, 65535), names),
+    st.builds(Hello, st.integers(0, 65535), names, nonces),
     st.builds(Challenge, st.integers(0, 65535), st.binary(min_size=32, max_size=32)),
     st.builds(Auth, st.binary(min_size=32, max_size=32)),
-    st.builds(Welcome, st.text(max_size=200), times, times, times),
+    st.builds(
+        Welcome,
+        st.text(max_size=200),
+        times,
+        times,
+        times,
+        mac=nonces,
+    ),
     st.builds(Error, names, st.text(max_size=200)),
     flows,
     st.builds(JobProgress, names, i64, st.none() | i64),

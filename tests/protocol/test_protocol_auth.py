@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from flowsched.protocol import TokenFileError, compute_mac, load_token, verify_mac, write_token
+from flowsched.protocol.auth import PLACEHOLDER_TOKENS
 
 
 def test_write_then_load_round_trip(tmp_path: Path) -> None:
@@ -38,6 +39,21 @@ def test_bad_token_content(tmp_path: Path, content: bytes, match: str) -> None:
     write_token(path, content.strip())
     with pytest.raises(TokenFileError, match=match):
         load_token(path)
+
+
+@pytest.mark.parametrize("placeholder", sorted(PLACEHOLDER_TOKENS))
+def test_shipped_placeholder_is_refused_naming_the_file(tmp_path: Path, placeholder: bytes) -> None:
+    # what `kubectl apply -k deploy/kubernetes` put into the Secret before the Secret left the
+    # kustomization: long enough for the length check, and printed in the repository
+    path = tmp_path / "secret" / "token"
+    write_token(path, placeholder)
+    with pytest.raises(TokenFileError, match="placeholder") as caught:
+        load_token(path)
+    assert str(path) in str(caught.value) and "os.urandom" in str(caught.value)
+
+
+def test_the_placeholder_the_kubernetes_secret_shipped_is_known() -> None:
+    assert b"REPLACE-WITH-64-HEX-CHARACTERS-FROM-os.urandom-32" in PLACEHOLDER_TOKENS
 
 
 def test_missing_token_file(tmp_path: Path) -> None:

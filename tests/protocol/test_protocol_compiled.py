@@ -119,6 +119,11 @@ def test_the_edge_tables_decode_alike() -> None:
         msgpack.packb({"t": "flows", "progress": [{b"id": 1, b"sent": 2}]}),
         msgpack.packb({"t": "flows", "closes": [{"id": 1, "sent": 2, b"closed_at": 1.0}]}),
         msgpack.packb({"t": "hello", "version": 2, "node": "n", b"node": "m"}),
+        msgpack.packb({"t": "hello", "version": 3, "node": "n", "nonce": b"x" * 32}),
+        msgpack.packb({"t": "hello", "version": 3, "node": "n", "nonce": None}),
+        msgpack.packb({"t": "hello", "version": 3, "node": "n", "nonce": bytearray(32)}),
+        msgpack.packb({**codec_tests.WELCOME, "mac": b"m" * 32}),
+        msgpack.packb({**codec_tests.WELCOME, "mac": "m" * 32}),
         msgpack.packb({"t": "heartbeat", "t_sent": msgpack.ExtType(42, b"\x00")}),
         msgpack.packb([[[[[]]]]] * 3),
     ],
@@ -138,7 +143,8 @@ _KINDS = ["flows", "resync", "heartbeat", "hello", "challenge", "auth", "welcome
 _KEYS = st.sampled_from(
     ["t", "id", "sent", "closed_at", "opened_at", "cls", "links", "opens", "progress",
      "progress_ids", "progress_sent", "closes", "t_sent", "epoch", "node", "version",
-     "updates", "entries", "link", "load", "bandwidth", "level", "rate", "x"]
+     "updates", "entries", "link", "load", "bandwidth", "level", "rate", "nonce", "mac",
+     "policy_toml", "x"]
 ) | st.binary(max_size=3) | st.text(max_size=3)  # fmt: skip
 _scalars = (
     st.none()

@@ -49,14 +49,16 @@ class ConnectionPair:
         return self.agent.next_event()
 
     def handshake(self, node: str = "node-1") -> None:
-        assert self.to_coordinator(self.agent.send(Hello(PROTOCOL_VERSION, node))) == Hello(
-            PROTOCOL_VERSION, node
-        )
+        hello = self.to_coordinator(self.agent.hello(node))
+        assert isinstance(hello, Hello)
+        assert (hello.version, hello.node, len(hello.nonce)) == (PROTOCOL_VERSION, node, 32)
         challenge = self.to_agent(self.coordinator.challenge())
         assert isinstance(challenge, Challenge)
         assert isinstance(self.to_coordinator(self.agent.answer(challenge)), Auth)
         welcome = Welcome("", 0.05, 1.0)
-        assert self.to_agent(self.coordinator.send(welcome)) == welcome
+        received = self.to_agent(self.coordinator.send(welcome))
+        assert received == welcome and isinstance(received, Welcome)
+        assert len(received.mac) == 32  # the coordinator's proof (checked by the agent end)
 
 
 def test_good_token_establishes_both_ends() -> None:
@@ -64,6 +66,7 @@ def test_good_token_establishes_both_ends() -> None:
     pair.handshake()
     assert pair.agent.state is pair.coordinator.state is State.ESTABLISHED
     assert pair.coordinator.node == "node-1"
+    assert pair.agent.peer_proven and pair.coordinator.peer_proven
     flows = Flows(opens=(FlowOpen(7, FlowClass.TP, 1.0),))
     assert pair.to_coordinator(pair.agent.send(flows)) == flows
     levels = Levels((LevelUpdate(7, 0),))
@@ -79,7 +82,7 @@ def _auth_rejected(pair: ConnectionPair, auth_frame: bytes) -> RemoteProtocolErr
 
 def test_wrong_token_is_rejected() -> None:
     pair = ConnectionPair(agent_token=b"w" * 32)
-    pair.to_coordinator(pair.agent.send(Hello(PROTOCOL_VERSION, "n")))
+    pair.to_coordinator(pair.agent.hello("n"))
     challenge = pair.to_agent(pair.coordinator.challenge())
     assert isinstance(challenge, Challenge)
     error = _auth_rejected(pair, pair.agent.answer(challenge))
@@ -89,7 +92,7 @@ def test_wrong_token_is_rejected() -> None:
 
 def test_auth_replayed_from_an_earlier_connection_is_rejected() -> None:
     earlier = ConnectionPair()
-    earlier.to_coordinator(earlier.agent.send(Hello(PROTOCOL_VERSION, "n")))
+    earlier.to_coordinator(earlier.agent.hello("n"))
     old_challenge = earlier.to_agent(earlier.coordinator.challenge())
     assert isinstance(old_challenge, Challenge)
     recorded_auth = earlier.agent.answer(old_challenge)  # valid for the earlier nonce only
@@ -106,7 +109,7 @@ def test_unknown_version_is_rejected_naming_the_field() -> None:
     with pytest.raises(RemoteProtocolError) as info:
         pair.to_coordinator(pair.agent.send(Hello(0, "n")))
     assert info.value.code == "version"
-    assert "hello.version: unsupported version 0 (this end speaks 1..2)" in info.value.reason
+    assert "hello.version: unsupported version 0 (this end speaks 1..3)" in info.value.reason
 
 
 def test_oversized_frame_is_rejected() -> None:

@@ -14,11 +14,9 @@ from flowsched.model import FlowClass
 from flowsched.protocol import (
     HANDSHAKE_MAX_FRAME_SIZE,
     NEED_DATA,
-    PROTOCOL_VERSION,
     Connection,
     FlowOpen,
     Flows,
-    Hello,
     Message,
     RemoteProtocolError,
     Role,
@@ -78,7 +76,7 @@ def test_the_limit_is_small_before_auth_and_full_size_after() -> None:
 
 def test_the_agent_end_takes_a_welcome_larger_than_the_handshake_limit() -> None:
     pair = ConnectionPair()
-    pair.to_coordinator(pair.agent.send(Hello(PROTOCOL_VERSION, "n1")))
+    pair.to_coordinator(pair.agent.hello("n1"))
     challenge = pair.to_agent(pair.coordinator.challenge())
     pair.to_coordinator(pair.agent.answer(challenge))  # type: ignore[arg-type]
     welcome = Welcome("# policy\n" * 20_000, 0.05, 1.0)  # a 180 KB policy file
@@ -91,7 +89,7 @@ def test_a_well_formed_flows_frame_before_auth_is_refused_without_decoding(
 ) -> None:
     pair = ConnectionPair()
     if state != "start":
-        pair.to_coordinator(pair.agent.send(Hello(PROTOCOL_VERSION, "n1")))
+        pair.to_coordinator(pair.agent.hello("n1"))
     if state == "after-challenge":
         pair.coordinator.challenge()
     before = list(decodes)

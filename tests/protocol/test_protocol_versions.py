@@ -28,7 +28,7 @@ TOKEN = b"k" * 32
 def _handshake(agent: Connection, coordinator: Connection, offer: int | None = None) -> None:
     """Run the handshake between two in-memory ends (the agent offering ``offer``, by default
     its own version)."""
-    hello = agent.hello("n1") if offer is None else agent.send(Hello(offer, "n1"))
+    hello = agent.hello("n1") if offer is None else agent.send(Hello(offer, "n1", b"a" * 32))
     coordinator.receive_data(hello)
     assert isinstance(coordinator.next_event(), Hello)
     agent.receive_data(coordinator.challenge())
@@ -44,9 +44,13 @@ def _handshake(agent: Connection, coordinator: Connection, offer: int | None = N
 @pytest.mark.parametrize(
     ("agent_speaks", "coordinator_speaks", "agreed"),
     [
-        pytest.param(2, 2, 2, id="both-new"),
-        pytest.param(1, 2, 1, id="old-agent-new-coordinator"),
-        pytest.param(2, 1, 1, id="new-agent-coordinator-held-at-1"),
+        pytest.param(3, 3, 3, id="both-new"),
+        pytest.param(2, 3, 2, id="v2-agent-new-coordinator"),
+        pytest.param(1, 3, 1, id="old-agent-new-coordinator"),
+        pytest.param(3, 2, 2, id="new-agent-coordinator-held-at-2"),
+        pytest.param(2, 2, 2, id="both-at-2"),
+        pytest.param(2, 1, 1, id="v2-agent-coordinator-held-at-1"),
+        pytest.param(3, 1, 1, id="new-agent-coordinator-held-at-1"),
         pytest.param(1, 1, 1, id="both-at-1"),
     ],
 )
@@ -66,7 +70,9 @@ def test_an_agent_offering_a_future_version_gets_the_coordinators() -> None:
     assert coordinator.version == PROTOCOL_VERSION
 
 
-@pytest.mark.parametrize("answer", [0, 3], ids=["below-every-version", "above-the-offer"])
+@pytest.mark.parametrize(
+    "answer", [0, PROTOCOL_VERSION + 1], ids=["below-every-version", "above-the-offer"]
+)
 def test_the_agent_refuses_a_challenge_outside_what_it_offered(answer: int) -> None:
     agent = Connection(Role.AGENT, token=TOKEN)
     agent.hello("n1")
@@ -76,13 +82,13 @@ def test_the_agent_refuses_a_challenge_outside_what_it_offered(answer: int) -> N
     with pytest.raises(RemoteProtocolError) as info:
         agent.next_event()
     assert info.value.code == "version"
-    assert f"challenge.version: unsupported version {answer} (this end speaks 1..2)" in str(
+    assert f"challenge.version: unsupported version {answer} (this end speaks 1..3)" in str(
         info.value
     )
 
 
 def test_a_connection_refuses_to_speak_a_version_it_does_not_know() -> None:
-    with pytest.raises(ValueError, match="version 3"):
+    with pytest.raises(ValueError, match=f"version {PROTOCOL_VERSION + 1}"):
         Connection(Role.AGENT, version=PROTOCOL_VERSION + 1)
     with pytest.raises(ValueError, match="version 0"):
         Connection(Role.COORDINATOR, version=MIN_PROTOCOL_VERSION - 1)
@@ -98,6 +104,7 @@ BATCH = Flows(
 @pytest.mark.parametrize(
     ("agent_speaks", "keys"),
     [
+        pytest.param(3, {"t", "opens", "progress_ids", "progress_sent", "closes"}, id="v3-packed"),
         pytest.param(2, {"t", "opens", "progress_ids", "progress_sent", "closes"}, id="v2-packed"),
         pytest.param(1, {"t", "opens", "progress", "closes"}, id="v1-maps"),
     ],

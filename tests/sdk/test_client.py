@@ -6,7 +6,6 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,28 +16,6 @@ from flowsched.agent.threaded import AgentThread
 from flowsched.model import FlowClass
 from flowsched.protocol import sdk
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
-
-
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[AgentThread]:
-    config = AgentConfig(
-        node="n1",
-        socket_path=str(tmp_path / "s" / "agent.sock"),
-        table_path=str(tmp_path / "table"),
-        num_slots=16,
-        metrics_port=None,
-        fallback_after=60.0,
-        interfaces=("lo",),
-    )
-    running = AgentThread(config)
-    running.start()
-    try:
-        yield running
-    finally:
-        for conn in list(client._connections.values()):
-            conn.close()
-        client._connections.clear()
-        running.stop()
 
 
 def _wait(predicate, timeout: float = 3.0) -> None:  # type: ignore[no-untyped-def]
@@ -59,7 +36,7 @@ def test_flow_is_opened_reported_and_closed(agent: AgentThread) -> None:
             FlowClass.KV,
             1000,
             deadline,
-            "r1",
+            f"{os.geteuid()}/r1",  # scoped like job names: no other user can prune it
         )
         assert handle.level == agent.agent.view.default_level(FlowClass.KV)
         assert handle.dscp == agent.agent.view.marking(handle.level).dscp

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from flowsched.agent.flows import JobTable
 from flowsched.model import FlowClass
 from flowsched.protocol import FlowOpen, JobProgress, Resync, decode_body, encode_body, sdk
 
@@ -113,6 +114,11 @@ def test_random_bytes_never_crash(data: bytes) -> None:
         pass
 
 
+def _scoped(name: str | None) -> str | None:
+    """As the agent forwards an SDK name: scoped to the client's uid (the longest uid here)."""
+    return None if name is None else JobTable.scoped(2**32 - 1, name)
+
+
 _names = st.one_of(st.none(), st.text(max_size=300), st.sampled_from(["j", "h2", " h2", "a\x7f"]))
 _ints = st.one_of(st.none(), st.integers(-(2**63), 2**64 - 1))
 
@@ -157,14 +163,56 @@ def test_what_the_agent_accepts_the_coordinator_accepts(
                         1,
                         FlowClass.parse(message.cls),
                         0.0,
-                        job=message.job,
+                        job=_scoped(message.job),
                         consumer_index=message.consumer_index,
-                        request=message.request,
+                        request=_scoped(message.request),
                         links=links,
                     ),
                 )
             )
         else:
             assert isinstance(message, sdk.JobProgress)
-            forwarded = JobProgress(message.job, message.step, message.layer)
+            forwarded = JobProgress(_scoped(message.job) or "", message.step, message.layer)
         assert decode_body(encode_body(forwarded)) == forwarded
+
+
+# -- bounds on what the coordinator learns from (audit H4) ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"t": "open", "ref": 1, "cls": "kv", "consumer_index": 2**63 - 1}, "consumer_index"),
+        (
+            {"t": "open", "ref": 1, "cls": "kv", "consumer_index": sdk.MAX_LAYER + 1},
+            "consumer_index",
+        ),
+        (
+            {"t": "open", "ref": 1, "cls": "kv_reuse", "consumer_index": sdk.MAX_LAYER + 1},
+            "consumer_index",
+        ),
+        (
+            {"t": "open", "ref": 1, "cls": "experience", "consumer_index": sdk.MAX_STEP + 1},
+            "consumer_index",
+        ),
+        ({"t": "job_progress", "job": "j", "step": sdk.MAX_STEP + 1}, "step"),
+        ({"t": "job_progress", "job": "j", "step": 1, "layer": sdk.MAX_LAYER + 1}, "layer"),
+        ({"t": "open", "ref": 1, "cls": "kv", "request": "r" * (sdk.MAX_REQUEST + 1)}, "request"),
+    ],
+    ids=["kv-i64", "kv-layer", "kv-reuse-layer", "experience-step", "step", "layer", "request"],
+)
+def test_absurd_layers_steps_and_unscopable_names_are_refused(
+    body: dict[str, object], field: str
+) -> None:
+    # one kv open at consumer_index 2**63-1 used to set rmlq's model depth for every request
+    with pytest.raises(sdk.SdkProtocolError, match=rf"\.{field}: ") as refused:
+        sdk.decode_body(msgpack.packb(body), sdk.CLIENT_MESSAGES)
+    assert refused.value.field == field
+
+
+def test_a_step_beyond_the_layer_bound_is_fine_where_the_consumer_is_a_step() -> None:
+    body = {"t": "open", "ref": 1, "cls": "experience", "consumer_index": sdk.MAX_LAYER + 1}
+    message = sdk.decode_body(msgpack.packb(body), sdk.CLIENT_MESSAGES)
+    assert isinstance(message, sdk.Open) and message.consumer_index == sdk.MAX_LAYER + 1
+    layer = {"t": "open", "ref": 1, "cls": "kv", "consumer_index": sdk.MAX_LAYER}
+    assert sdk.decode_body(msgpack.packb(layer), sdk.CLIENT_MESSAGES) is not None

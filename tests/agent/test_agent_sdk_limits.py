@@ -1,0 +1,198 @@
+"""The agent's SDK socket under one user's load (audit M1, M5, H4) and the resync deadline
+(audit M6): caps per uid and per node, an idle timeout that spares clients holding flows, the
+open-file limit, and request names scoped like job names."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from agent_helpers import agent_config, wait_until
+
+from flowsched import client, fdlimit
+from flowsched.agent import sdk_server
+from flowsched.agent.service import Agent
+from flowsched.agent.threaded import AgentThread
+from flowsched.model import FlowClass
+from flowsched.protocol import Welcome, sdk
+
+UID = os.geteuid()
+
+
+@pytest.fixture
+def agent(tmp_path: Path, fresh_sdk_connections: None) -> Iterator[AgentThread]:
+    with AgentThread(agent_config(tmp_path, metrics_port=None, fallback_after=60.0)) as running:
+        yield running
+
+
+def _sdk(agent: AgentThread) -> sdk_server.SdkServer:
+    assert agent.agent.sdk is not None
+    return agent.agent.sdk
+
+
+def _raw(agent: AgentThread) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(5)
+    sock.connect(agent.ready.socket)  # type: ignore[union-attr]
+    return sock
+
+
+def _ask(sock: socket.socket, message: sdk.SdkMessage) -> sdk.SdkMessage:
+    sock.sendall(sdk.encode(message))
+    return _next(sock)
+
+
+def _next(sock: socket.socket) -> sdk.SdkMessage:
+    decoder = sdk.SdkDecoder("client")
+    while (message := decoder.next_message()) is None:
+        data = sock.recv(65536)
+        assert data, "the agent closed the connection"
+        decoder.feed(data)
+    return message
+
+
+def _closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_the_flow_cap_is_per_uid_across_connections(agent: AgentThread) -> None:
+    agent.run(lambda: setattr(_sdk(agent), "max_flows_per_uid", 3))
+    first, second = _raw(agent), _raw(agent)
+    answers = [_ask(sock, sdk.Open(ref, "bulk")) for ref, sock in enumerate((first, second) * 2)]
+    assert [type(a).__name__ for a in answers] == ["Opened", "Opened", "Opened", "Error"]
+    refused = answers[-1]
+    assert isinstance(refused, sdk.Error) and refused.code == "too_many_flows"
+    assert "per user" in refused.reason and refused.ref == 3
+    closed = answers[0]
+    assert isinstance(closed, sdk.Opened)
+    first.sendall(sdk.encode(sdk.Close(closed.id, 0)))  # a closed flow makes room
+    assert isinstance(_ask(second, sdk.Open(9, "bulk")), sdk.Opened)
+    first.close()  # and so do the flows of a client that leaves
+    wait_until(lambda: _sdk(agent)._flows_of[UID] == 2)
+
+
+def test_the_node_wide_flow_cap(agent: AgentThread) -> None:
+    agent.run(lambda: setattr(_sdk(agent), "max_flows", 1))
+    sock = _raw(agent)
+    assert isinstance(_ask(sock, sdk.Open(1, "bulk")), sdk.Opened)
+    refused = _ask(sock, sdk.Open(2, "bulk"))
+    assert isinstance(refused, sdk.Error) and "on this node" in refused.reason
+
+
+def test_connections_over_the_per_uid_cap_are_refused_and_the_client_says_why(
+    agent: AgentThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    agent.run(lambda: setattr(_sdk(agent), "max_connections_per_uid", 1))
+    held = _raw(agent)
+    assert isinstance(_ask(held, sdk.Open(1, "bulk")), sdk.Opened)
+    extra = _raw(agent)
+    refusal = _next(extra)
+    assert isinstance(refusal, sdk.Error) and refusal.code == "too_many_connections"
+    assert _closed(extra)
+    with caplog.at_level(logging.WARNING):
+        path = agent.ready.socket  # type: ignore[union-attr]
+        with client.flow("bulk", socket_path=path) as handle:
+            assert not handle.connected  # static defaults, as with no agent
+    assert "refused the connection (too_many_connections)" in caplog.text
+    assert "SDK connection of pid" in caplog.text  # the agent logs the refusal
+    held.close()
+    wait_until(lambda: _sdk(agent).clients == 0)
+    with client.flow("bulk", socket_path=path) as handle:  # room again
+        wait_until(lambda: handle.connected or client.connection(path).ensure_connected())
+
+
+def test_the_total_connection_cap_stays_below_the_open_file_limit() -> None:
+    server = sdk_server.SdkServer(None, fd_limit=1024)  # type: ignore[arg-type]
+    assert server.max_connections == 1024 - sdk_server.FD_RESERVE
+    assert sdk_server.SdkServer(None).max_connections == sdk_server.MAX_CONNECTIONS  # type: ignore[arg-type]
+
+
+def test_an_idle_client_is_closed_but_not_one_holding_a_flow(agent: AgentThread) -> None:
+    agent.run(lambda: setattr(_sdk(agent), "idle_timeout", 0.2))
+    holder = _raw(agent)
+    opened = _ask(holder, sdk.Open(1, "bulk"))
+    assert isinstance(opened, sdk.Opened)
+    for _ in range(3):  # three idle timeouts pass while the holder stays silent
+        assert _closed(_raw(agent))
+    assert _sdk(agent).clients == 1
+    holder.sendall(sdk.encode(sdk.Progress(opened.id, 7)))
+    registry = agent.agent.registry
+    assert registry is not None
+    wait_until(lambda: registry.flows[opened.id].sent == 7)
+    holder.sendall(sdk.encode(sdk.Close(opened.id, 7)))  # no flow left: idle from now on
+    assert _closed(holder)
+
+
+def test_the_agent_raises_its_open_file_limit(tmp_path: Path) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard <= 512:
+        pytest.skip("the hard open-file limit leaves nothing to raise")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (512, hard))
+    try:
+        running = AgentThread(agent_config(tmp_path, metrics_port=None))
+        running.start()
+        try:
+            raised = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            assert raised > 512 and raised in (hard, fdlimit.FD_CEILING)
+            assert _sdk(running).max_connections > 512 - sdk_server.FD_RESERVE
+        finally:
+            running.stop()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_request_names_are_scoped_to_the_uid(agent: AgentThread) -> None:
+    sock = _raw(agent)
+    opened = _ask(sock, sdk.Open(1, "kv", deadline=9e9, request="r1", job="j"))
+    assert isinstance(opened, sdk.Opened)
+    flow = agent.agent.registry.flows[opened.id]  # type: ignore[union-attr]
+    assert (flow.request, flow.job) == (f"{UID}/r1", f"{UID}/j")
+
+
+class _StuckLink:
+    """A coordinator link whose peer stopped reading: the first frame leaves, the next
+    waits in drain() for good."""
+
+    def __init__(self, welcome: Welcome) -> None:
+        self.welcome = welcome
+        self.sent = 0
+
+    async def send(self, message: object) -> None:
+        self.sent += 1
+        if self.sent > 1:
+            await asyncio.Event().wait()
+
+
+def test_a_resync_the_coordinator_does_not_read_ends_the_session(tmp_path: Path) -> None:
+    config = agent_config(tmp_path, metrics_port=None)
+    agent = Agent(config)
+    agent._attach_table()
+    assert agent.registry is not None
+    for _ in range(3):
+        agent.registry.open_sdk(1, FlowClass.BULK, 0.0)
+    agent.job_progress("j", 1, None, owner=UID)
+    link = _StuckLink(Welcome(agent.view.text or "", 0.001, 0.0, 0.01))
+    index = agent._leader_index
+
+    async def session() -> None:
+        async with asyncio.timeout(5):  # the old code waited here for ever
+            await agent._session(link)  # type: ignore[arg-type]
+
+    try:
+        with pytest.raises(TimeoutError, match="took no resync frame"):
+            asyncio.run(session())
+        assert link.sent == 2 and not agent.connected
+        assert agent._leader_index == index + 1  # the next attempt tries the next address
+    finally:
+        assert agent.table is not None
+        agent.table.detach()
+        agent.table.close()
