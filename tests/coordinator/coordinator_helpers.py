@@ -3,8 +3,10 @@ agent link to it."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -107,3 +109,11 @@ async def next_levels(link: AgentLink, timeout: float = 3.0) -> Levels:
         message: Message = await link.recv(max(deadline - time.monotonic(), 0.01))
         if isinstance(message, Levels):
             return message
+
+
+async def scrape(coordinator: Coordinator) -> str:
+    """The running ``coordinator``'s ``/metrics`` text."""
+    addresses = coordinator.addresses
+    assert addresses is not None
+    url = f"http://{addresses.metrics_host}:{addresses.metrics_port}/metrics"
+    return await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import urllib.request
 from collections.abc import Iterable, Mapping
 
 import pytest
@@ -17,12 +16,12 @@ from coordinator_helpers import (
     connect_as,
     next_levels,
     running_coordinator,
+    scrape,
     wait_until,
 )
 
 from flowsched.agent.flows import FlowRegistry
 from flowsched.agent.nic import flow_links
-from flowsched.coordinator import Coordinator
 from flowsched.coordinator.connection import CLOSE_TIMEOUT
 from flowsched.coordinator.service import check_flow_links, check_nic_load
 from flowsched.model import Context, Decision, Flow, FlowClass
@@ -192,13 +191,6 @@ async def test_a_policy_failure_on_one_flow_ends_no_connection_and_loses_no_batc
 # -- link series in /metrics -------------------------------------------------------------------
 
 
-async def _scrape(coordinator: Coordinator) -> str:
-    addresses = coordinator.addresses
-    assert addresses is not None
-    url = f"http://{addresses.metrics_host}:{addresses.metrics_port}/metrics"
-    return await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
-
-
 @pytest.mark.asyncio
 async def test_link_series_are_exported_for_connected_nodes_only() -> None:
     async with running_coordinator(grace_period=60.0) as coordinator:
@@ -209,7 +201,7 @@ async def test_link_series_are_exported_for_connected_nodes_only() -> None:
             await wait_until(lambda: len(coordinator.state.link_load) == 2, 3.0, "both loads")
             await gone.close()
             await wait_until(lambda: "gone" not in coordinator.sessions, 3.0, "gone's end")
-            text = await _scrape(coordinator)
+            text = await scrape(coordinator)
             assert 'link_utilization_ratio{link="here:tx"} 0.25' in text
             assert 'link="gone:tx"' not in text  # kept for its grace period, not exported
             coordinator.state.drop_node("gone", time.time())  # (what its grace period's end does)

@@ -8,7 +8,6 @@ import logging
 import math
 import re
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ from coordinator_helpers import (
     connect_as,
     next_levels,
     running_coordinator,
+    scrape,
     wait_until,
 )
 
@@ -49,13 +49,6 @@ from flowsched.protocol.aio import HandshakeError, LinkClosed, connect_agent
 
 def _open(wire_id: int, **kw: object) -> FlowOpen:
     return FlowOpen(wire_id, FlowClass.KV, time.time(), **kw)  # type: ignore[arg-type]
-
-
-async def _scrape(coordinator: Coordinator) -> str:
-    addresses = coordinator.addresses
-    assert addresses is not None
-    url = f"http://{addresses.metrics_host}:{addresses.metrics_port}/metrics"
-    return await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
 
 
 @pytest.mark.asyncio
@@ -118,7 +111,7 @@ async def test_metrics_endpoint_reflects_live_state() -> None:
             await link.send(NicLoad((NicLoadEntry("n1:tx", 12.5e9, 0.25),)))
             await link.send(Flows(closes=(FlowClose(1, 10, time.time()),)))
             await next_levels(link)
-            text = await _scrape(coordinator)
+            text = await scrape(coordinator)
         finally:
             await link.close()
     assert 'flowsched_coordinator_active_flows{class="kv",level="0"} 1.0' in text
