@@ -102,7 +102,8 @@ def test_connections_over_the_per_uid_cap_are_refused_and_the_client_says_why(
         path = agent.ready.socket  # type: ignore[union-attr]
         with client.flow("bulk", socket_path=path) as handle:
             assert not handle.connected  # static defaults, as with no agent
-    assert "refused the connection (too_many_connections)" in caplog.text
+        # the client's reader thread logs the agent's reason when it reads the refusal
+        wait_until(lambda: "refused the connection (too_many_connections)" in caplog.text)
     assert "SDK connection of pid" in caplog.text  # the agent logs the refusal
     held.close()
     wait_until(lambda: _sdk(agent).clients == 0)
