@@ -35,7 +35,7 @@ import re
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -382,11 +382,11 @@ def changes(want: Plan, have: Tree, *, force: bool = False) -> list[str]:
             f"qdisc replace dev {dev} root handle {HANDLE:x}: htb default {tree.default:x}"
         )
         have = Tree(tree.root, tree.default)
-    managed = {f for f in have.filters if f.pref in MANAGED_PREFS}
-    keys = sorted({(f.pref, f.protocol) for f in managed | tree.filters})
-    differ = [k for k in keys if _filters_at(managed, k) != _filters_at(tree.filters, k)]
+    have_at = _by_pref(f for f in have.filters if f.pref in MANAGED_PREFS)
+    want_at = _by_pref(tree.filters)
+    differ = sorted(k for k in have_at.keys() | want_at.keys() if have_at.get(k) != want_at.get(k))
     for pref, protocol in differ:  # before the classes they point to go
-        if _filters_at(managed, (pref, protocol)):
+        if (pref, protocol) in have_at:
             lines.append(
                 f"filter del dev {dev} parent {HANDLE:x}: pref {pref} protocol {protocol} u32"
             )
@@ -398,14 +398,16 @@ def changes(want: Plan, have: Tree, *, force: bool = False) -> list[str]:
     for minor in sorted(stale, key=lambda m: have.classes[m].parent is None):  # leaves first
         lines.append(f"class del dev {dev} classid {HANDLE:x}:{minor:x}")
     for key in differ:
-        lines += [_filter_line(dev, f) for f in sorted(_filters_at(tree.filters, key))]
+        lines += [_filter_line(dev, f) for f in sorted(want_at.get(key, ()))]
     return lines
 
 
-def _filters_at(
-    filters: frozenset[TcFilter] | set[TcFilter], key: tuple[int, str]
-) -> set[TcFilter]:
-    return {f for f in filters if (f.pref, f.protocol) == key}
+def _by_pref(filters: Iterable[TcFilter]) -> dict[tuple[int, str], set[TcFilter]]:
+    """Filters grouped by (pref, protocol), the unit ``tc filter del`` removes."""
+    groups: dict[tuple[int, str], set[TcFilter]] = {}
+    for f in filters:
+        groups.setdefault((f.pref, f.protocol), set()).add(f)
+    return groups
 
 
 def _class_line(dev: str, spec: TcClass, burst: int) -> str:
