@@ -24,6 +24,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 log = logging.getLogger("flowsched.tls")
 
@@ -40,6 +41,17 @@ class TlsConfigError(ValueError):
         super().__init__(f"{field_name}: {problem}")
         self.field = field_name
         self.problem = problem
+
+
+def certificate_names(peer: Mapping[str, Any] | None) -> tuple[str, ...]:
+    """The names a verified peer certificate (``SSLSocket.getpeercert()``) vouches for: its
+    subjectAltName DNS entries, then its subject's common names; () for no certificate."""
+    if not peer:
+        return ()
+    names = [value for kind, value in peer.get("subjectAltName", ()) if kind == "DNS"]
+    for rdn in peer.get("subject", ()):
+        names += [value for key, value in rdn if key == "commonName"]
+    return tuple(names)
 
 
 def check_pair(cert: str | None, key: str | None, prefix: str = "tls") -> None:

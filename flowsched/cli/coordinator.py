@@ -117,6 +117,12 @@ def register(sub: Any) -> None:
         "--tls-client-ca", metavar="FILE",
         help="require every agent to present a client certificate signed by this CA (mutual TLS)",
     )  # fmt: skip
+    tls.add_argument(
+        "--tls-client-names", choices=("node", "any"), default="node",
+        help="with --tls-client-ca: 'node' (default) admits an agent only as a node its "
+        "certificate names (subjectAltName DNS or CN); 'any' lets any certificate the CA "
+        "signed log in as any node",
+    )  # fmt: skip
     parser.add_argument("--no-uvloop", action="store_true", help="use the plain asyncio loop")
     parser.set_defaults(func=_run)
 
@@ -138,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
             etcd=args.etcd, etcd_cacert=args.etcd_cacert, etcd_cert=args.etcd_cert,
             etcd_key=args.etcd_key, election_name=args.election_name, lease_ttl=args.lease_ttl,
             advertise=args.advertise, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            tls_client_ca=args.tls_client_ca,
+            tls_client_ca=args.tls_client_ca, tls_client_names=args.tls_client_names,
         )  # fmt: skip
         preflight(config)
     except (TokenFileError, ValueError) as exc:  # UsageError and PolicyFileError too

@@ -109,6 +109,10 @@ class CoordinatorConfig:
     tls_key: str | None = None
     #: PEM CA bundle: every agent must present a client certificate it signed (mutual TLS)
     tls_client_ca: str | None = None
+    #: with ``tls_client_ca``: "node", the client certificate must name the node the agent
+    #: logs in as (a subjectAltName DNS entry or the subject's CN); "any", any certificate
+    #: the CA signed may log in as any node
+    tls_client_names: str = "node"
     on_ready: Callable[[Addresses], None] | None = None
 
     def __post_init__(self) -> None:
@@ -143,6 +147,10 @@ class CoordinatorConfig:
             raise tls.TlsConfigError(
                 "tls_client_ca",
                 "client certificates are checked only over TLS: give a certificate and key",
+            )
+        if self.tls_client_names not in ("node", "any"):
+            raise ValueError(
+                f"tls_client_names: expected 'node' or 'any', got {self.tls_client_names!r}"
             )
 
     @classmethod

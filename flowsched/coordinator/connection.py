@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, SupportsIndex, cast
 
+from flowsched import tls
 from flowsched.protocol import (
     HANDSHAKE_MAX_FRAME_SIZE,
     NEED_DATA,
@@ -363,6 +364,7 @@ class AgentConnection:
         assert isinstance(hello, Hello)  # the state table allows nothing else first
         self._writer.write(self._conn.challenge())
         await self._next_message()  # auth: the MAC is checked by the Connection
+        self._check_certificate_names(hello.node)
         refusal = self._coordinator.not_leader()
         if refusal is not None:  # a standby: the agent goes to the leader (docs/ha.md)
             raise ConnectionClosed("not_leader", refusal)
@@ -372,6 +374,22 @@ class AgentConnection:
             coordinator.epoch, coordinator.candidacy.cluster if coordinator.candidacy else 0,
         )  # fmt: skip
         self._writer.write(self._conn.send(welcome))
+
+    def _check_certificate_names(self, node: str) -> None:
+        """Under mutual TLS with ``tls_client_names="node"``, the client certificate must
+        name ``node``: a node's key then logs in as that node only (the token cannot say
+        which node its holder is)."""
+        config = self._config
+        if config.tls_client_ca is None or config.tls_client_names != "node":
+            return
+        names = tls.certificate_names(self._writer.get_extra_info("peercert"))
+        if node not in names:
+            shown = ", ".join(quoted(name, 64) for name in names[:8]) or "none"
+            raise ConnectionClosed(
+                "auth_failed",
+                f"hello: node {quoted(node, 64)} is not a name of the client certificate "
+                f"(its names: {shown}); --tls-client-names any admits any certificate as any node",
+            )
 
     async def _next_message(self) -> Message:
         while True:

@@ -84,7 +84,8 @@ def test_an_agent_over_tls_reports_flows_and_gets_levels(
             context = tls.client_context(
                 str(tls_files.ca), str(tls_files.client_cert), str(tls_files.client_key)
             )
-            link = await _connect(coordinator, context)
+            # the client certificate's CN: under mutual TLS an agent logs in as a node it names
+            link = await _connect(coordinator, context, node="client")
             try:
                 assert (await _levels_for_one_flow(link)).updates == (LevelUpdate(1, 7),)
                 assert link.cipher is not None  # the link is encrypted
@@ -155,6 +156,65 @@ def test_mutual_tls_refuses_agents_without_a_trusted_certificate_and_logs_the_pe
             assert len(logged) == 1 and "127.0.0.1:" in logged[0], logged
 
     run(scenario())
+
+
+#: (node the agent logs in as, tls_client_names) -> admitted; the client certificate has CN
+#: "client" and subjectAltName DNS:localhost, IP:127.0.0.1
+NODE_NAMES = [
+    ("client", "node", True),  # the subject's CN
+    ("localhost", "node", True),  # a DNS subjectAltName
+    ("127.0.0.1", "node", False),  # an IP subjectAltName names an address, not a node
+    ("n2", "node", False),
+    ("Client", "node", False),  # names compare exactly
+    ("n2", "any", True),
+]
+
+
+@pytest.mark.parametrize(("node", "names", "admitted"), NODE_NAMES)
+def test_mutual_tls_admits_an_agent_only_as_a_node_its_certificate_names(
+    run: Runner, tls_files: TlsFiles, node: str, names: str, admitted: bool
+) -> None:
+    async def scenario() -> None:
+        settings = _server(tls_files, mutual=True) | {"tls_client_names": names}
+        async with running_coordinator(**settings) as coordinator:
+            context = tls.client_context(
+                str(tls_files.ca), str(tls_files.client_cert), str(tls_files.client_key)
+            )
+            if not admitted:
+                with pytest.raises(HandshakeError) as refused:
+                    await _connect(coordinator, context, node=node)
+                assert refused.value.code == "auth_failed"
+                assert f"node '{node}' is not a name of the client certificate" in (
+                    refused.value.reason
+                )
+                assert "'client'" in refused.value.reason  # its names, for the operator
+                assert coordinator.live.rejected == {"auth_failed": 1}
+                assert node not in coordinator.sessions
+                node_admitted = "client"  # another agent is not harmed
+            else:
+                node_admitted = node
+            link = await _connect(coordinator, context, node=node_admitted)
+            try:
+                assert (await _levels_for_one_flow(link)).updates == (LevelUpdate(1, 7),)
+            finally:
+                await link.close()
+
+    run(scenario())
+
+
+def test_certificate_names_are_the_dns_alt_names_then_the_common_names() -> None:
+    peer = {
+        "subject": ((("organizationName", "acme"),), (("commonName", "gpu-1"),)),
+        "subjectAltName": (("DNS", "gpu-1.example"), ("IP Address", "10.0.0.1"), ("DNS", "g1")),
+    }
+    assert tls.certificate_names(peer) == ("gpu-1.example", "g1", "gpu-1")
+    assert tls.certificate_names({}) == ()
+    assert tls.certificate_names(None) == ()
+
+
+def test_config_refuses_an_unknown_client_names_rule() -> None:
+    with pytest.raises(ValueError, match="tls_client_names: expected 'node' or 'any'"):
+        CoordinatorConfig(token=TOKEN, policy_factory=object, tls_client_names="cn")  # type: ignore[arg-type]
 
 
 def test_a_port_probe_is_not_a_failed_handshake(

@@ -16,7 +16,7 @@ from flowsched.protocol import write_token
 COORDINATOR = "flowsched_coordinator"
 
 
-def test_mutual_tls_admits_the_agent_with_a_trusted_certificate_and_names_the_other(
+def test_mutual_tls_admits_the_agent_its_certificate_names_and_names_the_others(
     tmp_path: Path, tls_files: Any
 ) -> None:
     token = tmp_path / "token"
@@ -29,18 +29,22 @@ def test_mutual_tls_admits_the_agent_with_a_trusted_certificate_and_names_the_ot
         port = int(coordinator.fields["port"])
         trusted = ("--tls-ca", str(tls_files.ca), "--tls-cert", str(tls_files.client_cert),
                    "--tls-key", str(tls_files.client_key))  # fmt: skip
-        started.append(start_agent(tmp_path, token, port, node="trusted", extra=trusted))
+        # the certificate's CN is "client": the node it may log in as (--tls-client-names node)
+        started.append(start_agent(tmp_path, token, port, node="client", extra=trusted))
         # no client certificate: TLS (it verifies the coordinator) but refused by it
         refused = start_agent(
             tmp_path, token, port, node="refused", extra=("--tls-ca", str(tls_files.ca))
         )
         started.append(refused)
+        # a trusted certificate that does not name the node it logs in as
+        impostor = start_agent(tmp_path, token, port, node="impostor", extra=trusted)
+        started.append(impostor)
 
         def coordinator_metric(name: str, **labels: str) -> float:
             return total(coordinator.metrics(), f"{COORDINATOR}_{name}", **labels)
 
         wait_for(lambda: coordinator_metric("agents_connected") == 1, 20, "the trusted agent")
-        assert "over TLSv1.3" in (tmp_path / "agent-trusted.log").read_text()
+        assert "over TLSv1.3" in (tmp_path / "agent-client.log").read_text()
         wait_for(
             lambda: coordinator_metric("closed_connections_total", reason="tls") >= 1, 20,
             "the refused agent's handshake counted",
@@ -51,6 +55,16 @@ def test_mutual_tls_admits_the_agent_with_a_trusted_certificate_and_names_the_ot
         coordinator_log = (tmp_path / "coordinator.log").read_text()
         assert "TLS handshake with 127.0.0.1:" in coordinator_log
         assert "peer did not return a certificate" in coordinator_log
+        wait_for(
+            lambda: coordinator_metric("closed_connections_total", reason="auth_failed") >= 1, 20,
+            "the impostor refused",
+        )  # fmt: skip
+        impostor_log = tmp_path / "agent-impostor.log"
+        wait_for(
+            lambda: "node 'impostor' is not a name of the client certificate"
+            in impostor_log.read_text(), 20, "the impostor's log",
+        )  # fmt: skip
+        assert total(impostor.metrics(), "flowsched_agent_coordinator_connected") == 0
         assert coordinator_metric("agents_connected") == 1
 
 
