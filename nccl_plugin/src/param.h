@@ -57,6 +57,11 @@
   /* How many times a refused connect is retried, 20 ms apart (listener not accepting yet). */ \
   FS_PARAM_INT(connect_retries, "FLOWSCHED_CONNECT_RETRIES", 150, 0, 100000,                  \
                "retries of a refused connect")                                               \
+  /* An accepted socket must bring its hello, and a connection all its sockets, within this \
+   * many ms of the first socket's accept; else it is dropped, so that a peer that connects  \
+   * and stalls (or dies mid-connect) cannot hold the listener's slots for good. */         \
+  FS_PARAM_INT(accept_timeout_ms, "FLOWSCHED_ACCEPT_TIMEOUT_MS", 30000, 100, 3600000,        \
+               "ms for an accepted connection to complete")                                   \
   /* Flow class when NCCL's trafficClass maps to none: a label (tp, experience, param_sync,  \
    * kv, kv_reuse, bulk) or a class id. Empty = tp. */                                        \
   FS_PARAM_STR(class_name, "FLOWSCHED_CLASS", "", "flow class of this process's connections") \

@@ -137,12 +137,14 @@ struct fs_comm {
 
 struct fs_pending {
   int fd;
+  uint64_t since_ns; /* accepted at (fs_now_ns) */
   size_t off;
   struct fs_hello hello;
 };
 
 struct fs_assembly {
   int used;
+  uint64_t since_ns; /* its first socket was accepted at (fs_now_ns) */
   uint64_t nonce;
   int have;
   struct fs_comm* comm;

@@ -418,7 +418,7 @@ static int accept_new_sockets(struct fs_listen_comm* lcomm) {
       }
       return accept_error_transient(errno) ? 0 : FS_NEG_ERRNO(); /* transient: next call */
     }
-    lcomm->pending[lcomm->npending++] = (struct fs_pending){.fd = fd};
+    lcomm->pending[lcomm->npending++] = (struct fs_pending){.fd = fd, .since_ns = fs_now_ns()};
   }
   return 0;
 }
@@ -450,7 +450,8 @@ static int hello_valid(const struct fs_listen_comm* lcomm, const struct fs_hello
          hello->index <= hello->nsocks;
 }
 
-static struct fs_assembly* assembly_for(struct fs_listen_comm* lcomm, const struct fs_hello* hello) {
+static struct fs_assembly* assembly_for(struct fs_listen_comm* lcomm, const struct fs_hello* hello,
+                                        uint64_t since_ns) {
   struct fs_assembly* free_slot = NULL;
   for (int i = 0; i < FS_MAX_ASSEMBLIES; i++) {
     struct fs_assembly* a = &lcomm->assemblies[i];
@@ -476,13 +477,14 @@ static struct fs_assembly* assembly_for(struct fs_listen_comm* lcomm, const stru
   comm->min_chunk = lcomm->min_chunk;
   comm->inline_max = lcomm->inline_max;
   comm->nonce = hello->nonce;
-  *free_slot = (struct fs_assembly){.used = 1, .nonce = hello->nonce, .comm = comm};
+  *free_slot = (struct fs_assembly){
+      .used = 1, .since_ns = since_ns, .nonce = hello->nonce, .comm = comm};
   return free_slot;
 }
 
 /* Place a socket whose hello is complete; returns the connection once it has all sockets. */
 static struct fs_comm* accept_place(struct fs_listen_comm* lcomm, struct fs_pending* p) {
-  struct fs_assembly* a = assembly_for(lcomm, &p->hello);
+  struct fs_assembly* a = assembly_for(lcomm, &p->hello, p->since_ns);
   if (a == NULL || a->comm->fds[p->hello.index] >= 0) {
     close(p->fd);
     return NULL;
@@ -504,8 +506,38 @@ static struct fs_comm* accept_place(struct fs_listen_comm* lcomm, struct fs_pend
   return comm;
 }
 
+/* Drop the sockets and half-built connections older than FLOWSCHED_ACCEPT_TIMEOUT_MS: a
+ * legitimate connector sends its hello with each connect and opens all its sockets at once,
+ * so only a stalled or dead peer gets that old, and it must not hold a slot for good (with
+ * the pending slots full nothing more is accepted; with the assemblies full every new
+ * connection is closed). */
+static void drop_stale(struct fs_listen_comm* lcomm, uint64_t now_ns) {
+  uint64_t limit_ns = (uint64_t)fs_global_params()->accept_timeout_ms * 1000000u;
+  static atomic_int warned_pending, warned_assembly;
+  for (int i = 0; i < lcomm->npending;) {
+    if (now_ns - lcomm->pending[i].since_ns <= limit_ns) {
+      i++;
+      continue;
+    }
+    FS_WARN_ONCE(warned_pending, "accept: dropping a socket that sent no hello within %lld ms",
+                 (long long)fs_global_params()->accept_timeout_ms);
+    pending_drop(lcomm, i, 1);
+  }
+  for (int i = 0; i < FS_MAX_ASSEMBLIES; i++) {
+    struct fs_assembly* a = &lcomm->assemblies[i];
+    if (a->used && now_ns - a->since_ns > limit_ns) {
+      FS_WARN_ONCE(warned_assembly,
+                   "accept: dropping a connection whose sockets did not all arrive within %lld ms",
+                   (long long)fs_global_params()->accept_timeout_ms);
+      comm_free(a->comm);
+      *a = (struct fs_assembly){0};
+    }
+  }
+}
+
 int fs_accept(struct fs_listen_comm* lcomm, struct fs_comm** out) {
   *out = NULL;
+  drop_stale(lcomm, fs_now_ns());
   FS_CHECK(accept_new_sockets(lcomm));
   for (int i = 0; i < lcomm->npending && *out == NULL;) {
     struct fs_pending* p = &lcomm->pending[i];

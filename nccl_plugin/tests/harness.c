@@ -31,6 +31,10 @@
  *   harness PLUGIN.so marking VERSION     after each level change written to a flow table, every
  *                                         connected socket's IP_TOS/IPV6_TCLASS and SO_PRIORITY
  *                                         (getsockopt) are the level's marking
+ *   harness PLUGIN.so stale VERSION       peers that connect to a listener and send nothing (more
+ *                                         of them than it has slots): once they age out
+ *                                         (FLOWSCHED_ACCEPT_TIMEOUT_MS), a real connection is
+ *                                         accepted and carries data
  *   harness PLUGIN.so bw SIZE COUNT [V]   benchmark: streaming throughput (JSON line)
  *   harness PLUGIN.so rtt COUNT [V]       benchmark: 8-byte round trip (JSON line)
  *
@@ -1099,6 +1103,78 @@ static int bench_bw(int version, size_t size, long count) {
   return 0;
 }
 
+/* ---- stalled peers: sockets that connect to a listener and never send a hello ---------- */
+
+/* The descriptors below 1024 that are listening sockets; returns how many (at most cap). */
+static int listening_fds(int* fds, int cap) {
+  int count = 0;
+  for (int fd = 0; fd < 1024 && count < cap; fd++) {
+    int listening = 0;
+    socklen_t len = sizeof(listening);
+    if (getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &len) == 0 && listening) {
+      fds[count++] = fd;
+    }
+  }
+  return count;
+}
+
+/* The listening socket net_listen just opened: the one not in before[0..nbefore). */
+static int new_listening_fd(const int* before, int nbefore) {
+  int now[64];
+  int nnow = listening_fds(now, 64);
+  for (int i = 0; i < nnow; i++) {
+    int seen = 0;
+    for (int j = 0; j < nbefore; j++) seen |= now[i] == before[j];
+    if (!seen) return now[i];
+  }
+  return -1;
+}
+
+#define STALLED_PEERS 40 /* more than the listener's pending slots (2 x (16 + 1)) */
+
+static int test_stale(int version) {
+  setenv("FLOWSCHED_ACCEPT_TIMEOUT_MS", "300", 1); /* read by the init below */
+  setenv("FSTCP_ACCEPT_TIMEOUT_MS", "300", 1);     /* the same for the wrapped fstcp */
+  struct net n;
+  net_open(&n, version);
+  void* ctx = net_init(&n, 0x5A, -1);
+  int before[64];
+  int nbefore = listening_fds(before, 64);
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void *lcomm = NULL, *scomm = NULL, *rcomm = NULL;
+  net_listen(&n, ctx, handle, &lcomm);
+  int lfd = new_listening_fd(before, nbefore);
+  CHECK(lfd >= 0, "the listener's socket not found");
+  struct sockaddr_storage ss;
+  socklen_t len = sizeof(ss);
+  CHECK(getsockname(lfd, (struct sockaddr*)&ss, &len) == 0, "getsockname");
+  int stalled[STALLED_PEERS];
+  for (int i = 0; i < STALLED_PEERS; i++) {
+    stalled[i] = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(stalled[i] >= 0 && connect(stalled[i], (struct sockaddr*)&ss, len) == 0, "connect");
+  }
+  /* accept takes the stalled sockets first (they queued first) and fills its slots with
+   * them; without an age limit it would never accept the real connection's sockets */
+  NCHECK(CALL(&n, accept, lcomm, &rcomm, NULL));
+  CHECK(rcomm == NULL, "accepted a connection before anyone connected for real");
+  double deadline = now_s() + TIMEOUT_S;
+  while (scomm == NULL || rcomm == NULL) {
+    if (scomm == NULL) NCHECK(net_connect_step(&n, ctx, handle, -1, &scomm));
+    if (rcomm == NULL) NCHECK(CALL(&n, accept, lcomm, &rcomm, NULL));
+    CHECK(now_s() < deadline, "stalled peers kept a real connection out for %d s", TIMEOUT_S);
+  }
+  pump_pair(&n, scomm, rcomm, 70000, 34);
+  for (int i = 0; i < STALLED_PEERS; i++) close(stalled[i]);
+  NCHECK(CALL(&n, closeSend, scomm));
+  NCHECK(CALL(&n, closeRecv, rcomm));
+  NCHECK(CALL(&n, closeListen, lcomm));
+  net_finalize(&n, ctx);
+  net_close(&n);
+  unsetenv("FLOWSCHED_ACCEPT_TIMEOUT_MS");
+  unsetenv("FSTCP_ACCEPT_TIMEOUT_MS");
+  return 0;
+}
+
 static int bench_rtt(int version, long count) {
   int sv[2];
   CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0, "socketpair");
@@ -1167,6 +1243,8 @@ static int run_one(const char* name, int version) {
     rc = test_lifetime(version);
   } else if (strcmp(name, "gateleak") == 0) {
     rc = test_gateleak(version);
+  } else if (strcmp(name, "stale") == 0) {
+    rc = test_stale(version);
   } else {
     fprintf(stderr, "unknown test %s\n", name);
     return 2;
@@ -1179,7 +1257,8 @@ static int run_one(const char* name, int version) {
 int main(int argc, char** argv) {
   if (argc < 3) {
     fprintf(stderr,
-            "usage: %s PLUGIN.so all|transfer|alternate|contexts|cycles|errors|lifetime|gateleak "
+            "usage: %s PLUGIN.so "
+            "all|transfer|alternate|contexts|cycles|errors|lifetime|gateleak|marking|stale "
             "[VERSION]\n",
             argv[0]);
     return 2;
@@ -1196,7 +1275,7 @@ int main(int argc, char** argv) {
     return run_one(argv[2], argc > 3 ? atoi(argv[3]) : 11);
   }
   static const char* const tests[] = {"transfer", "alternate", "contexts", "cycles", "errors",
-                                      "lifetime", "gateleak", "marking"};
+                                      "lifetime", "gateleak", "marking", "stale"};
   for (int version = 8; version <= 12; version++) {
     for (size_t t = 0; t < sizeof(tests) / sizeof(tests[0]); t++) {
       if (run_one(tests[t], version) != 0) {
