@@ -188,6 +188,8 @@ def from_mapping(document: Mapping[str, Any], source: str = "<mapping>") -> Poli
         errors += _policy_arg_errors(name, args)
     if not any(e.startswith("policy") for e in errors):
         errors += _construction_errors(str(name), dict(args), num_levels)
+    if not any(e.startswith(("policy.num_levels", "policy.hw_queues")) for e in errors):
+        errors += _hw_queue_errors(num_levels, hw_queues)
     classes = _classes(document, num_levels, errors)
     queues = _queues(document, hw_queues, errors)
     gating = _table(document, "gating", errors)
@@ -462,6 +464,18 @@ def _drop_shadowed_defaults(
         if cls not in given or "traffic_classes" not in given[cls]:
             kept = tuple(tc for tc in rule.traffic_classes if tc not in explicit)
             rules[cls] = ClassRule(kept, rule.default_level, rule.deadline)
+
+
+def _hw_queue_errors(num_levels: int, hw_queues: int) -> list[str]:
+    """More hardware queues than levels: a level is one queue, so only K of them would carry
+    traffic, and the default markings spread over all H would mark the scavenger level
+    (bulk) with a middle queue's DSCP (CS4 for K=4, H=8) instead of LE."""
+    if hw_queues <= num_levels:
+        return []
+    return [
+        f"policy.hw_queues: {hw_queues} is more than num_levels ({num_levels}); each level "
+        f"uses one hardware queue, so set hw_queues to at most {num_levels}"
+    ]
 
 
 def _construction_errors(name: str, args: dict[str, Any], num_levels: int) -> list[str]:

@@ -215,6 +215,31 @@ BAD_FILES = [
         ["policy"],
     ),
     (
+        "sjf-ratio-overflows-at-K",
+        '[policy]\nname = "sjf"\nnum_levels = 64\n[policy.args]\nratio = 1e6\n',
+        ["policy.args.ratio: 1000000.0 ** 61 overflows a float (K=64)"],
+    ),
+    (
+        "rmlq-urgent-ratio-huge",
+        MINIMAL + "[policy.args]\nurgent_levels = 3\nearly_levels = 2\nurgent_ratio = 1e200\n",
+        ["policy.args.urgent_ratio: expected a number in (1.0, 1024.0], got 1e+200"],
+    ),
+    (
+        "karuna-threshold-count",
+        '[policy]\nname = "karuna"\n[policy.args]\nthresholds = [1, 2, 3, 4, 5, 6, 7]\n',
+        ["policy.args.thresholds: expected 6 thresholds for K=8 (level 0 holds the deadline"],
+    ),
+    (
+        "hw-queues-above-K",
+        '[policy]\nname = "static"\nnum_levels = 4\nhw_queues = 8\n',
+        ["policy.hw_queues: 8 is more than num_levels (4)"],
+    ),
+    (
+        "hw-queues-above-K-with-other-errors",
+        MINIMAL + "num_levels = 6\nhw_queues = 8\n",
+        ["policy.hw_queues: 8 is more than num_levels (6)", "policy.args.early_levels"],
+    ),
+    (
         "all-errors-collected",
         MINIMAL + "num_levels = 99\n[policy.args]\nU = -1\n[classes.kv]\ndeadline = 0\n",
         ["policy.num_levels", "policy.args.U", "classes.kv.deadline"],
@@ -242,6 +267,26 @@ def test_cli_check_reports_errors_with_exit_2(tmp_path: Path) -> None:
     assert f"{bad}: classes.kv.deadline: expected a number > 0.0, got -1" in result.stdout
     assert f"{bad}: policy.args.E: expected a number in (1.0, 1024.0], got 0" in result.stdout
     assert f"{good}: ok (policy rmlq, K=8" in result.stdout
+
+
+def test_cli_refuses_what_show_cannot_handle(tmp_path: Path) -> None:
+    """An urgent_ratio whose powers overflow passed ``check`` and crashed ``show``."""
+    bad = tmp_path / "ratio.toml"
+    bad.write_text(
+        MINIMAL + "[policy.args]\nurgent_levels = 3\nearly_levels = 2\nurgent_ratio = 1e200\n"
+    )
+    for action in ("check", "show"):
+        result = run_cli(action, str(bad))
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert f"{bad}: policy.args.urgent_ratio: expected a number in" in result.stdout
+        assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_files_use_at_most_one_hardware_queue_per_level(path: Path) -> None:
+    config = policyfile.load(path)
+    assert config.hw_queues <= config.num_levels
+    assert set(config.level_queue) == set(range(config.hw_queues))
 
 
 def test_cli_check_missing_file(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 * ``flowsched policy check FILE...``: validate each file; prints ``FILE: ok (...)`` or one line
   per error (``FILE: classes.kv.deadline: ...``); exit status 2 if any file has an error.
+  Notes (reserved DSCPs) and warnings (what only the simulator applies) leave the status 0.
 * ``flowsched policy show [FILE]``: the level -> hardware queue -> DSCP / SO_PRIORITY table and
   the class rules of a file (default: the packaged ``default.toml``).
 * ``flowsched policy list``: the registered policies and the shipped policy files.
@@ -34,7 +35,8 @@ def register(sub: Any) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """Validate every file; print one verdict per file; 2 if any is invalid."""
+    """Validate every file; print one verdict per file, then its notes and warnings (which
+    leave the status alone); 2 if any is invalid."""
     status = 0
     for name in args.files:
         try:
@@ -47,7 +49,25 @@ def run_check(args: argparse.Namespace) -> int:
         print(f"{name}: ok ({config.summary()})")
         for note in roce_notes(config):
             print(f"{name}: note: {note}")
+        for warning in live_warnings(config):
+            print(f"{name}: warning: {warning}")
     return status
+
+
+def live_warnings(config: PolicyConfig) -> list[str]:
+    """Warnings (not errors) for what a policy does in the simulator but not live.
+
+    Returns:
+        One line per difference: today karuna's rate caps (``Decision.rate``), which only the
+        simulator applies (the agent applies a decision's level, nothing paces a flow).
+    """
+    if config.policy != "karuna":
+        return []
+    return [
+        "karuna's rate caps (each deadline flow paced at its minimum rate) apply only in the "
+        "simulator; live, the agent applies levels only: deadline flows are strictly first "
+        "at level 0, unpaced"
+    ]
 
 
 #: DSCP ranges RoCE fabrics usually reserve: 26 (lossless, PFC priority 3) and 48 (CNP,

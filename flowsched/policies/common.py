@@ -237,11 +237,15 @@ class TrafficMeter:
     that carried no byte for that long are forgotten (their utilization has decayed by
     ``exp(-PRUNE_WINDOWS)``, far below any float's resolution next to a live sample): link
     names of closed flows are not kept forever, and no decision changes.
+
+    A time earlier than one already passed (a wall clock stepped back) re-bases the meter's
+    times by the step, as if no time had passed since the latest: it keeps measuring (it
+    skipped every update until the clock passed its old times again, rho frozen meanwhile).
     """
 
     __slots__ = (
-        "_counted", "_flow_rate", "_flow_rates", "_link_util", "_next_prune", "_pending",
-        "_tallies", "_then", "_touched", "window",
+        "_counted", "_flow_rate", "_flow_rates", "_latest", "_link_util", "_next_prune",
+        "_pending", "_tallies", "_then", "_touched", "window",
     )  # fmt: skip
 
     def __init__(self, window: float, *, flow_rates: bool = True) -> None:
@@ -250,6 +254,8 @@ class TrafficMeter:
         self.window = window
         self._flow_rates = flow_rates
         self._then: float | None = None
+        #: the latest time passed to open or update (a time before it: _rebase)
+        self._latest = -math.inf
         # Per flow, one record updated in place (_Counted). Not a (when, sent) tuple replaced
         # on every report: a tuple replaced per report is a new object tracked by the garbage
         # collector, and the one it replaces, freed, takes the young generation's count back
@@ -274,6 +280,9 @@ class TrafficMeter:
 
     def open(self, flow: Flow, now: float) -> None:
         """Start counting ``flow`` from its current ``sent`` (the meter's clock starts too)."""
+        if now < self._latest:
+            self._rebase(now - self._latest)
+        self._latest = now
         if self._then is None:
             self._then = now
         if flow.flow_id not in self._counted:
@@ -347,7 +356,11 @@ class TrafficMeter:
         passed or closed, i.e. a little late, which a window much longer than a flow's
         lifetime or evaluation period absorbs.
         """
-        then, now = self._then, ctx.now
+        now = ctx.now
+        if now < self._latest:
+            self._rebase(now - self._latest)
+        self._latest = now
+        then = self._then
         if then is not None and now <= then:
             return
         self._then = now
@@ -406,6 +419,19 @@ class TrafficMeter:
         if now >= self._next_prune:
             self._next_prune = now + PRUNE_WINDOWS * window
             self._prune(now - PRUNE_WINDOWS * window)
+
+    def _rebase(self, step: float) -> None:
+        """Move every stored time by ``step`` (< 0: the clock went back by that much since the
+        latest time passed), so that the next update measures from the step on."""
+        self._latest += step
+        if self._then is not None:
+            self._then += step
+        self._next_prune += step
+        for record in self._counted.values():
+            record.counted_at += step
+        for levels in self._link_util.values():
+            for entry in levels.values():
+                entry[1] += step
 
     def _prune(self, idle_since: float) -> None:
         """Forget the (link, level) tallies no open flow is filed under whose last bytes came

@@ -13,6 +13,10 @@ by their bytes sent (PIAS's MLFQ), as Karuna splits its type-2 and type-3 flows.
 
 A rate is re-issued only when it moves by more than ``rate_tolerance`` (relative), so that a
 reevaluation returns sparse changes.
+
+The rate caps are applied by the simulator only. Live, the coordinator ships them but the agent
+applies levels only (nothing paces a flow): live karuna is "deadline flows strictly first" at
+level 0, not Karuna's minimum rate. ``flowsched policy check`` warns about it.
 """
 
 from __future__ import annotations
@@ -77,6 +81,12 @@ class KarunaPolicy:
         self.num_levels = num_levels
         self._args = args
         lower = max(num_levels - 1, 1)
+        if args.thresholds is not None and len(args.thresholds) != lower - 1:
+            # worded here: pias's own message would name the K of its levels, K-1
+            raise ValueError(
+                f"policy.args.thresholds: expected {lower - 1} thresholds for K={num_levels} "
+                f"(level 0 holds the deadline flows), got {len(args.thresholds)}"
+            )
         pias_args = pias.Args(args.thresholds, args.size_samples, args.size_cdf, args.load)
         self.thresholds = pias.resolve_thresholds(pias_args, lower)
         self._offset = 1 if num_levels > 1 else 0

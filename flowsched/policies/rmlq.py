@@ -51,7 +51,8 @@ from flowsched.policies.common import (
 from flowsched.policies.feasibility import Demand, inter_scheduling, robust_effective_deadline
 
 NAME = "rmlq"
-#: largest ratio between two MLU band thresholds (E) and largest MLU scale (U) accepted
+#: largest ratio between two MLU band thresholds (E) and largest MLU scale (U) accepted; also
+#: the largest ``urgent_ratio`` (its powers bound the time bands: 1024^62 is still a float)
 MAX_BAND_RATIO = 1024.0
 MAX_BAND_SCALE = 1024.0
 #: a ``consumer_index`` at or above this is not a layer: it never deepens the learned model
@@ -104,7 +105,9 @@ _FIELDS = {
     "top_threshold": optional(number(0.0, open_low=True)),
     "urgent_levels": integer(1, 62),
     "urgent_slack": number(0.0),
-    "urgent_ratio": number(1.0, open_low=True),
+    # bounded like E: urgent_ratio = 1e200 passed, then urgent_ratio**i overflowed in
+    # describe_levels and next_change (OverflowError: policy show crashed, the flow quarantined)
+    "urgent_ratio": number(1.0, MAX_BAND_RATIO, open_low=True),
     "urgent_order": one_of("deadline", "slack"),
     "early_levels": integer(1, 62),
     "red_tiers": integer(1, 62),
@@ -215,7 +218,10 @@ class RmlqPolicy:
         self._urgent: dict[int, Flow] = {}
         self._alg1_due = False
         self._alg1_last = -math.inf
-        #: job -> (index, when it was reached), EWMA seconds per index step; the deepest index
+        #: the latest time the policy was called at (a clock stepping back is a reset: _rebase)
+        self._latest = -math.inf
+        #: job -> (index, when it was reached), EWMA seconds per index step, for the jobs in
+        #: ``Context.job_index`` (forgotten once a job leaves it: _watch_jobs); the deepest index
         #: seen per scope (see _depth_scope: one user's flows never deepen another's model)
         self._job_seen: dict[str, tuple[int, float]] = {}
         self._job_pace: dict[str, float] = {}
@@ -533,7 +539,13 @@ class RmlqPolicy:
         return {req: rank * tiers // len(reds) for rank, req in enumerate(reds)}
 
     def _watch_jobs(self, ctx: Context) -> None:
-        """Follow the pace (seconds per index step) of the jobs whose requests are tracked."""
+        """Follow the pace (seconds per index step) of the jobs whose requests are tracked, and
+        forget the jobs gone from ``ctx.job_index`` (their pace is read only while they are in
+        it; in serving a job is a batch: one entry per batch, kept for good, grew without bound)."""
+        index_of = ctx.job_index
+        for gone in [job for job in self._job_seen if job not in index_of]:
+            del self._job_seen[gone]
+            self._job_pace.pop(gone, None)
         for job in {f.job for f in self._urgent.values() if f.job is not None}:
             index = ctx.job_index.get(job)
             if index is None:
@@ -605,6 +617,31 @@ class RmlqPolicy:
         target = self.target_level(flow, ctx, found, tier)
         return target if flow.level < 0 else min(target, flow.level)
 
+    def _follow_clock(self, now: float) -> None:
+        """Note the time of a call; a clock that went back (an NTP step of the wall clock the
+        coordinator and the agent read) re-bases the stored times (:meth:`_rebase`)."""
+        if now >= self._latest:
+            self._latest = now
+        else:
+            self._rebase(now - self._latest)
+
+    def _rebase(self, step: float) -> None:
+        """Move every stored time by ``step`` (< 0), as if no time had passed since the latest
+        call: Algorithm 1 keeps its interval, a request its memory and grace, a job its pace,
+        instead of all waiting until the clock passes their times again. (The meter re-bases
+        its own times the same way.) Deadlines are the flows' own: they are not moved."""
+        self._latest += step
+        self._alg1_last += step
+        self._found.clear()
+        for request, since in self._infeasible_since.items():
+            self._infeasible_since[request] = since + step
+        for request, since in self._idle_requests.items():
+            self._idle_requests[request] = since + step
+        for request, (first, last, when, pace) in self._layer_pace.items():
+            self._layer_pace[request] = (first, last, when + step, pace)
+        for job, (index, when) in self._job_seen.items():
+            self._job_seen[job] = (index, when + step)
+
     def _settled(self, flow: Flow) -> bool:
         """True when no evaluation can change ``flow``: at its class's floor, nothing to prune."""
         level = flow.level
@@ -613,6 +650,7 @@ class RmlqPolicy:
         return not self._prunable(flow)
 
     def admit(self, flow: Flow, ctx: Context) -> Decision:
+        self._follow_clock(ctx.now)
         if flow.request is not None:
             self._idle_requests.pop(flow.request, None)
             self._request_flows[flow.request] = self._request_flows.get(flow.request, 0) + 1
@@ -654,6 +692,7 @@ class RmlqPolicy:
 
     def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
         active = flows if isinstance(flows, list | tuple) else list(flows)
+        self._follow_clock(ctx.now)
         self._forget_idle_requests(ctx.now)
         if self.args.rho_source != "none":
             self._meter.update(active, ctx)
@@ -706,6 +745,7 @@ class RmlqPolicy:
         ``reevaluate``.
         """
         active = flows if isinstance(flows, list | tuple) else list(flows)
+        self._follow_clock(ctx.now)
         if self.args.rho_source != "none":
             self._meter.update(active, ctx)  # reevaluate's own update at this instant is a no-op
         explicit, inert = EXPLICIT_DEADLINE, self._inert_levels
@@ -756,6 +796,7 @@ class RmlqPolicy:
                     self._urgent.pop(fid, None)
 
     def release(self, flow: Flow, ctx: Context) -> None:
+        self._follow_clock(ctx.now)
         self._meter.close(flow)
         self._urgent.pop(flow.flow_id, None)
         siblings = self._siblings.get(flow.request or "")
@@ -811,7 +852,11 @@ class RmlqPolicy:
             return None
         times = []
         if self._prunable(flow) and flow.deadline is not None:
-            times.append(flow.deadline)
+            if flow.deadline > ctx.now and (flow.remaining or 0) > 0:
+                # pruned there if bytes of its own are left, as LateDrop.next_change says (a
+                # past one re-armed its timer at every tick: with mlu_scope = "request", its
+                # request's bytes keep found.remaining > 0 once its own are sent)
+                times.append(flow.deadline)
             since = self._infeasible_since.get(self._request_key(flow))
             if since is not None:
                 times.append(since + self.args.feasibility_grace)

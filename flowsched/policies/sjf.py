@@ -46,8 +46,18 @@ def size_level(remaining: int | None, args: Args, levels: int) -> int:
 
 
 def band_bounds(args: Args, levels: int) -> list[float]:
-    """Lower bounds of bands 1..levels-2: ``base * ratio**i`` (for a bisect instead of a log)."""
-    return [args.base * args.ratio**i for i in range(max(levels - 2, 0))]
+    """Lower bounds of bands 1..levels-2: ``base * ratio**i`` (for a bisect instead of a log).
+
+    Raises:
+        ValueError: ``ratio**(levels - 3)`` overflows a float (the error names the field).
+    """
+    try:
+        return [args.base * args.ratio**i for i in range(max(levels - 2, 0))]
+    except OverflowError:
+        raise ValueError(
+            f"policy.args.ratio: {args.ratio!r} ** {levels - 3} overflows a float (K={levels}); "
+            "use a smaller ratio or fewer levels"
+        ) from None
 
 
 class SjfPolicy:

@@ -784,6 +784,7 @@ def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -
         ({"pace_layers": -1}, "policy.args.pace_layers"),
         ({"urgent_levels": 0}, "policy.args.urgent_levels"),
         ({"urgent_ratio": 1.0}, "policy.args.urgent_ratio"),
+        ({"urgent_ratio": 1e200}, "policy.args.urgent_ratio: expected a number in (1.0, 1024.0]"),
         ({"urgent_order": "size"}, "policy.args.urgent_order"),
     ],
     ids=[
@@ -803,6 +804,7 @@ def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -
         "pace-layers",
         "urgent-levels",
         "urgent-ratio",
+        "urgent-ratio-huge",
         "urgent-order",
     ],
 )
@@ -1114,3 +1116,139 @@ def test_an_index_that_is_no_layer_never_deepens_the_model() -> None:
     _learn_depth(pol, 32)
     _learn_depth(pol, rmlq.MAX_DEPTH + 1)
     assert 7 not in _open_layers(pol, "r", 0.3115)  # still the 32-layer model: just in time
+
+
+@pytest.mark.parametrize(
+    ("urgent_levels", "deferred_order"),
+    [(61, "deadline"), (1, "deadline"), (61, "mlu")],
+    ids=["urgent-bands", "deferred-bands", "urgent-bands-mlu"],
+)
+def test_the_largest_urgent_ratio_overflows_nothing(
+    urgent_levels: int, deferred_order: str
+) -> None:
+    """urgent_ratio is bounded (validate) so that ratio^i, up to K = 64 levels, stays a float:
+    describe_levels and next_change at every level work (1e200 raised OverflowError)."""
+    ratio = rmlq.MAX_BAND_RATIO
+    assert rmlq.validate({"urgent_ratio": ratio}, "policy.args") == []
+    pol = policy(64, urgent_levels=urgent_levels, early_levels=1, urgent_ratio=ratio,
+                 deferred_order=deferred_order)  # fmt: skip
+    assert len(pol.describe_levels()) == 64
+    flow = build_flow(cls="kv", size=int(1e8), deadline=1e6)
+    pol.admit(flow, ctx())
+    for level in range(63):
+        flow.level = level
+        found = pol.next_change(flow, ctx())
+        assert found is None or found > 0
+
+
+# -- bounded state, clock steps --------------------------------------------------------------
+
+
+def _run_batches(pol: rmlq.RmlqPolicy, batches: int) -> int:
+    """Serve ``batches`` batches of one request x 3 layers (each layer's P2D opened as the job
+    reaches it, urgent), close them all and return the most jobs ``pol`` remembered at once."""
+    now, fid, most = 0.0, 0, 0
+    for batch in range(batches):
+        job = f"i0/b{batch}"
+        flows = []
+        for layer in range(3):
+            fid += 1
+            flow = build_flow(fid, cls="kv", size=int(1.5e8), deadline=now + 0.1, job=job,
+                              consumer_index=layer, request=f"{job}/r", links=("n0",))  # fmt: skip
+            flow.level = pol.admit(flow, ctx(now, job_index={job: layer})).level
+            flows.append(flow)
+            now += 0.011
+            for changed, decision in pol.reevaluate(
+                flows, ctx(now, job_index={job: layer + 1})
+            ).items():
+                next(f for f in flows if f.flow_id == changed).level = decision.level
+            most = max(most, len(pol._job_seen), len(pol._job_pace))
+        now += 0.011
+        for flow in flows:  # the job's prefill is over: it left job_index
+            flow.sent = flow.size or 0
+            pol.release(flow, ctx(now))
+    pol.reevaluate([], ctx(now + 0.011))  # the last request left: Algorithm 1 runs
+    return most
+
+
+def test_job_state_is_forgotten_once_the_job_is_gone() -> None:
+    """The per-job pace (Algorithm 1's remaining compute) is kept for the jobs in
+    ``Context.job_index`` only: a serving job is one batch, and an entry per batch kept for
+    good grew the coordinator's policy for as long as it ran."""
+    pol = policy()
+    most = _run_batches(pol, 30)
+    assert 1 <= most <= 2, "the pace of the job in prefill is followed"
+    assert pol._job_seen == {} and pol._job_pace == {}
+
+
+def _alg1_after_a_clock_step(step_back: float) -> list[str]:
+    """Three requests of 4e7 bytes due 60 ms after a clock step of ``step_back`` seconds
+    back, on one 1e9 B/s link: one fits; what Algorithm 1 prunes."""
+    pol = policy(pace_layers=0)
+    t0 = 1000.0
+    warm = build_flow(1, cls="kv", size=10**6, deadline=t0 + 1, request="w", links=("n0",))
+    warm.level = pol.admit(warm, ctx(t0)).level
+    pol.reevaluate([warm], ctx(t0 + 0.02))  # Algorithm 1 ran at t0 + 0.02
+    now = t0 + 0.03 - step_back
+    flows = [build_flow(10 + i, cls="kv", size=int(4e7), deadline=now + 0.06, request=f"r{i}",
+                        links=("n0",)) for i in range(3)]  # fmt: skip
+    for flow in flows:
+        flow.level = pol.admit(flow, ctx(now)).level
+    for k in range(1, 4):
+        for changed, decision in pol.reevaluate(flows, ctx(now + 0.011 * k)).items():
+            next(f for f in flows if f.flow_id == changed).level = decision.level
+    return sorted(pol._pruned)
+
+
+@pytest.mark.parametrize("step_back", [0.005, 1.0, 60.0], ids=["5ms", "1s", "60s"])
+def test_algorithm_1_runs_on_after_the_clock_steps_back(step_back: float) -> None:
+    """A wall clock stepped back (NTP) re-bases the policy's times: Algorithm 1 keeps its
+    interval instead of waiting for the clock to pass its last run again."""
+    pruned = _alg1_after_a_clock_step(0.0)
+    assert len(pruned) == 1
+    assert _alg1_after_a_clock_step(step_back) == pruned
+
+
+def test_idle_request_state_is_forgotten_after_the_clock_steps_back() -> None:
+    pol = policy(request_memory=0.5)
+    flow = build_flow(1, cls="kv", size=10, deadline=2000.0, request="r", consumer_index=0)
+    pol.admit(flow, ctx(1000.0))
+    pol.release(flow, ctx(1000.1))
+    pol.reevaluate([], ctx(940.3))  # the clock stepped back: counted as no time passed
+    pol.reevaluate([], ctx(940.7))
+    assert "r" in pol._layer_pace  # 0.4 s since the step
+    pol.reevaluate([], ctx(940.85))
+    assert "r" not in pol._layer_pace
+
+
+@pytest.mark.parametrize("step_back", [1.0, 60.0], ids=["1s", "60s"])
+def test_traffic_meter_measures_on_after_the_clock_steps_back(step_back: float) -> None:
+    """rho does not freeze at its value before a backward clock step: the meter re-bases its
+    times and keeps counting (it skipped every update until the clock passed them again)."""
+    meter = TrafficMeter(0.05)
+    flow = build_flow(1, cls="kv", size=10**12, links=("n0",))
+    flow.level = 3
+    meter.open(flow, 1000.0)
+    meter.update([flow], ctx(1000.0))  # idle so far
+    now = 1000.0 - step_back
+    for k in range(1, 41):  # then 200 ms at the link's full rate
+        flow.sent += 5 * 10**6
+        meter.update([flow], ctx(now + 0.005 * k))
+    assert meter.link_load("n0") == pytest.approx(1.0, rel=0.05)
+    assert meter.flow_rate(flow) == pytest.approx(B, rel=0.05)
+
+
+def test_next_change_never_returns_a_past_deadline() -> None:
+    """With ``mlu_scope = "request"`` a flow whose own bytes are all sent still has its
+    request's bytes left; its deadline, once past, was returned at every call (the
+    coordinator re-fired its timer on every tick)."""
+    pol = policy(mlu_scope="request", drop_budget=0)
+    done = build_flow(1, cls="kv", size=10**6, deadline=0.01, request="r", links=("L",))
+    busy = build_flow(2, cls="kv", size=10**9, deadline=0.01, request="r", links=("L",))
+    for flow in (done, busy):
+        flow.level = pol.admit(flow, ctx()).level
+    done.sent = done.size or 0
+    for now in (0.005, 0.01, 0.011, 0.05):
+        found = pol.next_change(done, ctx(now))
+        assert found is None or found > now, (now, found)
+    assert pol.next_change(busy, ctx(0.005)) == pytest.approx(0.01)  # its own deadline: pruned
