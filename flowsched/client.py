@@ -22,6 +22,14 @@ write, or one served by a process running as neither root, this user nor
 ``$FLOWSCHED_AGENT_UID`` (docs/security.md).
 Open flows are re-opened (with new ids) when the agent restarts, or adopted when an agent
 first appears; a flow is closed at the agent when its process disconnects.
+
+No call waits on a slow agent for long: ``open`` waits at most :data:`OPEN_TIMEOUT` for its
+answer (an answer that comes later is still taken, or its flow closed), and messages go
+through a per-connection queue that a writer thread drains (progress of one flow coalesced),
+so a stalled agent never blocks ``progress``, ``close`` or :func:`job_progress`; past
+:data:`SEND_QUEUE_LIMIT` queued bytes the connection is given up and re-made. A forked child
+(a DataLoader worker) makes its own connection: it never uses its parent's. Listeners run on
+the connection's reader thread: they must not block, nor call the SDK.
 """
 
 from __future__ import annotations
@@ -31,21 +39,29 @@ import dataclasses
 import functools
 import itertools
 import logging
+import os
 import socket
 import struct
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from flowsched import rundir
 from flowsched.model import FlowClass
-from flowsched.protocol import sdk
+from flowsched.protocol import U64_MAX, sdk
 
 log = logging.getLogger("flowsched.client")
 
+#: seconds ``open`` waits for the agent's answer before the flow runs at its static default
 OPEN_TIMEOUT = 2.0
 RECONNECT_INTERVAL = 1.0
+#: bytes queued for an agent that does not read before the connection is given up (the agent
+#: then closes its flows, and they are re-opened on the next connection)
+SEND_QUEUE_LIMIT = 1 << 20
+#: opens whose answer came too late that are still remembered (their flows adopted or closed)
+LATE_OPENS = 1024
 
 
 def default_socket_path() -> str:
@@ -181,15 +197,31 @@ class FlowHandle:
 
     # ------------------------------------------------------------ progress
     def progress(self, sent: int) -> None:
-        """Report that ``sent`` bytes of this flow have been sent so far (absolute count)."""
+        """Report that ``sent`` bytes of this flow have been sent so far (absolute count).
+
+        Raises:
+            ValueError: ``sent`` is not an integer in 0..2**64-1.
+        """
+        sent = _byte_count(sent, "sent")
         with self._lock:
-            self._sent = max(self._sent, int(sent))
-        if self._conn is not None and self.id is not None:
-            self._conn.send(sdk.Progress(self.id, self._sent))
+            self._sent = max(self._sent, sent)
+        self._report()
 
     def add_bytes(self, nbytes: int) -> None:
-        """Report ``nbytes`` more bytes sent."""
-        self.progress(self._sent + int(nbytes))
+        """Report ``nbytes`` more bytes sent (atomic: concurrent calls all count).
+
+        Raises:
+            ValueError: ``nbytes`` is negative, or the total leaves 0..2**64-1.
+        """
+        nbytes = _byte_count(nbytes, "nbytes")
+        with self._lock:
+            self._sent = _byte_count(self._sent + nbytes, "the total of add_bytes")
+        self._report()
+
+    def _report(self) -> None:
+        flow_id = self.id
+        if self._conn is not None and flow_id is not None:
+            self._conn.send(sdk.Progress(flow_id, self._sent))  # the latest total, at send time
 
     def close(self) -> None:
         """Close the flow at the agent (idempotent)."""
@@ -198,9 +230,124 @@ class FlowHandle:
                 return
             self._closed = True
         if self._conn is not None:
-            if self.id is not None:
-                self._conn.send(sdk.Close(self.id, self._sent))
-            self._conn.forget(self)
+            flow_id = self._conn.forget(self)
+            if flow_id is not None:
+                self._conn.send(sdk.Close(flow_id, self._sent))
+
+
+class _Sender:
+    """Writes one agent socket's frames in order without blocking the caller.
+
+    A frame goes straight to the kernel (``MSG_DONTWAIT``) when nothing is queued before it;
+    otherwise it is queued, and the writer thread (started with the sender) sends the queue.
+    A queued ``progress`` is kept once per flow and carries the flow's latest count when it
+    is sent. Beyond :data:`SEND_QUEUE_LIMIT` queued bytes the agent is taken to be stuck:
+    :meth:`send` shuts the socket down (the reader thread then drops the connection).
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        #: frames, or a flow id whose latest progress is in ``_progress``
+        self._queue: deque[bytes | int] = deque()
+        self._queued = 0  # bytes of the frames in ``_queue``
+        self._progress: dict[int, int] = {}
+        self._writing = False  # the writer thread is sending a frame it took off the queue
+        self._stopped = False
+        threading.Thread(target=self._write_queue, name="flowsched-sdk-writer", daemon=True).start()
+
+    @property
+    def backed_up(self) -> bool:
+        """Whether frames wait for the agent to read (the kernel's buffer is full)."""
+        return bool(self._queue) or self._writing
+
+    def send(self, message: sdk.SdkMessage) -> bool:
+        """Send or queue ``message``; False when the connection is (now) unusable."""
+        with self._lock:
+            if self._stopped:
+                return False
+            if isinstance(message, sdk.Progress) and message.id in self._progress:
+                self._progress[message.id] = message.sent  # coalesced with the queued one
+                return True
+            if isinstance(message, sdk.Close):
+                self._progress.pop(message.id, None)  # the close carries the count
+            data = sdk.encode(message)
+            if not self._queue and not self._writing:
+                try:
+                    sent = self.sock.send(data, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    return False
+                if sent == len(data):
+                    return True
+                self._queue.append(data[sent:])  # the rest of this frame goes first
+                self._queued += len(data) - sent
+            elif isinstance(message, sdk.Progress):
+                self._progress[message.id] = message.sent
+                self._queue.append(message.id)
+                self._queued += len(data)
+            else:
+                self._queue.append(data)
+                self._queued += len(data)
+            if self._queued <= SEND_QUEUE_LIMIT:
+                self._ready.notify()
+                return True
+        log.warning(
+            "flowsched agent at %s has not read %d queued bytes: giving the connection up "
+            "(its flows are re-opened on the next one)", _socket_name(self.sock), self._queued,
+        )  # fmt: skip
+        self.stop()
+        return False
+
+    def stop(self) -> None:
+        """Drop the queue, end the writer thread and shut the socket down (idempotent)."""
+        with self._lock:
+            self._stopped = True
+            self._queue.clear()
+            self._progress.clear()
+            self._queued = 0
+            self._ready.notify_all()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a writer blocked in sendall
+
+    def _write_queue(self) -> None:
+        while (data := self._next_frame()) is not None:
+            try:
+                self.sock.sendall(data)  # only this thread waits for a slow agent
+            except OSError:
+                self.stop()  # the reader thread sees the end and drops the connection
+                return
+            finally:
+                with self._lock:
+                    self._writing = False
+
+    def _next_frame(self) -> bytes | None:
+        with self._lock:
+            while True:
+                while not self._queue and not self._stopped:
+                    self._ready.wait()
+                if self._stopped:
+                    return None
+                entry = self._queue.popleft()
+                if isinstance(entry, int):
+                    sent = self._progress.pop(entry, None)
+                    if sent is None:  # closed since: its close carried the count
+                        continue
+                    data = sdk.encode(sdk.Progress(entry, sent))
+                else:
+                    data = entry
+                self._queued = max(self._queued - len(data), 0)
+                self._writing = True
+                return data
+
+
+def _socket_name(sock: socket.socket) -> str:
+    try:
+        return str(sock.getpeername())
+    except OSError:
+        return "its socket"
 
 
 class AgentConnection:
@@ -209,11 +356,13 @@ class AgentConnection:
     def __init__(self, path: str) -> None:
         self.path = path
         self._sock: socket.socket | None = None
-        self._send_lock = threading.Lock()
+        self._sender: _Sender | None = None
         self._state_lock = threading.Lock()
         self._refs = itertools.count(1)
         #: open requests waiting for their answer: ref -> (answered, answer, handle)
         self._pending: dict[int, tuple[threading.Event, list[sdk.SdkMessage], FlowHandle]] = {}
+        #: open requests answered too late (or not waited for): ref -> handle, oldest first
+        self._late: dict[int, FlowHandle] = {}
         self._handles: dict[int, FlowHandle] = {}
         self._live: set[FlowHandle] = set()
         self._last_attempt = -RECONNECT_INTERVAL
@@ -228,7 +377,7 @@ class AgentConnection:
             if self._sock is not None:
                 return True
             now = time.monotonic()
-            if now - self._last_attempt < RECONNECT_INTERVAL:
+            if self._closed or now - self._last_attempt < RECONNECT_INTERVAL:
                 return False
             self._last_attempt = now
             problem = rundir.client_dir_problem(self.path)
@@ -257,6 +406,7 @@ class AgentConnection:
                 )
                 return False
             self._sock = sock
+            self._sender = _Sender(sock)
         threading.Thread(
             target=self._reader, args=(sock,), name="flowsched-sdk", daemon=True
         ).start()
@@ -268,37 +418,40 @@ class AgentConnection:
             log.warning("%s", text)
 
     def send(self, message: sdk.SdkMessage) -> bool:
-        """Send one message; False (and the connection dropped) on failure."""
-        sock = self._sock
-        if sock is None:
-            return False
-        try:
-            with self._send_lock:
-                sock.sendall(sdk.encode(message))
-        except OSError:
-            # the agent closed it: the reader thread closes the socket once it has read what
-            # the agent said last (a refusal, logged there)
-            self._drop(sock, close=False)
-            return False
-        return True
+        """Send one message without waiting on the agent; False when not connected or the
+        connection is being given up (see :class:`_Sender`)."""
+        sender = self._sender
+        return sender is not None and sender.send(message)
 
     def open(self, request: sdk.Open, handle: FlowHandle) -> sdk.Opened | None:
-        """Send ``open`` and wait for ``opened``; None on error or timeout.
+        """Send ``open`` and wait (at most :data:`OPEN_TIMEOUT`) for ``opened``; None on error
+        or timeout, and at once when the agent is not reading.
 
         The reader thread gives ``handle`` its id and marking the moment ``opened`` arrives,
         before it reads the next frame: a ``level`` the agent pushes right after ``opened``
-        is never lost, nor overwritten by the older marking ``opened`` carried.
+        is never lost, nor overwritten by the older marking ``opened`` carried. An ``opened``
+        that comes after this returned is still given to ``handle`` (or its flow closed, if
+        the handle was closed or re-opened meanwhile): no flow is left open at the agent.
         """
         event = threading.Event()
         box: list[sdk.SdkMessage] = []
         with self._state_lock:
             self._pending[request.ref] = (event, box, handle)
+        sender = self._sender
         try:
-            if not self.send(request) or not event.wait(OPEN_TIMEOUT) or not box:
-                return None
+            if not self.send(request) or sender is None or sender.backed_up:
+                pass  # the agent is not reading: the answer, if any, is taken when it comes
+            else:
+                event.wait(OPEN_TIMEOUT)
         finally:
             with self._state_lock:
                 self._pending.pop(request.ref, None)
+                if not box and self._sender is sender and sender is not None:
+                    self._late[request.ref] = handle
+                    while len(self._late) > LATE_OPENS:
+                        del self._late[next(iter(self._late))]
+        if not box:
+            return None
         reply = box[0]
         if isinstance(reply, sdk.Error):
             log.warning("flowsched agent refused the flow: %s", reply.reason)
@@ -318,12 +471,16 @@ class AgentConnection:
         if start:
             self._start_reconnecting()
 
-    def forget(self, handle: FlowHandle) -> None:
-        """The flow is closed: stop routing level pushes to it and stop re-opening it."""
+    def forget(self, handle: FlowHandle) -> int | None:
+        """The flow is closed: stop routing level pushes to it and stop re-opening it; returns
+        its id at the agent (None when it has none), read under the same lock as a late
+        ``opened`` gives it one (so one of the two closes it there)."""
         with self._state_lock:
             self._live.discard(handle)
-            if handle.id is not None:
-                self._handles.pop(handle.id, None)
+            flow_id = handle.id
+            if flow_id is not None:
+                self._handles.pop(flow_id, None)
+            return flow_id
 
     def _start_reconnecting(self) -> None:
         with self._state_lock:
@@ -377,19 +534,7 @@ class AgentConnection:
     def _dispatch(self, message: sdk.SdkMessage) -> None:
         ref = getattr(message, "ref", None)
         if isinstance(message, sdk.Opened | sdk.Error) and ref is not None:
-            with self._state_lock:
-                pending = self._pending.get(ref)
-                if pending is not None and isinstance(message, sdk.Opened):
-                    pending[2].id = message.id
-                    self._handles[message.id] = pending[2]
-            if pending is not None:
-                if isinstance(message, sdk.Opened):
-                    pending[2]._set_marking(
-                        Marking(message.level, message.dscp, message.so_priority,
-                                message.nccl_traffic_class)
-                    )  # fmt: skip
-                pending[1].append(message)
-                pending[0].set()
+            self._answer(ref, message)
         elif isinstance(message, sdk.Error):  # about the connection (a cap): it closes next
             if message.reason != self._refusal:
                 self._refusal = message.reason
@@ -410,15 +555,52 @@ class AgentConnection:
                 )
                 handle._set_marking(marking)
 
+    def _answer(self, ref: int, message: sdk.Opened | sdk.Error) -> None:
+        """An ``opened`` or a refusal for request ``ref``: to the waiting ``open``, or to a
+        handle whose ``open`` stopped waiting; an ``opened`` nobody takes is closed."""
+        opened = message if isinstance(message, sdk.Opened) else None
+        with self._state_lock:
+            pending = self._pending.get(ref)
+            late = self._late.pop(ref, None) if pending is None else None
+            handle = pending[2] if pending is not None else late
+            adopt = opened is not None and handle is not None
+            if adopt and late is not None and (late._closed or late.id is not None):
+                adopt = False  # closed, or re-opened under another id, meanwhile
+            if adopt:
+                assert opened is not None and handle is not None
+                handle.id = opened.id
+                self._handles[opened.id] = handle
+            if pending is not None:
+                pending[1].append(message)
+        if opened is None:
+            if pending is not None:
+                pending[0].set()
+            return
+        if not adopt:
+            self.send(sdk.Close(opened.id, 0))  # no handle will ever close it
+            return
+        assert handle is not None
+        marking = Marking(opened.level, opened.dscp, opened.so_priority, opened.nccl_traffic_class)
+        handle._set_marking(marking)
+        if pending is not None:
+            pending[0].set()
+        elif handle._sent:
+            self.send(sdk.Progress(opened.id, handle._sent))
+
     def _drop(self, sock: socket.socket, *, close: bool = True) -> None:
         with self._state_lock:
+            sender = None
             if self._sock is sock:
                 self._sock = None
+                sender, self._sender = self._sender, None
             for event, _, _ in self._pending.values():
                 event.set()
+            self._late.clear()  # the agent closes the flows of a connection that ends
             for handle in self._live:
                 handle.id = None
             self._handles.clear()
+        if sender is not None:
+            sender.stop()
         if close:
             with contextlib.suppress(OSError):
                 sock.close()
@@ -433,6 +615,20 @@ class AgentConnection:
                 sock.shutdown(socket.SHUT_RDWR)
             self._drop(sock)
 
+    def _disown_after_fork(self) -> None:
+        """In a forked child: let go of the parent's connection without touching it (the
+        socket is shared with the parent), and never use or re-make it here."""
+        self._state_lock = threading.Lock()  # another thread of the parent may have held it
+        self._closed = True
+        sock, self._sock, self._sender = self._sock, None, None
+        self._pending.clear()
+        self._late.clear()
+        self._handles.clear()
+        self._live.clear()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                os.close(sock.detach())  # this process's copy of the descriptor only
+
 
 def _peer_uid(sock: socket.socket) -> int | None:
     """The uid of the process at the other end of a unix socket (SO_PEERCRED), or None."""
@@ -446,6 +642,33 @@ def _peer_uid(sock: socket.socket) -> int | None:
 _connections: dict[str, AgentConnection] = {}
 _last_job: str | None = None
 _connections_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, multiprocessing's fork) inherits its parent's
+    connections but not their threads: it lets them go and makes its own, under its own pid.
+    Sharing the parent's socket would route the child's answers to the parent, and keep the
+    parent's flows open at the agent after the parent died."""
+    global _connections, _connections_lock
+    inherited = list(_connections.values())
+    _connections, _connections_lock = {}, threading.Lock()
+    for conn in inherited:
+        conn._disown_after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _byte_count(value: int, name: str) -> int:
+    """``value`` as a byte count the protocol carries (0..2**64-1).
+
+    Raises:
+        ValueError: naming ``name``.
+    """
+    count = int(value)
+    if not 0 <= count <= U64_MAX:
+        raise ValueError(f"{name} must be a byte count in 0..2**64-1, got {value!r}")
+    return count
 
 
 def connection(path: str | None = None) -> AgentConnection:

@@ -5,12 +5,14 @@ ECN bits zero) and, for InfiniBand, a service level (SL, 0..15). The mapping is 
 tested; building real ``pyverbs`` objects needs rdma-core's Python bindings and an RDMA device.
 
 UNVERIFIED ON HARDWARE: the development machine has no RDMA support in its kernel (no rxe, siw
-or /dev/infiniband), so :func:`build_qp_attr` and :func:`discover_devices` have only been run
-against the pyverbs API's absence. The mapping functions are fully tested.
+or /dev/infiniband), so no QP was ever created. :func:`build_qp_attr` is tested against
+Debian's real pyverbs (``python3-pyverbs``, without a device) and :func:`discover_devices`
+against a host without devices; the mapping functions are fully tested.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -85,13 +87,19 @@ def build_qp_attr(
 ) -> Any:
     """A ``pyverbs.qp.QPAttr`` whose address vector carries ``marking`` (for the RTR modify).
 
-    ``dgid`` is the peer's GID (``"fe80:0000:...:0001"``). The caller fills the rest of the
-    RTR attributes (``dest_qp_num``, ``rq_psn``, path MTU, ...) and modifies the QP. Raises
-    :class:`RdmaUnavailable` without pyverbs. ``pyverbs`` replaces the imported package (tests).
+    ``dgid`` is the peer's GID in any IPv6 spelling (``"fe80::1"``), or an IPv4 address for a
+    RoCEv2 peer (its GID is ``::ffff:a.b.c.d``). The caller fills the rest of the RTR
+    attributes (``dest_qp_num``, ``rq_psn``, path MTU, ...) and modifies the QP.
+    ``pyverbs`` replaces the imported package (tests).
+
+    Raises:
+        ValueError: ``dgid`` is not a GID.
+        RdmaUnavailable: pyverbs is not installed.
     """
+    gid = full_gid(dgid)
     pv = pyverbs if pyverbs is not None else _pyverbs()
     route = pv.addr.GlobalRoute(
-        dgid=pv.addr.GID(dgid),
+        dgid=pv.addr.GID(gid),
         sgid_index=gid_index,
         hop_limit=hop_limit,
         traffic_class=marking.traffic_class,
@@ -100,6 +108,26 @@ def build_qp_attr(
     attr = pv.qp.QPAttr(port_num=port_num)
     attr.ah_attr = ah
     return attr
+
+
+def full_gid(text: str) -> str:
+    """``text`` as pyverbs' ``GID`` parses it: eight groups of four hex digits (it refuses
+    ``"fe80::1"``); an IPv4 address becomes its v4-mapped RoCEv2 GID.
+
+    Raises:
+        ValueError: naming ``dgid``.
+    """
+    try:
+        address = ipaddress.ip_address(text.strip())
+    except (ValueError, AttributeError):
+        raise ValueError(
+            f"dgid: expected a GID (an IPv6 address, or IPv4 for RoCEv2), got {text!r}"
+        ) from None
+    if isinstance(address, ipaddress.IPv6Address) and address.scope_id is not None:
+        raise ValueError(f"dgid: a GID has no zone (%...), got {text!r}")
+    if isinstance(address, ipaddress.IPv4Address):
+        address = ipaddress.IPv6Address(f"::ffff:{address}")
+    return address.exploded
 
 
 @dataclass(frozen=True, slots=True)

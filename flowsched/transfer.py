@@ -118,6 +118,10 @@ class SocketMarker:
             try:
                 if self._sock.family == socket.AF_INET6:
                     self._sock.setsockopt(socket.IPPROTO_IPV6, _IPV6_TCLASS, tos)
+                    # an IPv4 peer (v4-mapped: a socket accepted on a dual-stack listener)
+                    # gets IPv4 packets, whose TOS comes from IP_TOS, not IPV6_TCLASS
+                    with contextlib.suppress(OSError):
+                        self._sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
                 else:
                     self._sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
                 self._set_priority(so_priority)
@@ -179,11 +183,16 @@ def pattern_digest(size: int, seed: int = 0) -> str:
     return h.hexdigest()
 
 
-def _blocks(data: bytes | memoryview | int, seed: int) -> tuple[int, Iterator[bytes | memoryview]]:
+def _blocks(
+    data: bytes | memoryview | int, seed: int, block: int = _PATTERN_BLOCK
+) -> tuple[int, Iterator[bytes | memoryview]]:
+    """The payload's size and its blocks: a user buffer in zero-copy slices of at most
+    ``block`` bytes, so that hashing, sending and progress reports interleave."""
     if isinstance(data, int):
         return data, iter(pattern(data, seed))
     view = memoryview(data).cast("B")
-    return len(view), iter([view])
+    block = max(block, 1)
+    return len(view), (view[i : i + block] for i in range(0, len(view), block))
 
 
 # ------------------------------------------------------------------------- sender
@@ -202,9 +211,11 @@ def send_flow(
     """Send ``data_or_size`` (bytes, or a size for a :func:`pattern` payload) as one transfer.
 
     ``sock_or_addr`` is a connected TCP socket (left open) or an address to connect to (closed
-    afterwards). With ``flow_handle`` the socket follows the flow's marking and the flow's
-    progress is reported every ``report_every`` bytes. Raises :class:`TransferError` when the
-    receiver does not acknowledge an intact transfer within ``timeout`` of inactivity.
+    afterwards; its timeout and blocking mode are restored, its marking and
+    TCP_NOTSENT_LOWAT stay). With ``flow_handle`` the socket follows the flow's marking and
+    the flow's progress is reported every ``report_every`` bytes. Raises
+    :class:`TransferError` when the receiver does not acknowledge an intact transfer within
+    ``timeout`` of inactivity.
     """
     if chunk <= 0:
         raise ValueError("chunk must be positive")
@@ -215,10 +226,11 @@ def send_flow(
     marker = SocketMarker(sock)
     listener = marker.follow(flow_handle) if flow_handle is not None else None
     started = time.monotonic()
+    caller_timeout = sock.gettimeout()
     try:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, notsent_lowat)
-        size, blocks = _blocks(data_or_size, seed)
+        size, blocks = _blocks(data_or_size, seed, min(report_every, _PATTERN_BLOCK))
         fid = flow_id if flow_id is not None else (flow_handle.id if flow_handle else None) or 0
         digest = _stream(
             sock,
@@ -235,6 +247,9 @@ def send_flow(
             flow_handle.remove_listener(listener)
         if owned:
             sock.close()
+        else:
+            with contextlib.suppress(OSError):
+                sock.settimeout(caller_timeout)
     return SendStats(size, started, time.monotonic(), digest, marker.applied)
 
 

@@ -85,6 +85,8 @@ class SdkServer:
         self._repeat_log = RepeatLog(log)
         self.requests: Counter[str] = Counter()
         self._first_level: dict[int, asyncio.Future[int]] = {}
+        #: opens waiting for the coordinator's first level before they are answered
+        self._answering: set[asyncio.Future[None]] = set()
 
     @property
     def clients(self) -> int:
@@ -112,6 +114,8 @@ class SdkServer:
 
     async def close(self) -> None:
         """Disconnect every client."""
+        for task in list(self._answering):
+            task.cancel()
         for writer in list(self._writers):
             writer.close()
 
@@ -154,7 +158,7 @@ class SdkServer:
             while data := await self._read(reader, idle=not owned):
                 decoder.feed(data)
                 while (message := decoder.next_message()) is not None:
-                    await self._handle(message, (pid, uid), writer, owned)
+                    self._handle(message, (pid, uid), writer, owned)
         except sdk.SdkProtocolError as exc:
             self.errors_total += 1
             log.warning("SDK client pid %d sent a bad frame: %s", pid, exc)
@@ -218,7 +222,7 @@ class SdkServer:
         if self._flows_of[uid] <= 0:
             del self._flows_of[uid]
 
-    async def _handle(
+    def _handle(
         self,
         message: sdk.SdkMessage,
         cred: tuple[int, int | None],
@@ -230,7 +234,7 @@ class SdkServer:
         assert registry is not None
         self.requests[message.TYPE] += 1
         if isinstance(message, sdk.Open):
-            await self._open(message, cred, writer, owned)
+            self._open(message, cred, writer, owned)
         elif isinstance(message, sdk.Progress) and message.id in owned:
             registry.sdk_progress(message.id, pid, message.sent)
         elif isinstance(message, sdk.Close) and message.id in owned:
@@ -244,7 +248,7 @@ class SdkServer:
             # scoped to the client's uid: no other user can set this job's step
             self.agent.job_progress(message.job, message.step, message.layer, owner=uid)
 
-    async def _open(
+    def _open(
         self,
         message: sdk.Open,
         cred: tuple[int, int | None],
@@ -268,7 +272,22 @@ class SdkServer:
         for key in linked:
             self.agent.write_slot(key)
         if flow.level < 0 and self.agent.connected:
-            await self._await_first_level(flow.flow_id)
+            # answered once the coordinator's first level comes (or the wait ends), in a task
+            # of its own: the connection's other messages, other opens too, are not held up
+            task = asyncio.ensure_future(self._answer_after_first_level(message, flow, writer))
+            self._answering.add(task)
+            task.add_done_callback(self._answering.discard)
+            return
+        self._answer_open(message, flow, writer)
+
+    async def _answer_after_first_level(
+        self, message: sdk.Open, flow: Flow, writer: asyncio.StreamWriter
+    ) -> None:
+        await self._await_first_level(flow.flow_id)
+        if not writer.is_closing():  # else the client is gone, and its flows closed with it
+            self._answer_open(message, flow, writer)
+
+    def _answer_open(self, message: sdk.Open, flow: Flow, writer: asyncio.StreamWriter) -> None:
         view = self.agent.view
         level = flow.level if flow.level >= 0 else view.default_level(flow.cls)
         mark = view.marking(level)

@@ -260,7 +260,7 @@ def _check(msg_type: str, name: str, value: Any, *, optional: bool) -> Any:
         if type(value) is not int or not low <= value <= high:
             raise SdkProtocolError(f"{where}: expected an integer in {int(low)}..{int(high)}", name)
     elif kind == "f":
-        if type(value) not in (int, float) or not math.isfinite(value) or value < low:
+        if type(value) not in (int, float) or not _finite(value) or value < low:
             raise SdkProtocolError(f"{where}: expected a finite number >= {low:g}", name)
         value = float(value)
     elif kind == "n":
@@ -273,6 +273,14 @@ def _check(msg_type: str, name: str, value: Any, *, optional: bool) -> Any:
             f"{where}: expected text of {int(low)}..{int(high)} characters", name
         )
     return value
+
+
+def _finite(value: float) -> bool:
+    """math.isfinite, False (not OverflowError) for an int too large for a float."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _check_node(node: str | None) -> None:

@@ -19,7 +19,7 @@ import pytest
 from agent_helpers import wait_until
 from prometheus_client import CollectorRegistry
 
-from flowsched.agent import AgentConfig
+from flowsched.agent import AgentConfig, sdk_server
 from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.coordinator import Coordinator, CoordinatorConfig
@@ -153,3 +153,38 @@ def test_opened_comes_before_any_level_push_and_carries_the_first_level(
     first = messages[0]
     assert isinstance(first, sdk.Opened), messages  # a level for an unknown id was dropped
     assert first.level == FIRST_LEVEL  # the coordinator's level, decided while opening
+
+
+def test_an_open_waiting_for_its_first_level_does_not_hold_up_the_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator stalls: the first open waits for its level, and the next one (refused
+    at once by the per-user cap) is answered first, not after that wait (audit H2)."""
+    monkeypatch.setattr(sdk_server, "FIRST_LEVEL_WAIT", 30.0)
+    token_file = tmp_path / "token"
+    coordinator = CoordinatorThread(write_token(token_file))
+    resume = threading.Event()
+    with coordinator as port:
+        config = _config(
+            tmp_path, coordinator=("127.0.0.1", port), token_file=str(token_file),
+            fallback_after=60.0,
+        )  # fmt: skip
+        try:
+            with AgentThread(config) as running:
+                wait_until(lambda: running.agent.connected)
+                assert running.agent.sdk is not None
+                running.agent.sdk.max_flows_per_uid = 1
+                coordinator._loop.call_soon_threadsafe(resume.wait, 30)  # the coordinator stalls
+                decoder = sdk.SdkDecoder("client")
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(10)
+                    sock.connect(config.socket_path)
+                    sock.sendall(
+                        sdk.encode(sdk.Open(1, "kv", size=10**9, deadline=time.time() + 60))
+                        + sdk.encode(sdk.Open(2, "kv", size=10**9, deadline=time.time() + 60))
+                    )
+                    decoder.feed(sock.recv(65536))
+                    first = decoder.next_message()
+                assert isinstance(first, sdk.Error) and first.ref == 2, first
+        finally:
+            resume.set()

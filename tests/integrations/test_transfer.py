@@ -142,6 +142,38 @@ def test_progress_is_reported_to_the_flow() -> None:
     assert handle.reported == sorted(handle.reported) and len(handle.reported) >= 5
 
 
+@pytest.mark.parametrize("payload", [bytes, memoryview], ids=["bytes", "memoryview"])
+def test_a_user_buffer_is_sent_and_reported_as_it_goes(payload: type) -> None:
+    """Progress every ``report_every`` bytes for a caller's buffer too (it was hashed whole
+    before the first byte left, and reported once, at the end)."""
+    data = payload(os.urandom(5 << 20))
+    handle = FakeHandle(level=1, dscp=8)
+    with transfer.Receiver() as rx:
+        transfer.send_flow(rx.address, data, flow_handle=handle, report_every=1 << 20)
+        got = rx.results.get(timeout=10)
+    assert got.ok and got.digest == hashlib.sha256(data).hexdigest()
+    assert handle.reported[:5] == [n << 20 for n in range(1, 6)]
+
+
+@pytest.mark.parametrize("timeout", [None, 7.5], ids=["blocking", "timeout"])
+def test_the_callers_socket_keeps_its_timeout(timeout: float | None) -> None:
+    with transfer.Receiver() as rx, socket.create_connection(rx.address) as sock:
+        sock.settimeout(timeout)
+        transfer.send_flow(sock, 100_000, timeout=3)
+        assert rx.results.get(timeout=10).ok
+        assert sock.gettimeout() == timeout
+
+
+def test_a_failed_send_leaves_the_callers_socket_blocking() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        sock = socket.create_connection(server.getsockname())
+        peer, _ = server.accept()
+        peer.close()  # the receiver is gone: the send fails
+        with sock, pytest.raises(transfer.TransferError):
+            transfer.send_flow(sock, 64 << 20, timeout=3)
+        assert sock.gettimeout() is None
+
+
 def test_corrupted_payload_is_detected_and_the_sender_told() -> None:
     with transfer.Receiver() as rx:
         sock = socket.create_connection(rx.address)
@@ -256,3 +288,17 @@ def test_priority_without_capability_keeps_the_dscp(caplog: pytest.LogCaptureFix
     assert fake.options[socket.IPPROTO_IP, socket.IP_TOS] == 34 << 2
     assert [level for _, level in marker.applied] == [0, 1]
     assert sum("CAP_NET_ADMIN" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_marker_sets_the_tos_of_an_ipv6_socket_with_an_ipv4_peer() -> None:
+    """A socket accepted on a dual-stack listener carries IPv4 packets: their TOS is IP_TOS."""
+    try:
+        server = socket.create_server(("::", 0), family=socket.AF_INET6, dualstack_ipv6=True)
+    except (OSError, ValueError) as exc:
+        pytest.skip(f"no dual-stack IPv6 socket here: {exc}")
+    with server, socket.create_connection(("127.0.0.1", server.getsockname()[1])):
+        accepted, peer = server.accept()
+        with accepted:
+            assert peer[0] == "::ffff:127.0.0.1"  # a v4-mapped peer
+            transfer.SocketMarker(accepted).apply(0, 46, 0)
+            assert accepted.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 46 << 2

@@ -83,8 +83,10 @@ def test_a_server_running_as_another_user_is_not_trusted(
         try:
             os.setuid(NOBODY)
             listener.listen()
-            conn, _ = listener.accept()
-            conn.recv(1)  # until the client hangs up
+            while True:  # the probe below, then the client, until killed
+                conn, _ = listener.accept()
+                conn.recv(1)  # until that one hangs up
+                conn.close()
         finally:
             os._exit(0)
     listener.close()
