@@ -12,6 +12,7 @@ among the candidates of this batch and the more urgent ones, is pruned and its l
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -29,14 +30,17 @@ class Demand:
 def robust_effective_deadline(deadlines: Iterable[float]) -> float:
     """RED of a batch: split the sorted distinct deadlines at the largest gap, then weight.
 
-    ``RED = f * min(tight) + (1 - f) * min(loose)``, f = the tight fraction; one deadline -> it.
+    ``RED = f * min(tight) + (1 - f) * min(loose)``, f = the fraction of the requests (one
+    deadline each, repeats counted) that are tight; one distinct deadline -> it.
     """
-    ordered = sorted(set(deadlines))
+    every = sorted(deadlines)
+    ordered = sorted(set(every))
     split = _largest_gap(ordered)
     if split == 0:
         return ordered[0]
-    fraction = split / len(ordered)
-    return fraction * ordered[0] + (1.0 - fraction) * ordered[split]
+    loose_from = ordered[split]
+    fraction = bisect.bisect_left(every, loose_from) / len(every)
+    return fraction * ordered[0] + (1.0 - fraction) * loose_from
 
 
 def loose_deadline(deadlines: Iterable[float]) -> float:

@@ -384,8 +384,11 @@ def test_starved_flow_is_not_promoted_by_a_burst() -> None:
         ([1.0, 2.0, 10.0, 11.0], 5.5, 10.0),
         ([1.0, 1.1, 1.2, 5.0], 2.0, 5.0),
         ([2.0, 2.0], 2.0, 2.0),
+        # f counts requests, repeats included (the paper's fraction of tight requests): 4 of 5
+        ([1.0, 1.0, 1.0, 1.0, 10.0], 0.8 * 1.0 + 0.2 * 10.0, 10.0),
+        ([1.0, 2.0, 10.0, 10.0], 0.5 * 1.0 + 0.5 * 10.0, 10.0),
     ],
-    ids=["single", "two-two", "three-one", "equal"],
+    ids=["single", "two-two", "three-one", "equal", "repeated-tight", "repeated-loose"],
 )
 def test_robust_effective_deadline(deadlines: list[float], red: float, loose: float) -> None:
     assert rmlq.robust_effective_deadline(deadlines) == pytest.approx(red)
