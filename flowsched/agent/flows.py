@@ -11,9 +11,19 @@ node's ingress ``<dst_node>:rx`` (see :mod:`flowsched.agent.nic`). Plugin connec
 the peer rank, not its node, and keep the node's own links.
 
 Linking rule (design item 4): while an SDK flow of class C is open in process P, the plugin
-connections of class C in P (to ``peer`` when given) carry it. Their standalone flows are closed,
-the bytes they send from then on count as the SDK flow's progress, and the SDK flow's level is
-written into their slots. When the SDK flow closes they become standalone flows again (new ids).
+send connections of class C in P (to ``peer`` when given) carry it. Their standalone flows are
+closed, the bytes they send from then on count as the SDK flow's progress, and the SDK flow's
+level is written into their slots. When several open SDK flows match one connection, it
+carries the oldest (the first opened): a connection keeps its SDK flow while that is open, and
+when it closes the connection passes to the oldest other open match, if any; with none it
+becomes a standalone flow again (new id).
+
+Peers: the plugin learns a send connection's peer rank after the connection starts (its
+``peer_rank`` is -1 until the receiver's rank note arrives, and for good in wrapping mode), so
+while a connection's peer is -1 and its process has an SDK flow narrowed to a peer, every scan
+re-reads the slot's ``peer_rank``; once known, an unlinked connection links to the oldest
+matching SDK flow. Receive connections are never flows and never linked: their bytes are the
+sending node's progress, and the plugin applies levels to sends only.
 
 The registry only records facts and queues the messages for the coordinator; the service does
 the I/O (table writes, SDK pushes, sending batches). Times are wall-clock seconds.
@@ -191,7 +201,8 @@ class FlowRegistry:
             self._refresh_sdk(flow_id)
 
     def close_sdk(self, flow_id: int, pid: int, sent: int | None, now: float) -> list[SlotKey]:
-        """Close an SDK flow; returns the slots that become standalone flows again."""
+        """Close an SDK flow; returns the slots it carried, whose level must be rewritten: each
+        now carries the oldest other open SDK flow that matches it, else is its own flow again."""
         info = self.sdk.get(flow_id)
         if info is None or info.pid != pid:
             return []
@@ -204,7 +215,11 @@ class FlowRegistry:
         for key in sorted(info.slots):
             conn = self.slots[key]
             conn.linked_to = None
-            self._start_own_flow(conn, now)
+            successor = self._carrier(conn)
+            if successor is not None:
+                self._link(conn, successor, now)
+            else:
+                self._start_own_flow(conn, now)
             released.append(key)
         return released
 
@@ -238,14 +253,26 @@ class FlowRegistry:
         """Apply one scan of ``(index, state, claim_seq, bytes)`` entries.
 
         Known ACTIVE connections only update their byte count; anything new or CLOSED is
-        re-read consistently with ``fetch(index)``. A connection missing from the scan, or
-        CLOSED, has ended. Returns (new connection keys, ended keys whose slot may be freed).
+        re-read consistently with ``fetch(index)``, and so is a send connection whose peer is
+        still unknown (-1) while its process has an SDK flow narrowed to a peer. A connection
+        missing from the scan, or CLOSED, has ended. Returns (keys of new connections and of
+        connections that changed carrier, whose level must be written; ended keys whose slot
+        may be freed).
         """
         seen: set[SlotKey] = set()
         changed: list[SlotKey] = []
         ended: list[SlotKey] = []
+        narrowed = {info.pid for info in self.sdk.values() if info.peer is not None}
         for index, state, seq, nbytes in entries:
             conn = self.slots.get((index, seq))
+            if (
+                conn is not None
+                and conn.peer_rank < 0
+                and conn.direction == layout.DIR_SEND
+                and conn.pid in narrowed
+                and self._learn_peer(conn, fetch(index), now)
+            ):
+                changed.append(conn.key)
             if conn is None or state == layout.SLOT_CLOSED:
                 snap = fetch(index)
                 if snap is None:
@@ -274,10 +301,10 @@ class FlowRegistry:
         self.slots[snap.key] = conn
         if conn.direction != layout.DIR_SEND:
             return conn
-        for flow_id in self.sdk:
-            if self._matches(conn, flow_id):
-                self._link(conn, flow_id, now, base=0)
-                return conn
+        carrier = self._carrier(conn)
+        if carrier is not None:
+            self._link(conn, carrier, now, base=0)
+            return conn
         opened = now - max(mono_ns - snap.open_ns, 0) / 1e9 if snap.open_ns else now
         self._start_own_flow(conn, opened, base=0)
         return conn
@@ -289,6 +316,24 @@ class FlowRegistry:
         flow.attrs["slot"] = conn.key[0]
         conn.flow_id = flow.flow_id
         self._own_slot[flow.flow_id] = conn.key
+
+    def _learn_peer(self, conn: SlotConn, snap: SlotSnapshot | None, now: float) -> bool:
+        """Take the peer rank the plugin filled in since; link the connection when that makes
+        an SDK flow match it. True when it changed carrier."""
+        if snap is None or snap.key != conn.key or snap.peer_rank < 0:
+            return False
+        conn.peer_rank = snap.peer_rank
+        if conn.linked_to is not None:
+            return False
+        carrier = self._carrier(conn)
+        if carrier is None:
+            return False
+        self._link(conn, carrier, now)
+        return True
+
+    def _carrier(self, conn: SlotConn) -> int | None:
+        """The oldest open SDK flow that ``conn`` should carry (None: none matches)."""
+        return next((sdk_id for sdk_id in self.sdk if self._matches(conn, sdk_id)), None)
 
     def _matches(self, conn: SlotConn, sdk_id: int) -> bool:
         info = self.sdk[sdk_id]

@@ -178,6 +178,16 @@ class Agent:
         state = "created" if info.created else "re-attached"
         log.info("%s flow table %s (generation %d, %d slots kept)", state, cfg.table_path,
                  info.generation, len(info.kept_slots))  # fmt: skip
+        for repair in info.repaired:
+            log.warning("flow table %s: repaired header field %s", cfg.table_path, repair)
+        if info.num_slots != cfg.num_slots:
+            log.warning(
+                "flow table %s has %d slots, not the %d asked for (--slots): an existing table "
+                "keeps its size. To resize it safely: stop the jobs that use it (each keeps "
+                "the table it mapped until it restarts), stop the agent, remove the file, and "
+                "start the agent with the new --slots",
+                cfg.table_path, info.num_slots, cfg.num_slots,
+            )  # fmt: skip
         self.table.write_config(self.view.table_config())
         self.registry = FlowRegistry(
             node=cfg.node,
@@ -301,6 +311,25 @@ class Agent:
         if reaped:
             self.stats["reaped"] += len(reaped)
             log.info("reaped %d slots of exited processes", len(reaped))
+        found = self.table.last_reap
+        for key, slots, what in (
+            ("bad_pid", found.bad_pid, "held a pid no process can have (0 or >= 2^31)"),
+            ("reused_pid", found.reused_pid, "named a pid now used by a later process"),
+        ):
+            if slots:
+                self.stats[f"slots_{key}"] = self.stats.get(f"slots_{key}", 0) + len(slots)
+                self._repeat_log.log(
+                    f"reap:{key}", logging.WARNING,
+                    "flow table %s: %d slots (first: %d) %s; reaped as dead",
+                    self.config.table_path, len(slots), slots[0], what,
+                )  # fmt: skip
+        for index, exc in found.errors[:1]:
+            self.stats["reap_errors"] = self.stats.get("reap_errors", 0) + len(found.errors)
+            self._repeat_log.log(
+                "reap:error", logging.WARNING,
+                "flow table %s: could not judge %d slots (first: slot %d: %r); the others "
+                "were reaped", self.config.table_path, len(found.errors), index, exc,
+            )  # fmt: skip
 
     async def _heartbeat_table(self) -> None:
         assert self.table is not None

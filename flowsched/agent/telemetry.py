@@ -88,10 +88,12 @@ class Telemetry:
             yield from hist.collect()
 
 
-#: level label of the ``sent_bytes`` counter for each applied_level word value
+#: level label of the ``sent_bytes`` counter for each applied_level word value; any other value
+#: (only a table writer's tampering makes one) is ``INVALID_LEVEL``, so the series stay bounded
 _LEVEL_LABELS = {level: str(level) for level in range(layout.MAX_LEVELS)} | {
     layout.LEVEL_UNSET: "unset"
 }
+INVALID_LEVEL = "invalid"
 
 
 class SlotTelemetry:
@@ -152,7 +154,7 @@ class SlotTelemetry:
             cls, was_bytes, was_applied = before
             if nbytes > was_bytes:
                 level = applied_level[index]
-                sent[cls, _LEVEL_LABELS.get(level) or str(level)] += nbytes - was_bytes
+                sent[cls, _LEVEL_LABELS.get(level, INVALID_LEVEL)] += nbytes - was_bytes
             else:
                 nbytes = was_bytes  # counters only grow; a torn read never moves them back
             applied = applied_ns[index]

@@ -84,7 +84,9 @@ def register(sub: Any) -> None:
         type=positive_int,
         default=layout.DEFAULT_NUM_SLOTS,
         metavar="N",
-        help="flow table slots: connections and SDK flows at once (default %(default)s)",
+        help="flow table slots: plugin connections at once (default %(default)s). Used when "
+        "the table is created; an existing table keeps its size (a warning says so; "
+        "docs/deploy.md says how to resize)",
     )
     add_metrics_flags(parser, AGENT_METRICS_PORT)
     parser.add_argument("--fallback-after", type=float, default=1.0, metavar="SECONDS")

@@ -1,8 +1,9 @@
 """Byte layout of the node's shared-memory flow table: the one place it is written down.
 
-The agent creates the table (a file under /dev/shm, mode 0600 or 0660 with a configured group)
-and the NCCL plugin (``nccl_plugin/src/flow_table.h`` mirrors these numbers; a test compares
-them field by field) maps it into every training or serving process. All integers are
+The agent creates the table (a file in its runtime directory, /run/flowsched by default, mode
+0600 or 0660 with a configured group) and the NCCL plugin (``nccl_plugin/src/flow_table.h``
+mirrors these numbers; a test compares them field by field) maps it into every training or
+serving process. All integers are
 little-endian and naturally aligned, so that each field is read or written with one plain load
 or store.
 

@@ -2,10 +2,12 @@
 
 The agent is the only Python writer in production:
 
-* :meth:`FlowTable.create_or_attach` creates the table file (``O_EXCL | O_NOFOLLOW``, mode 0600,
-  or 0660 with a configured group) or re-attaches to the one a previous agent left behind:
-  magic, version and sizes are validated, the slots (and the connections they describe) are
-  kept, and ``generation`` is bumped so that plugins can tell a new agent from the old one.
+* :meth:`FlowTable.create_or_attach` creates the table file (built complete in a temporary file
+  of the same directory, mode 0600 or 0660 with a configured group, then linked into place, so
+  the path never names a half-built table) or re-attaches to the one a previous agent left
+  behind: magic, version and sizes are validated, the slots (and the connections they
+  describe) are kept, and ``generation`` is bumped (mod 2^64). Agents starting at once are
+  serialized by a ``flock`` on the directory: one creates, the others find its live owner.
 * :meth:`FlowTable.write_config` rewrites the header's config area (trafficClass map, fallback
   class, per-class default levels, level -> DSCP / SO_PRIORITY marking) under the ``config_seq``
   seqlock; :meth:`FlowTable.read_config` reads it back consistently.
@@ -28,15 +30,20 @@ exercise the agent without an NCCL process.
 
 from __future__ import annotations
 
+import array
+import contextlib
 import errno
+import fcntl
+import glob
 import grp
 import itertools
 import mmap
 import os
 import stat
 import struct
+import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -62,6 +69,18 @@ _AREA = {
 _CONFIG_RETRIES = 10_000
 #: a table whose agent pid is alive and whose heartbeat is younger than this has a live owner
 LIVE_AGENT_SECONDS = 2.0
+#: how long create_or_attach waits for another agent creating or attaching the same table (s)
+CREATION_LOCK_SECONDS = 10.0
+#: a pid the kernel can give a process (Linux pid_max is at most 2^22; the slot word is a u32)
+MAX_PID = 2**31 - 1
+#: a slot's owner is taken to have started after the claim (its pid was reused) only when
+#: /proc says it started more than this many clock ticks after the slot's ``open_ns``
+PID_REUSE_TOLERANCE_TICKS = 3
+_U32, _U64 = 2**32, 2**64
+#: suffix of the temporary file a new table is built in (``.<name>.<random>.building``)
+_BUILDING = ".building"
+#: the header's scalar fields (magic .. flags): all zero in a file whose creator died
+_HEADER_SCALARS = 64
 
 
 class TableError(Exception):
@@ -196,6 +215,22 @@ class AttachInfo:
     generation: int
     previous_agent_pid: int
     kept_slots: list[int] = field(default_factory=list)
+    #: header fields found with values the agent had to repair, as ``"field: what"``
+    repaired: list[str] = field(default_factory=list)
+    #: the table's own size (a re-attached table keeps it, whatever ``num_slots`` asked for)
+    num_slots: int = 0
+
+
+@dataclass(slots=True)
+class ReapReport:
+    """What the last :meth:`FlowTable.reap_dead` pass found besides the slots it freed."""
+
+    #: busy slots whose ``pid`` word no process can have (0 or >= 2^31): reaped as dead
+    bad_pid: list[int] = field(default_factory=list)
+    #: slots whose pid was alive but belongs to a process started after the slot's claim
+    reused_pid: list[int] = field(default_factory=list)
+    #: slots the pass could not handle, with the error (the pass went on with the others)
+    errors: list[tuple[int, Exception]] = field(default_factory=list)
 
 
 def monotonic_ns() -> int:
@@ -204,8 +239,11 @@ def monotonic_ns() -> int:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (a process of another user counts as alive)."""
-    if pid <= 0:
+    """Whether process ``pid`` exists (a process of another user counts as alive).
+
+    0, negative numbers and numbers above :data:`MAX_PID` name no process: False.
+    """
+    if not 0 < pid <= MAX_PID:
         return False
     try:
         os.kill(pid, 0)
@@ -214,6 +252,33 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _read_text(path: str) -> str:
+    with open(path, encoding="ascii", errors="replace") as f:
+        return f.read()
+
+
+def process_start_ns(pid: int, read: Callable[[str], str] = _read_text) -> int | None:
+    """When process ``pid`` started, on the CLOCK_MONOTONIC clock of the table's ``*_ns``
+    fields, or None when unknown (no such process, /proc unreadable or unparsable).
+
+    ``/proc/<pid>/stat`` field 22 is the start in clock ticks since boot (CLOCK_BOOTTIME,
+    which counts time suspended; CLOCK_MONOTONIC does not). The difference of the two clocks
+    now is subtracted, so a suspend after the process started makes it look older, never
+    younger: the estimate errs towards "the slot's owner". ``read`` is injected by tests.
+    """
+    try:
+        text = read(f"/proc/{pid}/stat")
+        ticks = int(text[text.rindex(")") + 2 :].split()[19])  # fields 3.. follow "comm)"
+    except (OSError, ValueError, IndexError):
+        return None
+    offset = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - monotonic_ns()
+    return ticks * 1_000_000_000 // _clock_ticks() - max(offset, 0)
+
+
+def _clock_ticks() -> int:
+    return os.sysconf("SC_CLK_TCK") or 100
 
 
 class FlowTable:
@@ -231,6 +296,8 @@ class FlowTable:
         self.num_slots = self._get("num_slots")
         #: CLAIMED slots with a dead pid at the last reap_dead: index -> (pid, claim_seq)
         self._claimed_seen: dict[int, tuple[int, int]] = {}
+        #: what the last reap_dead pass found besides the slots it freed
+        self.last_reap = ReapReport()
 
     # ----------------------------------------------------------------- opening and closing
     @classmethod
@@ -245,34 +312,81 @@ class FlowTable:
         """Create the table at ``path``, or re-attach to a valid one left by a previous agent.
 
         The directory must be the agent's own (:func:`flowsched.rundir.prepare_private_dir`;
-        created when missing). The file is opened with ``O_NOFOLLOW`` and must be a regular
-        file owned by the effective user; its mode is set to 0600, or 0660 with ``group`` as its
-        group. A file of size zero (an agent died while creating it) is initialized afresh.
+        created when missing). A new table is built complete in a temporary file there and
+        linked into place, so the path never names a half-built table. The file is opened with
+        ``O_NOFOLLOW`` and must be a regular file owned by the effective user; its mode is set
+        to 0600, or 0660 with ``group`` as its group. A file of size zero or with an all-zero
+        header (an older agent died while creating it) is replaced by a fresh table. Agents
+        starting at once take turns (a ``flock`` on the directory), so only one creates and the
+        others find its live owner. A re-attached table keeps its own size whatever
+        ``num_slots`` asks for (``AttachInfo.num_slots``).
         Raises :class:`TableError` on an unsafe directory, a file of another user, a symlink, a
-        bad magic/version/size.
+        bad magic/version/size, a header value this agent cannot use (named), or a table owned
+        by a running agent.
         """
         if not 1 <= num_slots <= (1 << 24):
             raise ValueError(f"num_slots {num_slots} not in 1..{1 << 24}")
         gid = _resolve_group(group)
+        directory = os.path.dirname(os.path.abspath(path))
         try:
-            rundir.prepare_private_dir(os.path.dirname(os.path.abspath(path)), gid)
+            rundir.prepare_private_dir(directory, gid)
         except rundir.RuntimeDirError as exc:
             raise TableError(f"flow table {path}: {exc}") from None
-        fd, created = _open_private(path)
+        owner = agent_pid or os.getpid()
+        with _creation_lock(directory, path):
+            table = cls._open_existing(path, gid)
+            if table is None:
+                return cls._create(path, num_slots, gid, owner)
+            try:
+                table._validate_header()
+                info = table._reattach(owner)
+            except BaseException:
+                table.close()
+                raise
+        return table, info
+
+    @classmethod
+    def _open_existing(cls, path: str, gid: int | None) -> FlowTable | None:
+        """The table at ``path`` mapped, or None when there is none or it is an unfinished one
+        (size 0, or an all-zero header: its creator died; the caller builds a new one)."""
+        fd = _open_private(path)
+        if fd is None:
+            return None
         try:
             _secure_fd(fd, path, gid)
             size = os.fstat(fd).st_size
-            if created or size == 0:
-                os.ftruncate(fd, L.table_size(num_slots))
-                table = cls(path, _map(fd, L.table_size(num_slots), True), writable=True)
-                info = table._initialize(num_slots, agent_pid or os.getpid())
-            else:
-                _validate_size(path, size)
-                table = cls(path, _map(fd, size, True), writable=True)
-                table._validate_header()
-                info = table._reattach(agent_pid or os.getpid())
+            if size == 0 or os.pread(fd, _HEADER_SCALARS, 0) == bytes(_HEADER_SCALARS):
+                return None
+            _validate_size(path, size)
+            return cls(path, _map(fd, size, True), writable=True)
         finally:
             os.close(fd)
+
+    @classmethod
+    def _create(
+        cls, path: str, num_slots: int, gid: int | None, agent_pid: int
+    ) -> tuple[FlowTable, AttachInfo]:
+        """Build a table in a temporary file next to ``path``, then put it in place (the caller
+        holds the creation lock)."""
+        directory, base = os.path.split(os.path.abspath(path))
+        _remove_unfinished(directory, base)
+        fd, building = tempfile.mkstemp(prefix=f".{base}.", suffix=_BUILDING, dir=directory)
+        table: FlowTable | None = None
+        try:
+            try:
+                _secure_fd(fd, building, gid)
+                os.ftruncate(fd, L.table_size(num_slots))
+                table = cls(path, _map(fd, L.table_size(num_slots), True), writable=True)
+            finally:
+                os.close(fd)
+            info = table._initialize(num_slots, agent_pid)
+            os.replace(building, path)  # atomic; the lock keeps other agents out meanwhile
+        except BaseException:
+            if table is not None:
+                table.close()
+            with contextlib.suppress(OSError):
+                os.unlink(building)
+            raise
         return table, info
 
     @classmethod
@@ -360,11 +474,11 @@ class FlowTable:
         """
         area = _pack_config(cfg)
         seq_index = _H32["config_seq"]
-        seq = self._u32[seq_index]
-        self._u32[seq_index] = (seq + 1) | 1  # odd: being written
+        odd = ((self._u32[seq_index] + 1) | 1) % _U32  # mod 2^32: a u32 word wraps
+        self._u32[seq_index] = odd  # odd: being written
         self._mm[_CONFIG_START:_CONFIG_END] = area
         self._put("num_levels", cfg.num_levels)
-        self._u32[seq_index] = ((seq + 1) | 1) + 1  # even again: stable
+        self._u32[seq_index] = (odd + 1) % _U32  # even again: stable
 
     def config_matches(self, cfg: TableConfig) -> bool:
         """Whether the config area holds exactly what :meth:`write_config` would write for
@@ -466,36 +580,95 @@ class FlowTable:
         self._u32[state] = L.SLOT_FREE
         return True
 
-    def reap_dead(self) -> list[SlotSnapshot]:
-        """Free the CLAIMED/ACTIVE/CLOSED slots whose pid no longer exists; return what they held.
+    def reap_dead(
+        self,
+        *,
+        alive: Callable[[int], bool] = pid_alive,
+        started_ns: Callable[[int], int | None] = process_start_ns,
+    ) -> list[SlotSnapshot]:
+        """Free the CLAIMED/ACTIVE/CLOSED slots whose owner no longer exists; return what
+        they held (the caller reports the connections as closed).
 
-        The returned snapshots let the caller report the connections as closed. Liveness is
-        judged by pid, so the agent and the plugins must share a pid namespace.
+        A slot's owner is gone when its ``pid`` is not alive, is no pid at all (0 or above
+        :data:`MAX_PID`: counted in :attr:`last_reap`), or is alive but started more than
+        :data:`PID_REUSE_TOLERANCE_TICKS` after the slot's ``open_ns`` (the pid was reused;
+        ``started_ns``, :func:`process_start_ns`, unknown = alive). Liveness is judged by
+        pid, so the agent and the plugins must share a pid namespace. The states are read
+        with one strided copy: Python work is done for busy slots only, each pid judged once.
+        An error on one slot is recorded in :attr:`last_reap`; the pass goes on with the others.
         """
+        report = self.last_reap = ReapReport()
+        step32, first32 = L.SLOT_SIZE // 4, L.HEADER_SIZE // 4
+        states = self._u32[first32 + _S32["state"] :: step32].tolist()
+        if not any(states):
+            self._claimed_seen = {}
+            return []
+        verdicts: dict[int, tuple[bool, int | None]] = {}
+
+        def owner(pid: int) -> tuple[bool, int | None]:
+            if pid not in verdicts:
+                live = alive(pid)
+                verdicts[pid] = (live, started_ns(pid) if live else None)
+            return verdicts[pid]
+
         reaped: list[SlotSnapshot] = []
         claimed: dict[int, tuple[int, int]] = {}
-        for index in range(self.num_slots):
-            off = L.slot_offset(index)
-            state = off // 4 + _S32["state"]
-            current = self._u32[state]
-            if current == L.SLOT_FREE:
+        for index in itertools.compress(range(len(states)), states):
+            try:
+                snap = self._reap_slot(index, owner, claimed, report)
+            except Exception as exc:  # one odd slot never stops the reaper
+                report.errors.append((index, exc))
                 continue
-            pid = self._u32[off // 4 + _S32["pid"]]
-            if pid_alive(pid):
-                continue
-            if current == L.SLOT_CLAIMED:
-                # The plugin writes its pid just after claiming, so a fresh claim still shows
-                # the previous (dead) owner's pid: reap a CLAIMED slot only when it sat
-                # unchanged since the previous pass (its claimer died before filling it).
-                mark = (pid, self._u64[off // 8 + _S64["claim_seq"]])
-                if self._claimed_seen.get(index) != mark:
-                    claimed[index] = mark
-                    continue
-            snap = SlotSnapshot(index, *_SLOT_STRUCT.unpack_from(self._mm, off))
-            self._u32[state] = L.SLOT_FREE
-            reaped.append(snap)
+            if snap is not None:
+                reaped.append(snap)
         self._claimed_seen = claimed
         return reaped
+
+    def _reap_slot(
+        self,
+        index: int,
+        owner: Callable[[int], tuple[bool, int | None]],
+        claimed: dict[int, tuple[int, int]],
+        report: ReapReport,
+    ) -> SlotSnapshot | None:
+        off = L.slot_offset(index)
+        state_word, seq_word = off // 4 + _S32["state"], off // 8 + _S64["claim_seq"]
+        state, seq = self._u32[state_word], self._u64[seq_word]
+        if state == L.SLOT_FREE:
+            return None
+        pid = self._u32[off // 4 + _S32["pid"]]
+        settled = state in (L.SLOT_ACTIVE, L.SLOT_CLOSED)  # pid and open_ns are the owner's
+        if not 0 < pid <= MAX_PID:
+            if settled:
+                report.bad_pid.append(index)
+        else:
+            live, started = owner(pid)
+            if live and not (settled and self._reused(off, started)):
+                return None
+            if live:
+                report.reused_pid.append(index)
+        if state == L.SLOT_CLAIMED:
+            # The plugin writes its pid just after claiming, so a fresh claim still shows
+            # the previous (dead) owner's pid: reap a CLAIMED slot only when it sat
+            # unchanged since the previous pass (its claimer died before filling it).
+            mark = (pid, seq)
+            if self._claimed_seen.get(index) != mark:
+                claimed[index] = mark
+                return None
+        snap = SlotSnapshot(index, *_SLOT_STRUCT.unpack_from(self._mm, off))
+        if self._u32[state_word] != state or self._u64[seq_word] != seq:
+            return None  # changed under us: judge it again at the next pass
+        self._u32[state_word] = L.SLOT_FREE
+        return snap
+
+    def _reused(self, off: int, started: int | None) -> bool:
+        """Whether a process that started at ``started`` (CLOCK_MONOTONIC ns) came after the
+        claim of the slot at ``off``: then it cannot be the slot's owner."""
+        open_ns = self._u64[off // 8 + L.SLOT_OFFSET["open_ns"] // 8]
+        if started is None or open_ns == 0:
+            return False
+        tolerance = PID_REUSE_TOLERANCE_TICKS * 1_000_000_000 // _clock_ticks()
+        return bool(started > open_ns + tolerance)
 
     # ----------------------------------------------------------------- internals
     def _get(self, name: str) -> int:
@@ -512,7 +685,7 @@ class FlowTable:
             raise IndexError(f"slot {index} not in 0..{self.num_slots - 1}")
 
     def _initialize(self, num_slots: int, agent_pid: int) -> AttachInfo:
-        self._mm[:] = bytes(len(self._mm))
+        """Fill a fresh (all-zero) file's header and slots; the magic goes last."""
         for name, value in (
             ("version", L.VERSION),
             ("header_size", L.HEADER_SIZE),
@@ -525,34 +698,62 @@ class FlowTable:
         ):
             self._put(name, value)
         self.num_slots = num_slots
-        for index in range(num_slots):
-            self._u32[L.slot_offset(index) // 4 + _S32["level"]] = L.LEVEL_UNSET
+        first = L.HEADER_SIZE // 4 + _S32["level"]
+        unset = array.array("I", [L.LEVEL_UNSET]) * num_slots
+        self._u32[first :: L.SLOT_SIZE // 4] = memoryview(unset)  # one strided copy
         self.heartbeat()
         self._put("magic", L.MAGIC)  # last: a reader that sees the magic sees the rest
-        return AttachInfo(created=True, generation=1, previous_agent_pid=0)
+        return AttachInfo(created=True, generation=1, previous_agent_pid=0, num_slots=num_slots)
 
     def _reattach(self, agent_pid: int) -> AttachInfo:
-        previous = self._get("agent_pid")
-        beat_age = (monotonic_ns() - self._get("heartbeat_ns")) / 1e9
-        if previous not in (0, agent_pid) and pid_alive(previous) and beat_age < LIVE_AGENT_SECONDS:
+        """Take over a validated table: refuse a live owner, repair what can be repaired, bump
+        ``generation``. A header value that still breaks this becomes a :class:`TableError`
+        naming the field."""
+        with self._header_field("agent_pid"):
+            previous = self._get("agent_pid")
+            beat_age = (monotonic_ns() - self._get("heartbeat_ns")) / 1e9
+            live = pid_alive(previous) and abs(beat_age) < LIVE_AGENT_SECONDS
+        if previous not in (0, agent_pid) and live:
             raise TableError(
                 f"flow table {self.path} is owned by a running agent (pid {previous}, heartbeat "
                 f"{beat_age:.1f} s ago); stop it or choose another --table path"
             )
-        generation = self.generation + 1
-        self._put("generation", generation)
-        self._put("agent_pid", agent_pid)
-        self.set_flag(L.FLAG_AGENT_ATTACHED, True)
-        self.heartbeat()
+        repaired = []
+        with self._header_field("config_seq"):
+            seq = self._u32[_H32["config_seq"]]
+            if seq & 1:  # a writer died inside the seqlock: plugins would never re-read
+                self._u32[_H32["config_seq"]] = (seq + 1) % _U32
+                repaired.append(f"config_seq: odd ({seq:#x}), made even")
+        with self._header_field("generation"):
+            generation = self.generation % (_U64 - 1) + 1  # never 0: 2^64-1 wraps to 1
+            self._put("generation", generation)
+        with self._header_field("agent_pid"):
+            self._put("agent_pid", agent_pid)
+        with self._header_field("flags"):
+            self.set_flag(L.FLAG_AGENT_ATTACHED, True)
+        with self._header_field("heartbeat_ns"):
+            self.heartbeat()
         kept = [s.index for s in self.slots()]
-        return AttachInfo(False, generation, previous, kept)
+        return AttachInfo(False, generation, previous, kept, repaired, self.num_slots)
+
+    @contextlib.contextmanager
+    def _header_field(self, name: str) -> Iterator[None]:
+        try:
+            yield
+        except (ValueError, OverflowError, struct.error) as exc:
+            raise TableError(
+                f"flow table {self.path}: header field {name} holds {self._get(name)}, which "
+                f"this agent cannot use ({exc}); remove the file to start afresh (running jobs "
+                "keep the old table until they restart)"
+            ) from None
 
     def _validate_header(self) -> None:
         magic = self._get("magic")
         if magic != L.MAGIC:
             raise TableError(
                 f"{self.path} is not a flowsched flow table (magic {magic:#010x}, "
-                f"expected {L.MAGIC:#010x}); remove it or choose another --table path"
+                f"expected {L.MAGIC:#010x}); remove it or choose another --table path (jobs "
+                "still using a removed table keep it until they restart)"
             )
         for name, expected in (
             ("version", L.VERSION),
@@ -580,14 +781,47 @@ def _resolve_group(group: str | int | None) -> int | None:
         raise TableError(f"unknown group {group!r} for the flow table") from None
 
 
-def _open_private(path: str) -> tuple[int, bool]:
-    base = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+@contextlib.contextmanager
+def _creation_lock(directory: str, path: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on the table's directory (agents creating or attaching the
+    same table take turns; held for the create/attach only)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        return os.open(path, base | os.O_CREAT | os.O_EXCL, 0o600), True
-    except FileExistsError:
-        pass
+        deadline = time.monotonic() + CREATION_LOCK_SECONDS
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TableError(
+                        f"flow table {path}: another agent has been creating or attaching it "
+                        f"for {CREATION_LOCK_SECONDS:.0f} s; stop it or choose another --table "
+                        "path"
+                    ) from None
+                time.sleep(0.01)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _remove_unfinished(directory: str, base: str) -> None:
+    """Remove the temporary files of agents killed while building a table (the caller holds
+    the creation lock, so none is in use)."""
+    for leftover in glob.glob(
+        os.path.join(glob.escape(directory), f".{glob.escape(base)}.*{_BUILDING}")
+    ):
+        with contextlib.suppress(OSError):
+            if os.lstat(leftover).st_uid == os.geteuid():
+                os.unlink(leftover)
+
+
+def _open_private(path: str) -> int | None:
+    """The existing file at ``path`` opened read-write, or None when there is none."""
     try:
-        return os.open(path, base), False
+        return os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise TableError(f"flow table {path} is a symbolic link; refusing it") from exc
@@ -740,6 +974,11 @@ class EmulatedPluginSlot:
             _put_slot(mm, self._off, "applied_level", level)
             _put_slot(mm, self._off, "applied_ns", monotonic_ns())
         return level
+
+    def set_peer(self, peer_rank: int) -> None:
+        """Fill in the peer rank later, as the plugin does when the receiver's rank note (or
+        a receive's first tag) arrives; the plugin claims a send slot with -1 (unknown)."""
+        _put_slot(self.table._mm, self._off, "peer_rank", peer_rank)
 
     def raw_level(self) -> int:
         """The slot's ``level`` word as the agent wrote it (LEVEL_UNSET if never)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import stat
@@ -226,3 +227,64 @@ def test_environment_infinity_is_not_a_nic_setting(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("FLOWSCHED_LINK_CAPACITY", "inf")
     config = AgentConfig(node="n", socket_path="/nonexistent/s")
     assert (config.nic_interval, config.link_capacity) == (1.0, None)
+
+
+def test_a_peer_narrowed_sdk_flow_takes_a_connection_once_the_plugin_learns_its_peer(
+    agent: AgentThread,
+) -> None:
+    """The plugin claims a send slot with peer -1 and fills the peer in later: the agent
+    re-reads it and links the connection to the SDK flow narrowed to that peer."""
+    assert agent.ready is not None
+    registry = agent.agent.registry
+    assert registry is not None
+    table = FlowTable.open(agent.ready.table, writable=True)
+    try:
+        conn = EmulatedPluginSlot(table, class_id=int(FlowClass.PARAM_SYNC))  # peer -1
+        key = (conn.index, conn.claim_seq)
+        wait_until(lambda: key in registry.slots)
+        with client.flow(
+            "param_sync", bytes=10**9, deadline=time.time() + 60, peer=7,
+            socket_path=agent.ready.socket,
+        ) as handle:  # fmt: skip
+            assert registry.slots[key].linked_to is None  # its destination is not known yet
+            conn.set_peer(7)  # the receiver's rank note arrived
+            wait_until(lambda: registry.slots[key].linked_to == handle.id)
+            conn.send(500)
+            wait_until(lambda: registry.flows[handle.id].sent >= 500)
+
+            def carries_the_flows_level() -> bool:
+                level = registry.flows[handle.id].level
+                return level >= 0 and conn.raw_level() == agent.agent.view.table_level(level)
+
+            wait_until(carries_the_flows_level)
+    finally:
+        table.close()
+
+
+def test_slots_other_than_an_existing_tables_size_are_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    FlowTable.create_or_attach(str(tmp_path / "table"), num_slots=8)[0].close()
+    with (
+        caplog.at_level(logging.WARNING, logger="flowsched.agent"),
+        AgentThread(agent_config(tmp_path, num_slots=32)) as running,
+    ):
+        assert running.agent.table is not None and running.agent.table.num_slots == 8
+    (warning,) = [r.getMessage() for r in caplog.records if "--slots" in r.getMessage()]
+    assert "has 8 slots, not the 32 asked for" in warning
+    assert "remove the file" in warning and "until it restarts" in warning
+
+
+def test_a_slot_with_no_possible_pid_is_reaped_and_logged(
+    agent: AgentThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert agent.ready is not None
+    table = FlowTable.open(agent.ready.table, writable=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="flowsched.agent"):
+            conn = EmulatedPluginSlot(table, pid=2**31)  # what any table writer can store
+            wait_until(lambda: table.slot_state(conn.index) == layout.SLOT_FREE)
+            wait_until(lambda: any("no process can have" in r.getMessage() for r in caplog.records))
+        assert agent.agent.stats["slots_bad_pid"] >= 1
+    finally:
+        table.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from prometheus_client import Histogram
 
 from flowsched.agent.flows import SlotConn
@@ -87,6 +88,31 @@ def test_a_connection_opened_after_the_baseline_counts_from_zero(tmp_path: Path)
     default = node.table.read_config().default_level(int(FlowClass.KV))
     assert node.telemetry.sent == {("kv", str(default)): 300}
     assert _count(node.telemetry.apply_latency) == 0  # a default is not an agent write
+
+
+@pytest.mark.parametrize(
+    ("applied", "label"),
+    [
+        pytest.param(0, "0", id="first-level"),
+        pytest.param(layout.MAX_LEVELS - 1, str(layout.MAX_LEVELS - 1), id="last-level"),
+        pytest.param(layout.MAX_LEVELS, "invalid", id="one-past-the-levels"),
+        pytest.param(1000, "invalid", id="tampered"),
+        pytest.param(layout.LEVEL_UNSET - 1, "invalid", id="u32-max-minus-one"),
+        pytest.param(layout.LEVEL_UNSET, "unset", id="unset"),
+    ],
+)
+def test_applied_levels_outside_the_level_range_share_one_label(
+    tmp_path: Path, applied: int, label: str
+) -> None:
+    """A table writer choosing its own applied_level words cannot grow the series."""
+    node = _Node(tmp_path)
+    node.scan()
+    tp = node.connect(FlowClass.TP)
+    tp.send(100)
+    off = layout.slot_offset(tp.index) + layout.SLOT_OFFSET["applied_level"]
+    node.table._u32[off // 4] = applied
+    node.scan()
+    assert node.telemetry.sent == {("tp", label): 100}
 
 
 def test_closed_flows_split_into_met_missed_lateness_and_earliness() -> None:

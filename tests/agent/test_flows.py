@@ -381,3 +381,113 @@ def test_progress_beyond_one_frame_goes_out_in_frames_the_coordinator_accepts(
         body = encode_body(part, version)
         frame(body, DEFAULT_MAX_FRAME_SIZE)
         assert decode_body(body) == part
+
+
+# ---------------------------------------------------------------- peers learned late (#1)
+
+
+def test_a_send_connection_links_to_a_peer_narrowed_flow_once_its_peer_is_known(
+    reg: FlowRegistry,
+) -> None:
+    """The plugin claims a send slot with peer -1 and fills the peer in later (the
+    receiver's rank note): the connection links as soon as the slot names the flow's peer."""
+    reg.observe([slot(0, nbytes=10)], 1.0, 0)  # peer -1 at claim, as the plugin does
+    sdk_flow, linked = reg.open_sdk(PID, FlowClass.EXPERIENCE, 2.0, peer=7)
+    assert linked == [] and reg.slots[0, 1].linked_to is None  # destination not known yet
+    changed, _ = reg.observe([slot(0, nbytes=30, peer=7)], 3.0, 0)  # the rank note arrived
+    assert changed == [(0, 1)]  # its level must be rewritten
+    assert reg.slots[0, 1].peer_rank == 7 and reg.slots[0, 1].linked_to == sdk_flow.flow_id
+    reg.observe([slot(0, nbytes=100, peer=7)], 4.0, 0)
+    assert sdk_flow.sent == 90  # bytes seen from the scan that linked it on (10 were its own)
+    assert reg.set_level(sdk_flow.flow_id, 1) == [(0, 1)]
+
+
+@pytest.mark.parametrize(
+    ("learned", "sdk_peer", "direction", "linked"),
+    [
+        pytest.param(7, 7, layout.DIR_SEND, True, id="peer-matches"),
+        pytest.param(8, 7, layout.DIR_SEND, False, id="another-peer"),
+        pytest.param(-1, 7, layout.DIR_SEND, False, id="still-unknown"),
+        pytest.param(7, 7, layout.DIR_RECV, False, id="receive-never-linked"),
+    ],
+)
+def test_which_connections_a_peer_narrowed_flow_links(
+    reg: FlowRegistry, learned: int, sdk_peer: int, direction: int, linked: bool
+) -> None:
+    reg.observe([slot(0, direction=direction)], 1.0, 0)
+    sdk_flow, _ = reg.open_sdk(PID, FlowClass.EXPERIENCE, 2.0, peer=sdk_peer)
+    reg.observe([slot(0, direction=direction, peer=learned, nbytes=5)], 3.0, 0)
+    assert (reg.slots[0, 1].linked_to == sdk_flow.flow_id) is linked
+
+
+def test_a_peer_is_re_read_only_while_a_flow_of_its_process_narrows_by_peer(
+    reg: FlowRegistry,
+) -> None:
+    reg.observe([slot(0), slot(1, pid=PID + 1)], 1.0, 0)
+    reg.open_sdk(PID, FlowClass.EXPERIENCE, 2.0, peer=3)
+    fetched: list[int] = []
+
+    def fetch(index: int) -> SlotSnapshot:
+        fetched.append(index)
+        return slot(index, pid=PID if index == 0 else PID + 1)
+
+    reg.observe_counts(
+        [(0, layout.SLOT_ACTIVE, 1, 0), (1, layout.SLOT_ACTIVE, 1, 0)], fetch, 3.0, 0
+    )
+    assert fetched == [0]  # the other process has no narrowed flow: nothing to learn
+
+
+# ---------------------------------------------------------------- overlapping SDK flows (#2)
+
+
+def test_closing_one_of_two_overlapping_flows_hands_its_connections_to_the_other(
+    reg: FlowRegistry,
+) -> None:
+    reg.observe([slot(0, cls=FlowClass.PARAM_SYNC, nbytes=0)], 1.0, 0)
+    first, linked = reg.open_sdk(PID, FlowClass.PARAM_SYNC, 2.0, deadline=100.0)
+    second, _ = reg.open_sdk(PID, FlowClass.PARAM_SYNC, 2.5, deadline=10.0)
+    assert linked == [(0, 1)] and reg.slots[0, 1].linked_to == first.flow_id  # the oldest
+    reg.observe([slot(0, cls=FlowClass.PARAM_SYNC, nbytes=1000)], 3.0, 0)
+    assert reg.close_sdk(first.flow_id, PID, None, 4.0) == [(0, 1)]
+    assert first.sent == 1000
+    assert reg.slots[0, 1].linked_to == second.flow_id  # not a standalone flow
+    assert reg.slots[0, 1].flow_id is None
+    reg.observe([slot(0, cls=FlowClass.PARAM_SYNC, nbytes=6000)], 5.0, 0)
+    assert second.sent == 5000  # the NCCL bytes now count for the open flow
+    assert reg.level_of_slot((0, 1)) is None  # the second flow's level is not decided yet
+    reg.set_level(second.flow_id, 2)
+    assert reg.level_of_slot((0, 1)) == 2
+    assert list(reg.flows) == [second.flow_id]  # no standalone flow was opened for it
+
+
+@pytest.mark.parametrize(
+    ("others", "carrier"),
+    [
+        pytest.param([], None, id="none-open: standalone"),
+        pytest.param([(PID, FlowClass.PARAM_SYNC, None)], 0, id="one-open"),
+        pytest.param(
+            [(PID, FlowClass.PARAM_SYNC, None), (PID, FlowClass.PARAM_SYNC, None)],
+            0,
+            id="several: the oldest",
+        ),
+        pytest.param([(PID + 1, FlowClass.PARAM_SYNC, None)], None, id="another-pid"),
+        pytest.param([(PID, FlowClass.KV, None)], None, id="another-class"),
+        pytest.param(
+            [(PID, FlowClass.PARAM_SYNC, 9), (PID, FlowClass.PARAM_SYNC, 4)],
+            1,
+            id="narrowed: the oldest that matches its peer",
+        ),
+    ],
+)
+def test_the_flow_a_released_connection_carries_next(
+    reg: FlowRegistry, others: list[tuple[int, FlowClass, int | None]], carrier: int | None
+) -> None:
+    reg.observe([slot(0, cls=FlowClass.PARAM_SYNC, peer=4)], 1.0, 0)
+    closing, _ = reg.open_sdk(PID, FlowClass.PARAM_SYNC, 2.0)
+    opened = [reg.open_sdk(pid, cls, 3.0, peer=peer)[0] for pid, cls, peer in others]
+    assert reg.close_sdk(closing.flow_id, PID, None, 4.0) == [(0, 1)]
+    conn = reg.slots[0, 1]
+    if carrier is None:
+        assert conn.linked_to is None and conn.flow_id is not None
+    else:
+        assert conn.linked_to == opened[carrier].flow_id and conn.flow_id is None

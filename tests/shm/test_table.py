@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import struct
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -376,3 +379,282 @@ def test_table_of_a_running_agent_is_refused(table_path: str) -> None:
         helper.kill()
         helper.wait()
     FlowTable.create_or_attach(table_path)[0].close()  # its owner is gone: re-attach works
+
+
+# ---------------------------------------------------------------- reaper: odd pids (#4)
+
+
+def _put_pid(table: FlowTable, index: int, pid: int) -> None:
+    table._u32[(L.slot_offset(index) + L.SLOT_OFFSET["pid"]) // 4] = pid
+
+
+@pytest.mark.parametrize(
+    "bad_pid",
+    [
+        pytest.param(0, id="zero"),
+        pytest.param(2**31, id="2^31"),
+        pytest.param(2**32 - 1, id="u32-max"),
+    ],
+)
+def test_a_slot_with_no_possible_pid_is_reaped_and_the_pass_goes_on(
+    table_path: str, dead_pid: int, bad_pid: int
+) -> None:
+    table, _ = FlowTable.create_or_attach(table_path, num_slots=4)
+    with table:
+        odd = EmulatedPluginSlot(table)
+        _put_pid(table, odd.index, bad_pid)  # what a table writer can store
+        dead = EmulatedPluginSlot(table, pid=dead_pid)
+        alive = EmulatedPluginSlot(table)
+        reaped = table.reap_dead()
+        assert sorted(s.index for s in reaped) == sorted([odd.index, dead.index])
+        assert table.last_reap.bad_pid == [odd.index] and not table.last_reap.errors
+        assert table.slot_state(alive.index) == L.SLOT_ACTIVE
+
+
+def test_an_error_on_one_slot_never_stops_the_reaper(table_path: str, dead_pid: int) -> None:
+    table, _ = FlowTable.create_or_attach(table_path, num_slots=4)
+    with table:
+        slots = [EmulatedPluginSlot(table, pid=pid) for pid in (dead_pid, 4242, dead_pid)]
+
+        def alive(pid: int) -> bool:
+            if pid == 4242:
+                raise OSError("cannot tell")
+            return False
+
+        reaped = table.reap_dead(alive=alive, started_ns=lambda pid: None)
+        assert sorted(s.index for s in reaped) == sorted([slots[0].index, slots[2].index])
+        assert [index for index, _ in table.last_reap.errors] == [slots[1].index]
+        assert table.slot_state(slots[1].index) == L.SLOT_ACTIVE
+
+
+@pytest.mark.parametrize("pid", [0, -1, 2**31, 2**32 - 1, 2**40])
+def test_pid_alive_is_false_for_numbers_no_process_can_have(pid: int) -> None:
+    assert table_module.pid_alive(pid) is False
+
+
+# ---------------------------------------------------------------- reaper: cost (#9)
+
+
+def test_reaping_a_large_empty_table_does_no_per_slot_python_work(table_path: str) -> None:
+    """65,536 FREE slots: the states are read with one strided copy, not a Python loop."""
+    table, _ = FlowTable.create_or_attach(table_path, num_slots=65_536)
+    with table:
+        calls: list[str] = []
+
+        def profile(frame: object, event: str, arg: object) -> None:
+            if event in ("call", "c_call"):
+                calls.append(event)
+
+        sys.setprofile(profile)
+        try:
+            assert table.reap_dead() == []
+        finally:
+            sys.setprofile(None)
+        assert len(calls) < 50, f"{len(calls)} calls"
+
+
+def test_reaping_a_large_table_judges_only_its_busy_slots_each_pid_once(
+    table_path: str, dead_pid: int
+) -> None:
+    table, _ = FlowTable.create_or_attach(table_path, num_slots=65_536)
+    with table:
+        for pid in (os.getpid(), os.getpid(), dead_pid):
+            EmulatedPluginSlot(table, pid=pid)
+        asked: list[int] = []
+
+        def alive(pid: int) -> bool:
+            asked.append(pid)
+            return table_module.pid_alive(pid)
+
+        assert len(table.reap_dead(alive=alive)) == 1
+        assert sorted(asked) == sorted([os.getpid(), dead_pid])
+
+
+# ---------------------------------------------------------------- reaper: pid reuse (#7)
+
+
+def _stat_text(pid: int, start_ticks: int) -> str:
+    fields = ["S"] + ["0"] * 18 + [str(start_ticks)] + ["0"] * 30  # field 3 .. field 22 ..
+    return f"{pid} (a (weird) comm) " + " ".join(fields)
+
+
+def _ticks_at(mono_ns: int) -> int:
+    """The /proc start time (clock ticks since boot) of a process started at ``mono_ns``."""
+    hz = os.sysconf("SC_CLK_TCK")
+    offset = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - time.clock_gettime_ns(
+        time.CLOCK_MONOTONIC
+    )
+    return (mono_ns + offset) * hz // 1_000_000_000
+
+
+@pytest.mark.parametrize(
+    ("started_after_claim_s", "reaped"),
+    [
+        pytest.param(None, False, id="proc-unreadable: alive"),
+        pytest.param(-3600.0, False, id="started-before-the-claim"),
+        pytest.param(0.0, False, id="same-tick"),
+        pytest.param(1 / os.sysconf("SC_CLK_TCK"), False, id="one-tick-later: tolerance"),
+        pytest.param(1.0, True, id="a-second-later: pid reused"),
+        pytest.param(3600.0, True, id="an-hour-later: pid reused"),
+    ],
+)
+def test_a_slot_whose_pid_now_names_a_later_process_is_reaped(
+    table_path: str, started_after_claim_s: float | None, reaped: bool
+) -> None:
+    table, _ = FlowTable.create_or_attach(table_path, num_slots=2)
+    with table:
+        conn = EmulatedPluginSlot(table)  # our pid: alive
+        open_ns = table.slot(conn.index).open_ns  # type: ignore[union-attr]
+
+        def read(path: str) -> str:
+            assert path == f"/proc/{os.getpid()}/stat"
+            if started_after_claim_s is None:
+                raise PermissionError(path)
+            return _stat_text(os.getpid(), _ticks_at(open_ns + int(started_after_claim_s * 1e9)))
+
+        started = functools.partial(table_module.process_start_ns, read=read)
+        freed = table.reap_dead(started_ns=started)
+        assert bool(freed) is reaped
+        assert (table.last_reap.reused_pid == [conn.index]) is reaped
+        assert (table.slot_state(conn.index) == L.SLOT_FREE) is reaped
+
+
+def test_our_own_start_time_is_before_now() -> None:
+    started = table_module.process_start_ns(os.getpid())
+    assert started is not None and started <= time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+    assert table_module.process_start_ns(2**31 + 5) is None
+
+
+# ---------------------------------------------------------------- header counters (#5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seq=st.integers(0, 2**32 - 1))
+def test_write_config_leaves_config_seq_even_and_moved_from_any_value(
+    tmp_path_factory: pytest.TempPathFactory, seq: int
+) -> None:
+    path = str(tmp_path_factory.mktemp("t") / "table")
+    table, _ = FlowTable.create_or_attach(path, num_slots=1)
+    with table:
+        table._u32[L.HEADER_OFFSET["config_seq"] // 4] = seq
+        table.write_config(CONFIG)
+        after = table._u32[L.HEADER_OFFSET["config_seq"] // 4]
+        assert after % 2 == 0 and after != seq
+        assert table.config_matches(CONFIG) and table.read_config().num_levels == 4
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected", "repaired"),
+    [
+        pytest.param("config_seq", 0xFFFFFFFF, 0, ["config_seq"], id="odd-seq-at-u32-max"),
+        pytest.param("config_seq", 7, 8, ["config_seq"], id="odd-seq"),
+        pytest.param("config_seq", 6, 6, [], id="even-seq-kept"),
+        pytest.param("generation", 2**64 - 1, 1, [], id="generation-wraps-past-zero"),
+        pytest.param("generation", 41, 42, [], id="generation-bumped"),
+        pytest.param("agent_pid", 2**32 - 1, None, [], id="agent-pid-no-process"),
+    ],
+)
+def test_header_counters_at_attach_are_repaired_or_wrapped(
+    table_path: str, field: str, value: int, expected: int | None, repaired: list[str]
+) -> None:
+    FlowTable.create_or_attach(table_path, num_slots=2)[0].close()
+    with open(table_path, "r+b") as f:
+        offset, fmt = next((o, fm) for n, o, fm in L.HEADER_FIELDS if n == field)
+        f.seek(offset)
+        f.write(struct.pack(fmt, value))
+    table, info = FlowTable.create_or_attach(table_path)
+    with table:
+        if expected is not None:
+            assert table.header()[field] == expected
+        assert [r.split(":")[0] for r in info.repaired] == repaired
+        table.write_config(CONFIG)
+        assert table.header()["config_seq"] % 2 == 0 and table.config_matches(CONFIG)
+
+
+def test_a_header_value_the_agent_cannot_use_is_an_error_naming_the_field(
+    table_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    FlowTable.create_or_attach(table_path, num_slots=2)[0].close()
+
+    def broken(pid: int) -> bool:
+        raise OverflowError("signed integer is greater than maximum")
+
+    monkeypatch.setattr(table_module, "pid_alive", broken)
+    with pytest.raises(TableError, match="header field agent_pid holds"):
+        FlowTable.create_or_attach(table_path)
+
+
+# ---------------------------------------------------------------- half-built tables (#6)
+
+
+@pytest.mark.parametrize(
+    "size",
+    [
+        pytest.param(0, id="size-zero"),
+        pytest.param(L.table_size(8), id="full-size-all-zero"),
+        pytest.param(L.HEADER_SIZE, id="header-only-all-zero"),
+    ],
+)
+def test_a_table_whose_creator_died_is_built_afresh(table_path: str, size: int) -> None:
+    with open(table_path, "wb") as f:
+        f.truncate(size)
+    os.chmod(table_path, 0o600)
+    table, info = FlowTable.create_or_attach(table_path, num_slots=4)
+    with table:
+        assert info.created and table.num_slots == 4
+        assert os.path.getsize(table_path) == L.table_size(4)
+        assert FlowTable.open(table_path).num_slots == 4
+
+
+def test_a_new_table_appears_only_complete_and_leftovers_are_removed(
+    table_path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = os.path.dirname(table_path)
+    leftover = os.path.join(directory, ".table.x1y2z3.building")  # a killed builder's file
+    Path(leftover).write_bytes(b"\0" * 100)
+
+    def killed(self: FlowTable, num_slots: int, agent_pid: int) -> None:
+        raise KeyboardInterrupt  # stands in for a kill in the middle of building
+
+    monkeypatch.setattr(FlowTable, "_initialize", killed)
+    with pytest.raises(KeyboardInterrupt):
+        FlowTable.create_or_attach(table_path, num_slots=4)
+    assert os.listdir(directory) == []  # neither a half-built table nor its temporary file
+    monkeypatch.undo()
+    Path(leftover).write_bytes(b"\0" * 100)
+    FlowTable.create_or_attach(table_path, num_slots=4)[0].close()
+    assert os.listdir(directory) == ["table"]
+
+
+def test_agents_starting_at_once_never_both_initialize(tmp_path: Path) -> None:
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for round_ in range(10):
+            path = str(tmp_path / f"r{round_}" / "table")
+            start = threading.Barrier(2)
+            results: list[object] = [None, None]
+
+            def agent(slot: int, pid: int, path: str = path, start=start, results=results) -> None:
+                start.wait()
+                try:
+                    table, info = FlowTable.create_or_attach(path, num_slots=65_536, agent_pid=pid)
+                    table.close()
+                    results[slot] = info
+                except TableError as exc:
+                    results[slot] = exc
+
+            threads = [
+                threading.Thread(target=agent, args=(i, pid))
+                for i, pid in enumerate((os.getpid(), helper.pid))
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            won = [r for r in results if isinstance(r, table_module.AttachInfo)]
+            lost = [r for r in results if isinstance(r, TableError)]
+            assert len(won) == 1 and won[0].created, results
+            assert len(lost) == 1 and "owned by a running agent" in str(lost[0]), results
+    finally:
+        helper.kill()
+        helper.wait()
