@@ -26,6 +26,9 @@
  *    compiled-in defaults once one consistent copy was read. The lock is taken on connection
  *    setup and on level or config changes, never on the per-message path. Order: `lock`
  *    before `config_lock` (only fs_table_detach takes both). */
+/* Re-created tables followed per process (each keeps the one it replaced mapped). */
+#define FS_TABLE_MAX_RETIRED 8
+
 static struct {
   pthread_mutex_t lock;
   uint8_t* _Atomic base;
@@ -35,6 +38,15 @@ static struct {
   atomic_int warned_missing;
   atomic_int warned_corrupt;
   atomic_int warned_full;
+  dev_t dev; /* the mapped file, to notice a re-created table (fs_table_attach) */
+  ino_t ino;
+  /* Tables replaced by a newer file at the same path: kept mapped for the connections whose
+   * slots are in them (they run on at their last level; the new agent cannot see them). */
+  struct {
+    uint8_t* base;
+    size_t size;
+  } retired[FS_TABLE_MAX_RETIRED];
+  int nretired;
   pthread_mutex_t config_lock;
   struct fs_table_config config; /* last consistent copy (sanitized) */
   uint32_t config_seq;           /* the config_seq it was read at */
@@ -97,7 +109,15 @@ static const char* table_owner_problem(const struct stat* st) {
   return NULL;
 }
 
-static int table_map(const char* path) {
+/* A validated mapping of a table file, not yet published. */
+struct table_mapping {
+  uint8_t* base;
+  size_t size;
+  dev_t dev;
+  ino_t ino;
+};
+
+static int table_map_file(const char* path, struct table_mapping* out) {
   int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) {
     int rc = FS_NEG_ERRNO();
@@ -137,16 +157,69 @@ static int table_map(const char* path) {
                  path, problem);
     return -EPROTO;
   }
-  fs_table.size = (size_t)st.st_size;
-  fs_table.num_slots = ((struct fs_table_header*)base)->num_slots;
-  fs_table.base = base; /* last: published to readers outside the lock */
-  FS_INFO(NCCL_INIT | NCCL_NET, "flow table %s mapped (%u slots)", path, fs_table.num_slots);
+  *out = (struct table_mapping){
+      .base = base, .size = (size_t)st.st_size, .dev = st.st_dev, .ino = st.st_ino};
   return 0;
+}
+
+/* Publish `m` as the table new connections claim slots in (called with `lock` held). */
+static void table_publish(const char* path, const struct table_mapping* m) {
+  fs_table.size = m->size;
+  fs_table.dev = m->dev;
+  fs_table.ino = m->ino;
+  fs_table.num_slots = ((struct fs_table_header*)m->base)->num_slots;
+  atomic_store(&fs_table.claim_cursor, 0);
+  fs_table.base = m->base; /* last: published to readers outside the lock */
+  FS_INFO(NCCL_INIT | NCCL_NET, "flow table %s mapped (%u slots)", path, fs_table.num_slots);
+}
+
+static int table_map(const char* path) {
+  struct table_mapping m;
+  int rc = table_map_file(path, &m);
+  if (rc == 0) {
+    table_publish(path, &m);
+  }
+  return rc;
+}
+
+/* 1 when `path` now names another file than the mapped table: an agent re-created it (to
+ * resize it, say). Checked at connection setup, never on the per-message path. */
+static int table_replaced(const char* path) {
+  struct stat st;
+  return stat(path, &st) == 0 && (st.st_dev != fs_table.dev || st.st_ino != fs_table.ino);
+}
+
+/* Map the new table at `path` for the connections made from now on; the current one stays
+ * mapped (retired) for the connections whose slots are in it. At most FS_TABLE_MAX_RETIRED
+ * replacements are followed: after that, new connections stay on the current table. */
+static void table_follow(const char* path) {
+  if (fs_table.nretired >= FS_TABLE_MAX_RETIRED) {
+    return;
+  }
+  struct table_mapping m;
+  if (table_map_file(path, &m) != 0) {
+    return; /* a table being created: the next connection looks again */
+  }
+  fs_table.retired[fs_table.nretired].base = fs_table.base;
+  fs_table.retired[fs_table.nretired].size = fs_table.size;
+  fs_table.nretired++;
+  pthread_mutex_lock(&fs_table.config_lock);
+  fs_table.config_valid = 0; /* the new table's agent may have another policy */
+  pthread_mutex_unlock(&fs_table.config_lock);
+  FS_WARN("flow table %s was re-created: connections made from now on use the new one, the "
+          "earlier ones keep their slots in the old one (not seen by the agent) until they close",
+          path);
+  table_publish(path, &m);
 }
 
 int fs_table_attach(const char* path) {
   pthread_mutex_lock(&fs_table.lock);
-  int rc = fs_table.base != NULL ? 0 : table_map(path);
+  int rc = 0;
+  if (fs_table.base == NULL) {
+    rc = table_map(path);
+  } else if (table_replaced(path)) {
+    table_follow(path);
+  }
   pthread_mutex_unlock(&fs_table.lock);
   return rc;
 }
@@ -156,6 +229,10 @@ void fs_table_detach(void) {
   if (fs_table.base != NULL) {
     munmap(fs_table.base, fs_table.size);
   }
+  for (int i = 0; i < fs_table.nretired; i++) {
+    munmap(fs_table.retired[i].base, fs_table.retired[i].size);
+  }
+  fs_table.nretired = 0;
   fs_table.base = NULL;
   fs_table.size = 0;
   fs_table.num_slots = 0;

@@ -30,7 +30,9 @@
  *                                         longer defers a later bulk send on the device
  *   harness PLUGIN.so marking VERSION     after each level change written to a flow table, every
  *                                         connected socket's IP_TOS/IPV6_TCLASS and SO_PRIORITY
- *                                         (getsockopt) are the level's marking
+ *                                         (getsockopt) are the level's marking; a table
+ *                                         re-created at the same path takes the connections
+ *                                         made after it
  *   harness PLUGIN.so stale VERSION       peers that connect to a listener and send nothing (more
  *                                         of them than it has slots): once they age out
  *                                         (FLOWSCHED_ACCEPT_TIMEOUT_MS), a real connection is
@@ -937,6 +939,44 @@ static int sockets_check_marking(int level) {
   return checked;
 }
 
+static int active_slots(struct fs_table_header* hdr) {
+  int active = 0;
+  for (uint32_t s = 0; s < hdr->num_slots; s++) {
+    active += atomic_load(&marking_slot(hdr, s)->state) == FS_SLOT_ACTIVE;
+  }
+  return active;
+}
+
+/* An agent re-creates the table at the same path (to resize it): the connections made after
+ * that take slots in the new table and follow its levels; the earlier pair keeps its slots in
+ * the old one. */
+static void marking_recreated_table(struct net* n, void* ctx, const char* path,
+                                    struct fs_table_header* old) {
+  CHECK(unlink(path) == 0, "unlink %s", path);
+  size_t size = 0;
+  struct fs_table_header* hdr = marking_table_create(path, &size);
+  void *scomm, *rcomm;
+  connect_alternating(n, ctx, &scomm, &rcomm);
+  CHECK(active_slots(hdr) == 2, "%d active slots in the new table, expected the new pair's 2",
+        active_slots(hdr));
+  CHECK(active_slots(old) == 2, "the old table lost the first pair's slots");
+  for (uint32_t s = 0; s < hdr->num_slots; s++) {
+    if (atomic_load(&marking_slot(hdr, s)->state) == FS_SLOT_ACTIVE) {
+      atomic_store(&marking_slot(hdr, s)->level, 2u);
+    }
+  }
+  pump_pair(n, scomm, rcomm, 50000, 400);
+  for (uint32_t s = 0; s < hdr->num_slots; s++) {
+    struct fs_table_slot* slot = marking_slot(hdr, s);
+    if (atomic_load(&slot->state) == FS_SLOT_ACTIVE) {
+      CHECK(atomic_load(&slot->applied_level) == 2u, "new table's level not applied");
+    }
+  }
+  NCHECK(CALL(n, closeSend, scomm));
+  NCHECK(CALL(n, closeRecv, rcomm));
+  munmap(hdr, size);
+}
+
 static int test_marking(int version) {
   if (getenv("FLOWSCHED_NET_INNER") != NULL) {
     return 0; /* wrapping mode: the inner plugin owns the sockets */
@@ -974,6 +1014,7 @@ static int test_marking(int version) {
     int checked = sockets_check_marking(levels[i]);
     CHECK(checked >= 4, "only %d connected sockets found", checked);
   }
+  marking_recreated_table(&n, ctx, path, hdr);
   NCHECK(CALL(&n, closeSend, scomm));
   NCHECK(CALL(&n, closeRecv, rcomm));
   net_finalize(&n, ctx);
