@@ -770,9 +770,19 @@ def flow(
 
 
 def job_progress(
-    job: str, step: int, layer: int | None = None, *, socket_path: str | None = None
+    job: str,
+    step: int,
+    layer: int | None = None,
+    *,
+    done: bool = False,
+    socket_path: str | None = None,
 ) -> bool:
-    """Tell the agent that ``job`` reached ``step`` (and ``layer``); False if no agent got it."""
+    """Tell the agent that ``job`` reached ``step`` (and ``layer``); False if no agent got it.
+
+    ``done=True`` says the job ended (a serving batch whose prefill finished): the agent and
+    the coordinator forget it at once, so rmlq stops holding its KV transfers below its
+    collectives (docs/rmlq.md). Needs an agent of this release (an earlier one refuses it).
+    """
     try:
         sdk.check_message(sdk.JobProgress(job, step, layer))
     except sdk.SdkProtocolError as exc:
@@ -785,7 +795,8 @@ def job_progress(
     _last_job = job
     conn = connection(socket_path)
     try:
-        return conn.ensure_connected() and conn.send(sdk.JobProgress(job, step, layer))
+        message = sdk.JobProgress(job, step, layer, True if done else None)
+        return conn.ensure_connected() and conn.send(message)
     except Exception:
         log.exception("flowsched: job_progress failed")
         return False

@@ -560,6 +560,12 @@ class JobTable:
         self._by_owner.setdefault(owner, {})[name] = None
         return update, dropped
 
+    def end(self, owner: int | None, job: str, step: int, layer: int | None) -> JobProgress:
+        """``owner``'s job ``job`` ended: forget it; returns the scoped ``done`` message."""
+        name = self.scoped(owner, job)
+        self._drop(name)
+        return JobProgress(name, step, layer, done=True)
+
     def expire(self) -> list[str]:
         """Drop the jobs without progress for ``ttl`` seconds; return their names."""
         limit = self._clock() - self._ttl

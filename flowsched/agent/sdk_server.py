@@ -246,7 +246,9 @@ class SdkServer:
             self.agent.admit_now()
         elif isinstance(message, sdk.JobProgress):
             # scoped to the client's uid: no other user can set this job's step
-            self.agent.job_progress(message.job, message.step, message.layer, owner=uid)
+            self.agent.job_progress(
+                message.job, message.step, message.layer, owner=uid, done=bool(message.done)
+            )
 
     def _open(
         self,

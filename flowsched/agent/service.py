@@ -40,6 +40,7 @@ from flowsched.lograte import RepeatLog
 from flowsched.model import Context, Decision, Flow
 from flowsched.policies.base import Policy
 from flowsched.protocol import (
+    JOB_END_VERSION,
     Heartbeat,
     JobProgress,
     Levels,
@@ -555,7 +556,9 @@ class Agent:
         assert self.registry is not None
         limit = max(SILENCE_HEARTBEATS * self._heartbeat_interval, 0.3)
         loop = asyncio.get_running_loop()
-        frames = itertools.chain(resync_frames(self.registry.resync_opens()), self._latest_jobs())
+        frames = itertools.chain(
+            resync_frames(self.registry.resync_opens()), self._latest_jobs(link.version)
+        )
         try:
             async with asyncio.timeout(limit) as deadline:
                 for message in frames:
@@ -596,7 +599,7 @@ class Agent:
                 await link.send(part)
                 self.stats["batches_sent"] += 1
                 sent_any = True
-            for update in self._take_job_updates():
+            for update in self._take_job_updates(link.version):
                 await link.send(update)
                 sent_any = True
             if self._pending_nic is not None:
@@ -667,17 +670,29 @@ class Agent:
                             "%d tc changes restored it", dev, len(changed))  # fmt: skip
 
     def job_progress(
-        self, job: str, step: int, layer: int | None, *, owner: int | None = None
+        self,
+        job: str,
+        step: int,
+        layer: int | None,
+        *,
+        owner: int | None = None,
+        done: bool = False,
     ) -> None:
         """Record job progress (SDK); forwarded to the coordinator, fed to the local policy.
 
         ``owner`` (the SDK client's uid) scopes the name: ``"<uid>/<job>"`` (see
         :class:`~flowsched.agent.flows.JobTable`, which also bounds and expires the names).
+        With ``done`` the job ended: it is forgotten here and, on a connection of protocol
+        version 4 or later, at the coordinator (an older one forgets it after its TTL).
         """
         assert self.registry is not None
-        update, dropped = self.jobs.record(owner, job, step, layer)
-        self._forget_jobs(dropped)
-        self.registry.job_progress(update.job, step)
+        if done:
+            update = self.jobs.end(owner, job, step, layer)
+            self._forget_jobs([update.job])
+        else:
+            update, dropped = self.jobs.record(owner, job, step, layer)
+            self._forget_jobs(dropped)
+            self.registry.job_progress(update.job, step)
         self._job_updates[update.job] = update
         if self.fallback is not None:
             self._reevaluate()
@@ -688,14 +703,21 @@ class Agent:
             self._job_updates.pop(name, None)
             self.registry.job_index.pop(name, None)
 
-    def _take_job_updates(self) -> list[JobProgress]:
-        updates = list(self._job_updates.values())
+    def _take_job_updates(self, version: int) -> list[JobProgress]:
+        """The job updates since the last call; a job's end only for a coordinator that
+        understands it (:data:`~flowsched.protocol.JOB_END_VERSION`)."""
+        updates = [
+            u for u in self._job_updates.values() if not u.done or version >= JOB_END_VERSION
+        ]
         self._job_updates.clear()
         return updates
 
-    def _latest_jobs(self) -> list[JobProgress]:
+    def _latest_jobs(self, version: int) -> list[JobProgress]:
+        """Every job's latest progress (a resync), then the ends not sent yet: a coordinator
+        that saw a job before this connection forgets it now rather than at its TTL."""
+        ended = [u for u in self._job_updates.values() if u.done and version >= JOB_END_VERSION]
         self._job_updates.clear()
-        return self.jobs.latest()
+        return self.jobs.latest() + ended
 
     async def _nic_loop(self) -> None:
         while True:

@@ -481,8 +481,15 @@ class Coordinator:
             nodes.discard(node)
             if not nodes:
                 del self._job_nodes[job]
-                self.state.job_index.pop(job, None)
-                self.state.job_index.pop(f"{job}/layer", None)
+                self.state.forget_job(job)
+
+    def _forget_job(self, job: str) -> None:
+        """``job`` ended (a ``done`` report): no node reports it any more."""
+        for node in self._job_nodes.pop(job, ()):
+            jobs = self._node_jobs.get(node, {})
+            jobs.pop(job, None)
+            if not jobs:
+                self._node_jobs.pop(node, None)
 
     @property
     def job_count(self) -> int:
@@ -516,7 +523,10 @@ class Coordinator:
             return
         elif kind is JobProgress:
             assert isinstance(message, JobProgress)
-            self._note_job(node, message.job)
+            if message.done:
+                self._forget_job(message.job)
+            else:
+                self._note_job(node, message.job)
             state.job_progress(message)
         elif kind is NicLoad:
             assert isinstance(message, NicLoad)

@@ -305,13 +305,24 @@ class ClusterState:
         """Job ``report.job`` reached a step: its flows' RLI changes.
 
         ``job_index[job]`` holds the step; when a layer is given it is also published as
-        ``job_index[f"{job}/layer"]`` for layer-indexed flows (``kv_reuse``).
+        ``job_index[f"{job}/layer"]`` for layer-indexed flows (``kv_reuse``). A ``done``
+        report removes the job (what the simulator does when a batch's prefill ends: rmlq
+        stops holding its P2D below the collectives).
         """
         self.stats.events["job_progress"] += 1
+        if report.done:
+            self.forget_job(report.job)
+            return
         self.job_index[report.job] = report.step
         if report.layer is not None:
             self.job_index[f"{report.job}/layer"] = report.layer
         self.dirty.update(self.by_job.get(report.job, ()))
+
+    def forget_job(self, job: str) -> None:
+        """Drop ``job`` from the job index (it ended, or expired); its flows are re-evaluated."""
+        self.job_index.pop(job, None)
+        self.job_index.pop(f"{job}/layer", None)
+        self.dirty.update(self.by_job.get(job, ()))
 
     def nic_load(self, entries: Iterable[NicLoadEntry]) -> None:
         """Update link capacities and loads (rho); flows on changed links become dirty.

@@ -18,6 +18,9 @@ coordinator's ``welcome`` a MAC over it (:func:`compute_welcome_mac`), which the
 A coordinator below version 3 cannot prove that it holds the token: :func:`aio.connect_agent
 <flowsched.protocol.aio.connect_agent>` refuses it unless the link is verified TLS or the
 caller allows it (``flowsched agent --allow-unproven-coordinator``, for rolling upgrades).
+
+Version 4 lets ``job_progress`` say that a job ended (``done``): the coordinator forgets it at
+once instead of after its TTL. An agent sends ``done`` only on a version-4 connection.
 """
 
 from flowsched.protocol._codec import (
@@ -46,6 +49,7 @@ from flowsched.protocol._framing import (
     frame,
 )
 from flowsched.protocol._messages import (
+    JOB_END_VERSION,
     MESSAGE_TYPES,
     MIN_PROTOCOL_VERSION,
     MUTUAL_AUTH_VERSION,
@@ -86,6 +90,7 @@ __all__ = [
     "DEFAULT_TOKEN_PATH",
     "HANDSHAKE_MAX_FRAME_SIZE",
     "I64_MAX",
+    "JOB_END_VERSION",
     "MAX_NAME",
     "MAX_PROGRESS",
     "MESSAGE_TYPES",

@@ -75,7 +75,7 @@ _Map = dict[Any, Any]
 _MISSING: Final = object()
 _CLASSES: Final = {c.label: c for c in FlowClass}
 #: optional fields left out of a frame when 0 (the leadership epoch and etcd cluster id)
-_ZERO_MEANS_ABSENT: Final = ("epoch", "cluster")
+_ZERO_MEANS_ABSENT: Final = ("epoch", "cluster", "done")
 #: optional fields of ``hello`` and ``welcome`` left out when empty (the agent's nonce and the
 #: coordinator's MAC, from version 3): a peer of an older version knows neither
 _EMPTY_MEANS_ABSENT: Final = ("nonce", "mac")
@@ -165,6 +165,15 @@ class _Fields:
         if type(value) is not bytes or len(value) != size:
             what = f"{size} bytes (bin)" + (" or nil" if optional else "")
             raise _bad(f"{self._path}.{name}", what, value)
+        return value
+
+    def flag(self, name: str) -> bool:
+        """A boolean; absent reads as False (a flag is sent only when set)."""
+        value = self._get(name, True)
+        if value is None:
+            return False
+        if type(value) is not bool:
+            raise _bad(f"{self._path}.{name}", "a boolean", value)
         return value
 
     def has(self, name: str) -> bool:
@@ -605,7 +614,10 @@ def _decode_fields(cls: type[Message], f: _Fields) -> Message:
         return Levels(updates, _epoch(f, "epoch"))
     if cls is JobProgress:
         return JobProgress(
-            f.name("job"), f.integer("step", 0, I64_MAX), f.integer("layer", 0, I64_MAX, True)
+            f.name("job"),
+            f.integer("step", 0, I64_MAX),
+            f.integer("layer", 0, I64_MAX, True),
+            f.flag("done"),
         )
     if cls is NicLoad:
         return NicLoad(_each(f.array("entries"), f"{path}.entries", _nic_entry))

@@ -15,7 +15,7 @@ from flowsched.model import FlowClass
 #: The highest protocol version this implementation speaks: an agent offers it in
 #: ``hello.version``, the coordinator answers with the version both speak in
 #: ``challenge.version`` (see :mod:`flowsched.protocol`).
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 #: The lowest version spoken (agents and coordinators of the previous release speak only 1).
 MIN_PROTOCOL_VERSION = 1
 #: The first version whose ``flows`` frames may carry progress as two parallel arrays
@@ -26,6 +26,10 @@ PACKED_PROGRESS_VERSION = 2
 #: (:func:`flowsched.protocol.auth.compute_welcome_mac`). Below it the coordinator proves
 #: nothing, and an agent accepts it only over verified TLS or when told to.
 MUTUAL_AUTH_VERSION = 3
+#: The first version whose ``job_progress`` may carry ``done``: the job ended (a serving
+#: batch's prefill finished), so the coordinator forgets it and re-evaluates its flows. An
+#: agent never sends ``done`` on an older connection (the coordinator would refuse the field).
+JOB_END_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,12 +191,14 @@ class Flows:
 
 @dataclass(frozen=True, slots=True)
 class JobProgress:
-    """agent -> coordinator: job ``job`` reached ``step`` (and ``layer`` within it)."""
+    """agent -> coordinator: job ``job`` reached ``step`` (and ``layer`` within it); with
+    ``done`` (from :data:`JOB_END_VERSION`) the job ended and is forgotten."""
 
     TYPE: ClassVar[str] = "job_progress"
     job: str
     step: int
     layer: int | None = None
+    done: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,12 +112,14 @@ class Close:
 
 @dataclass(frozen=True, slots=True)
 class JobProgress:
-    """Job ``job`` is now at ``step`` (and ``layer``)."""
+    """Job ``job`` is now at ``step`` (and ``layer``); ``done`` (sent only when True): the job
+    ended (a serving batch's prefill finished). An agent of an earlier release refuses it."""
 
     TYPE: ClassVar[str] = "job_progress"
     job: str
     step: int
     layer: int | None = None
+    done: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,6 +189,7 @@ _RULES: dict[str, tuple[str, float, float]] = {
     "decided_ns": ("u", 0, I64_MAX),
     "code": ("s", 1, MAX_TEXT),
     "reason": ("s", 0, 4096),
+    "done": ("b", 0, 1),
 }
 
 
@@ -259,6 +262,9 @@ def _check(msg_type: str, name: str, value: Any, *, optional: bool) -> Any:
     if kind == "u":
         if type(value) is not int or not low <= value <= high:
             raise SdkProtocolError(f"{where}: expected an integer in {int(low)}..{int(high)}", name)
+    elif kind == "b":
+        if type(value) is not bool:
+            raise SdkProtocolError(f"{where}: expected true or false", name)
     elif kind == "f":
         if type(value) not in (int, float) or not _finite(value) or value < low:
             raise SdkProtocolError(f"{where}: expected a finite number >= {low:g}", name)

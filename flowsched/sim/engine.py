@@ -99,6 +99,8 @@ class Engine(Protocol):
 
     def set_job_index(self, job: str, index: int) -> None: ...
 
+    def end_job(self, job: str) -> None: ...
+
 
 @dataclass(slots=True, eq=False)
 class ActiveFlow:
@@ -256,6 +258,10 @@ class Simulator:
             self.job_index[job] = index
             self._touched.update(self._job_flows.get(job, ()))
             self._request_reevaluate()
+
+    def end_job(self, job: str) -> None:
+        """The job ended (a batch's prefill): policies no longer see it in the job index."""
+        self.job_index.pop(job, None)
 
     def run(self, until: float = math.inf) -> None:
         """Process events until none are left or the clock would pass ``until``."""

@@ -240,7 +240,7 @@ class ServingWorkload:
             return
         for request in batch.requests:
             self.records[request.request_id].prefill_done = self.sim.now
-        self.sim.job_index.pop(batch.job, None)
+        self.sim.end_job(batch.job)
         self.busy[batch.instance] = False
         self._maybe_start(batch.instance)
 

@@ -20,8 +20,8 @@ the file system) and speak JSON lines. Host -> engine: ``{"t": "hello", "host": 
 ``{"t": "done", "id": N, "at": S, "ok": B, "error": E}`` per received flow. Engine -> host:
 ``{"t": "start", "t0_ns", "t0_wall"}`` once every host said hello (time zero, so that a host
 that was slow to start never shifts the trace), then ``{"t": "open", "id", "cls", "size",
-"dst", "deadline", "request", "job", "step"}``, ``{"t": "job", "job", "step"}`` and
-``{"t": "stop"}``.
+"dst", "deadline", "request", "job", "step"}``, ``{"t": "job", "job", "step"}``,
+``{"t": "job_done", "job", "step"}`` (the job ended) and ``{"t": "stop"}``.
 """
 
 from __future__ import annotations
@@ -141,6 +141,15 @@ class LiveEngine:
         self.job_index[job] = index
         for host in self._job_hosts(job):
             self._send(host, {"t": "job", "job": job, "step": index})
+
+    def end_job(self, job: str) -> None:
+        """The job ended: forget it, and tell the agents of its hosts (so the coordinator
+        forgets it too, as the simulator does)."""
+        index = self.job_index.pop(job, None)
+        if index is None:
+            return
+        for host in self._job_hosts(job):
+            self._send(host, {"t": "job_done", "job": job, "step": index})
 
     # ------------------------------------------------------------------ running
     def wait_for_hosts(self, hosts: Iterable[str], timeout: float) -> None:

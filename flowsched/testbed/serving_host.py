@@ -109,8 +109,9 @@ class ServingHost:
             threading.Thread(target=self._send_collective, args=(message,), daemon=True).start()
         elif kind == "open":
             threading.Thread(target=self._send_flow, args=(message,), daemon=True).start()
-        elif kind == "job":
-            client.job_progress(str(message["job"]), int(message["step"]))
+        elif kind in ("job", "job_done"):
+            done = kind == "job_done"
+            client.job_progress(str(message["job"]), int(message["step"]), done=done)
         return kind != "stop"
 
     def _report(self, message: dict[str, Any]) -> None:

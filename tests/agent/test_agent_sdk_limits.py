@@ -20,7 +20,7 @@ from flowsched.agent import sdk_server
 from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.model import FlowClass
-from flowsched.protocol import Welcome, sdk
+from flowsched.protocol import PROTOCOL_VERSION, Welcome, sdk
 
 UID = os.geteuid()
 
@@ -165,6 +165,7 @@ class _StuckLink:
 
     def __init__(self, welcome: Welcome) -> None:
         self.welcome = welcome
+        self.version = PROTOCOL_VERSION
         self.sent = 0
 
     async def send(self, message: object) -> None:

@@ -10,8 +10,10 @@ from agent_helpers import wait_until
 
 from flowsched import client
 from flowsched.agent import AgentConfig
-from flowsched.agent.flows import JobTable
+from flowsched.agent.flows import FlowRegistry, JobTable
+from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
+from flowsched.protocol import JOB_END_VERSION, JobProgress
 
 
 class Clock:
@@ -89,3 +91,21 @@ def test_the_agent_scopes_an_sdk_clients_job_to_its_uid(tmp_path: Path) -> None:
             for conn in list(client._connections.values()):
                 conn.close()
             client._connections.clear()
+
+
+def test_a_jobs_end_goes_to_a_coordinator_that_understands_it_only() -> None:
+    """``done`` only on a version-4 link (an older coordinator refuses the field); a resync
+    carries the ends not sent yet, after every running job's latest progress."""
+    agent = Agent(AgentConfig(node="n1", socket_path="unused", metrics_port=None))
+    agent.registry = FlowRegistry(node="n1", links=("n1:tx",), id_prefix=1)
+    agent.job_progress("batch", 7, 7, owner=1000)
+    agent.job_progress("other", 2, None, owner=1000)
+    assert [u.job for u in agent._take_job_updates(JOB_END_VERSION)] == ["1000/batch", "1000/other"]
+    agent.job_progress("batch", 8, None, owner=1000, done=True)
+    assert "1000/batch" not in agent.registry.job_index
+    assert agent._take_job_updates(JOB_END_VERSION - 1) == []
+    agent.job_progress("batch", 8, None, owner=1000, done=True)
+    ended = JobProgress("1000/batch", 8, None, done=True)
+    assert agent._latest_jobs(JOB_END_VERSION) == [JobProgress("1000/other", 2, None), ended]
+    agent.job_progress("batch", 8, None, owner=1000, done=True)
+    assert agent._take_job_updates(JOB_END_VERSION) == [ended]

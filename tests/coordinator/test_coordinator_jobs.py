@@ -9,7 +9,7 @@ import pytest
 from coordinator_helpers import TOKEN, running_coordinator
 
 from flowsched.coordinator import service
-from flowsched.protocol import JobProgress
+from flowsched.protocol import JOB_END_VERSION, JobProgress
 from flowsched.protocol.aio import connect_agent
 
 
@@ -37,6 +37,36 @@ async def test_job_names_are_bounded_per_node_and_expire(monkeypatch: pytest.Mon
             coordinator._expire_jobs(time.monotonic() + 1)  # everything is older than that
             assert coordinator.job_count == 0
             assert not any(k.startswith(("job-", "shared")) for k in index)
+        finally:
+            await link.close()
+            await other.close()
+
+
+@pytest.mark.asyncio
+async def test_a_job_that_ended_is_forgotten_by_every_node_at_once() -> None:
+    async with running_coordinator() as coordinator:
+        assert coordinator.addresses is not None
+        host, port = coordinator.addresses.host, coordinator.addresses.port
+        link = await connect_agent(host, port, node="n1", token=TOKEN, timeout=5)
+        other = await connect_agent(host, port, node="n2", token=TOKEN, timeout=5)
+        try:
+            assert link.version >= JOB_END_VERSION
+            await other.send(JobProgress("batch", 3, 3))
+            await link.send(JobProgress("batch", 7, 7))
+            await link.send(JobProgress("kept", 1, None))
+            events = coordinator.state.stats.events
+            deadline = time.monotonic() + 5
+            while events["job_progress"] < 3:
+                assert time.monotonic() < deadline, "the coordinator did not get every report"
+                await asyncio.sleep(0.01)
+            assert coordinator.state.job_index["batch/layer"] == 7
+            await link.send(JobProgress("batch", 8, None, done=True))
+            while events["job_progress"] < 4:
+                assert time.monotonic() < deadline, "the end was not received"
+                await asyncio.sleep(0.01)
+            index = coordinator.state.job_index
+            assert "batch" not in index and "batch/layer" not in index and index["kept"] == 1
+            assert coordinator.job_count == 1  # n2's record of "batch" went too
         finally:
             await link.close()
             await other.close()

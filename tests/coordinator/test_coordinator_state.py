@@ -618,3 +618,31 @@ def test_a_policy_raising_on_one_flow_spares_the_batch(
     assert not state.quarantined and state.stats.policy_errors >= 1
     assert "flow 13 of node evil" in caplog.text
     assert "ZeroDivisionError" in caplog.text
+
+
+def _held_kv_levels(end_job: bool) -> list[tuple[float, int]]:
+    """A batch's last-layer P2D (1 GB due in 100 ms on a 25 GB/s link) under rmlq: held below
+    the collectives while its job is in prefill; (time, level) pushed over 95 ms."""
+    state = ClusterState(create("rmlq", {"feasibility": False}, num_levels=8))
+    now = 1000.0
+    state.job_progress(JobProgress("i0/b1", 7, 7))
+    kv = FlowOpen(1, FlowClass.KV, now, size=10**9, deadline=now + 0.1, job="i0/b1",
+                  consumer_index=7, request="r1", links=("n0:tx",))  # fmt: skip
+    state.open_flows("n0", [kv], now)
+    pushed = []
+    for t in (0.0, 0.02, 0.04, 0.06, 0.08, 0.095):
+        if end_job and t == 0.02:
+            state.job_progress(JobProgress("i0/b1", 8, None, done=True))  # prefill ended
+        state.start_sweep(now + t)
+        pushed += [(t, u.level) for node in state.flush(now + t).values() for u in node.values()]
+    return pushed
+
+
+def test_a_jobs_end_releases_its_held_kv_flows_at_once() -> None:
+    """While the job runs its P2D stays at the first deferred band (5, below tp at 2); the
+    job's end (protocol version 4) makes the coordinator forget it and re-evaluate the flow,
+    which MLU then promotes, as in the simulator (it was held until the job's 10-minute TTL)."""
+    held = _held_kv_levels(end_job=False)
+    assert held == [(0.0, 6), (0.04, 5)]  # and no further change while held
+    ended = _held_kv_levels(end_job=True)
+    assert ended == [(0.0, 6), (0.04, 1), (0.08, 0)]  # promoted by MLU like any other

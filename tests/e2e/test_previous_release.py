@@ -25,6 +25,7 @@ from e2e_helpers import cleanup, scrape, start_agent, start_coordinator, total, 
 
 from flowsched import client
 from flowsched.model import FlowClass
+from flowsched.protocol import PROTOCOL_VERSION
 
 pytestmark = pytest.mark.usefixtures("fresh_sdk_connections")
 
@@ -83,7 +84,7 @@ def test_a_new_agent_refuses_a_previous_coordinator_by_default(
     agent_log = log.read_text()
     assert (
         f"refused coordinator 127.0.0.1:{port}: unproven_coordinator: the coordinator refused"
-        " protocol version 3 (hello: unknown field(s) nonce)" in agent_log
+        f" protocol version {PROTOCOL_VERSION} (hello: unknown field(s) nonce)" in agent_log
     ), agent_log[-2000:]
     assert "--allow-unproven-coordinator" in agent_log
     assert "connected to the coordinator" not in agent_log
@@ -106,7 +107,7 @@ def test_a_new_agent_allowed_to_follow_a_previous_coordinator(
                  "the agent to connect")  # fmt: skip
         _ranks_a_kv_flow(cm, agent.fields["socket"])
     agent_log = (tmp_path / "agent-n1.log").read_text()
-    assert "refused protocol version 3" in agent_log, agent_log[-2000:]
+    assert f"refused protocol version {PROTOCOL_VERSION}" in agent_log, agent_log[-2000:]
     assert "; protocol version 1;" in agent_log, agent_log[-2000:]
     assert "cannot prove that it holds the token" in agent_log, agent_log[-2000:]
     assert "unknown field(s) nonce" in (tmp_path / "coordinator.log").read_text()

@@ -84,7 +84,7 @@ messages: st.SearchStrategy[Message] = st.one_of(
     ),
     st.builds(Error, names, st.text(max_size=200)),
     flows,
-    st.builds(JobProgress, names, i64, st.none() | i64),
+    st.builds(JobProgress, names, i64, st.none() | i64, st.booleans()),
     st.builds(NicLoad, st.lists(nic_entries, max_size=4).map(tuple)),
     st.builds(Resync, st.lists(flow_opens, max_size=3).map(tuple)),
     st.builds(Levels, st.lists(level_updates, max_size=5).map(tuple)),

@@ -15,6 +15,7 @@ from flowsched.protocol import (
     MAX_PROGRESS,
     FlowClose,
     Hello,
+    JobProgress,
     LocalProtocolError,
     Message,
     ProtocolError,
@@ -25,7 +26,7 @@ from flowsched.protocol import (
 )
 
 
-@given(messages, st.sampled_from([1, 2, 3]))
+@given(messages, st.sampled_from([1, 2, 3, 4]))
 def test_encode_decode_round_trip(message: Message, version: int) -> None:
     decoded = decode_body(encode_body(message, version))
     assert decoded == message
@@ -664,3 +665,25 @@ def test_hot_frames_decode_as_the_checked_path_at_the_edges(build: Any, value: o
 def test_a_frame_of_max_progress_reports_is_accepted(fields: dict[str, Any]) -> None:
     decoded = decode_body(msgpack.packb({"t": "flows", **fields}))
     assert decoded == flows_with([(1, 2)] * MAX_PROGRESS)
+
+
+def test_a_jobs_end_is_sent_only_when_set() -> None:
+    """``done`` is left out when false: the frame stays what a version-3 coordinator decodes
+    (it refuses unknown fields); set, it round-trips."""
+    plain = JobProgress("batch", 7, 7)
+    assert msgpack.unpackb(encode_body(plain)) == {
+        "t": "job_progress", "job": "batch", "step": 7, "layer": 7,
+    }  # fmt: skip
+    ended = JobProgress("batch", 8, None, done=True)
+    assert msgpack.unpackb(encode_body(ended))["done"] is True
+    assert decode_body(encode_body(ended)) == ended
+
+
+@pytest.mark.parametrize("value", [1, "yes", None, 0.0])
+def test_a_jobs_end_must_be_a_boolean(value: object) -> None:
+    body = msgpack.packb({"t": "job_progress", "job": "j", "step": 1, "done": value})
+    if value is None:  # nil reads as absent
+        assert decode_body(body) == JobProgress("j", 1)
+        return
+    with pytest.raises(LocalProtocolError, match=r"job_progress\.done: expected a boolean"):
+        decode_body(body)

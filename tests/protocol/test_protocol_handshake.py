@@ -109,7 +109,7 @@ def test_unknown_version_is_rejected_naming_the_field() -> None:
     with pytest.raises(RemoteProtocolError) as info:
         pair.to_coordinator(pair.agent.send(Hello(0, "n")))
     assert info.value.code == "version"
-    assert "hello.version: unsupported version 0 (this end speaks 1..3)" in info.value.reason
+    assert "hello.version: unsupported version 0 (this end speaks 1..4)" in info.value.reason
 
 
 def test_oversized_frame_is_rejected() -> None:

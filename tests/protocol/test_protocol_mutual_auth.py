@@ -72,7 +72,7 @@ def test_a_coordinator_with_the_token_proves_it() -> None:
     agent.receive_data(_up_to_welcome(agent, coordinator))
     received = agent.next_event()
     assert received == WELCOME and isinstance(received, Welcome) and len(received.mac) == 32
-    assert agent.version == coordinator.version == MUTUAL_AUTH_VERSION == PROTOCOL_VERSION
+    assert agent.version == coordinator.version == PROTOCOL_VERSION >= MUTUAL_AUTH_VERSION
     assert agent.peer_proven and coordinator.peer_proven
     assert agent.state is State.ESTABLISHED
 
@@ -82,7 +82,7 @@ def test_a_coordinator_without_the_token_is_refused() -> None:
     agent = Connection(Role.AGENT, token=TOKEN)
     rogue = Connection(Role.COORDINATOR, token=None)
     error = _refused(agent, _up_to_welcome(agent, rogue))
-    assert "welcome.mac: missing at protocol version 3" in error.reason
+    assert f"welcome.mac: missing at protocol version {PROTOCOL_VERSION}" in error.reason
 
 
 def test_a_coordinator_with_another_token_is_refused() -> None:
@@ -222,7 +222,7 @@ async def test_connect_agent_accepts_a_coordinator_that_proves_itself() -> None:
     async with _stand_in() as (port, received):
         link = await _connect(port)
         await link.close()
-    assert (link.version, link.coordinator_proven) == (3, True)
+    assert (link.version, link.coordinator_proven) == (PROTOCOL_VERSION, True)
     assert received == [["hello", "auth"]]
 
 
@@ -269,7 +269,9 @@ async def test_a_previous_release_coordinator_is_refused_unless_allowed() -> Non
         with pytest.raises(HandshakeError) as info:
             await _connect(port)
         assert info.value.code == "unproven_coordinator"
-        assert "refused protocol version 3 (hello: unknown field(s) nonce)" in info.value.reason
+        assert f"refused protocol version {PROTOCOL_VERSION} (hello: unknown field(s) nonce)" in (
+            info.value.reason
+        )
         assert received == [["hello"]]
         link = await _connect(port, allow_unproven=True)
         await link.close()

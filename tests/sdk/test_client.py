@@ -114,6 +114,17 @@ def test_job_progress_reaches_the_agent(agent: AgentThread) -> None:
     _wait(lambda: agent.agent.registry.job_index.get(scoped) == 12)  # type: ignore[union-attr]
 
 
+def test_a_jobs_end_makes_the_agent_forget_it(agent: AgentThread) -> None:
+    path = agent.ready.socket  # type: ignore[union-attr]
+    running = agent.agent
+    scoped = f"{os.geteuid()}/batch-3"
+    assert client.job_progress("batch-3", 7, layer=7, socket_path=path)
+    _wait(lambda: running.registry.job_index.get(scoped) == 7)  # type: ignore[union-attr]
+    assert client.job_progress("batch-3", 8, done=True, socket_path=path)
+    _wait(lambda: scoped not in running.registry.job_index)  # type: ignore[union-attr]
+    assert scoped not in {u.job for u in running.jobs.latest()}  # not re-sent at a resync
+
+
 def test_without_agent_degrades_to_static_default(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -197,6 +197,22 @@ def test_engine_reports_job_progress_to_the_job_hosts_once_per_change(
     assert source.next() == {"t": "job", "job": "i0/b1", "step": 3}
 
 
+def test_engine_reports_a_jobs_end_to_the_job_hosts_once(
+    engine: tuple[LiveEngine, FakeHost, FakeHost],
+) -> None:
+    """As the simulator ends a batch's job when its prefill ends, the live engine tells the
+    job's hosts, whose SDK clients tell the agents and so the coordinator."""
+    live, source, _ = engine
+    live.set_job_index("i0/b1", 8)
+    live.end_job("i0/b1")
+    live.end_job("i0/b1")  # ended already: nothing more
+    live.set_job_index("i0/b2", 1)
+    assert source.next() == {"t": "job", "job": "i0/b1", "step": 8}
+    assert source.next() == {"t": "job_done", "job": "i0/b1", "step": 8}
+    assert source.next() == {"t": "job", "job": "i0/b2", "step": 1}
+    assert "i0/b1" not in live.job_index
+
+
 def test_engine_keeps_failed_and_unknown_reports_as_errors(
     engine: tuple[LiveEngine, FakeHost, FakeHost],
 ) -> None:
