@@ -41,6 +41,9 @@ class FlowClass(enum.IntEnum):
 EXPLICIT_DEADLINE = frozenset({FlowClass.PARAM_SYNC, FlowClass.KV})
 #: Classes whose deadline is "when the consumer step/layer runs" (RLI ranking).
 IMPLICIT_DEADLINE = frozenset({FlowClass.TP, FlowClass.EXPERIENCE, FlowClass.KV_REUSE})
+#: the classes whose ``consumer_index`` is a layer index: their RLI compares it with the job's
+#: reported layer (``job_index["<job>/layer"]``) when there is one, else with its step
+LAYER_CLASSES = frozenset({FlowClass.KV, FlowClass.KV_REUSE})
 #: MFS "early stage" classes: they may delay compute directly (served before last-stage flows).
 EARLY_STAGE = IMPLICIT_DEADLINE
 

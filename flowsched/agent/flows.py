@@ -230,9 +230,12 @@ class FlowRegistry:
             released += self.close_sdk(flow_id, pid, None, now)
         return released
 
-    def job_progress(self, job: str, step: int) -> None:
-        """Record the job's current step (the RLI ``L_curr``)."""
+    def job_progress(self, job: str, step: int, layer: int | None = None) -> None:
+        """Record the job's current step (the RLI ``L_curr``), and its layer when given
+        (``"<job>/layer"``, for layer-indexed flows), as the coordinator publishes them."""
         self.job_index[job] = step
+        if layer is not None:
+            self.job_index[f"{job}/layer"] = layer
 
     # ------------------------------------------------------------------ table side
     def observe(

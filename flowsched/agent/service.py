@@ -692,7 +692,7 @@ class Agent:
         else:
             update, dropped = self.jobs.record(owner, job, step, layer)
             self._forget_jobs(dropped)
-            self.registry.job_progress(update.job, step)
+            self.registry.job_progress(update.job, step, layer)
         self._job_updates[update.job] = update
         if self.fallback is not None:
             self._reevaluate()
@@ -702,6 +702,7 @@ class Agent:
         for name in names:
             self._job_updates.pop(name, None)
             self.registry.job_index.pop(name, None)
+            self.registry.job_index.pop(f"{name}/layer", None)
 
     def _take_job_updates(self, version: int) -> list[JobProgress]:
         """The job updates since the last call; a job's end only for a coordinator that

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from flowsched.model import EXPLICIT_DEADLINE, Context, Decision, Flow, FlowClass
+from flowsched.model import EXPLICIT_DEADLINE, LAYER_CLASSES, Context, Decision, Flow, FlowClass
 from flowsched.policies.argcheck import (
     boolean,
     check_fields,
@@ -408,7 +408,9 @@ class RmlqPolicy:
             return 0
         if flow.job is None or flow.consumer_index is None or flow.job not in ctx.job_index:
             return None
-        return max(flow.consumer_index - ctx.job_index[flow.job], 0)
+        layered = flow.cls in LAYER_CLASSES
+        current = _layer_of(flow.job, ctx) if layered else ctx.job_index[flow.job]
+        return max(flow.consumer_index - current, 0)
 
     def _held_below_collectives(self, flow: Flow, ctx: Context) -> bool:
         """P2D of a job still in prefill: its collectives carry the job's requests first."""
@@ -547,9 +549,9 @@ class RmlqPolicy:
             del self._job_seen[gone]
             self._job_pace.pop(gone, None)
         for job in {f.job for f in self._urgent.values() if f.job is not None}:
-            index = ctx.job_index.get(job)
-            if index is None:
+            if job not in index_of:
                 continue
+            index = _layer_of(job, ctx)
             seen = self._job_seen.get(job)
             if seen is None or index < seen[0]:
                 self._job_seen[job] = (index, ctx.now)
@@ -583,7 +585,7 @@ class RmlqPolicy:
             if flow.consumer_index is not None:
                 last_layer[key] = max(last_layer.get(key, -1), flow.consumer_index)
             if flow.job in ctx.job_index and flow.job in self._job_pace:
-                left = max(depth[key] - 1 - ctx.job_index[flow.job], 0)
+                left = max(depth[key] - 1 - _layer_of(flow.job, ctx), 0)
                 compute[batch] = left * self._job_pace[flow.job]
         for key, demand in demands.items():  # the layers whose P2D has not opened yet
             if key in last_layer and demand.batch in compute:
@@ -935,6 +937,14 @@ class RmlqPolicy:
 #: as not reached yet at that very instant); and the wait near a worst-case crossing
 _MIN_STEP = 1e-6
 _NEAR_STEP = 1e-3
+
+
+def _layer_of(job: str, ctx: Context) -> int:
+    """The layer job ``job`` (in ``ctx.job_index``) reached: its reported layer
+    (``"<job>/layer"``), else its step (an engine, like the simulator, that reports a
+    serving batch's layer as the batch job's step)."""
+    layer = ctx.job_index.get(f"{job}/layer")
+    return ctx.job_index[job] if layer is None else layer
 
 
 def _depth_scope(flow: Flow) -> str:

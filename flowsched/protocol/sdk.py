@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from flowsched.model import FlowClass
+from flowsched.model import LAYER_CLASSES, FlowClass
 from flowsched.protocol import (
     I64_MAX,
     MAX_NAME,
@@ -63,8 +63,6 @@ MAX_REQUEST = MAX_JOB
 MAX_LAYER = 1 << 20
 #: largest step: ``job_progress.step``, and ``open.consumer_index`` of the other classes
 MAX_STEP = 1 << 40
-#: the classes whose ``consumer_index`` is a layer index (bounded by :data:`MAX_LAYER`)
-LAYER_CLASSES = frozenset({FlowClass.KV, FlowClass.KV_REUSE})
 
 
 class SdkProtocolError(ValueError):

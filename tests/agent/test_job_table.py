@@ -109,3 +109,14 @@ def test_a_jobs_end_goes_to_a_coordinator_that_understands_it_only() -> None:
     assert agent._latest_jobs(JOB_END_VERSION) == [JobProgress("1000/other", 2, None), ended]
     agent.job_progress("batch", 8, None, owner=1000, done=True)
     assert agent._take_job_updates(JOB_END_VERSION) == [ended]
+
+
+def test_the_agent_publishes_a_jobs_layer_as_the_coordinator_does() -> None:
+    """The local policy (the agent's fallback) sees ``"<job>/layer"`` like the coordinator's,
+    so both rank a layer-indexed flow the same way; the job's end removes both entries."""
+    agent = Agent(AgentConfig(node="n1", socket_path="unused", metrics_port=None))
+    agent.registry = FlowRegistry(node="n1", links=("n1:tx",), id_prefix=1)
+    agent.job_progress("job-7", 41, 12, owner=1000)
+    assert agent.registry.job_index == {"1000/job-7": 41, "1000/job-7/layer": 12}
+    agent.job_progress("job-7", 42, None, owner=1000, done=True)
+    assert agent.registry.job_index == {}

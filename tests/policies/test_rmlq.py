@@ -1255,3 +1255,24 @@ def test_next_change_never_returns_a_past_deadline() -> None:
         found = pol.next_change(done, ctx(now))
         assert found is None or found > now, (now, found)
     assert pol.next_change(busy, ctx(0.005)) == pytest.approx(0.01)  # its own deadline: pruned
+
+
+@pytest.mark.parametrize(
+    ("cls", "consumer", "job_index", "rli"),
+    [
+        (FlowClass.KV_REUSE, 20, {"job-7": 41, "job-7/layer": 12}, 8),  # the reported layer
+        (FlowClass.KV, 20, {"job-7": 41, "job-7/layer": 12}, 8),
+        (FlowClass.KV_REUSE, 20, {"job-7": 12}, 8),  # no layer: the step is the layer
+        (FlowClass.EXPERIENCE, 43, {"job-7": 41, "job-7/layer": 12}, 2),  # a step, not a layer
+        (FlowClass.KV_REUSE, 20, {}, None),  # job unknown
+    ],
+)
+def test_layer_indexed_flows_count_rli_from_the_jobs_layer(
+    cls: FlowClass, consumer: int, job_index: dict[str, int], rli: int | None
+) -> None:
+    """``job_progress(job, step, layer)``: a kv_reuse flow's consumer is a layer, compared
+    with the job's reported layer (it was compared with the step: RLI 0 for layer 20 at step
+    41, layer 12)."""
+    policy = rmlq.RmlqPolicy(rmlq.Args(), num_levels=8)
+    flow = Flow(1, cls, 0.0, size=10**6, job="job-7", consumer_index=consumer)
+    assert policy.flow_rli(flow, ctx(job_index=job_index)) == rli
