@@ -49,13 +49,24 @@ class BinaryDistribution(Distribution):
         return True
 
 
-def compiled_extensions() -> list[object]:
+#: setup.py commands that compile extensions; any other (pip's metadata step ``dist_info``,
+#: ``egg_info``, ``sdist``, ...) gets none, so mypyc's code generation (~20 s) runs only here
+BUILD_COMMANDS = {"bdist_wheel", "build", "build_ext", "install", "bdist_egg"}
+#: editable installs (PEP 660's ``editable_wheel``, the legacy ``develop``): compiled only
+#: with FLOWSCHED_COMPILE=1
+EDITABLE_COMMANDS = {"editable_wheel", "develop"}
+
+
+def compiled_extensions(argv: list[str] = sys.argv) -> list[object]:
     """mypyc's extensions for flowsched/compiled.py's MODULES, or none (see the docstring)."""
     mode = os.environ.get("FLOWSCHED_COMPILE", "auto")
     if mode not in ("auto", "0", "1"):
         raise SystemExit(f"FLOWSCHED_COMPILE must be auto, 0 or 1, not {mode!r}")
-    editable = "editable_wheel" in sys.argv  # how setuptools runs a PEP 660 build
-    if mode == "0" or (mode == "auto" and editable):
+    commands = set(argv[1:])
+    editable = bool(commands & EDITABLE_COMMANDS)
+    if mode == "0" or not commands & (BUILD_COMMANDS | EDITABLE_COMMANDS):
+        return []
+    if mode == "auto" and editable:
         return []
     return list(runpy.run_path(str(ROOT / "flowsched" / "compiled.py"))["extensions"]())
 

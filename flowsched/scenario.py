@@ -446,10 +446,18 @@ def serving_capacity(cfg: ServingSection) -> float:
     return cfg.instances / busy
 
 
+def check_load(load: float) -> None:
+    """ValueError unless ``load`` is a finite number > 0 (0 has no arrivals, NaN no order)."""
+    if not (math.isfinite(load) and load > 0):
+        raise ValueError(f"load: expected a finite number > 0, got {load!r}")
+
+
 def serving_arrival_rate(cfg: ServingSection, load: float) -> float:
     """Poisson arrival rate (requests/s) for ``load``: a fraction of :func:`serving_capacity`
     (``load_basis = "compute"``), or the rate at which the most loaded group of links of
-    :func:`network_utilization` is offered ``load`` x its capacity (``"network"``)."""
+    :func:`network_utilization` is offered ``load`` x its capacity (``"network"``); ValueError
+    unless ``load`` is a finite number > 0."""
+    check_load(load)
     if cfg.load_basis == "network":
         return load / max(network_utilization(cfg).values())
     return load * serving_capacity(cfg)
@@ -525,7 +533,9 @@ def rl_plan(cfg: RlSection, load: float) -> RlPlan:
     """Scale the param-sync and experience sizes so that :func:`rl_nominal_load` equals ``load``.
 
     TP collective sizes are model properties and stay fixed; the deferrable transfers scale.
+    ValueError unless ``load`` is a finite number > 0.
     """
+    check_load(load)
     bandwidth, window, tp_bytes = _rl_window(cfg)
     sync_per_node = max(load * bandwidth * window - tp_bytes, 0.0)
     scale = sync_per_node / (cfg.param_bytes / cfg.trainer_nodes * cfg.rollout_nodes)

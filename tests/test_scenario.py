@@ -176,3 +176,16 @@ def test_rl_plan_scales_to_the_requested_load(load: float) -> None:
     assert plan.experience_bytes / plan.param_bytes == pytest.approx(
         cfg.experience_bytes / cfg.param_bytes
     )
+
+
+@pytest.mark.parametrize("load", [0.0, -0.5, float("nan"), float("inf")])
+def test_a_load_without_a_meaning_is_refused(load: float) -> None:
+    """Load 0 divided by zero deep in the trace generator (flowsched bench serving --loads 0)."""
+    scen = scenario.load("pd-serving")
+    assert scen.serving is not None
+    with pytest.raises(ValueError, match="load: expected a finite number > 0"):
+        scenario.serving_trace(scen.serving, load, 1)
+    rl = scenario.load("rl-disaggregated").rl
+    assert rl is not None
+    with pytest.raises(ValueError, match="load: expected a finite number > 0"):
+        scenario.rl_plan(rl, load)

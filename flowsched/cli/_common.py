@@ -2,7 +2,9 @@
 addresses and paths made before a daemon starts, logging and the event loop.
 
 Every subcommand exits 0 on success, 1 on a failure at run time and 2 on bad input (a flag,
-a file, an address), always with one line on stderr that names the problem.
+a file, an address), always with one line on stderr that names the problem. A command that is
+interrupted exits 130 (``bench`` 143 on SIGTERM); the daemons treat Ctrl-C and SIGTERM as the
+request to stop and exit 0, as a service manager expects of a clean stop.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import errno
 import grp
 import logging
+import math
 import os
 import socket
 import sys
@@ -29,7 +32,8 @@ EXIT_INTERRUPTED = 130
 EXIT_STATUS_HELP = (
     "exit status: 0 success; 1 failure at run time (a daemon that failed after it started, a "
     "tc or plugin error); 2 bad input (an invalid flag, file, address or port: one line names "
-    "it); 130 interrupted."
+    "it); 130 interrupted by Ctrl-C (143 for bench on SIGTERM); the daemons (coordinator, "
+    "agent, up) stop cleanly on Ctrl-C or SIGTERM and exit 0."
 )
 
 #: longest unix socket path (sun_path is 108 bytes with its terminating NUL)
@@ -144,6 +148,37 @@ def check_parent_dir(flag: str, path: str) -> None:
     parent = Path(path).expanduser().absolute().parent
     if not parent.is_dir():
         raise UsageError(f"{flag} {path}: directory {parent} does not exist")
+
+
+def prepare_out_dir(flag: str, path: str | Path) -> Path:
+    """Create the output directory ``path`` (and its parents) now, before a long computation;
+    UsageError naming ``flag`` when it cannot be created or written (a file, no permission)."""
+    out = Path(path).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise UsageError(f"{flag} {path}: exists and is not a directory") from None
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot create it ({exc.strerror or exc})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: the directory is not writable")
+    return out
+
+
+def finite_fractions(flag: str, text: str, upper: float | None = None) -> list[float]:
+    """The comma-separated numbers of ``text``, each finite, > 0 and (with ``upper``) below
+    ``upper``; UsageError naming ``flag`` otherwise (none given included)."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
+    if not values:
+        raise UsageError(f"{flag}: no value given")
+    bound = f" and < {upper:g}" if upper is not None else ""
+    for value in values:
+        if not math.isfinite(value) or value <= 0 or (upper is not None and value >= upper):
+            raise UsageError(f"{flag}: expected finite numbers > 0{bound}, got {value:g}")
+    return values
 
 
 def check_socket_path(flag: str, path: str) -> None:

@@ -8,6 +8,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flowsched.cli._common import (
+    EXIT_FAILURE,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    UsageError,
+    finite_fractions,
+    prepare_out_dir,
+)
+
 if TYPE_CHECKING:
     from flowsched.testbed.bench import BenchOptions
     from flowsched.testbed.trace import ScenarioParams
@@ -41,7 +50,7 @@ def register(sub: Any) -> None:
         "--sim-policies",
         default=DEFAULT_SIM_POLICIES,
         help="comma-separated policies replayed in the simulator only: 'ideal' (the ideal-network "
-        "bound), a benchmark policy file's name, or a registered policy (NAME-late adds "
+        "bound), a benchmark policy file's name, or a registered policy (NAME+late adds "
         f"drop_late) (default {DEFAULT_SIM_POLICIES}; '' for none)",
     )
     contention.add_argument(
@@ -59,7 +68,10 @@ def register(sub: Any) -> None:
     )
     contention.add_argument("--duration", type=float, default=None, help="seconds of trace")
     contention.add_argument(
-        "--load", type=float, default=None, help="KV load on each decode host's ingress link (0..1)"
+        "--load",
+        type=float,
+        default=None,
+        help="KV load on each decode host's ingress link, 0 < LOAD < 2 (1 = its capacity)",
     )
     contention.add_argument("--rate-mbit", type=float, default=200.0, help="link rate")
     contention.add_argument("--hosts", type=int, default=None)
@@ -98,6 +110,9 @@ def register(sub: Any) -> None:
 #: the serving benchmark's defaults: each testbed run takes 75-90 s (55-80 s of arrivals)
 SERVING_POLICIES = "rmlq,static+late,edf+late"
 SERVING_SIM_POLICIES = "ideal"
+#: loads of the serving benchmark are fractions of the prefill instances' capacity; from 2 on
+#: the queues only grow (the same bound as the contention benchmark's --load)
+MAX_SERVING_LOAD = 2.0
 
 
 def _register_serving(benches: Any) -> None:
@@ -125,9 +140,13 @@ def _register_serving(benches: Any) -> None:
         help="simulator only: policies as above (the ideal bound runs in any case; "
         f"default {SERVING_SIM_POLICIES})",
     )
-    serving.add_argument("--loads", default="0.6", help="comma-separated (default 0.6)")
+    serving.add_argument(
+        "--loads",
+        default="0.6",
+        help=f"comma-separated, each 0 < LOAD < {MAX_SERVING_LOAD:g} (default 0.6)",
+    )
     serving.add_argument("--seed", type=int, default=1, help="first seed (default 1)")
-    serving.add_argument("--seeds", type=int, default=1, help="how many seeds (default 1)")
+    serving.add_argument("--seeds", type=int, default=1, help="how many seeds, >= 1 (default 1)")
     serving.add_argument("--simulate-only", action="store_true", help="skip the testbed")
     serving.set_defaults(func=_serving)
 
@@ -136,17 +155,26 @@ def _serving(args: argparse.Namespace) -> int:
     from flowsched.testbed import serving
 
     try:
+        if args.seeds < 1:
+            raise UsageError(f"--seeds: expected at least 1, got {args.seeds}")
+        loads = finite_fractions("--loads", args.loads, MAX_SERVING_LOAD)
         options = serving.ServingOptions(
-            out=Path(args.out),
+            out=prepare_out_dir("--out", args.out),
             policies=_names(args.policies),
-            loads=tuple(float(v) for v in _names(args.loads)),
-            seeds=tuple(range(args.seed, args.seed + max(args.seeds, 1))),
+            loads=tuple(loads),
+            seeds=tuple(range(args.seed, args.seed + args.seeds)),
             sim_policies=_names(args.sim_policies),
             simulate_only=args.simulate_only,
             command="flowsched bench serving " + " ".join(sys.argv[3:]),
         )
-        return _on_testbed("serving", lambda: serving.run(options))
-    except (OSError, ValueError) as exc:
+        errors: list[str] = []
+
+        def run() -> int:
+            serving.run(options, recorded_errors=errors)
+            return len(errors)
+
+        return _on_testbed("serving", run)
+    except (OSError, ValueError) as exc:  # policy names are checked as the run starts
         print(f"flowsched bench serving: {exc}", file=sys.stderr)
         return 2
 
@@ -159,25 +187,34 @@ def _contention(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"flowsched bench contention: {exc}", file=sys.stderr)
         return 2
-    return _on_testbed("contention", lambda: bench.run(options))
+    return _on_testbed("contention", lambda: sum(len(r.errors) for r in bench.run(options)))
 
 
-def _on_testbed(name: str, run: Callable[[], object]) -> int:
-    """Run a testbed benchmark; the exit status, with a line for a stop or a missing testbed."""
+def _on_testbed(name: str, run: Callable[[], int]) -> int:
+    """Run a testbed benchmark that returns how many errors its testbed runs recorded; the
+    exit status (1 when it recorded any: its figures measure incomplete runs), with a line
+    for a stop, a missing testbed or a testbed another run holds."""
     from flowsched.testbed import netns
 
     try:
-        run()
+        errors = run()
     except netns.Terminated:
         print(f"flowsched bench {name}: terminated; the testbed was removed", file=sys.stderr)
         return 143
     except KeyboardInterrupt:
         print(f"flowsched bench {name}: interrupted; the testbed was removed", file=sys.stderr)
-        return 130
-    except netns.TestbedUnavailable as exc:
+        return EXIT_INTERRUPTED
+    except (netns.TestbedUnavailable, netns.TestbedBusy) as exc:
         print(f"flowsched bench {name}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_FAILURE
+    if errors:
+        print(
+            f"flowsched bench {name}: {errors} errors during the testbed runs (listed above); "
+            "exit status 1",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    return EXIT_OK
 
 
 def _options(args: argparse.Namespace) -> BenchOptions:
@@ -194,8 +231,9 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         if name != IDEAL:
             bench.policy_config(name)
     params = _params(args)
+    out = prepare_out_dir("--out", args.out)  # now, not after the runs
     return bench.BenchOptions(
-        out=Path(args.out),
+        out=out,
         policies=policies,
         params=params,
         seed=args.seed,

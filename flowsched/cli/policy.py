@@ -5,15 +5,21 @@
   Notes (reserved DSCPs) and warnings (what only the simulator applies) leave the status 0.
 * ``flowsched policy show [FILE]``: the level -> hardware queue -> DSCP / SO_PRIORITY table and
   the class rules of a file (default: the packaged ``default.toml``).
-* ``flowsched policy list``: the registered policies and the shipped policy files.
+* ``flowsched policy list``: the registered policies and the shipped policy files (absolute
+  paths, valid from any directory).
+
+A FILE that does not exist but names a shipped policy file (``pd-serving`` or
+``pd-serving.toml``) is that file.
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from flowsched import policies, policyfile
+from flowsched.data import data_path
 from flowsched.policyfile import PolicyConfig, PolicyFileError
 
 #: exit status when a policy file is invalid
@@ -25,10 +31,17 @@ def register(sub: Any) -> None:
     parser = sub.add_parser("policy", help="validate and inspect policy files")
     actions = parser.add_subparsers(dest="policy_action", metavar="ACTION", required=True)
     check = actions.add_parser("check", help="validate policy files (exit 2 on any error)")
-    check.add_argument("files", nargs="+", metavar="FILE", help="policy TOML files")
+    check.add_argument(
+        "files", nargs="+", metavar="FILE", help="policy TOML files or shipped names (pd-serving)"
+    )
     check.set_defaults(func=run_check)
     show = actions.add_parser("show", help="print the effective level table of a policy file")
-    show.add_argument("file", nargs="?", metavar="FILE", help="policy file (default: built-in)")
+    show.add_argument(
+        "file",
+        nargs="?",
+        metavar="FILE",
+        help="policy file or shipped name, e.g. pd-serving (default: the built-in default)",
+    )
     show.set_defaults(func=run_show)
     listing = actions.add_parser("list", help="list policies and shipped policy files")
     listing.set_defaults(func=run_list)
@@ -40,7 +53,7 @@ def run_check(args: argparse.Namespace) -> int:
     status = 0
     for name in args.files:
         try:
-            config = policyfile.load(name)
+            config = policyfile.load(resolve(name))
         except PolicyFileError as exc:
             status = EXIT_INVALID
             for error in exc.errors:
@@ -92,7 +105,7 @@ def roce_notes(config: PolicyConfig) -> list[str]:
 def run_show(args: argparse.Namespace) -> int:
     """Print the level table and class rules of one file."""
     try:
-        config = policyfile.load(args.file) if args.file else policyfile.embedded_default()
+        config = policyfile.load(resolve(args.file)) if args.file else policyfile.embedded_default()
     except PolicyFileError as exc:
         for error in exc.errors:
             print(f"{args.file}: {error}")
@@ -106,8 +119,23 @@ def run_list(args: argparse.Namespace) -> int:
     for name in policies.names():
         print(f"policy {name}{' (oracle: reference only)' if name in policies.ORACLES else ''}")
     for name in policyfile.shipped_files():
-        print(f"file   policies/{name}")
+        print(f"file   {shipped_path(name)}")
     return 0
+
+
+def shipped_path(name: str) -> Path:
+    """The absolute path of the shipped policy file ``name`` (``pd-serving.toml``)."""
+    return data_path("policies", name)
+
+
+def resolve(name: str) -> Path:
+    """``name`` as a path when it exists (or looks like a path), else the shipped policy file
+    it names (``pd-serving`` or ``pd-serving.toml``), else ``name`` (the load says why not)."""
+    path = Path(name)
+    if path.exists() or "/" in name:
+        return path
+    file = name if name.endswith(".toml") else f"{name}.toml"
+    return shipped_path(file) if file in policyfile.shipped_files() else path
 
 
 def describe(config: PolicyConfig) -> list[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from flowsched import policies, scenario
+from flowsched.cli._common import EXIT_USAGE, UsageError, finite_fractions, prepare_out_dir
 from flowsched.metrics import merge
 from flowsched.policies import hwqueues
 from flowsched.report import Outcome, Progress, table, write_all
@@ -74,14 +75,23 @@ def register(sub: Any) -> None:
     parser.set_defaults(func=_run)
 
 
+class BadInput(SystemExit):
+    """Bad input to ``flowsched sim``: exit status 2; ``str()`` is the one-line message (which
+    names the flag). A SystemExit, so that :func:`specs`' callers stop as they always did."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(EXIT_USAGE)
+        self.message = " ".join(message.split())
+
+    def __str__(self) -> str:
+        return self.message
+
+
 def _floats(text: str) -> list[float]:
     try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"flowsched sim: --loads: expected numbers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise SystemExit("flowsched sim: --loads: expected positive numbers")
-    return values
+        return finite_fractions("--loads", text)
+    except UsageError as exc:
+        raise BadInput(f"flowsched sim: {exc}") from None
 
 
 def specs(names: list[str], policy_file: Path | None, default_levels: int) -> list[PolicySpec]:
@@ -91,8 +101,9 @@ def specs(names: list[str], policy_file: Path | None, default_levels: int) -> li
     unknown = [n for n in base_names if n not in policies.names()]
     if unknown:
         known = ", ".join([IDEAL, *policies.names()])
-        raise SystemExit(
-            f"flowsched sim: unknown policy {unknown[0]!r} (known: {known}, each also as NAME+late)"
+        raise BadInput(
+            f"flowsched sim: --policies: unknown policy {unknown[0]!r} (known: {known}, each "
+            "also as NAME+late)"
         )
     levels, timer, file_args, file_policy = default_levels, None, {}, None
     queues = hwqueues.table(default_levels, min(default_levels, DEFAULT_HW_QUEUES))
@@ -102,7 +113,8 @@ def specs(names: list[str], policy_file: Path | None, default_levels: int) -> li
         try:
             cfg = policyfile.load(policy_file)
         except (OSError, ValueError) as exc:
-            raise SystemExit(f"flowsched sim: {policy_file}: {exc}") from None
+            problems = "; ".join(str(exc).splitlines())
+            raise BadInput(f"flowsched sim: --policy-file {policy_file}: {problems}") from None
         levels, timer, file_args, file_policy = (
             cfg.num_levels,
             cfg.timer_period,
@@ -125,7 +137,7 @@ def specs(names: list[str], policy_file: Path | None, default_levels: int) -> li
             spec.build()
         except ValueError as exc:
             where = f"{spec.title} with K={spec.num_levels}"
-            raise SystemExit(f"flowsched sim: {where}: {exc}") from None
+            raise BadInput(f"flowsched sim: --policies: {where}: {exc}") from None
     return built
 
 
@@ -150,10 +162,21 @@ def _run(args: argparse.Namespace) -> int:
         print(f"flowsched sim: {exc}", file=sys.stderr)
         return 2
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    loads = _floats(args.loads)
+    try:
+        loads = _floats(args.loads)
+        if args.seeds < 1:
+            raise BadInput(f"flowsched sim: --seeds: expected at least 1, got {args.seeds}")
+        runs = specs(names, args.policy_file, scen.sim.num_levels)
+        if args.out is not None:  # now: a bad --out must not wait for the end of the runs
+            try:
+                prepare_out_dir("--out", args.out)
+            except UsageError as exc:
+                raise BadInput(f"flowsched sim: {exc}") from None
+    except BadInput as exc:
+        print(exc.message, file=sys.stderr)
+        raise
     first = args.seed if args.seed is not None else scen.scenario.seed
-    seeds = list(range(first, first + max(args.seeds, 1)))
-    runs = specs(names, args.policy_file, scen.sim.num_levels)
+    seeds = list(range(first, first + args.seeds))
     outcomes: list[Outcome] = []
     interrupted = False
     try:

@@ -103,30 +103,45 @@ class Progress:
         self._bar.close()
 
 
-def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.PolicyResult]:
-    """Run the benchmark and write its report into ``options.out``."""
+def run(options: BenchOptions, stream: TextIO | None = None) -> list[report.PolicyResult]:
+    """Run the benchmark, print its table and write its report into ``options.out``.
+
+    Without a testbed (no root, a kernel feature or program missing, a build that failed) it
+    says so on stderr and runs the simulator only. Errors the testbed runs recorded are listed
+    on stderr (the affected rows are marked); the caller decides the exit status from each
+    result's ``errors``. :class:`~flowsched.testbed.netns.TestbedBusy` (another run holds the
+    testbed) propagates: that is no reason to fall back.
+    """
+    stream = sys.stdout if stream is None else stream  # at call time (a redirected stdout)
     traces = [generate(options.params, options.spec.rate_bytes, s) for s in options.seed_list]
     reason = None if options.simulate_only else netns.probe(options.spec.prefix)
-    if reason is not None:
-        print(f"testbed unavailable: {reason}; running the simulator only", file=sys.stderr)
-    steps = 1 if reason or options.simulate_only else 2
-    extra = 0 if reason or options.simulate_only else len(options.ablation_policies)
-    extra += len(options.sim_policies)
-    progress = Progress(len(traces) * (len(options.policies) * steps + extra))
     results = [report.PolicyResult(name, None, RunMetrics()) for name in options.policies]
     steal = math.nan
     sim_only = [report.PolicyResult(name, None, RunMetrics()) for name in options.sim_policies]
+    progress: Progress | None = None
+    mode = "testbed + simulator replay"
+    if reason is None and not options.simulate_only:
+        progress = _progress(options, len(traces), testbed=True)
+        machine = cpu_times()
+        try:
+            _testbed(options, traces, results, progress)
+        except netns.TestbedUnavailable as exc:  # the build failed, before any run
+            progress.close()
+            reason = str(exc)
+            for result in results:
+                result.seeds.clear()
+        else:
+            steal = steal_share(machine, cpu_times())
+    if reason is not None:
+        print(f"testbed unavailable: {reason}; running the simulator only", file=sys.stderr)
     if reason is not None or options.simulate_only:
+        progress = _progress(options, len(traces), testbed=False)
         for trace in traces:
             for result in results:
                 sim = _simulate(trace, result.policy, progress)
                 result.seeds.append(report.SeedRun(trace.seed, sim))
         mode = "simulator only" + (f" ({reason})" if reason else "")
-    else:
-        machine = cpu_times()
-        _testbed(options, traces, results, progress)
-        steal = steal_share(machine, cpu_times())
-        mode = "testbed + simulator replay"
+    assert progress is not None
     for trace in traces:  # cheap: after the testbed, so a long replay never delays it
         for result in sim_only:
             result.seeds.append(
@@ -139,7 +154,22 @@ def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.Polic
     meta = _meta(options, traces, mode, results)
     if not math.isnan(steal):
         meta["steal"] = round(steal, 4)
+    _print_summary(results, steal, stream)  # before the files: a write error keeps the table
+    report_errors(results)
     paths = report.write(results, meta, options.out)
+    print("wrote " + ", ".join(str(p) for p in paths), file=stream)
+    return results
+
+
+def _progress(options: BenchOptions, traces: int, *, testbed: bool) -> Progress:
+    """The progress bar of a run with or without the testbed (one unit per run)."""
+    per_trace = len(options.policies) * (2 if testbed else 1) + len(options.sim_policies)
+    if testbed:
+        per_trace += len(options.ablation_policies)
+    return Progress(traces * per_trace)
+
+
+def _print_summary(results: list[report.PolicyResult], steal: float, stream: TextIO) -> None:
     print(report.render_table(report.table_rows(results)), file=stream)
     for line in report.headline(results):
         print(line, file=stream)
@@ -161,8 +191,28 @@ def run(options: BenchOptions, stream: TextIO = sys.stdout) -> list[report.Polic
             file=stream,
         )
         print(report.drops_line(results), file=stream)
-    print("wrote " + ", ".join(str(p) for p in paths), file=stream)
-    return results
+
+
+#: how many recorded errors are printed (all of them are in results.json)
+SHOWN_ERRORS = 5
+
+
+def report_errors(results: list[report.PolicyResult], stream: TextIO | None = None) -> int:
+    """Print how many errors the testbed runs recorded and the first :data:`SHOWN_ERRORS` of
+    them on ``stream`` (default stderr); return the count (0: nothing printed)."""
+    stream = sys.stderr if stream is None else stream
+    errors = [f"{r.policy}: {e}" for r in results for e in r.errors]
+    if errors:
+        print(
+            f"error: {len(errors)} errors were recorded during the testbed runs; the rows "
+            f"marked '{report.ERROR_MARK}' measured incomplete runs (all in results.json):",
+            file=stream,
+        )
+        for line in errors[:SHOWN_ERRORS]:
+            print(f"  {line}", file=stream)
+        if len(errors) > SHOWN_ERRORS:
+            print(f"  ... and {len(errors) - SHOWN_ERRORS} more", file=stream)
+    return len(errors)
 
 
 def _simulate(trace: Trace, name: str, progress: Progress) -> RunRecords:

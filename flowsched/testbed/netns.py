@@ -19,16 +19,23 @@ starved by its own high-priority sends. Classification is by u32 on the IP TOS b
 
 Everything is created inside the namespaces, so deleting the namespaces removes every link.
 :func:`testbed` tears everything down also on exceptions, Ctrl-C and SIGTERM; :func:`cleanup`
-removes the leftovers of a run that was killed (it is called before every build).
+removes the leftovers of a run that was killed (it is called before every build). A run holds
+an exclusive ``flock`` on a per-prefix lock file (:func:`prefix_lock`) while its testbed is up,
+so a second run with the same prefix is refused (:class:`TestbedBusy`) instead of taking the
+first run's live testbed for leftovers; the kernel releases the lock when its holder dies, so a
+killed run's leftovers never block the next run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,8 +61,20 @@ SMALL_PACKET_BYTES = 128
 TCP_PAYLOAD_SHARE = (1500 - 20 - 20 - 12) / (1500 + 14)
 
 
+#: programs that building the testbed runs (probe() checks that each is installed)
+PROGRAMS = {"ip": "iproute2", "tc": "iproute2", "sysctl": "procps"}
+#: where the per-prefix lock files live (root's; the testbed needs root anyway)
+LOCK_DIR = Path("/run/flowsched-testbed")
+
+
 class TestbedUnavailable(RuntimeError):
-    """Raised when this machine cannot build the testbed (no root, no netns or no htb)."""
+    """Raised when this machine cannot build the testbed (no root, no netns or no htb, a
+    program missing, or the build failed): the benchmarks then run the simulator only."""
+
+
+class TestbedBusy(RuntimeError):
+    """Raised when another live process holds the testbed of this prefix: not a reason to fall
+    back to the simulator, but to stop and say so."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,10 +434,18 @@ def leftovers(prefix: str) -> list[str]:
     return found + [f"file {path}" for path in shm_files(prefix)]
 
 
+def missing_programs() -> list[str]:
+    """``program (package)`` for each program of :data:`PROGRAMS` not on PATH."""
+    return [f"{name} ({package})" for name, package in PROGRAMS.items() if not shutil.which(name)]
+
+
 def probe(prefix: str = "fsE-") -> str | None:
     """None when this machine can build the testbed, else the reason it cannot."""
     if os.geteuid() != 0:
         return "not running as root (network namespaces and tc need CAP_NET_ADMIN)"
+    missing = missing_programs()
+    if missing:
+        return f"missing {', '.join(missing)}: the testbed's build runs them"
     netns = f"{prefix}probe"
     # a probe killed half-way leaves its namespace behind, and `ip netns add` would then fail
     _run(["ip", "netns", "del", netns], check=False)
@@ -434,6 +461,7 @@ def probe(prefix: str = "fsE-") -> str | None:
                 " match ip tos 0x00 0xfc flowid 1:1",
             ],
         )
+        _sysctl(netns, {"net.ipv6.conf.all.disable_ipv6": "1"})
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         return f"cannot build a network namespace with an htb qdisc: {exc}"
     finally:
@@ -512,26 +540,76 @@ def _signals_deferred() -> Iterator[None]:
             signal.raise_signal(pending)
 
 
+def lock_path(prefix: str) -> Path:
+    """The lock file of the testbed with ``prefix`` (under :data:`LOCK_DIR`)."""
+    return LOCK_DIR / f"{prefix}.lock"
+
+
+@contextlib.contextmanager
+def prefix_lock(prefix: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on :func:`lock_path` for the block; :class:`TestbedBusy`
+    (naming the holder's pid) when another live process holds it.
+
+    The lock belongs to the open file, which is close-on-exec, so the processes a run starts do
+    not keep it; the kernel drops it when the holder exits or is killed, so a stale file of a
+    dead run never blocks.
+    """
+    path = lock_path(prefix)
+    try:
+        fd = _open_lock(path)
+    except PermissionError:  # not root (only a test's fake testbed gets here): a private folder
+        if os.geteuid() == 0:
+            raise
+        path = Path(tempfile.gettempdir()) / f"flowsched-testbed-{os.getuid()}" / path.name
+        fd = _open_lock(path)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise TestbedBusy(
+                f"another run (pid {holder}) is using the testbed {prefix}* (lock {path}); "
+                "wait for it to end or stop it, then run again"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _open_lock(path: Path) -> int:
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+
+
 @contextlib.contextmanager
 def testbed(
     spec: TopologySpec, dscp_by_level: Sequence[int] = (0,), *, probed: bool = False
 ) -> Iterator[Topology]:
     """Build the testbed for ``spec``, yield it, and always remove everything it made.
 
-    Leftovers of an earlier crashed run with the same prefix are removed first. SIGTERM is
-    turned into an exception while the testbed is up (main thread only), so Ctrl-C, SIGTERM and
-    errors all run the teardown, and signals that arrive during the teardown wait for its end.
-    ``probed=True`` skips :func:`probe` when the caller has just run it (and it succeeded).
+    Another live run with the same prefix: :class:`TestbedBusy`, and nothing of that run is
+    touched. Otherwise leftovers of an earlier crashed run with the same prefix are removed
+    first. A build that fails is a :class:`TestbedUnavailable` (what it made is removed).
+    SIGTERM is turned into an exception while the testbed is up (main thread only), so Ctrl-C,
+    SIGTERM and errors all run the teardown, and signals that arrive during the teardown wait
+    for its end. ``probed=True`` skips :func:`probe` when the caller has just run it (and it
+    succeeded).
     """
     reason = None if probed else probe(spec.prefix)
     if reason is not None:
         raise TestbedUnavailable(reason)
-    cleanup(spec.prefix)
-    topo = plan(spec)
-    with _sigterm_raises():
-        try:
-            _build(topo, dscp_by_level)
-            yield topo
-        finally:
-            with _signals_deferred():
-                cleanup(spec.prefix)
+    with prefix_lock(spec.prefix):
+        cleanup(spec.prefix)
+        topo = plan(spec)
+        with _sigterm_raises():
+            try:
+                try:
+                    _build(topo, dscp_by_level)
+                except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                    raise TestbedUnavailable(f"cannot build the testbed: {exc}") from exc
+                yield topo
+            finally:
+                with _signals_deferred():
+                    cleanup(spec.prefix)

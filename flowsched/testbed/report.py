@@ -10,6 +10,7 @@ flows admitted at the top level, and attainment relative to the bound. Units as 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -166,20 +167,37 @@ def ideal_attainment(results: Sequence[PolicyResult]) -> float | None:
 CONTROL_LABELS = {"agent": "testbed", "mini": "testbed, mini ctl"}
 
 
+#: marks a testbed row whose runs recorded errors (the figures measure incomplete runs)
+ERROR_MARK = "!"
+#: how the contention benchmark starts the errors of an ablation run
+ABLATION_ERROR = re.compile(r"seed -?\d+, ablation \(")
+
+
+def error_counts(result: PolicyResult) -> tuple[int, int]:
+    """(errors of the main testbed runs, errors of the ablation runs) of ``result``."""
+    ablation = sum(1 for e in result.errors if ABLATION_ERROR.match(e))
+    return len(result.errors) - ablation, ablation
+
+
+def _marked(label: str, errors: int) -> str:
+    return f"{label} {ERROR_MARK}{errors} err" if errors else label
+
+
 def table_rows(results: list[PolicyResult]) -> list[list[str]]:
     """One testbed row (plus an ablation row when run) and one simulator row per policy; the
-    bound first, oracles last. ``x ideal`` = attainment / the bound's simulated attainment."""
+    bound first, oracles last. ``x ideal`` = attainment / the bound's simulated attainment.
+    A testbed row whose runs recorded errors says so in its source (``testbed !2 err``)."""
     ideal = ideal_attainment(results)
     rows = []
     for r in sorted(results, key=_order):
+        main_errors, ablation_errors = error_counts(r)
         if r.testbed is not None:
-            label = CONTROL_LABELS.get(r.control, r.control)
+            label = _marked(CONTROL_LABELS.get(r.control, r.control), main_errors)
             rows.append(_row(r.policy, label, r.testbed, r.testbed_records, ideal))
         if r.ablation is not None:
             label = CONTROL_LABELS.get(r.ablation_control, r.ablation_control)
-            rows.append(
-                _row(r.policy, f"{label} (ablation)", r.ablation, r.ablation_records, ideal)
-            )
+            label = _marked(f"{label} (ablation)", ablation_errors)
+            rows.append(_row(r.policy, label, r.ablation, r.ablation_records, ideal))
         rows.append(_row(r.policy, "sim", r.sim, r.sim_records, ideal))
     return rows
 

@@ -87,6 +87,8 @@ MIN_SHARE = 0.0
 #: flight waits out backed-off retransmission timeouts, seconds after the other layers of its
 #: request arrived. 8 MB: no drop in that run (docs/results.md, "pd-serving on the testbed")
 SWITCH_QUEUE_BYTES = 8_000_000
+#: how many of the recorded errors are printed (all of them are in results.json)
+SHOWN_ERRORS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,8 +338,15 @@ def _start_hosts(
 
 
 # ----------------------------------------------------------------------------- the benchmark
-def run(options: ServingOptions, stream: TextIO = sys.stdout) -> list[shared_report.Outcome]:
-    """Run the benchmark, print its table and write its report into ``options.out``."""
+def run(
+    options: ServingOptions,
+    stream: TextIO = sys.stdout,
+    recorded_errors: list[str] | None = None,
+) -> list[shared_report.Outcome]:
+    """Run the benchmark, print its table and write its report into ``options.out``.
+
+    The errors the testbed runs recorded are printed on stderr (a count and the first few) and
+    appended to ``recorded_errors`` when given (the CLI exits 1 on any)."""
     scen = scenario.load(options.scenario)
     if scen.serving is None:
         raise ValueError(f"{options.scenario}: not a serving scenario")
@@ -350,20 +359,27 @@ def run(options: ServingOptions, stream: TextIO = sys.stdout) -> list[shared_rep
     }
     spec = topology_spec(scen, options.prefix)
     reason = "asked" if options.simulate_only else netns.probe(spec.prefix)
-    if reason is not None and not options.simulate_only:
-        print(f"testbed unavailable: {reason}; running the simulator only", file=sys.stderr)
     runs = len(options.loads) * len(options.seeds)
-    live = [] if reason else [IDEAL, *specs]
-    progress = shared_report.Progress(runs * (len(specs) + len(sim_only) + len(live)))
     testbed: dict[tuple[str, float], list[RunRecords]] = {}
     errors: list[str] = []
     live_runs: list[dict[str, Any]] = []
     steal = None
     if reason is None:
+        live = [IDEAL, *specs]
+        progress = shared_report.Progress(runs * (len(specs) + len(sim_only) + len(live)))
         machine = cpu_times()
-        with netns.testbed(spec, probed=True) as topo:
-            errors = _testbed_runs(topo, scen, options, live, testbed, progress, live_runs)
-        steal = steal_share(machine, cpu_times())
+        try:
+            with netns.testbed(spec, probed=True) as topo:
+                errors = _testbed_runs(topo, scen, options, live, testbed, progress, live_runs)
+        except netns.TestbedUnavailable as exc:  # the build failed, before any run
+            progress.close()
+            reason = str(exc)
+        else:
+            steal = steal_share(machine, cpu_times())
+    if reason is not None:
+        if not options.simulate_only:
+            print(f"testbed unavailable: {reason}; running the simulator only", file=sys.stderr)
+        progress = shared_report.Progress(runs * (len(specs) + len(sim_only)))
     outcomes = _outcomes(scen, options, {**sim_only, **specs}, testbed, progress)
     progress.close()
     title = f"{scen.scenario.name}, seeds {', '.join(map(str, options.seeds))} pooled"
@@ -376,8 +392,18 @@ def run(options: ServingOptions, stream: TextIO = sys.stdout) -> list[shared_rep
             f" ({sum(1 for d in dropped if d == 0)} of {len(dropped)} runs without a drop)",
             file=stream,
         )
-    for line in errors[:20]:
-        print(f"error: {line}", file=stream)
+    if errors:
+        print(
+            f"error: {len(errors)} errors were recorded during the testbed runs; the testbed "
+            "figures measure incomplete runs (all in results.json):",
+            file=sys.stderr,
+        )
+        for line in errors[:SHOWN_ERRORS]:
+            print(f"  {line}", file=sys.stderr)
+        if len(errors) > SHOWN_ERRORS:
+            print(f"  ... and {len(errors) - SHOWN_ERRORS} more", file=sys.stderr)
+    if recorded_errors is not None:
+        recorded_errors += errors
     meta = {
         "command": options.command or "flowsched bench serving",
         "scenario": scen.scenario.name,

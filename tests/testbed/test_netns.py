@@ -79,6 +79,32 @@ def test_killed_child_leftovers_removed_by_cleanup() -> None:
         netns.cleanup(prefix)
 
 
+def test_a_second_run_leaves_the_first_runs_testbed_alone() -> None:
+    """A second testbed with the same prefix is refused while the first run lives (its
+    namespaces and processes untouched); once the first run is killed, the next one starts
+    and removes its leftovers."""
+    prefix = "fsE-t6-"
+    spec = netns.TopologySpec(prefix=prefix, hosts=2)
+    child = _start_child(prefix)
+    try:
+        before = sorted(netns.namespaces(prefix))
+        with pytest.raises(netns.TestbedBusy, match=f"pid {child.pid}"), netns.testbed(spec):
+            pytest.fail("a second testbed was built")
+        assert sorted(netns.namespaces(prefix)) == before
+        assert child.poll() is None
+        child.kill()
+        child.wait(timeout=10)
+        with netns.testbed(spec) as topo:
+            assert sorted(netns.namespaces(prefix)) == sorted(
+                [topo.switch_ns] + [h.netns for h in topo.hosts]
+            )
+        assert netns.leftovers(prefix) == []
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        netns.cleanup(prefix)
+
+
 _SEND = textwrap.dedent(
     """
     import socket, sys

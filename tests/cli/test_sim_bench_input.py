@@ -1,0 +1,108 @@
+"""``flowsched sim``, ``bench contention``, ``bench serving`` and ``policy``: bad input ends with
+status 2 and one line naming the flag, before any run (a bad ``--out`` too: the cases below
+would run for minutes, ``sim paper`` for an hour, if it were checked only at the end); a
+shipped policy file can be named from any directory.
+
+Each case runs the real ``flowsched`` command in a subprocess, from an unrelated directory.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+#: a file where a directory is expected (``{file}``), a policy file with an error (``{bad}``)
+CASES = {
+    "sim-loads-not-a-number": (["sim", "pd-serving", "--loads", "abc"], "--loads"),
+    "sim-loads-zero": (["sim", "pd-serving", "--loads", "0.5,0"], "--loads"),
+    "sim-loads-nan": (["sim", "pd-serving", "--loads", "nan"], "--loads"),
+    "sim-loads-inf": (["sim", "pd-serving", "--loads", "inf"], "--loads"),
+    "sim-loads-none": (["sim", "pd-serving", "--loads", ","], "--loads"),
+    "sim-unknown-policy": (["sim", "pd-serving", "--policies", "nosuch"], "--policies"),
+    "sim-bad-policy-file": (["sim", "pd-serving", "--policy-file", "{bad}"], "--policy-file"),
+    "sim-missing-policy-file": (
+        ["sim", "pd-serving", "--policy-file", "{dir}/nope.toml"], "--policy-file"),
+    "sim-seeds-zero": (["sim", "pd-serving", "--seeds", "0"], "--seeds"),
+    "sim-out-is-a-file": (["sim", "paper", "--out", "{file}"], "--out"),
+    "sim-out-under-a-file": (["sim", "paper", "--out", "{file}/sub"], "--out"),
+    "contention-out-is-a-file": (
+        ["bench", "contention", "--simulate-only", "--out", "{file}"], "--out"),
+    "contention-load-too-high": (["bench", "contention", "--load", "2"], "testbed.load"),
+    "serving-loads-zero": (["bench", "serving", "--loads", "0"], "--loads"),
+    "serving-loads-too-high": (["bench", "serving", "--loads", "0.6,5"], "--loads"),
+    "serving-loads-nan": (["bench", "serving", "--loads", "nan"], "--loads"),
+    "serving-loads-not-a-number": (["bench", "serving", "--loads", "x"], "--loads"),
+    "serving-seeds-zero": (["bench", "serving", "--seeds", "0"], "--seeds"),
+    "serving-out-is-a-file": (
+        ["bench", "serving", "--simulate-only", "--loads", "0.5,0.6,0.7", "--seeds", "3",
+         "--out", "{file}"], "--out"),
+}  # fmt: skip
+
+
+def _flowsched(args: list[str], cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HOME": str(cwd), "FLOWSCHED_NO_UVLOOP": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "flowsched", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), list(CASES.values()), ids=list(CASES))
+def test_bad_input_exits_2_with_one_line_before_any_run(
+    args: list[str], message: str, tmp_path: Path
+) -> None:
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "bad.toml").write_text("[policy]\nname = 'rmlq'\n[classes.kv]\ndeadline = -1\n")
+    fill = {"{file}": str(tmp_path / "afile"), "{bad}": str(tmp_path / "bad.toml")}
+    fill["{dir}"] = str(tmp_path)
+    argv = []
+    for arg in args:
+        for key, value in fill.items():
+            arg = arg.replace(key, value)
+        argv.append(arg)
+    proc = _flowsched(argv, tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert message in proc.stderr
+    assert proc.stdout == ""  # nothing ran
+
+
+def test_help_states_the_accepted_ranges_and_suffixes(tmp_path: Path) -> None:
+    contention = _flowsched(["bench", "contention", "--help"], tmp_path).stdout
+    assert "0 < LOAD < 2" in " ".join(contention.split())
+    assert "NAME+late" in contention and "NAME-late" not in contention
+    serving = " ".join(_flowsched(["bench", "serving", "--help"], tmp_path).stdout.split())
+    assert "0 < LOAD < 2" in serving
+
+
+def test_policy_list_prints_paths_that_work_from_anywhere(tmp_path: Path) -> None:
+    listing = _flowsched(["policy", "list"], tmp_path)
+    assert listing.returncode == 0, listing.stderr
+    files = [line.split(None, 1)[1] for line in listing.stdout.splitlines() if line[:4] == "file"]
+    assert any(f.endswith("/pd-serving.toml") for f in files)
+    for file in files:
+        assert Path(file).is_absolute() and Path(file).is_file(), file
+    check = _flowsched(["policy", "check", *files], tmp_path)
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("name", ["pd-serving", "pd-serving.toml"])
+def test_policy_check_and_show_take_a_shipped_name(tmp_path: Path, name: str) -> None:
+    check = _flowsched(["policy", "check", name], tmp_path)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert f"{name}: ok" in check.stdout
+    show = _flowsched(["policy", "show", name], tmp_path)
+    assert show.returncode == 0, show.stdout + show.stderr
+    assert "pd-serving.toml" in show.stdout.splitlines()[0]
+
+
+def test_a_local_file_wins_over_a_shipped_name(tmp_path: Path) -> None:
+    (tmp_path / "pd-serving").write_text("not toml [")
+    check = _flowsched(["policy", "check", "pd-serving"], tmp_path)
+    assert check.returncode == 2
+    assert "invalid TOML" in check.stdout
