@@ -11,8 +11,13 @@ Conventions:
   requests that never finished count as misses;
 * earliness = deadline - completion (positive = finished unnecessarily early, negative = miss),
   as in the MFS paper; ``earliness_pos_mean`` averages only the non-negative part;
-* records flagged ``warmup`` (requests, spans, deadline transfers) are excluded from every
-  statistic; flow records carry no such flag, so ``flows`` and ``class_fct`` count every flow.
+* records flagged ``warmup`` (requests, spans, deadline transfers) or ``drain`` (RL spans and
+  syncs after the measured window: the pipeline drain, and syncs no generation consumes) are
+  excluded from every statistic; flow records carry no such flag, so ``flows`` and
+  ``class_fct`` count every flow;
+* a deadline transfer whose consumer's actual need time is known (``needed``: an RL param sync
+  and the time its generation would otherwise have started) is scored against that time, not
+  against the estimated ``deadline`` its flows carried (see :attr:`DeadlineRecord.due`).
 """
 
 from __future__ import annotations
@@ -78,6 +83,13 @@ class SpanRecord:
     start: float
     end: float
     warmup: bool = False
+    #: after the measured window (an RL pipeline drain): excluded like warm-up
+    drain: bool = False
+
+    @property
+    def measured(self) -> bool:
+        """True unless the span is warm-up or drain."""
+        return not (self.warmup or self.drain)
 
     @property
     def duration(self) -> float:
@@ -87,18 +99,36 @@ class SpanRecord:
 
 @dataclass(slots=True)
 class DeadlineRecord:
-    """A transfer with an explicit deadline (e.g. a parameter sync): did it make it?"""
+    """A transfer with an explicit deadline (e.g. a parameter sync): did it make it?
+
+    ``deadline`` is the estimate the flows carried (what the policy saw); ``needed``, when set,
+    is when the consumer actually needed the transfer (an RL param sync: when the generation
+    that uses the weights would have started without waiting for it). ``drain`` marks a
+    transfer no consumer ever used (not measured).
+    """
 
     kind: str
     job: str
     deadline: float
     finished: float | None
     warmup: bool = False
+    needed: float | None = None
+    drain: bool = False
+
+    @property
+    def measured(self) -> bool:
+        """True unless the record is warm-up or drain."""
+        return not (self.warmup or self.drain)
+
+    @property
+    def due(self) -> float:
+        """The time it is scored against: ``needed`` when known, else ``deadline``."""
+        return self.deadline if self.needed is None else self.needed
 
     @property
     def missed(self) -> bool:
-        """True when it finished after its deadline or never finished."""
-        return self.finished is None or self.finished > self.deadline * (1 + 1e-12) + 1e-12
+        """True when it finished after it was due (so it delayed its consumer) or never did."""
+        return self.finished is None or self.finished > self.due * (1 + 1e-12) + 1e-12
 
 
 @dataclass(slots=True)
@@ -165,12 +195,11 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def summarize(records: RunRecords) -> RunMetrics:
-    """Compute :class:`RunMetrics` from ``records`` (warm-up records excluded)."""
+    """Compute :class:`RunMetrics` from ``records`` (warm-up and drain records excluded)."""
     metrics = RunMetrics(flows=len(records.flows))
     _serving(metrics, [r for r in records.requests if not r.warmup])
-    spans = [s for s in records.spans if not s.warmup]
-    _spans(metrics, spans)
-    _deadlines(metrics, [d for d in records.deadlines if not d.warmup])
+    _spans(metrics, [s for s in records.spans if s.measured])
+    _deadlines(metrics, [d for d in records.deadlines if d.measured])
     metrics.class_fct = class_percentiles(records.flows)
     return metrics
 
@@ -210,7 +239,7 @@ def _deadlines(metrics: RunMetrics, deadlines: list[DeadlineRecord]) -> None:
         return
     metrics.deadline_miss_rate = sum(d.missed for d in deadlines) / len(deadlines)
     if metrics.earliness_mean is None:
-        early = [d.deadline - d.finished for d in deadlines if d.finished is not None]
+        early = [d.due - d.finished for d in deadlines if d.finished is not None]
         _earliness(metrics, early)
 
 
@@ -237,4 +266,4 @@ def ttft_values(records: RunRecords) -> list[float]:
 
 def collective_values(records: RunRecords) -> list[float]:
     """Measured collective completion times, for CDF plots."""
-    return [s.duration for s in records.spans if s.kind == "collective" and not s.warmup]
+    return [s.duration for s in records.spans if s.kind == "collective" and s.measured]

@@ -17,6 +17,20 @@ lag behind the trainer):
 Records: one ``iteration`` span per trainer iteration (from the previous iteration's end, so
 the mean is the steady-state iteration period), one ``collective`` span per TP all-reduce and
 one deadline record per param sync.
+
+Measured window: iterations ``warmup_iterations`` .. ``iterations - 1 - staleness``. Iteration
+``i`` counts the trainer's iteration ``i`` (its span, its steps' collectives, its param sync)
+and generation ``i`` (its chunks' collectives). Before the window: warm-up (pipeline fill);
+after it: drain, where no later generation runs alongside, so the trainer's last
+``staleness`` iterations are no longer paced as in steady state and would look shorter.
+
+A param sync keeps the estimated deadline its flows carry (what the policy sees), and is scored
+against ``needed``: the end of the generation before its consumer, i.e. when the consumer would
+have started without waiting for it (missed = it actually delayed generation). The syncs of the
+last ``1 + staleness`` iterations feed generations that never run: marked ``drain`` (not
+measured).
+
+The workload has no randomness: the seed is not used, every seed gives the same run.
 """
 
 from __future__ import annotations
@@ -44,8 +58,10 @@ class RlWorkload:
         self._experience_left: dict[int, int] = {}
         self._step_waiting: int | None = None
         self._gen_started: dict[int, float] = {}
-        self._gen_done: set[int] = set()
+        self._gen_done: dict[int, float] = {}
         self._synced: set[int] = set()
+        #: sync records waiting for the end of the generation before their consumer
+        self._sync_pending: dict[int, DeadlineRecord] = {}
         self._last_iteration_end: float | None = None
         self._chunk_counter = 0
 
@@ -54,9 +70,24 @@ class RlWorkload:
         self._start_generation(0)
         self._wait_step(0)
 
+    # ------------------------------------------------------------------ measured window
+    def _warmup(self, iteration: int) -> bool:
+        """Before the measured window (pipeline fill)."""
+        return iteration < self.cfg.warmup_iterations
+
+    def _drain(self, iteration: int) -> bool:
+        """After the measured window: the last ``staleness`` iterations (pipeline drain)."""
+        return iteration > self.cfg.iterations - 1 - self.cfg.staleness
+
     # ------------------------------------------------------------------ collectives
     def _ring(
-        self, nodes: list[str], size: float, job: str, index: int, then: Callable[[], None]
+        self,
+        nodes: list[str],
+        size: float,
+        job: str,
+        index: int,
+        iteration: int,
+        then: Callable[[], None],
     ) -> None:
         """Ring all-reduce: each node sends ``size`` bytes to the next, split over its NICs."""
         nics = self.cfg.nics_per_node
@@ -71,7 +102,9 @@ class RlWorkload:
         def done(_flow: Flow) -> None:
             left[0] -= 1
             if left[0] == 0:
-                self.sim.records.spans.append(SpanRecord("collective", job, start, self.sim.now))
+                span = SpanRecord("collective", job, start, self.sim.now)
+                span.warmup, span.drain = self._warmup(iteration), self._drain(iteration)
+                self.sim.records.spans.append(span)
                 then()
 
         for src, dst, nic in pairs:
@@ -109,6 +142,7 @@ class RlWorkload:
                 self.plan.gen_tp_bytes_per_chunk,
                 ROLLOUT_JOB,
                 self._chunk_counter,
+                gen,
                 lambda: self._chunk_done(gen, chunk),
             )
 
@@ -118,7 +152,10 @@ class RlWorkload:
         if chunk + 1 < self.cfg.generation_chunks:
             self._gen_chunk(gen, chunk + 1)
             return
-        self._gen_done.add(gen)
+        self._gen_done[gen] = self.sim.now
+        record = self._sync_pending.pop(gen - self.cfg.staleness, None)
+        if record is not None:  # generation gen + 1 could start now, were its weights in
+            record.needed = self.sim.now
         self._start_generation(gen + 1)
 
     def _stream_experience(self, gen: int, chunk: int) -> None:
@@ -193,7 +230,10 @@ class RlWorkload:
                 if phase + 1 < cfg.phases_per_step
                 else (lambda: self._step_done(step))
             )
-            self._ring(self.trainers, self.plan.tp_bytes_per_phase, TRAINER_JOB, step, then)
+            iteration = step // cfg.steps_per_iteration
+            self._ring(
+                self.trainers, self.plan.tp_bytes_per_phase, TRAINER_JOB, step, iteration, then
+            )
 
         self.sim.after(cfg.phase_compute_ms / 1e3, computed)
 
@@ -205,11 +245,10 @@ class RlWorkload:
 
     def _iteration_done(self, iteration: int) -> None:
         now = self.sim.now
-        if self._last_iteration_end is not None:
-            warm = iteration <= self.cfg.warmup_iterations  # the first spans include pipeline fill
-            self.sim.records.spans.append(
-                SpanRecord("iteration", TRAINER_JOB, self._last_iteration_end, now, warm)
-            )
+        if self._last_iteration_end is not None:  # iteration 0 has no span (no previous end)
+            span = SpanRecord("iteration", TRAINER_JOB, self._last_iteration_end, now)
+            span.warmup, span.drain = self._warmup(iteration), self._drain(iteration)
+            self.sim.records.spans.append(span)
         self._last_iteration_end = now
         self._param_sync(iteration)
 
@@ -228,12 +267,23 @@ class RlWorkload:
         last = max(self._gen_started)
         return self._gen_started[last] + (previous - last + 1) * self.gen_nominal
 
+    def _sync_record(self, iteration: int, deadline: float) -> DeadlineRecord:
+        """The sync's record: scored against the end of the generation before its consumer
+        (known now, or set when it ends); ``drain`` when its consumer never runs."""
+        record = DeadlineRecord("param_sync", TRAINER_JOB, deadline, None, self._warmup(iteration))
+        consumer = iteration + 1 + self.cfg.staleness
+        if consumer >= self.cfg.iterations:
+            record.drain = True
+        elif consumer - 1 in self._gen_done:
+            record.needed = self._gen_done[consumer - 1]
+        else:
+            self._sync_pending[iteration] = record
+        return record
+
     def _param_sync(self, iteration: int) -> None:
         cfg = self.cfg
         deadline = self._sync_deadline(iteration)
-        record = DeadlineRecord(
-            "param_sync", TRAINER_JOB, deadline, None, iteration < cfg.warmup_iterations
-        )
+        record = self._sync_record(iteration, deadline)
         self.sim.records.deadlines.append(record)
         size = self.plan.param_bytes / len(self.trainers) / cfg.nics_per_node
         pairs = [
