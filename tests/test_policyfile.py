@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from flowsched import policyfile
-from flowsched.model import FlowClass
+from flowsched import policies, policyfile
+from flowsched.model import Context, Flow, FlowClass
 from flowsched.policies.rmlq import RmlqPolicy
 from flowsched.policyfile import ClassRule, LevelMarking, PolicyFileError
 
@@ -316,3 +316,19 @@ def test_construction_error_is_collected_with_the_others() -> None:
 def test_non_table_document_is_an_error() -> None:
     with pytest.raises(PolicyFileError, match="top level"):
         policyfile.from_mapping([1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mlu", [0.2, 0.6, 0.99])
+def test_rl_disaggregated_keeps_a_deferred_sync_out_of_the_bulk_queue(mlu: float) -> None:
+    """A weight sync that needs much of the link (MLU 0.2-0.99, due in 10 s) waits in a queue
+    of its own, not in the lowest one that bulk checkpoints and logs share (by time left, the
+    default order, it sat there until MLU 1)."""
+    cfg = policyfile.load(ROOT / "policies" / "rl-disaggregated.toml")
+    policy = policies.create(cfg.policy, dict(cfg.args), num_levels=cfg.num_levels)
+    sync = Flow(
+        1, FlowClass.PARAM_SYNC, 0.0, size=int(mlu * 10 * 25e9), deadline=10.0, links=("L",)
+    )
+    bulk = Flow(2, FlowClass.BULK, 0.0, size=10**9, links=("L",))
+    context = Context(now=0.0, link_bandwidth={"L": 25e9})
+    sync_queue = cfg.level_queue[policy.admit(sync, context).level]
+    assert sync_queue != cfg.level_queue[policy.admit(bulk, context).level]
