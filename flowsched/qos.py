@@ -28,17 +28,16 @@ docs/qos.md.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
 import socket
 import subprocess
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flowsched.flocks import lock_within
 from flowsched.policyfile import LevelMarking, PolicyConfig
 
 #: the tree's qdisc handle (major): unusual enough to mark a tree as flowsched's
@@ -449,18 +448,10 @@ def device_lock(dev: str) -> Iterator[None]:
     except OSError as exc:
         raise QosInputError(f"--dev: {dev}: {exc.strerror}") from None
     try:
-        deadline = time.monotonic() + TC_TIMEOUT
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise QosError(
-                        f"{dev}: another `flowsched qos` change held the device for over "
-                        f"{TC_TIMEOUT:g} s"
-                    ) from None
-                time.sleep(0.01)
+        if not lock_within(fd, TC_TIMEOUT):
+            raise QosError(
+                f"{dev}: another `flowsched qos` change held the device for over {TC_TIMEOUT:g} s"
+            )
         yield
     finally:
         os.close(fd)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import array
 import contextlib
 import errno
-import fcntl
 import glob
 import grp
 import itertools
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 
 from flowsched import rundir
+from flowsched.flocks import lock_within
 from flowsched.shm import layout as L
 
 _HEADER = {name: (offset, struct.Struct(fmt)) for name, offset, fmt in L.HEADER_FIELDS}
@@ -787,19 +787,11 @@ def _creation_lock(directory: str, path: str) -> Iterator[None]:
     same table take turns; held for the create/attach only)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        deadline = time.monotonic() + CREATION_LOCK_SECONDS
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TableError(
-                        f"flow table {path}: another agent has been creating or attaching it "
-                        f"for {CREATION_LOCK_SECONDS:.0f} s; stop it or choose another --table "
-                        "path"
-                    ) from None
-                time.sleep(0.01)
+        if not lock_within(fd, CREATION_LOCK_SECONDS):
+            raise TableError(
+                f"flow table {path}: another agent has been creating or attaching it for "
+                f"{CREATION_LOCK_SECONDS:.0f} s; stop it or choose another --table path"
+            )
         yield
     finally:
         os.close(fd)  # releases the lock
