@@ -10,25 +10,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from sim_helpers import SMALL_RL
 
 from flowsched import policies, scenario
 from flowsched.metrics import RunRecords
 from flowsched.sim.run import LATE_SUFFIX, PolicySpec, RunResult, ideal_spec, run
-
-SMALL_RL = """
-[scenario]
-name = "small-rl"
-[rl]
-trainer_nodes = 2
-rollout_nodes = 2
-iterations = 5
-warmup_iterations = 1
-steps_per_iteration = 2
-phases_per_step = 2
-phase_compute_ms = 20.0
-generation_ms = 200.0
-generation_chunks = 4
-"""
 
 #: a fast trainer and slow rollout rings: 4 chunks x (50 ms compute + a 20 ms ring of 500 MB
 #: over 2 x 100 Gb/s), so a generation takes P = 280 ms, 80 ms more than the 200 ms estimate

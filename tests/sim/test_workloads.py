@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from sim_helpers import SMALL_RL
 
 from flowsched import scenario
 from flowsched.sim.run import PolicySpec, run
@@ -19,21 +20,6 @@ instances = {instances}
 layers = 4
 requests = {requests}
 warmup_requests = 0
-"""
-
-SMALL_RL = """
-[scenario]
-name = "small-rl"
-[rl]
-trainer_nodes = 2
-rollout_nodes = 2
-iterations = 5
-warmup_iterations = 1
-steps_per_iteration = 2
-phases_per_step = 2
-phase_compute_ms = 20.0
-generation_ms = 200.0
-generation_chunks = 4
 """
 
 
