@@ -6,31 +6,23 @@ import asyncio
 import time
 
 import pytest
-from coordinator_helpers import TOKEN, running_coordinator
+from coordinator_helpers import connect_as, running_coordinator
 
-from flowsched.coordinator import service
+from flowsched.coordinator import Coordinator, service
 from flowsched.protocol import JOB_END_VERSION, JobProgress
-from flowsched.protocol.aio import connect_agent
 
 
 @pytest.mark.asyncio
 async def test_job_names_are_bounded_per_node_and_expire(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(service, "MAX_JOBS_PER_NODE", 50)
     async with running_coordinator() as coordinator:
-        assert coordinator.addresses is not None
-        host, port = coordinator.addresses.host, coordinator.addresses.port
-        link = await connect_agent(host, port, node="n1", token=TOKEN, timeout=5)
-        other = await connect_agent(host, port, node="n2", token=TOKEN, timeout=5)
+        link, other = await connect_as(coordinator, "n1"), await connect_as(coordinator, "n2")
         try:
             await other.send(JobProgress("shared", 3, 1))
             for i in range(80):
                 await link.send(JobProgress(f"job-{i}", i, None))
             await link.send(JobProgress("shared", 4, None))
-            events = coordinator.state.stats.events
-            deadline = time.monotonic() + 5
-            while events["job_progress"] < 82:
-                assert time.monotonic() < deadline, "the coordinator did not get every report"
-                await asyncio.sleep(0.01)
+            await _reports_received(coordinator, 82)
             index = coordinator.state.job_index
             assert coordinator.job_count == 50  # n1's newest 50, "shared" among them
             assert "job-0" not in index and "job-79" in index and index["shared"] == 4
@@ -45,28 +37,28 @@ async def test_job_names_are_bounded_per_node_and_expire(monkeypatch: pytest.Mon
 @pytest.mark.asyncio
 async def test_a_job_that_ended_is_forgotten_by_every_node_at_once() -> None:
     async with running_coordinator() as coordinator:
-        assert coordinator.addresses is not None
-        host, port = coordinator.addresses.host, coordinator.addresses.port
-        link = await connect_agent(host, port, node="n1", token=TOKEN, timeout=5)
-        other = await connect_agent(host, port, node="n2", token=TOKEN, timeout=5)
+        link, other = await connect_as(coordinator, "n1"), await connect_as(coordinator, "n2")
         try:
             assert link.version >= JOB_END_VERSION
             await other.send(JobProgress("batch", 3, 3))
             await link.send(JobProgress("batch", 7, 7))
             await link.send(JobProgress("kept", 1, None))
-            events = coordinator.state.stats.events
-            deadline = time.monotonic() + 5
-            while events["job_progress"] < 3:
-                assert time.monotonic() < deadline, "the coordinator did not get every report"
-                await asyncio.sleep(0.01)
+            await _reports_received(coordinator, 3)
             assert coordinator.state.job_index["batch/layer"] == 7
             await link.send(JobProgress("batch", 8, None, done=True))
-            while events["job_progress"] < 4:
-                assert time.monotonic() < deadline, "the end was not received"
-                await asyncio.sleep(0.01)
+            await _reports_received(coordinator, 4)
             index = coordinator.state.job_index
             assert "batch" not in index and "batch/layer" not in index and index["kept"] == 1
             assert coordinator.job_count == 1  # n2's record of "batch" went too
         finally:
             await link.close()
             await other.close()
+
+
+async def _reports_received(coordinator: Coordinator, count: int) -> None:
+    """Wait until the coordinator has handled ``count`` job_progress frames."""
+    events = coordinator.state.stats.events
+    deadline = time.monotonic() + 5
+    while events["job_progress"] < count:
+        assert time.monotonic() < deadline, f"the coordinator got {events['job_progress']} reports"
+        await asyncio.sleep(0.01)
