@@ -90,15 +90,12 @@ class ScriptedAgent:
 
 
 @pytest.fixture
-def scripted(tmp_path: Path) -> Iterator[ScriptedAgent]:
+def scripted(tmp_path: Path, fresh_sdk_connections: None) -> Iterator[ScriptedAgent]:
     agent = ScriptedAgent(str(tmp_path / "agent.sock"))
     try:
         yield agent
     finally:
         agent.stop()
-        for conn in list(client._connections.values()):
-            conn.close()
-        client._connections.clear()
 
 
 def _in_thread(calls: Callable[[], None]) -> threading.Thread:
