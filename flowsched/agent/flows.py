@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -112,6 +113,9 @@ class FlowRegistry:
         self.flows: dict[int, Flow] = {}
         self.slots: dict[SlotKey, SlotConn] = {}
         self.sdk: dict[int, SdkFlow] = {}
+        #: pid -> its open SDK flows narrowed to a peer (kept as they open and close: the
+        #: scan asks it every pass, for every send connection whose peer is still unknown)
+        self._narrowed: Counter[int] = Counter()
         #: a plugin connection's own flow -> its slot (set_level finds the slot without a scan)
         self._own_slot: dict[int, SlotKey] = {}
         self.job_index: dict[str, int] = {}
@@ -186,6 +190,8 @@ class FlowRegistry:
             request=request,
         )
         self.sdk[flow.flow_id] = SdkFlow(pid, peer)
+        if peer is not None:
+            self._narrowed[pid] += 1
         linked = []
         for conn in self.slots.values():
             if conn.linked_to is None and self._matches(conn, flow.flow_id):
@@ -210,6 +216,10 @@ class FlowRegistry:
             info.app_sent = max(info.app_sent, sent)
         self._refresh_sdk(flow_id)
         del self.sdk[flow_id]
+        if info.peer is not None:
+            self._narrowed[pid] -= 1
+            if self._narrowed[pid] <= 0:
+                del self._narrowed[pid]
         self._close(flow_id, now)
         released = []
         for key in sorted(info.slots):
@@ -265,7 +275,7 @@ class FlowRegistry:
         seen: set[SlotKey] = set()
         changed: list[SlotKey] = []
         ended: list[SlotKey] = []
-        narrowed = {info.pid for info in self.sdk.values() if info.peer is not None}
+        narrowed = self._narrowed
         for index, state, seq, nbytes in entries:
             conn = self.slots.get((index, seq))
             if (
