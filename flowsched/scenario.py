@@ -98,6 +98,10 @@ class ServingSection:
     prefix_groups: int = 16
     prefix_zipf: float = 1.1
     router_max_wait_tokens: int = 8192
+    #: what the router weighs an instance by when it sends a request away from its prefix:
+    #: "outstanding" (new tokens waiting plus what the running batch still has to compute) or
+    #: "queued" (new tokens waiting only)
+    router_load: str = "outstanding"
     slo_factor: float = 3.0
     warmup_requests: int = 100
     requests: int = 300
@@ -191,7 +195,7 @@ _POSITIVE = {
     "staleness",
     "kv_store_nics",
 }
-_CHOICES = {"load_basis": ("compute", "network")}
+_CHOICES = {"load_basis": ("compute", "network"), "router_load": ("queued", "outstanding")}
 _FRACTIONS = {"reuse_mean", "gpu_efficiency", "payload_share"}
 
 

@@ -64,6 +64,11 @@ BAD_FILES = [
         MINIMAL + 'load_basis = "gpu"\n',
         "serving.load_basis: 'gpu' is not one of compute, network",
     ),
+    (
+        "router-load",
+        MINIMAL + 'router_load = "running"\n',
+        "serving.router_load: 'running' is not one of queued, outstanding",
+    ),
     ("store-missing", MINIMAL + "cached_groups = 2\n", "serving.cached_groups: the uncached"),
     (
         "cached-too-many",

@@ -14,7 +14,9 @@ Per batch on one prefill instance and per layer ``l`` (reference notes, section 
 Routing is KV-cache aware: a request goes to the instance caching its prefix unless that
 instance already has more than ``router_max_wait_tokens`` waiting, else (and always for a
 store-held prefix) to the least loaded instance, which then fetches the reused prefix remotely
-(Stage 1). Batches take waiting
+(Stage 1). An instance's load is the new tokens waiting for it plus what its running batch
+still has to compute, by layers not yet done (``router_load = "outstanding"``, as a router that
+counts active prefill work), or the waiting tokens only (``"queued"``). Batches take waiting
 requests in arrival order up to ``batch_tokens`` new tokens (vLLM-like).
 """
 
@@ -61,7 +63,7 @@ class ServingWorkload:
         self.sim, self.topo, self.cfg = sim, topo, cfg
         self.trace = trace
         self.queues: list[deque[Request]] = [deque() for _ in range(cfg.instances)]
-        self.busy = [False] * cfg.instances
+        self.running: list[_Batch | None] = [None] * cfg.instances
         self.records: dict[str, RequestRecord] = {}
         self._p2d_left: dict[str, int] = {}
         self._decode_of: dict[str, int] = {}
@@ -98,15 +100,24 @@ class ServingWorkload:
         waiting = [sum(r.new_tokens for r in q) for q in self.queues]
         target = holder
         if holder < 0 or waiting[holder] > self.cfg.router_max_wait_tokens:
-            target = min(range(self.cfg.instances), key=lambda i: (waiting[i], i))
+            load = [waiting[i] + self._running_tokens(i) for i in range(self.cfg.instances)]
+            target = min(range(self.cfg.instances), key=lambda i: (load[i], i))
         self.queues[target].append(request)
         self._decode_of[request.request_id] = int(request.request_id[1:]) % self.cfg.decode_servers
         self._maybe_start(target)
 
+    def _running_tokens(self, instance: int) -> float:
+        """New tokens of the instance's running batch still to be computed (by layers left),
+        when the router counts them."""
+        batch = self.running[instance]
+        if batch is None or self.cfg.router_load != "outstanding":
+            return 0.0
+        return batch.new_tokens * (self.cfg.layers - batch.layer) / self.cfg.layers
+
     # ------------------------------------------------------------------ batches
     def _maybe_start(self, instance: int) -> None:
         queue = self.queues[instance]
-        if self.busy[instance] or not queue:
+        if self.running[instance] is not None or not queue:
             return
         chosen: list[Request] = []
         tokens = 0
@@ -114,9 +125,9 @@ class ServingWorkload:
             request = queue.popleft()
             chosen.append(request)
             tokens += request.new_tokens
-        self.busy[instance] = True
         self._batches += 1
         batch = _Batch(f"i{instance}/b{self._batches}", instance, chosen, {}, {})
+        self.running[instance] = batch
         gpus = self.cfg.servers_per_instance * self.cfg.gpus_per_server
         for request in chosen:
             batch.gpu_of[request.request_id] = self._gpu_rr[instance] % gpus
@@ -241,7 +252,7 @@ class ServingWorkload:
         for request in batch.requests:
             self.records[request.request_id].prefill_done = self.sim.now
         self.sim.end_job(batch.job)
-        self.busy[batch.instance] = False
+        self.running[batch.instance] = None
         self._maybe_start(batch.instance)
 
     def _p2d_flow(self, batch: _Batch, request: Request, layer: int) -> None:

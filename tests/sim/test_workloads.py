@@ -8,7 +8,10 @@ import pytest
 from sim_helpers import SMALL_RL
 
 from flowsched import scenario
-from flowsched.sim.run import PolicySpec, run
+from flowsched.scenario import Request
+from flowsched.sim.engine import Simulator
+from flowsched.sim.run import PolicySpec, build_topology, run, sim_config
+from flowsched.sim.serving import ServingWorkload
 
 SMALL_SERVING = """
 [scenario]
@@ -161,3 +164,59 @@ def test_store_held_prefixes_are_fetched_from_the_kv_store() -> None:
     assert all(
         sources <= {"p0", "p1", "p2", "p3"} for r, sources in seen.items() if r not in stored
     )
+
+
+# (label, router_load, trace as (arrival s, prompt tokens, prefix group), instance of each)
+ROUTING_CASES = [
+    # a store-held request goes to the idle instance, not behind the running batch
+    ("idle beats busy", "outstanding", [(0.0, 4000, 0), (0.001, 1000, 5)], [0, 1]),
+    # counting queues only, both look empty: the first instance takes it, behind its batch
+    ("queued only", "queued", [(0.0, 4000, 0), (0.001, 1000, 5)], [0, 0]),
+    # both busy: to the instance whose running batch has less left to compute
+    (
+        "less left to compute",
+        "outstanding",
+        [(0.0, 8000, 0), (0.0, 4000, 1), (0.002, 1000, 5)],
+        [0, 1, 1],
+    ),
+    # a short queue behind a nearly done batch beats a long batch with nothing queued
+    (
+        "queued plus running",
+        "outstanding",
+        [(0.0, 2000, 0), (0.0, 8000, 1), (0.0002, 400, 0), (0.0005, 1000, 5)],
+        [0, 1, 0, 0],
+    ),
+    # a cached prefix stays on its holder while little waits there, even when it is busy
+    ("prefix affinity", "outstanding", [(0.0, 4000, 0), (0.001, 1000, 0)], [0, 0]),
+]
+
+
+@pytest.mark.parametrize(
+    ("router_load", "trace", "expected"),
+    [c[1:] for c in ROUTING_CASES],
+    ids=[c[0] for c in ROUTING_CASES],
+)
+def test_router_weighs_instances_by_their_load(
+    router_load: str, trace: list[tuple[float, int, int]], expected: list[int]
+) -> None:
+    """The KV-aware router sends a request it cannot keep on its prefix holder to the instance
+    with the least queued new tokens, plus (``router_load = "outstanding"``) what its running
+    batch still has to compute."""
+    text = SMALL_SERVING.format(instances=2, requests=len(trace)) + (
+        f'kv_store_nodes = 1\ncached_groups = 2\nrouter_load = "{router_load}"\n'
+    )
+    scen = scenario.parse(text)
+    assert scen.serving is not None
+    requests = [
+        Request(f"r{i}", arrival, prompt, prompt // 2, group, 1.0, False)
+        for i, (arrival, prompt, group) in enumerate(trace)
+    ]
+    spec = PolicySpec("fair")
+    topo = build_topology(scen)
+    sim = Simulator(topo.capacity, spec.build(), sim_config(scen, spec))
+    workload = ServingWorkload(sim, topo, scen.serving, requests)
+    workload.start()
+    sim.run()
+    workload.finish()
+    served = {f.request: int(f.job.split("/")[0][1:]) for f in sim.records.flows if f.cls == "kv"}
+    assert [served[f"r{i}"] for i in range(len(trace))] == expected
