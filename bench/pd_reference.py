@@ -38,7 +38,8 @@ instead of at the next message::
 
     .venv/bin/python bench/pd_reference.py offline --loads 0.5,0.6,0.7 --seeds 1,2,3
 
-Each takes minutes per load and seed on one core; run them under
+``--router-load queued`` (before the command) runs them with the router that counts queued
+tokens only. Each takes minutes per load and seed on one core; run them under
 ``flock -s /tmp/flowsched-measure.lock`` on a shared machine. docs/rmlq.md has the figures.
 """
 
@@ -66,6 +67,8 @@ from flowsched.sim.run import PolicySpec, build_topology, ideal_spec, run, sim_c
 from flowsched.sim.serving import ServingWorkload
 
 SCENARIO = "pd-serving"
+#: the scenario's ``router_load``, unless ``--router-load`` names another
+ROUTER_LOAD: str | None = None
 LEVELS = 8
 #: bytes below which a replayed request counts as done (float rounding)
 _DONE = 1.0
@@ -661,6 +664,17 @@ def collectives_first(
 # -- commands -----------------------------------------------------------------------------------
 
 
+def load_scenario() -> scenario.Scenario:
+    """The bundled scenario, with ``--router-load`` applied when given."""
+    scen = scenario.load(SCENARIO)
+    assert scen.serving is not None
+    if ROUTER_LOAD is None:
+        return scen
+    return dataclasses.replace(
+        scen, serving=dataclasses.replace(scen.serving, router_load=ROUTER_LOAD)
+    )
+
+
 def against_the_bound(
     loads: list[float],
     seeds: list[int],
@@ -670,7 +684,7 @@ def against_the_bound(
     """Per load: the bound on each seed, then ``add(scenario, load, seed, the bound's records,
     counts)`` counts the measured requests each other row meets on that seed; print every row
     (names ``width`` wide) against the bound."""
-    scen = scenario.load(SCENARIO)
+    scen = load_scenario()
     assert scen.serving is not None
     for load in loads:
         counts: Counter[str] = Counter()
@@ -808,7 +822,7 @@ class IngressProbe:
 
 def diagnose(policy: str, load: float, seeds: list[int], args: dict[str, Any]) -> None:
     """Print where ``policy`` (with ``args``) loses against the bound (module docstring)."""
-    scen = scenario.load(SCENARIO)
+    scen = load_scenario()
     assert scen.serving is not None
     plain = specs([policy], None, LEVELS)[0]
     built = PolicySpec(plain.name, {**plain.args, **args}, LEVELS, level_queue=plain.level_queue)
@@ -913,6 +927,11 @@ def _phases(record: Any) -> tuple[float, float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--router-load",
+        choices=("outstanding", "queued"),
+        help="the router's load measure (default: the scenario's, outstanding)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     one = sub.add_parser("diagnose", help="one policy against the bound")
     one.add_argument("--policy", default="rmlq")
@@ -933,6 +952,8 @@ def main() -> None:
         "--slot-ms", type=float, default=0.1, help="the program's time slot (finer: tighter)"
     )
     args = parser.parse_args()
+    global ROUTER_LOAD
+    ROUTER_LOAD = args.router_load
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.command == "diagnose":
         diagnose(args.policy, args.load, seeds, json.loads(args.args))

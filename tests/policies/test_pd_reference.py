@@ -257,3 +257,14 @@ def test_link_rates_integrate_the_rate_between_changes() -> None:
     assert rates.sent("L", 0.0, 1.0) == 0.0
     assert rates.sent("L", 0.0, 10.0) == pytest.approx(15.0)
     assert rates.sent("L", 2.5, 4.5) == pytest.approx(7.5)
+
+
+@pytest.mark.parametrize(("override", "expected"), [(None, "outstanding"), ("queued", "queued")])
+def test_router_load_override(
+    monkeypatch: pytest.MonkeyPatch, override: str | None, expected: str
+) -> None:
+    """``--router-load`` replaces the bundled scenario's router measure; without it the
+    scenario's own stands."""
+    monkeypatch.setattr(ref, "ROUTER_LOAD", override)
+    serving = ref.load_scenario().serving
+    assert serving is not None and serving.router_load == expected
