@@ -45,7 +45,7 @@ def register(sub: Any) -> None:
         "scenario",
         help="scenario file or bundled name (e.g. pd-serving), or 'paper': the MFS paper's "
         f"setting ({PAPER['scenario']}, loads {PAPER['loads']}, {PAPER['seeds']} seeds, "
-        "the paper's comparison; about 70 min of one core: give each load its own process, "
+        "the paper's comparison; about 40 min of one core: give each load its own process, "
         "--loads 0.5 and so on, to use more cores)",
     )
     parser.add_argument(
