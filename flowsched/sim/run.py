@@ -11,7 +11,7 @@ from flowsched import policies
 from flowsched.metrics import RunMetrics, RunRecords, summarize
 from flowsched.model import FlowClass
 from flowsched.policies.base import Policy
-from flowsched.scenario import Scenario, rl_plan, serving_trace
+from flowsched.scenario import Request, Scenario, rl_plan, serving_trace
 from flowsched.sim.engine import SimConfig, Simulator
 from flowsched.sim.rl import RlWorkload
 from flowsched.sim.serving import ServingWorkload
@@ -140,11 +140,13 @@ def run(
     *,
     observer: Callable[[Simulator], None] | None = None,
     simulator: Callable[..., Simulator] = Simulator,
+    trace: list[Request] | None = None,
 ) -> RunResult:
     """Simulate ``scenario`` at ``load`` under the policy ``spec``; same seed = same trace.
 
     ``simulator`` builds the engine from (capacity, policy, config): a Simulator subclass
-    that models something more (bench/serving_gap.py)."""
+    that models something more (bench/serving_gap.py). ``trace`` replaces the seeded serving
+    trace (hand-made requests: ``load`` and ``seed`` then no longer shape it)."""
     seed = scenario.scenario.seed if seed is None else seed
     started = time.perf_counter()
     topo = build_topology(scenario)
@@ -152,9 +154,9 @@ def run(
     sim.observer = observer
     serving = None
     if scenario.serving is not None:
-        serving = ServingWorkload(
-            sim, topo, scenario.serving, serving_trace(scenario.serving, load, seed)
-        )
+        if trace is None:
+            trace = serving_trace(scenario.serving, load, seed)
+        serving = ServingWorkload(sim, topo, scenario.serving, trace)
         serving.start()
     if scenario.rl is not None:
         RlWorkload(sim, topo, scenario.rl, rl_plan(scenario.rl, load)).start()

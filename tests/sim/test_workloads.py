@@ -9,9 +9,7 @@ from sim_helpers import SMALL_RL
 
 from flowsched import scenario
 from flowsched.scenario import Request
-from flowsched.sim.engine import Simulator
-from flowsched.sim.run import PolicySpec, build_topology, run, sim_config
-from flowsched.sim.serving import ServingWorkload
+from flowsched.sim.run import PolicySpec, run
 
 SMALL_SERVING = """
 [scenario]
@@ -211,12 +209,6 @@ def test_router_weighs_instances_by_their_load(
         Request(f"r{i}", arrival, prompt, prompt // 2, group, 1.0, False)
         for i, (arrival, prompt, group) in enumerate(trace)
     ]
-    spec = PolicySpec("fair")
-    topo = build_topology(scen)
-    sim = Simulator(topo.capacity, spec.build(), sim_config(scen, spec))
-    workload = ServingWorkload(sim, topo, scen.serving, requests)
-    workload.start()
-    sim.run()
-    workload.finish()
-    served = {f.request: int(f.job.split("/")[0][1:]) for f in sim.records.flows if f.cls == "kv"}
+    flows = run(scen, PolicySpec("fair"), load=1.0, trace=requests).records.flows
+    served = {f.request: int(f.job.split("/")[0][1:]) for f in flows if f.cls == "kv"}
     assert [served[f"r{i}"] for i in range(len(trace))] == expected
