@@ -85,6 +85,7 @@ class Args:
     feasibility: bool = True
     feasibility_check: str = "alg1"
     pace_layers: int = 4
+    volume_check: bool = False
     drop_budget: int = 1
     alg1_interval: float = 0.01
     feasibility_grace: float = 0.0
@@ -119,6 +120,7 @@ _FIELDS = {
     "feasibility": boolean,
     "feasibility_check": one_of("alg1", "mlu"),
     "pace_layers": integer(0, 1 << 20),
+    "volume_check": boolean,
     "drop_budget": integer(0),
     "alg1_interval": number(0.0),
     "feasibility_grace": number(0.0),
@@ -230,6 +232,7 @@ class RmlqPolicy:
         #: shortest time per layer between two of its layers so far), for ``pace_layers``
         self._layer_pace: dict[str, tuple[int, int, float, float]] = {}
         self._pace_check = args.feasibility and args.pace_layers > 0
+        self._volume_check = args.feasibility and args.volume_check
         #: open explicit-deadline flows by request, for the request's remaining bytes (MLU)
         self._siblings: dict[str, dict[int, Flow]] = {}
         self._request_scope = args.mlu_scope == "request"
@@ -372,10 +375,14 @@ class RmlqPolicy:
             index = other.consumer_index
             if index is not None and (last is None or index > last):
                 last = index
-        depth = self._depth(flow)
-        if last is not None and flow.job in ctx.job_index and depth > last + 1:
-            remaining += (depth - 1 - last) * (flow.size or 0)
-        return remaining
+        return remaining + self._unopened_layers(flow, last, ctx) * (flow.size or 0)
+
+    def _unopened_layers(self, flow: Flow, last: int | None, ctx: Context) -> int:
+        """Layers of ``flow``'s request after ``last`` (the deepest one opened) while its job
+        is in prefill; the model depth is :meth:`_depth`'s. 0 once the prefill has ended."""
+        if last is None or flow.job not in ctx.job_index:
+            return 0
+        return max(self._depth(flow) - 1 - last, 0)
 
     def flow_mlu(
         self, flow: Flow, ctx: Context, paths: BottleneckCache | None = None, *, rho: bool = True
@@ -505,6 +512,37 @@ class RmlqPolicy:
         last_release = ctx.now + (self._depth(flow) - 1 - index) * step
         if deadline < last_release + (flow.size or 0) / bottleneck(flow, ctx):
             self._prune(request)
+
+    def _volume_lost_at(self, flow: Flow, ctx: Context) -> float:
+        """The last instant at which ``flow``'s request can still move, at full line rate,
+        the bytes it has left on ``flow``'s links: its open flows on each link and, while its
+        prefill runs, its layers not opened yet (each of ``flow``'s size). ``volume_check``
+        prunes the request once this is past; it assumes no other traffic and no compute, so
+        a request it gives up could not have met its deadline (docs/rmlq.md)."""
+        deadline = flow.deadline
+        members = self._members.get(self._request_key(flow))
+        if deadline is None or not members:
+            return math.inf
+        opened = [m.consumer_index for m in members.values() if m.consumer_index is not None]
+        seen = self._layer_pace.get(flow.request or "")
+        if seen is not None:
+            opened.append(seen[1])
+        last = max(opened, default=None)
+        to_come = self._unopened_layers(flow, last, ctx) * (flow.size or 0)
+        capacity = self._capacity(ctx)
+        lost_at = math.inf
+        for link in flow.links or ("",):
+            on_link = sum(m.remaining or 0 for m in members.values() if _crosses(m, link))
+            lost_at = min(lost_at, deadline - (on_link + to_come) / capacity(link))
+        return lost_at
+
+    def _check_volume(self, flow: Flow, ctx: Context) -> None:
+        """``volume_check``: prune ``flow``'s request once :meth:`_volume_lost_at` is past."""
+        if (
+            self._request_key(flow) not in self._pruned
+            and self._volume_lost_at(flow, ctx) < ctx.now
+        ):
+            self._prune(self._request_key(flow))
 
     def _prune(self, key: str) -> None:
         if key not in self._pruned:
@@ -673,6 +711,8 @@ class RmlqPolicy:
                 self._learn_depth(flow, flow.consumer_index)
         if self._pace_check and self._prunable(flow):
             self._check_pace(flow, ctx)
+        if self._volume_check and self._prunable(flow):
+            self._check_volume(flow, ctx)
         self._judge(flow, ctx, found)
         level = self._decide(flow, ctx, found)
         self._watch_urgent(flow, level, found)
@@ -713,6 +753,8 @@ class RmlqPolicy:
             if self._settled(flow) or flow.cls not in EXPLICIT_DEADLINE:
                 continue
             urgency = self.urgency(flow, ctx, paths)
+            if self._volume_check and self._prunable(flow):
+                self._check_volume(flow, ctx)
             found[flow.flow_id] = (ctx.now, flow.level, flow.sent, urgency)
             verdict = self._judge(flow, ctx, urgency)
             if verdict is not None:
@@ -839,9 +881,10 @@ class RmlqPolicy:
         An explicit flow is promoted when its MLU reaches the next threshold above its level.
         With ``remaining`` fixed, that time follows from MLU's formula; rho is taken to rise
         as fast as its EWMA can (towards 1, capped at ``max_load``), so the answer is never
-        later than the true crossing. Also the deadline itself (pruning) and, for a request
-        judged hopeless by the ``"mlu"`` check, the end of its grace. None: only reports can
-        change the flow (implicit classes: job progress).
+        later than the true crossing. Also the deadline itself (pruning), with
+        ``volume_check`` the instant its request's bytes can no longer cross in time, and, for
+        a request judged hopeless by the ``"mlu"`` check, the end of its grace. None: only
+        reports can change the flow (implicit classes: job progress).
         """
         memo = self._found.pop(flow.flow_id, None)
         if flow.cls not in EXPLICIT_DEADLINE or flow.level < 0 or self.dropped(flow, ctx.now):
@@ -862,6 +905,10 @@ class RmlqPolicy:
             since = self._infeasible_since.get(self._request_key(flow))
             if since is not None:
                 times.append(since + self.args.feasibility_grace)
+            if self._volume_check:
+                lost_at = self._volume_lost_at(flow, ctx)
+                if ctx.now < lost_at < flow.deadline:
+                    times.append(lost_at)
         threshold = self._next_threshold(flow, ctx)
         if threshold is not None:
             times.append(ctx.now + self._time_to_reach(found, threshold))
@@ -937,6 +984,11 @@ class RmlqPolicy:
 #: as not reached yet at that very instant); and the wait near a worst-case crossing
 _MIN_STEP = 1e-6
 _NEAR_STEP = 1e-3
+
+
+def _crosses(flow: Flow, link: str) -> bool:
+    """Whether ``flow`` crosses ``link`` (``""``: the default link of a flow without links)."""
+    return link in flow.links if flow.links else link == ""
 
 
 def _layer_of(job: str, ctx: Context) -> int:

@@ -636,6 +636,70 @@ def test_pace_check_forgets_a_request_after_its_memory() -> None:
     assert "r" not in pol._layer_pace
 
 
+# -- the volume check ------------------------------------------------------------------------
+
+
+# At B = 1e9 bytes/s a request's bytes take (bytes / 1e9) s; each row opens `opened` flows of r
+# (size, links, layer index) at time 0 and says whether volume_check prunes r.
+@pytest.mark.parametrize(
+    ("opened", "deadline", "job_index", "args", "pruned"),
+    [
+        ([(int(1e8), (), 0)], 0.099, {}, {}, True),  # 0.1 s of bytes, 0.099 s left
+        ([(int(1e8), (), 0)], 0.101, {}, {}, False),
+        ([(int(6e7), (), 0), (int(6e7), (), 1)], 0.11, {}, {}, True),  # 0.12 s on one link
+        ([(int(6e7), ("a",), 0), (int(6e7), ("b",), 1)], 0.11, {}, {}, False),  # two links
+        ([(int(1e6), (), 0)], 0.031, {"j": 0}, {}, True),  # 32 layers of 1 ms to come
+        ([(int(1e6), (), 0)], 0.033, {"j": 0}, {}, False),
+        ([(int(1e6), (), 0)], 0.031, {}, {}, False),  # prefill over: no layer to come
+        ([(int(1e8), (), 0)], 0.099, {}, {"volume_check": False}, False),
+        ([(int(1e8), (), 0)], 0.099, {}, {"feasibility": False}, False),
+    ],
+    ids=[
+        "too-many-bytes",
+        "just-in-time",
+        "open-flows-add-up",
+        "other-links-do-not",
+        "layers-to-come",
+        "layers-to-come-in-time",
+        "prefill-ended",
+        "off",
+        "no-feasibility",
+    ],
+)
+def test_volume_check_prunes_a_request_whose_bytes_cannot_cross_in_time(
+    opened: list[tuple[int, tuple[str, ...], int]],
+    deadline: float,
+    job_index: dict[str, int],
+    args: dict[str, Any],
+    pruned: bool,
+) -> None:
+    args.setdefault("volume_check", True)
+    pol = policy(pace_layers=0, **args)
+    _learn_depth(pol, 32)
+    levels = []
+    for fid, (size, links, layer) in enumerate(opened, start=1):
+        flow = build_flow(fid, cls="kv", size=size, deadline=deadline, request="r", job="j",
+                          links=links, consumer_index=layer)  # fmt: skip
+        levels.append(pol.admit(flow, ctx(job_index=job_index)).level)
+    assert (levels[-1] == 7) is pruned
+
+
+def test_volume_check_wakes_an_urgent_flow_when_its_bytes_run_out_of_time() -> None:
+    # 0.15 s of bytes due at 0.2: urgent (MLU 0.75), level 1 until 25 ms before the deadline;
+    # its bytes can no longer cross after 0.05 s, so the check asks to be woken there
+    timers = {}
+    for on in (False, True):
+        pol = policy(volume_check=on, pace_layers=0)
+        flow = build_flow(1, cls="kv", size=int(1.5e8), deadline=0.2, request="r")
+        flow.level = pol.admit(flow, ctx()).level
+        assert flow.level == 1
+        timers[on] = pol.next_change(flow, ctx())
+    assert timers[False] == pytest.approx(0.175)
+    assert timers[True] == pytest.approx(0.05)
+    decisions = pol.reevaluate([flow], ctx(0.051))  # nothing sent meanwhile
+    assert {fid: d.level for fid, d in decisions.items()} == {1: 7}
+
+
 # -- promotion timers -----------------------------------------------------------------------
 
 
@@ -785,6 +849,7 @@ def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -
         ({"drop_budget": -1}, "policy.args.drop_budget"),
         ({"alg1_interval": -1}, "policy.args.alg1_interval"),
         ({"pace_layers": -1}, "policy.args.pace_layers"),
+        ({"volume_check": "yes"}, "policy.args.volume_check"),
         ({"urgent_levels": 0}, "policy.args.urgent_levels"),
         ({"urgent_ratio": 1.0}, "policy.args.urgent_ratio"),
         ({"urgent_ratio": 1e200}, "policy.args.urgent_ratio: expected a number in (1.0, 1024.0]"),
@@ -805,6 +870,7 @@ def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -
         "drop-budget",
         "alg1-interval",
         "pace-layers",
+        "volume-check-type",
         "urgent-levels",
         "urgent-ratio",
         "urgent-ratio-huge",
