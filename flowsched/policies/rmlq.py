@@ -538,11 +538,9 @@ class RmlqPolicy:
 
     def _check_volume(self, flow: Flow, ctx: Context) -> None:
         """``volume_check``: prune ``flow``'s request once :meth:`_volume_lost_at` is past."""
-        if (
-            self._request_key(flow) not in self._pruned
-            and self._volume_lost_at(flow, ctx) < ctx.now
-        ):
-            self._prune(self._request_key(flow))
+        key = self._request_key(flow)
+        if key not in self._pruned and self._volume_lost_at(flow, ctx) < ctx.now:
+            self._prune(key)
 
     def _prune(self, key: str) -> None:
         if key not in self._pruned:
