@@ -237,9 +237,10 @@ class RmlqPolicy:
         self._siblings: dict[str, dict[int, Flow]] = {}
         self._request_scope = args.mlu_scope == "request"
         self._deferred_by_time = args.deferred_order == "deadline"
-        #: the urgencies the last reevaluate computed, with the (now, level, sent) they hold
-        #: for: next_change, called right after it for the same flows, reuses them
-        self._found: dict[int, tuple[float, int, int, _Urgency | None]] = {}
+        #: the urgencies (and volume_check's instants) the last reevaluate computed, with the
+        #: (now, level, sent) they hold for: next_change, called right after it for the same
+        #: flows, reuses them
+        self._found: dict[int, tuple[float, int, int, _Urgency | None, float]] = {}
         #: levels at which bytes sent never move a flow (observe_progress skips them cheaply)
         self._inert_levels = frozenset(
             level for level in range(num_levels) if self._progress_moves_level(level) is False
@@ -536,11 +537,16 @@ class RmlqPolicy:
             lost_at = min(lost_at, deadline - (on_link + to_come) / capacity(link))
         return lost_at
 
-    def _check_volume(self, flow: Flow, ctx: Context) -> None:
-        """``volume_check``: prune ``flow``'s request once :meth:`_volume_lost_at` is past."""
+    def _check_volume(self, flow: Flow, ctx: Context) -> float:
+        """``volume_check``: prune ``flow``'s request once :meth:`_volume_lost_at` is past;
+        that instant (inf for a request already pruned)."""
         key = self._request_key(flow)
-        if key not in self._pruned and self._volume_lost_at(flow, ctx) < ctx.now:
+        if key in self._pruned:
+            return math.inf
+        lost_at = self._volume_lost_at(flow, ctx)
+        if lost_at < ctx.now:
             self._prune(key)
+        return lost_at
 
     def _prune(self, key: str) -> None:
         if key not in self._pruned:
@@ -739,7 +745,7 @@ class RmlqPolicy:
         if self._alg1_due and ctx.now - self._alg1_last >= self.args.alg1_interval:
             self._run_alg1(ctx)
         # each evaluated flow's urgency, with the (now, level, sent) it holds for (see _found)
-        found: dict[int, tuple[float, int, int, _Urgency | None]] = {}
+        found: dict[int, tuple[float, int, int, _Urgency | None, float]] = {}
         self._found = found
         deadlines: dict[str, list[float]] = {}
         verdicts: dict[str, bool] = {}
@@ -751,9 +757,10 @@ class RmlqPolicy:
             if self._settled(flow) or flow.cls not in EXPLICIT_DEADLINE:
                 continue
             urgency = self.urgency(flow, ctx, paths)
+            lost_at = math.inf
             if self._volume_check and self._prunable(flow):
-                self._check_volume(flow, ctx)
-            found[flow.flow_id] = (ctx.now, flow.level, flow.sent, urgency)
+                lost_at = self._check_volume(flow, ctx)
+            found[flow.flow_id] = (ctx.now, flow.level, flow.sent, urgency, lost_at)
             verdict = self._judge(flow, ctx, urgency)
             if verdict is not None:
                 key = self._request_key(flow)
@@ -888,9 +895,9 @@ class RmlqPolicy:
         if flow.cls not in EXPLICIT_DEADLINE or flow.level < 0 or self.dropped(flow, ctx.now):
             return None
         if memo is not None and memo[:3] == (ctx.now, flow.level, flow.sent):
-            found = memo[3]  # the same inputs as reevaluate's a moment ago (see _found)
+            found, lost_at = memo[3:]  # the same inputs as reevaluate's a moment ago (_found)
         else:
-            found = self.urgency(flow, ctx)
+            found, lost_at = self.urgency(flow, ctx), None
         if found is None or found.remaining <= 0:
             return None
         times = []
@@ -904,7 +911,8 @@ class RmlqPolicy:
             if since is not None:
                 times.append(since + self.args.feasibility_grace)
             if self._volume_check:
-                lost_at = self._volume_lost_at(flow, ctx)
+                if lost_at is None:
+                    lost_at = self._volume_lost_at(flow, ctx)
                 if ctx.now < lost_at < flow.deadline:
                     times.append(lost_at)
         threshold = self._next_threshold(flow, ctx)
