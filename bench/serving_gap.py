@@ -9,10 +9,18 @@ testbed modelled at a time, to tell which one accounts for the gap:
   no agents on its private paths, so it is not delayed.
 * ``--collective-scale F``: every all-to-all flow carries F x its bytes (the testbed's
   collectives take longer than line rate: TCP, thread wake-ups and reports on 2 shared cores).
+* ``--provisional-level N`` (with ``--open-delay``): the delayed flows start at once at level
+  N instead of waiting, and take the policy's level only after the delay (an agent that
+  answers an open with a level of its own and lets the coordinator's follow); N = -1: at the
+  level the policy admits them at (the agent's own copy of the policy deciding the same), with
+  the policy's later decisions on them held back until the delay has passed.
 
 Each row is pooled over the seeds; ``x ideal`` is against the bound run with the same overhead::
 
     .venv/bin/python bench/serving_gap.py --open-delay 0,0.01,0.02 --collective-scale 1,1.2,1.4
+
+``--scenario pd-serving`` runs the full-size scenario instead, with the shipped policies (not
+the testbed's files, whose times are x 100): what the same delays cost at the real time scale.
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from flowsched import scenario
+from flowsched.cli.sim import specs as cli_specs
 from flowsched.metrics import merge, summarize
-from flowsched.model import Flow, FlowClass
-from flowsched.sim.engine import DoneCallback, Simulator
+from flowsched.model import Decision, Flow, FlowClass
+from flowsched.sim.engine import ActiveFlow, DoneCallback, Simulator
 from flowsched.sim.run import IDEAL, run
 from flowsched.testbed.serving import SCENARIO, sim_spec
 
@@ -36,9 +45,17 @@ DELAYED = frozenset({FlowClass.KV, FlowClass.KV_REUSE})
 class OverheadSimulator(Simulator):
     """The simulator with a start delay on deadline flows and scaled collectives."""
 
-    def __init__(self, *args: Any, open_delay: float, collective_scale: float) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        open_delay: float,
+        collective_scale: float,
+        provisional_level: int | None = None,
+    ) -> None:
         super().__init__(*args)
         self.open_delay, self.collective_scale = open_delay, collective_scale
+        self.provisional_level = provisional_level
+        self._held: set[int] = set()  # flows still at their provisional level
 
     def open_flow(
         self,
@@ -50,6 +67,15 @@ class OverheadSimulator(Simulator):
     ) -> Flow:
         if cls == FlowClass.TP:
             size = int(size * self.collective_scale)
+        if cls in DELAYED and self.open_delay > 0 and self.provisional_level is not None:
+            flow = super().open_flow(cls, size, links, on_done, **fields)
+            state = self.active.get(flow.flow_id)
+            if state is not None:
+                if self.provisional_level >= 0:
+                    self._apply(state, Decision(self.provisional_level))
+                self._held.add(flow.flow_id)
+                self.after(self.open_delay, lambda: self._release(flow.flow_id))
+            return flow
         if cls in DELAYED and self.open_delay > 0:
             opened: list[Flow] = []
             self.after(
@@ -62,19 +88,35 @@ class OverheadSimulator(Simulator):
             return Flow(-1, cls, self.now, size=size, links=links)
         return super().open_flow(cls, size, links, on_done, **fields)
 
+    def _release(self, flow_id: int) -> None:
+        """The policy's level reaches the flow: re-evaluated now, from its provisional level."""
+        self._held.discard(flow_id)
+        if flow_id in self.active:
+            self._touched.add(flow_id)
+            self._request_reevaluate()
+
+    def _decide(self, state: ActiveFlow, decision: Decision) -> None:
+        if state.flow.flow_id not in self._held:  # else the decision has not arrived yet
+            super()._decide(state, decision)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--scenario", default=SCENARIO)
     parser.add_argument("--policies", default="rmlq,static+late,static")
     parser.add_argument("--loads", default="0.5,0.6,0.7")
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--open-delay", default="0,0.01,0.02", help="seconds, comma-separated")
     parser.add_argument("--collective-scale", default="1,1.4", help="comma-separated")
+    parser.add_argument("--provisional-level", type=int, default=None)
     args = parser.parse_args()
-    scen = scenario.load(SCENARIO)
+    scen = scenario.load(args.scenario)
     names = [IDEAL, *args.policies.split(",")]
-    with tempfile.TemporaryDirectory() as work:
-        specs = {name: sim_spec(name, Path(work)) for name in names}
+    if args.scenario == SCENARIO:
+        with tempfile.TemporaryDirectory() as work:
+            specs = {name: sim_spec(name, Path(work)) for name in names}
+    else:
+        specs = dict(zip(names, cli_specs(names, None, scen.sim.num_levels), strict=True))
     cases = [(float(d), 1.0) for d in args.open_delay.split(",")]
     cases += [(0.0, float(f)) for f in args.collective_scale.split(",") if float(f) != 1.0]
     print(f"{'delay s':>7}  {'TP x':>4}  {'load':>4}  " + "  ".join(f"{n:>16}" for n in names))
@@ -82,7 +124,7 @@ def main() -> None:
         for load in (float(v) for v in args.loads.split(",")):
             cells = []
             for name, spec in specs.items():
-                make = _maker(delay if name != IDEAL else 0.0, scale)
+                make = _maker(delay if name != IDEAL else 0.0, scale, args.provisional_level)
                 pooled = merge(
                     [
                         run(scen, spec, load, int(seed), simulator=make).records
@@ -95,8 +137,10 @@ def main() -> None:
             print(f"{delay:7g}  {scale:4g}  {load:4g}  {row}", flush=True)
 
 
-def _maker(delay: float, scale: float) -> Callable[..., Simulator]:
-    return lambda *a: OverheadSimulator(*a, open_delay=delay, collective_scale=scale)
+def _maker(delay: float, scale: float, provisional: int | None) -> Callable[..., Simulator]:
+    return lambda *a: OverheadSimulator(
+        *a, open_delay=delay, collective_scale=scale, provisional_level=provisional
+    )
 
 
 if __name__ == "__main__":

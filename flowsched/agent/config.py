@@ -122,6 +122,11 @@ class AgentConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = 0
     fallback_after: float = 1.0
+    #: how long an SDK open waits for the coordinator's first level (seconds); 0 = answer at
+    #: once with the level the agent's own copy of the policy admits the flow at, and let the
+    #: coordinator's level follow as a push. A flow that waits sends nothing meanwhile: on
+    #: pd-serving a 2 ms wait per KV flow costs rmlq 29 of its 66 points (docs/results.md)
+    first_level_wait: float = 0.0
     num_slots: int = layout.DEFAULT_NUM_SLOTS
     group: str | None = None
     interfaces: tuple[str, ...] = ()
@@ -164,6 +169,8 @@ class AgentConfig:
             _check_positive(name, getattr(self, name))
         if self.link_capacity is not None:
             _check_positive("link_capacity", self.link_capacity)
+        if self.first_level_wait != 0:
+            _check_positive("first_level_wait", self.first_level_wait)
         if self.tls_ca or self.tls_cert or self.tls_key or self.tls_server_name:
             self.tls = True
         try:

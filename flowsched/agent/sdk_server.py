@@ -53,9 +53,6 @@ MAX_CONNECTIONS = 4096
 FD_RESERVE = 128
 #: seconds a connection without open flows may stay silent before it is closed
 IDLE_TIMEOUT = 300.0
-#: how long an ``open`` waits for the coordinator's first level before answering with the
-#: class default (the coordinator answers within one report interval plus its own turn)
-FIRST_LEVEL_WAIT = 0.15
 
 
 class SocketPathError(RuntimeError):
@@ -273,7 +270,9 @@ class SdkServer:
         self.agent.admit_now()
         for key in linked:
             self.agent.write_slot(key)
-        if flow.level < 0 and self.agent.connected:
+        if flow.level < 0 and self.agent.connected and not self.agent.config.first_level_wait:
+            self.agent.decide_first_level(flow)  # it sends at once; the coordinator's follows
+        elif flow.level < 0 and self.agent.connected:
             # answered once the coordinator's first level comes (or the wait ends), in a task
             # of its own: the connection's other messages, other opens too, are not held up
             task = asyncio.ensure_future(self._answer_after_first_level(message, flow, writer))
@@ -320,14 +319,14 @@ class SdkServer:
         )
 
     async def _await_first_level(self, flow_id: int) -> None:
-        """Wait briefly for the coordinator's first (deferred) level, so that the flow starts
-        where Defer-and-Promote puts it rather than at its class's static default."""
+        """Wait up to ``first_level_wait`` for the coordinator's first (deferred) level, so that
+        the flow starts where the coordinator puts it rather than at its class's default."""
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         self._first_level[flow_id] = future
         try:
             # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow this task's
             # cancellation when the future completes at that moment
-            async with asyncio.timeout(FIRST_LEVEL_WAIT):
+            async with asyncio.timeout(self.agent.config.first_level_wait):
                 await future
         except TimeoutError:
             log.debug("no level from the coordinator yet for flow %d", flow_id)

@@ -99,6 +99,10 @@ class Agent:
         self.connected = False
         self.fallback: Policy | None = None
         self._admitted: set[int] = set()
+        #: the local copy of the policy that gives SDK flows their first level while the
+        #: coordinator is connected (``first_level_wait`` 0), and the flows it admitted
+        self._first_policy: Policy | None = None
+        self._first_admitted: set[int] = set()
         self._last_rx = time.monotonic()
         self._heartbeat_interval = 0.2
         self._job_updates: dict[str, JobProgress] = {}
@@ -629,6 +633,8 @@ class Agent:
             log.error("the coordinator's policy is invalid here, keeping ours: %s", exc)
             return
         self.view = PolicyView(cfg, text)
+        self._first_policy = None  # the next first level comes from the new policy
+        self._first_admitted.clear()
         if self.table is not None:
             self.table.write_config(self.view.table_config())
         log.info("policy from the coordinator: %s", cfg.summary())
@@ -805,6 +811,13 @@ class Agent:
         now = time.time()
         for flow in closed:
             self.telemetry.completed(flow, now)
+        first = self._first_policy
+        if first is not None and self._first_admitted:
+            ctx = self._context()
+            for flow in closed:
+                if flow.flow_id in self._first_admitted:
+                    self._first_admitted.discard(flow.flow_id)
+                    first.release(flow, ctx)
         if self.fallback is not None:
             ctx = self._context()
             for flow in closed:
@@ -837,6 +850,26 @@ class Agent:
         changes: dict[int, Decision] = dict(self.fallback.reevaluate(flows, self._context()))
         self.telemetry.decision_latency.observe(time.perf_counter() - started)
         self.apply_levels((fid, d.level) for fid, d in changes.items())
+
+    def decide_first_level(self, flow: Flow) -> None:
+        """Give a just-opened SDK flow the level the local copy of the policy admits it at, so
+        that it starts sending now; the coordinator's decision follows as a level push. A
+        policy error leaves the flow without a level (it is answered with its class default)."""
+        policy = self._first_policy
+        if policy is None:
+            policy = self._first_policy = self.view.cfg.make_policy()
+        try:
+            decision = policy.admit(flow, self._context())
+        except Exception as exc:  # one flow the local copy cannot judge must not fail the open
+            self._repeat_log.log(
+                "first_level", logging.ERROR,
+                "local policy could not admit flow %d: %s (answered with its class default)",
+                flow.flow_id, exc, exc_info=exc,
+            )  # fmt: skip
+            return
+        self._first_admitted.add(flow.flow_id)
+        if 0 <= decision.level < self.view.num_levels:
+            self.apply_levels([(flow.flow_id, decision.level)])
 
     def admit_now(self) -> None:
         """An SDK flow opened or closed: give just-opened flows their first level when the local

@@ -91,6 +91,14 @@ def register(sub: Any) -> None:
     add_metrics_flags(parser, AGENT_METRICS_PORT)
     parser.add_argument("--fallback-after", type=float, default=1.0, metavar="SECONDS")
     parser.add_argument(
+        "--first-level-wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="how long an SDK open waits for the coordinator's first level (default 0: "
+        "answered at once with the local policy's level, the coordinator's follows)",
+    )
+    parser.add_argument(
         "--interface",
         action="append",
         default=[],
@@ -247,6 +255,7 @@ def preflight(config: AgentConfig, metrics_flag: str = "--metrics-port") -> None
 _FLAGS = {
     "node": "--node",
     "fallback_after": "--fallback-after",
+    "first_level_wait": "--first-level-wait",
     "default_bandwidth": "--link-bandwidth",
     "link_capacity": "--link-capacity",
     "nic_interval": "--nic-interval",
@@ -278,6 +287,7 @@ def _config(
         metrics_host=metrics[0] if metrics else "127.0.0.1",
         metrics_port=metrics[1] if metrics else None,
         fallback_after=args.fallback_after,
+        first_level_wait=args.first_level_wait,
         num_slots=args.slots,
         group=args.group,
         interfaces=tuple(args.interface),

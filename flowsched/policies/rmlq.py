@@ -86,6 +86,7 @@ class Args:
     feasibility_check: str = "alg1"
     pace_layers: int = 4
     volume_check: bool = False
+    volume_lag: float = 0.0
     drop_budget: int = 1
     alg1_interval: float = 0.01
     feasibility_grace: float = 0.0
@@ -121,6 +122,7 @@ _FIELDS = {
     "feasibility_check": one_of("alg1", "mlu"),
     "pace_layers": integer(0, 1 << 20),
     "volume_check": boolean,
+    "volume_lag": number(0.0),
     "drop_budget": integer(0),
     "alg1_interval": number(0.0),
     "feasibility_grace": number(0.0),
@@ -515,11 +517,13 @@ class RmlqPolicy:
             self._prune(request)
 
     def _volume_lost_at(self, flow: Flow, ctx: Context) -> float:
-        """The last instant at which ``flow``'s request can still move, at full line rate,
+        """The instant after which ``flow``'s request can no longer move, at full line rate,
         the bytes it has left on ``flow``'s links: its open flows on each link and, while its
         prefill runs, its layers not opened yet (each of ``flow``'s size). ``volume_check``
         prunes the request once this is past; it assumes no other traffic and no compute, so
-        a request it gives up could not have met its deadline (docs/rmlq.md)."""
+        a request it gives up could not have met its deadline (docs/rmlq.md). Byte counts
+        reported up to ``volume_lag`` seconds ago may be short by what the link carried since,
+        so the instant is that much later."""
         deadline = flow.deadline
         members = self._members.get(self._request_key(flow))
         if deadline is None or not members:
@@ -535,7 +539,7 @@ class RmlqPolicy:
         for link in flow.links or ("",):
             on_link = sum(m.remaining or 0 for m in members.values() if _crosses(m, link))
             lost_at = min(lost_at, deadline - (on_link + to_come) / capacity(link))
-        return lost_at
+        return lost_at + self.args.volume_lag
 
     def _check_volume(self, flow: Flow, ctx: Context) -> float:
         """``volume_check``: prune ``flow``'s request once :meth:`_volume_lost_at` is past;

@@ -19,7 +19,7 @@ import pytest
 from agent_helpers import wait_until
 from prometheus_client import CollectorRegistry
 
-from flowsched.agent import AgentConfig, sdk_server
+from flowsched.agent import AgentConfig
 from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.coordinator import Coordinator, CoordinatorConfig
@@ -29,6 +29,9 @@ from flowsched.shm import layout
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
 FIRST_LEVEL, PROMOTED_LEVEL = 5, 2
+#: the level the embedded default policy (rmlq) admits 1 GB due in 60 s at: the last deferred
+LOCAL_KV_LEVEL = 6
+LEVELLED = sdk.Level | sdk.Opened
 
 
 class ProgressPolicy:
@@ -87,8 +90,8 @@ def _config(tmp_path: Path, **overrides: object) -> AgentConfig:
     return AgentConfig(**settings)  # type: ignore[arg-type]
 
 
-@pytest.fixture
-def coordinated_agent(tmp_path: Path) -> Iterator[AgentThread]:
+@pytest.fixture(params=[0.0, 5.0], ids=["answered-at-once", "waits-for-coordinator"])
+def coordinated_agent(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[AgentThread]:
     token_file = tmp_path / "token"
     with CoordinatorThread(write_token(token_file)) as port:
         config = _config(
@@ -96,6 +99,7 @@ def coordinated_agent(tmp_path: Path) -> Iterator[AgentThread]:
             coordinator=("127.0.0.1", port),
             token_file=str(token_file),
             fallback_after=30.0,  # every level below comes from the coordinator
+            first_level_wait=request.param,
         )
         with AgentThread(config) as running:
             wait_until(lambda: running.agent.connected)
@@ -140,27 +144,30 @@ def test_a_late_level_for_a_closed_connection_never_reaches_the_slots_next_owner
 def test_opened_comes_before_any_level_push_and_carries_the_first_level(
     coordinated_agent: AgentThread,
 ) -> None:
+    agent = coordinated_agent.agent
     decoder = sdk.SdkDecoder("client")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(5)
-        sock.connect(coordinated_agent.agent.config.socket_path)
+        sock.connect(agent.config.socket_path)
         sock.sendall(sdk.encode(sdk.Open(7, "kv", size=10**9, deadline=time.time() + 60)))
         messages: list[sdk.SdkMessage] = []
-        while not messages:
+        while FIRST_LEVEL not in [
+            m.level for m in messages if isinstance(m, sdk.Level | sdk.Opened)
+        ]:
             decoder.feed(sock.recv(65536))
             while (message := decoder.next_message()) is not None:
                 messages.append(message)
     first = messages[0]
     assert isinstance(first, sdk.Opened), messages  # a level for an unknown id was dropped
-    assert first.level == FIRST_LEVEL  # the coordinator's level, decided while opening
+    if agent.config.first_level_wait:
+        assert first.level == FIRST_LEVEL  # the coordinator's level, decided while opening
+    else:  # the local rmlq's: 1 GB due in 60 s is deferred; the coordinator's 5 follows
+        assert first.level == LOCAL_KV_LEVEL, messages
+        assert isinstance(messages[-1], sdk.Level) and messages[-1].id == first.id
 
 
-def test_an_open_waiting_for_its_first_level_does_not_hold_up_the_connection(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The coordinator stalls: the first open waits for its level, and the next one (refused
-    at once by the per-user cap) is answered first, not after that wait (audit H2)."""
-    monkeypatch.setattr(sdk_server, "FIRST_LEVEL_WAIT", 30.0)
+def test_an_open_is_answered_at_once_while_the_coordinator_stalls(tmp_path: Path) -> None:
+    """first_level_wait 0: a stalled coordinator does not hold a KV flow's first byte."""
     token_file = tmp_path / "token"
     coordinator = CoordinatorThread(write_token(token_file))
     resume = threading.Event()
@@ -168,6 +175,39 @@ def test_an_open_waiting_for_its_first_level_does_not_hold_up_the_connection(
         config = _config(
             tmp_path, coordinator=("127.0.0.1", port), token_file=str(token_file),
             fallback_after=60.0,
+        )  # fmt: skip
+        try:
+            with AgentThread(config) as running:
+                wait_until(lambda: running.agent.connected)
+                coordinator._loop.call_soon_threadsafe(resume.wait, 30)  # the coordinator stalls
+                decoder = sdk.SdkDecoder("client")
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                    sock.settimeout(10)
+                    sock.connect(config.socket_path)
+                    sock.sendall(
+                        sdk.encode(sdk.Open(1, "kv", size=10**9, deadline=time.time() + 60))
+                    )
+                    decoder.feed(sock.recv(65536))
+                    first = decoder.next_message()
+                    assert isinstance(first, sdk.Opened) and first.level == LOCAL_KV_LEVEL, first
+                    sock.sendall(sdk.encode(sdk.Close(first.id, 10**9)))
+                    wait_until(lambda: not running.agent._first_admitted)  # released locally
+        finally:
+            resume.set()
+
+
+def test_an_open_waiting_for_its_first_level_does_not_hold_up_the_connection(
+    tmp_path: Path,
+) -> None:
+    """The coordinator stalls: the first open waits for its level, and the next one (refused
+    at once by the per-user cap) is answered first, not after that wait (audit H2)."""
+    token_file = tmp_path / "token"
+    coordinator = CoordinatorThread(write_token(token_file))
+    resume = threading.Event()
+    with coordinator as port:
+        config = _config(
+            tmp_path, coordinator=("127.0.0.1", port), token_file=str(token_file),
+            fallback_after=60.0, first_level_wait=30.0,
         )  # fmt: skip
         try:
             with AgentThread(config) as running:

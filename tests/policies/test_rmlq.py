@@ -653,6 +653,9 @@ def test_pace_check_forgets_a_request_after_its_memory() -> None:
         ([(int(1e6), (), 0)], 0.031, {}, {}, False),  # prefill over: no layer to come
         ([(int(1e8), (), 0)], 0.099, {}, {"volume_check": False}, False),
         ([(int(1e8), (), 0)], 0.099, {}, {"feasibility": False}, False),
+        # reports up to 2 ms old: up to 2e6 bytes may have crossed since, so 0.098 s of them
+        ([(int(1e8), (), 0)], 0.099, {}, {"volume_lag": 0.002}, False),
+        ([(int(1e8), (), 0)], 0.097, {}, {"volume_lag": 0.002}, True),
     ],
     ids=[
         "too-many-bytes",
@@ -664,6 +667,8 @@ def test_pace_check_forgets_a_request_after_its_memory() -> None:
         "prefill-ended",
         "off",
         "no-feasibility",
+        "lag-covers-it",
+        "lag-too-short",
     ],
 )
 def test_volume_check_prunes_a_request_whose_bytes_cannot_cross_in_time(
@@ -697,6 +702,18 @@ def test_volume_check_wakes_an_urgent_flow_when_its_bytes_run_out_of_time() -> N
     assert timers[False] == pytest.approx(0.175)
     assert timers[True] == pytest.approx(0.05)
     decisions = pol.reevaluate([flow], ctx(0.051))  # nothing sent meanwhile
+    assert {fid: d.level for fid, d in decisions.items()} == {1: 7}
+
+
+def test_volume_lag_delays_the_check_by_the_bytes_the_link_may_have_carried_since() -> None:
+    # as above, with byte counts up to 20 ms old: lost only from 0.07 on
+    pol = policy(volume_check=True, volume_lag=0.02, pace_layers=0)
+    flow = build_flow(1, cls="kv", size=int(1.5e8), deadline=0.2, request="r")
+    flow.level = pol.admit(flow, ctx()).level
+    assert pol.next_change(flow, ctx()) == pytest.approx(0.07)
+    assert pol.reevaluate([flow], ctx()) == {}  # Algorithm 1 sees the arrival: feasible
+    assert pol.reevaluate([flow], ctx(0.069)) == {}
+    decisions = pol.reevaluate([flow], ctx(0.071))
     assert {fid: d.level for fid, d in decisions.items()} == {1: 7}
 
 
@@ -850,6 +867,7 @@ def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -
         ({"alg1_interval": -1}, "policy.args.alg1_interval"),
         ({"pace_layers": -1}, "policy.args.pace_layers"),
         ({"volume_check": "yes"}, "policy.args.volume_check"),
+        ({"volume_lag": -0.1}, "policy.args.volume_lag: expected a number >= 0.0"),
         ({"urgent_levels": 0}, "policy.args.urgent_levels"),
         ({"urgent_ratio": 1.0}, "policy.args.urgent_ratio"),
         ({"urgent_ratio": 1e200}, "policy.args.urgent_ratio: expected a number in (1.0, 1024.0]"),
@@ -871,6 +889,7 @@ def test_bad_construction(num_levels: int, args: dict[str, Any], message: str) -
         "alg1-interval",
         "pace-layers",
         "volume-check-type",
+        "volume-lag-negative",
         "urgent-levels",
         "urgent-ratio",
         "urgent-ratio-huge",

@@ -1,4 +1,5 @@
-"""bench/serving_gap.py's simulator: deadline flows start late, collectives carry more bytes."""
+"""bench/serving_gap.py's simulator: deadline flows start late (or at a provisional level),
+collectives carry more bytes."""
 
 from __future__ import annotations
 
@@ -42,3 +43,26 @@ def test_overheads_apply_to_their_classes_only(
     assert done == [pytest.approx(finished)]
     (record,) = sim.records.flows
     assert record.opened == pytest.approx(delay if cls != FlowClass.TP else 0.0)
+
+
+@pytest.mark.parametrize(("provisional", "held"), [(6, 6), (-1, None)])
+def test_a_provisional_level_sends_at_once_and_takes_the_policys_after_the_delay(
+    provisional: int, held: int | None
+) -> None:
+    policy = create("static")
+    sim = gap.OverheadSimulator(
+        {"l": 100.0},
+        policy,
+        SimConfig(chunk_bytes=0, timer_period=0),
+        open_delay=0.25,
+        collective_scale=1.0,
+        provisional_level=provisional,
+    )
+    flow = sim.open_flow(FlowClass.KV, 1000, ("l",))
+    admitted = policy.admit(flow, sim._context()).level  # static: the class's level
+    assert admitted != 6
+    sim.run(until=0.1)
+    assert sim.active[flow.flow_id].level == (admitted if held is None else held)
+    assert sim.active[flow.flow_id].rate == 100.0  # sending meanwhile, at the link's rate
+    sim.run(until=0.3)
+    assert sim.active[flow.flow_id].level == admitted
