@@ -9,6 +9,9 @@ testbed modelled at a time, to tell which one accounts for the gap:
   no agents on its private paths, so it is not delayed.
 * ``--collective-scale F``: every all-to-all flow carries F x its bytes (the testbed's
   collectives take longer than line rate: TCP, thread wake-ups and reports on 2 shared cores).
+* ``--decision-delay S``: every flow starts at once at the level the policy admits it at, and
+  every later decision reaches it S seconds after the policy made it (the agent's report, the
+  coordinator's turn and the level's way back, for every class).
 * ``--provisional-level N`` (with ``--open-delay``): the delayed flows start at once at level
   N instead of waiting, and take the policy's level only after the delay (an agent that
   answers an open with a level of its own and lets the coordinator's follow); N = -1: at the
@@ -51,11 +54,13 @@ class OverheadSimulator(Simulator):
         open_delay: float,
         collective_scale: float,
         provisional_level: int | None = None,
+        decision_delay: float = 0.0,
     ) -> None:
         super().__init__(*args)
         self.open_delay, self.collective_scale = open_delay, collective_scale
-        self.provisional_level = provisional_level
+        self.provisional_level, self.decision_delay = provisional_level, decision_delay
         self._held: set[int] = set()  # flows still at their provisional level
+        self._in_flight: dict[int, Decision] = {}  # the latest decision on its way to a flow
 
     def open_flow(
         self,
@@ -96,7 +101,20 @@ class OverheadSimulator(Simulator):
             self._request_reevaluate()
 
     def _decide(self, state: ActiveFlow, decision: Decision) -> None:
-        if state.flow.flow_id not in self._held:  # else the decision has not arrived yet
+        flow_id = state.flow.flow_id
+        if flow_id in self._held:  # the decision has not arrived yet
+            return
+        if self.decision_delay <= 0:
+            super()._decide(state, decision)
+        elif self._in_flight.get(flow_id) != decision:  # the policy repeats itself meanwhile
+            self._in_flight[flow_id] = decision
+            self.after(self.decision_delay, lambda: self._arrive(state, decision))
+
+    def _arrive(self, state: ActiveFlow, decision: Decision) -> None:
+        flow_id = state.flow.flow_id
+        if self._in_flight.get(flow_id) == decision:
+            del self._in_flight[flow_id]
+        if flow_id in self.active:
             super()._decide(state, decision)
 
 
@@ -109,6 +127,7 @@ def main() -> None:
     parser.add_argument("--open-delay", default="0,0.01,0.02", help="seconds, comma-separated")
     parser.add_argument("--collective-scale", default="1,1.4", help="comma-separated")
     parser.add_argument("--provisional-level", type=int, default=None)
+    parser.add_argument("--decision-delay", default="0", help="seconds, comma-separated")
     args = parser.parse_args()
     scen = scenario.load(args.scenario)
     names = [IDEAL, *args.policies.split(",")]
@@ -117,14 +136,17 @@ def main() -> None:
             specs = {name: sim_spec(name, Path(work)) for name in names}
     else:
         specs = dict(zip(names, cli_specs(names, None, scen.sim.num_levels), strict=True))
-    cases = [(float(d), 1.0) for d in args.open_delay.split(",")]
-    cases += [(0.0, float(f)) for f in args.collective_scale.split(",") if float(f) != 1.0]
-    print(f"{'delay s':>7}  {'TP x':>4}  {'load':>4}  " + "  ".join(f"{n:>16}" for n in names))
-    for delay, scale in cases:
+    cases = [(float(d), 1.0, 0.0) for d in args.open_delay.split(",")]
+    cases += [(0.0, float(f), 0.0) for f in args.collective_scale.split(",") if float(f) != 1.0]
+    cases += [(0.0, 1.0, float(d)) for d in args.decision_delay.split(",") if float(d) != 0.0]
+    header = f"{'delay s':>7}  {'TP x':>4}  {'decide s':>8}  {'load':>4}  "
+    print(header + "  ".join(f"{n:>16}" for n in names))
+    for delay, scale, decide in cases:
         for load in (float(v) for v in args.loads.split(",")):
             cells = []
             for name, spec in specs.items():
-                make = _maker(delay if name != IDEAL else 0.0, scale, args.provisional_level)
+                overheads = (delay, scale, decide) if name != IDEAL else (0.0, scale, 0.0)
+                make = _maker(*overheads, args.provisional_level)
                 pooled = merge(
                     [
                         run(scen, spec, load, int(seed), simulator=make).records
@@ -134,12 +156,18 @@ def main() -> None:
                 cells.append(summarize(pooled).slo_attainment or 0.0)
             bound = cells[0] or 1.0
             row = "  ".join(f"{c:6.1%} ({c / bound:.2f}x)" for c in cells)
-            print(f"{delay:7g}  {scale:4g}  {load:4g}  {row}", flush=True)
+            print(f"{delay:7g}  {scale:4g}  {decide:8g}  {load:4g}  {row}", flush=True)
 
 
-def _maker(delay: float, scale: float, provisional: int | None) -> Callable[..., Simulator]:
+def _maker(
+    delay: float, scale: float, decide: float, provisional: int | None
+) -> Callable[..., Simulator]:
     return lambda *a: OverheadSimulator(
-        *a, open_delay=delay, collective_scale=scale, provisional_level=provisional
+        *a,
+        open_delay=delay,
+        collective_scale=scale,
+        provisional_level=provisional,
+        decision_delay=decide,
     )
 
 

@@ -169,8 +169,11 @@ class AgentConfig:
             _check_positive(name, getattr(self, name))
         if self.link_capacity is not None:
             _check_positive("link_capacity", self.link_capacity)
-        if self.first_level_wait != 0:
-            _check_positive("first_level_wait", self.first_level_wait)
+        if self.first_level_wait != 0 and not _positive(self.first_level_wait):
+            raise AgentConfigError(
+                "first_level_wait",
+                f"expected 0 or a finite number > 0, got {self.first_level_wait!r}",
+            )
         if self.tls_ca or self.tls_cert or self.tls_key or self.tls_server_name:
             self.tls = True
         try:

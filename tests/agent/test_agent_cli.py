@@ -60,10 +60,14 @@ def test_bad_fallback_after_is_refused(tmp_path: Path, capsys: pytest.CaptureFix
 
 @pytest.mark.parametrize(
     ("flag", "value", "field"),
-    [("--link-capacity", "25000000", "link_capacity"), ("--nic-interval", "0.1", "nic_interval")],
-    ids=["link-capacity", "nic-interval"],
+    [
+        ("--link-capacity", "25000000", "link_capacity"),
+        ("--nic-interval", "0.1", "nic_interval"),
+        ("--first-level-wait", "0.15", "first_level_wait"),
+    ],
+    ids=["link-capacity", "nic-interval", "first-level-wait"],
 )
-def test_nic_overrides_reach_the_config(tmp_path: Path, flag: str, value: str, field: str) -> None:
+def test_flag_values_reach_the_config(tmp_path: Path, flag: str, value: str, field: str) -> None:
     from flowsched.cli import build_parser
     from flowsched.cli.agent import config_from_args
 
@@ -86,6 +90,8 @@ def test_non_positive_nic_overrides_are_refused(
         pytest.param(("--link-capacity", "inf"), "--link-capacity", id="inf-capacity"),
         pytest.param(("--link-bandwidth", "0"), "--link-bandwidth", id="zero-bandwidth"),
         pytest.param(("--nic-interval", "inf"), "--nic-interval", id="inf-nic-interval"),
+        pytest.param(("--first-level-wait", "-1"), "--first-level-wait", id="negative-wait"),
+        pytest.param(("--first-level-wait", "nan"), "--first-level-wait", id="nan-wait"),
         pytest.param(("--node", " n1"), "--node", id="node-with-blank"),
         pytest.param(("--node", "n" * 129), "--node", id="node-too-long"),
     ],

@@ -3,10 +3,12 @@ collectives carry more bytes."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import pytest
 from bench_script_loader import load_bench_script
 
-from flowsched.model import Flow, FlowClass
+from flowsched.model import Context, Decision, Flow, FlowClass
 from flowsched.policies import create
 from flowsched.sim.engine import SimConfig
 
@@ -66,3 +68,37 @@ def test_a_provisional_level_sends_at_once_and_takes_the_policys_after_the_delay
     assert sim.active[flow.flow_id].rate == 100.0  # sending meanwhile, at the link's rate
     sim.run(until=0.3)
     assert sim.active[flow.flow_id].level == admitted
+
+
+class _PromoteOnFirstLook:
+    """Level 6 at admission, level 1 from the first re-evaluation on."""
+
+    name = "promote-on-first-look"
+    num_levels = 8
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        return Decision(6)
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        return {f.flow_id: Decision(1) for f in flows if f.level != 1}
+
+    def release(self, flow: Flow, ctx: Context) -> None:
+        pass
+
+
+def test_a_decision_delay_applies_each_later_decision_that_much_later() -> None:
+    sim = gap.OverheadSimulator(
+        {"l": 100.0},
+        _PromoteOnFirstLook(),
+        SimConfig(chunk_bytes=0, timer_period=0.05),
+        open_delay=0.0,
+        collective_scale=1.0,
+        decision_delay=0.1,
+    )
+    flow = sim.open_flow(FlowClass.KV, 10**6, ("l",))
+    sim.run(until=0.01)
+    assert sim.active[flow.flow_id].level == 6  # admitted at once, at the policy's level
+    sim.run(until=0.14)  # decided at 0.05, repeated at every tick since: still on its way
+    assert sim.active[flow.flow_id].level == 6
+    sim.run(until=0.16)
+    assert sim.active[flow.flow_id].level == 1
