@@ -46,7 +46,8 @@ DELAYED = frozenset({FlowClass.KV, FlowClass.KV_REUSE})
 
 
 class OverheadSimulator(Simulator):
-    """The simulator with a start delay on deadline flows and scaled collectives."""
+    """The simulator with a start delay (or a provisional level) on deadline flows, scaled
+    collectives, and decisions that reach their flows late."""
 
     def __init__(
         self,

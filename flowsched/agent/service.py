@@ -812,12 +812,13 @@ class Agent:
         for flow in closed:
             self.telemetry.completed(flow, now)
         first = self._first_policy
-        if first is not None and self._first_admitted:
+        if first is not None and closed:
             ctx = self._context()
             for flow in closed:
                 if flow.flow_id in self._first_admitted:
                     self._first_admitted.discard(flow.flow_id)
                     first.release(flow, ctx)
+            first.reevaluate([], ctx)  # only admit and release reach it: let it forget idle state
         if self.fallback is not None:
             ctx = self._context()
             for flow in closed:

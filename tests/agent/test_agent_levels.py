@@ -23,7 +23,7 @@ from flowsched.agent import AgentConfig
 from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.coordinator import Coordinator, CoordinatorConfig
-from flowsched.model import Context, Decision, Flow
+from flowsched.model import Context, Decision, Flow, FlowClass
 from flowsched.protocol import sdk, write_token
 from flowsched.shm import layout
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
@@ -228,3 +228,45 @@ def test_an_open_waiting_for_its_first_level_does_not_hold_up_the_connection(
                 assert isinstance(first, sdk.Error) and first.ref == 2, first
         finally:
             resume.set()
+
+
+class RecordingPolicy(ProgressPolicy):
+    """ProgressPolicy that records the calls it gets."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        self.calls.append(("admit", (flow.flow_id,)))
+        return super().admit(flow, ctx)
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        flows = list(flows)
+        self.calls.append(("reevaluate", tuple(f.flow_id for f in flows)))
+        return super().reevaluate(flows, ctx)
+
+    def release(self, flow: Flow, ctx: Context) -> None:
+        self.calls.append(("release", (flow.flow_id,)))
+
+
+def test_the_local_first_level_policy_sees_each_sdk_flow_open_and_close(tmp_path: Path) -> None:
+    """Admitted at open, released at close, then told to forget what is idle: a long-lived
+    agent's local copy holds no state for flows long gone."""
+    agent = Agent(_config(tmp_path))
+    agent._attach_table()
+    assert agent.registry is not None and agent.table is not None
+    recorder = agent._first_policy = RecordingPolicy()
+    try:
+        flow, _ = agent.registry.open_sdk(1, FlowClass.KV, time.time(), size=10**6)
+        agent.decide_first_level(flow)
+        assert (flow.level, agent._first_admitted) == (FIRST_LEVEL, {flow.flow_id})
+        agent.registry.close_sdk(flow.flow_id, 1, 10**6, time.time())
+        agent.admit_now()
+        assert recorder.calls == [
+            ("admit", (flow.flow_id,)),
+            ("release", (flow.flow_id,)),
+            ("reevaluate", ()),
+        ]
+        assert not agent._first_admitted
+    finally:
+        agent.table.close()
