@@ -8,6 +8,7 @@ ignored ``claim_seq`` passed every test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -146,14 +147,10 @@ def test_opened_comes_before_any_level_push_and_carries_the_first_level(
 ) -> None:
     agent = coordinated_agent.agent
     decoder = sdk.SdkDecoder("client")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(5)
-        sock.connect(agent.config.socket_path)
-        sock.sendall(sdk.encode(sdk.Open(7, "kv", size=10**9, deadline=time.time() + 60)))
-        messages: list[sdk.SdkMessage] = []
-        while FIRST_LEVEL not in [
-            m.level for m in messages if isinstance(m, sdk.Level | sdk.Opened)
-        ]:
+    messages: list[sdk.SdkMessage] = []
+    with _sdk_socket(coordinated_agent) as sock:
+        sock.sendall(_open_kv(7))
+        while FIRST_LEVEL not in [m.level for m in messages if isinstance(m, LEVELLED)]:
             decoder.feed(sock.recv(65536))
             while (message := decoder.next_message()) is not None:
                 messages.append(message)
@@ -166,34 +163,47 @@ def test_opened_comes_before_any_level_push_and_carries_the_first_level(
         assert isinstance(messages[-1], sdk.Level) and messages[-1].id == first.id
 
 
-def test_an_open_is_answered_at_once_while_the_coordinator_stalls(tmp_path: Path) -> None:
-    """first_level_wait 0: a stalled coordinator does not hold a KV flow's first byte."""
+@contextlib.contextmanager
+def _stalled_coordinator(tmp_path: Path, **overrides: object) -> Iterator[AgentThread]:
+    """An agent connected to a coordinator that then stops answering (until the block ends)."""
     token_file = tmp_path / "token"
     coordinator = CoordinatorThread(write_token(token_file))
     resume = threading.Event()
     with coordinator as port:
         config = _config(
             tmp_path, coordinator=("127.0.0.1", port), token_file=str(token_file),
-            fallback_after=60.0,
+            fallback_after=60.0, **overrides,
         )  # fmt: skip
         try:
             with AgentThread(config) as running:
                 wait_until(lambda: running.agent.connected)
                 coordinator._loop.call_soon_threadsafe(resume.wait, 30)  # the coordinator stalls
-                decoder = sdk.SdkDecoder("client")
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                    sock.settimeout(10)
-                    sock.connect(config.socket_path)
-                    sock.sendall(
-                        sdk.encode(sdk.Open(1, "kv", size=10**9, deadline=time.time() + 60))
-                    )
-                    decoder.feed(sock.recv(65536))
-                    first = decoder.next_message()
-                    assert isinstance(first, sdk.Opened) and first.level == LOCAL_KV_LEVEL, first
-                    sock.sendall(sdk.encode(sdk.Close(first.id, 10**9)))
-                    wait_until(lambda: not running.agent._first_admitted)  # released locally
+                yield running
         finally:
             resume.set()
+
+
+def _sdk_socket(running: AgentThread) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(running.agent.config.socket_path)
+    return sock
+
+
+def _open_kv(ref: int) -> bytes:
+    return sdk.encode(sdk.Open(ref, "kv", size=10**9, deadline=time.time() + 60))
+
+
+def test_an_open_is_answered_at_once_while_the_coordinator_stalls(tmp_path: Path) -> None:
+    """first_level_wait 0: a stalled coordinator does not hold a KV flow's first byte."""
+    with _stalled_coordinator(tmp_path) as running, _sdk_socket(running) as sock:
+        decoder = sdk.SdkDecoder("client")
+        sock.sendall(_open_kv(1))
+        decoder.feed(sock.recv(65536))
+        first = decoder.next_message()
+        assert isinstance(first, sdk.Opened) and first.level == LOCAL_KV_LEVEL, first
+        sock.sendall(sdk.encode(sdk.Close(first.id, 10**9)))
+        wait_until(lambda: not running.agent._first_admitted)  # released locally
 
 
 def test_an_open_waiting_for_its_first_level_does_not_hold_up_the_connection(
@@ -201,33 +211,15 @@ def test_an_open_waiting_for_its_first_level_does_not_hold_up_the_connection(
 ) -> None:
     """The coordinator stalls: the first open waits for its level, and the next one (refused
     at once by the per-user cap) is answered first, not after that wait (audit H2)."""
-    token_file = tmp_path / "token"
-    coordinator = CoordinatorThread(write_token(token_file))
-    resume = threading.Event()
-    with coordinator as port:
-        config = _config(
-            tmp_path, coordinator=("127.0.0.1", port), token_file=str(token_file),
-            fallback_after=60.0, first_level_wait=30.0,
-        )  # fmt: skip
-        try:
-            with AgentThread(config) as running:
-                wait_until(lambda: running.agent.connected)
-                assert running.agent.sdk is not None
-                running.agent.sdk.max_flows_per_uid = 1
-                coordinator._loop.call_soon_threadsafe(resume.wait, 30)  # the coordinator stalls
-                decoder = sdk.SdkDecoder("client")
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                    sock.settimeout(10)
-                    sock.connect(config.socket_path)
-                    sock.sendall(
-                        sdk.encode(sdk.Open(1, "kv", size=10**9, deadline=time.time() + 60))
-                        + sdk.encode(sdk.Open(2, "kv", size=10**9, deadline=time.time() + 60))
-                    )
-                    decoder.feed(sock.recv(65536))
-                    first = decoder.next_message()
-                assert isinstance(first, sdk.Error) and first.ref == 2, first
-        finally:
-            resume.set()
+    with _stalled_coordinator(tmp_path, first_level_wait=30.0) as running:
+        assert running.agent.sdk is not None
+        running.agent.sdk.max_flows_per_uid = 1
+        with _sdk_socket(running) as sock:
+            decoder = sdk.SdkDecoder("client")
+            sock.sendall(_open_kv(1) + _open_kv(2))
+            decoder.feed(sock.recv(65536))
+            first = decoder.next_message()
+        assert isinstance(first, sdk.Error) and first.ref == 2, first
 
 
 class RecordingPolicy(ProgressPolicy):
