@@ -1,8 +1,10 @@
-"""Levels into slots: the coordinator's decisions reach the table, and only the right slot.
+"""Levels into slots and SDK answers: the coordinator's decisions reach the table, and only the
+right slot; an SDK open gets its first level at once from the agent's copy of the policy (or,
+with ``first_level_wait``, from the coordinator).
 
-Both tests are in-process and take well under a second: the path coordinator level -> agent
--> table slot was covered only by the slow subprocess e2e tests, and a ``write_slot`` that
-ignored ``claim_seq`` passed every test.
+The tests are in-process and take about a second each: the path coordinator level -> agent ->
+table slot was covered only by the slow subprocess e2e tests, and a ``write_slot`` that ignored
+``claim_seq`` passed every test.
 """
 
 from __future__ import annotations
