@@ -270,15 +270,15 @@ class SdkServer:
         self.agent.admit_now()
         for key in linked:
             self.agent.write_slot(key)
-        if flow.level < 0 and self.agent.connected and not self.agent.config.first_level_wait:
-            self.agent.decide_first_level(flow)  # it sends at once; the coordinator's follows
-        elif flow.level < 0 and self.agent.connected:
+        if flow.level < 0 and self.agent.connected and self.agent.config.first_level_wait:
             # answered once the coordinator's first level comes (or the wait ends), in a task
             # of its own: the connection's other messages, other opens too, are not held up
             task = asyncio.ensure_future(self._answer_after_first_level(message, flow, writer))
             self._answering.add(task)
             task.add_done_callback(self._answering.discard)
             return
+        if flow.level < 0:  # it sends at once; the coordinator's level follows, if connected
+            self.agent.decide_first_level(flow)
         self._answer_open(message, flow, writer)
 
     async def _answer_after_first_level(

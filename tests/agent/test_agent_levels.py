@@ -208,6 +208,28 @@ def test_an_open_is_answered_at_once_while_the_coordinator_stalls(tmp_path: Path
         wait_until(lambda: not running.agent._first_admitted)  # released locally
 
 
+def test_an_open_is_answered_with_the_local_level_while_no_coordinator_answers(
+    tmp_path: Path,
+) -> None:
+    """Not connected yet (and not yet on the local policy): the local copy's level, not the
+    class's static default (kv: 1, above the collectives)."""
+    with socket.socket() as probe:  # a port nobody listens on: every connect is refused
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    token_file = tmp_path / "token"
+    write_token(token_file)
+    config = _config(
+        tmp_path, coordinator=("127.0.0.1", port), token_file=str(token_file), fallback_after=60.0
+    )
+    with AgentThread(config) as running, _sdk_socket(running) as sock:
+        assert not running.agent.connected and running.agent.fallback is None
+        decoder = sdk.SdkDecoder("client")
+        sock.sendall(_open_kv(1))
+        decoder.feed(sock.recv(65536))
+        first = decoder.next_message()
+        assert isinstance(first, sdk.Opened) and first.level == LOCAL_KV_LEVEL, first
+
+
 def test_an_open_waiting_for_its_first_level_does_not_hold_up_the_connection(
     tmp_path: Path,
 ) -> None:

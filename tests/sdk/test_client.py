@@ -38,7 +38,10 @@ def test_flow_is_opened_reported_and_closed(agent: AgentThread) -> None:
             deadline,
             f"{os.geteuid()}/r1",  # scoped like job names: no other user can prune it
         )
-        assert handle.level == agent.agent.view.default_level(FlowClass.KV)
+        # the level the agent's own copy of the policy admits it at (rmlq: deferred), not the
+        # class's static default
+        admitted = agent.agent.view.cfg.make_policy().admit(flow, agent.agent._context())
+        assert handle.level == admitted.level != agent.agent.view.default_level(FlowClass.KV)
         assert handle.dscp == agent.agent.view.marking(handle.level).dscp
         assert handle.tos == handle.dscp << 2
         handle.progress(400)
