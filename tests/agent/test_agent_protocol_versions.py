@@ -60,10 +60,20 @@ class RecordingCoordinator:
         return self.port
 
     def stop(self) -> None:
-        assert self._server is not None
-        self._loop.call_soon_threadsafe(self._server.close)
+        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        self._loop.close()
+
+    async def _shutdown(self) -> None:
+        """Close the server and end every connection's handler while the loop still runs (a
+        handler collected after the loop closed failed in its ``finally``)."""
+        assert self._server is not None
+        self._server.close()
+        handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         buffer = ReceiveBuffer()
