@@ -811,20 +811,14 @@ class Agent:
         now = time.time()
         for flow in closed:
             self.telemetry.completed(flow, now)
+        ctx: Context | None = None
         first = self._first_policy
         if first is not None and closed:
             ctx = self._context()
-            for flow in closed:
-                if flow.flow_id in self._first_admitted:
-                    self._first_admitted.discard(flow.flow_id)
-                    first.release(flow, ctx)
-            first.reevaluate([], ctx)  # only admit and release reach it: let it forget idle state
+            if _release_closed(first, self._first_admitted, closed, ctx):
+                first.reevaluate([], ctx)  # only admit and release reach it: forget idle state
         if self.fallback is not None:
-            ctx = self._context()
-            for flow in closed:
-                if flow.flow_id in self._admitted:
-                    self._admitted.discard(flow.flow_id)
-                    self.fallback.release(flow, ctx)
+            _release_closed(self.fallback, self._admitted, closed, ctx or self._context())
             self._admit_new()
 
     def _admit_new(self) -> None:
@@ -877,6 +871,18 @@ class Agent:
         policy is running, and report the change to the coordinator without waiting."""
         self._after_registry_change()
         self._wake.set()
+
+
+def _release_closed(policy: Policy, admitted: set[int], closed: list[Flow], ctx: Context) -> bool:
+    """Release from ``policy`` the ``closed`` flows it admitted (ids in ``admitted``, which
+    loses them); whether there was any."""
+    released = False
+    for flow in closed:
+        if flow.flow_id in admitted:
+            admitted.discard(flow.flow_id)
+            policy.release(flow, ctx)
+            released = True
+    return released
 
 
 def _initial_view(text: str | None) -> PolicyView:
