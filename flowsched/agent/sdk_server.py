@@ -53,6 +53,8 @@ MAX_CONNECTIONS = 4096
 FD_RESERVE = 128
 #: seconds a connection without open flows may stay silent before it is closed
 IDLE_TIMEOUT = 300.0
+#: seconds :meth:`SdkServer.close` waits for the aborted connections' handlers to end
+CLOSE_TIMEOUT = 1.0
 
 
 class SocketPathError(RuntimeError):
@@ -84,6 +86,9 @@ class SdkServer:
         self._first_level: dict[int, asyncio.Future[int]] = {}
         #: opens waiting for the coordinator's first level before they are answered
         self._answering: set[asyncio.Future[None]] = set()
+        #: the handler task of each client connection (close() waits for them to end)
+        self._connections: set[asyncio.Task[None]] = set()
+        self._closing = False
 
     @property
     def clients(self) -> int:
@@ -110,11 +115,24 @@ class SdkServer:
         return server
 
     async def close(self) -> None:
-        """Disconnect every client."""
+        """Disconnect every client and return once their connections have ended.
+
+        Their flows are left as they are, in the registry and in the table's slots: the clients
+        re-open them with the next agent. The connections are aborted (a client that does not
+        read cannot hold the shutdown up with unsent bytes), so each handler sees end-of-file and
+        returns; one that has not after :data:`CLOSE_TIMEOUT` is cancelled.
+        """
+        self._closing = True
         for task in list(self._answering):
             task.cancel()
         for writer in list(self._writers):
-            writer.close()
+            writer.transport.abort()
+        if self._connections:
+            _, late = await asyncio.wait(set(self._connections), timeout=CLOSE_TIMEOUT)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
 
     def push_level(
         self,
@@ -147,6 +165,9 @@ class SdkServer:
         if not self._admit_connection(pid, uid, writer):
             return
         owned: set[int] = set()
+        connection = asyncio.current_task()
+        assert connection is not None  # the stream server runs each connection as a task
+        self._connections.add(connection)
         self._writers.add(writer)
         self._connections_of[uid] += 1
         self.clients_total += 1
@@ -166,8 +187,17 @@ class SdkServer:
                       self.idle_timeout)  # fmt: skip
         except (ConnectionError, OSError):
             pass
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+            # close() gave up waiting: end quietly (Python 3.11's stream server logs a
+            # traceback for a connection task that ends cancelled)
         finally:
-            self._disconnect(pid, uid, writer, owned)
+            self._connections.discard(connection)
+            if self._closing:
+                self._writers.discard(writer)
+            else:
+                self._disconnect(pid, uid, writer, owned)
 
     async def _read(self, reader: asyncio.StreamReader, *, idle: bool) -> bytes:
         """The next bytes; a connection without open flows (``idle``) waits at most

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -15,7 +16,7 @@ import pytest
 from agent_helpers import agent_config, wait_until
 
 from flowsched import client
-from flowsched.agent import AgentConfig
+from flowsched.agent import AgentConfig, serve
 from flowsched.agent.threaded import AgentThread
 from flowsched.model import FlowClass
 from flowsched.shm import layout
@@ -106,6 +107,31 @@ def test_disconnecting_client_closes_its_flows(agent: AgentThread) -> None:
     assert registry is not None and handle.id in registry.flows
     client.connection(agent.ready.socket).close()
     wait_until(lambda: handle.id not in registry.flows)
+
+
+def test_stopping_ends_the_sdk_connections_before_serve_returns(
+    tmp_path: Path, fresh_sdk_connections: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client with an open flow is still connected when the agent stops: its handler must
+    end inside ``serve``. Left to ``asyncio.run``'s final cancel, Python 3.11's stream server
+    logged "Exception in callback ... CancelledError" at every clean shutdown."""
+    config = agent_config(tmp_path, metrics_port=None)
+    handlers: list[set[asyncio.Task[None]]] = []
+
+    async def main() -> None:
+        async def trigger() -> None:
+            handle = await asyncio.to_thread(client.open_flow, "kv", socket_path=config.socket_path)
+            assert handle.connected
+            tasks = asyncio.all_tasks()
+            handlers.append({t for t in tasks if t.get_coro().__qualname__ == "SdkServer._serve"})
+            assert handlers[0], "the SDK connection's handler task was not found"
+
+        await serve(config, shutdown_trigger=trigger)
+        assert [t for t in handlers[0] if not t.done()] == []
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
 def test_restart_reattaches_and_keeps_levels(tmp_path: Path) -> None:
