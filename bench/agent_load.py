@@ -1,6 +1,6 @@
-"""Agent load: table scan cost at N active plugin connections, and a live agent's CPU and memory.
+"""Agent load: table scan cost, a live agent's CPU and memory, and the SDK's open round trip.
 
-    .venv/bin/python bench/agent_load.py [--slots 1000] [--seconds 5]
+    .venv/bin/python bench/agent_load.py [--slots 1000] [--seconds 5] [--opens 2000]
 
 Part 1 (in process) times one agent scan (``FlowTable.slots()`` + ``FlowRegistry.observe``) of a
 table with N ACTIVE slots whose byte counters all moved since the previous scan, next to the
@@ -8,19 +8,30 @@ baseline of merely copying the table out of shared memory and unpacking every sl
 ``struct.iter_unpack`` (the least any Python reader must do). Part 2 starts a real
 ``flowsched agent`` process (no coordinator: its local policy runs), claims N slots, keeps
 adding bytes to all of them for ``--seconds``, and reads the agent's CPU time and resident
-memory from /proc. Goal from the issue: an agent under 100 MiB.
+memory from /proc. Goal from the issue: an agent under 100 MiB. Part 3 times ``--opens``
+``client.open_flow`` calls (each closed at once) against a real agent (no coordinator: its
+local policy decides, as a connected agent does since it answers opens at once), next to the
+baseline of one framed request and answer between two processes over a unix socket, encoded
+and decoded with the same SDK codec, on a blocking socket and an asyncio server on uvloop
+(the least any agent's open could cost). An open blocks its caller until the answer comes,
+so its time is the transfer's start-up delay (docs/results.md: what a delay costs at
+pd-serving's time scale).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 from flowsched.agent.flows import FlowRegistry
+from flowsched.protocol import sdk
 from flowsched.shm import layout
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable, monotonic_ns
 from flowsched.testbed.procstat import memory_mib, running_cpu_seconds
@@ -55,37 +66,121 @@ def scan_cost(num_active: int, rounds: int) -> tuple[float, float, float]:
     return statistics.median(scans), statistics.median(batches), statistics.median(base)
 
 
+@contextlib.contextmanager
+def agent_process(tmp: str) -> Iterator[subprocess.Popen[str]]:
+    """A real ``flowsched agent`` (table and socket in ``tmp``), once it printed its ready line."""
+    cmd = [sys.executable, "-m", "flowsched", "agent", "--node", "bench", "--table",
+           f"{tmp}/table", "--socket", f"{tmp}/agent.sock", "--metrics-port", "-1",
+           "--interface", "lo", "--log-level", "WARNING"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()  # ready line
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 def live_agent(num_active: int, seconds: float) -> tuple[float, float, float]:
     """(idle CPU %, loaded CPU %, RSS MiB) of a real agent process."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "flowsched", "agent", "--node", "bench", "--table",
-               f"{tmp}/table", "--socket", f"{tmp}/agent.sock", "--metrics-port", "-1",
-               "--interface", "lo", "--log-level", "WARNING"]  # fmt: skip
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-        try:
-            assert proc.stdout is not None
-            proc.stdout.readline()  # ready line
-            time.sleep(1.0)
-            c0 = running_cpu_seconds(proc.pid)
-            time.sleep(seconds / 2)
-            idle = (running_cpu_seconds(proc.pid) - c0) / (seconds / 2) * 100
-            table = FlowTable.open(f"{tmp}/table", writable=True)
-            slots = [EmulatedPluginSlot(table, class_id=i % 6) for i in range(num_active)]
-            c1, t1 = running_cpu_seconds(proc.pid), time.monotonic()
-            while time.monotonic() - t1 < seconds:
-                for s in slots:
-                    s.send(65536)
-                time.sleep(0.01)
-            loaded = (running_cpu_seconds(proc.pid) - c1) / (time.monotonic() - t1) * 100
-            rss = memory_mib(proc.pid)[0]
+    with tempfile.TemporaryDirectory() as tmp, agent_process(tmp) as proc:
+        time.sleep(1.0)
+        c0 = running_cpu_seconds(proc.pid)
+        time.sleep(seconds / 2)
+        idle = (running_cpu_seconds(proc.pid) - c0) / (seconds / 2) * 100
+        table = FlowTable.open(f"{tmp}/table", writable=True)
+        slots = [EmulatedPluginSlot(table, class_id=i % 6) for i in range(num_active)]
+        c1, t1 = running_cpu_seconds(proc.pid), time.monotonic()
+        while time.monotonic() - t1 < seconds:
             for s in slots:
-                s.close()
-            del slots
-            table.close()
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
+                s.send(65536)
+            time.sleep(0.01)
+        loaded = (running_cpu_seconds(proc.pid) - c1) / (time.monotonic() - t1) * 100
+        rss = memory_mib(proc.pid)[0]
+        for s in slots:
+            s.close()
+        del slots
+        table.close()
     return idle, loaded, rss
+
+
+#: the baseline's server: answers every framed SDK ``open`` with an ``opened`` (uvloop if there)
+_BARE_SERVER = """
+import asyncio, sys
+from flowsched.protocol import sdk
+
+async def serve(reader, writer):
+    decoder = sdk.SdkDecoder("agent")
+    while data := await reader.read(65536):
+        decoder.feed(data)
+        while (message := decoder.next_message()) is not None:
+            writer.write(sdk.encode(sdk.Opened(message.ref, 1, 6, 8, 0)))
+
+async def main():
+    server = await asyncio.start_unix_server(serve, path=sys.argv[1])
+    print("ready", flush=True)
+    async with server:
+        await server.serve_forever()
+
+try:
+    import uvloop
+    uvloop.run(main())
+except ImportError:
+    asyncio.run(main())
+"""
+
+
+def _quantiles(seconds: list[float]) -> tuple[float, float]:
+    """(median, p99) of ``seconds``."""
+    ordered = sorted(seconds)
+    return statistics.median(ordered), ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+
+
+def sdk_open_round_trip(opens: int) -> tuple[tuple[float, float], tuple[float, float], int]:
+    """((median, p99) s of ``client.open_flow`` against a real agent, the same of the bare
+    framed round trip, the level the agent answered)."""
+    from flowsched import client  # its connection is per process: made once, kept
+
+    with tempfile.TemporaryDirectory() as tmp, agent_process(tmp):
+        socket_path = f"{tmp}/agent.sock"
+        times, level = [], -1
+        for _ in range(opens):
+            t0 = time.perf_counter()
+            handle = client.open_flow(
+                "kv", bytes=1 << 20, deadline=time.time() + 1.0, socket_path=socket_path
+            )
+            times.append(time.perf_counter() - t0)
+            if not handle.connected:
+                raise RuntimeError("the SDK did not reach the agent")
+            level = handle.level
+            handle.close()
+        client.connection(socket_path).close()
+        ours = _quantiles(times)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/bare.sock"
+        server = subprocess.Popen(
+            [sys.executable, "-c", _BARE_SERVER, path], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert server.stdout is not None
+            server.stdout.readline()
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.connect(path)
+                sock.settimeout(5.0)
+                decoder = sdk.SdkDecoder("client")
+                times = []
+                for ref in range(opens):
+                    t0 = time.perf_counter()
+                    sock.sendall(sdk.encode(sdk.Open(ref, "kv", 1 << 20, time.time() + 1.0)))
+                    while (answer := decoder.next_message()) is None:
+                        decoder.feed(sock.recv(65536))
+                    times.append(time.perf_counter() - t0)
+                    assert isinstance(answer, sdk.Opened) and answer.ref == ref
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+    return ours, _quantiles(times), level
 
 
 def main() -> None:
@@ -93,6 +188,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--opens", type=int, default=2000, help="SDK opens timed (part 3)")
     args = parser.parse_args()
     scan, batch, base = scan_cost(args.slots, args.rounds)
     print(f"{args.slots} active slots, all counters moved: agent scan {scan * 1e3:.2f} ms "
@@ -101,6 +197,11 @@ def main() -> None:
     idle, loaded, rss = live_agent(args.slots, args.seconds)
     print(f"live agent (poll 5 ms): idle {idle:.1f}% CPU, {args.slots} busy slots "
           f"{loaded:.1f}% CPU, RSS {rss:.1f} MiB (goal < 100 MiB)")  # fmt: skip
+    (median, p99), (bare_median, bare_p99), level = sdk_open_round_trip(args.opens)
+    print(f"SDK open (kv flow, answered at level {level}; {args.opens} opens): median "
+          f"{median * 1e3:.3f} ms, p99 {p99 * 1e3:.3f} ms; bare framed round trip median "
+          f"{bare_median * 1e3:.3f} ms, p99 {bare_p99 * 1e3:.3f} ms; ratio "
+          f"{median / bare_median:.1f}x / {p99 / bare_p99:.1f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
