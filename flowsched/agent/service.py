@@ -764,6 +764,9 @@ class Agent:
             return local_period
         if self.connected:
             return 0.02
+        if self.config.coordinator is None:  # no coordinator to wait for: local from the start
+            self._enter_fallback(None)
+            return local_period
         wait = self._last_rx + self.config.fallback_after - time.monotonic()
         if wait > 0:
             return min(wait, 0.05)
@@ -781,13 +784,18 @@ class Agent:
             default_bandwidth=self.config.default_bandwidth,
         )
 
-    def _enter_fallback(self, silent_for: float) -> None:
+    def _enter_fallback(self, silent_for: float | None) -> None:
+        """Run the policy locally: the coordinator was silent for ``silent_for`` seconds, or
+        (None) the agent has no coordinator configured."""
         assert self.registry is not None
         self.fallback = self.view.cfg.make_policy()
         self._admitted.clear()
         self._admit_new()
         self._reevaluate()
         self.table_flag_connected(False)
+        if silent_for is None:
+            log.info("no coordinator configured: running %s locally", self.view.cfg.policy)
+            return
         self.stats["fallback_switches"] += 1
         self.stats["last_switch_delay"] = silent_for
         self.stats["last_switch_wall"] = time.time()

@@ -56,6 +56,20 @@ def test_local_policy_levels_reach_plugin_slots(agent: AgentThread) -> None:
         table.close()
 
 
+def test_an_agent_without_a_coordinator_runs_its_policy_from_the_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nothing to wait for: no fallback_after delay, no "coordinator silent" warning, and no
+    switch counted (the switch metric and its alert are about a lost coordinator)."""
+    with caplog.at_level(logging.INFO, logger="flowsched.agent"):
+        with AgentThread(agent_config(tmp_path, fallback_after=60.0)) as running:
+            wait_until(lambda: running.agent.fallback is not None)
+            assert running.agent.stats["fallback_switches"] == 0
+    messages = [r.getMessage() for r in caplog.records if r.name == "flowsched.agent"]
+    assert "no coordinator configured: running rmlq locally" in messages
+    assert not [m for m in messages if "silent" in m]
+
+
 def test_deadline_flow_is_promoted_by_the_local_policy(agent: AgentThread) -> None:
     assert agent.ready is not None
     wait_until(lambda: agent.agent.fallback is not None)
