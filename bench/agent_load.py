@@ -15,13 +15,17 @@ baseline of one framed request and answer between two processes over a unix sock
 and decoded with the same SDK codec, on a blocking socket and an asyncio server on uvloop
 (the least any agent's open could cost). An open blocks its caller until the answer comes,
 so its time is the transfer's start-up delay (docs/results.md: what a delay costs at
-pd-serving's time scale).
+pd-serving's time scale). Part 4 (root, ``unshare``) starts ``--namespace-procs`` processes
+in a pid namespace of their own, as a job pod without hostPID, and times the /proc scan that
+places a new slot owner of such a namespace (:mod:`flowsched.shm.pidns`) and the check of
+an owner already placed, next to the baseline of reading every process's status file once.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import socket
 import statistics
 import subprocess
@@ -183,12 +187,54 @@ def sdk_open_round_trip(opens: int) -> tuple[tuple[float, float], tuple[float, f
     return ours, _quantiles(times), level
 
 
+def namespace_placement(procs: int, rounds: int = 5) -> tuple[float, float, float] | None:
+    """(s per /proc scan, s per check of a placed owner, s per baseline status read of every
+    process) with ``procs`` processes in a pid namespace of their own; None without unshare."""
+    from flowsched.shm.pidns import PidNamespaces, namespace_inode, nspids
+
+    script = f"for i in $(seq {procs}); do sleep 600 & done; echo ready; wait"
+    cmd = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script]
+    try:
+        job = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    except OSError:
+        return None
+    try:
+        assert job.stdout is not None
+        if job.stdout.readline().strip() != "ready":
+            return None
+        spaces = PidNamespaces()
+        scans, base = [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            spaces._scan()
+            scans.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for name in os.listdir("/proc"):
+                if name.isdigit():
+                    with contextlib.suppress(OSError), open(f"/proc/{name}/status", "rb") as f:
+                        nspids(f.read())
+            base.append(time.perf_counter() - t0)
+        (ns, inner), here = next(iter(spaces._found.items()))
+        assert namespace_inode(os.readlink(f"/proc/{here}/ns/pid")) == ns
+        t0 = time.perf_counter()
+        for _ in range(1000):
+            spaces.local_pid(ns, inner, since_ns=1)
+        check = (time.perf_counter() - t0) / 1000
+        return statistics.median(scans), check, statistics.median(base)
+    finally:
+        job.kill()  # --kill-child: the namespace's init dies with it, and every process in it
+        job.wait()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--slots", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--opens", type=int, default=2000, help="SDK opens timed (part 3)")
+    parser.add_argument(
+        "--namespace-procs", type=int, default=1000, help="processes in the namespace (part 4)"
+    )
     args = parser.parse_args()
     scan, batch, base = scan_cost(args.slots, args.rounds)
     print(f"{args.slots} active slots, all counters moved: agent scan {scan * 1e3:.2f} ms "
@@ -202,6 +248,15 @@ def main() -> None:
           f"{median * 1e3:.3f} ms, p99 {p99 * 1e3:.3f} ms; bare framed round trip median "
           f"{bare_median * 1e3:.3f} ms, p99 {bare_p99 * 1e3:.3f} ms; ratio "
           f"{median / bare_median:.1f}x / {p99 / bare_p99:.1f}x")  # fmt: skip
+    placed = namespace_placement(args.namespace_procs)
+    if placed is None:
+        print("pid namespace placement: skipped (needs root and unshare --pid)")
+    else:
+        scan, check, base = placed
+        print(f"pid namespace placement, {args.namespace_procs} processes in a job's namespace: "
+              f"/proc scan {scan * 1e3:.1f} ms (baseline: read every status file "
+              f"{base * 1e3:.1f} ms, ratio {scan / base:.2f}x); check of a placed owner "
+              f"{check * 1e6:.0f} us")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -105,8 +105,12 @@ class FlowRegistry:
         id_prefix: int,
         default_deadline: Callable[[FlowClass], float | None] = lambda cls: None,
         links_to: Callable[[str], tuple[str, ...]] | None = None,
+        owner_pid: Callable[[SlotSnapshot], int] = lambda snap: snap.pid,
     ) -> None:
         self.node = node
+        #: a slot's owner as a pid of the agent's namespace, which SDK clients' pids are in
+        #: (:meth:`FlowTable.owner_pid`: a job in a pid namespace of its own writes its pids)
+        self._owner_pid = owner_pid
         self.links = links
         #: links of a flow to a named destination node (default: own links + ``<dst>:rx``)
         self._links_to = links_to or (lambda dst: (*links, f"{dst}:rx"))
@@ -310,7 +314,8 @@ class FlowRegistry:
             cls = FlowClass(snap.class_id)
         except ValueError:
             cls = FlowClass.BULK
-        conn = SlotConn(snap.key, snap.pid, cls, snap.peer_rank, snap.direction, snap.bytes, 0)
+        pid = self._owner_pid(snap)
+        conn = SlotConn(snap.key, pid, cls, snap.peer_rank, snap.direction, snap.bytes, 0)
         self.slots[snap.key] = conn
         if conn.direction != layout.DIR_SEND:
             return conn

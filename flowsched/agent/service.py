@@ -200,6 +200,7 @@ class Agent:
             links_to=self.nic.links_to,
             id_prefix=info.generation,
             default_deadline=lambda c: self.view.default_deadline(c),
+            owner_pid=self.table.owner_pid,
         )
         return info.generation
 
@@ -328,6 +329,14 @@ class Agent:
                     "flow table %s: %d slots (first: %d) %s; reaped as dead",
                     self.config.table_path, len(slots), slots[0], what,
                 )  # fmt: skip
+        if found.unplaced:
+            self._repeat_log.log(
+                "reap:unplaced", logging.WARNING,
+                "flow table %s: %d slots (first: %d) belong to processes of another pid "
+                "namespace that /proc does not let the agent place (it needs ptrace read "
+                "access to them: their uid, or CAP_SYS_PTRACE); kept, and never linked to "
+                "SDK flows", self.config.table_path, len(found.unplaced), found.unplaced[0],
+            )  # fmt: skip
         for index, exc in found.errors[:1]:
             self.stats["reap_errors"] = self.stats.get("reap_errors", 0) + len(found.errors)
             self._repeat_log.log(

@@ -59,7 +59,10 @@ Slot ``i`` (``SLOT_SIZE`` = 128 bytes, at ``HEADER_SIZE + i * SLOT_SIZE``)::
     88   8     u64   applied_ns     plugin   CLOCK_MONOTONIC ns when that level was applied
     96   8     u64   level_set_ns   agent    CLOCK_MONOTONIC ns when ``level`` was last written
     104  4     u32   dev            plugin   NCCL device index
-    108  20    -     reserved
+    108  4     -     reserved
+    112  8     u64   pid_ns         plugin   inode of the owner's pid namespace (0 = unknown):
+                                             ``pid`` is its pid there (docs/deploy.md)
+    120  8     -     reserved
 
 Slot life cycle (the state machine):
 
@@ -157,6 +160,7 @@ SLOT_FIELDS: tuple[tuple[str, int, str], ...] = (
     ("applied_ns", 88, "<Q"),
     ("level_set_ns", 96, "<Q"),
     ("dev", 104, "<I"),
+    ("pid_ns", 112, "<Q"),
 )
 
 CLASS_MAP_ENTRY = struct.Struct("<iI")

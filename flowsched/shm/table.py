@@ -49,6 +49,7 @@ from types import TracebackType
 from flowsched import rundir
 from flowsched.flocks import lock_within
 from flowsched.shm import layout as L
+from flowsched.shm.pidns import UNKNOWN, PidNamespaces
 
 _HEADER = {name: (offset, struct.Struct(fmt)) for name, offset, fmt in L.HEADER_FIELDS}
 _SLOT = {name: (offset, struct.Struct(fmt)) for name, offset, fmt in L.SLOT_FIELDS}
@@ -59,7 +60,10 @@ _CONFIG_START, _CONFIG_END = L.CONFIG_START, L.CONFIG_END
 _H32 = {name: L.HEADER_OFFSET[name] // 4 for name in ("agent_pid", "config_seq", "flags")}
 _HEARTBEAT64 = L.HEADER_OFFSET["heartbeat_ns"] // 8
 _S32 = {name: L.SLOT_OFFSET[name] // 4 for name in ("state", "pid", "level")}
-_S64 = {name: L.SLOT_OFFSET[name] // 8 for name in ("claim_seq", "bytes", "level_set_ns")}
+_S64 = {
+    name: L.SLOT_OFFSET[name] // 8
+    for name in ("claim_seq", "bytes", "level_set_ns", "open_ns", "pid_ns")
+}
 #: offsets inside the config area (what _pack_config / _unpack_config handle)
 _AREA_FIELDS = ("class_map", "default_level", "level_marking", "gate_mode", "gate_min_share")
 _AREA = {
@@ -200,6 +204,7 @@ class SlotSnapshot:
     applied_ns: int
     level_set_ns: int
     dev: int
+    pid_ns: int
 
     @property
     def key(self) -> tuple[int, int]:
@@ -231,6 +236,8 @@ class ReapReport:
     reused_pid: list[int] = field(default_factory=list)
     #: slots the pass could not handle, with the error (the pass went on with the others)
     errors: list[tuple[int, Exception]] = field(default_factory=list)
+    #: slots of an owner in another pid namespace that /proc could not place (kept)
+    unplaced: list[int] = field(default_factory=list)
 
 
 def monotonic_ns() -> int:
@@ -298,6 +305,8 @@ class FlowTable:
         self._claimed_seen: dict[int, tuple[int, int]] = {}
         #: what the last reap_dead pass found besides the slots it freed
         self.last_reap = ReapReport()
+        #: maps the owners of slots written in other pid namespaces to pids here
+        self.pid_namespaces = PidNamespaces()
 
     # ----------------------------------------------------------------- opening and closing
     @classmethod
@@ -577,7 +586,7 @@ class FlowTable:
         state, seq = off // 4 + _S32["state"], off // 8 + _S64["claim_seq"]
         if self._u32[state] != L.SLOT_CLOSED or self._u64[seq] != claim_seq:
             return False
-        self._u32[state] = L.SLOT_FREE
+        self._free(off)
         return True
 
     def reap_dead(
@@ -593,7 +602,9 @@ class FlowTable:
         :data:`MAX_PID`: counted in :attr:`last_reap`), or is alive but started more than
         :data:`PID_REUSE_TOLERANCE_TICKS` after the slot's ``open_ns`` (the pid was reused;
         ``started_ns``, :func:`process_start_ns`, unknown = alive). Liveness is judged by
-        pid, so the agent and the plugins must share a pid namespace. The states are read
+        pid: the pid the slot names in its ``pid_ns`` is first mapped to a pid here
+        (:attr:`pid_namespaces`; an owner /proc cannot place is kept, in
+        :attr:`ReapReport.unplaced`). The states are read
         with one strided copy: Python work is done for busy slots only, each pid judged once.
         An error on one slot is recorded in :attr:`last_reap`; the pass goes on with the others.
         """
@@ -641,8 +652,11 @@ class FlowTable:
         if not 0 < pid <= MAX_PID:
             if settled:
                 report.bad_pid.append(index)
-        else:
-            live, started = owner(pid)
+        elif (here := self._local_pid(off, pid)) == UNKNOWN:
+            report.unplaced.append(index)
+            return None
+        elif here is not None:
+            live, started = owner(here)
             if live and not (settled and self._reused(off, started)):
                 return None
             if live:
@@ -658,8 +672,27 @@ class FlowTable:
         snap = SlotSnapshot(index, *_SLOT_STRUCT.unpack_from(self._mm, off))
         if self._u32[state_word] != state or self._u64[seq_word] != seq:
             return None  # changed under us: judge it again at the next pass
-        self._u32[state_word] = L.SLOT_FREE
+        self._free(off)
         return snap
+
+    def _free(self, off: int) -> None:
+        """FREE the slot at ``off``, its ``pid_ns`` zeroed first: a plugin older than that
+        field claims it without writing one, and must not inherit its predecessor's."""
+        self._u64[off // 8 + _S64["pid_ns"]] = 0
+        self._u32[off // 4 + _S32["state"]] = L.SLOT_FREE
+
+    def _local_pid(self, off: int, pid: int) -> int | None:
+        """The pid here of the owner the slot at ``off`` names (its ``pid`` in its ``pid_ns``):
+        None when that process is gone, :data:`~flowsched.shm.pidns.UNKNOWN` when /proc cannot
+        tell (:mod:`flowsched.shm.pidns`)."""
+        ns = self._u64[off // 8 + _S64["pid_ns"]]
+        return self.pid_namespaces.local_pid(ns, pid, self._u64[off // 8 + _S64["open_ns"]])
+
+    def owner_pid(self, snap: SlotSnapshot) -> int:
+        """The pid here of ``snap``'s owner (SDK clients' pids, from ``SO_PEERCRED``, are pids
+        here too); -1 when it is gone or /proc cannot place it."""
+        here = self.pid_namespaces.local_pid(snap.pid_ns, snap.pid, snap.open_ns)
+        return here if here is not None and here > 0 else -1
 
     def _reused(self, off: int, started: int | None) -> bool:
         """Whether a process that started at ``started`` (CLOCK_MONOTONIC ns) came after the
@@ -921,12 +954,16 @@ class EmulatedPluginSlot:
         peer_rank: int = -1,
         direction: int = L.DIR_SEND,
         pid: int | None = None,
+        pid_ns: int | None = None,
         take_closed: bool = False,
     ) -> None:
         self.table = table
         self.index = self._claim(take_closed)
         mm, off = table._mm, L.slot_offset(self.index)
         self._off = off
+        if pid_ns is None:  # the plugin's: this process's namespace
+            pid_ns = PidNamespaces().own
+        _put_slot(mm, off, "pid_ns", pid_ns)
         _put_slot(mm, off, "pid", os.getpid() if pid is None else pid)
         for name, value in (
             ("comm_id", comm_id),

@@ -369,8 +369,18 @@ static struct fs_table_slot* slot_claim_from(uint32_t from) {
   return NULL;
 }
 
+/* The inode of this process's pid namespace, 0 when /proc cannot say. A job in a pid namespace
+ * of its own (a container without hostPID) writes pids of that namespace; the agent maps
+ * (namespace, pid) to the pid it sees through /proc (flowsched/shm/pidns.py). Read at every
+ * claim, not cached: a forked child may have entered another namespace. */
+static uint64_t own_pid_namespace(void) {
+  struct stat st;
+  return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
 static void slot_fill(struct fs_table_slot* slot, const struct fs_flow_info* info) {
   uint64_t now = fs_now_ns();
+  slot->pid_ns = own_pid_namespace(); /* with the pid, before ACTIVE: the agent reads both */
   slot->pid = (uint32_t)getpid();
   atomic_fetch_add(&slot->claim_seq, 1);
   slot->comm_id = info->comm_id;

@@ -94,7 +94,9 @@ struct fs_table_slot {
   _Atomic uint64_t applied_ns;
   _Atomic uint64_t level_set_ns; /* written by the agent */
   uint32_t dev;
-  uint8_t reserved1[20];
+  uint8_t reserved1[4];
+  uint64_t pid_ns; /* inode of the owner's pid namespace (0 = unknown): `pid` is a pid there */
+  uint8_t reserved2[8];
 };
 
 _Static_assert(sizeof(struct fs_table_header) == FS_TABLE_HEADER_SIZE, "header size");
@@ -112,6 +114,7 @@ _Static_assert(offsetof(struct fs_table_slot, level) == 32, "level");
 _Static_assert(offsetof(struct fs_table_slot, bytes) == 40, "bytes");
 _Static_assert(offsetof(struct fs_table_slot, applied_level) == 84, "applied_level");
 _Static_assert(offsetof(struct fs_table_slot, dev) == 104, "dev");
+_Static_assert(offsetof(struct fs_table_slot, pid_ns) == 112, "pid_ns");
 
 /* A snapshot of the config area (taken under the seqlock) or of the compiled defaults. */
 struct fs_table_config {

@@ -22,3 +22,11 @@ def test_the_sdk_open_round_trip_reaches_a_real_agent_and_the_bare_server(
 )
 def test_quantiles(seconds: list[float], expected: tuple[float, float]) -> None:
     assert load_bench_script("agent_load.py")._quantiles(seconds) == expected
+
+
+def test_the_namespace_placement_part_places_a_job_namespace() -> None:
+    placed = load_bench_script("agent_load.py").namespace_placement(5, rounds=1)
+    if placed is None:
+        pytest.skip("no unshare --pid here")
+    scan, check, base = placed
+    assert scan > 0 and check > 0 and base > 0

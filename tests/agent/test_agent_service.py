@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import stat
+import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from agent_helpers import agent_config, wait_until
+from pid_namespace import unshared
 
 from flowsched import client
 from flowsched.agent import AgentConfig, serve
@@ -61,10 +63,10 @@ def test_an_agent_without_a_coordinator_runs_its_policy_from_the_start(
 ) -> None:
     """Nothing to wait for: no fallback_after delay, no "coordinator silent" warning, and no
     switch counted (the switch metric and its alert are about a lost coordinator)."""
-    with caplog.at_level(logging.INFO, logger="flowsched.agent"):
-        with AgentThread(agent_config(tmp_path, fallback_after=60.0)) as running:
-            wait_until(lambda: running.agent.fallback is not None)
-            assert running.agent.stats["fallback_switches"] == 0
+    config = agent_config(tmp_path, fallback_after=60.0)
+    with caplog.at_level(logging.INFO, logger="flowsched.agent"), AgentThread(config) as running:
+        wait_until(lambda: running.agent.fallback is not None)
+        assert running.agent.stats["fallback_switches"] == 0
     messages = [r.getMessage() for r in caplog.records if r.name == "flowsched.agent"]
     assert "no coordinator configured: running rmlq locally" in messages
     assert not [m for m in messages if "silent" in m]
@@ -146,6 +148,52 @@ def test_stopping_ends_the_sdk_connections_before_serve_returns(
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         asyncio.run(main())
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+
+
+_JOB_IN_ITS_OWN_PID_NAMESPACE = """
+import os, sys, time
+from flowsched import client
+from flowsched.shm.table import EmulatedPluginSlot, FlowTable
+handle = client.open_flow("kv", bytes=1 << 30, deadline=time.time() + 60, socket_path=sys.argv[2])
+conn = EmulatedPluginSlot(FlowTable.open(sys.argv[1], writable=True), class_id=int(sys.argv[3]))
+conn.send(4096)
+print(os.getpid(), handle.id, conn.index, conn.claim_seq, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_job_in_a_pid_namespace_of_its_own_gets_its_connections_linked_and_reaped(
+    agent: AgentThread,
+) -> None:
+    """A pod without hostPID: its plugin writes pids of its own namespace, its SDK flows come
+    with host pids (SO_PEERCRED). The agent places the slot's owner through /proc, so the
+    connection is carried by the SDK flow of its process, and freed once that process exits."""
+    assert agent.ready is not None
+    registry = agent.agent.registry
+    assert registry is not None
+    script = _JOB_IN_ITS_OWN_PID_NAMESPACE
+    args = (agent.ready.table, agent.ready.socket, str(int(FlowClass.KV)))
+    job = unshared(sys.executable, "-c", script, *args)
+    try:
+        assert job.stdout is not None and job.stdin is not None
+        inner, flow_id, index, seq = map(int, job.stdout.readline().split())
+        wait_until(lambda: registry.flows.get(flow_id) is not None)
+        wait_until(lambda: (index, seq) in registry.slots)
+        conn = registry.slots[index, seq]
+        assert conn.pid not in (-1, inner)  # the job's pid as the agent sees it
+        assert conn.flow_id is None  # carried by the SDK flow, not a flow of its own
+        wait_until(lambda: registry.flows[flow_id].sent == 4096)
+        job.stdin.write("\n")
+        job.stdin.flush()
+        assert job.wait(timeout=10) == 0
+        table = FlowTable.open(agent.ready.table)
+        try:
+            wait_until(lambda: table.slot_state(index) == layout.SLOT_FREE)  # reaped
+        finally:
+            table.close()
+    finally:
+        job.kill()
+        job.wait()
 
 
 def test_restart_reattaches_and_keeps_levels(tmp_path: Path) -> None:

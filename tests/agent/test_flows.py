@@ -54,6 +54,7 @@ _BLANK = SlotSnapshot(
     0,
     0,
     0,
+    0,
 )
 
 

@@ -61,6 +61,7 @@ def test_connection_claims_and_fills_slots(table: TestTable, fresh_lib: Path) ->
     for direction, slot in slots.items():
         assert slot["state"] == layout.SLOT_ACTIVE
         assert slot["pid"] == os.getpid() and slot["comm_id"] == 0xABC
+        assert slot["pid_ns"] == os.stat("/proc/self/ns/pid").st_ino  # where that pid is valid
         assert slot["traffic_class"] == 2 and slot["class_id"] == FlowClass.TP  # unmapped tc
         assert slot["peer_rank"] == 5 and slot["claim_seq"] == 1 and slot["dev"] == 0
         assert slot["bytes"] == 20_010 and slot["messages"] == 3, direction

@@ -1,0 +1,213 @@
+"""Tests of flowsched.shm.pidns: placing slot owners that live in another pid namespace, on a
+fake /proc (every answer, and when it scans) and on a real one (a child in a namespace of its
+own)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pid_namespace import unshared
+
+from flowsched.shm import layout as L
+from flowsched.shm import pidns
+from flowsched.shm.pidns import UNKNOWN, PidNamespaces, namespace_inode, nspids
+from flowsched.shm.table import EmulatedPluginSlot, FlowTable
+
+OWN, JOB = 4026531836, 4026532999
+
+
+@pytest.mark.parametrize(
+    "link,inode",
+    [("pid:[4026531836]", 4026531836), ("pid:[]", 0), ("net:[4026531836]", 0), ("pid:[12x]", 0)],
+)
+def test_namespace_inode(link: str, inode: int) -> None:
+    assert namespace_inode(link) == inode
+
+
+@pytest.mark.parametrize(
+    "status,pids",
+    [
+        (b"Name:\tpython\nNSpid:\t4242\t7\nNSsid:\t1\n", (4242, 7)),
+        (b"Name:\tpython\nNSpid:\t4242\n", (4242,)),
+        (b"Name:\tpython\nNSpid:\t4242\t7", (4242, 7)),  # last line, no newline
+        (b"Name:\tpython\nPid:\t4242\n", ()),  # kernels before 4.1 have no NSpid line
+        (b"Name:\tpython\nNSpid:\t4242\tx\n", ()),
+    ],
+)
+def test_nspids(status: bytes, pids: tuple[int, ...]) -> None:
+    assert nspids(status) == pids
+
+
+class FakeProc:
+    """A /proc tree of symlinks and status files, and a clock the test moves."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.now = 1_000
+        root.mkdir()
+        (root / "self" / "ns").mkdir(parents=True)
+        os.symlink(f"pid:[{OWN}]", root / "self" / "ns" / "pid")
+
+    def spawn(self, here: int, ns: int, inner: int) -> None:
+        (self.root / str(here) / "ns").mkdir(parents=True)
+        os.symlink(f"pid:[{ns}]", self.root / str(here) / "ns" / "pid")
+        pids = f"{here}\t{inner}" if ns != OWN else f"{here}"
+        (self.root / str(here) / "status").write_text(f"Name:\tx\nNSpid:\t{pids}\n")
+
+    def exit(self, here: int) -> None:
+        shutil.rmtree(self.root / str(here))
+
+    def namespaces(self) -> PidNamespaces:
+        return PidNamespaces(str(self.root), clock_ns=lambda: self.now)
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> FakeProc:
+    return FakeProc(tmp_path / "proc")
+
+
+def test_our_namespace_and_an_unknown_one_map_a_pid_to_itself(proc: FakeProc) -> None:
+    spaces = proc.namespaces()
+    assert spaces.own == OWN
+    assert spaces.local_pid(OWN, 77) == 77 and spaces.local_pid(0, 77) == 77
+    assert spaces.scans == 0
+
+
+def test_an_owner_is_found_kept_and_lost_with_its_process(proc: FakeProc) -> None:
+    proc.spawn(500, JOB, 7)
+    proc.spawn(501, OWN, 501)
+    spaces = proc.namespaces()
+    assert spaces.local_pid(JOB, 7, since_ns=900) == 500
+    assert spaces.local_pid(JOB, 7, since_ns=900) == 500 and spaces.scans == 1  # cached
+    proc.exit(500)
+    proc.spawn(500, OWN, 500)  # its pid reused here: not the owner
+    assert spaces.local_pid(JOB, 7, since_ns=900) is None
+    assert spaces.scans == 1
+
+
+def test_a_miss_is_gone_only_after_a_scan_that_began_after_the_claim(proc: FakeProc) -> None:
+    spaces = proc.namespaces()
+    assert spaces.local_pid(JOB, 8, since_ns=900) is None and spaces.scans == 1
+    assert spaces.local_pid(JOB, 9, since_ns=950) is None and spaces.scans == 1  # scanned at 1000
+    proc.spawn(600, JOB, 10)
+    proc.now = 2_000
+    assert spaces.local_pid(JOB, 10, since_ns=1_500) == 600 and spaces.scans == 2
+    assert spaces.local_pid(JOB, 11, since_ns=0) is None and spaces.scans == 3  # claim time unknown
+
+
+def test_an_owner_that_cannot_be_placed_is_unknown_not_gone(
+    proc: FakeProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc.spawn(700, JOB, 12)
+    proc.spawn(701, JOB, 13)
+    readlink = os.readlink
+
+    def denied(path: str) -> str:
+        if path.endswith("/700/ns/pid"):
+            raise PermissionError(13, "Permission denied", path)
+        return readlink(path)
+
+    monkeypatch.setattr(pidns.os, "readlink", denied)
+    spaces = proc.namespaces()
+    assert spaces.local_pid(JOB, 12, since_ns=900) == UNKNOWN  # pid 12 is 700's, unplaced
+    assert spaces.local_pid(JOB, 13, since_ns=900) == 701
+    assert spaces.local_pid(JOB, 14, since_ns=900) is None  # no process has that pid there
+
+
+def test_nothing_is_foreign_when_our_own_namespace_cannot_be_read(tmp_path: Path) -> None:
+    (tmp_path / "proc").mkdir()  # no self/ns/pid
+    spaces = PidNamespaces(str(tmp_path / "proc"))
+    assert spaces.own == 0 and not spaces.foreign(JOB)
+    assert spaces.local_pid(JOB, 7, since_ns=1) == 7 and spaces.scans == 0
+
+
+def test_a_proc_that_cannot_be_listed_makes_every_miss_unknown(
+    proc: FakeProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spaces = proc.namespaces()
+
+    def unlistable(path: str) -> list[str]:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(pidns.os, "listdir", unlistable)
+    assert spaces.local_pid(JOB, 7, since_ns=900) == UNKNOWN
+
+
+# ----------------------------------------------------------------- a real pid namespace
+
+_CHILD = """
+import os, sys
+from flowsched.shm.table import EmulatedPluginSlot, FlowTable
+table = FlowTable.open(sys.argv[1], writable=True)
+slot = EmulatedPluginSlot(table, class_id=2)
+print(os.getpid(), slot.index, flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> Iterator[FlowTable]:
+    created, _ = FlowTable.create_or_attach(str(tmp_path / "table"), num_slots=8)
+    yield created
+    created.detach()
+    created.close()
+
+
+def test_a_slot_written_in_another_namespace_is_kept_while_its_owner_lives(
+    table: FlowTable,
+) -> None:
+    child = unshared(sys.executable, "-c", _CHILD, table.path)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        inner, index = map(int, child.stdout.readline().split())
+        snap = table.slot(index)
+        assert snap is not None and snap.pid == inner and snap.pid_ns != table.pid_namespaces.own
+        here = table.owner_pid(snap)
+        assert here not in (-1, inner)
+        assert Path(f"/proc/{here}/cmdline").read_bytes().split(b"\0")[:2] == [
+            sys.executable.encode(),
+            b"-c",
+        ]
+        assert table.reap_dead() == [] and table.last_reap.unplaced == []
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.wait(timeout=10) == 0
+        reaped = table.reap_dead()
+        assert [s.index for s in reaped] == [index]  # the old code judged pid `inner` here
+        assert table.owner_pid(snap) == -1
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_freed_slot_forgets_its_owners_namespace(table: FlowTable) -> None:
+    """A plugin older than ``pid_ns`` never writes it: the next owner of a slot must not be
+    judged in its predecessor's namespace."""
+
+    def pid_ns_word(index: int) -> int:
+        offset = L.slot_offset(index) + L.SLOT_OFFSET["pid_ns"]
+        return int(struct.unpack_from("<Q", table._mm, offset)[0])
+
+    closed = EmulatedPluginSlot(table, pid_ns=JOB)
+    closed.close()
+    assert pid_ns_word(closed.index) == JOB
+    assert table.release_slot(closed.index, closed.claim_seq)
+    assert pid_ns_word(closed.index) == 0
+    dead = EmulatedPluginSlot(table, pid_ns=JOB, pid=2**31 - 2)  # no such process anywhere
+    assert pid_ns_word(dead.index) == JOB
+    assert [s.index for s in table.reap_dead()] == [dead.index]
+    assert pid_ns_word(dead.index) == 0
+
+
+def test_the_emulated_plugin_writes_its_own_namespace(table: FlowTable) -> None:
+    slot = EmulatedPluginSlot(table)
+    snap = table.slot(slot.index)
+    assert snap is not None
+    assert snap.pid_ns == namespace_inode(os.readlink("/proc/self/ns/pid")) != 0
+    assert table.owner_pid(snap) == os.getpid()
