@@ -68,7 +68,7 @@ class SlotConn:
     """One plugin connection (a slot claim) the agent has seen."""
 
     key: SlotKey
-    pid: int
+    pid: int  # its owner's process key: the pid, or namespace and pid (PidNamespaces)
     cls: FlowClass
     peer_rank: int
     direction: int
@@ -82,7 +82,7 @@ class SlotConn:
 class SdkFlow:
     """Bookkeeping of one SDK flow beyond its :class:`Flow`."""
 
-    pid: int
+    pid: int  # its client's process key, as SlotConn.pid
     peer: int | None
     app_sent: int = 0
     slot_bytes_done: int = 0  # bytes of linked slots that have closed or unlinked
@@ -105,12 +105,12 @@ class FlowRegistry:
         id_prefix: int,
         default_deadline: Callable[[FlowClass], float | None] = lambda cls: None,
         links_to: Callable[[str], tuple[str, ...]] | None = None,
-        owner_pid: Callable[[SlotSnapshot], int] = lambda snap: snap.pid,
+        owner_key: Callable[[SlotSnapshot], int] = lambda snap: snap.pid,
     ) -> None:
         self.node = node
-        #: a slot's owner as a pid of the agent's namespace, which SDK clients' pids are in
-        #: (:meth:`FlowTable.owner_pid`: a job in a pid namespace of its own writes its pids)
-        self._owner_pid = owner_pid
+        #: a slot's owner as the number the SDK server names its clients by (their pid, or
+        #: namespace and pid for a job in a pid namespace of its own: FlowTable.owner_key)
+        self._owner_key = owner_key
         self.links = links
         #: links of a flow to a named destination node (default: own links + ``<dst>:rx``)
         self._links_to = links_to or (lambda dst: (*links, f"{dst}:rx"))
@@ -314,7 +314,7 @@ class FlowRegistry:
             cls = FlowClass(snap.class_id)
         except ValueError:
             cls = FlowClass.BULK
-        pid = self._owner_pid(snap)
+        pid = self._owner_key(snap)
         conn = SlotConn(snap.key, pid, cls, snap.peer_rank, snap.direction, snap.bytes, 0)
         self.slots[snap.key] = conn
         if conn.direction != layout.DIR_SEND:

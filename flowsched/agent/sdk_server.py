@@ -164,6 +164,9 @@ class SdkServer:
         pid, uid = _peer_cred(writer)
         if not self._admit_connection(pid, uid, writer):
             return
+        # the registry names processes as the flow table's slots do (a job in a pid namespace
+        # of its own writes its pids there: flowsched.shm.pidns); pid stays for the logs
+        key = self.agent.process_key(pid)
         owned: set[int] = set()
         connection = asyncio.current_task()
         assert connection is not None  # the stream server runs each connection as a task
@@ -176,7 +179,7 @@ class SdkServer:
             while data := await self._read(reader, idle=not owned):
                 decoder.feed(data)
                 while (message := decoder.next_message()) is not None:
-                    self._handle(message, (pid, uid), writer, owned)
+                    self._handle(message, (key, uid), writer, owned)
         except sdk.SdkProtocolError as exc:
             self.errors_total += 1
             log.warning("SDK client pid %d sent a bad frame: %s", pid, exc)
@@ -197,7 +200,7 @@ class SdkServer:
             if self._closing:
                 self._writers.discard(writer)
             else:
-                self._disconnect(pid, uid, writer, owned)
+                self._disconnect(key, uid, writer, owned)
 
     async def _read(self, reader: asyncio.StreamReader, *, idle: bool) -> bytes:
         """The next bytes; a connection without open flows (``idle``) waits at most
@@ -226,7 +229,7 @@ class SdkServer:
         return False
 
     def _disconnect(
-        self, pid: int, uid: int | None, writer: asyncio.StreamWriter, owned: set[int]
+        self, key: int, uid: int | None, writer: asyncio.StreamWriter, owned: set[int]
     ) -> None:
         self._writers.discard(writer)
         self._connections_of[uid] -= 1
@@ -238,8 +241,8 @@ class SdkServer:
             self._owner.pop(flow_id, None)
             self._count_flow(uid, -1)
             if registry is not None:
-                for key in registry.close_sdk(flow_id, pid, None, now):
-                    self.agent.write_slot(key)
+                for slot in registry.close_sdk(flow_id, key, None, now):
+                    self.agent.write_slot(slot)
         self.agent.admit_now()
         writer.close()
 
@@ -256,20 +259,20 @@ class SdkServer:
         writer: asyncio.StreamWriter,
         owned: set[int],
     ) -> None:
-        pid, uid = cred
+        key, uid = cred  # the client's process key (PidNamespaces.process_key), its uid
         registry = self.agent.registry
         assert registry is not None
         self.requests[message.TYPE] += 1
         if isinstance(message, sdk.Open):
             self._open(message, cred, writer, owned)
         elif isinstance(message, sdk.Progress) and message.id in owned:
-            registry.sdk_progress(message.id, pid, message.sent)
+            registry.sdk_progress(message.id, key, message.sent)
         elif isinstance(message, sdk.Close) and message.id in owned:
             owned.discard(message.id)
             self._owner.pop(message.id, None)
             self._count_flow(uid, -1)
-            for key in registry.close_sdk(message.id, pid, message.sent, time.time()):
-                self.agent.write_slot(key)
+            for slot in registry.close_sdk(message.id, key, message.sent, time.time()):
+                self.agent.write_slot(slot)
             self.agent.admit_now()
         elif isinstance(message, sdk.JobProgress):
             # scoped to the client's uid: no other user can set this job's step
@@ -330,11 +333,11 @@ class SdkServer:
         if not writer.is_closing():
             self._owner[flow.flow_id] = writer
 
-    def _register(self, message: sdk.Open, pid: int, uid: int | None) -> tuple[Flow, list[SlotKey]]:
+    def _register(self, message: sdk.Open, key: int, uid: int | None) -> tuple[Flow, list[SlotKey]]:
         registry = self.agent.registry
         assert registry is not None
         return registry.open_sdk(
-            pid,
+            key,
             FlowClass.parse(message.cls),
             time.time(),
             size=message.size,

@@ -200,7 +200,7 @@ class Agent:
             links_to=self.nic.links_to,
             id_prefix=info.generation,
             default_deadline=lambda c: self.view.default_deadline(c),
-            owner_pid=self.table.owner_pid,
+            owner_key=self.table.owner_key,
         )
         return info.generation
 
@@ -359,6 +359,11 @@ class Agent:
         if level is None and conn is not None and conn.linked_to is not None:
             level = self.view.default_level(conn.cls)
         return level
+
+    def process_key(self, pid: int) -> int:
+        """The registry's name for our process ``pid`` (an SDK client): the number its NCCL
+        connections' slots name it by (:meth:`flowsched.shm.pidns.PidNamespaces.key_of`)."""
+        return pid if self.table is None else self.table.pid_namespaces.key_of(pid)
 
     def write_slot(self, key: SlotKey) -> None:
         """Write the level the slot's flow (or its SDK flow) has into the slot."""

@@ -7,12 +7,17 @@ process through ``/proc``, where ``/proc/<pid>/ns/pid`` names each process's nam
 (``pid:[inode]``) and the last field of the ``NSpid:`` line of ``/proc/<pid>/status`` is its pid
 in that namespace.
 
-:meth:`PidNamespaces.local_pid` answers one of three ways: the pid here; None, the process is
-gone; or :data:`UNKNOWN`. A miss is only "gone" when a scan of ``/proc`` that began after the
-slot was claimed did not find it, and no process the scan could not place (reading another
-user's namespace link needs ptrace read access: the same uid, or ``CAP_SYS_PTRACE``) has that
-pid in its namespace; otherwise it is unknown, and the agent keeps the slot. So a full scan runs
-at most once per batch of new owners, and never to confirm what an earlier scan already saw.
+:meth:`PidNamespaces.local_pid` (the reaper's question: does the owner live?) answers one of
+three ways: the pid here; None, the process is gone; or :data:`UNKNOWN`. A miss is only "gone"
+when a scan of ``/proc`` that began after the slot was claimed did not find it, and no process
+the scan could not place (reading another user's namespace link needs ptrace read access: the
+same uid, or ``CAP_SYS_PTRACE``) has that pid in its namespace; otherwise it is unknown, and
+the agent keeps the slot. A scan runs at most every :data:`MIN_SCAN_INTERVAL`, and only for an
+owner claimed after the last one began: a table writer forging claims cannot make it run more.
+
+Linking needs no scan: :meth:`PidNamespaces.process_key` names a slot's owner by its
+namespace and pid, and :meth:`PidNamespaces.key_of` names an SDK client (whose ``SO_PEERCRED``
+pid is one of ours) the same way from its own /proc entry.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from collections.abc import Callable
 
 #: :meth:`PidNamespaces.local_pid`'s answer when /proc cannot tell whether the owner lives
 UNKNOWN = -1
+#: seconds between two /proc scans at least
+MIN_SCAN_INTERVAL = 0.5
 
 
 def namespace_inode(link: str) -> int:
@@ -81,11 +88,35 @@ class PidNamespaces:
                 return here
             del self._found[key]
             return None  # a process never leaves its namespace nor changes its pid there
-        if self._scan_started_ns is None or since_ns == 0 or self._scan_started_ns < since_ns:
+        last = self._scan_started_ns
+        if last is None or since_ns == 0 or last < since_ns:
+            if last is not None and self._clock_ns() - last < MIN_SCAN_INTERVAL * 1e9:
+                return UNKNOWN  # judged again at a later pass
             self._scan()
         if key in self._found:
             return self._found[key]
         return UNKNOWN if self._unplaced is None or pid in self._unplaced else None
+
+    def process_key(self, ns: int, pid: int) -> int:
+        """One number per process whichever namespace names it: ``pid`` itself for a process
+        of ours (or of an unknown namespace), ``ns << 32 | pid`` for one of another (a
+        namespace inode is 32 bits, so the two never meet)."""
+        return (ns << 32) | pid if self.foreign(ns) else pid
+
+    def key_of(self, pid: int) -> int:
+        """:meth:`process_key` of our process ``pid`` (an SDK client's ``SO_PEERCRED`` pid):
+        ``pid`` when it is in our namespace or /proc does not say."""
+        if self.own == 0:
+            return pid
+        try:
+            ns = namespace_inode(os.readlink(f"{self._proc}/{pid}/ns/pid"))
+            if not self.foreign(ns):
+                return pid
+            with open(f"{self._proc}/{pid}/status", "rb") as status:
+                pids = nspids(status.read())
+        except OSError:
+            return pid
+        return self.process_key(ns, pids[-1]) if len(pids) > 1 and pids[0] == pid else pid
 
     def _still(self, here: int, key: tuple[int, int]) -> bool:
         """Whether process ``here`` is still the one found for ``key`` (not gone, nor its pid

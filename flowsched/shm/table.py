@@ -688,11 +688,11 @@ class FlowTable:
         ns = self._u64[off // 8 + _S64["pid_ns"]]
         return self.pid_namespaces.local_pid(ns, pid, self._u64[off // 8 + _S64["open_ns"]])
 
-    def owner_pid(self, snap: SlotSnapshot) -> int:
-        """The pid here of ``snap``'s owner (SDK clients' pids, from ``SO_PEERCRED``, are pids
-        here too); -1 when it is gone or /proc cannot place it."""
-        here = self.pid_namespaces.local_pid(snap.pid_ns, snap.pid, snap.open_ns)
-        return here if here is not None and here > 0 else -1
+    def owner_key(self, snap: SlotSnapshot) -> int:
+        """``snap``'s owner as :meth:`PidNamespaces.process_key
+        <flowsched.shm.pidns.PidNamespaces.process_key>` names it: its pid when it shares
+        the agent's pid namespace."""
+        return self.pid_namespaces.process_key(snap.pid_ns, snap.pid)
 
     def _reused(self, off: int, started: int | None) -> bool:
         """Whether a process that started at ``started`` (CLOCK_MONOTONIC ns) came after the

@@ -180,7 +180,8 @@ def test_a_job_in_a_pid_namespace_of_its_own_gets_its_connections_linked_and_rea
         wait_until(lambda: registry.flows.get(flow_id) is not None)
         wait_until(lambda: (index, seq) in registry.slots)
         conn = registry.slots[index, seq]
-        assert conn.pid not in (-1, inner)  # the job's pid as the agent sees it
+        snap = agent.agent.table.slot(index)  # type: ignore[union-attr]
+        assert snap is not None and conn.pid == snap.pid_ns << 32 | inner != inner
         assert conn.flow_id is None  # carried by the SDK flow, not a flow of its own
         wait_until(lambda: registry.flows[flow_id].sent == 4096)
         job.stdin.write("\n")

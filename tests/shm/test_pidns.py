@@ -96,9 +96,41 @@ def test_a_miss_is_gone_only_after_a_scan_that_began_after_the_claim(proc: FakeP
     assert spaces.local_pid(JOB, 8, since_ns=900) is None and spaces.scans == 1
     assert spaces.local_pid(JOB, 9, since_ns=950) is None and spaces.scans == 1  # scanned at 1000
     proc.spawn(600, JOB, 10)
-    proc.now = 2_000
+    proc.now = 1_000 + 10**9
     assert spaces.local_pid(JOB, 10, since_ns=1_500) == 600 and spaces.scans == 2
+    proc.now += 10**9
     assert spaces.local_pid(JOB, 11, since_ns=0) is None and spaces.scans == 3  # claim time unknown
+
+
+def test_scans_come_no_closer_than_the_minimum_interval(proc: FakeProc) -> None:
+    """A table writer forging claims (or open_ns values ahead of the clock) cannot make the
+    agent scan /proc more often: a scan due too soon leaves the owner unknown for now."""
+    spaces = proc.namespaces()
+    assert spaces.local_pid(JOB, 8, since_ns=900) is None and spaces.scans == 1
+    proc.spawn(610, JOB, 9)
+    proc.now += int(pidns.MIN_SCAN_INTERVAL * 1e9) - 1
+    assert spaces.local_pid(JOB, 9, since_ns=proc.now) == UNKNOWN and spaces.scans == 1
+    assert spaces.local_pid(JOB, 9, since_ns=2**63) == UNKNOWN and spaces.scans == 1
+    proc.now += 1
+    assert spaces.local_pid(JOB, 9, since_ns=proc.now) == 610 and spaces.scans == 2
+
+
+@pytest.mark.parametrize(
+    "ns,pid,key", [(OWN, 7, 7), (0, 7, 7), (JOB, 7, JOB << 32 | 7), (JOB, 2**22, JOB << 32 | 2**22)]
+)
+def test_process_keys_name_a_process_by_its_namespace_and_pid(
+    proc: FakeProc, ns: int, pid: int, key: int
+) -> None:
+    assert proc.namespaces().process_key(ns, pid) == key
+
+
+def test_an_sdk_clients_key_comes_from_its_own_proc_entry(proc: FakeProc) -> None:
+    proc.spawn(620, JOB, 3)
+    proc.spawn(621, OWN, 621)
+    spaces = proc.namespaces()
+    assert spaces.key_of(620) == JOB << 32 | 3 and spaces.key_of(621) == 621
+    assert spaces.key_of(622) == 622  # gone, or never there: its own pid, never linked
+    assert spaces.scans == 0
 
 
 def test_an_owner_that_cannot_be_placed_is_unknown_not_gone(
@@ -168,19 +200,22 @@ def test_a_slot_written_in_another_namespace_is_kept_while_its_owner_lives(
         inner, index = map(int, child.stdout.readline().split())
         snap = table.slot(index)
         assert snap is not None and snap.pid == inner and snap.pid_ns != table.pid_namespaces.own
-        here = table.owner_pid(snap)
-        assert here not in (-1, inner)
+        spaces = table.pid_namespaces
+        here = spaces.local_pid(snap.pid_ns, inner, snap.open_ns)
+        assert here is not None and here not in (UNKNOWN, inner)
         assert Path(f"/proc/{here}/cmdline").read_bytes().split(b"\0")[:2] == [
             sys.executable.encode(),
             b"-c",
         ]
+        # linking: the slot and the process's SDK connection (SO_PEERCRED gives `here`) meet
+        assert table.owner_key(snap) == spaces.key_of(here) == snap.pid_ns << 32 | inner
         assert table.reap_dead() == [] and table.last_reap.unplaced == []
         child.stdin.write("\n")
         child.stdin.flush()
         assert child.wait(timeout=10) == 0
         reaped = table.reap_dead()
         assert [s.index for s in reaped] == [index]  # the old code judged pid `inner` here
-        assert table.owner_pid(snap) == -1
+        assert spaces.local_pid(snap.pid_ns, inner, snap.open_ns) is None
     finally:
         child.kill()
         child.wait()
@@ -210,4 +245,4 @@ def test_the_emulated_plugin_writes_its_own_namespace(table: FlowTable) -> None:
     snap = table.slot(slot.index)
     assert snap is not None
     assert snap.pid_ns == namespace_inode(os.readlink("/proc/self/ns/pid")) != 0
-    assert table.owner_pid(snap) == os.getpid()
+    assert table.owner_key(snap) == os.getpid() == table.pid_namespaces.key_of(os.getpid())
