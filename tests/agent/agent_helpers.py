@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
+
+from polling import wait_until
 
 from flowsched.agent import AgentConfig
 
-
-def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> None:
-    """Poll ``predicate`` every 10 ms until it is true (AssertionError after ``timeout`` s)."""
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
+__all__ = ["agent_config", "wait_until"]
 
 
 def agent_config(tmp_path: Path, **overrides: object) -> AgentConfig:
