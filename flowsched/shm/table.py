@@ -622,11 +622,18 @@ class FlowTable:
                 verdicts[pid] = (live, started_ns(pid) if live else None)
             return verdicts[pid]
 
+        placed: dict[tuple[int, int], int | None] = {}  # a process's connections: placed once
+
+        def place(ns: int, pid: int, since_ns: int) -> int | None:
+            if (ns, pid) not in placed:
+                placed[ns, pid] = self.pid_namespaces.local_pid(ns, pid, since_ns)
+            return placed[ns, pid]
+
         reaped: list[SlotSnapshot] = []
         claimed: dict[int, tuple[int, int]] = {}
         for index in itertools.compress(range(len(states)), states):
             try:
-                snap = self._reap_slot(index, owner, claimed, report)
+                snap = self._reap_slot(index, owner, place, claimed, report)
             except Exception as exc:  # one odd slot never stops the reaper
                 report.errors.append((index, exc))
                 continue
@@ -639,6 +646,7 @@ class FlowTable:
         self,
         index: int,
         owner: Callable[[int], tuple[bool, int | None]],
+        place: Callable[[int, int, int], int | None],
         claimed: dict[int, tuple[int, int]],
         report: ReapReport,
     ) -> SlotSnapshot | None:
@@ -648,11 +656,12 @@ class FlowTable:
         if state == L.SLOT_FREE:
             return None
         pid = self._u32[off // 4 + _S32["pid"]]
+        opened = self._u64[off // 8 + _S64["open_ns"]]
         settled = state in (L.SLOT_ACTIVE, L.SLOT_CLOSED)  # pid and open_ns are the owner's
         if not 0 < pid <= MAX_PID:
             if settled:
                 report.bad_pid.append(index)
-        elif (here := self._local_pid(off, pid)) == UNKNOWN:
+        elif (here := place(self._u64[off // 8 + _S64["pid_ns"]], pid, opened)) == UNKNOWN:
             report.unplaced.append(index)
             return None
         elif here is not None:
@@ -680,13 +689,6 @@ class FlowTable:
         field claims it without writing one, and must not inherit its predecessor's."""
         self._u64[off // 8 + _S64["pid_ns"]] = 0
         self._u32[off // 4 + _S32["state"]] = L.SLOT_FREE
-
-    def _local_pid(self, off: int, pid: int) -> int | None:
-        """The pid here of the owner the slot at ``off`` names (its ``pid`` in its ``pid_ns``):
-        None when that process is gone, :data:`~flowsched.shm.pidns.UNKNOWN` when /proc cannot
-        tell (:mod:`flowsched.shm.pidns`)."""
-        ns = self._u64[off // 8 + _S64["pid_ns"]]
-        return self.pid_namespaces.local_pid(ns, pid, self._u64[off // 8 + _S64["open_ns"]])
 
     def owner_key(self, snap: SlotSnapshot) -> int:
         """``snap``'s owner as :meth:`PidNamespaces.process_key

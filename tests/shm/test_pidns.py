@@ -240,6 +240,32 @@ def test_a_freed_slot_forgets_its_owners_namespace(table: FlowTable) -> None:
     assert pid_ns_word(dead.index) == 0
 
 
+def test_a_reap_pass_places_each_owner_once_however_many_slots_it_has(
+    table: FlowTable, proc: FakeProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc.spawn(800, JOB, 7)
+    table.pid_namespaces = spaces = proc.namespaces()
+    asked: list[tuple[int, int]] = []
+    local_pid = spaces.local_pid
+
+    def counted(ns: int, pid: int, since_ns: int = 0) -> int | None:
+        asked.append((ns, pid))
+        return local_pid(ns, pid, since_ns)
+
+    monkeypatch.setattr(spaces, "local_pid", counted)
+    slots = [EmulatedPluginSlot(table, pid_ns=JOB, pid=7) for _ in range(5)]
+    judged: list[int] = []
+
+    def alive(pid: int) -> bool:
+        judged.append(pid)
+        return True
+
+    assert table.reap_dead(alive=alive, started_ns=lambda pid: None) == []
+    assert asked == [(JOB, 7)] and judged == [800]  # the host pid, judged once
+    proc.exit(800)
+    assert len(table.reap_dead(alive=alive, started_ns=lambda pid: None)) == len(slots)
+
+
 def test_the_emulated_plugin_writes_its_own_namespace(table: FlowTable) -> None:
     slot = EmulatedPluginSlot(table)
     snap = table.slot(slot.index)
