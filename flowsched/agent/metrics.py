@@ -70,6 +70,12 @@ class AgentCollector(Collector):
         yield _gauge("table_slots", "Slots of the flow table.", table.num_slots)
         used = self.agent.slots_used
         yield _gauge("table_slots_used", "Slots holding a connection (not FREE).", used)
+        yield _gauge(
+            "table_slots_unplaced",
+            "Slots of processes in another pid namespace that /proc does not let the agent "
+            "place (kept until closed, never linked to SDK flows; docs/deploy.md).",
+            len(table.last_reap.unplaced),
+        )
 
     def _links(self) -> Iterator[Metric]:
         util = GaugeMetricFamily(

@@ -21,7 +21,7 @@ from flowsched import client
 from flowsched.agent import AgentConfig, serve
 from flowsched.agent.threaded import AgentThread
 from flowsched.model import FlowClass
-from flowsched.shm import layout
+from flowsched.shm import layout, pidns
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
 
@@ -190,6 +190,45 @@ def test_a_job_in_a_pid_namespace_of_its_own_gets_its_connections_linked_and_rea
         table = FlowTable.open(agent.ready.table)
         try:
             wait_until(lambda: table.slot_state(index) == layout.SLOT_FREE)  # reaped
+        finally:
+            table.close()
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_a_slot_whose_owner_the_agent_cannot_place_is_kept_counted_and_reported(
+    agent: AgentThread, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job under another uid, the agent without CAP_SYS_PTRACE: the job's namespace links
+    cannot be read. Its slot is neither reaped (its owner may live) nor linked, and says so."""
+    assert agent.ready is not None and agent.ready.metrics is not None
+    job = unshared(sys.executable, "-c", "import sys; print(1, flush=True); sys.stdin.readline()")
+    readlink = os.readlink
+
+    def denied(path: str) -> str:  # every other process's namespace link, as for another uid
+        if path.startswith("/proc/") and path.endswith("/ns/pid") and "/self/" not in path:
+            raise PermissionError(13, "Permission denied", path)
+        return readlink(path)
+
+    try:
+        assert job.stdout is not None and job.stdout.readline() == "1\n"  # pid 1 in there
+        monkeypatch.setattr(pidns.os, "readlink", denied)
+        table = FlowTable.open(agent.ready.table, writable=True)
+        try:
+            foreign = agent.agent.table.pid_namespaces.own + 1  # type: ignore[union-attr]
+            conn = EmulatedPluginSlot(table, class_id=int(FlowClass.KV), pid=1, pid_ns=foreign)
+            host, port = agent.ready.metrics
+            url = f"http://{host}:{port}/metrics"
+
+            def unplaced() -> bool:
+                body = urllib.request.urlopen(url, timeout=5).read().decode()
+                return "flowsched_agent_table_slots_unplaced 1.0" in body
+
+            with caplog.at_level(logging.WARNING, logger="flowsched.agent"):
+                wait_until(unplaced, timeout=10)
+            assert table.slot_state(conn.index) == layout.SLOT_ACTIVE  # not reaped
+            assert any("does not let the agent place" in r.getMessage() for r in caplog.records)
         finally:
             table.close()
     finally:
