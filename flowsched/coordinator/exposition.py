@@ -64,6 +64,8 @@ def make_handler(
                 await writer.drain()
         except _HTTP_ERRORS as exc:
             log.debug("metrics request failed: %r", exc)
+        except asyncio.CancelledError:
+            pass  # the loop is ending (Python 3.11 logs a connection task that ends cancelled)
         finally:
             served.discard(writer)
             waiting.pop(writer, None)

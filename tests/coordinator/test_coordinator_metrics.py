@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import shutil
 import subprocess
 
@@ -96,3 +97,23 @@ def test_promtool_lint_accepts_the_standard_families() -> None:
         ["promtool", "check", "metrics"], input=generate_latest(registry), capture_output=True
     )
     assert lint.returncode == 0, lint.stdout + lint.stderr
+
+
+def test_a_connection_open_when_the_loop_ends_closes_quietly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """asyncio.run cancels the handler of a scrape still waiting for its request: Python 3.11's
+    stream server logged that as "Exception in callback ... CancelledError"."""
+
+    async def main() -> None:
+        server = await start_metrics_server(CollectorRegistry(), "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        await asyncio.sleep(0)  # the server accepts; its handler waits for the request
+        while not [t for t in asyncio.all_tasks() if "handle" in t.get_coro().__qualname__]:
+            await asyncio.sleep(0.001)
+        writer.transport.abort()  # the client side goes; the server's handler stays put
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
