@@ -124,6 +124,11 @@ class PidNamespaces:
         try:
             with open(f"{self._proc}/{here}/status", "rb") as status:
                 pids = nspids(status.read())
+        except PermissionError:
+            return True  # it exists, and nothing says it is another process
+        except OSError:
+            return False
+        try:
             ns = namespace_inode(os.readlink(f"{self._proc}/{here}/ns/pid"))
         except PermissionError:
             ns = key[0]  # placed before, unreadable now (its owner changed uid): the pid decides

@@ -152,6 +152,27 @@ def test_an_owner_that_cannot_be_placed_is_unknown_not_gone(
     assert spaces.local_pid(JOB, 14, since_ns=900) is None  # no process has that pid there
 
 
+@pytest.mark.parametrize(
+    "denied,answer",
+    [("/700/ns/pid", 700), ("/700/status", 700)],  # it exists: never taken for gone
+)
+def test_a_placed_owner_whose_entry_turns_unreadable(
+    proc: FakeProc, monkeypatch: pytest.MonkeyPatch, denied: str, answer: int | None
+) -> None:
+    proc.spawn(700, JOB, 12)
+    spaces = proc.namespaces()
+    assert spaces.local_pid(JOB, 12, since_ns=900) == 700
+    readlink, opener = os.readlink, open
+
+    def check(path: str) -> None:
+        if str(path).endswith(denied):
+            raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(pidns.os, "readlink", lambda p: check(p) or readlink(p))
+    monkeypatch.setattr(pidns, "open", lambda p, *a: check(p) or opener(p, *a), raising=False)
+    assert spaces.local_pid(JOB, 12, since_ns=900) == answer
+
+
 def test_nothing_is_foreign_when_our_own_namespace_cannot_be_read(tmp_path: Path) -> None:
     (tmp_path / "proc").mkdir()  # no self/ns/pid
     spaces = PidNamespaces(str(tmp_path / "proc"))
