@@ -333,9 +333,9 @@ class Agent:
             self._repeat_log.log(
                 "reap:unplaced", logging.WARNING,
                 "flow table %s: %d slots (first: %d) belong to processes of another pid "
-                "namespace that /proc does not let the agent place (it needs ptrace read "
-                "access to them: their uid, or CAP_SYS_PTRACE); kept, and never linked to "
-                "SDK flows", self.config.table_path, len(found.unplaced), found.unplaced[0],
+                "namespace that /proc does not let the agent place (it needs CAP_SYS_PTRACE, "
+                "or their uid, gid and capabilities); kept, and never linked to SDK flows",
+                self.config.table_path, len(found.unplaced), found.unplaced[0],
             )  # fmt: skip
         for index, exc in found.errors[:1]:
             self.stats["reap_errors"] = self.stats.get("reap_errors", 0) + len(found.errors)

@@ -10,10 +10,11 @@ in that namespace.
 :meth:`PidNamespaces.local_pid` (the reaper's question: does the owner live?) answers one of
 three ways: the pid here; None, the process is gone; or :data:`UNKNOWN`. A miss is only "gone"
 when a scan of ``/proc`` that began after the slot was claimed did not find it, and no process
-the scan could not place (reading another user's namespace link needs ptrace read access: the
-same uid, or ``CAP_SYS_PTRACE``) has that pid in its namespace; otherwise it is unknown, and
-the agent keeps the slot. A scan runs at most every :data:`MIN_SCAN_INTERVAL`, and only for an
-owner claimed after the last one began: a table writer forging claims cannot make it run more.
+the scan could not place (reading another process's namespace link needs ptrace read access:
+``CAP_SYS_PTRACE``, or the same uid and gid and every capability it holds) has that pid in its
+namespace; otherwise it is unknown, and the agent keeps the slot. A scan runs at most every
+:data:`MIN_SCAN_INTERVAL`, and only for an owner claimed after the last one began: a table
+writer forging claims cannot make it run more.
 
 Linking needs no scan: :meth:`PidNamespaces.process_key` names a slot's owner by its
 namespace and pid, and :meth:`PidNamespaces.key_of` names an SDK client (whose ``SO_PEERCRED``

@@ -12,6 +12,7 @@ import mmap
 import os
 import re
 import shlex
+import shutil
 import stat
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from deploy_helpers import (
     http_status,
     need,
 )
+from pid_namespace import unshared
 
 from flowsched import qos
 from flowsched.cli import build_parser
@@ -300,15 +302,50 @@ def test_pods_carry_no_service_account_token() -> None:
     assert all(pod["automountServiceAccountToken"] is False for pod in pods)
 
 
-def test_the_agent_can_place_the_example_jobs_processes_without_hostpid() -> None:
-    # the job keeps its own pid namespace; the agent, in the host's, places a slot's owner by
-    # reading /proc/<pid>/ns/pid, which takes the job's uid (both root here) or CAP_SYS_PTRACE
+_PLACE = (
+    "import sys; from flowsched.shm.pidns import PidNamespaces; "
+    "print(PidNamespaces().local_pid(int(sys.argv[1]), int(sys.argv[2]), 1))"
+)
+
+
+def _placed_as_the_agent(capabilities: list[str], ns: int, inner: int) -> int:
+    """What an agent with the DaemonSet's uid, gid and ``capabilities`` finds for process
+    ``inner`` of pid namespace ``ns`` (PidNamespaces.local_pid: a pid, or -1 = unknown)."""
+    context = AGENT_CONTAINER["securityContext"]
+    caps = ",".join(["-all", *(f"+{c.lower()}" for c in capabilities)])
+    command = [
+        "setpriv", f"--reuid={context['runAsUser']}", f"--regid={context['runAsGroup']}",
+        "--clear-groups", f"--bounding-set={caps}", "--inh-caps=-all", "--",
+        sys.executable, "-c", _PLACE, str(ns), str(inner),
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
+    return int(done.stdout)
+
+
+def test_the_daemonsets_capabilities_let_the_agent_place_a_job_in_its_own_pid_namespace() -> None:
+    """The example job has no hostPID: the agent must read its processes' /proc/<pid>/ns/pid.
+    A root job process holds the container's default capabilities, so an agent with NET_ADMIN
+    alone (uid 0, gid 10001) is refused that read; the DaemonSet's SYS_PTRACE allows it."""
     job = find(EXAMPLE_JOB, "Pod")["spec"]
     assert AGENT_POD["hostPID"] is True and "hostPID" not in job
-    for container in job["containers"]:
-        context = {**job.get("securityContext", {}), **container.get("securityContext", {})}
-        assert context.get("runAsUser", 0) == 0 and context.get("runAsNonRoot") is not True
-    assert AGENT_CONTAINER["securityContext"].get("runAsUser", 0) == 0
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv(1) to run a probe with the agent's credentials")
+    script = (
+        "import os, sys; ns = os.readlink('/proc/self/ns/pid')[5:-1]; "
+        "print(os.getpid(), ns, flush=True); sys.stdin.readline()"
+    )
+    child = unshared(sys.executable, "-c", script)
+    try:
+        assert child.stdout is not None
+        inner, ns = map(int, child.stdout.readline().split())
+        capabilities = AGENT_CONTAINER["securityContext"]["capabilities"]["add"]
+        here = _placed_as_the_agent(capabilities, ns, inner)
+        assert here > 0 and Path(f"/proc/{here}/ns/pid").exists()
+        without = [c for c in capabilities if c != "SYS_PTRACE"]
+        assert _placed_as_the_agent(without, ns, inner) == -1  # unknown: kept, never reaped
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_example_job_starts_before_the_agent_ran_on_its_node() -> None:
@@ -428,7 +465,10 @@ def test_table_owner_and_group_let_job_users_in() -> None:
     # the plugin maps only a table owned by root or by its own user: the agent runs as root,
     # in the image's flowsched group, which the job pods carry as a supplementary group
     context = AGENT_CONTAINER["securityContext"]
-    assert context["runAsUser"] == 0 and context["capabilities"]["add"] == ["NET_ADMIN"]
+    assert context["runAsUser"] == 0 and context["capabilities"]["add"] == [
+        "NET_ADMIN",
+        "SYS_PTRACE",
+    ]
     gid = context["runAsGroup"]
     assert _flags(AGENT_CONTAINER["args"])["group"] == "flowsched"
     assert f"groupadd --system --gid {gid} flowsched" in (ROOT / "agent" / "Dockerfile").read_text()
