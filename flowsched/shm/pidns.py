@@ -109,32 +109,45 @@ class PidNamespaces:
         ``pid`` when it is in our namespace or /proc does not say."""
         if self.own == 0:
             return pid
-        try:
-            ns = namespace_inode(os.readlink(f"{self._proc}/{pid}/ns/pid"))
-            if not self.foreign(ns):
-                return pid
-            with open(f"{self._proc}/{pid}/status", "rb") as status:
-                pids = nspids(status.read())
-        except OSError:
+        entry = self._entry(str(pid))
+        if entry is None:
+            return pid
+        ns, pids = entry
+        if ns is None or not self.foreign(ns):
             return pid
         return self.process_key(ns, pids[-1]) if len(pids) > 1 and pids[0] == pid else pid
+
+    def _entry(self, name: str) -> tuple[int | None, tuple[int, ...]] | None:
+        """What /proc/<name> says: (its namespace's inode, None when the link is unreadable;
+        its NSpid pids, () when the status file is unreadable or the process is in our
+        namespace, which settles it without reading the file); None when it is gone."""
+        try:
+            ns: int | None = namespace_inode(os.readlink(f"{self._proc}/{name}/ns/pid"))
+        except PermissionError:
+            ns = None
+        except OSError:
+            return None
+        if ns == self.own:
+            return ns, ()
+        try:
+            with open(f"{self._proc}/{name}/status", "rb") as status:
+                return ns, nspids(status.read())
+        except PermissionError:
+            return ns, ()
+        except OSError:
+            return None
 
     def _still(self, here: int, key: tuple[int, int]) -> bool:
         """Whether process ``here`` is still the one found for ``key`` (not gone, nor its pid
         reused)."""
-        try:
-            with open(f"{self._proc}/{here}/status", "rb") as status:
-                pids = nspids(status.read())
-        except PermissionError:
-            return True  # it exists, and nothing says it is another process
-        except OSError:
+        entry = self._entry(str(here))
+        if entry is None:
             return False
-        try:
-            ns = namespace_inode(os.readlink(f"{self._proc}/{here}/ns/pid"))
-        except PermissionError:
+        ns, pids = entry
+        if not pids and ns != self.own:
+            return True  # it exists, and its unreadable status says nothing else
+        if ns is None:
             ns = key[0]  # placed before, unreadable now (its owner changed uid): the pid decides
-        except OSError:
-            return False
         return len(pids) > 1 and (ns, pids[-1]) == key
 
     def _scan(self) -> None:
@@ -149,23 +162,10 @@ class PidNamespaces:
             self._found, self._unplaced = found, None
             return
         for name in names:
-            if not name.isdigit():
-                continue
-            try:  # the link first: one system call settles every process of our namespace
-                ns = namespace_inode(os.readlink(f"{self._proc}/{name}/ns/pid"))
-            except PermissionError:
-                ns = None
-            except OSError:
-                continue  # gone since the listing
-            if ns == self.own:
-                continue
-            try:
-                with open(f"{self._proc}/{name}/status", "rb") as status:
-                    pids = nspids(status.read())
-            except OSError:
-                continue
-            if len(pids) < 2:
-                continue  # in our namespace after all, or no NSpid line
+            entry = self._entry(name) if name.isdigit() else None
+            if entry is None or len(entry[1]) < 2:
+                continue  # gone, in our namespace, or no NSpid line to place it by
+            ns, pids = entry
             if ns is None:
                 unplaced.add(pids[-1])
             else:

@@ -963,9 +963,8 @@ class EmulatedPluginSlot:
         self.index = self._claim(take_closed)
         mm, off = table._mm, L.slot_offset(self.index)
         self._off = off
-        if pid_ns is None:  # the plugin's: this process's namespace
-            pid_ns = PidNamespaces().own
-        _put_slot(mm, off, "pid_ns", pid_ns)
+        # the plugin's: this process's namespace (this table object's PidNamespaces is ours)
+        _put_slot(mm, off, "pid_ns", table.pid_namespaces.own if pid_ns is None else pid_ns)
         _put_slot(mm, off, "pid", os.getpid() if pid is None else pid)
         for name, value in (
             ("comm_id", comm_id),
