@@ -18,7 +18,10 @@ so its time is the transfer's start-up delay (docs/results.md: what a delay cost
 pd-serving's time scale). Part 4 (root, ``unshare``) starts ``--namespace-procs`` processes
 in a pid namespace of their own, as a job pod without hostPID, and times the /proc scan that
 places a new slot owner of such a namespace (:mod:`flowsched.shm.pidns`) and the check of
-an owner already placed, next to the baseline of reading every process's status file once.
+an owner already placed, next to the baseline of reading every process's status file once:
+as root (which reads the processes' namespace links) and again with the agent DaemonSet's
+credentials (uid 0, gid 10001, NET_ADMIN alone, via ``setpriv``: links refused, owners
+placed by pid and start tick, one more file read per process of another namespace).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -187,11 +191,43 @@ def sdk_open_round_trip(opens: int) -> tuple[tuple[float, float], tuple[float, f
     return ours, _quantiles(times), level
 
 
-def namespace_placement(procs: int, rounds: int = 5) -> tuple[float, float, float] | None:
-    """(s per /proc scan, s per check of a placed owner, s per baseline status read of every
-    process) with ``procs`` processes in a pid namespace of their own; None without unshare."""
-    from flowsched.shm.pidns import PidNamespaces, namespace_inode, nspids
+def placement_timings(rounds: int, owner: tuple[int, int, int] | None = None) -> list[float]:
+    """[s per /proc scan, s per check of a placed owner, s per baseline status read of every
+    process] as this process sees /proc. ``owner``: (namespace, pid there, start tick) of the
+    owner to check, else the first the scan placed by its namespace link."""
+    from flowsched.shm.pidns import PidNamespaces, nspids
 
+    spaces = PidNamespaces()
+    scans, base = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        spaces._scan()
+        scans.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                with contextlib.suppress(OSError), open(f"/proc/{name}/status", "rb") as f:
+                    nspids(f.read())
+        base.append(time.perf_counter() - t0)
+    if owner is None:
+        (ns, inner), here = next(iter(spaces._found.items()))
+        owner = (ns, inner, spaces.start_of(here))
+    assert spaces.local_pid(owner[0], owner[1], 1, owner[2]) > 0, "the owner was not placed"
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        spaces.local_pid(owner[0], owner[1], 1, owner[2])
+    check = (time.perf_counter() - t0) / 1000
+    return [statistics.median(scans), check, statistics.median(base)]
+
+
+Placements = tuple[list[float], list[float] | None]
+
+
+def namespace_placement(procs: int, rounds: int = 5) -> Placements | None:
+    """Placement timings (:func:`placement_timings`) with ``procs`` processes in a pid namespace
+    of their own, by this process (root: it reads their namespace links) and by one with the
+    DaemonSet's credentials (uid 0, gid 10001, NET_ADMIN alone: it places them by start; None
+    without setpriv); None without unshare."""
     script = f"for i in $(seq {procs}); do sleep 600 & done; echo ready; wait"
     cmd = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", "sh", "-c", script]
     try:
@@ -202,25 +238,24 @@ def namespace_placement(procs: int, rounds: int = 5) -> tuple[float, float, floa
         assert job.stdout is not None
         if job.stdout.readline().strip() != "ready":
             return None
+        from flowsched.shm.pidns import PidNamespaces
+
+        with_links = placement_timings(rounds)
         spaces = PidNamespaces()
-        scans, base = [], []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            spaces._scan()
-            scans.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for name in os.listdir("/proc"):
-                if name.isdigit():
-                    with contextlib.suppress(OSError), open(f"/proc/{name}/status", "rb") as f:
-                        nspids(f.read())
-            base.append(time.perf_counter() - t0)
+        spaces._scan()
         (ns, inner), here = next(iter(spaces._found.items()))
-        assert namespace_inode(os.readlink(f"/proc/{here}/ns/pid")) == ns
-        t0 = time.perf_counter()
-        for _ in range(1000):
-            spaces.local_pid(ns, inner, since_ns=1)
-        check = (time.perf_counter() - t0) / 1000
-        return statistics.median(scans), check, statistics.median(base)
+        owner = f"{ns},{inner},{spaces.start_of(here)}"
+        probe = [
+            "setpriv", "--reuid=0", "--regid=10001", "--clear-groups",
+            "--bounding-set=-all,+net_admin", "--inh-caps=-all", "--",
+            sys.executable, __file__, "--placement-probe", owner, "--rounds", str(rounds),
+        ]  # fmt: skip
+        if shutil.which("setpriv") is None:
+            return with_links, None
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"the probe with the DaemonSet's credentials failed: {done.stderr}")
+        return with_links, [float(x) for x in done.stdout.split()]
     finally:
         job.kill()  # --kill-child: the namespace's init dies with it, and every process in it
         job.wait()
@@ -235,7 +270,12 @@ def main() -> None:
     parser.add_argument(
         "--namespace-procs", type=int, default=1000, help="processes in the namespace (part 4)"
     )
+    parser.add_argument("--placement-probe", help=argparse.SUPPRESS)  # part 4's second run
     args = parser.parse_args()
+    if args.placement_probe:
+        ns, inner, start = map(int, args.placement_probe.split(","))
+        print(*placement_timings(args.rounds, (ns, inner, start)))
+        return
     scan, batch, base = scan_cost(args.slots, args.rounds)
     print(f"{args.slots} active slots, all counters moved: agent scan {scan * 1e3:.2f} ms "
           f"(baseline copy+unpack of the table {base * 1e3:.2f} ms, ratio {scan / base:.1f}x); "
@@ -251,10 +291,18 @@ def main() -> None:
     placed = namespace_placement(args.namespace_procs)
     if placed is None:
         print("pid namespace placement: skipped (needs root and unshare --pid)")
-    else:
-        scan, check, base = placed
-        print(f"pid namespace placement, {args.namespace_procs} processes in a job's namespace: "
-              f"/proc scan {scan * 1e3:.1f} ms (baseline: read every status file "
+        return
+    for who, timings in zip(
+        ("root (reads namespace links)", "DaemonSet credentials (places by start)"),
+        placed,
+        strict=True,
+    ):
+        if timings is None:
+            print(f"pid namespace placement as {who}: skipped (needs setpriv)")
+            continue
+        scan, check, base = timings
+        print(f"pid namespace placement as {who}, {args.namespace_procs} processes in a job's "
+              f"namespace: /proc scan {scan * 1e3:.1f} ms (baseline: read every status file "
               f"{base * 1e3:.1f} ms, ratio {scan / base:.2f}x); check of a placed owner "
               f"{check * 1e6:.0f} us")  # fmt: skip
 

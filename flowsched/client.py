@@ -34,6 +34,7 @@ the connection's reader thread: they must not block, nor call the SDK.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import dataclasses
 import functools
@@ -245,8 +246,11 @@ class _Sender:
     :meth:`send` shuts the socket down (the reader thread then drops the connection).
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, namespace_fd: int | None = None) -> None:
         self.sock = sock
+        #: a descriptor of this process's pid namespace, passed with the first frame and
+        #: closed (the agent places a client in a namespace of its own by it)
+        self._namespace_fd = namespace_fd
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         #: frames, or a flow id whose latest progress is in ``_progress``
@@ -275,7 +279,7 @@ class _Sender:
             data = sdk.encode(message)
             if not self._queue and not self._writing:
                 try:
-                    sent = self.sock.send(data, socket.MSG_DONTWAIT)
+                    sent = self._send_now(data)
                 except BlockingIOError:
                     sent = 0
                 except OSError:
@@ -301,9 +305,25 @@ class _Sender:
         self.stop()
         return False
 
+    def _send_now(self, data: bytes) -> int:
+        """Send what the kernel takes of ``data`` without waiting; the first frame carries
+        the namespace descriptor (an agent of an earlier release never reads it, and the
+        kernel closes it)."""
+        fd, self._namespace_fd = self._namespace_fd, None
+        if fd is None:
+            return self.sock.send(data, socket.MSG_DONTWAIT)
+        try:
+            rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+            return self.sock.sendmsg([data], rights, socket.MSG_DONTWAIT)
+        finally:
+            os.close(fd)
+
     def stop(self) -> None:
         """Drop the queue, end the writer thread and shut the socket down (idempotent)."""
         with self._lock:
+            if self._namespace_fd is not None:
+                os.close(self._namespace_fd)
+                self._namespace_fd = None
             self._stopped = True
             self._queue.clear()
             self._progress.clear()
@@ -406,7 +426,7 @@ class AgentConnection:
                 )
                 return False
             self._sock = sock
-            self._sender = _Sender(sock)
+            self._sender = _Sender(sock, _own_pid_namespace())
         threading.Thread(
             target=self._reader, args=(sock,), name="flowsched-sdk", daemon=True
         ).start()
@@ -628,6 +648,16 @@ class AgentConnection:
         if sock is not None:
             with contextlib.suppress(OSError):
                 os.close(sock.detach())  # this process's copy of the descriptor only
+
+
+def _own_pid_namespace() -> int | None:
+    """A descriptor of this process's pid namespace (None where /proc has none): shown to the
+    agent, it lets an agent that may not read this process's namespace link its flows to its
+    NCCL connections (flowsched.shm.pidns)."""
+    try:
+        return os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
 
 
 def _peer_uid(sock: socket.socket) -> int | None:

@@ -9,17 +9,19 @@ import subprocess
 import pytest
 
 
-def unshared(*argv: str) -> subprocess.Popen[str]:
-    """``argv`` in a pid namespace of its own (with its own /proc), or the test skipped."""
+def unshared(*argv: str, boottime: int | None = None) -> subprocess.Popen[str]:
+    """``argv`` in a pid namespace of its own (with its own /proc), or the test skipped;
+    ``boottime``: also in a time namespace whose boot-time clock is that many seconds ahead."""
     if shutil.which("unshare") is None:
         pytest.skip("no unshare(1)")
-    probe = subprocess.run(
-        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, text=True
-    )
+    options = ["--pid", "--fork", "--mount-proc"]
+    if boottime is not None:
+        options += ["--time", f"--boottime={boottime}"]
+    probe = subprocess.run(["unshare", *options, "true"], capture_output=True, text=True)
     if probe.returncode != 0:
-        pytest.skip(f"cannot make a pid namespace here: {probe.stderr.strip()}")
+        pytest.skip(f"cannot make such namespaces here: {probe.stderr.strip()}")
     return subprocess.Popen(  # --kill-child: killing unshare ends the namespace
-        ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc", *argv],
+        ["unshare", "--kill-child", *options, *argv],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -73,7 +73,7 @@ class AgentCollector(Collector):
         yield _gauge(
             "table_slots_unplaced",
             "Slots of processes in another pid namespace that /proc does not let the agent "
-            "place (kept until closed, never linked to SDK flows; docs/deploy.md).",
+            "place (kept until closed; docs/deploy.md).",
             len(table.last_reap.unplaced),
         )
 

@@ -3,7 +3,9 @@
 The socket is created mode 0600 (0660 with a configured group) inside a directory of the
 agent's own (:func:`flowsched.rundir.prepare_private_dir`: created 0700, or 0750 with the
 group; one owned by another user or writable by others is refused). The process id of a
-client comes from ``SO_PEERCRED``. A malformed frame gets an ``error`` frame and closes that
+client comes from ``SO_PEERCRED``; the server reads a client's first bytes itself, with the pid
+namespace descriptor they may carry (:mod:`flowsched.protocol.sdk`), before a stream takes
+the connection over. A malformed frame gets an ``error`` frame and closes that
 client only; its flows are closed (as are those of a client that disconnects).
 
 Limits (docs/security.md): open flows per uid (all of its connections together) and per node;
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import grp
 import logging
 import os
@@ -32,6 +35,7 @@ from flowsched.agent.flows import JobTable, SlotKey
 from flowsched.lograte import RepeatLog
 from flowsched.model import Flow, FlowClass
 from flowsched.protocol import sdk
+from flowsched.shm.pidns import namespace_inode
 
 if TYPE_CHECKING:
     from flowsched.agent.service import Agent
@@ -40,6 +44,10 @@ log = logging.getLogger("flowsched.agent.sdk")
 
 MAX_CLIENT_BACKLOG = 1 << 20  # bytes queued to one client before it is dropped
 READ_SIZE = 65536
+#: connections the kernel queues for the accept loop
+LISTEN_BACKLOG = 128
+#: seconds the accept loop pauses after a failed accept (out of descriptors or memory, say)
+ACCEPT_RETRY_DELAY = 1.0
 #: open SDK flows of one uid, all of its connections together (a user cannot grow the agent's
 #: memory, nor the coordinator's, without bound by opening more connections)
 MAX_FLOWS_PER_UID = 4096
@@ -88,6 +96,9 @@ class SdkServer:
         self._answering: set[asyncio.Future[None]] = set()
         #: the handler task of each client connection (close() waits for them to end)
         self._connections: set[asyncio.Task[None]] = set()
+        #: connections whose first bytes have not come yet
+        self._greeting: set[socket.socket] = set()
+        self._accepting: asyncio.Task[None] | None = None
         self._closing = False
 
     @property
@@ -95,7 +106,7 @@ class SdkServer:
         """Connected SDK clients."""
         return len(self._writers)
 
-    async def start(self, path: str, group: str | None) -> asyncio.AbstractServer:
+    async def start(self, path: str, group: str | None) -> SdkListener:
         """Bind the socket (private permissions) and start serving.
 
         Raises:
@@ -104,15 +115,22 @@ class SdkServer:
         """
         gid = grp.getgrnam(group).gr_gid if group is not None else None
         _prepare_path(path, gid)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
-            server = await asyncio.start_unix_server(self._serve, path=path)
+            listener.bind(path)
+            listener.listen(LISTEN_BACKLOG)
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
         finally:
             os.umask(old)
         if gid is not None:
             os.chown(path, -1, gid)
             os.chmod(path, 0o660)
-        return server
+        self._accepting = asyncio.create_task(self._accept(listener))
+        return SdkListener(self._accepting)
 
     async def close(self) -> None:
         """Disconnect every client and return once their connections have ended.
@@ -123,8 +141,15 @@ class SdkServer:
         returns; one that has not after :data:`CLOSE_TIMEOUT` is cancelled.
         """
         self._closing = True
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
         for task in list(self._answering):
             task.cancel()
+        for sock in list(self._greeting):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # its first read ends at once
         for writer in list(self._writers):
             writer.transport.abort()
         if self._connections:
@@ -160,26 +185,73 @@ class SdkServer:
             return
         writer.write(sdk.encode(message))
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        pid, uid = _peer_cred(writer)
-        if not self._admit_connection(pid, uid, writer):
+    async def _accept(self, listener: socket.socket) -> None:
+        """Accept clients until cancelled, each served by a task of its own."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    conn, _ = await loop.sock_accept(listener)
+                except OSError as exc:
+                    self._repeat_log.log(
+                        "accept", logging.WARNING, "cannot accept an SDK connection: %s", exc
+                    )
+                    if exc.errno != errno.ECONNABORTED:  # out of descriptors or memory, say
+                        await asyncio.sleep(ACCEPT_RETRY_DELAY)  # the clients wait in the backlog
+                    continue
+                task = asyncio.create_task(self._serve(conn))
+                self._connections.add(task)
+                task.add_done_callback(self._connections.discard)
+        finally:
+            listener.close()
+
+    async def _serve(self, conn: socket.socket) -> None:
+        pid, uid = _peer_cred(conn)
+        refusal = self._refusal(uid)
+        if refusal is not None:
+            self._refuse(conn, pid, uid, refusal)
+            return
+        self._connections_of[uid] += 1
+        try:
+            await self._serve_admitted(conn, pid, uid)
+        finally:
+            self._connections_of[uid] -= 1
+            if self._connections_of[uid] <= 0:
+                del self._connections_of[uid]
+
+    async def _serve_admitted(self, conn: socket.socket, pid: int, uid: int | None) -> None:
+        self._greeting.add(conn)
+        try:
+            first, shown_ns = await self._first_read(conn)
+        except (TimeoutError, OSError, asyncio.CancelledError) as exc:
+            conn.close()
+            if isinstance(exc, asyncio.CancelledError) and not self._closing:
+                raise
+            return
+        finally:
+            self._greeting.discard(conn)
+        if not first or self._closing:
+            conn.close()
+            return
+        try:
+            reader, writer = await _streams(conn)
+        except OSError:
+            conn.close()  # it went away meanwhile
             return
         # the registry names processes as the flow table's slots do (a job in a pid namespace
         # of its own writes its pids there: flowsched.shm.pidns); pid stays for the logs
-        key = self.agent.process_key(pid)
+        key = self.agent.process_key(pid, shown_ns)
         owned: set[int] = set()
-        connection = asyncio.current_task()
-        assert connection is not None  # the stream server runs each connection as a task
-        self._connections.add(connection)
         self._writers.add(writer)
-        self._connections_of[uid] += 1
         self.clients_total += 1
         decoder = sdk.SdkDecoder("agent")
         try:
-            while data := await self._read(reader, idle=not owned):
+            data = first
+            while data:
                 decoder.feed(data)
                 while (message := decoder.next_message()) is not None:
                     self._handle(message, (key, uid), writer, owned)
+                data = await self._read(reader, idle=not owned)
         except sdk.SdkProtocolError as exc:
             self.errors_total += 1
             log.warning("SDK client pid %d sent a bad frame: %s", pid, exc)
@@ -196,11 +268,31 @@ class SdkServer:
             # close() gave up waiting: end quietly (Python 3.11's stream server logs a
             # traceback for a connection task that ends cancelled)
         finally:
-            self._connections.discard(connection)
             if self._closing:
                 self._writers.discard(writer)
             else:
                 self._disconnect(key, uid, writer, owned)
+
+    async def _first_read(self, conn: socket.socket) -> tuple[bytes, int]:
+        """The client's first bytes (b"": it left) and the pid namespace it showed with them,
+        a descriptor of its ``/proc/self/ns/pid`` (0: none). Waits :attr:`idle_timeout` at
+        most (TimeoutError)."""
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(self.idle_timeout):
+            while True:
+                readable = loop.create_future()
+                loop.add_reader(conn.fileno(), _set_once, readable)
+                try:
+                    await readable
+                finally:
+                    loop.remove_reader(conn.fileno())
+                try:
+                    data, fds, _, _ = socket.recv_fds(
+                        conn, READ_SIZE, 1, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC
+                    )
+                except BlockingIOError:
+                    continue
+                return data, _shown_namespace(fds)
 
     async def _read(self, reader: asyncio.StreamReader, *, idle: bool) -> bytes:
         """The next bytes; a connection without open flows (``idle``) waits at most
@@ -208,33 +300,31 @@ class SdkServer:
         async with asyncio.timeout(self.idle_timeout if idle else None):
             return await reader.read(READ_SIZE)
 
-    def _admit_connection(self, pid: int, uid: int | None, writer: asyncio.StreamWriter) -> bool:
-        """False (the client told why, the refusal logged at a falling rate) when the
-        connection caps are reached."""
-        if len(self._writers) >= self.max_connections:
-            key, reason = "all", f"the agent serves at most {self.max_connections} SDK connections"
-        elif self._connections_of[uid] >= self.max_connections_per_uid:
-            key = f"uid:{uid}"
-            reason = f"at most {self.max_connections_per_uid} SDK connections per user"
-        else:
-            return True
+    def _refusal(self, uid: int | None) -> tuple[str, str] | None:
+        """(the cap, why) when a new connection of ``uid`` is refused, else None. Connections
+        still waiting for their first bytes count."""
+        if len(self._connections) > self.max_connections:  # this one is among them
+            return "all", f"the agent serves at most {self.max_connections} SDK connections"
+        if self._connections_of[uid] >= self.max_connections_per_uid:
+            return f"uid:{uid}", f"at most {self.max_connections_per_uid} SDK connections per user"
+        return None
+
+    def _refuse(self, conn: socket.socket, pid: int, uid: int | None, cap: tuple[str, str]) -> None:
+        """Tell the client why, close, and log it at a falling rate."""
+        key, reason = cap
         self.refused_total += 1
         self._repeat_log.log(
             f"refused:{key}", logging.WARNING,
             "SDK connection of pid %d (uid %s) refused: %s", pid, uid, reason,
         )  # fmt: skip
-        with contextlib.suppress(Exception):
-            writer.write(sdk.encode(sdk.Error("too_many_connections", reason)))
-        writer.close()
-        return False
+        with contextlib.suppress(OSError):  # a fresh socket's buffer takes one small frame
+            conn.send(sdk.encode(sdk.Error("too_many_connections", reason)), socket.MSG_DONTWAIT)
+        conn.close()
 
     def _disconnect(
         self, key: int, uid: int | None, writer: asyncio.StreamWriter, owned: set[int]
     ) -> None:
         self._writers.discard(writer)
-        self._connections_of[uid] -= 1
-        if self._connections_of[uid] <= 0:
-            del self._connections_of[uid]
         registry = self.agent.registry
         now = time.time()
         for flow_id in owned:
@@ -367,15 +457,54 @@ class SdkServer:
             self._first_level.pop(flow_id, None)
 
 
-def _peer_cred(writer: asyncio.StreamWriter) -> tuple[int, int | None]:
+class SdkListener:
+    """The SDK socket's accept loop, as the agent stops it: :meth:`close` ends accepting (the
+    connections go on until :meth:`SdkServer.close`)."""
+
+    def __init__(self, accepting: asyncio.Task[None]) -> None:
+        self._accepting = accepting
+
+    def close(self) -> None:
+        """Stop accepting; the listening socket closes as the accept loop ends."""
+        self._accepting.cancel()
+
+
+def _peer_cred(conn: socket.socket) -> tuple[int, int | None]:
     """The client's (pid, uid) from SO_PEERCRED; (0, None) when unknown."""
-    sock = writer.get_extra_info("socket")
     try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         pid, uid, _ = struct.unpack("3i", raw)
         return pid, uid
-    except (OSError, AttributeError):
+    except OSError:
         return 0, None
+
+
+def _set_once(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _shown_namespace(fds: list[int]) -> int:
+    """The inode of the pid namespace a client passed a descriptor of (0: none, or not a pid
+    namespace); every descriptor it passed is closed."""
+    shown = 0
+    for fd in fds:
+        try:
+            shown = shown or namespace_inode(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return shown
+
+
+async def _streams(conn: socket.socket) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """Streams over an accepted connection (the reader has what arrives from now on)."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    protocol = asyncio.StreamReaderProtocol(reader)
+    transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
+    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
 
 
 def _prepare_path(path: str, gid: int | None) -> None:

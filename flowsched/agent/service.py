@@ -33,7 +33,7 @@ from flowsched.agent.flows import FlowRegistry, JobTable, SlotKey, resync_frames
 from flowsched.agent.metrics import start_http
 from flowsched.agent.nic import NicMonitor, default_interfaces
 from flowsched.agent.policy_view import PolicyView
-from flowsched.agent.sdk_server import SdkServer
+from flowsched.agent.sdk_server import SdkListener, SdkServer
 from flowsched.agent.telemetry import SlotTelemetry, Telemetry
 from flowsched.fdlimit import raise_fd_limit
 from flowsched.lograte import RepeatLog
@@ -114,7 +114,7 @@ class Agent:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._qos_due = asyncio.Event()  # the policy changed: converge --qos-dev now
-        self._servers: list[asyncio.AbstractServer] = []
+        self._servers: list[asyncio.AbstractServer | SdkListener] = []
         self.sdk: SdkServer | None = None
         self.stats: dict[str, float] = {
             "levels_written": 0,
@@ -333,8 +333,9 @@ class Agent:
             self._repeat_log.log(
                 "reap:unplaced", logging.WARNING,
                 "flow table %s: %d slots (first: %d) belong to processes of another pid "
-                "namespace that /proc does not let the agent place (it needs CAP_SYS_PTRACE, "
-                "or their uid, gid and capabilities); kept, and never linked to SDK flows",
+                "namespace that /proc does not let the agent place (a plugin older than the "
+                "agent, two processes with one pid there that started in the same clock tick, "
+                "or /proc hidden); kept until they close",
                 self.config.table_path, len(found.unplaced), found.unplaced[0],
             )  # fmt: skip
         for index, exc in found.errors[:1]:
@@ -360,10 +361,21 @@ class Agent:
             level = self.view.default_level(conn.cls)
         return level
 
-    def process_key(self, pid: int) -> int:
-        """The registry's name for our process ``pid`` (an SDK client): the number its NCCL
-        connections' slots name it by (:meth:`flowsched.shm.pidns.PidNamespaces.key_of`)."""
-        return pid if self.table is None else self.table.pid_namespaces.key_of(pid)
+    def process_key(self, pid: int, shown_ns: int = 0) -> int:
+        """The registry's name for our process ``pid`` (an SDK client that showed pid namespace
+        ``shown_ns``, 0 = none): the number its NCCL connections' slots name it by
+        (:meth:`flowsched.shm.pidns.PidNamespaces.key_of`)."""
+        if self.table is None:
+            return pid
+        spaces = self.table.pid_namespaces
+        key = spaces.key_of(pid, shown_ns)
+        if key == pid and spaces.hidden(pid):
+            self._repeat_log.log(
+                "sdk:hidden", logging.WARNING,
+                "SDK client pid %d runs in another pid namespace and did not show it (an SDK "
+                "older than the agent): its flows are not linked to its NCCL connections", pid,
+            )  # fmt: skip
+        return key
 
     def write_slot(self, key: SlotKey) -> None:
         """Write the level the slot's flow (or its SDK flow) has into the slot."""

@@ -1,9 +1,12 @@
 """Wire format between applications (:mod:`flowsched.client`) and their node agent (sans-IO).
 
-Transport: a unix stream socket. Framing is the agent/coordinator protocol's (4-byte big-endian
-length, msgpack body, bounded size; :data:`MAX_SDK_FRAME` = 64 KiB here). A body is a msgpack
-map with the message type under ``"t"``. Decoding builds only plain msgpack values and checks
-every field; an unknown type or field, or a value of the wrong type or range, raises
+Transport: a unix stream socket. The client's first frame may carry one descriptor of its
+``/proc/self/ns/pid`` (``SCM_RIGHTS``): the agent keys the client's flows by that pid namespace
+where it may not read the client's namespace link (:mod:`flowsched.shm.pidns`); an agent that
+does not look for it never sees it. Framing is the agent/coordinator protocol's (4-byte
+big-endian length, msgpack body, bounded size; :data:`MAX_SDK_FRAME` = 64 KiB here). A body is
+a msgpack map with the message type under ``"t"``. Decoding builds only plain msgpack values
+and checks every field; an unknown type or field, or a value of the wrong type or range, raises
 :class:`SdkProtocolError` naming the message type and field (``open.deadline: expected ...``).
 
 Client -> agent:

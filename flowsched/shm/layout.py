@@ -62,7 +62,8 @@ Slot ``i`` (``SLOT_SIZE`` = 128 bytes, at ``HEADER_SIZE + i * SLOT_SIZE``)::
     108  4     -     reserved
     112  8     u64   pid_ns         plugin   inode of the owner's pid namespace (0 = unknown):
                                              ``pid`` is its pid there (docs/deploy.md)
-    120  8     -     reserved
+    120  8     u64   start_ticks    plugin   the owner's start, clock ticks after boot as the
+                                             host counts them (0 = unknown; flowsched.shm.pidns)
 
 Slot life cycle (the state machine):
 
@@ -161,6 +162,7 @@ SLOT_FIELDS: tuple[tuple[str, int, str], ...] = (
     ("level_set_ns", 96, "<Q"),
     ("dev", 104, "<I"),
     ("pid_ns", 112, "<Q"),
+    ("start_ticks", 120, "<Q"),
 )
 
 CLASS_MAP_ENTRY = struct.Struct("<iI")

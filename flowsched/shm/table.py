@@ -49,7 +49,7 @@ from types import TracebackType
 from flowsched import rundir
 from flowsched.flocks import lock_within
 from flowsched.shm import layout as L
-from flowsched.shm.pidns import UNKNOWN, PidNamespaces
+from flowsched.shm.pidns import UNKNOWN, PidNamespaces, start_ticks
 
 _HEADER = {name: (offset, struct.Struct(fmt)) for name, offset, fmt in L.HEADER_FIELDS}
 _SLOT = {name: (offset, struct.Struct(fmt)) for name, offset, fmt in L.SLOT_FIELDS}
@@ -62,7 +62,7 @@ _HEARTBEAT64 = L.HEADER_OFFSET["heartbeat_ns"] // 8
 _S32 = {name: L.SLOT_OFFSET[name] // 4 for name in ("state", "pid", "level")}
 _S64 = {
     name: L.SLOT_OFFSET[name] // 8
-    for name in ("claim_seq", "bytes", "level_set_ns", "open_ns", "pid_ns")
+    for name in ("claim_seq", "bytes", "level_set_ns", "open_ns", "pid_ns", "start_ticks")
 }
 #: offsets inside the config area (what _pack_config / _unpack_config handle)
 _AREA_FIELDS = ("class_map", "default_level", "level_marking", "gate_mode", "gate_min_share")
@@ -205,6 +205,7 @@ class SlotSnapshot:
     level_set_ns: int
     dev: int
     pid_ns: int
+    start_ticks: int
 
     @property
     def key(self) -> tuple[int, int]:
@@ -261,12 +262,12 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _read_text(path: str) -> str:
-    with open(path, encoding="ascii", errors="replace") as f:
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
         return f.read()
 
 
-def process_start_ns(pid: int, read: Callable[[str], str] = _read_text) -> int | None:
+def process_start_ns(pid: int, read: Callable[[str], bytes] = _read_bytes) -> int | None:
     """When process ``pid`` started, on the CLOCK_MONOTONIC clock of the table's ``*_ns``
     fields, or None when unknown (no such process, /proc unreadable or unparsable).
 
@@ -276,9 +277,10 @@ def process_start_ns(pid: int, read: Callable[[str], str] = _read_text) -> int |
     younger: the estimate errs towards "the slot's owner". ``read`` is injected by tests.
     """
     try:
-        text = read(f"/proc/{pid}/stat")
-        ticks = int(text[text.rindex(")") + 2 :].split()[19])  # fields 3.. follow "comm)"
-    except (OSError, ValueError, IndexError):
+        ticks = start_ticks(read(f"/proc/{pid}/stat"))
+    except OSError:
+        return None
+    if not ticks:
         return None
     offset = time.clock_gettime_ns(time.CLOCK_BOOTTIME) - monotonic_ns()
     return ticks * 1_000_000_000 // _clock_ticks() - max(offset, 0)
@@ -622,12 +624,12 @@ class FlowTable:
                 verdicts[pid] = (live, started_ns(pid) if live else None)
             return verdicts[pid]
 
-        placed: dict[tuple[int, int], int | None] = {}  # a process's connections: placed once
+        placed: dict[tuple[int, int, int], int | None] = {}  # a process's slots: placed once
 
-        def place(ns: int, pid: int, since_ns: int) -> int | None:
-            if (ns, pid) not in placed:
-                placed[ns, pid] = self.pid_namespaces.local_pid(ns, pid, since_ns)
-            return placed[ns, pid]
+        def place(ns: int, pid: int, since_ns: int, start: int) -> int | None:
+            if (ns, pid, start) not in placed:
+                placed[ns, pid, start] = self.pid_namespaces.local_pid(ns, pid, since_ns, start)
+            return placed[ns, pid, start]
 
         reaped: list[SlotSnapshot] = []
         claimed: dict[int, tuple[int, int]] = {}
@@ -646,7 +648,7 @@ class FlowTable:
         self,
         index: int,
         owner: Callable[[int], tuple[bool, int | None]],
-        place: Callable[[int, int, int], int | None],
+        place: Callable[[int, int, int, int], int | None],
         claimed: dict[int, tuple[int, int]],
         report: ReapReport,
     ) -> SlotSnapshot | None:
@@ -661,7 +663,7 @@ class FlowTable:
         if not 0 < pid <= MAX_PID:
             if settled:
                 report.bad_pid.append(index)
-        elif (here := place(self._u64[off // 8 + _S64["pid_ns"]], pid, opened)) == UNKNOWN:
+        elif (here := place(self._owner_ns(off), pid, opened, self._owner_start(off))) == UNKNOWN:
             report.unplaced.append(index)
             return None
         elif here is not None:
@@ -684,10 +686,18 @@ class FlowTable:
         self._free(off)
         return snap
 
+    def _owner_ns(self, off: int) -> int:
+        return int(self._u64[off // 8 + _S64["pid_ns"]])
+
+    def _owner_start(self, off: int) -> int:
+        return int(self._u64[off // 8 + _S64["start_ticks"]])
+
     def _free(self, off: int) -> None:
-        """FREE the slot at ``off``, its ``pid_ns`` zeroed first: a plugin older than that
-        field claims it without writing one, and must not inherit its predecessor's."""
+        """FREE the slot at ``off``, its ``pid_ns`` and ``start_ticks`` zeroed first: a plugin
+        older than those fields claims it without writing them, and must not inherit its
+        predecessor's."""
         self._u64[off // 8 + _S64["pid_ns"]] = 0
+        self._u64[off // 8 + _S64["start_ticks"]] = 0
         self._u32[off // 4 + _S32["state"]] = L.SLOT_FREE
 
     def owner_key(self, snap: SlotSnapshot) -> int:
@@ -957,6 +967,7 @@ class EmulatedPluginSlot:
         direction: int = L.DIR_SEND,
         pid: int | None = None,
         pid_ns: int | None = None,
+        start_ticks: int | None = None,
         take_closed: bool = False,
     ) -> None:
         self.table = table
@@ -966,6 +977,9 @@ class EmulatedPluginSlot:
         # the plugin's: this process's namespace (this table object's PidNamespaces is ours)
         _put_slot(mm, off, "pid_ns", table.pid_namespaces.own if pid_ns is None else pid_ns)
         _put_slot(mm, off, "pid", os.getpid() if pid is None else pid)
+        if start_ticks is None:  # the plugin's: this process's start (a pid of another, none)
+            start_ticks = table.pid_namespaces.start_of(os.getpid()) if pid is None else 0
+        _put_slot(mm, off, "start_ticks", start_ticks)
         for name, value in (
             ("comm_id", comm_id),
             ("peer_rank", peer_rank),

@@ -1,8 +1,11 @@
 /* SPDX-License-Identifier: Apache-2.0 */
 #include "flow_table.h"
 
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -378,9 +381,67 @@ static uint64_t own_pid_namespace(void) {
   return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
+/* Reads a small /proc file whole into buf, NUL-terminated; its length, -1 when unreadable. */
+static ssize_t read_small(const char* path, char* buf, size_t size) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return -1;
+  size_t len = 0;
+  while (len < size - 1) {
+    ssize_t n = read(fd, buf + len, size - 1 - len);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    len += (size_t)n;
+  }
+  close(fd);
+  buf[len] = '\0';
+  return (ssize_t)len;
+}
+
+/* The boottime offset of this process's time namespace, in clock ticks, into *ticks (0 on a
+ * kernel without time namespaces). 0 on success, -1 when it is not a whole number of ticks. */
+static int boottime_offset_ticks(long long* ticks) {
+  char buf[256];
+  *ticks = 0;
+  if (read_small("/proc/self/timens_offsets", buf, sizeof(buf)) < 0) return 0;
+  long hz = sysconf(_SC_CLK_TCK);
+  if (hz <= 0) hz = 100;
+  char* save = NULL;
+  for (char* line = strtok_r(buf, "\n", &save); line != NULL; line = strtok_r(NULL, "\n", &save)) {
+    char name[16];
+    long long sec, nsec;
+    if (sscanf(line, "%15s %lld %lld", name, &sec, &nsec) != 3) continue;
+    if (strcmp(name, "boottime") != 0 && strcmp(name, "7") != 0) continue; /* 7: its clock id */
+    long long part = nsec * hz; /* nsec < 1e9, hz <= 1e6: no overflow */
+    if (part % 1000000000LL != 0) return -1;
+    *ticks = sec * hz + part / 1000000000LL;
+  }
+  return 0;
+}
+
+/* This process's start in clock ticks after boot as the host counts them, 0 when /proc cannot
+ * say: field 22 of /proc/self/stat, less its time namespace's boottime offset (/proc shows a
+ * process in that namespace every start shifted by it). With the pid it lets an agent that may not read this
+ * process's namespace link find it (flowsched/shm/pidns.py). Read at every claim, as the
+ * namespace is: a forked child has a start of its own. */
+static uint64_t own_start_ticks(void) {
+  char buf[1024];
+  if (read_small("/proc/self/stat", buf, sizeof(buf)) <= 0) return 0;
+  const char* field = strrchr(buf, ')'); /* the command name, field 2, may hold anything */
+  for (int n = 2; field != NULL && n < 22; n++) {
+    field = strchr(field + 1, ' '); /* the space before field n + 1 */
+  }
+  if (field == NULL) return 0;
+  char* end;
+  unsigned long long ticks = strtoull(field + 1, &end, 10);
+  long long offset;
+  if (end == field + 1 || boottime_offset_ticks(&offset) != 0) return 0;
+  return (long long)ticks > offset ? (uint64_t)((long long)ticks - offset) : 0;
+}
+
 static void slot_fill(struct fs_table_slot* slot, const struct fs_flow_info* info) {
   uint64_t now = fs_now_ns();
-  slot->pid_ns = own_pid_namespace(); /* with the pid, before ACTIVE: the agent reads both */
+  slot->pid_ns = own_pid_namespace(); /* with the pid, before ACTIVE: the agent reads them */
+  slot->start_ticks = own_start_ticks();
   slot->pid = (uint32_t)getpid();
   atomic_fetch_add(&slot->claim_seq, 1);
   slot->comm_id = info->comm_id;

@@ -96,7 +96,7 @@ struct fs_table_slot {
   uint32_t dev;
   uint8_t reserved1[4];
   uint64_t pid_ns; /* inode of the owner's pid namespace (0 = unknown): `pid` is a pid there */
-  uint8_t reserved2[8];
+  uint64_t start_ticks; /* the owner's start, clock ticks after boot (host's count; 0 unknown) */
 };
 
 _Static_assert(sizeof(struct fs_table_header) == FS_TABLE_HEADER_SIZE, "header size");
@@ -115,6 +115,7 @@ _Static_assert(offsetof(struct fs_table_slot, bytes) == 40, "bytes");
 _Static_assert(offsetof(struct fs_table_slot, applied_level) == 84, "applied_level");
 _Static_assert(offsetof(struct fs_table_slot, dev) == 104, "dev");
 _Static_assert(offsetof(struct fs_table_slot, pid_ns) == 112, "pid_ns");
+_Static_assert(offsetof(struct fs_table_slot, start_ticks) == 120, "start_ticks");
 
 /* A snapshot of the config area (taken under the seqlock) or of the compiled defaults. */
 struct fs_table_config {

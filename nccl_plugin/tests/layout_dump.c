@@ -64,6 +64,7 @@ int main(void) {
   FIELD(struct fs_table_slot, level_set_ns);
   FIELD(struct fs_table_slot, dev);
   FIELD(struct fs_table_slot, pid_ns);
+  FIELD(struct fs_table_slot, start_ticks);
   printf("}, \"sizes\": {\"header\": %zu, \"slot\": %zu, \"class_map_entry\": %zu, "
          "\"level_marking_entry\": %zu}",
          sizeof(struct fs_table_header), sizeof(struct fs_table_slot),

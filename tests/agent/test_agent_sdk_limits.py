@@ -198,3 +198,17 @@ def test_a_resync_the_coordinator_does_not_read_ends_the_session(tmp_path: Path)
         assert agent.table is not None
         agent.table.detach()
         agent.table.close()
+
+
+def test_what_a_client_passes_as_its_namespace_is_checked_and_closed(tmp_path: Path) -> None:
+    """A client shows its pid namespace with a descriptor; anything else it passes (a file, a
+    network namespace) shows none, and every descriptor it passed is closed."""
+    own = os.open("/proc/self/ns/pid", os.O_RDONLY)
+    inode = os.fstat(own).st_ino
+    other = [os.open(tmp_path, os.O_RDONLY), os.open("/proc/self/ns/net", os.O_RDONLY)]
+    assert sdk_server._shown_namespace([own]) == inode
+    assert sdk_server._shown_namespace(other) == 0
+    assert sdk_server._shown_namespace([]) == 0
+    for fd in (own, *other):
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed

@@ -18,7 +18,7 @@ from agent_helpers import agent_config, wait_until
 from pid_namespace import unshared
 
 from flowsched import client
-from flowsched.agent import AgentConfig, serve
+from flowsched.agent import AgentConfig, sdk_server, serve
 from flowsched.agent.threaded import AgentThread
 from flowsched.model import FlowClass
 from flowsched.shm import layout, pidns
@@ -147,6 +147,44 @@ def test_stopping_ends_the_sdk_connections_before_serve_returns(
 
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         asyncio.run(main())
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+
+
+def test_a_client_that_has_sent_nothing_yet_ends_with_the_agent(
+    tmp_path: Path,
+    fresh_sdk_connections: None,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The agent reads a client's first bytes itself (they may carry the client's namespace
+    descriptor); a client that connected and said nothing is let go at shutdown, not left to
+    the idle timeout or to close()'s cancel of late handlers."""
+    monkeypatch.setattr(sdk_server, "CLOSE_TIMEOUT", 600.0)  # a handler left to it hangs
+    config = agent_config(tmp_path, metrics_port=None)
+    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    handlers: list[asyncio.Task[None]] = []
+
+    async def main() -> None:
+        async def trigger() -> None:
+            await asyncio.to_thread(silent.connect, config.socket_path)
+            wait = asyncio.get_running_loop().time() + 10
+            while not handlers and asyncio.get_running_loop().time() < wait:
+                tasks = asyncio.all_tasks()
+                handlers.extend(t for t in tasks if t.get_coro().__qualname__ == "SdkServer._serve")
+                await asyncio.sleep(0)
+            assert handlers, "the silent client's handler task was not found"
+
+        async with asyncio.timeout(60):
+            await serve(config, shutdown_trigger=trigger)
+        assert all(t.done() and not t.cancelled() for t in handlers)
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="asyncio"):
+            asyncio.run(main())
+        silent.settimeout(5)
+        assert silent.recv(1) == b""  # closed by the agent
+    finally:
+        silent.close()
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 

@@ -55,6 +55,7 @@ _BLANK = SlotSnapshot(
     0,
     0,
     0,
+    0,
 )
 
 

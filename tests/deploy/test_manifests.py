@@ -304,45 +304,51 @@ def test_pods_carry_no_service_account_token() -> None:
 
 _PLACE = (
     "import sys; from flowsched.shm.pidns import PidNamespaces; "
-    "print(PidNamespaces().local_pid(int(sys.argv[1]), int(sys.argv[2]), 1))"
+    "print(PidNamespaces().local_pid(*map(int, sys.argv[1:])) or 0)"
 )
 
 
-def _placed_as_the_agent(capabilities: list[str], ns: int, inner: int) -> int:
+def _placed_as_the_agent(capabilities: list[str], ns: int, inner: int, start: int) -> int:
     """What an agent with the DaemonSet's uid, gid and ``capabilities`` finds for process
-    ``inner`` of pid namespace ``ns`` (PidNamespaces.local_pid: a pid, or -1 = unknown)."""
+    ``inner`` of pid namespace ``ns`` that started at tick ``start`` (0 = unknown), claimed
+    before the probe began (PidNamespaces.local_pid: a pid, -1 = unknown, 0 = gone)."""
     context = AGENT_CONTAINER["securityContext"]
     caps = ",".join(["-all", *(f"+{c.lower()}" for c in capabilities)])
     command = [
         "setpriv", f"--reuid={context['runAsUser']}", f"--regid={context['runAsGroup']}",
         "--clear-groups", f"--bounding-set={caps}", "--inh-caps=-all", "--",
-        sys.executable, "-c", _PLACE, str(ns), str(inner),
+        sys.executable, "-c", _PLACE, str(ns), str(inner), "1", str(start),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=30, check=True)
     return int(done.stdout)
 
 
 def test_the_daemonsets_capabilities_let_the_agent_place_a_job_in_its_own_pid_namespace() -> None:
-    """The example job has no hostPID: the agent must read its processes' /proc/<pid>/ns/pid.
-    A root job process holds the container's default capabilities, so an agent with NET_ADMIN
-    alone (uid 0, gid 10001) is refused that read; the DaemonSet's SYS_PTRACE allows it."""
+    """The example job has no hostPID. A root job process holds the container's default
+    capabilities, so the kernel refuses an agent with NET_ADMIN alone (uid 0, gid 10001) the
+    read of its /proc/<pid>/ns/pid; the agent places it by its pid there and its start tick,
+    which the plugin writes into its slots, from world-readable /proc files."""
     job = find(EXAMPLE_JOB, "Pod")["spec"]
     assert AGENT_POD["hostPID"] is True and "hostPID" not in job
     if os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv(1) to run a probe with the agent's credentials")
     script = (
-        "import os, sys; ns = os.readlink('/proc/self/ns/pid')[5:-1]; "
-        "print(os.getpid(), ns, flush=True); sys.stdin.readline()"
+        "import os, sys; from flowsched.shm.pidns import start_ticks; "
+        "ns = os.readlink('/proc/self/ns/pid')[5:-1]; "
+        "start = start_ticks(open('/proc/self/stat', 'rb').read()); "
+        "print(os.getpid(), ns, start, flush=True); sys.stdin.readline()"
     )
     child = unshared(sys.executable, "-c", script)
     try:
         assert child.stdout is not None
-        inner, ns = map(int, child.stdout.readline().split())
+        inner, ns, start = map(int, child.stdout.readline().split())
         capabilities = AGENT_CONTAINER["securityContext"]["capabilities"]["add"]
-        here = _placed_as_the_agent(capabilities, ns, inner)
+        assert "SYS_PTRACE" not in capabilities
+        here = _placed_as_the_agent(capabilities, ns, inner, start)
         assert here > 0 and Path(f"/proc/{here}/ns/pid").exists()
-        without = [c for c in capabilities if c != "SYS_PTRACE"]
-        assert _placed_as_the_agent(without, ns, inner) == -1  # unknown: kept, never reaped
+        # its namespace link is refused: without the start, the job process is not placed
+        assert _placed_as_the_agent(capabilities, ns, inner, 0) == -1  # kept, never reaped
+        assert _placed_as_the_agent(capabilities, ns, inner, start + 1) == 0  # another process
     finally:
         child.kill()
         child.wait()
@@ -465,10 +471,7 @@ def test_table_owner_and_group_let_job_users_in() -> None:
     # the plugin maps only a table owned by root or by its own user: the agent runs as root,
     # in the image's flowsched group, which the job pods carry as a supplementary group
     context = AGENT_CONTAINER["securityContext"]
-    assert context["runAsUser"] == 0 and context["capabilities"]["add"] == [
-        "NET_ADMIN",
-        "SYS_PTRACE",
-    ]
+    assert context["runAsUser"] == 0 and context["capabilities"]["add"] == ["NET_ADMIN"]
     gid = context["runAsGroup"]
     assert _flags(AGENT_CONTAINER["args"])["group"] == "flowsched"
     assert f"groupadd --system --gid {gid} flowsched" in (ROOT / "agent" / "Dockerfile").read_text()

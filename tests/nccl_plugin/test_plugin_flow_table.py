@@ -23,6 +23,7 @@ from flowsched.nccl.harness import (
     loopback_message,
 )
 from flowsched.shm import layout
+from flowsched.shm.pidns import start_ticks
 
 
 @pytest.fixture
@@ -62,6 +63,7 @@ def test_connection_claims_and_fills_slots(table: TestTable, fresh_lib: Path) ->
         assert slot["state"] == layout.SLOT_ACTIVE
         assert slot["pid"] == os.getpid() and slot["comm_id"] == 0xABC
         assert slot["pid_ns"] == os.stat("/proc/self/ns/pid").st_ino  # where that pid is valid
+        assert slot["start_ticks"] == start_ticks(Path("/proc/self/stat").read_bytes()) != 0
         assert slot["traffic_class"] == 2 and slot["class_id"] == FlowClass.TP  # unmapped tc
         assert slot["peer_rank"] == 5 and slot["claim_seq"] == 1 and slot["dev"] == 0
         assert slot["bytes"] == 20_010 and slot["messages"] == 3, direction

@@ -16,10 +16,17 @@ from pid_namespace import unshared
 
 from flowsched.shm import layout as L
 from flowsched.shm import pidns
-from flowsched.shm.pidns import UNKNOWN, PidNamespaces, namespace_inode, nspids
+from flowsched.shm.pidns import (
+    UNKNOWN,
+    PidNamespaces,
+    boottime_offset_ticks,
+    namespace_inode,
+    nspids,
+    start_ticks,
+)
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
-OWN, JOB = 4026531836, 4026532999
+OWN, JOB, OTHER = 4026531836, 4026532999, 4026533111
 
 
 @pytest.mark.parametrize(
@@ -44,8 +51,41 @@ def test_nspids(status: bytes, pids: tuple[int, ...]) -> None:
     assert nspids(status) == pids
 
 
+def _stat(pid: int, start: int) -> bytes:
+    """A /proc/<pid>/stat text whose field 22 is ``start`` (and whose command name misleads)."""
+    return f"{pid} (a) b (c) S ".encode() + b" ".join([b"0"] * 18 + [str(start).encode()] * 31)
+
+
+@pytest.mark.parametrize(
+    "stat,ticks",
+    [
+        (_stat(42, 6051345), 6051345),
+        (b"42 (python) S 1 42 42 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 777 9 9", 777),
+        (b"42 (python) S 1 42", 0),  # cut short
+        (b"42 (python) S 1 42 42 0 -1 4194560 1 0 0 0 0 0 0 0 20 0 1 0 x 9", 0),
+    ],
+)
+def test_start_ticks(stat: bytes, ticks: int) -> None:
+    assert start_ticks(stat) == ticks
+
+
+@pytest.mark.parametrize(
+    "offsets,hz,ticks",
+    [
+        (b"monotonic           0         0\nboottime         1000         0\n", 100, 100_000),
+        (b"monotonic 5 0\n", 100, 0),  # no boottime offset
+        (b"", 100, 0),
+        (b"7 -2 0\n", 100, -200),  # older kernels name the clock by its id
+        (b"boottime 1 20000000\n", 100, 102),
+        (b"boottime 0 5000000\n", 100, None),  # half a tick: starts cannot be compared
+    ],
+)
+def test_boottime_offset_ticks(offsets: bytes, hz: int, ticks: int | None) -> None:
+    assert boottime_offset_ticks(offsets, hz) == ticks
+
+
 class FakeProc:
-    """A /proc tree of symlinks and status files, and a clock the test moves."""
+    """A /proc tree of symlinks, status and stat files, and a clock the test moves."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -54,11 +94,12 @@ class FakeProc:
         (root / "self" / "ns").mkdir(parents=True)
         os.symlink(f"pid:[{OWN}]", root / "self" / "ns" / "pid")
 
-    def spawn(self, here: int, ns: int, inner: int) -> None:
+    def spawn(self, here: int, ns: int, inner: int, start: int = 5_000) -> None:
         (self.root / str(here) / "ns").mkdir(parents=True)
         os.symlink(f"pid:[{ns}]", self.root / str(here) / "ns" / "pid")
         pids = f"{here}\t{inner}" if ns != OWN else f"{here}"
         (self.root / str(here) / "status").write_text(f"Name:\tx\nNSpid:\t{pids}\n")
+        (self.root / str(here) / "stat").write_bytes(_stat(here, start))
 
     def exit(self, here: int) -> None:
         shutil.rmtree(self.root / str(here))
@@ -150,6 +191,130 @@ def test_an_owner_that_cannot_be_placed_is_unknown_not_gone(
     assert spaces.local_pid(JOB, 12, since_ns=900) == UNKNOWN  # pid 12 is 700's, unplaced
     assert spaces.local_pid(JOB, 13, since_ns=900) == 701
     assert spaces.local_pid(JOB, 14, since_ns=900) is None  # no process has that pid there
+
+
+def _deny(monkeypatch: pytest.MonkeyPatch, *suffixes: str) -> None:
+    """Make reads of /proc paths that end with one of ``suffixes`` fail as the kernel refuses
+    them (EACCES): a namespace link of a process the agent may not ptrace, a hidden file. The
+    agent's own entries (``self``) stay readable."""
+    readlink, opener = os.readlink, open
+
+    def check(path: str) -> None:
+        if str(path).endswith(suffixes) and "/self/" not in str(path):
+            raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(pidns.os, "readlink", lambda p: check(p) or readlink(p))
+    monkeypatch.setattr(pidns, "open", lambda p, *a: check(p) or opener(p, *a), raising=False)
+
+
+def test_an_owner_whose_namespace_link_is_refused_is_placed_by_its_start(
+    proc: FakeProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without ptrace rights the agent reads no job's namespace link; the pid there and the
+    start tick (world-readable) tell two namespaces' processes of the same pid apart."""
+    proc.spawn(700, JOB, 12, start=5_000)
+    proc.spawn(701, OTHER, 12, start=6_000)
+    proc.spawn(702, OWN, 702, start=5_000)
+    _deny(monkeypatch, "/ns/pid")
+    spaces = proc.namespaces()
+    assert spaces.local_pid(JOB, 12, since_ns=900, start=5_000) == 700
+    assert spaces.local_pid(OTHER, 12, since_ns=900, start=6_000) == 701
+    assert spaces.local_pid(JOB, 12, since_ns=900, start=5_001) is None  # no such process
+    assert spaces.local_pid(JOB, 13, since_ns=900, start=5_000) is None
+    assert spaces.local_pid(JOB, 12, since_ns=900) == UNKNOWN  # no start (an older plugin)
+    assert spaces.scans == 1
+    proc.exit(700)
+    assert spaces.local_pid(JOB, 12, since_ns=900, start=5_000) is None  # its process left
+
+
+def test_a_process_that_left_since_the_scan_does_not_make_an_owner_unknown(
+    proc: FakeProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc.spawn(700, JOB, 1, start=5_000)  # two pods' first processes
+    proc.spawn(701, OTHER, 1, start=6_000)
+    _deny(monkeypatch, "/ns/pid")
+    spaces = proc.namespaces()
+    assert spaces.local_pid(JOB, 9, since_ns=900, start=1) is None and spaces.scans == 1
+    proc.exit(701)
+    assert spaces.local_pid(OTHER, 1, since_ns=900, start=6_000) is None
+    assert spaces.local_pid(JOB, 1, since_ns=900, start=5_000) == 700 and spaces.scans == 1
+
+
+@pytest.mark.parametrize(
+    "denied",
+    [
+        pytest.param(("/ns/pid",), id="same-start"),  # two of pid 12 started in one tick
+        pytest.param(("/ns/pid", "/701/stat"), id="a-start-unread"),
+    ],
+)
+def test_a_start_two_processes_could_have_leaves_the_owner_unknown(
+    proc: FakeProc, monkeypatch: pytest.MonkeyPatch, denied: tuple[str, ...]
+) -> None:
+    proc.spawn(700, JOB, 12, start=5_000)
+    proc.spawn(701, OTHER, 12, start=5_000)
+    _deny(monkeypatch, *denied)
+    spaces = proc.namespaces()
+    assert spaces.local_pid(JOB, 12, since_ns=900, start=5_000) == UNKNOWN  # kept
+    assert spaces.local_pid(JOB, 13, since_ns=900, start=5_000) is None
+
+
+def test_an_entry_nothing_of_which_can_be_read_makes_every_miss_unknown(
+    proc: FakeProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc.spawn(700, JOB, 12)
+    proc.spawn(701, JOB, 13)
+    _deny(monkeypatch, "/700/ns/pid", "/700/status")  # /proc mounted with hidepid, say
+    spaces = proc.namespaces()
+    assert spaces.local_pid(JOB, 13, since_ns=900) == 701  # placed as ever
+    assert spaces.local_pid(JOB, 12, since_ns=900, start=5_000) == UNKNOWN
+    assert spaces.local_pid(JOB, 14, since_ns=900) == UNKNOWN  # 700 could be that owner
+
+
+def test_our_own_time_namespace_shifts_every_start_we_read(
+    proc: FakeProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hz = os.sysconf("SC_CLK_TCK")
+    proc.spawn(700, JOB, 12, start=5_000 + 10 * hz)
+    _deny(monkeypatch, "/ns/pid")
+    (proc.root / "self" / "timens_offsets").write_text("monotonic 0 0\nboottime 10 0\n")
+    spaces = proc.namespaces()
+    assert spaces.start_of(700) == 5_000
+    assert spaces.local_pid(JOB, 12, since_ns=900, start=5_000) == 700
+    (proc.root / "self" / "timens_offsets").write_text("boottime 0 1\n")  # not a whole tick
+    spaces = proc.namespaces()
+    assert spaces.start_of(700) == 0
+    assert spaces.local_pid(JOB, 12, since_ns=900, start=5_000) == UNKNOWN
+
+
+@pytest.mark.parametrize(
+    "link_readable,shown,key",
+    [
+        (True, 0, JOB << 32 | 3),
+        (True, OTHER, JOB << 32 | 3),  # the kernel's word wins over the client's
+        (False, JOB, JOB << 32 | 3),
+        (False, 0, 620),  # an SDK client of an earlier release shows none: never linked
+        (False, OWN, 620),
+    ],
+)
+def test_an_sdk_client_is_keyed_by_the_namespace_it_shows_where_its_link_is_refused(
+    proc: FakeProc, monkeypatch: pytest.MonkeyPatch, link_readable: bool, shown: int, key: int
+) -> None:
+    proc.spawn(620, JOB, 3)
+    if not link_readable:
+        _deny(monkeypatch, "/620/ns/pid")
+    assert proc.namespaces().key_of(620, shown) == key
+
+
+def test_a_client_in_a_namespace_its_link_does_not_name_is_hidden(
+    proc: FakeProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc.spawn(620, JOB, 3)
+    proc.spawn(621, JOB, 4)
+    proc.spawn(622, OWN, 622)
+    _deny(monkeypatch, "/620/ns/pid", "/622/ns/pid")
+    spaces = proc.namespaces()
+    assert spaces.hidden(620) and not spaces.hidden(621) and not spaces.hidden(622)
+    assert not spaces.hidden(623)  # gone
 
 
 @pytest.mark.parametrize(
@@ -269,9 +434,9 @@ def test_a_reap_pass_places_each_owner_once_however_many_slots_it_has(
     asked: list[tuple[int, int]] = []
     local_pid = spaces.local_pid
 
-    def counted(ns: int, pid: int, since_ns: int = 0) -> int | None:
+    def counted(ns: int, pid: int, since_ns: int = 0, start: int = 0) -> int | None:
         asked.append((ns, pid))
-        return local_pid(ns, pid, since_ns)
+        return local_pid(ns, pid, since_ns, start)
 
     monkeypatch.setattr(spaces, "local_pid", counted)
     slots = [EmulatedPluginSlot(table, pid_ns=JOB, pid=7) for _ in range(5)]

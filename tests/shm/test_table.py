@@ -473,9 +473,9 @@ def test_reaping_a_large_table_judges_only_its_busy_slots_each_pid_once(
 # ---------------------------------------------------------------- reaper: pid reuse (#7)
 
 
-def _stat_text(pid: int, start_ticks: int) -> str:
+def _stat_text(pid: int, start_ticks: int) -> bytes:
     fields = ["S"] + ["0"] * 18 + [str(start_ticks)] + ["0"] * 30  # field 3 .. field 22 ..
-    return f"{pid} (a (weird) comm) " + " ".join(fields)
+    return f"{pid} (a (weird) comm) ".encode() + " ".join(fields).encode()
 
 
 def _ticks_at(mono_ns: int) -> int:
@@ -506,7 +506,7 @@ def test_a_slot_whose_pid_now_names_a_later_process_is_reaped(
         conn = EmulatedPluginSlot(table)  # our pid: alive
         open_ns = table.slot(conn.index).open_ns  # type: ignore[union-attr]
 
-        def read(path: str) -> str:
+        def read(path: str) -> bytes:
             assert path == f"/proc/{os.getpid()}/stat"
             if started_after_claim_s is None:
                 raise PermissionError(path)
