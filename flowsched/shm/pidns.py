@@ -91,9 +91,13 @@ class PidNamespaces:
             self.own = 0
         try:
             with open(f"{proc}/self/timens_offsets", "rb") as offsets:
-                shift = boottime_offset_ticks(offsets.read(), os.sysconf("SC_CLK_TCK") or 100)
-        except (OSError, ValueError):
-            shift = 0  # no time namespaces on this kernel
+                text = offsets.read()
+        except OSError:
+            text = b""  # no time namespaces on this kernel
+        try:
+            shift = boottime_offset_ticks(text, os.sysconf("SC_CLK_TCK") or 100)
+        except ValueError:
+            shift = None  # unreadable offsets: starts are not compared
         #: what our reads of /proc add to every start tick (None: starts are not compared)
         self._start_shift = shift
         self._found: dict[tuple[int, int], int] = {}

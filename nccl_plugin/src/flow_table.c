@@ -398,7 +398,8 @@ static ssize_t read_small(const char* path, char* buf, size_t size) {
 }
 
 /* The boottime offset of this process's time namespace, in clock ticks, into *ticks (0 on a
- * kernel without time namespaces). 0 on success, -1 when it is not a whole number of ticks. */
+ * kernel without time namespaces). 0 on success, -1 when it is unreadable or not a whole
+ * number of ticks (the process's starts then cannot be compared with the host's). */
 static int boottime_offset_ticks(long long* ticks) {
   char buf[256];
   *ticks = 0;
@@ -406,11 +407,14 @@ static int boottime_offset_ticks(long long* ticks) {
   long hz = sysconf(_SC_CLK_TCK);
   if (hz <= 0) hz = 100;
   char* save = NULL;
-  for (char* line = strtok_r(buf, "\n", &save); line != NULL; line = strtok_r(NULL, "\n", &save)) {
+  for (char* line = strtok_r(buf, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
     char name[16];
     long long sec, nsec;
-    if (sscanf(line, "%15s %lld %lld", name, &sec, &nsec) != 3) continue;
+    if (sscanf(line, "%15s", name) != 1) continue;
     if (strcmp(name, "boottime") != 0 && strcmp(name, "7") != 0) continue; /* 7: its clock id */
+    if (sscanf(line, "%*s %lld %lld", &sec, &nsec) != 2 || nsec < 0 || nsec >= 1000000000LL) {
+      return -1;
+    }
     long long part = nsec * hz; /* nsec < 1e9, hz <= 1e6: no overflow */
     if (part % 1000000000LL != 0) return -1;
     *ticks = sec * hz + part / 1000000000LL;
@@ -419,10 +423,10 @@ static int boottime_offset_ticks(long long* ticks) {
 }
 
 /* This process's start in clock ticks after boot as the host counts them, 0 when /proc cannot
- * say: field 22 of /proc/self/stat, less its time namespace's boottime offset (/proc shows a
- * process in that namespace every start shifted by it). With the pid it lets an agent that may not read this
- * process's namespace link find it (flowsched/shm/pidns.py). Read at every claim, as the
- * namespace is: a forked child has a start of its own. */
+ * say: field 22 of /proc/self/stat, less its time namespace's boottime offset (within such a
+ * namespace, /proc shows every start shifted by it). With the pid, it lets an agent that may
+ * not read this process's namespace link find it (flowsched/shm/pidns.py). Read at every
+ * claim, as the namespace is: a forked child has a start of its own. */
 static uint64_t own_start_ticks(void) {
   char buf[1024];
   if (read_small("/proc/self/stat", buf, sizeof(buf)) <= 0) return 0;

@@ -280,10 +280,11 @@ def test_our_own_time_namespace_shifts_every_start_we_read(
     spaces = proc.namespaces()
     assert spaces.start_of(700) == 5_000
     assert spaces.local_pid(JOB, 12, since_ns=900, start=5_000) == 700
-    (proc.root / "self" / "timens_offsets").write_text("boottime 0 1\n")  # not a whole tick
-    spaces = proc.namespaces()
-    assert spaces.start_of(700) == 0
-    assert spaces.local_pid(JOB, 12, since_ns=900, start=5_000) == UNKNOWN
+    for offsets in ("boottime 0 1\n", "boottime x 0\n"):  # not a whole tick, not a number
+        (proc.root / "self" / "timens_offsets").write_text(offsets)
+        spaces = proc.namespaces()
+        assert spaces.start_of(700) == 0
+        assert spaces.local_pid(JOB, 12, since_ns=900, start=5_000) == UNKNOWN
 
 
 @pytest.mark.parametrize(
