@@ -11,7 +11,9 @@ Reading another process's namespace link needs ptrace read access (``CAP_SYS_PTR
 same uid and gid and every capability it holds); ``status`` and ``stat`` are world-readable. So
 an owner is placed by its namespace and pid where the link can be read, and otherwise by its pid
 there and its start, to the clock tick: only two processes with the same pid in their
-namespaces that started in the same tick cannot be told apart.
+namespaces that started in the same tick cannot be told apart. Starts are compared as the host
+counts them: /proc shows a reader in a time namespace every start shifted by its boot-time
+offset, which the plugin and the agent each take off.
 
 :meth:`PidNamespaces.local_pid` (the reaper's question: does the owner live?) answers one of
 three ways: the pid here; None, the process is gone; or :data:`UNKNOWN`, and the agent keeps
