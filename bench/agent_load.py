@@ -21,7 +21,8 @@ places a new slot owner of such a namespace (:mod:`flowsched.shm.pidns`) and the
 an owner already placed, next to the baseline of reading every process's status file once:
 as root (which reads the processes' namespace links) and again with the agent DaemonSet's
 credentials (uid 0, gid 10001, NET_ADMIN alone, via ``setpriv``: links refused, owners
-placed by pid and start tick, one more file read per process of another namespace).
+placed by pid and start tick, which reads the stat files of the processes sharing the owner's
+pid in their namespaces when it places one).
 """
 
 from __future__ import annotations
@@ -244,14 +245,14 @@ def namespace_placement(procs: int, rounds: int = 5) -> Placements | None:
         spaces = PidNamespaces()
         spaces._scan()
         (ns, inner), here = next(iter(spaces._found.items()))
+        if shutil.which("setpriv") is None:
+            return with_links, None
         owner = f"{ns},{inner},{spaces.start_of(here)}"
         probe = [
             "setpriv", "--reuid=0", "--regid=10001", "--clear-groups",
             "--bounding-set=-all,+net_admin", "--inh-caps=-all", "--",
             sys.executable, __file__, "--placement-probe", owner, "--rounds", str(rounds),
         ]  # fmt: skip
-        if shutil.which("setpriv") is None:
-            return with_links, None
         done = subprocess.run(probe, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"the probe with the DaemonSet's credentials failed: {done.stderr}")
