@@ -174,25 +174,6 @@ def test_an_sdk_clients_key_comes_from_its_own_proc_entry(proc: FakeProc) -> Non
     assert spaces.scans == 0
 
 
-def test_an_owner_that_cannot_be_placed_is_unknown_not_gone(
-    proc: FakeProc, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    proc.spawn(700, JOB, 12)
-    proc.spawn(701, JOB, 13)
-    readlink = os.readlink
-
-    def denied(path: str) -> str:
-        if path.endswith("/700/ns/pid"):
-            raise PermissionError(13, "Permission denied", path)
-        return readlink(path)
-
-    monkeypatch.setattr(pidns.os, "readlink", denied)
-    spaces = proc.namespaces()
-    assert spaces.local_pid(JOB, 12, since_ns=900) == UNKNOWN  # pid 12 is 700's, unplaced
-    assert spaces.local_pid(JOB, 13, since_ns=900) == 701
-    assert spaces.local_pid(JOB, 14, since_ns=900) is None  # no process has that pid there
-
-
 def _deny(monkeypatch: pytest.MonkeyPatch, *suffixes: str) -> None:
     """Make reads of /proc paths that end with one of ``suffixes`` fail as the kernel refuses
     them (EACCES): a namespace link of a process the agent may not ptrace, a hidden file. The
@@ -205,6 +186,18 @@ def _deny(monkeypatch: pytest.MonkeyPatch, *suffixes: str) -> None:
 
     monkeypatch.setattr(pidns.os, "readlink", lambda p: check(p) or readlink(p))
     monkeypatch.setattr(pidns, "open", lambda p, *a: check(p) or opener(p, *a), raising=False)
+
+
+def test_an_owner_that_cannot_be_placed_is_unknown_not_gone(
+    proc: FakeProc, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc.spawn(700, JOB, 12)
+    proc.spawn(701, JOB, 13)
+    _deny(monkeypatch, "/700/ns/pid")
+    spaces = proc.namespaces()
+    assert spaces.local_pid(JOB, 12, since_ns=900) == UNKNOWN  # pid 12 is 700's, unplaced
+    assert spaces.local_pid(JOB, 13, since_ns=900) == 701
+    assert spaces.local_pid(JOB, 14, since_ns=900) is None  # no process has that pid there
 
 
 def test_an_owner_whose_namespace_link_is_refused_is_placed_by_its_start(
@@ -328,14 +321,7 @@ def test_a_placed_owner_whose_entry_turns_unreadable(
     proc.spawn(700, JOB, 12)
     spaces = proc.namespaces()
     assert spaces.local_pid(JOB, 12, since_ns=900) == 700
-    readlink, opener = os.readlink, open
-
-    def check(path: str) -> None:
-        if str(path).endswith(denied):
-            raise PermissionError(13, "Permission denied", path)
-
-    monkeypatch.setattr(pidns.os, "readlink", lambda p: check(p) or readlink(p))
-    monkeypatch.setattr(pidns, "open", lambda p, *a: check(p) or opener(p, *a), raising=False)
+    _deny(monkeypatch, denied)
     assert spaces.local_pid(JOB, 12, since_ns=900) == answer
 
 
