@@ -368,8 +368,8 @@ class Agent:
         if self.table is None:
             return pid
         spaces = self.table.pid_namespaces
-        key = spaces.key_of(pid, shown_ns)
-        if key == pid and spaces.hidden(pid):
+        key, hidden = spaces.client_key(pid, shown_ns)
+        if hidden:
             self._repeat_log.log(
                 "sdk:hidden", logging.WARNING,
                 "SDK client pid %d runs in another pid namespace and did not show it (an SDK "

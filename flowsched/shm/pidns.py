@@ -175,23 +175,25 @@ class PidNamespaces:
         ``pid`` when it is in our namespace or /proc does not say. ``shown_ns``: the pid
         namespace it showed a descriptor of (0 = none), taken where its link cannot be read
         (it could open only its own namespace or one nested in it: docs/security.md)."""
-        if self.own == 0:
-            return pid
-        entry = self._entry(str(pid))
-        if entry is None:
-            return pid
-        ns, pids = entry
-        if ns is None:
-            ns = shown_ns
-        if not self.foreign(ns):
-            return pid
-        return self.process_key(ns, pids[-1]) if len(pids) > 1 and pids[0] == pid else pid
+        return self.client_key(pid, shown_ns)[0]
 
     def hidden(self, pid: int) -> bool:
         """Whether our process ``pid`` lives in another pid namespace that /proc does not name
         to us (its link is unreadable): :meth:`key_of` cannot place it without ``shown_ns``."""
-        entry = self._entry(str(pid))
-        return entry is not None and entry[0] is None and len(entry[1]) > 1
+        return self.client_key(pid)[1]
+
+    def client_key(self, pid: int, shown_ns: int = 0) -> tuple[int, bool]:
+        """(:meth:`key_of`, whether the process is :meth:`hidden` and showed no namespace)
+        from one read of its /proc entry."""
+        entry = self._entry(str(pid)) if self.own else None
+        if entry is None:
+            return pid, False
+        ns, pids = entry
+        nested = len(pids) > 1 and pids[0] == pid
+        if ns is None and not shown_ns:
+            return pid, nested
+        ns = shown_ns if ns is None else ns
+        return (self.process_key(ns, pids[-1]) if nested and self.foreign(ns) else pid), False
 
     def _entry(self, name: str) -> tuple[int | None, tuple[int, ...]] | None:
         """What /proc/<name> says: (its namespace's inode, None when the link is unreadable;
