@@ -321,7 +321,10 @@ class FlowRegistry:
             return conn
         carrier = self._carrier(conn)
         if carrier is not None:
-            self._link(conn, carrier, now, base=0)
+            # A moved connection's bytes so far were carried before this agent saw it: only
+            # what it carries from now on counts toward the SDK flow.
+            moved = snap.flags & layout.SLOT_FLAG_MOVED
+            self._link(conn, carrier, now, base=None if moved else 0)
             return conn
         opened = now - max(mono_ns - snap.open_ns, 0) / 1e9 if snap.open_ns else now
         self._start_own_flow(conn, opened, base=0)

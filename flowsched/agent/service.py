@@ -188,9 +188,9 @@ class Agent:
         if info.num_slots != cfg.num_slots:
             log.warning(
                 "flow table %s has %d slots, not the %d asked for (--slots): an existing table "
-                "keeps its size. To resize it safely: stop the jobs that use it (each keeps "
-                "the table it mapped until it restarts), stop the agent, remove the file, and "
-                "start the agent with the new --slots",
+                "keeps its size. To resize it: stop the agent, remove the file, and start the "
+                "agent with the new --slots (running jobs move their connections to the new "
+                "table within a second while they send)",
                 cfg.table_path, info.num_slots, cfg.num_slots,
             )  # fmt: skip
         self.table.write_config(self.view.table_config())

@@ -47,10 +47,12 @@ Slot ``i`` (``SLOT_SIZE`` = 128 bytes, at ``HEADER_SIZE + i * SLOT_SIZE``)::
     32   4     u32   level          agent    level to use, or LEVEL_UNSET (use default_level)
     36   2     u16   class_id       plugin   FlowClass value
     38   1     u8    direction      plugin   DIR_SEND / DIR_RECV
-    39   1     -     reserved
+    39   1     u8    flags          plugin   SLOT_FLAG_* (0 on a plain claim; the agent zeroes
+                                             it when it frees the slot)
     40   8     u64   bytes          plugin   bytes handed to the sockets (atomic add)
     48   8     u64   messages       plugin   isend count (recv: completed irecv count)
-    56   8     u64   open_ns        plugin   CLOCK_MONOTONIC ns at claim
+    56   8     u64   open_ns        plugin   CLOCK_MONOTONIC ns at claim (moved: at the
+                                             connection's opening)
     64   8     u64   last_ns        plugin   CLOCK_MONOTONIC ns of the latest message
     72   4     u32   net_op         plugin   last setNetAttr op bits (0 = none seen)
     76   4     u32   net_algo       plugin   last setNetAttr algo bits
@@ -75,6 +77,11 @@ Slot life cycle (the state machine):
 * CLOSED -> FREE: the agent, after reporting the close. With no agent running, a plugin that
   finds no FREE slot may take a CLOSED one (CAS CLOSED -> CLAIMED). Slots whose ``pid`` no
   longer exists are reaped by the agent.
+* A connection made before the table existed (it ran on a private slot), or whose table was
+  re-created since, moves to the current table at a completed message once the plugin found
+  it (it looks at most once a second): it claims a slot as above, with ``flags`` MOVED and
+  ``bytes``, ``messages``, ``open_ns``, ``last_ns`` and ``applied_level`` carried over, and
+  marks the old slot CLOSED.
 
 The agent writes ``level`` with one aligned 4-byte store and then ``level_set_ns``; the plugin
 reads ``level`` with one atomic load on every isend. A torn or stale read only delays a
@@ -115,6 +122,9 @@ SLOT_CLOSED = 3
 DIR_SEND = 0
 DIR_RECV = 1
 
+#: slot flags: MOVED, the connection was open before this slot (its counters carry over)
+SLOT_FLAG_MOVED = 1 << 0
+
 #: (name, offset, struct format) of every header field.
 HEADER_FIELDS: tuple[tuple[str, int, str], ...] = (
     ("magic", 0, "<I"),
@@ -150,6 +160,7 @@ SLOT_FIELDS: tuple[tuple[str, int, str], ...] = (
     ("level", 32, "<I"),
     ("class_id", 36, "<H"),
     ("direction", 38, "<B"),
+    ("flags", 39, "<B"),
     ("bytes", 40, "<Q"),
     ("messages", 48, "<Q"),
     ("open_ns", 56, "<Q"),

@@ -193,6 +193,7 @@ class SlotSnapshot:
     level: int
     class_id: int
     direction: int
+    flags: int
     bytes: int
     messages: int
     open_ns: int
@@ -693,9 +694,10 @@ class FlowTable:
         return int(self._u64[off // 8 + _S64["start_ticks"]])
 
     def _free(self, off: int) -> None:
-        """FREE the slot at ``off``, its ``pid_ns`` and ``start_ticks`` zeroed first: a plugin
-        older than those fields claims it without writing them, and must not inherit its
-        predecessor's."""
+        """FREE the slot at ``off``, its ``pid_ns``, ``start_ticks`` and ``flags`` zeroed first:
+        a plugin older than those fields claims it without writing them, and must not inherit
+        its predecessor's."""
+        self._mm[off + L.SLOT_OFFSET["flags"]] = 0
         self._u64[off // 8 + _S64["pid_ns"]] = 0
         self._u64[off // 8 + _S64["start_ticks"]] = 0
         self._u32[off // 4 + _S32["state"]] = L.SLOT_FREE

@@ -3,6 +3,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,8 +44,10 @@ static struct {
   atomic_int warned_full;
   dev_t dev; /* the mapped file, to notice a re-created table (fs_table_attach) */
   ino_t ino;
+  char path[PATH_MAX]; /* where the table is looked for (the last fs_table_attach) */
   /* Tables replaced by a newer file at the same path: kept mapped for the connections whose
-   * slots are in them (they run on at their last level; the new agent cannot see them). */
+   * slots are in them until they move to the new table (fs_flow_rebind), or for good when it
+   * had no free slot for them (they run on at their last level, unseen by the new agent). */
   struct {
     uint8_t* base;
     size_t size;
@@ -58,6 +61,9 @@ static struct {
 
 /* What a flow watches when no table was mapped at its opening: a config_seq that never moves. */
 static const _Atomic uint32_t fs_no_table_config_seq = 0;
+
+_Atomic uint32_t fs_table_epoch = 0;
+_Atomic uint64_t fs_table_recheck_ns = UINT64_MAX;
 
 uint64_t fs_now_ns(void) {
   struct timespec ts;
@@ -172,7 +178,8 @@ static void table_publish(const char* path, const struct table_mapping* m) {
   fs_table.ino = m->ino;
   fs_table.num_slots = ((struct fs_table_header*)m->base)->num_slots;
   atomic_store(&fs_table.claim_cursor, 0);
-  fs_table.base = m->base; /* last: published to readers outside the lock */
+  fs_table.base = m->base; /* published to readers outside the lock */
+  atomic_fetch_add(&fs_table_epoch, 1); /* open connections elsewhere move here (rebind) */
   FS_INFO(NCCL_INIT | NCCL_NET, "flow table %s mapped (%u slots)", path, fs_table.num_slots);
 }
 
@@ -209,14 +216,25 @@ static void table_follow(const char* path) {
   pthread_mutex_lock(&fs_table.config_lock);
   fs_table.config_valid = 0; /* the new table's agent may have another policy */
   pthread_mutex_unlock(&fs_table.config_lock);
-  FS_WARN("flow table %s was re-created: connections made from now on use the new one, the "
-          "earlier ones keep their slots in the old one (not seen by the agent) until they close",
+  FS_WARN("flow table %s was re-created: connections move to the new one at their next "
+          "completed message",
           path);
   table_publish(path, &m);
 }
 
+/* Remember where to look for the table and arm the periodic look (fs_table_recheck). */
+static void table_remember_path(const char* path) {
+  if (strcmp(fs_table.path, path) != 0) {
+    snprintf(fs_table.path, sizeof(fs_table.path), "%s", path);
+  }
+  if (atomic_load(&fs_table_recheck_ns) == UINT64_MAX) {
+    atomic_store(&fs_table_recheck_ns, fs_now_ns() + FS_TABLE_RECHECK_NS);
+  }
+}
+
 int fs_table_attach(const char* path) {
   pthread_mutex_lock(&fs_table.lock);
+  table_remember_path(path);
   int rc = 0;
   if (fs_table.base == NULL) {
     rc = table_map(path);
@@ -236,6 +254,7 @@ void fs_table_detach(void) {
     munmap(fs_table.retired[i].base, fs_table.retired[i].size);
   }
   fs_table.nretired = 0;
+  atomic_store(&fs_table_recheck_ns, UINT64_MAX); /* no connection left to move */
   fs_table.base = NULL;
   fs_table.size = 0;
   fs_table.num_slots = 0;
@@ -454,6 +473,7 @@ static void slot_fill(struct fs_table_slot* slot, const struct fs_flow_info* inf
   atomic_store_explicit(&slot->level, FS_LEVEL_UNSET, memory_order_relaxed);
   slot->class_id = info->class_id;
   slot->direction = info->direction;
+  slot->flags = 0;
   atomic_store_explicit(&slot->bytes, 0, memory_order_relaxed);
   atomic_store_explicit(&slot->messages, 0, memory_order_relaxed);
   slot->open_ns = now;
@@ -467,23 +487,31 @@ static void slot_fill(struct fs_table_slot* slot, const struct fs_flow_info* inf
   slot->dev = info->dev;
 }
 
+/* A slot of the mapped table for a connection, CLAIMED; NULL when the table is full. Caller
+ * holds `lock` and has checked that a table is mapped. */
+static struct fs_table_slot* slot_claim_locked(void) {
+  struct fs_table_slot* slot = slot_claim_from(FS_SLOT_FREE);
+  if (slot == NULL && !agent_alive()) {
+    /* Only with no live agent: a live agent frees CLOSED slots itself after reporting them,
+     * and taking one here could race its CLOSED -> FREE store. */
+    slot = slot_claim_from(FS_SLOT_CLOSED);
+  }
+  if (slot == NULL) {
+    FS_WARN_ONCE(fs_table.warned_full, "flow table full: new connections are not reported");
+  }
+  return slot;
+}
+
 void fs_flow_open(struct fs_flow* flow, const struct fs_flow_info* info) {
   memset(flow, 0, sizeof(*flow));
   struct fs_table_slot* slot = NULL;
   pthread_mutex_lock(&fs_table.lock);
   if (fs_table.base != NULL) {
-    slot = slot_claim_from(FS_SLOT_FREE);
-    if (slot == NULL && !agent_alive()) {
-      /* Only with no live agent: a live agent frees CLOSED slots itself after reporting them,
-       * and taking one here could race its CLOSED -> FREE store. */
-      slot = slot_claim_from(FS_SLOT_CLOSED);
-    }
-    if (slot == NULL) {
-      FS_WARN_ONCE(fs_table.warned_full, "flow table full: new connections are not reported");
-    }
+    slot = slot_claim_locked();
   }
   struct fs_table_header* hdr = table_header();
   flow->config_seq = hdr != NULL ? &hdr->config_seq : &fs_no_table_config_seq;
+  flow->table_epoch = atomic_load(&fs_table_epoch);
   pthread_mutex_unlock(&fs_table.lock);
   flow->slot = slot != NULL ? slot : &flow->local;
   slot_fill(flow->slot, info);
@@ -491,6 +519,91 @@ void fs_flow_open(struct fs_flow* flow, const struct fs_flow_info* info) {
   flow->seen_level = FS_LEVEL_UNSET;
   flow->seen_config_seq = FS_CONFIG_SEQ_NONE;
   flow->class_id = info->class_id;
+}
+
+/* The class a moved connection takes in the table it moves to: the one that table's class map
+ * gives its NCCL traffic class, else the one it had (from FLOWSCHED_CLASS or the defaults:
+ * which of those applied when it was made is not kept). Caller holds `lock`. */
+static uint16_t moved_class(const struct fs_table_slot* old) {
+  struct fs_table_config cfg;
+  fs_table_config(&cfg); /* `lock` before `config_lock`: the documented order */
+  int cls = cfg.from_table ? fs_table_class_for_traffic_class(&cfg, old->traffic_class) : -1;
+  return cls >= 0 ? (uint16_t)cls : old->class_id;
+}
+
+/* Move `flow` into the table published since it was bound: claim a slot there, fill it with
+ * what the connection's slot says, counters and applied level included, and mark it MOVED;
+ * the old slot (in a replaced table, or private) is CLOSED. Runs on the thread that drives
+ * the connection (its completed messages), so nothing else reads flow->slot meanwhile. A
+ * connection already in the current table (one that found it full at its opening), or that
+ * finds it full now, stays where it is. The level is re-applied at the next level check:
+ * seen_config_seq is reset, and the new slot's level is the agent's to write. */
+void fs_flow_rebind(struct fs_flow* flow) {
+  pthread_mutex_lock(&fs_table.lock);
+  flow->table_epoch = atomic_load(&fs_table_epoch);
+  struct fs_table_header* hdr = table_header();
+  struct fs_table_slot* slot = NULL;
+  if (hdr != NULL && flow->config_seq != &hdr->config_seq) {
+    slot = slot_claim_locked();
+  }
+  if (slot == NULL) {
+    pthread_mutex_unlock(&fs_table.lock);
+    return;
+  }
+  struct fs_table_slot* old = flow->slot;
+  struct fs_flow_info info = {
+      .comm_id = old->comm_id,
+      .peer_rank = atomic_load_explicit(&old->peer_rank, memory_order_relaxed),
+      .traffic_class = old->traffic_class,
+      .class_id = moved_class(old),
+      .direction = old->direction,
+      .dev = old->dev,
+      .net_op = atomic_load_explicit(&old->net_op, memory_order_relaxed),
+      .net_algo = atomic_load_explicit(&old->net_algo, memory_order_relaxed),
+      .net_proto = atomic_load_explicit(&old->net_proto, memory_order_relaxed),
+  };
+  flow->config_seq = &hdr->config_seq;
+  pthread_mutex_unlock(&fs_table.lock);
+  slot_fill(slot, &info);
+  slot->flags = FS_SLOT_FLAG_MOVED;
+  slot->open_ns = old->open_ns;
+#define FS_CARRY(field) \
+  atomic_store_explicit(&slot->field, atomic_load_explicit(&old->field, memory_order_relaxed), \
+                        memory_order_relaxed)
+  FS_CARRY(bytes);
+  FS_CARRY(messages);
+  FS_CARRY(last_ns);
+  FS_CARRY(applied_level); /* still what the sockets carry */
+  FS_CARRY(applied_ns);
+#undef FS_CARRY
+  atomic_store_explicit(&slot->state, FS_SLOT_ACTIVE, memory_order_release);
+  if (old != &flow->local) {
+    atomic_store_explicit(&old->state, FS_SLOT_CLOSED, memory_order_release);
+  }
+  flow->slot = slot;
+  flow->class_id = info.class_id;
+  flow->seen_config_seq = FS_CONFIG_SEQ_NONE;
+}
+
+/* Look for a table that appeared, or replaced the mapped one, since the last look: at most
+ * once per FS_TABLE_RECHECK_NS per process (one thread wins the deadline), never waiting for
+ * `lock` (a connection setup holding it looks itself). Runs on an NCCL progress thread: a
+ * stat() per second, and open and mmap once when a table is found. */
+void fs_table_recheck(uint64_t now_ns) {
+  uint64_t due = atomic_load(&fs_table_recheck_ns);
+  if (now_ns < due ||
+      !atomic_compare_exchange_strong(&fs_table_recheck_ns, &due, now_ns + FS_TABLE_RECHECK_NS)) {
+    return;
+  }
+  if (pthread_mutex_trylock(&fs_table.lock) != 0) {
+    return;
+  }
+  if (fs_table.base == NULL) {
+    table_map(fs_table.path);
+  } else if (table_replaced(fs_table.path)) {
+    table_follow(fs_table.path);
+  }
+  pthread_mutex_unlock(&fs_table.lock);
 }
 
 void fs_flow_close(struct fs_flow* flow) {

@@ -33,6 +33,10 @@
 
 enum fs_slot_state { FS_SLOT_FREE = 0, FS_SLOT_CLAIMED = 1, FS_SLOT_ACTIVE = 2, FS_SLOT_CLOSED = 3 };
 enum fs_direction { FS_DIR_SEND = 0, FS_DIR_RECV = 1 };
+/* The slot was claimed for a connection that was already open: it moved here from a private
+ * slot (no table when it was made) or from a table since re-created, and its bytes, messages,
+ * open_ns and applied level carry over from there. */
+#define FS_SLOT_FLAG_MOVED 1u
 
 struct fs_class_map_entry {
   int32_t traffic_class;
@@ -82,7 +86,7 @@ struct fs_table_slot {
   _Atomic uint32_t level; /* written by the agent */
   uint16_t class_id;
   uint8_t direction;
-  uint8_t reserved0;
+  uint8_t flags; /* FS_SLOT_FLAG_*; 0 on a plain claim (the agent zeroes it when it frees) */
   _Atomic uint64_t bytes;
   _Atomic uint64_t messages;
   uint64_t open_ns;
@@ -111,6 +115,7 @@ _Static_assert(offsetof(struct fs_table_header, gate_mode) == 344, "gate_mode");
 _Static_assert(offsetof(struct fs_table_header, gate_max_defer_ms) == 350, "gate_max_defer_ms");
 _Static_assert(offsetof(struct fs_table_header, level_marking) == 352, "level_marking");
 _Static_assert(offsetof(struct fs_table_slot, level) == 32, "level");
+_Static_assert(offsetof(struct fs_table_slot, flags) == 39, "flags");
 _Static_assert(offsetof(struct fs_table_slot, bytes) == 40, "bytes");
 _Static_assert(offsetof(struct fs_table_slot, applied_level) == 84, "applied_level");
 _Static_assert(offsetof(struct fs_table_slot, dev) == 104, "dev");
@@ -156,7 +161,21 @@ struct fs_flow {
   uint32_t seen_config_seq; /* config_seq of the config `marking` was computed from */
   uint16_t class_id;
   struct fs_level_marking marking; /* what the sockets carry now */
+  uint32_t table_epoch;            /* fs_table_epoch when the slot was bound (fs_flow_account) */
 };
+
+/* Moving open connections into a table that appeared or was re-created after they were made.
+ * fs_table_epoch moves whenever a table is published (mapped or followed); a connection whose
+ * epoch differs moves its slot there at its next completed message (fs_flow_rebind). Without a
+ * new connection setup nobody would look for the table, so completed messages also look for
+ * it, at most once per FS_TABLE_RECHECK_NS per process (fs_table_recheck): NCCL keeps a
+ * communicator's connections for its life, and a job that started before the agent would
+ * otherwise never be scheduled. */
+#define FS_TABLE_RECHECK_NS 1000000000ull
+extern _Atomic uint32_t fs_table_epoch;
+extern _Atomic uint64_t fs_table_recheck_ns; /* UINT64_MAX until a table path was given */
+void fs_flow_rebind(struct fs_flow* flow);
+void fs_table_recheck(uint64_t now_ns);
 
 /* Map the table at `path` if not mapped yet (0, or -errno; logs once per failure kind). */
 int fs_table_attach(const char* path);
@@ -193,8 +212,15 @@ static inline int fs_flow_level_changed(struct fs_flow* flow, uint32_t* raw) {
   return (*raw != flow->seen_level) | (((seq & 1u) == 0) & (seq != flow->seen_config_seq));
 }
 
-/* Hot path: account one message. */
+/* Hot path: account one message (two relaxed loads more on the way to the counters: the
+ * recheck deadline and the table epoch). */
 static inline void fs_flow_account(struct fs_flow* flow, uint64_t bytes, uint64_t now_ns) {
+  if (now_ns >= atomic_load_explicit(&fs_table_recheck_ns, memory_order_relaxed)) {
+    fs_table_recheck(now_ns);
+  }
+  if (flow->table_epoch != atomic_load_explicit(&fs_table_epoch, memory_order_relaxed)) {
+    fs_flow_rebind(flow);
+  }
   atomic_fetch_add_explicit(&flow->slot->bytes, bytes, memory_order_relaxed);
   atomic_fetch_add_explicit(&flow->slot->messages, 1, memory_order_relaxed);
   atomic_store_explicit(&flow->slot->last_ns, now_ns, memory_order_relaxed);

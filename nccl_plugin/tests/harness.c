@@ -30,9 +30,9 @@
  *                                         longer defers a later bulk send on the device
  *   harness PLUGIN.so marking VERSION     after each level change written to a flow table, every
  *                                         connected socket's IP_TOS/IPV6_TCLASS and SO_PRIORITY
- *                                         (getsockopt) are the level's marking; a table
- *                                         re-created at the same path takes the connections
- *                                         made after it
+ *                                         (getsockopt) are the level's marking; connections
+ *                                         made before the table existed move into it, and
+ *                                         into a table re-created at the same path
  *   harness PLUGIN.so stale VERSION       peers that connect to a listener and send nothing (more
  *                                         of them than it has slots): once they age out
  *                                         (FLOWSCHED_ACCEPT_TIMEOUT_MS), a real connection is
@@ -948,10 +948,10 @@ static int active_slots(struct fs_table_header* hdr) {
 }
 
 /* An agent re-creates the table at the same path (to resize it): the connections made after
- * that take slots in the new table and follow its levels; the earlier pair keeps its slots in
- * the old one. */
+ * that take slots in the new table and follow its levels; the earlier pair (`first`) keeps its
+ * slots in the old one until its next messages, which move it to the new one. */
 static void marking_recreated_table(struct net* n, void* ctx, const char* path,
-                                    struct fs_table_header* old) {
+                                    struct fs_table_header* old, void* const first[2]) {
   CHECK(unlink(path) == 0, "unlink %s", path);
   size_t size = 0;
   struct fs_table_header* hdr = marking_table_create(path, &size);
@@ -960,21 +960,49 @@ static void marking_recreated_table(struct net* n, void* ctx, const char* path,
   CHECK(active_slots(hdr) == 2, "%d active slots in the new table, expected the new pair's 2",
         active_slots(hdr));
   CHECK(active_slots(old) == 2, "the old table lost the first pair's slots");
+  pump_pair(n, first[0], first[1], 20000, 401); /* the new pair's setup found the table */
+  CHECK(active_slots(hdr) == 4 && active_slots(old) == 0,
+        "the first pair did not move: %d active slots in the new table, %d in the old",
+        active_slots(hdr), active_slots(old));
   for (uint32_t s = 0; s < hdr->num_slots; s++) {
     if (atomic_load(&marking_slot(hdr, s)->state) == FS_SLOT_ACTIVE) {
       atomic_store(&marking_slot(hdr, s)->level, 2u);
     }
   }
   pump_pair(n, scomm, rcomm, 50000, 400);
+  pump_pair(n, first[0], first[1], 50000, 402);
   for (uint32_t s = 0; s < hdr->num_slots; s++) {
     struct fs_table_slot* slot = marking_slot(hdr, s);
     if (atomic_load(&slot->state) == FS_SLOT_ACTIVE) {
       CHECK(atomic_load(&slot->applied_level) == 2u, "new table's level not applied");
     }
   }
+  int checked = sockets_check_marking(2);
+  CHECK(checked >= 8, "only %d connected sockets found", checked);
   NCHECK(CALL(n, closeSend, scomm));
   NCHECK(CALL(n, closeRecv, rcomm));
   munmap(hdr, size);
+}
+
+/* A job that started before the agent: the pair, made with no table, moves into the table
+ * once it appears (the plugin looks for it at most once a second, from completed messages). */
+static void marking_table_appears(struct net* n, void* scomm, void* rcomm, const char* path,
+                                  struct fs_table_header** hdr, size_t* size) {
+  pump_pair(n, scomm, rcomm, 30000, 299); /* private slots */
+  *hdr = marking_table_create(path, size);
+  double deadline = now_s() + TIMEOUT_S;
+  for (uint64_t i = 0; active_slots(*hdr) < 2; i++) {
+    CHECK(now_s() < deadline, "the pair never moved into the table that appeared");
+    pump_pair(n, scomm, rcomm, 1000, 500 + i);
+  }
+  for (uint32_t s = 0; s < (*hdr)->num_slots; s++) {
+    struct fs_table_slot* slot = marking_slot(*hdr, s);
+    if (atomic_load(&slot->state) == FS_SLOT_ACTIVE) {
+      CHECK(slot->flags == FS_SLOT_FLAG_MOVED && atomic_load(&slot->bytes) >= 30000,
+            "a moved slot has flags %u and %llu bytes", slot->flags,
+            (unsigned long long)atomic_load(&slot->bytes));
+    }
+  }
 }
 
 static int test_marking(int version) {
@@ -983,8 +1011,9 @@ static int test_marking(int version) {
   }
   char path[64];
   snprintf(path, sizeof(path), "/dev/shm/flowsched-harness-%d", (int)getpid());
+  unlink(path);
   size_t size = 0;
-  struct fs_table_header* hdr = marking_table_create(path, &size);
+  struct fs_table_header* hdr = NULL;
   const char* saved = getenv("FLOWSCHED_TABLE");
   char* saved_copy = saved != NULL ? strdup(saved) : NULL;
   setenv("FLOWSCHED_TABLE", path, 1); /* read by the first init below */
@@ -993,6 +1022,7 @@ static int test_marking(int version) {
   void* ctx = net_init(&n, 0x3A4B, -1);
   void *scomm, *rcomm;
   connect_alternating(&n, ctx, &scomm, &rcomm);
+  marking_table_appears(&n, scomm, rcomm, path, &hdr, &size);
   static const int levels[] = {3, 0, 4, 1};
   for (size_t i = 0; i < sizeof(levels) / sizeof(levels[0]); i++) {
     int active = 0;
@@ -1014,7 +1044,7 @@ static int test_marking(int version) {
     int checked = sockets_check_marking(levels[i]);
     CHECK(checked >= 4, "only %d connected sockets found", checked);
   }
-  marking_recreated_table(&n, ctx, path, hdr);
+  marking_recreated_table(&n, ctx, path, hdr, (void* const[2]){scomm, rcomm});
   NCHECK(CALL(&n, closeSend, scomm));
   NCHECK(CALL(&n, closeRecv, rcomm));
   net_finalize(&n, ctx);

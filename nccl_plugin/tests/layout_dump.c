@@ -52,6 +52,7 @@ int main(void) {
   FIELD(struct fs_table_slot, level);
   FIELD(struct fs_table_slot, class_id);
   FIELD(struct fs_table_slot, direction);
+  FIELD(struct fs_table_slot, flags);
   FIELD(struct fs_table_slot, bytes);
   FIELD(struct fs_table_slot, messages);
   FIELD(struct fs_table_slot, open_ns);

@@ -438,7 +438,7 @@ def test_slots_other_than_an_existing_tables_size_are_warned_about(
         assert running.agent.table is not None and running.agent.table.num_slots == 8
     (warning,) = [r.getMessage() for r in caplog.records if "--slots" in r.getMessage()]
     assert "has 8 slots, not the 32 asked for" in warning
-    assert "remove the file" in warning and "until it restarts" in warning
+    assert "remove the file" in warning and "move their connections" in warning
 
 
 def test_a_slot_with_no_possible_pid_is_reaped_and_logged(

@@ -50,6 +50,7 @@ _BLANK = SlotSnapshot(
     0,
     0,
     0,
+    0,
     layout.LEVEL_UNSET,
     0,
     0,
@@ -186,6 +187,33 @@ def test_new_connection_during_sdk_flow_is_linked(reg: FlowRegistry) -> None:
     assert sdk_flow.sent == 64 and reg.slots[5, 1].flow_id is None
     reg.observe([slot(5, cls=FlowClass.KV, nbytes=80, state=layout.SLOT_CLOSED)], 1.6, 0)
     assert sdk_flow.sent == 80  # bytes of a closed linked connection still count
+
+
+@pytest.mark.parametrize(
+    "flags,counted", [(0, 64), (layout.SLOT_FLAG_MOVED, 0)], ids=["new", "moved"]
+)
+def test_a_connection_that_moved_into_the_table_counts_from_its_arrival(
+    reg: FlowRegistry, flags: int, counted: int
+) -> None:
+    """A connection that moved in (made before the table existed, or in a table since
+    re-created) brings the bytes it carried before: they are not the SDK flow's."""
+    sdk_flow, _ = reg.open_sdk(PID, FlowClass.KV, 1.0, size=1000)
+    moved = dataclasses.replace(slot(5, cls=FlowClass.KV, nbytes=64), flags=flags)
+    reg.observe([moved], 1.5, 0)
+    assert reg.slots[5, 1].linked_to == sdk_flow.flow_id and sdk_flow.sent == counted
+    reg.observe([dataclasses.replace(moved, bytes=100)], 1.6, 0)
+    assert sdk_flow.sent == counted + 36
+
+
+def test_a_moved_connection_that_is_its_own_flow_keeps_its_bytes(reg: FlowRegistry) -> None:
+    """Without an SDK flow to carry, a moved connection is a flow of its own that opened when
+    the connection did (open_ns), having sent what its slot says."""
+    moved = dataclasses.replace(
+        slot(0, nbytes=5000), flags=layout.SLOT_FLAG_MOVED, open_ns=1_000_000_000
+    )
+    reg.observe([moved], 50.0, 4_000_000_000)
+    batch = reg.take_batch()
+    assert batch is not None and [(o.sent, o.opened_at) for o in batch.opens] == [(5000, 47.0)]
 
 
 def test_sdk_requests_of_another_pid_are_ignored(reg: FlowRegistry) -> None:

@@ -7,7 +7,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -573,3 +573,116 @@ def test_v10_reads_flowsched_class_at_each_connection(
         recv.close()
     ctx.finalize()
     plugin.close()
+
+
+# ---- connections move into a table that appeared or was re-created after them -------------
+
+
+def keep_sending(
+    send: SendComm, recv: RecvComm, done: Callable[[], bool], timeout: float = 15.0
+) -> int:
+    """Exchange 100-byte messages until ``done()`` (the plugin looks for a new table at most
+    once a second, from its completed messages); the number exchanged."""
+    deadline = time.monotonic() + timeout
+    count = 0
+    while not done():
+        assert time.monotonic() < deadline, "the connections never moved to the table"
+        loopback_message(send, recv, b"m" * 100)
+        count += 1
+    return count
+
+
+def test_connections_made_before_the_table_move_into_it(plugin_env: Path, fresh_lib: Path) -> None:
+    """A job that started before the agent: its connections, made with no table, claim slots
+    in the table once it appears, with what they sent so far, and follow its levels."""
+    before = socket_fds()
+    plugin, ctx, send, recv = open_pair(fresh_lib, comm_id=0xABC)
+    mine = socket_fds() - before
+    loopback_message(send, recv, b"z" * 20_000, tag=5)
+    table_made = time.monotonic_ns()
+    table = TestTable(plugin_env)
+    try:
+        count = keep_sending(send, recv, lambda: len(table.slots()) == 2)
+        loopback_message(send, recv, b"z" * 10)
+        slots = by_direction(table)
+        assert set(slots) == {layout.DIR_SEND, layout.DIR_RECV}
+        for slot in slots.values():
+            assert slot["state"] == layout.SLOT_ACTIVE and slot["flags"] == layout.SLOT_FLAG_MOVED
+            assert slot["bytes"] == 20_000 + 100 * count + 10
+            assert slot["messages"] == count + 2
+            assert slot["open_ns"] < table_made <= slot["last_ns"]
+            assert (slot["comm_id"], slot["peer_rank"], slot["pid"]) == (0xABC, 5, os.getpid())
+            assert slot["class_id"] == FlowClass.TP and slot["applied_level"] == 0
+        send_index = next(i for i, s in table.slots() if s["direction"] == layout.DIR_SEND)
+        table.set_level(send_index, 5)
+        loopback_message(send, recv, b"promoted")
+        assert table.slot(send_index)["applied_level"] == 5
+        assert DSCP[5] in dscps(mine)
+        close_pair(plugin, ctx, send, recv)
+        assert {s["state"] for _, s in table.slots()} == {layout.SLOT_CLOSED}
+    finally:
+        table.close()
+
+
+def test_wrapped_connections_made_before_the_table_move_into_it(
+    plugin_env: Path, fresh_lib: Path, fstcp_lib: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same in wrapping mode (our TCP transport as the inner plugin)."""
+    monkeypatch.setenv("FLOWSCHED_NET_INNER", str(fstcp_lib))
+    plugin, ctx, send, recv = open_pair(fresh_lib)
+    loopback_message(send, recv, b"z" * 20_000, tag=5)
+    table = TestTable(plugin_env)
+    try:
+        count = keep_sending(send, recv, lambda: len(table.slots()) == 2)
+        for _, slot in table.slots():
+            assert slot["flags"] == layout.SLOT_FLAG_MOVED
+            assert slot["bytes"] == 20_000 + 100 * count and slot["messages"] == count + 1
+        send_index = next(i for i, s in table.slots() if s["direction"] == layout.DIR_SEND)
+        table.set_level(send_index, 5)
+        loopback_message(send, recv, b"promoted")
+        assert table.slot(send_index)["applied_level"] == 5
+        close_pair(plugin, ctx, send, recv)
+    finally:
+        table.close()
+
+
+def test_connections_move_to_a_re_created_table(plugin_env: Path, fresh_lib: Path) -> None:
+    """The agent re-created the table (to resize it): open connections leave the old one,
+    CLOSED there, and take the class the new table's map gives their NCCL traffic class."""
+    old = TestTable(plugin_env)
+    plugin, ctx, send, recv = open_pair(fresh_lib, tc=9)
+    loopback_message(send, recv, b"before")
+    assert {s["class_id"] for _, s in old.slots()} == {FlowClass.TP}
+    staged = plugin_env.with_name("staged-table")
+    new = TestTable(staged, num_slots=32)
+    try:
+        new.configure(class_map={9: FlowClass.KV})
+        os.rename(staged, plugin_env)
+        keep_sending(send, recv, lambda: len(new.slots()) == 2)
+        assert {s["state"] for _, s in old.slots()} == {layout.SLOT_CLOSED}
+        loopback_message(send, recv, b"after")
+        for _, slot in new.slots():
+            assert slot["flags"] == layout.SLOT_FLAG_MOVED and slot["traffic_class"] == 9
+            assert slot["class_id"] == FlowClass.KV
+            assert slot["applied_level"] == 1  # KV's default level in the new table
+        close_pair(plugin, ctx, send, recv)
+    finally:
+        old.close()
+        new.close()
+
+
+def test_a_connection_the_new_table_cannot_hold_stays_where_it_is(
+    plugin_env: Path, fresh_lib: Path
+) -> None:
+    plugin, ctx, send, recv = open_pair(fresh_lib)
+    table = TestTable(plugin_env, num_slots=1)
+    try:
+        keep_sending(send, recv, lambda: len(table.slots()) == 1)
+        assert loopback_message(send, recv, b"the other one still carries") == (
+            b"the other one still carries"
+        )
+        [(_, slot)] = table.slots()
+        assert slot["flags"] == layout.SLOT_FLAG_MOVED and slot["state"] == layout.SLOT_ACTIVE
+        close_pair(plugin, ctx, send, recv)
+    finally:
+        table.close()

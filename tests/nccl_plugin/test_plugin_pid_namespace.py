@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from pid_namespace import unshared
+from plugin_job import end_job
 from polling import wait_until
 
 from flowsched.agent import AgentConfig
@@ -42,16 +43,8 @@ sys.stdin.readline()
 
 
 @pytest.fixture
-def agent(tmp_path: Path, plugin_env: Path, fresh_sdk_connections: None) -> Iterator[AgentThread]:
-    config = AgentConfig(
-        node="n1",
-        socket_path=str(tmp_path / "run" / "agent.sock"),
-        table_path=str(plugin_env),
-        num_slots=16,
-        metrics_port=None,
-        interfaces=("lo",),
-    )
-    with AgentThread(config) as running:
+def agent(local_agent_config: AgentConfig, fresh_sdk_connections: None) -> Iterator[AgentThread]:
+    with AgentThread(local_agent_config) as running:
         yield running
 
 
@@ -74,10 +67,7 @@ def test_a_job_in_its_own_pid_namespace_gets_its_nccl_connection_linked_and_free
             wait_until(lambda: key in registry.slots)
             assert registry.slots[key].linked_to == flow_id  # carried by the job's SDK flow
             wait_until(lambda: registry.flows[flow_id].sent >= 100_000)
-            job.stdin.write("\n")
-            job.stdin.flush()
-            assert job.wait(timeout=10) == 0
-            wait_until(lambda: all(s.state == layout.SLOT_FREE for s in table.slots()))
+            end_job(job, table)
         finally:
             table.close()
     finally:
