@@ -76,6 +76,9 @@ class SlotConn:
     base: int  # slot bytes when its current role (own flow or linked) began
     flow_id: int | None = None  # its own flow, when not linked
     linked_to: int | None = None  # the SDK flow carrying it
+    #: it moved into the table already open (layout.SLOT_FLAG_MOVED): its bytes when first
+    #: seen were carried before this agent saw it
+    moved: bool = False
 
 
 @dataclass(slots=True)
@@ -316,6 +319,7 @@ class FlowRegistry:
             cls = FlowClass.BULK
         pid = self._owner_key(snap)
         conn = SlotConn(snap.key, pid, cls, snap.peer_rank, snap.direction, snap.bytes, 0)
+        conn.moved = bool(snap.flags & layout.SLOT_FLAG_MOVED)
         self.slots[snap.key] = conn
         if conn.direction != layout.DIR_SEND:
             return conn
@@ -323,8 +327,7 @@ class FlowRegistry:
         if carrier is not None:
             # A moved connection's bytes so far were carried before this agent saw it: only
             # what it carries from now on counts toward the SDK flow.
-            moved = snap.flags & layout.SLOT_FLAG_MOVED
-            self._link(conn, carrier, now, base=None if moved else 0)
+            self._link(conn, carrier, now, base=None if conn.moved else 0)
             return conn
         opened = now - max(mono_ns - snap.open_ns, 0) / 1e9 if snap.open_ns else now
         self._start_own_flow(conn, opened, base=0)

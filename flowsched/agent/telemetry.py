@@ -106,7 +106,8 @@ class SlotTelemetry:
     this pass, so bytes sent up to ``PERIOD`` before a level change may count for the new
     level. Every application is seen (``applied_ns`` stays in the slot); of two level writes
     applied within one period only the later is timed. The first pass only takes a
-    baseline: bytes moved before this agent started are not its.
+    baseline: bytes moved before this agent started are not its; nor are those a connection
+    that moved into the table already open (``SlotConn.moved``) carried before it came.
     """
 
     COLUMNS = ("applied_level", "applied_ns", "level_set_ns")
@@ -150,7 +151,8 @@ class SlotTelemetry:
                 conn = conns.get(key)
                 if conn is None or conn.direction != layout.DIR_SEND:
                     continue
-                before = (conn.cls.label, nbytes if not self._primed else 0, 0)
+                baseline = nbytes if not self._primed or conn.moved else 0
+                before = (conn.cls.label, baseline, 0)
             cls, was_bytes, was_applied = before
             if nbytes > was_bytes:
                 level = applied_level[index]

@@ -20,16 +20,19 @@
 /* Synchronization. NCCL calls in from several threads at once: service threads (listen,
  * connect, accept: slot claims and class resolution) and progress threads (isend, test: level
  * and config changes), across all communicators of the process.
- *  - `lock` serializes mapping, unmapping and slot claims. `base` is published with an atomic
- *    store so that readers outside the lock see either NULL or a fully validated mapping; the
- *    mapping is torn down only by the last global reference, when no connection exists.
- *  - `config_lock` guards the cached config (`config`, `config_seq`, `config_valid`). Every
- *    read of the config goes through it: the cache is refreshed from the shared area (under
- *    the agent's seqlock) only when config_seq moved, and is used as is while the agent holds
- *    the seqlock, so a rewrite in progress never makes a connection fall back to the
- *    compiled-in defaults once one consistent copy was read. The lock is taken on connection
- *    setup and on level or config changes, never on the per-message path. Order: `lock`
- *    before `config_lock` (only fs_table_detach takes both). */
+ *  - `lock` serializes mapping, unmapping, slot claims and moves. `base` is published with an
+ *    atomic store so that readers outside the lock see either NULL or a fully validated
+ *    mapping; the mapping is torn down only by the last global reference, when no connection
+ *    exists. A progress thread takes it only to move a connection (fs_flow_rebind) and, with
+ *    trylock, for the once-a-second look (fs_table_recheck).
+ *  - `config_lock` guards the cached config (`config`, `config_seq`, `config_hdr`,
+ *    `config_valid`). Every read of the config goes through it: the cache is refreshed from
+ *    the shared area (under the agent's seqlock) only when config_seq moved or the table
+ *    changed, and is used as is while the agent holds the seqlock, so a rewrite in progress
+ *    never makes a connection fall back to the compiled-in defaults once one consistent copy
+ *    was read. The lock is taken on connection setup and on level or config changes, never on
+ *    the per-message path. Order: `lock` before `config_lock` (fs_table_detach, table_follow
+ *    and fs_flow_rebind take both). */
 /* Re-created tables followed per process (each keeps the one it replaced mapped). */
 #define FS_TABLE_MAX_RETIRED 8
 
@@ -45,6 +48,7 @@ static struct {
   dev_t dev; /* the mapped file, to notice a re-created table (fs_table_attach) */
   ino_t ino;
   char path[PATH_MAX]; /* where the table is looked for (the last fs_table_attach) */
+  void (*resolve_path)(char* out, size_t cap); /* re-finds `path` while none is mapped */
   /* Tables replaced by a newer file at the same path: kept mapped for the connections whose
    * slots are in them until they move to the new table (fs_flow_rebind), or for good when it
    * had no free slot for them (they run on at their last level, unseen by the new agent). */
@@ -56,6 +60,8 @@ static struct {
   pthread_mutex_t config_lock;
   struct fs_table_config config; /* last consistent copy (sanitized) */
   uint32_t config_seq;           /* the config_seq it was read at */
+  const struct fs_table_header* config_hdr; /* the table it was read from (two tables' seqs
+                                             * may be equal: an agent that wrote once has 2) */
   int config_valid;              /* 0 until one consistent copy was read */
 } fs_table = {.lock = PTHREAD_MUTEX_INITIALIZER, .config_lock = PTHREAD_MUTEX_INITIALIZER};
 
@@ -222,24 +228,33 @@ static void table_follow(const char* path) {
   table_publish(path, &m);
 }
 
-/* Remember where to look for the table and arm the periodic look (fs_table_recheck). */
-static void table_remember_path(const char* path) {
-  if (strcmp(fs_table.path, path) != 0) {
-    snprintf(fs_table.path, sizeof(fs_table.path), "%s", path);
+/* Where to look for the table now: what the resolver says when there is one (it re-decides
+ * at every look), else `given` (NULL: the path remembered). Caller holds `lock`. */
+static void table_refresh_path(const char* given) {
+  if (fs_table.resolve_path != NULL) {
+    fs_table.resolve_path(fs_table.path, sizeof(fs_table.path));
+  } else if (given != NULL && strcmp(fs_table.path, given) != 0) {
+    snprintf(fs_table.path, sizeof(fs_table.path), "%s", given);
   }
-  if (atomic_load(&fs_table_recheck_ns) == UINT64_MAX) {
-    atomic_store(&fs_table_recheck_ns, fs_now_ns() + FS_TABLE_RECHECK_NS);
-  }
+}
+
+void fs_table_resolve_path_with(void (*resolve)(char* out, size_t cap)) {
+  pthread_mutex_lock(&fs_table.lock);
+  fs_table.resolve_path = resolve;
+  pthread_mutex_unlock(&fs_table.lock);
 }
 
 int fs_table_attach(const char* path) {
   pthread_mutex_lock(&fs_table.lock);
-  table_remember_path(path);
+  table_refresh_path(path);
+  if (atomic_load(&fs_table_recheck_ns) == UINT64_MAX) { /* arm the look (fs_table_recheck) */
+    atomic_store(&fs_table_recheck_ns, fs_now_ns() + FS_TABLE_RECHECK_NS);
+  }
   int rc = 0;
   if (fs_table.base == NULL) {
-    rc = table_map(path);
-  } else if (table_replaced(path)) {
-    table_follow(path);
+    rc = table_map(fs_table.path);
+  } else if (table_replaced(fs_table.path)) {
+    table_follow(fs_table.path);
   }
   pthread_mutex_unlock(&fs_table.lock);
   return rc;
@@ -328,7 +343,7 @@ static const struct fs_table_config* config_current_locked(void) {
     return NULL;
   }
   uint32_t seq = atomic_load_explicit(&hdr->config_seq, memory_order_relaxed);
-  if (fs_table.config_valid && seq == fs_table.config_seq) {
+  if (fs_table.config_valid && seq == fs_table.config_seq && fs_table.config_hdr == hdr) {
     return &fs_table.config;
   }
   struct fs_table_config fresh;
@@ -337,6 +352,7 @@ static const struct fs_table_config* config_current_locked(void) {
     config_sanitize(&fresh);
     fs_table.config = fresh;
     fs_table.config_seq = read_at;
+    fs_table.config_hdr = hdr;
     fs_table.config_valid = 1;
   }
   /* else: the agent is rewriting the area; keep using the previous copy */
@@ -598,6 +614,7 @@ void fs_table_recheck(uint64_t now_ns) {
   if (pthread_mutex_trylock(&fs_table.lock) != 0) {
     return;
   }
+  table_refresh_path(NULL);
   if (fs_table.base == NULL) {
     table_map(fs_table.path);
   } else if (table_replaced(fs_table.path)) {
@@ -631,8 +648,13 @@ uint32_t fs_flow_effective_level(const struct fs_flow* flow, uint32_t raw,
   struct fs_table_config defaults;
   pthread_mutex_lock(&fs_table.config_lock);
   const struct fs_table_config* cfg = config_current_locked();
+  const struct fs_table_header* hdr = table_header();
   if (flow->config_seq == &fs_no_table_config_seq) {
     *config_seq = 0; /* the constant it watches: nothing to re-apply */
+  } else if (hdr == NULL || flow->config_seq != &hdr->config_seq) {
+    /* a replaced table that had no room for it in the new one: the seq it watches moves no
+     * more, so taking it as seen stops a recompute at every message */
+    *config_seq = atomic_load_explicit(flow->config_seq, memory_order_relaxed);
   } else {
     *config_seq = cfg != NULL ? fs_table.config_seq : FS_CONFIG_SEQ_NONE;
   }

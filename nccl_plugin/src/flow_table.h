@@ -179,6 +179,10 @@ void fs_table_recheck(uint64_t now_ns);
 
 /* Map the table at `path` if not mapped yet (0, or -errno; logs once per failure kind). */
 int fs_table_attach(const char* path);
+/* Find the table's path with `resolve` (into a buffer of `cap` bytes) at each look instead
+ * of taking fs_table_attach's: for a default path that depends on which files exist
+ * (FLOWSCHED_TABLE unset, fs_table_default_path). NULL: no resolver. */
+void fs_table_resolve_path_with(void (*resolve)(char* out, size_t cap));
 /* Unmap the table (global teardown). */
 void fs_table_detach(void);
 /* The config in force: the last consistent copy of the config area (re-read only when

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "flow_table.h"
 #include "log.h"
 
 /* The standalone inner build (libnccl-net-fstcp.so, FS_INNER_BUILD) reads FSTCP_* instead of
@@ -82,12 +83,21 @@ void fs_table_default_path(unsigned euid, const char* xdg, const char* root_dir,
   snprintf(out, cap, "%s", use_shared ? shared : own);
 }
 
+#ifndef FS_INNER_BUILD
+/* This process's default table path, as it is now (fs_table_default_path). */
+static void table_default_path_now(char* out, size_t cap) {
+  fs_table_default_path((unsigned)geteuid(), getenv("XDG_RUNTIME_DIR"), FS_RUN_DIR, out, cap);
+}
+#endif
+
 void fs_params_load(struct fs_params* params) {
   FS_PARAMS(FS_PARAM_LOAD_INT, FS_PARAM_LOAD_STR)
 #ifndef FS_INNER_BUILD
   if (params->table_path[0] == '\0') {
-    fs_table_default_path((unsigned)geteuid(), getenv("XDG_RUNTIME_DIR"), FS_RUN_DIR,
-                          params->table_path, sizeof(params->table_path));
+    table_default_path_now(params->table_path, sizeof(params->table_path));
+    /* which file the default names depends on what exists: a non-root job that started
+     * before a root agent resolved its own per-user path, so look again until one maps */
+    fs_table_resolve_path_with(table_default_path_now);
   }
 #endif
 }

@@ -33,10 +33,12 @@ class _Node:
         self.conns: dict[tuple[int, int], SlotConn] = {}
         self.telemetry = SlotTelemetry()
 
-    def connect(self, cls: FlowClass, direction: int = layout.DIR_SEND) -> EmulatedPluginSlot:
+    def connect(
+        self, cls: FlowClass, direction: int = layout.DIR_SEND, moved: bool = False
+    ) -> EmulatedPluginSlot:
         slot = EmulatedPluginSlot(self.table, class_id=int(cls), direction=direction)
         key = (slot.index, slot.claim_seq)
-        self.conns[key] = SlotConn(key, 1, cls, -1, direction, 0, 0)
+        self.conns[key] = SlotConn(key, 1, cls, -1, direction, 0, 0, moved=moved)
         return slot
 
     def scan(self) -> None:
@@ -88,6 +90,23 @@ def test_a_connection_opened_after_the_baseline_counts_from_zero(tmp_path: Path)
     default = node.table.read_config().default_level(int(FlowClass.KV))
     assert node.telemetry.sent == {("kv", str(default)): 300}
     assert _count(node.telemetry.apply_latency) == 0  # a default is not an agent write
+
+
+def test_a_connection_that_moved_in_after_the_baseline_counts_from_its_arrival(
+    tmp_path: Path,
+) -> None:
+    """A connection that moved into the table already open (a job that started before this
+    agent) brings what it sent before: not this agent's to count."""
+    node = _Node(tmp_path)
+    node.scan()
+    moved = node.connect(FlowClass.BULK, moved=True)
+    moved.send(10_000_000_000)  # its history, in the slot when the agent first sees it
+    node.scan()
+    assert node.telemetry.sent == {}
+    moved.send(700)
+    node.scan()
+    default = node.table.read_config().default_level(int(FlowClass.BULK))
+    assert node.telemetry.sent == {("bulk", str(default)): 700}
 
 
 @pytest.mark.parametrize(

@@ -686,3 +686,65 @@ def test_a_connection_the_new_table_cannot_hold_stays_where_it_is(
         close_pair(plugin, ctx, send, recv)
     finally:
         table.close()
+
+
+def test_moved_connections_follow_config_rewrites_of_their_new_table(
+    plugin_env: Path, fresh_lib: Path
+) -> None:
+    before = socket_fds()
+    plugin, ctx, send, recv = open_pair(fresh_lib)
+    mine = socket_fds() - before
+    loopback_message(send, recv, b"x" * 5000)
+    table = TestTable(plugin_env)
+    try:
+        keep_sending(send, recv, lambda: len(table.slots()) == 2)
+        loopback_message(send, recv, b"x")  # the moved connections' first level check
+        assert dscps(mine) == {DSCP[0]}
+        table.configure(dscp=(12, *DSCP[1:]))  # the agent pushes a new DSCP table
+        loopback_message(send, recv, b"x" * 5000)
+        assert dscps(mine) == {12}
+        close_pair(plugin, ctx, send, recv)
+    finally:
+        table.close()
+
+
+def test_moved_connections_take_the_new_tables_marking_at_an_equal_config_seq(
+    plugin_env: Path, fresh_lib: Path
+) -> None:
+    """Two agents that each wrote their config once both show config_seq 2: the new table's
+    config is read all the same."""
+    old = TestTable(plugin_env)
+    before = socket_fds()
+    plugin, ctx, send, recv = open_pair(fresh_lib)
+    mine = socket_fds() - before
+    loopback_message(send, recv, b"x" * 5000)
+    assert dscps(mine) == {DSCP[0]} and old.get("config_seq") == 2
+    staged = plugin_env.with_name("staged-table")
+    new = TestTable(staged)
+    try:
+        new.configure(dscp=(12, *DSCP[1:]))
+        new.put("config_seq", 2)
+        os.rename(staged, plugin_env)
+        keep_sending(send, recv, lambda: len(new.slots()) == 2)
+        loopback_message(send, recv, b"x" * 5000)
+        assert dscps(mine) == {12}
+        close_pair(plugin, ctx, send, recv)
+    finally:
+        old.close()
+        new.close()
+
+
+@pytest.mark.parametrize("version", [10, 12])
+def test_connections_of_other_api_versions_move_too(
+    plugin_env: Path, fresh_lib: Path, version: int
+) -> None:
+    plugin, ctx, send, recv = open_pair(fresh_lib, version=version)
+    loopback_message(send, recv, b"x" * 5000, tag=3)
+    table = TestTable(plugin_env)
+    try:
+        keep_sending(send, recv, lambda: len(table.slots()) == 2)
+        for _, slot in table.slots():
+            assert slot["flags"] == layout.SLOT_FLAG_MOVED and slot["bytes"] >= 5000
+        close_pair(plugin, ctx, send, recv)
+    finally:
+        table.close()
