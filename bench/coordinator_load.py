@@ -40,14 +40,18 @@ Usage:
         [--rates 10000,30000,100000] [--policy FILE]
         [--modes batched,per-turn,unbatched,batched-tls]
         [--promotion sweep,timers] [--per-flow-policy auto|yes|no]
-        [--phases throughput,latency] [--progress-form maps,packed] [--max-batch-delay S]
+        [--phases throughput,latency] [--progress-form maps,packed,sealed]
+        [--max-batch-delay S]
         [--profile] [--json OUT]
 
 ``--progress-form`` sets how the simulated agents send progress: "packed" (protocol 2, two
-integer arrays per frame; the default) or "maps" (protocol 1, an ``{"id", "sent"}`` map per
-report, as agents of the previous release; they offer version 1 in their hello). A list runs
-each in turn with a fresh coordinator, e.g. ``maps,packed,packed,maps``, and the report ends
-with each point's p99, coordinator CPU and steal per run and the ratio of the means.
+integer arrays per frame; the default), "maps" (protocol 1, an ``{"id", "sent"}`` map per
+report, as agents of the previous release; they offer version 1 in their hello) or "sealed"
+(protocol 5: packed, and every frame after the handshake carries its MAC, both ways, as
+between this release's agents and coordinator). A list runs each in turn with a fresh
+coordinator, e.g. ``maps,packed,packed,maps`` or ``packed,sealed,sealed,packed``, and the
+report ends with each point's p99, coordinator CPU and steal per run and the ratio of the
+means.
 """
 
 from __future__ import annotations
@@ -146,8 +150,14 @@ class SimAgent:
     #: seconds from a churn open's send to its first level update's arrival, end to end
     open_latency: list[float] = field(default_factory=list)
     time_opens: bool = False
-    #: how progress goes on the wire (simagent.PROGRESS_FORMS): "packed" arrays, or "maps"
+    #: how progress goes on the wire (simagent.PROGRESS_FORMS): "packed" arrays, "maps", or
+    #: "sealed" (packed, every frame with its MAC: its connection seals and opens them)
     progress_form: str = "packed"
+    conn: Connection | None = None
+
+    def framed(self, kind: str, data: bytes) -> bytes:
+        """``data``, a frame of type ``kind``, as this agent's connection sends it."""
+        return data if self.conn is None else self.conn.send_frame(kind, data)
 
     def open_entry(self, wire_id: int, cls: str, now: float) -> dict[str, Any]:
         return flow_open(self.node, wire_id, cls, now, kv_deadline_s=2.0)
@@ -174,15 +184,15 @@ class SimAgent:
         if batched:
             progress = progress_fields(ids, [self.sent] * len(ids), form)
             body = {"t": "flows", "opens": opens, **progress, "closes": closes}
-            return frame(msgpack.packb(body))
+            return self.framed("flows", frame(msgpack.packb(body)))
         singles = [{"t": "flows", **progress_fields([i], [self.sent], form)} for i in ids]
         singles += [{"t": "flows", "opens": [o]} for o in opens]
         singles += [{"t": "flows", "closes": [c]} for c in closes]
-        return b"".join(frame(msgpack.packb(body)) for body in singles)
+        return b"".join(self.framed("flows", frame(msgpack.packb(body))) for body in singles)
 
     def beat(self) -> None:
         """Send a heartbeat, as an agent does after an interval with nothing else to send."""
-        self.writer.write(HEARTBEAT)
+        self.writer.write(self.framed("heartbeat", HEARTBEAT))
         self.last_sent = time.monotonic()
 
     async def listen(self) -> None:
@@ -193,6 +203,8 @@ class SimAgent:
             while data := await self.reader.read(1 << 16):
                 self.buffer.feed(data)
                 while (body := self.buffer.next_body()) is not None:
+                    if self.conn is not None:
+                        body = self.conn.opened(body)
                     message = msgpack.unpackb(body)
                     if message["t"] == "heartbeat":
                         if self.answer_beats and (
@@ -235,11 +247,12 @@ async def connect(
         raise RuntimeError(f"the coordinator speaks protocol {conn.version}: no {progress_form}")
     agent = SimAgent(node, reader, writer, list(range(flows)), flows)
     agent.progress_form = progress_form
+    agent.conn = conn if conn.sealed else None
     agent.beat_interval = welcome.heartbeat_interval or agent.beat_interval
     now = time.time()
     opens = [agent.open_entry(i, CLASS_MIX[i % len(CLASS_MIX)], now) for i in range(flows)]
     writer.write(conn.send(Resync(())))
-    writer.write(frame(msgpack.packb({"t": "flows", "opens": opens})))
+    writer.write(agent.framed("flows", frame(msgpack.packb({"t": "flows", "opens": opens}))))
     return agent
 
 
@@ -780,13 +793,27 @@ def report(results: list[ModeResult]) -> None:
 
 
 def compare_forms(results: list[ModeResult]) -> None:
-    """Progress as packed arrays vs as maps, per build, mode and rate: every run's p99,
-    coordinator CPU and steal in run order (e.g. A B B A), then the means' ratio."""
-    if len({r.progress_form for r in results}) < 2:
+    """Each progress form against "packed" (maps: the previous release's agents; sealed: this
+    release's, every frame with its MAC), per build, mode and rate: every run's p99,
+    coordinator CPU and steal in run order (e.g. A B B A), then the means' ratio; and the
+    saturation (events per coordinator CPU second) of each run and the means' ratio."""
+    forms = list(dict.fromkeys(r.progress_form for r in results))
+    if len(forms) < 2 or "packed" not in forms:
         return
     for build, mode in dict.fromkeys((r.build, r.mode) for r in results):
         runs = [r for r in results if (r.build, r.mode) == (build, mode)]
-        print(f"\n{build} {mode}, progress as maps vs packed (runs in order):")
+        others = [f for f in forms if f != "packed"]
+        print(f"\n{build} {mode}, progress as {' / '.join(others)} vs packed (runs in order):")
+        saturation = ", ".join(
+            f"{r.progress_form} {r.events_per_s:.0f} events/s "
+            f"({r.events_per_cpu_second:.0f} per CPU s)"
+            for r in runs
+        )
+        print(f"  saturation: {saturation}")
+        for form in others:
+            ratio = _mean_ratio(runs, form, lambda r: r.events_per_cpu_second)
+            if ratio is not None:
+                print(f"  {'':>8}  events per coordinator CPU second {form} / packed {ratio:.3f}x")
         for index, rate in enumerate(p.nominal_rate for p in runs[0].latency):
             points = [(r.progress_form, r.latency[index]) for r in runs if len(r.latency) > index]
             each = ", ".join(f"{form} p99 {p.p99_ms:.2f} ms coordCPU {p.coordinator_cpu:.2f} "
@@ -795,14 +822,25 @@ def compare_forms(results: list[ModeResult]) -> None:
             means = {
                 form: [statistics.fmean(getattr(p, what) for f, p in points if f == form)
                        for what in ("p99_ms", "coordinator_cpu")]
-                for form in ("maps", "packed") if any(f == form for f, _ in points)
+                for form in forms if any(f == form for f, _ in points)
             }  # fmt: skip
-            if len(means) == 2:
-                (p99_maps, cpu_maps), (p99_packed, cpu_packed) = means["maps"], means["packed"]
-                print(f"  {'':>8}  mean p99 maps {p99_maps:.2f} / packed {p99_packed:.2f} ms "
-                      f"({p99_maps / max(p99_packed, 1e-9):.2f}x), coordinator CPU "
-                      f"{cpu_maps:.2f} / {cpu_packed:.2f} "
-                      f"({cpu_maps / max(cpu_packed, 1e-9):.2f}x)")  # fmt: skip
+            if "packed" not in means:
+                continue
+            p99_packed, cpu_packed = means["packed"]
+            for form in [f for f in others if f in means]:
+                p99, cpu = means[form]
+                print(f"  {'':>8}  mean p99 {form} {p99:.2f} / packed {p99_packed:.2f} ms "
+                      f"({p99 / max(p99_packed, 1e-9):.2f}x), coordinator CPU {cpu:.2f} / "
+                      f"{cpu_packed:.2f} ({cpu / max(cpu_packed, 1e-9):.2f}x)")  # fmt: skip
+
+
+def _mean_ratio(runs: list[ModeResult], form: str, value: Any) -> float | None:
+    """mean(value) over ``form``'s runs / mean over packed's; None when either has none."""
+    mine = [value(r) for r in runs if r.progress_form == form]
+    base = [value(r) for r in runs if r.progress_form == "packed"]
+    if not mine or not base:
+        return None
+    return statistics.fmean(mine) / max(statistics.fmean(base), 1e-9)
 
 
 def compare_modes(build: str, results: list[ModeResult]) -> None:

@@ -50,6 +50,7 @@ from typing import Any
 import msgpack
 
 from flowsched.protocol import (
+    FRAME_MAC_VERSION,
     Challenge,
     Connection,
     Error,
@@ -125,7 +126,8 @@ class SimAgent:
     async def _handshake(self, host: str, port: int) -> Any:
         async with asyncio.timeout(10):
             reader, writer = await asyncio.open_connection(host, port)
-            conn = Connection(Role.AGENT, token=self.token)
+            # raw frames, unsealed (version 4): the takeover, not the MACs, is measured here
+            conn = Connection(Role.AGENT, token=self.token, version=FRAME_MAC_VERSION - 1)
             writer.write(conn.hello(self.node))
             challenge = await _next(reader, conn)
             if not isinstance(challenge, Challenge):

@@ -547,6 +547,8 @@ class Agent:
                 "(every agent needs its own node name)",
                 self.config.node,
             )
+        elif isinstance(exc, ProtocolError):  # this end's check failed: say which (its code)
+            log.warning("coordinator link lost: %s: %s", exc.code, exc)
         else:
             log.warning("coordinator link lost: %s", str(exc) or type(exc).__name__)
 
@@ -563,9 +565,9 @@ class Agent:
         # a running local policy stops with the coordinator's first message, not here: a
         # coordinator that ends every session right after the handshake must not stop it
         log.info(
-            "connected to the coordinator (epoch %d) over %s; protocol version %d; resync sent"
+            "connected to the coordinator (epoch %d) over %s; protocol version %d%s; resync sent"
             " (%d flows)", self.leader_epoch[1], link.cipher[1] if link.cipher else "plain TCP",
-            link.version, len(self.registry.flows),
+            link.version, ", frames sealed" if link.sealed else "", len(self.registry.flows),
         )  # fmt: skip
         receiver = asyncio.create_task(self._receive(link))
         sender = asyncio.create_task(self._send(link))

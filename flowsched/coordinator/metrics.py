@@ -30,6 +30,9 @@ LATENCY_BUCKETS = (
 )  # fmt: skip
 
 PREFIX = "flowsched_coordinator"
+#: close reasons exported from the start (at 0), so that the alerts on them watch a series
+#: (deploy/prometheus/flowsched-rules.yml)
+ALERTED_CLOSE_REASONS = ("auth_failed", "bad_mac")
 
 
 def register_standard_collectors(registry: CollectorRegistry) -> None:
@@ -174,10 +177,12 @@ class CoordinatorCollector:
         )
         rejected = CounterMetricFamily(
             f"{PREFIX}_closed_connections",
-            "Agent connections closed, by reason.",
+            "Agent connections closed, by reason (bad_mac: a frame failed its MAC, altered on "
+            "the way; auth_failed: a wrong token or node certificate).",
             labels=["reason"],
         )
-        for reason, count in sorted((self._live.rejected or {}).items()):
+        counts = dict.fromkeys(ALERTED_CLOSE_REASONS, 0) | (self._live.rejected or {})
+        for reason, count in sorted(counts.items()):
             rejected.add_metric([reason], count)
         yield rejected
 

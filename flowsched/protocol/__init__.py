@@ -21,6 +21,10 @@ caller allows it (``flowsched agent --allow-unproven-coordinator``, for rolling 
 
 Version 4 lets ``job_progress`` say that a job ended (``done``): the coordinator forgets it at
 once instead of after its TTL. An agent sends ``done`` only on a version-4 connection.
+
+Version 5 seals every frame after the handshake with a MAC under a per-connection key drawn
+from the token and both nonces (:class:`~flowsched.protocol.auth.FrameSealer`): without TLS,
+someone on the path can no longer alter, inject, drop or replay a frame unnoticed.
 """
 
 from flowsched.protocol._codec import (
@@ -49,6 +53,7 @@ from flowsched.protocol._framing import (
     frame,
 )
 from flowsched.protocol._messages import (
+    FRAME_MAC_VERSION,
     JOB_END_VERSION,
     MESSAGE_TYPES,
     MIN_PROTOCOL_VERSION,
@@ -88,6 +93,7 @@ from flowsched.protocol.auth import (
 __all__ = [
     "DEFAULT_MAX_FRAME_SIZE",
     "DEFAULT_TOKEN_PATH",
+    "FRAME_MAC_VERSION",
     "HANDSHAKE_MAX_FRAME_SIZE",
     "I64_MAX",
     "JOB_END_VERSION",

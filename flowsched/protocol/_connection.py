@@ -10,7 +10,9 @@ From version 3 (:data:`MUTUAL_AUTH_VERSION`) the handshake authenticates both en
 proves it holds the token by its ``auth`` MAC over the coordinator's nonce, and the
 coordinator by its ``welcome`` MAC over the agent's nonce (sent in ``hello``), its own, the
 node, both versions and the welcome's content. :attr:`Connection.peer_proven` says whether the
-peer has proven it; below version 3 a coordinator never has.
+peer has proven it; below version 3 a coordinator never has. From version 5
+(:data:`FRAME_MAC_VERSION`) every frame after the handshake is sealed as well: the agent's
+after its ``auth``, the coordinator's after its ``welcome`` (:attr:`Connection.sealed`).
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from flowsched.protocol._codec import (
 from flowsched.protocol._framing import (
     DEFAULT_MAX_FRAME_SIZE,
     HANDSHAKE_MAX_FRAME_SIZE,
+    HEADER_SIZE,
     ReceiveBuffer,
     frame,
 )
 from flowsched.protocol._messages import (
+    FRAME_MAC_VERSION,
     MIN_PROTOCOL_VERSION,
     MUTUAL_AUTH_VERSION,
     PROTOCOL_VERSION,
@@ -47,8 +51,14 @@ from flowsched.protocol._messages import (
 from flowsched.protocol._state import TRANSITIONS, Role, State, next_state
 from flowsched.protocol._util import LocalProtocolError, RemoteProtocolError
 from flowsched.protocol.auth import (
+    AGENT_TO_COORDINATOR,
+    COORDINATOR_TO_AGENT,
+    FRAME_TAG_SIZE,
+    FrameOpener,
+    FrameSealer,
     compute_mac,
     compute_welcome_mac,
+    frame_key,
     verify_mac,
     verify_welcome_mac,
 )
@@ -112,6 +122,9 @@ class Connection:
             end's agent by a right ``auth`` MAC, the agent end's coordinator by a right
             ``welcome`` MAC (version 3 on: below it a coordinator cannot, and this stays
             False). Always False without a token.
+        sealed: whether the frames after the handshake carry MACs (version 5 on, with a
+            token): set once this end's side of the handshake is done (the agent's ``auth``
+            sent, the coordinator's ``welcome`` sent).
     """
 
     def __init__(
@@ -141,6 +154,9 @@ class Connection:
         self._nonce: bytes | None = None  # the coordinator's (challenge)
         self._agent_nonce = b""  # the agent's (hello, version 3 on)
         self.peer_proven = False
+        self.sealed = False
+        self._sealer: FrameSealer | None = None  # what this end sends, once sealed
+        self._opener: FrameOpener | None = None  # what the peer sends, once sealed
         receive_limit = max_frame_size
         if role is Role.COORDINATOR:  # the agent end's peer (the coordinator) sends the policy
             receive_limit = min(handshake_frame_size, max_frame_size)
@@ -165,12 +181,48 @@ class Connection:
             raise LocalProtocolError(reason, code="bad_state")
         if isinstance(message, Welcome) and self.role is Role.COORDINATOR:
             message = self._signed(message)
-        data = encode_frame(message, self._max_frame_size, self.version)
+        data = self._framed(encode_body(message, self.version))
         self._note_sent(message)
         self.state = new_state
         if new_state is State.ESTABLISHED:  # the peer is authenticated: full-size frames
-            self._buffer.max_frame_size = self._max_frame_size
+            self._buffer.max_frame_size = self._receive_limit()
+        if isinstance(message, Auth | Welcome):  # this end's last handshake frame
+            self._seal_what_follows()
         return data
+
+    def _framed(self, body: bytes) -> bytes:
+        """The frame of ``body``: sealed once this end's side of the handshake is done."""
+        if self._sealer is None:
+            return frame(body, self._max_frame_size)
+        return frame(self._sealer.seal(body), self._max_frame_size + FRAME_TAG_SIZE)
+
+    def _receive_limit(self) -> int:
+        return self._max_frame_size + (FRAME_TAG_SIZE if self._opener is not None else 0)
+
+    def _frame_key(self, direction: bytes) -> bytes:
+        assert self._token is not None and self._nonce is not None and self.node is not None
+        return frame_key(
+            self._token, direction, agent_nonce=self._agent_nonce, coordinator_nonce=self._nonce,
+            node=self.node,
+        )  # fmt: skip
+
+    def _seal_what_follows(self) -> None:
+        """From version 5, with a token: seal every frame this end sends from now on."""
+        if self.version < FRAME_MAC_VERSION or self._token is None:
+            return
+        mine = AGENT_TO_COORDINATOR if self.role is Role.AGENT else COORDINATOR_TO_AGENT
+        self._sealer = FrameSealer(self._frame_key(mine))
+        self.sealed = True
+
+    def _open_what_follows(self) -> None:
+        """From version 5, once the peer proved it holds the token: every frame it sends
+        from now on must carry its MAC."""
+        if self.version < FRAME_MAC_VERSION or self._token is None:
+            return
+        theirs = COORDINATOR_TO_AGENT if self.role is Role.AGENT else AGENT_TO_COORDINATOR
+        self._opener = FrameOpener(self._frame_key(theirs))
+        if self._buffer.max_frame_size == self._max_frame_size:  # else raised at the welcome
+            self._buffer.max_frame_size = self._receive_limit()
 
     def send_frame(self, kind: str, data: bytes) -> bytes:
         """Return ``data``, a frame already encoded (e.g. by :func:`encode_frame`) for a
@@ -184,7 +236,9 @@ class Connection:
             reason = f"cannot send {kind} as a pre-encoded frame in state {self.state.value}"
             self.state = State.ERROR
             raise LocalProtocolError(reason, code="bad_state")
-        return data
+        if self._sealer is None:
+            return data
+        return self._framed(data[HEADER_SIZE:])  # its own MAC on each connection
 
     def _note_sent(self, message: Message) -> None:
         if isinstance(message, Hello):
@@ -266,6 +320,8 @@ class Connection:
                     raise LocalProtocolError("peer closed mid-frame", code="bad_frame")
                 return PEER_CLOSED
             return NEED_DATA
+        if self._opener is not None:
+            body = self.opened(body)
         if self.state is State.ESTABLISHED:
             # the hot path: no handshake checks, the peer's legal types looked up directly
             message = decode_body(body)
@@ -287,6 +343,25 @@ class Connection:
         self._check_handshake(message)
         self.state = new_state
         return message
+
+    def opened(self, sealed: bytes) -> bytes:
+        """The body of a frame received once the peer's frames are sealed, its MAC checked
+        and taken off (as is before that). For callers that cut frames themselves (the
+        benchmarks' simulated agents); :meth:`next_event` does this for its own frames.
+
+        Raises:
+            LocalProtocolError: code ``bad_mac``, the MAC is wrong or missing.
+        """
+        if self._opener is None:
+            return sealed
+        try:
+            return self._opener.open(sealed)
+        except ValueError as exc:
+            raise LocalProtocolError(
+                f"frame MAC: {exc}: the frame was altered, injected, dropped or replayed on the"
+                " way (or the peer does not hold the token)",
+                code="bad_mac",
+            ) from None
 
     def _check_type_before_decoding(self, body: bytes) -> None:
         """During the handshake only a few small frames are legal: refuse anything else from
@@ -353,6 +428,7 @@ class Connection:
                 code="auth_failed",
             )
         self.peer_proven = True
+        self._open_what_follows()
 
     def _check_welcome(self, welcome: Welcome) -> None:
         """Agent end, version 3 on: the coordinator must prove it holds the token."""
@@ -376,3 +452,4 @@ class Connection:
                 code="auth_failed",
             )
         self.peer_proven = True
+        self._open_what_follows()

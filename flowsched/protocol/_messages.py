@@ -15,7 +15,7 @@ from flowsched.model import FlowClass
 #: The highest protocol version this implementation speaks: an agent offers it in
 #: ``hello.version``, the coordinator answers with the version both speak in
 #: ``challenge.version`` (see :mod:`flowsched.protocol`).
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 #: The lowest version spoken (agents and coordinators of the previous release speak only 1).
 MIN_PROTOCOL_VERSION = 1
 #: The first version whose ``flows`` frames may carry progress as two parallel arrays
@@ -30,6 +30,11 @@ MUTUAL_AUTH_VERSION = 3
 #: batch's prefill finished), so the coordinator forgets it and re-evaluates its flows. An
 #: agent never sends ``done`` on an older connection (the coordinator would refuse the field).
 JOB_END_VERSION = 4
+#: The first version whose frames after the handshake are sealed: each carries a MAC under a
+#: key drawn from the token and both handshake nonces, so that nobody on the path can alter,
+#: inject, drop or replay one without the token (:class:`flowsched.protocol.auth.FrameSealer`).
+#: The agent seals what it sends after its ``auth``, the coordinator after its ``welcome``.
+FRAME_MAC_VERSION = 5
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,6 +80,11 @@ class AgentLink:
         return self._conn.version
 
     @property
+    def sealed(self) -> bool:
+        """Whether the frames after the handshake carry MACs (version 5 on)."""
+        return self._conn.sealed
+
+    @property
     def coordinator_proven(self) -> bool:
         """Whether the coordinator proved at the handshake that it holds the token (its
         welcome MAC, version 3 on); False for an older coordinator, accepted only over

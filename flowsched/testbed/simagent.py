@@ -14,22 +14,32 @@ from zlib import crc32
 
 import msgpack
 
-from flowsched.protocol import MIN_PROTOCOL_VERSION, PACKED_PROGRESS_VERSION, frame
+from flowsched.protocol import (
+    FRAME_MAC_VERSION,
+    MIN_PROTOCOL_VERSION,
+    PACKED_PROGRESS_VERSION,
+    frame,
+)
 
 #: the classes of an agent's flows, in order (flow i has class CLASS_MIX[i % len(CLASS_MIX)])
 CLASS_MIX = ("tp", "tp", "tp", "experience", "experience", "param_sync", "kv", "kv", "kv", "bulk")
 #: the answer to a coordinator's heartbeat
 HEARTBEAT = frame(msgpack.packb({"t": "heartbeat", "t_sent": 0.0}))
 #: the wire forms of progress reports -> the protocol version a simulated agent offers to
-#: send them: "packed" (two integer arrays) or "maps" (``{"id", "sent"}`` each, what agents
-#: of the previous release send)
-PROGRESS_FORMS = {"packed": PACKED_PROGRESS_VERSION, "maps": MIN_PROTOCOL_VERSION}
+#: send them: "packed" (two integer arrays), "maps" (``{"id", "sent"}`` each, what agents
+#: of the previous release send), or "sealed" (packed, in frames that carry MACs, as this
+#: release's agents send them)
+PROGRESS_FORMS = {
+    "packed": PACKED_PROGRESS_VERSION,
+    "maps": MIN_PROTOCOL_VERSION,
+    "sealed": FRAME_MAC_VERSION,
+}
 
 
 def progress_fields(ids: list[int], sent: list[int], form: str) -> dict[str, Any]:
     """The progress entries of a ``flows`` frame (flow ``ids[i]`` has sent ``sent[i]``
     bytes) in ``form`` (see :data:`PROGRESS_FORMS`)."""
-    if form == "packed":
+    if form != "maps":
         return {"progress_ids": ids, "progress_sent": sent}
     return {"progress": [{"id": fid, "sent": n} for fid, n in zip(ids, sent, strict=True)]}
 

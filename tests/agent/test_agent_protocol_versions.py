@@ -98,6 +98,7 @@ class RecordingCoordinator:
             beats = asyncio.create_task(_beat(writer, conn))
             while True:
                 body = await _next_body(reader, buffer)
+                body = conn.opened(body)  # version 5 on: the MAC checked and taken off
                 decode_body(body)  # well-formed, whatever its form
                 self.bodies.append(msgpack.unpackb(body))
         except (ConnectionError, asyncio.IncompleteReadError):

@@ -26,6 +26,7 @@ import pytest
 
 from flowsched.model import FlowClass
 from flowsched.protocol import (
+    FRAME_MAC_VERSION,
     Challenge,
     Connection,
     FlowOpen,
@@ -159,9 +160,13 @@ async def _challenge(reader: asyncio.StreamReader, conn: Connection) -> Challeng
         conn.receive_data(await reader.read(65536))
 
 
-async def _authenticated(stream: Stream, c: Coordinator, node: str) -> Connection:
+async def _authenticated(
+    stream: Stream, c: Coordinator, node: str, version: int = FRAME_MAC_VERSION - 1
+) -> Connection:
+    """An agent end that sent its auth, at a version whose frames are not sealed unless told:
+    the frames the fuzzer sends next are raw."""
     reader, writer = stream
-    conn = Connection(Role.AGENT, token=c.token)
+    conn = Connection(Role.AGENT, token=c.token, version=version)
     writer.write(conn.hello(node))
     writer.write(conn.answer(await _challenge(reader, conn)))
     return conn
@@ -224,6 +229,12 @@ async def fuzz_unknown_type_after_auth(stream: Stream, c: Coordinator, rng: rand
     stream[1].write(_body({"t": "exec", "cmd": "rm -rf /"}))
 
 
+async def fuzz_unsealed_after_auth(stream: Stream, c: Coordinator, rng: random.Random) -> None:
+    # a frame without its MAC (injected by someone on the path) on a sealed connection
+    await _authenticated(stream, c, f"fuzz-{rng.randrange(10**6)}", FRAME_MAC_VERSION)
+    stream[1].write(_body({"t": "heartbeat", "t_sent": 1.0}))
+
+
 async def fuzz_truncated_frame(stream: Stream, c: Coordinator, rng: random.Random) -> None:
     stream[1].write((100).to_bytes(4, "big") + b"\x81")
     stream[1].write_eof()
@@ -236,7 +247,8 @@ async def fuzz_stalled_handshake(stream: Stream, c: Coordinator, rng: random.Ran
 FUZZ_CASES: list[Callable[[Stream, Coordinator, random.Random], Awaitable[None]]] = [
     fuzz_random_bytes, fuzz_oversized_frame, fuzz_wrong_types, fuzz_unauthenticated,
     fuzz_unknown_version, fuzz_wrong_token, fuzz_replayed_auth, fuzz_bad_field_after_auth,
-    fuzz_unknown_type_after_auth, fuzz_truncated_frame, fuzz_stalled_handshake,
+    fuzz_unknown_type_after_auth, fuzz_unsealed_after_auth, fuzz_truncated_frame,
+    fuzz_stalled_handshake,
 ]  # fmt: skip
 
 
@@ -296,7 +308,7 @@ def _assert_closes_logged_and_counted(log: str, metrics: str, bad: int) -> None:
     lines = re.findall(r"WARNING .*closing connection peer=127\.0\.0\.1:\d+ .*", log)
     codes = {re.search(r"state=\w+: (\w+):", line)[1] for line in lines}  # type: ignore[index]
     assert {"frame_too_large", "bad_field", "bad_state", "version", "auth_failed"} <= codes
-    assert {"bad_type", "bad_frame", "timeout"} <= codes
+    assert {"bad_type", "bad_frame", "bad_mac", "timeout"} <= codes
     counted = sum(
         float(line.rsplit(" ", 1)[1])
         for line in metrics.splitlines()

@@ -25,6 +25,7 @@ from coordinator_helpers import (
 from flowsched.coordinator import Coordinator
 from flowsched.model import FlowClass
 from flowsched.protocol import (
+    FRAME_MAC_VERSION,
     PROTOCOL_VERSION,
     Challenge,
     Connection,
@@ -42,7 +43,6 @@ from flowsched.protocol import (
     Sentinel,
     Welcome,
     encode_body,
-    frame,
 )
 from flowsched.protocol.aio import HandshakeError, LinkClosed, connect_agent
 
@@ -269,22 +269,27 @@ async def test_a_batch_is_flushed_once_it_has_collected_for_max_batch_delay(
     assert latency.count == 2
 
 
+@pytest.mark.parametrize("version", [FRAME_MAC_VERSION - 1, FRAME_MAC_VERSION])
 @pytest.mark.asyncio
-async def test_frames_pipelined_right_after_auth_are_handled_without_more_data() -> None:
+async def test_frames_pipelined_right_after_auth_are_handled_without_more_data(
+    version: int,
+) -> None:
     async with running_coordinator() as coordinator:
         assert coordinator.addresses is not None
         reader, writer = await asyncio.open_connection(
             coordinator.addresses.host, coordinator.addresses.port
         )
-        conn = Connection(Role.AGENT, token=TOKEN)
+        conn = Connection(Role.AGENT, token=TOKEN, version=version)
         try:
             writer.write(conn.hello("eager"))
             challenge = await _receive(reader, conn)
             assert isinstance(challenge, Challenge)
             # auth, resync and flows in one write (built by hand: the sans-IO agent end waits
-            # for welcome first); nothing else will follow
+            # for welcome first, and seals what it sends after its auth from version 5);
+            # nothing else will follow
+            auth = conn.answer(challenge)
             early = (Resync(()), Flows(opens=(_open(1),)))
-            writer.write(conn.answer(challenge) + b"".join(frame(encode_body(m)) for m in early))
+            writer.write(auth + b"".join(conn._framed(encode_body(m)) for m in early))
             assert isinstance(await _receive(reader, conn), Welcome)
             levels = await _receive(reader, conn, skip=Heartbeat)
             assert levels == Levels((LevelUpdate(1, 7),))
@@ -432,7 +437,7 @@ async def test_the_idle_watchdog_closes_a_silent_agent_after_the_timeout_not_bef
 async def test_frames_followed_at_once_by_the_end_of_the_stream_are_handled() -> None:
     async with running_coordinator() as coordinator:
         link = await connect_as(coordinator, "brief")
-        link._writer.write(frame(encode_body(Flows(opens=(_open(1), _open(2))))))
+        link._writer.write(link._conn.send(Flows(opens=(_open(1), _open(2)))))
         link._writer.write_eof()  # the frame and the FIN may arrive in one read
         await wait_until(lambda: coordinator.agent_count() == 0, 5.0, "the agent to be detached")
         await link.close()

@@ -91,9 +91,9 @@ def test_every_alert_is_in_the_docs_alert_table() -> None:
     assert table == {rule["alert"] for rule in alert_rules()}
 
 
-def test_the_table_full_alert_says_re_creation_strands_running_connections() -> None:
-    """Following the alert (re-creating the table for a larger --slots) leaves running jobs'
-    existing connections on the old table until they close: the alert must say so."""
+def test_the_table_full_alert_says_running_connections_follow_a_re_created_table() -> None:
+    """Following the alert (re-creating the table for a larger --slots) needs no drain: running
+    jobs move their open connections to the new table. The alert must say what to expect."""
     rule = next(r for r in alert_rules() if r["alert"] == "FlowschedFlowTableNearlyFull")
     text = " ".join(rule["annotations"]["description"].split())
-    assert "--slots" in text and "existing connections stay in the old table" in text
+    assert "--slots" in text and "running jobs move their open connections" in text

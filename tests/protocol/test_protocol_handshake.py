@@ -36,9 +36,19 @@ TOKEN = b"k" * 32
 class ConnectionPair:
     """An agent and a coordinator Connection wired through an in-memory network."""
 
-    def __init__(self, agent_token: bytes = TOKEN, max_frame_size: int = 1 << 20) -> None:
-        self.agent = Connection(Role.AGENT, token=agent_token, max_frame_size=max_frame_size)
-        self.coordinator = Connection(Role.COORDINATOR, token=TOKEN, max_frame_size=max_frame_size)
+    def __init__(
+        self,
+        agent_token: bytes = TOKEN,
+        max_frame_size: int = 1 << 20,
+        version: int = PROTOCOL_VERSION,
+    ) -> None:
+        self.version = version
+        self.agent = Connection(
+            Role.AGENT, token=agent_token, max_frame_size=max_frame_size, version=version
+        )
+        self.coordinator = Connection(
+            Role.COORDINATOR, token=TOKEN, max_frame_size=max_frame_size, version=version
+        )
 
     def to_coordinator(self, data: bytes) -> Message | object:
         self.coordinator.receive_data(data)
@@ -51,7 +61,7 @@ class ConnectionPair:
     def handshake(self, node: str = "node-1") -> None:
         hello = self.to_coordinator(self.agent.hello(node))
         assert isinstance(hello, Hello)
-        assert (hello.version, hello.node, len(hello.nonce)) == (PROTOCOL_VERSION, node, 32)
+        assert (hello.version, hello.node, len(hello.nonce)) == (self.version, node, 32)
         challenge = self.to_agent(self.coordinator.challenge())
         assert isinstance(challenge, Challenge)
         assert isinstance(self.to_coordinator(self.agent.answer(challenge)), Auth)
@@ -109,7 +119,7 @@ def test_unknown_version_is_rejected_naming_the_field() -> None:
     with pytest.raises(RemoteProtocolError) as info:
         pair.to_coordinator(pair.agent.send(Hello(0, "n")))
     assert info.value.code == "version"
-    assert "hello.version: unsupported version 0 (this end speaks 1..4)" in info.value.reason
+    assert "hello.version: unsupported version 0 (this end speaks 1..5)" in info.value.reason
 
 
 def test_oversized_frame_is_rejected() -> None:

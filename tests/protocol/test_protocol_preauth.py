@@ -70,8 +70,10 @@ def test_the_limit_is_small_before_auth_and_full_size_after() -> None:
     pair = ConnectionPair()
     big = _flows_frame(HANDSHAKE_MAX_FRAME_SIZE + 1000)
     pair.handshake()
-    assert isinstance(pair.to_coordinator(big), Flows)  # established: the full 1 MiB limit
-    assert isinstance(pair.to_coordinator(_flows_frame(MIB - 64 * 1024)), Flows)
+    sealed = pair.agent.send_frame("flows", big)  # established: the full 1 MiB limit
+    assert isinstance(pair.to_coordinator(sealed), Flows)
+    sealed = pair.agent.send_frame("flows", _flows_frame(MIB - 64 * 1024))
+    assert isinstance(pair.to_coordinator(sealed), Flows)
 
 
 def test_the_agent_end_takes_a_welcome_larger_than_the_handshake_limit() -> None:
