@@ -85,6 +85,8 @@ from flowsched.compiled import build_tree
 from flowsched.protocol import (
     Challenge,
     Connection,
+    Levels,
+    Message,
     ReceiveBuffer,
     Resync,
     Role,
@@ -248,6 +250,11 @@ async def connect(
     agent = SimAgent(node, reader, writer, list(range(flows)), flows)
     agent.progress_form = progress_form
     agent.conn = conn if conn.sealed else None
+    # frames that came along with the welcome wait in conn's buffer: take them through conn
+    # (which opens sealed ones in sequence) before listen() reads the socket raw
+    while isinstance(event := conn.next_event(), Message):
+        if isinstance(event, Levels):
+            agent.updates_received += len(event.updates)
     agent.beat_interval = welcome.heartbeat_interval or agent.beat_interval
     now = time.time()
     opens = [agent.open_entry(i, CLASS_MIX[i % len(CLASS_MIX)], now) for i in range(flows)]

@@ -573,8 +573,9 @@ class Agent:
         sender = asyncio.create_task(self._send(link))
         try:
             done, _ = await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                task.result()
+            for task in (receiver, sender):  # the receiver's first: the coordinator's words
+                if task in done:  # (its error frame) before the sender's "link closed"
+                    task.result()
         finally:
             receiver.cancel()
             sender.cancel()

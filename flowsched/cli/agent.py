@@ -151,9 +151,10 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--allow-unproven-coordinator",
         action="store_true",
-        help="accept a coordinator of an older release (protocol below 3), which cannot prove "
-        "that it holds the token, over plain TCP: only while upgrading agents before "
-        "coordinators (docs/protocol.md); TLS with a verified certificate needs no flag",
+        help="accept a coordinator of an older release over plain TCP (protocol below 5: it "
+        "does not seal frames, and below 3 cannot prove that it holds the token): only while "
+        "upgrading agents before coordinators (docs/protocol.md); TLS with a verified "
+        "certificate needs no flag",
     )
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING"])
     parser.add_argument("--no-uvloop", action="store_true", help="use the plain asyncio loop")

@@ -18,7 +18,12 @@ from flowsched.cli._common import (
 )
 from flowsched.coordinator import Addresses, CoordinatorConfig, serve
 from flowsched.coordinator.election import ElectionError, EtcdElection, LeadershipLost
-from flowsched.protocol import TokenFileError, load_token
+from flowsched.protocol import (
+    FRAME_MAC_VERSION,
+    MIN_PROTOCOL_VERSION,
+    TokenFileError,
+    load_token,
+)
 from flowsched.tls import server_context
 
 
@@ -40,6 +45,12 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--handshake-timeout", type=float, default=5.0, metavar="S",
         help="seconds allowed for each handshake step of a new connection",
+    )  # fmt: skip
+    parser.add_argument(
+        "--min-agent-version", type=int, default=MIN_PROTOCOL_VERSION, metavar="V",
+        help="refuse agents that offer a lower protocol version (default %(default)s: every"
+        f" release); {FRAME_MAC_VERSION} once every agent is of this release, so that no"
+        " unsealed session can open in a node's name (docs/protocol.md)",
     )  # fmt: skip
     parser.add_argument(
         "--max-unauthenticated", type=int, default=2048, metavar="N",
@@ -137,6 +148,7 @@ def _run(args: argparse.Namespace) -> int:
             args.policy, token, host=host, port=port, metrics_host=metrics_host,
             metrics_port=metrics_port, batching=not args.no_batch, on_ready=_print_ready,
             max_batch_delay=args.max_batch_delay, max_unauthenticated=args.max_unauthenticated,
+            min_agent_version=args.min_agent_version,
             max_flows_per_node=args.max_flows_per_node,
             idle_timeout=args.idle_timeout, handshake_timeout=args.handshake_timeout,
             per_flow_decisions={"auto": None, "yes": True, "no": False}[args.per_flow_policy],

@@ -10,7 +10,13 @@ from pathlib import Path
 
 from flowsched import tls
 from flowsched.policies.base import Policy
-from flowsched.protocol import DEFAULT_MAX_FRAME_SIZE, Welcome, encode_body
+from flowsched.protocol import (
+    DEFAULT_MAX_FRAME_SIZE,
+    MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
+    Welcome,
+    encode_body,
+)
 
 SECONDS = 1.0
 MIB = 1 << 20
@@ -113,6 +119,9 @@ class CoordinatorConfig:
     #: logs in as (a subjectAltName DNS entry or the subject's CN); "any", any certificate
     #: the CA signed may log in as any node
     tls_client_names: str = "node"
+    #: agents offering a lower protocol version are refused (5: every session sealed, once
+    #: every agent is of this release; 1 admits every release)
+    min_agent_version: int = MIN_PROTOCOL_VERSION
     on_ready: Callable[[Addresses], None] | None = None
 
     def __post_init__(self) -> None:
@@ -147,6 +156,11 @@ class CoordinatorConfig:
             raise tls.TlsConfigError(
                 "tls_client_ca",
                 "client certificates are checked only over TLS: give a certificate and key",
+            )
+        if not MIN_PROTOCOL_VERSION <= self.min_agent_version <= PROTOCOL_VERSION:
+            raise ValueError(
+                f"min_agent_version: expected {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION},"
+                f" got {self.min_agent_version!r}"
             )
         if self.tls_client_names not in ("node", "any"):
             raise ValueError(

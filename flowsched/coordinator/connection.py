@@ -291,8 +291,9 @@ class AgentConnection:
         self._writer = writer
         self._transport = writer.transport
         self._conn = Connection(
-            Role.COORDINATOR, token=self._config.token, max_frame_size=self._config.max_frame_size
-        )
+            Role.COORDINATOR, token=self._config.token, max_frame_size=self._config.max_frame_size,
+            min_version=self._config.min_agent_version,
+        )  # fmt: skip
         peer = writer.get_extra_info("peername")
         self.peer = peer_text(peer)
         self._abort: ConnectionClosed | None = None

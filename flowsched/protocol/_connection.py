@@ -18,6 +18,7 @@ after its ``auth``, the coordinator's after its ``welcome`` (:attr:`Connection.s
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import os
 from collections.abc import Callable
 from typing import Final
@@ -56,10 +57,10 @@ from flowsched.protocol.auth import (
     FRAME_TAG_SIZE,
     FrameOpener,
     FrameSealer,
+    compute_bound_mac,
     compute_mac,
     compute_welcome_mac,
     frame_key,
-    verify_mac,
     verify_welcome_mac,
 )
 
@@ -114,6 +115,9 @@ class Connection:
         version: the highest protocol version this end speaks: the coordinator end answers
             a hello with the lower of it and the agent's offer; the agent end offers it
             through :meth:`hello`. ``MIN_PROTOCOL_VERSION`` acts as the previous release.
+        min_version: the coordinator end refuses a hello offering less (code ``version``):
+            with 5, no session below sealing can open in any node's name, once every agent
+            speaks it.
 
     Attributes:
         version: the connection's protocol version: this end's highest until the handshake
@@ -136,12 +140,18 @@ class Connection:
         handshake_frame_size: int = HANDSHAKE_MAX_FRAME_SIZE,
         nonce_factory: Callable[[int], bytes] = os.urandom,
         version: int = PROTOCOL_VERSION,
+        min_version: int = MIN_PROTOCOL_VERSION,
     ) -> None:
         if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
             raise ValueError(
                 f"version {version}: this implementation speaks"
                 f" {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}"
             )
+        if not MIN_PROTOCOL_VERSION <= min_version <= version:
+            raise ValueError(
+                f"min_version {min_version}: expected {MIN_PROTOCOL_VERSION}..{version}"
+            )
+        self._min_version = min_version
         self.role = role
         self.version = version
         self._offered = version
@@ -164,6 +174,11 @@ class Connection:
         self._eof = False
         #: message types the peer may send once established (none change the state)
         self._established = frozenset(TRANSITIONS[(self._peer, State.ESTABLISHED)])
+
+    @property
+    def offered(self) -> int:
+        """The version the agent offered in its ``hello`` (sent by this end, or received)."""
+        return self._offered
 
     # -- sending -----------------------------------------------------------------------------
 
@@ -191,8 +206,9 @@ class Connection:
         return data
 
     def _framed(self, body: bytes) -> bytes:
-        """The frame of ``body``: sealed once this end's side of the handshake is done."""
-        if self._sealer is None:
+        """The frame of ``body``: sealed once this end's side of the handshake is done (a body
+        over the limit is refused before the sequence number moves)."""
+        if self._sealer is None or len(body) > self._max_frame_size:
             return frame(body, self._max_frame_size)
         return frame(self._sealer.seal(body), self._max_frame_size + FRAME_TAG_SIZE)
 
@@ -276,10 +292,20 @@ class Connection:
         return self.send(Challenge(self.version, self._nonce_factory(NONCE_SIZE)))
 
     def answer(self, challenge: Challenge) -> bytes:
-        """Agent: send the ``auth`` frame answering ``challenge`` with this end's token."""
+        """Agent: send the ``auth`` frame answering ``challenge`` with this end's token (from
+        version 5 bound to both nonces and both versions: :func:`compute_bound_mac`)."""
         if self._token is None or self.node is None:
             raise LocalProtocolError("answer() needs a token and a sent hello", code="bad_state")
-        return self.send(Auth(compute_mac(self._token, challenge.nonce, self.node)))
+        return self.send(Auth(self._auth_mac(challenge.nonce)))
+
+    def _auth_mac(self, coordinator_nonce: bytes) -> bytes:
+        assert self._token is not None and self.node is not None
+        if self.version < FRAME_MAC_VERSION:
+            return compute_mac(self._token, coordinator_nonce, self.node)
+        return compute_bound_mac(
+            self._token, agent_nonce=self._agent_nonce, coordinator_nonce=coordinator_nonce,
+            node=self.node, offered=self._offered, version=self.version,
+        )  # fmt: skip
 
     def send_error(self, code: str, reason: str) -> bytes:
         """Return an ``error`` frame (legal in every state, ``ERROR`` included)."""
@@ -406,7 +432,7 @@ class Connection:
         (:func:`flowsched.protocol.aio.connect_agent`)."""
         offered = message.version
         if isinstance(message, Hello):
-            if offered >= MIN_PROTOCOL_VERSION:
+            if offered >= self._min_version:
                 self.version = min(offered, self._offered)
                 return
         elif MIN_PROTOCOL_VERSION <= offered <= self._offered:  # never above what we offered
@@ -414,7 +440,7 @@ class Connection:
             return
         raise LocalProtocolError(
             f"{message.TYPE}.version: unsupported version {offered}"
-            f" (this end speaks {MIN_PROTOCOL_VERSION}..{self._offered})",
+            f" (this end speaks {self._min_version}..{self._offered})",
             code="version",
         )
 
@@ -422,7 +448,7 @@ class Connection:
         if self._token is None:
             return
         assert self._nonce is not None and self.node is not None  # guaranteed by the table
-        if not verify_mac(self._token, self._nonce, self.node, mac):
+        if not hmac.compare_digest(self._auth_mac(self._nonce), mac):
             raise LocalProtocolError(
                 f"auth.mac: wrong MAC for node {self.node!r} (bad token or replayed auth)",
                 code="auth_failed",

@@ -15,6 +15,7 @@ import ssl
 from flowsched.protocol._connection import NEED_DATA, PEER_CLOSED, Connection, Sentinel
 from flowsched.protocol._framing import DEFAULT_MAX_FRAME_SIZE
 from flowsched.protocol._messages import (
+    FRAME_MAC_VERSION,
     MIN_PROTOCOL_VERSION,
     MUTUAL_AUTH_VERSION,
     PROTOCOL_VERSION,
@@ -219,6 +220,18 @@ def _unproven(what: str) -> HandshakeError:
     )
 
 
+def _unsealed(version: int) -> HandshakeError:
+    return HandshakeError(
+        "unproven_coordinator",
+        f"the coordinator answered with protocol version {version}: below"
+        f" {FRAME_MAC_VERSION} it does not seal frames, and this agent's answer would be"
+        " the older kind, which someone on the path could take to that coordinator to speak"
+        " in this node's name. Upgrade the coordinators first, connect over TLS, or (during a"
+        " rolling upgrade) run the agent with --allow-unproven-coordinator",
+        by_agent=True,
+    )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Secure:
     context: ssl.SSLContext | None
@@ -305,6 +318,8 @@ async def _handshake(link: AgentLink, node: str, timeout: float, secure: _Secure
             raise HandshakeError("bad_state", f"expected challenge, got {challenge.TYPE}")
         if challenge.version < MUTUAL_AUTH_VERSION and not secure.may_skip_proof():
             raise _unproven(f"answered with protocol version {challenge.version}")
+        if link.version < FRAME_MAC_VERSION <= link._conn.offered and not secure.may_skip_proof():
+            raise _unsealed(challenge.version)
         link._writer.write(link._conn.answer(challenge))
         welcome = await link.recv(timeout)
     except LinkClosed as exc:

@@ -26,13 +26,60 @@ class TokenFileError(Exception):
 
 
 def compute_mac(token: bytes, nonce: bytes, node: str) -> bytes:
-    """The MAC an agent called ``node`` answers to ``nonce`` with."""
+    """The MAC an agent called ``node`` answers to ``nonce`` with (below protocol version 5)."""
     return hmac.new(token, MAC_PREFIX + nonce + node.encode(), hashlib.sha256).digest()
 
 
 def verify_mac(token: bytes, nonce: bytes, node: str, mac: bytes) -> bool:
     """Constant-time check of ``mac`` against the expected one."""
     return hmac.compare_digest(compute_mac(token, nonce, node), mac)
+
+
+#: Domain-separation label of a version-5 agent's ``auth`` MAC (no other MAC input starts
+#: with it, nor it with theirs).
+BOUND_MAC_LABEL = b"flowsched/auth"
+
+
+def compute_bound_mac(
+    token: bytes,
+    *,
+    agent_nonce: bytes,
+    coordinator_nonce: bytes,
+    node: str,
+    offered: int,
+    version: int,
+) -> bytes:
+    """The ``auth`` MAC of an agent that offered version 5 or more: bound to both nonces, the
+    version it offered and the one agreed (two bytes each, big-endian), then the node name.
+    Someone on the path who rewrites either version makes the coordinator refuse it, and no
+    MAC of this form passes for the older form, so an agent's answer can never open an
+    unsealed session in its name (a downgrade).
+
+    Raises:
+        ValueError: a nonce is not 32 bytes, or a version outside 0..65535.
+    """
+    fixed = (("agent_nonce", agent_nonce), ("coordinator_nonce", coordinator_nonce))
+    return _handshake_mac(token, BOUND_MAC_LABEL, fixed, (offered, version), node)
+
+
+def _handshake_mac(
+    token: bytes,
+    label: bytes,
+    fixed: tuple[tuple[str, bytes], ...],
+    versions: tuple[int, int],
+    node: str,
+) -> bytes:
+    """HMAC-SHA256 with ``token`` over ``label``, the 32-byte ``fixed`` fields in order, the
+    offered and agreed versions (two bytes each, big-endian) and the node name (UTF-8):
+    everything but the name has a fixed size, so no two inputs read alike. The versions come
+    after the nonces and before any other fixed field (the welcome's digest)."""
+    for name, value in fixed:
+        if len(value) != 32:
+            raise ValueError(f"{name}: expected 32 bytes, got {len(value)}")
+    nonces, rest = [v for _, v in fixed[:2]], [v for _, v in fixed[2:]]
+    packed = [v.to_bytes(2, "big") for v in versions]
+    message = b"".join((label, *nonces, *packed, *rest, node.encode()))
+    return hmac.new(token, message, hashlib.sha256).digest()
 
 
 def load_token(path: str | os.PathLike[str] | None = None) -> bytes:
@@ -110,15 +157,10 @@ def compute_welcome_mac(
     Raises:
         ValueError: a nonce or the digest is not 32 bytes, or a version outside 0..65535.
     """
-    for name, value in (("agent_nonce", agent_nonce), ("coordinator_nonce", coordinator_nonce),
-                        ("digest", digest)):  # fmt: skip
-        if len(value) != 32:
-            raise ValueError(f"{name}: expected 32 bytes, got {len(value)}")
-    message = b"".join((
-        WELCOME_MAC_LABEL, agent_nonce, coordinator_nonce,
-        offered.to_bytes(2, "big"), version.to_bytes(2, "big"), digest, node.encode(),
-    ))  # fmt: skip
-    return hmac.new(token, message, hashlib.sha256).digest()
+    fixed = (
+        ("agent_nonce", agent_nonce), ("coordinator_nonce", coordinator_nonce), ("digest", digest)
+    )  # fmt: skip
+    return _handshake_mac(token, WELCOME_MAC_LABEL, fixed, (offered, version), node)
 
 
 def verify_welcome_mac(

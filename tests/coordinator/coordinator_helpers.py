@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 
 from flowsched.coordinator import Coordinator, CoordinatorConfig
 from flowsched.model import Context, Decision, Flow
-from flowsched.protocol import Levels, Message
+from flowsched.protocol import PROTOCOL_VERSION, Levels, Message
 from flowsched.protocol.aio import AgentLink, connect_agent
 from flowsched.testbed.daemons import wait_until as wait_until  # (the coordinator tests' import)
 
@@ -94,12 +94,16 @@ async def running_coordinator(**overrides: Any) -> AsyncIterator[Coordinator]:
         await coordinator.stop()
 
 
-async def connect_as(coordinator: Coordinator, node: str, token: bytes = TOKEN) -> AgentLink:
-    """An authenticated agent link of ``node`` to the running ``coordinator``."""
+async def connect_as(
+    coordinator: Coordinator, node: str, token: bytes = TOKEN, version: int = PROTOCOL_VERSION
+) -> AgentLink:
+    """An authenticated agent link of ``node`` to the running ``coordinator``, offering
+    ``version``."""
     assert coordinator.addresses is not None
     return await connect_agent(
-        coordinator.addresses.host, coordinator.addresses.port, node=node, token=token, timeout=5
-    )
+        coordinator.addresses.host, coordinator.addresses.port, node=node, token=token, timeout=5,
+        version=version,
+    )  # fmt: skip
 
 
 async def next_levels(link: AgentLink, timeout: float = 3.0) -> Levels:

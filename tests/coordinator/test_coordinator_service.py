@@ -357,6 +357,8 @@ async def test_a_replaced_connection_is_told_why(caplog: pytest.LogCaptureFixtur
         pytest.param({"max_flows_per_node": 0}, "max_flows_per_node", id="no-flows-per-node"),
         pytest.param({"max_flows_per_node": 1.5}, "max_flows_per_node", id="fractional-cap"),
         pytest.param({"max_flows_per_node": True}, "max_flows_per_node", id="bool-cap"),
+        pytest.param({"min_agent_version": 0}, "min_agent_version", id="no-version-0"),
+        pytest.param({"min_agent_version": 6}, "min_agent_version", id="above-this-release"),
     ],
 )
 def test_config_refuses_timeouts_that_cannot_work(overrides: dict[str, float], field: str) -> None:
@@ -366,6 +368,23 @@ def test_config_refuses_timeouts_that_cannot_work(overrides: dict[str, float], f
 
     with pytest.raises(ValueError, match=field):
         CoordinatorConfig(token=TOKEN, policy_factory=BytesPolicy, **overrides)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_a_minimum_agent_version_refuses_older_agents() -> None:
+    """--min-agent-version 5: an agent offering 4 (an older release, or a downgrade on the
+    path) is refused before its auth, so no unsealed session opens in any node's name."""
+    async with running_coordinator(min_agent_version=FRAME_MAC_VERSION) as coordinator:
+        with pytest.raises(HandshakeError) as info:
+            await connect_as(coordinator, "old", version=FRAME_MAC_VERSION - 1)
+        # refused with code "version"; the agent end does not try again with version 1
+        assert "unsupported version 4 (this end speaks 5..5)" in info.value.reason
+        assert coordinator.live.rejected == {"version": 1}
+        link = await connect_as(coordinator, "new")
+        try:
+            assert (link.version, link.sealed) == (FRAME_MAC_VERSION, True)
+        finally:
+            await link.close()
 
 
 def test_policy_file_too_big_for_the_welcome_frame_is_refused(tmp_path: Path) -> None:

@@ -56,8 +56,8 @@ class TamperingRelay:
                         break
                     frame = bytearray(pending[:end])
                     del pending[:end]
-                    if count == flip:
-                        frame[end - 1] ^= 0x01  # the body's last byte
+                    if count == flip:  # a byte in the middle: the body's, not the MAC's
+                        frame[HEADER_SIZE + (end - HEADER_SIZE - 16) // 2] ^= 0x01
                         self.tampered.append((index, direction, count))
                     count += 1
                     dst.sendall(frame)

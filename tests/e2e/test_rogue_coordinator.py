@@ -2,8 +2,9 @@
 refuses it at the handshake and never sends it its flows.
 
 The rogue is what the audit's repro ran: a coordinator end of the sans-IO protocol with no
-token, answering every hello and welcoming every agent (at version 3 its welcome carries no
-MAC; held at version 2 it speaks a version that proves nothing). Before protocol version 3 the
+token, answering every hello and welcoming every agent (at version 5 its welcome carries no
+MAC; held at version 2 or 3 it speaks a version that proves nothing or seals nothing, and the
+agent does not even answer it). Before protocol version 3 the
 agent took that welcome, sent its resync (every flow's job, request, size and deadline) and
 applied the levels it got back.
 """
@@ -84,9 +85,9 @@ class RogueCoordinator:
 @pytest.mark.parametrize(
     ("version", "expected", "said"),
     [
-        pytest.param(
-            3, ["hello", "auth", "error"], "auth_failed: welcome.mac: missing", id="v3-no-mac"
-        ),
+        # its error after the auth is sealed: a listener without the token cannot read it
+        pytest.param(5, ["hello", "auth"], "auth_failed: welcome.mac: missing", id="v5-no-mac"),
+        pytest.param(3, ["hello", "error"], "unproven_coordinator", id="held-at-v3"),
         pytest.param(2, ["hello", "error"], "unproven_coordinator", id="held-at-v2"),
     ],
 )

@@ -15,12 +15,14 @@ import msgpack
 import pytest
 
 from flowsched.protocol import (
+    JOB_END_VERSION,
     MUTUAL_AUTH_VERSION,
     NEED_DATA,
     PROTOCOL_VERSION,
     Auth,
     Challenge,
     Connection,
+    Heartbeat,
     Hello,
     LocalProtocolError,
     Message,
@@ -37,6 +39,7 @@ from flowsched.protocol import (
     welcome_digest,
 )
 from flowsched.protocol.aio import HandshakeError, _Secure, connect_agent
+from flowsched.testbed.daemons import wait_until
 from flowsched.tls import client_context
 
 TOKEN = b"k" * 32
@@ -115,19 +118,57 @@ def test_a_welcome_replayed_from_another_connection_is_refused() -> None:
     assert "wrong MAC" in _refused(agent, recorded).reason
 
 
-def test_the_mac_binds_the_version_the_agent_offered() -> None:
-    # someone on the path changes the offer: the coordinator's MAC covers what it received
-    agent = Connection(Role.AGENT, token=TOKEN)
-    coordinator = Connection(Role.COORDINATOR, token=TOKEN)
+def _offer_rewritten(agent: Connection, coordinator: Connection, offer: int) -> bytes:
+    """Someone on the path rewrites the agent's offer to ``offer``; returns the agent's auth
+    frame, answering the coordinator's real challenge."""
     hello = msgpack.unpackb(agent.hello("n1")[4:])
-    coordinator.receive_data(frame(msgpack.packb({**hello, "version": 9}, use_bin_type=True)))
+    coordinator.receive_data(frame(msgpack.packb({**hello, "version": offer}, use_bin_type=True)))
     assert isinstance(coordinator.next_event(), Hello)
     agent.receive_data(coordinator.challenge())
     challenge = agent.next_event()
     assert isinstance(challenge, Challenge)
-    coordinator.receive_data(agent.answer(challenge))
+    return agent.answer(challenge)
+
+
+def test_the_welcome_mac_binds_the_version_the_agent_offered() -> None:
+    # at version 4 the agent's MAC covers no version: the coordinator's MAC covers what it
+    # received, so the agent refuses the welcome
+    agent = Connection(Role.AGENT, token=TOKEN, version=JOB_END_VERSION)
+    coordinator = Connection(Role.COORDINATOR, token=TOKEN, version=JOB_END_VERSION)
+    coordinator.receive_data(_offer_rewritten(agent, coordinator, 9))
     coordinator.next_event()
     assert "wrong MAC" in _refused(agent, coordinator.send(WELCOME)).reason
+
+
+def test_from_version_5_the_agents_mac_binds_the_offer() -> None:
+    """A rewritten offer makes the coordinator refuse the agent's auth: no session opens in
+    the agent's name. (Rewritten down to 4, the challenge says 4 and connect_agent refuses to
+    answer: test_a_version_5_agent_does_not_answer_a_coordinator_below_5.)"""
+    agent = Connection(Role.AGENT, token=TOKEN)
+    coordinator = Connection(Role.COORDINATOR, token=TOKEN)
+    auth = _offer_rewritten(agent, coordinator, 9)
+    coordinator.receive_data(auth)
+    with pytest.raises(RemoteProtocolError) as info:
+        coordinator.next_event()
+    assert info.value.code == "auth_failed" and coordinator.state is State.ERROR
+
+
+def test_a_version_5_auth_never_passes_for_the_older_form() -> None:
+    """Someone on the path tells the coordinator the agent offered 4 and the agent that the
+    coordinator answered 5: the agent's bound MAC is refused at version 4."""
+    agent = Connection(Role.AGENT, token=TOKEN)
+    coordinator = Connection(Role.COORDINATOR, token=TOKEN)
+    hello = msgpack.unpackb(agent.hello("n1")[4:])
+    coordinator.receive_data(frame(msgpack.packb({**hello, "version": 4}, use_bin_type=True)))
+    coordinator.next_event()
+    real = msgpack.unpackb(coordinator.challenge()[4:])
+    agent.receive_data(frame(msgpack.packb({**real, "version": 5}, use_bin_type=True)))
+    challenge = agent.next_event()
+    assert isinstance(challenge, Challenge) and agent.version == 5
+    coordinator.receive_data(agent.answer(challenge))
+    with pytest.raises(RemoteProtocolError) as info:
+        coordinator.next_event()
+    assert info.value.code == "auth_failed" and coordinator.version == 4
 
 
 def test_a_hello_offering_version_3_needs_a_nonce() -> None:
@@ -198,8 +239,8 @@ async def _stand_in(
                     kinds.append(event.TYPE)
                     if isinstance(event, Hello):
                         writer.write(conn.challenge())
-                    elif isinstance(event, Auth):
-                        writer.write(conn.send(WELCOME))
+                    elif isinstance(event, Auth):  # a heartbeat follows, sealed from 5
+                        writer.write(conn.send(WELCOME) + conn.send(Heartbeat(1.0)))
         except (RemoteProtocolError, ConnectionError):
             pass
         finally:
@@ -248,6 +289,32 @@ async def test_connect_agent_refuses_a_coordinator_held_below_version_3() -> Non
     assert "answered with protocol version 2" in info.value.reason
     assert "--allow-unproven-coordinator" in info.value.reason
     assert received == [["hello", "error"]]  # not even the agent's MAC went there
+
+
+@pytest.mark.parametrize("held_at", [3, JOB_END_VERSION])
+@pytest.mark.asyncio
+async def test_a_version_5_agent_does_not_answer_a_coordinator_below_5(held_at: int) -> None:
+    """A coordinator (or someone on the path saying so) that answers below version 5 gets no
+    auth: that answer would be of the older form, which a coordinator accepts for an
+    unsealed session in this node's name. Allowed (rolling upgrade), the link is unsealed."""
+    async with _stand_in(version=held_at) as (port, received):
+        with pytest.raises(HandshakeError) as info:
+            await _connect(port)
+        await asyncio.sleep(0.05)
+        assert info.value.by_agent and info.value.code == "unproven_coordinator"
+        assert f"answered with protocol version {held_at}: below 5 it does not seal" in (
+            info.value.reason
+        )
+        assert received == [["hello", "error"]]  # no MAC went there
+        link = await _connect(port, allow_unproven=True)
+        try:
+            assert (link.version, link.coordinator_proven, link.sealed) == (held_at, True, False)
+            assert isinstance(await link.recv(5), Heartbeat)  # established traffic, unsealed
+            await link.send(Resync(()))
+            await wait_until(lambda: received[-1][-1:] == ["resync"], 5, "the resync to arrive")
+            assert received[-1] == ["hello", "auth", "resync"]
+        finally:
+            await link.close()
 
 
 @pytest.mark.asyncio

@@ -4,6 +4,9 @@ connection), what stays as it was below version 5, and the keys' derivation."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -11,12 +14,15 @@ from test_protocol_handshake import TOKEN, ConnectionPair
 
 from flowsched.protocol import (
     FRAME_MAC_VERSION,
+    Auth,
+    Connection,
     Flows,
     Heartbeat,
     Levels,
     LevelUpdate,
     LocalProtocolError,
     RemoteProtocolError,
+    Role,
     Welcome,
     encode_body,
     encode_frame,
@@ -132,6 +138,8 @@ def test_the_largest_body_still_fits_with_its_mac() -> None:
     with pytest.raises(LocalProtocolError) as info:
         pair.agent.send(_progress(count + 1))
     assert info.value.code == "frame_too_large"
+    # the refused frame took no sequence number: the next one still opens
+    assert pair.to_coordinator(pair.agent.send(PROGRESS)) == PROGRESS
 
 
 def test_what_the_agent_sends_after_its_auth_is_sealed_before_the_welcome() -> None:
@@ -196,3 +204,38 @@ def test_an_opener_refuses_a_body_too_short_for_a_mac() -> None:
         opener.open(b"x" * FRAME_TAG_SIZE)
     sealer = FrameSealer(b"k" * 32)
     assert FrameOpener(b"k" * 32).open(sealer.seal(b"body")) == b"body"
+
+
+def test_the_wire_format_of_a_sealed_frame_and_of_a_version_5_auth() -> None:
+    """The formats docs/protocol.md gives, computed here with hashlib and hmac alone."""
+    agent = Connection(Role.AGENT, token=TOKEN, nonce_factory=lambda n: b"a" * n)
+    coordinator = Connection(Role.COORDINATOR, token=TOKEN, nonce_factory=lambda n: b"c" * n)
+    coordinator.receive_data(agent.hello("n1"))
+    coordinator.next_event()
+    agent.receive_data(coordinator.challenge())
+    challenge = agent.next_event()
+    auth = agent.answer(challenge)  # type: ignore[arg-type]
+    label = b"flowsched/auth" + b"a" * 32 + b"c" * 32 + b"\x00\x05\x00\x05" + b"n1"
+    assert auth == encode_frame(Auth(hmac.new(TOKEN, label, hashlib.sha256).digest()))
+    coordinator.receive_data(auth)
+    coordinator.next_event()
+    agent.receive_data(coordinator.send(Welcome("", 0.05, 1.0)))
+    agent.next_event()
+    first = agent.send(PROGRESS)
+    key_input = b"flowsched/frames" + b"A" + b"a" * 32 + b"c" * 32 + b"n1"
+    key = hmac.new(TOKEN, key_input, hashlib.sha256).digest()
+    body = encode_body(PROGRESS)
+    tag = hashlib.blake2b(bytes(8) + body, key=key, digest_size=16).digest()
+    assert first == len(body + tag).to_bytes(4, "big") + body + tag
+
+
+def test_a_coordinator_with_a_minimum_version_refuses_older_hellos() -> None:
+    coordinator = Connection(Role.COORDINATOR, token=TOKEN, min_version=FRAME_MAC_VERSION)
+    agent = Connection(Role.AGENT, token=TOKEN, version=UNSEALED)
+    with pytest.raises(RemoteProtocolError) as info:
+        coordinator.receive_data(agent.hello("n1"))
+        coordinator.next_event()
+    assert info.value.code == "version"
+    assert "unsupported version 4 (this end speaks 5..5)" in info.value.reason
+    with pytest.raises(ValueError, match=r"min_version 5: expected 1\.\.4"):
+        Connection(Role.COORDINATOR, version=UNSEALED, min_version=FRAME_MAC_VERSION)
