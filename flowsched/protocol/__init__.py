@@ -23,8 +23,10 @@ Version 4 lets ``job_progress`` say that a job ended (``done``): the coordinator
 once instead of after its TTL. An agent sends ``done`` only on a version-4 connection.
 
 Version 5 seals every frame after the handshake with a MAC under a per-connection key drawn
-from the token and both nonces (:class:`~flowsched.protocol.auth.FrameSealer`): without TLS,
-someone on the path can no longer alter, inject, drop or replay a frame unnoticed.
+from the token and both nonces (:class:`~flowsched.protocol.auth.FrameSealer`), and binds the
+agent's ``auth`` MAC to both versions: without TLS, someone on the path can no longer alter,
+inject, drop or replay a frame, or downgrade the connection, unnoticed. A coordinator with
+``min_version`` 5 refuses agents of earlier releases, whose sessions are not sealed.
 """
 
 from flowsched.protocol._codec import (

@@ -11,8 +11,10 @@ proves it holds the token by its ``auth`` MAC over the coordinator's nonce, and 
 coordinator by its ``welcome`` MAC over the agent's nonce (sent in ``hello``), its own, the
 node, both versions and the welcome's content. :attr:`Connection.peer_proven` says whether the
 peer has proven it; below version 3 a coordinator never has. From version 5
-(:data:`FRAME_MAC_VERSION`) every frame after the handshake is sealed as well: the agent's
-after its ``auth``, the coordinator's after its ``welcome`` (:attr:`Connection.sealed`).
+(:data:`FRAME_MAC_VERSION`) the agent's MAC covers both nonces and both versions too
+(:func:`~flowsched.protocol.auth.compute_bound_mac`: a downgrade on the path makes the
+coordinator refuse it), and every frame after the handshake is sealed: the agent's after its
+``auth``, the coordinator's after its ``welcome`` (:attr:`Connection.sealed`).
 """
 
 from __future__ import annotations
