@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/plugin_bench.py [--trials 7] [--out results/plugin_bench.json]
     .venv/bin/python bench/plugin_bench.py --sizes 1MiB --no-rtt   # a quick A/B subset
+    .venv/bin/python bench/plugin_bench.py --against OLD/libnccl-net-flowsched.so
+        # also this build against an earlier commit's, in the same trials (no goal)
 
 Measures, alternating plugin and baseline runs (the order flips every trial) so that both
 see the same machine load:
@@ -77,12 +79,21 @@ def run_json(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
 
 
 def trial(
-    build: Path, env: dict[str, str], plugin_first: bool, sizes: list[str], rtt: bool
+    build: Path,
+    env: dict[str, str],
+    plugin_first: bool,
+    sizes: list[str],
+    rtt: bool,
+    against: Path | None = None,
 ) -> dict[str, float]:
-    """One plugin/baseline round of every measurement (back to back, same load)."""
+    """One plugin/baseline round of every measurement (back to back, same load); with
+    ``against``, another build of the plugin driven by the same harness joins the round."""
     lib = str(build / "libnccl-net-flowsched.so")
     programs = {"plugin": [str(build / "harness"), lib], "plain": [str(build / "plain_tcp")]}
     order = ["plugin", "plain"] if plugin_first else ["plain", "plugin"]
+    if against is not None:
+        programs["against"] = [str(build / "harness"), str(against)]
+        order.insert(1, "against")
     row: dict[str, float] = {}
     for label in sizes:
         size, count = SIZES[label]
@@ -108,11 +119,17 @@ def cpu_hog(cpu: int) -> Iterator[None]:
 
 
 def measure(
-    build: Path, env: dict[str, str], trials: int, sizes: list[str], rtt: bool
+    build: Path,
+    env: dict[str, str],
+    trials: int,
+    sizes: list[str],
+    rtt: bool,
+    against: Path | None = None,
 ) -> dict[str, Any]:
-    """Medians, ratios and load for one condition."""
+    """Medians, ratios and load for one condition (``against``: also this build against
+    another build of the plugin, as ``against_*`` ratios, which are no goals)."""
     load_start = os.getloadavg()
-    rows = [trial(build, env, i % 2 == 0, sizes, rtt) for i in range(trials)]
+    rows = [trial(build, env, i % 2 == 0, sizes, rtt, against) for i in range(trials)]
     med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     ratios = {
         f"throughput_{label}": med[f"plugin_{label}_MBps"] / med[f"plain_{label}_MBps"]
@@ -120,6 +137,13 @@ def measure(
     }
     if rtt:
         ratios["rtt_8B"] = med["plugin_rtt_us"] / med["plain_rtt_us"]
+    if against is not None:
+        for label in sizes:
+            ratios[f"against_throughput_{label}"] = (
+                med[f"plugin_{label}_MBps"] / med[f"against_{label}_MBps"]
+            )
+        if rtt:
+            ratios["against_rtt_8B"] = med["plugin_rtt_us"] / med["against_rtt_us"]
     return {
         "trials": rows,
         "median": med,
@@ -135,6 +159,8 @@ def goals_met(report: dict[str, Any]) -> dict[str, bool]:
     for cond, part in report["conditions"].items():
         floor = GOALS[f"{cond}_min_ratio"]
         for name, ratio in part["ratios"].items():
+            if name.startswith("against_"):
+                continue  # this build against another: a comparison, not a goal
             if name == "rtt_8B":
                 met[f"{cond}_rtt_8B"] = ratio <= GOALS["rtt_max_ratio"]
             else:
@@ -163,6 +189,9 @@ def print_report(report: dict[str, Any]) -> None:
                 f"{'8 B round trip us':<22}{med['plain_rtt_us']:>12.2f}"
                 f"{med['plugin_rtt_us']:>12.2f}{ratios['rtt_8B']:>9.3f}"
             )
+        for name, ratio in ratios.items():
+            if name.startswith("against_"):
+                print(f"{'this build / --against':<22}{name[len('against_') :]:>24}{ratio:>9.3f}")
     prio = report.get("priority_read")
     if prio is None:
         print("priority check: skipped (--no-rtt run)")
@@ -199,6 +228,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--build-dir", type=Path, default=BUILD, help="where the plugin and tools were built"
     )
+    parser.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        metavar="LIB",
+        help="another build of libnccl-net-flowsched.so (an earlier commit's) to run with the "
+        "same harness in every trial: reports this build / that one (no goal)",
+    )
     parser.add_argument("--no-lock", action="store_true", help=f"do not take {LOCK_PATH}")
     parser.add_argument("--check", action="store_true", help="exit 1 when a goal is not met")
     args = parser.parse_args(argv)
@@ -229,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             hog = cpu_hog(args.hog_cpu) if cond == "hog" else contextlib.nullcontext()
             with hog:
                 report["conditions"][cond] = measure(
-                    args.build_dir, env, args.trials, args.size_list, not args.no_rtt
-                )
+                    args.build_dir, env, args.trials, args.size_list, not args.no_rtt,
+                    args.against,
+                )  # fmt: skip
         if not args.no_rtt:
             prio_bench = str(args.build_dir / "prio_read_bench")
             report["priority_read"] = run_json([prio_bench, "50000000"], env)

@@ -64,3 +64,10 @@ def test_verdicts_cover_only_what_was_measured() -> None:
     part = {"ratios": {"throughput_1MiB": 0.96}}
     met = load().goals_met({"conditions": {"quiet": part, "hog": {"ratios": {}}}})
     assert met == {"quiet_throughput_1MiB": True}
+
+
+def test_a_comparison_against_another_build_is_no_goal() -> None:
+    bench = load()
+    report = {"conditions": {"quiet": {"ratios": {"throughput_1MiB": 1.0, "rtt_8B": 1.0,
+                                                  "against_throughput_1MiB": 0.5}}}}  # fmt: skip
+    assert bench.goals_met(report) == {"quiet_throughput_1MiB": True, "quiet_rtt_8B": True}
