@@ -47,8 +47,8 @@ static struct {
   atomic_int warned_full;
   dev_t dev; /* the mapped file, to notice a re-created table (fs_table_attach) */
   ino_t ino;
-  char path[PATH_MAX]; /* where the table is looked for (the last fs_table_attach) */
-  void (*resolve_path)(char* out, size_t cap); /* re-finds `path` while none is mapped */
+  char path[PATH_MAX]; /* where the table is looked for (fs_table_attach's, or resolved) */
+  void (*resolve_path)(char* out, size_t cap); /* decides `path` at every look, if set */
   /* Tables replaced by a newer file at the same path: kept mapped for the connections whose
    * slots are in them until they move to the new table (fs_flow_rebind), or for good when it
    * had no free slot for them (they run on at their last level, unseen by the new agent). */
