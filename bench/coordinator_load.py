@@ -818,7 +818,7 @@ def compare_forms(results: list[ModeResult]) -> None:
         )
         print(f"  saturation: {saturation}")
         for form in others:
-            ratio = _mean_ratio(runs, form, lambda r: r.events_per_cpu_second)
+            ratio = _saturation_ratio(runs, form)
             if ratio is not None:
                 print(f"  {'':>8}  events per coordinator CPU second {form} / packed {ratio:.3f}x")
         for index, rate in enumerate(p.nominal_rate for p in runs[0].latency):
@@ -841,10 +841,11 @@ def compare_forms(results: list[ModeResult]) -> None:
                       f"{cpu_packed:.2f} ({cpu / max(cpu_packed, 1e-9):.2f}x)")  # fmt: skip
 
 
-def _mean_ratio(runs: list[ModeResult], form: str, value: Any) -> float | None:
-    """mean(value) over ``form``'s runs / mean over packed's; None when either has none."""
-    mine = [value(r) for r in runs if r.progress_form == form]
-    base = [value(r) for r in runs if r.progress_form == "packed"]
+def _saturation_ratio(runs: list[ModeResult], form: str) -> float | None:
+    """Mean events per coordinator CPU second of ``form``'s runs / of packed's; None when
+    either has none."""
+    mine = [r.events_per_cpu_second for r in runs if r.progress_form == form]
+    base = [r.events_per_cpu_second for r in runs if r.progress_form == "packed"]
     if not mine or not base:
         return None
     return statistics.fmean(mine) / max(statistics.fmean(base), 1e-9)
