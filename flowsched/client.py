@@ -21,7 +21,8 @@ does the same, with a warning, rather than use a socket whose directory another 
 write, or one served by a process running as neither root, this user nor
 ``$FLOWSCHED_AGENT_UID`` (docs/security.md).
 Open flows are re-opened (with new ids) when the agent restarts, or adopted when an agent
-first appears; a flow is closed at the agent when its process disconnects.
+first appears (at the default path found anew at each try, so also a root agent that starts
+after a user's process); a flow is closed at the agent when its process disconnects.
 
 No call waits on a slow agent for long: ``open`` waits at most :data:`OPEN_TIMEOUT` for its
 answer (an answer that comes later is still taken, or its flow closed), and messages go
@@ -371,10 +372,16 @@ def _socket_name(sock: socket.socket) -> str:
 
 
 class AgentConnection:
-    """The process's connection to its node agent (one per socket path; thread-safe)."""
+    """The process's connection to its node agent (one per socket path; thread-safe).
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    ``path`` None is the default path, decided again at each connection attempt
+    (:func:`default_socket_path`): flows opened by a user's process before any agent ran
+    reach a root agent that starts later (which serves ``/run/flowsched``, not the user's own
+    runtime directory)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._default_path = path is None
+        self.path = default_socket_path() if path is None else path
         self._sock: socket.socket | None = None
         self._sender: _Sender | None = None
         self._state_lock = threading.Lock()
@@ -400,6 +407,8 @@ class AgentConnection:
             if self._closed or now - self._last_attempt < RECONNECT_INTERVAL:
                 return False
             self._last_attempt = now
+            if self._default_path:
+                self.path = default_socket_path()
             problem = rundir.client_dir_problem(self.path)
             if problem is not None:
                 self._warn(f"not using the flowsched agent socket {self.path}: {problem}; "
@@ -669,7 +678,8 @@ def _peer_uid(sock: socket.socket) -> int | None:
     return int(struct.unpack("3i", raw)[1])
 
 
-_connections: dict[str, AgentConnection] = {}
+#: socket path -> its connection; None: the default path's (see AgentConnection)
+_connections: dict[str | None, AgentConnection] = {}
 _last_job: str | None = None
 _connections_lock = threading.Lock()
 
@@ -702,8 +712,9 @@ def _byte_count(value: int, name: str) -> int:
 
 
 def connection(path: str | None = None) -> AgentConnection:
-    """The shared :class:`AgentConnection` for ``path`` (default :func:`default_socket_path`)."""
-    path = path or default_socket_path()
+    """The shared :class:`AgentConnection` for ``path`` (default :func:`default_socket_path`,
+    decided again whenever the connection is made)."""
+    path = path or None
     with _connections_lock:
         conn = _connections.get(path)
         if conn is None:

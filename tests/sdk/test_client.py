@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flowsched import client
+from flowsched import client, rundir
 from flowsched.agent import AgentConfig
 from flowsched.agent.threaded import AgentThread
 from flowsched.model import FlowClass
@@ -262,6 +262,49 @@ def test_flow_opened_before_the_agent_starts_is_adopted(tmp_path: Path) -> None:
         conn = client._connections.pop(config.socket_path, None)
         if conn is not None:
             conn.close()
+
+
+class _OsAsUser:
+    """The ``os`` module as a process running as ``uid`` sees it (geteuid only)."""
+
+    def __init__(self, uid: int) -> None:
+        self._uid = uid
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    def geteuid(self) -> int:
+        return self._uid
+
+
+def test_a_users_flow_opened_before_any_agent_finds_a_root_agent_started_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_sdk_connections: None
+) -> None:
+    # a user's job on a node that boots: no agent anywhere when its flow opens, so the default
+    # path is the user's own; the root agent that starts then serves /run/flowsched. The SDK's
+    # path resolution runs as uid 1000, the agent (same process) as root.
+    monkeypatch.setattr(rundir, "os", _OsAsUser(1000))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    monkeypatch.delenv("FLOWSCHED_SOCKET", raising=False)
+    shared = tmp_path / "run-flowsched"
+    monkeypatch.setattr(rundir, "ROOT_DIR", str(shared))
+    with client.flow("kv", bytes=1000) as handle:
+        assert not handle.connected
+        assert client.default_socket_path() == f"{tmp_path}/xdg/flowsched/agent.sock"
+        config = AgentConfig(
+            node="n1",
+            socket_path=str(shared / rundir.SOCKET_NAME),
+            table_path=str(shared / rundir.TABLE_NAME),
+            num_slots=8,
+            metrics_port=None,
+            fallback_after=60.0,
+            interfaces=("lo",),
+        )
+        with AgentThread(config) as running:
+            _wait(lambda: handle.connected, timeout=5.0)
+            registry = running.agent.registry
+            assert registry is not None
+            assert registry.flows[handle.id].size == 1000  # type: ignore[index]
 
 
 def test_consumer_step_defaults_to_the_last_reported_job(agent: AgentThread) -> None:
