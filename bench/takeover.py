@@ -7,7 +7,9 @@ processes (both pinned to one core with ``taskset`` when it exists: the standby 
 the kill, then has the core to itself), and drives them from this process on the other core:
 ``--agents`` simulated agents (raw protocol frames, cheap enough for one core) that know both
 addresses, follow a standby's redirect, and send a ``resync`` of ``--flows`` flows each after
-every (re)connect, as the real agent does. The resync carries no
+every (re)connect, as the real agent does; they offer protocol version 5, every frame after
+the handshake sealed, as this release's agents (``--protocols 5,4`` adds runs of agents that
+offer 4, unsealed, as the previous release's, side by side). The resync carries no
 levels (``level`` nil), so the coordinator must decide and send a level for every flow: an
 agent counts as back under global decisions once it holds a level for each of its flows from
 the new leader, which proves that the resync was absorbed and decided.
@@ -24,8 +26,8 @@ such as rmlq with RED tiers, and the default policy file did before efbe2df).
 
 Usage:
     .venv/bin/python bench/takeover.py [--agents 1000] [--flows 20] [--runs 3]
-        [--modes rebuild,per-turn,whole-table] [--lease-ttl 2] [--max-batch-delay S]
-        [--json OUT] [--profile DIR]
+        [--modes rebuild,per-turn,whole-table] [--protocols 5,4] [--lease-ttl 2]
+        [--max-batch-delay S] [--json OUT] [--profile DIR]
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,10 +53,13 @@ from typing import Any
 import msgpack
 
 from flowsched.protocol import (
+    DEFAULT_MAX_FRAME_SIZE,
     FRAME_MAC_VERSION,
     Challenge,
     Connection,
     Error,
+    Levels,
+    Message,
     ReceiveBuffer,
     Role,
     Sentinel,
@@ -61,6 +67,7 @@ from flowsched.protocol import (
     frame,
     write_token,
 )
+from flowsched.protocol.auth import FRAME_TAG_SIZE
 from flowsched.testbed.etcd import local_etcd
 from flowsched.testbed.procstat import cpu_seconds
 from flowsched.testbed.simagent import CLASS_MIX, HEARTBEAT, flow_open, prepare_load_generator
@@ -86,6 +93,8 @@ class SimAgent:
     addresses: list[tuple[str, int]]
     token: bytes
     flows: int
+    #: the protocol version it offers (from FRAME_MAC_VERSION on, its frames are sealed)
+    version: int = FRAME_MAC_VERSION
     #: monotonic times: welcome from a leader with a higher epoch, all levels from it
     welcomed: float = 0.0
     decided: float = 0.0
@@ -93,13 +102,13 @@ class SimAgent:
     connected: asyncio.Event = field(default_factory=asyncio.Event)
     _levels: set[int] = field(default_factory=set)
 
-    def resync(self) -> bytes:
+    def resync(self, conn: Connection) -> bytes:
         now = time.time()
         opens = [
             flow_open(self.node, i, CLASS_MIX[i % len(CLASS_MIX)], now, kv_deadline_s=5.0)
             for i in range(self.flows)
         ]
-        return frame(msgpack.packb({"t": "resync", "opens": opens}))
+        return conn.send_frame("resync", frame(msgpack.packb({"t": "resync", "opens": opens})))
 
     async def run(self) -> None:
         """Stay connected to whichever coordinator leads, forever (cancelled at the end)."""
@@ -126,8 +135,7 @@ class SimAgent:
     async def _handshake(self, host: str, port: int) -> Any:
         async with asyncio.timeout(10):
             reader, writer = await asyncio.open_connection(host, port)
-            # raw frames, unsealed (version 4): the takeover, not the MACs, is measured here
-            conn = Connection(Role.AGENT, token=self.token, version=FRAME_MAC_VERSION - 1)
+            conn = Connection(Role.AGENT, token=self.token, version=self.version)
             writer.write(conn.hello(self.node))
             challenge = await _next(reader, conn)
             if not isinstance(challenge, Challenge):
@@ -139,33 +147,45 @@ class SimAgent:
             if answer.epoch > self.epoch:
                 self.epoch, self.welcomed, self.decided = answer.epoch, time.monotonic(), 0.0
                 self._levels.clear()
-            return reader, writer
+            # frames that came with the welcome wait in conn's buffer: take them through conn
+            # (which opens sealed ones in sequence) before _serve reads the socket raw
+            while isinstance(event := conn.next_event(), Message):
+                if isinstance(event, Levels):
+                    self._note_levels(u.id for u in event.updates)
+            return reader, writer, conn
         writer.close()
         if isinstance(answer, Error) and answer.code == "not_leader":
             found = re.search(r"leader=(\S+):(\d+)", answer.reason)
             return Redirect((found[1], int(found[2]))) if found else None
         return None
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writer.write(self.resync())
+    async def _serve(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: Connection
+    ) -> None:
+        writer.write(self.resync(conn))
         self.connected.set()
-        buffer = ReceiveBuffer()
+        buffer = ReceiveBuffer(DEFAULT_MAX_FRAME_SIZE + FRAME_TAG_SIZE)
         try:
             while data := await reader.read(1 << 16):
                 buffer.feed(data)
                 while (body := buffer.next_body()) is not None:
-                    self._received(msgpack.unpackb(body), writer)
+                    self._received(msgpack.unpackb(conn.opened(body)), writer, conn)
         finally:
             self.connected.clear()
             writer.close()
 
-    def _received(self, message: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+    def _received(
+        self, message: dict[str, Any], writer: asyncio.StreamWriter, conn: Connection
+    ) -> None:
         if message["t"] == "heartbeat":
-            writer.write(HEARTBEAT)
+            writer.write(conn.send_frame("heartbeat", HEARTBEAT))
         elif message["t"] == "levels":
-            self._levels.update(u["id"] for u in message["updates"])
-            if len(self._levels) >= self.flows and not self.decided:
-                self.decided = time.monotonic()
+            self._note_levels(u["id"] for u in message["updates"])
+
+    def _note_levels(self, flow_ids: Iterable[int]) -> None:
+        self._levels.update(flow_ids)
+        if len(self._levels) >= self.flows and not self.decided:
+            self.decided = time.monotonic()
 
 
 async def _next(reader: asyncio.StreamReader, conn: Connection) -> Any:
@@ -232,6 +252,8 @@ class Coordinator:
 @dataclass
 class Run:
     mode: str
+    #: the protocol version the simulated agents offered
+    protocol: int
     lead_s: float
     all_back_s: float
     median_back_s: float
@@ -246,7 +268,10 @@ async def one_run(args: argparse.Namespace, workdir: Path) -> Run:
     await asyncio.sleep(0.5)  # let it win before the other stands
     second = Coordinator(args, workdir, "b", args.standby_cpu)
     addresses = [first.address, second.address]
-    agents = [SimAgent(f"node-{i}", addresses, token, args.flows) for i in range(args.agents)]
+    agents = [
+        SimAgent(f"node-{i}", addresses, token, args.flows, args.protocol)
+        for i in range(args.agents)
+    ]
     tasks: list[asyncio.Task[None]] = []
     try:
         for start in range(0, len(agents), 64):  # connect in waves, as a rollout would
@@ -266,6 +291,7 @@ async def one_run(args: argparse.Namespace, workdir: Path) -> Run:
         backs = sorted(a.decided - killed for a in agents)
         return Run(
             mode=args.mode,
+            protocol=args.protocol,
             lead_s=min(a.welcomed for a in agents) - killed,
             all_back_s=backs[-1],
             median_back_s=statistics.median(backs),
@@ -296,11 +322,11 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
     print(f"{'mode':<11} {'run':>3} {'leads s':>8} {'all back s':>10} {'median s':>9} "
           f"{'absorb CPU s':>12}")  # fmt: skip
     for i, r in enumerate(runs):
-        print(f"{r.mode:<11} {i:>3} {r.lead_s:>8.3f} {r.all_back_s:>10.3f} "
+        print(f"{_label(r.mode, r.protocol):<11} {i:>3} {r.lead_s:>8.3f} {r.all_back_s:>10.3f} "
               f"{r.median_back_s:>9.3f} {r.absorb_cpu_s:>12.2f}")  # fmt: skip
     by_mode: dict[str, list[Run]] = {}
     for r in runs:
-        by_mode.setdefault(r.mode, []).append(r)
+        by_mode.setdefault(_label(r.mode, r.protocol), []).append(r)
     print(f"\n{'mode':<11} {'all back: min':>13} {'median':>7} {'max':>6}  {'absorb CPU':>10}")
     for mode, every in by_mode.items():
         rows = [r for r in every if not math.isnan(r.all_back_s)]
@@ -318,6 +344,27 @@ def report(runs: list[Run], args: argparse.Namespace) -> None:
             if ok.get(baseline):
                 old = statistics.median(r.all_back_s for r in ok[baseline])
                 print(f"{baseline} / rebuild: {old / new:.2f}x (median time until all are back)")
+    for label, rows in ok.items():
+        sealed = ok.get(label.split("-v")[0]) if "-v" in label else None
+        if sealed and rows:
+            old = statistics.median(r.all_back_s for r in rows)
+            new = statistics.median(r.all_back_s for r in sealed)
+            print(f"{label} / sealed: {old / new:.2f}x (median time until all are back)")
+
+
+def _label(mode: str, protocol: int) -> str:
+    """``mode``, with ``-vN`` when its agents offered a version before sealed frames."""
+    return mode if protocol >= FRAME_MAC_VERSION else f"{mode}-v{protocol}"
+
+
+def _one(args: argparse.Namespace, workdir: Path, loop_factory: Any) -> Run:
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            return runner.run(one_run(args, workdir))
+    except RuntimeError as exc:  # a mode that cannot keep up: reported, not fatal
+        print(f"{_label(args.mode, args.protocol)} run: {exc}", file=sys.stderr)
+        nan = float("nan")
+        return Run(args.mode, args.protocol, nan, nan, nan, nan)
 
 
 def main() -> int:
@@ -326,6 +373,11 @@ def main() -> int:
     parser.add_argument("--flows", type=int, default=20, help="flows per agent")
     parser.add_argument("--runs", type=int, default=3, help="runs per mode")
     parser.add_argument("--modes", default="rebuild,per-turn,whole-table")
+    parser.add_argument(
+        "--protocols", default=str(FRAME_MAC_VERSION),
+        help="protocol versions the simulated agents offer, each a run per mode (from "
+        f"{FRAME_MAC_VERSION} on, sealed frames), e.g. {FRAME_MAC_VERSION},{FRAME_MAC_VERSION - 1}",
+    )  # fmt: skip
     parser.add_argument("--lease-ttl", type=int, default=2)
     parser.add_argument(
         "--max-batch-delay",
@@ -351,17 +403,12 @@ def main() -> int:
         args.etcd = etcd
         for index in range(args.runs):
             for mode in args.modes.split(","):
-                args.mode = mode
-                try:
-                    with asyncio.Runner(loop_factory=loop_factory) as runner:
-                        run = runner.run(one_run(args, Path(tmp) / f"{mode}-{index}"))
-                except RuntimeError as exc:  # a mode that cannot keep up: reported, not fatal
-                    print(f"{mode} run {index}: {exc}", file=sys.stderr)
-                    nan = float("nan")
-                    run = Run(mode, nan, nan, nan, nan)
-                print(f"[{time.strftime('%H:%M:%S')}] {mode} run {index}: every agent back "
-                      f"{run.all_back_s:.3f} s after the kill", file=sys.stderr)  # fmt: skip
-                runs.append(run)
+                for protocol in (int(p) for p in args.protocols.split(",")):
+                    args.mode, args.protocol = mode, protocol
+                    runs.append(_one(args, Path(tmp) / f"{mode}-{protocol}-{index}", loop_factory))
+                    print(f"[{time.strftime('%H:%M:%S')}] {_label(mode, protocol)} run {index}: "
+                          f"every agent back {runs[-1].all_back_s:.3f} s after the kill",
+                          file=sys.stderr)  # fmt: skip
     report(runs, args)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in runs], indent=2))
