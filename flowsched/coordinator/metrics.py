@@ -172,7 +172,8 @@ class CoordinatorCollector:
         )
         yield CounterMetricFamily(
             f"{PREFIX}_policy_errors",
-            "Times the policy raised (each flow it raised on is no longer evaluated; see the log).",
+            "Times the policy raised (each flow it raised on keeps its level until its retry; "
+            "see the log).",
             value=stats.policy_errors,
         )
         rejected = CounterMetricFamily(

@@ -29,8 +29,11 @@ flows whenever anything is dirty. A per-flow policy may also return decisions fo
 not passed (rmlq pruning a request moves its other flows): they are applied, timers included.
 
 A policy that raises on a flow does not take the others down with it: the flow is quarantined
-(logged with its node and wire id, counted in ``Stats.policy_errors``, kept at its level,
-never evaluated again until it closes) and the rest of the batch is decided and sent. Each node
+(logged with its node and wire id, counted in ``Stats.policy_errors``, kept at its level) and
+the rest of the batch is decided and sent. A quarantined flow is tried again after
+:data:`QUARANTINE_RETRY_FIRST` seconds, twice as long after each further failure up to
+:data:`QUARANTINE_RETRY_MAX` (NCCL's connections live as long as their job: a fault that
+passes must not pin one for that long). Each node
 may have at most ``max_flows_per_node`` flows open; opens beyond that are refused (counted in
 ``Stats.refused_opens``, returned by :meth:`ClusterState.open_flows`), so that one agent cannot
 grow the table without bound.
@@ -68,6 +71,10 @@ SWEEP_STEP = 32
 #: models 1,000 agents x 10-20 flows; the SDK caps one client at 4,096), so only a runaway or
 #: hostile agent meets it (docs/security.md)
 MAX_FLOWS_PER_NODE = 65536
+#: seconds a quarantined flow waits before the policy is tried on it again; each further
+#: failure of the same flow doubles the wait, up to QUARANTINE_RETRY_MAX
+QUARANTINE_RETRY_FIRST = 1.0
+QUARANTINE_RETRY_MAX = 300.0
 
 
 def node_links(node: str) -> tuple[str, str]:
@@ -186,8 +193,14 @@ class ClusterState:
         self.rates: dict[int, float] = {}
         self.stats = Stats()
         self._ids = itertools.count(1)
-        #: flows the policy raised on: kept at their level, not evaluated again until closed
+        #: flows the policy raised on: kept at their level until their retry (_retries)
         self.quarantined: set[int] = set()
+        #: (wall time, flow) at which a quarantined flow is tried again (a heap)
+        self._retries: list[tuple[float, int]] = []
+        #: how often the policy raised on a flow (its next retry waits 2**(n-1) times longer)
+        self._strikes: dict[int, int] = {}
+        #: quarantined flows the policy's admit raised on: admitted again at their retry
+        self._unadmitted: set[int] = set()
         self._repeat_log = RepeatLog(log)
 
     def context(self, now: float) -> Context:
@@ -244,12 +257,20 @@ class ClusterState:
             self.by_link[link].add(fid)
         # the agent's current level (resync) is what it applies now: send only differences
         flow.level = -1 if op.level is None else op.level
+        self._try_admit(flow, ctx)
+
+    def _try_admit(self, flow: Flow, ctx: Context) -> None:
+        """The policy's admit of ``flow``, applied; its linked flows re-evaluated. A flow the
+        policy raises on keeps the agent's level, quarantined (see _release_quarantined)."""
+        fid = flow.flow_id
         try:
             decision = self.policy.admit(flow, ctx)
             linked = self._linked(flow) if self._linked is not None else ()
         except Exception as exc:  # the agent keeps its own level for it
             self._quarantine(flow, "admit", exc)
+            self._unadmitted.add(fid)
             return
+        self._unadmitted.discard(fid)
         self._apply(fid, flow, decision, count_promotion=False)
         self.dirty.add(fid)  # evaluated (and its timer set) at the next flush
         for other in linked:
@@ -389,11 +410,13 @@ class ClusterState:
         while the previous one is unfinished (see :meth:`flush`): the effective period then
         stretches instead of starving flows.
         """
+        now = time.time() if now is None else now
+        released = self._release_quarantined(now) if self._retries else False
         if self._next_change is not None:
-            return self._take_due(time.time() if now is None else now)
+            return self._take_due(now) or released
         if self._sweep:
             self.stats.sweep_overruns += 1
-            return False
+            return released
         self._sweep = set(self.flows if not self.per_flow else self.timed)
         self.stats.sweeps += 1
         return True
@@ -412,11 +435,36 @@ class ClusterState:
             self.stats.timer_fires += fired
         return fired > 0
 
+    def _release_quarantined(self, now: float) -> bool:
+        """Take the quarantined flows whose retry is due out of quarantine: dirty (admitted
+        first if their admit raised), so the next flush tries the policy on them again.
+        Returns whether any was."""
+        retries, released = self._retries, False
+        self._stamp(now)  # an admit's level, and a new failure's retry, count from now
+        while retries and retries[0][0] <= now:
+            _, fid = heapq.heappop(retries)
+            flow = self.flows.get(fid)
+            if flow is None or fid not in self.quarantined:
+                continue  # closed meanwhile
+            self.quarantined.discard(fid)
+            released = True
+            if fid in self._unadmitted:
+                self._try_admit(flow, self.context(now))
+                if fid in self.quarantined:
+                    continue
+            self.dirty.add(fid)
+        return released
+
     def next_due(self) -> float | None:
-        """The earliest promotion timer (wall-clock time), or None."""
+        """The earliest promotion timer or quarantine retry (wall-clock time), or None."""
         while self._timers and self._due_at.get(self._timers[0][1]) != self._timers[0][0]:
             heapq.heappop(self._timers)  # stale
-        return self._timers[0][0] if self._timers else None
+        due = self._timers[0][0] if self._timers else None
+        while self._retries and self._retries[0][1] not in self.quarantined:
+            heapq.heappop(self._retries)  # its flow closed
+        if self._retries and (due is None or self._retries[0][0] < due):
+            due = self._retries[0][0]
+        return due
 
     @property
     def pending(self) -> bool:
@@ -592,20 +640,26 @@ class ClusterState:
             return {}
 
     def _quarantine(self, flow: Flow, hook: str, exc: Exception) -> None:
-        """The policy raised on ``flow``: it keeps its level and is not evaluated again (its
-        node's reports, closes and the rest of the batch go on)."""
+        """The policy raised on ``flow``: it keeps its level and is not evaluated until its
+        retry, 2**(n-1) x QUARANTINE_RETRY_FIRST seconds after its n-th failure (its node's
+        reports, closes and the rest of the batch go on)."""
         fid = flow.flow_id
+        if fid in self.quarantined:
+            return  # a second hook raised in the same pass: one failure
         self.quarantined.add(fid)
         self.dirty.discard(fid)
         self.progressed.discard(fid)
         self._due_at.pop(fid, None)
         self.stats.policy_errors += 1
+        strikes = self._strikes[fid] = self._strikes.get(fid, 0) + 1
+        wait = min(QUARANTINE_RETRY_FIRST * 2.0 ** (strikes - 1), QUARANTINE_RETRY_MAX)
+        heapq.heappush(self._retries, (self._decided[0] + wait, fid))
         node, wire_id = self.origin.get(fid, (flow.node, -1))
         self._repeat_log.log(
             "policy_error", logging.ERROR,
-            "policy %s raised on flow %d of node %s (%s, links %s): the flow keeps level %d and "
-            "is no longer evaluated", hook, wire_id, node, flow.cls.label, flow.links,
-            flow.level, exc_info=exc,
+            "policy %s raised on flow %d of node %s (%s, links %s): the flow keeps level %d "
+            "and is tried again in %.0f s", hook, wire_id, node, flow.cls.label, flow.links,
+            flow.level, wait, exc_info=exc,
         )  # fmt: skip
 
     def _apply(self, fid: int, flow: Flow, decision: Decision, count_promotion: bool) -> None:
@@ -649,8 +703,10 @@ class ClusterState:
             self._discard(self.by_job, flow.job, fid)
         for link in flow.links:
             self._discard(self.by_link, link, fid)
-        if self.quarantined:
+        if fid in self._strikes:
             self.quarantined.discard(fid)
+            self._unadmitted.discard(fid)
+            del self._strikes[fid]  # its retry, if pending, finds it gone
         try:
             self.policy.release(flow, ctx)
         except Exception as exc:  # the flow is gone from the table anyway

@@ -188,6 +188,48 @@ async def test_a_policy_failure_on_one_flow_ends_no_connection_and_loses_no_batc
     assert "ZeroDivisionError" in caplog.text
 
 
+class _FaultThatPasses(BytesPolicy):
+    """BytesPolicy whose reevaluate raises on node "evil"'s flows until ``failing`` is
+    cleared; promotions swept (it has no next_change)."""
+
+    failing = True
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        flows = list(flows)
+        if self.failing and any(flow.node == "evil" for flow in flows):
+            raise ZeroDivisionError("float division by zero")
+        return super().reevaluate(flows, ctx)
+
+
+class _FaultThatPassesTimed(_FaultThatPasses):
+    """The same with promotion timers (none ever due)."""
+
+    def next_change(self, flow: Flow, ctx: Context) -> float | None:
+        return None
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("policy", [_FaultThatPasses, _FaultThatPassesTimed])
+async def test_a_quarantined_flow_gets_its_level_once_the_fault_passed(
+    policy: type[_FaultThatPasses],
+) -> None:
+    async with running_coordinator(policy_factory=policy) as coord:
+        assert coord.state.promotion == ("timers" if policy is _FaultThatPassesTimed else "sweep")
+        evil = await connect_as(coord, "evil")
+        try:
+            await evil.send(Flows(opens=(_open(7, ("evil:tx",)),)))
+            assert (await next_levels(evil)).updates[0].level == 7  # admitted
+            await evil.send(Flows(progress_ids=(7,), progress_sent=(300,)))
+            await wait_until(lambda: coord.state.quarantined, 3.0, "the evil flow quarantined")
+            assert isinstance(coord.state.policy, _FaultThatPasses)
+            coord.state.policy.failing = False
+            # its retry comes QUARANTINE_RETRY_FIRST (1 s) after the failure
+            update = (await asyncio.wait_for(next_levels(evil), 5.0)).updates[0]
+            assert (update.id, update.level) == (7, 4) and not coord.state.quarantined
+        finally:
+            await evil.close()
+
+
 # -- link series in /metrics -------------------------------------------------------------------
 
 

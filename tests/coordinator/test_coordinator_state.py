@@ -12,7 +12,12 @@ from coordinator_helpers import BytesPolicy, DeadlineStepPolicy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flowsched.coordinator.state import SWEEP_STEP, ClusterState
+from flowsched.coordinator.state import (
+    QUARANTINE_RETRY_FIRST,
+    QUARANTINE_RETRY_MAX,
+    SWEEP_STEP,
+    ClusterState,
+)
 from flowsched.model import Context, Decision, Flow, FlowClass
 from flowsched.policies import create
 from flowsched.protocol import (
@@ -561,9 +566,16 @@ class _RaisingPolicy(DeadlineStepPolicy):
         super().__init__()
         self.hook = hook
         self.per_flow_decisions = per_flow
+        #: False: the fault has passed (it raises no more)
+        self.failing = True
+        #: hooks called on evil's flows
+        self.calls: list[str] = []
 
     def _check(self, hook: str, flows: Iterable[Flow]) -> None:
-        if hook == self.hook and any(flow.node == "evil" for flow in flows):
+        if not any(flow.node == "evil" for flow in flows):
+            return
+        self.calls.append(hook)
+        if hook == self.hook and self.failing:
             raise ZeroDivisionError("float division by zero")
 
     def admit(self, flow: Flow, ctx: Context) -> Decision:
@@ -646,3 +658,50 @@ def test_a_jobs_end_releases_its_held_kv_flows_at_once() -> None:
     assert held == [(0.0, 6), (0.04, 5)]  # and no further change while held
     ended = _held_kv_levels(end_job=True)
     assert ended == [(0.0, 6), (0.04, 1), (0.08, 0)]  # promoted by MLU like any other
+
+
+@pytest.mark.parametrize(
+    ("hook", "per_flow"),
+    [("admit", True), ("reevaluate", True), ("reevaluate", False), ("next_change", True)],
+)
+def test_a_quarantined_flow_is_decided_again_once_its_fault_passed(
+    hook: str, per_flow: bool
+) -> None:
+    policy = _RaisingPolicy(hook, per_flow)
+    state = ClusterState(policy)
+    # due in 1.5 s: level 7 now, 0 from 100.5 on (DeadlineStepPolicy's one-second lead)
+    state.open_flows("evil", [_open(13, deadline=101.5)], now=99.5)
+    state.flush(99.5)
+    (fid,) = state.quarantined
+    assert state.next_due() == 99.5 + QUARANTINE_RETRY_FIRST  # its retry wakes the timer loop
+    policy.failing = False
+    policy.calls.clear()
+    assert not state.start_sweep(100.4)  # not due yet: still quarantined
+    state.flush(100.4)
+    assert state.quarantined == {fid} and policy.calls == []
+    assert state.start_sweep(99.5 + QUARANTINE_RETRY_FIRST)
+    outbox = state.flush(100.5)
+    assert not state.quarantined and hook in policy.calls
+    assert outbox["evil"][13].level == 0  # decided again, and promoted as it is due
+    state.close_flows("evil", [FlowClose(13, 100, 100.6)], now=100.6)
+    assert not state.flows and not state._strikes and not state._unadmitted
+
+
+def test_a_flow_the_policy_keeps_raising_on_waits_twice_as_long_each_time() -> None:
+    policy = _RaisingPolicy("reevaluate")
+    state = ClusterState(policy)
+    state.open_flows("evil", [_open(13, deadline=1000.0)], now=100.0)
+    state.flush(100.0)
+    now, waits = 100.0, []
+    for _ in range(11):
+        due = state.next_due()
+        assert due is not None
+        waits.append(due - now)
+        now = due
+        assert state.start_sweep(now)
+        state.flush(now)  # raises again: quarantined again
+    expected = [min(QUARANTINE_RETRY_FIRST * 2.0**n, QUARANTINE_RETRY_MAX) for n in range(11)]
+    assert waits == pytest.approx(expected)
+    assert waits[-1] == QUARANTINE_RETRY_MAX and state.stats.policy_errors == 11 + 1
+    state.close_flows("evil", [FlowClose(13, 0, now)], now=now)
+    assert state.next_due() is None  # the closed flow's retry is gone with it
