@@ -23,7 +23,7 @@ from flowsched.cli._common import (
 )
 
 #: subcommand modules, in the order they appear in ``flowsched --help``
-_SUBCOMMANDS = ("up", "coordinator", "agent", "sim", "bench", "policy", "plugin", "qos")
+_SUBCOMMANDS = ("up", "coordinator", "agent", "flows", "sim", "bench", "policy", "plugin", "qos")
 
 
 def build_parser() -> argparse.ArgumentParser:

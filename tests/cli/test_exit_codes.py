@@ -108,6 +108,9 @@ CASES = {
     "up-metrics-port-range": ([*UP, "--metrics-port", "99999"], "0..65535"),
     "up-table-missing-dir": ([*UP, "--table", "{dir}/missing/table"], "does not exist"),
     "up-slots-in-policy-missing": ([*UP, "--policy", "{dir}/nope.toml"], "cannot read"),
+    # flowsched flows
+    "flows-table-missing": (["flows", "--table", "{dir}/table"], "cannot open flow table"),
+    "flows-interval-negative": (["flows", "--interval", "-1"], "--interval"),
     # others
     "qos-dev-missing": (["qos", "show", "--dev", "nosuchif0"], "no network interface"),
     "unknown-subcommand": (["frobnicate"], "invalid choice"),
@@ -151,8 +154,8 @@ def test_privileged_port_is_named(command: str, workdir: Path, taken_port: int) 
 
 
 @pytest.mark.parametrize(
-    "command", [[], ["up"], ["coordinator"], ["agent"], ["sim"], ["bench"], ["policy"],
-                ["plugin"], ["qos"]],
+    "command", [[], ["up"], ["coordinator"], ["agent"], ["flows"], ["sim"], ["bench"],
+                ["policy"], ["plugin"], ["qos"]],
 )  # fmt: skip
 def test_version_everywhere(command: list[str], workdir: Path, taken_port: int) -> None:
     proc = _run([*command, "--version"], workdir, taken_port)

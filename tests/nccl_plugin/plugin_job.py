@@ -1,4 +1,5 @@
-"""Ending a job process of the plugin tests: one that waits for a line on its stdin."""
+"""Job processes of the plugin tests: one that sends through the plugin until a line arrives on
+its stdin, and ending it."""
 
 from __future__ import annotations
 
@@ -18,3 +19,30 @@ def end_job(job: subprocess.Popen[str], table: FlowTable) -> None:
     job.stdin.flush()
     assert job.wait(timeout=10) == 0
     wait_until(lambda: all(s.state == layout.SLOT_FREE for s in table.slots()))
+
+
+#: a job process: one pair of connections through the plugin (argv[1]) that sends 100 kB,
+#: prints its pid, then sends 1 kB messages until a line arrives on its stdin
+SENDING_JOB = """
+import os, select, sys
+from flowsched.nccl.harness import Plugin, connect_pair, loopback_message
+plugin = Plugin(sys.argv[1], 11)
+ctx = plugin.init(comm_id=0x99, traffic_class=-1)
+send, recv = connect_pair(ctx)
+loopback_message(send, recv, b"x" * 100_000, tag=1)
+print(os.getpid(), flush=True)
+while not select.select([sys.stdin], [], [], 0.01)[0]:  # a training loop's messages
+    loopback_message(send, recv, b"y" * 1000, tag=1)
+send.close()
+recv.close()
+ctx.finalize()
+plugin.close()
+"""
+
+
+def applied(table: FlowTable, index: int) -> bool:
+    """Slot ``index`` holds a level from the agent, and the plugin applies it."""
+    snap = table.slot(index)
+    return (
+        snap is not None and snap.level != layout.LEVEL_UNSET and snap.applied_level == snap.level
+    )

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from plugin_job import end_job
+from plugin_job import SENDING_JOB, applied, end_job
 from polling import wait_until
 
 from flowsched.agent import AgentConfig
@@ -18,36 +18,13 @@ from flowsched.agent.threaded import AgentThread
 from flowsched.shm import layout
 from flowsched.shm.table import FlowTable
 
-_JOB = """
-import os, select, sys
-from flowsched.nccl.harness import Plugin, connect_pair, loopback_message
-plugin = Plugin(sys.argv[1], 11)
-ctx = plugin.init(comm_id=0x99, traffic_class=-1)
-send, recv = connect_pair(ctx)
-loopback_message(send, recv, b"x" * 100_000, tag=1)
-print(os.getpid(), flush=True)
-while not select.select([sys.stdin], [], [], 0.01)[0]:  # a training loop's messages
-    loopback_message(send, recv, b"y" * 1000, tag=1)
-send.close()
-recv.close()
-ctx.finalize()
-plugin.close()
-"""
-
-
-def applied(table: FlowTable, index: int) -> bool:
-    snap = table.slot(index)
-    return (
-        snap is not None and snap.level != layout.LEVEL_UNSET and snap.applied_level == snap.level
-    )
-
 
 def test_a_job_that_started_before_the_agent_is_scheduled_once_it_runs(
     plugin_env: Path, plugin_lib: Path, local_agent_config: AgentConfig
 ) -> None:
     env = {**os.environ, "FLOWSCHED_CLASS": "param_sync"}
     job = subprocess.Popen(
-        [sys.executable, "-c", _JOB, str(plugin_lib)],
+        [sys.executable, "-c", SENDING_JOB, str(plugin_lib)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,

@@ -1,0 +1,64 @@
+"""``flowsched flows`` on a live node: a real agent, a job process sending through the real
+plugin, and the command run as a user would, reading the table the plugin found."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from plugin_job import SENDING_JOB, applied, end_job
+from polling import wait_until
+
+from flowsched.agent import AgentConfig
+from flowsched.agent.threaded import AgentThread
+from flowsched.shm import layout
+from flowsched.shm.table import FlowTable
+
+
+def _flows(*args: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "flowsched", "flows", *args],
+        check=True, capture_output=True, text=True, timeout=30,
+    ).stdout  # fmt: skip
+
+
+def test_flows_lists_a_jobs_connections_with_the_agents_levels_and_their_rates(
+    plugin_env: Path, plugin_lib: Path, local_agent_config: AgentConfig
+) -> None:
+    with AgentThread(local_agent_config):
+        job = subprocess.Popen(
+            [sys.executable, "-c", SENDING_JOB, str(plugin_lib)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "FLOWSCHED_CLASS": "param_sync"},
+            text=True,
+        )
+        try:
+            assert job.stdout is not None
+            pid = int(job.stdout.readline())
+            with FlowTable.open(str(plugin_env)) as table:
+                sending = [s.index for s in table.slots() if s.direction == layout.DIR_SEND]
+                wait_until(lambda: all(applied(table, index) for index in sending))
+                config = table.read_config()
+                # FLOWSCHED_TABLE names the table, as the job's plugin found it
+                document = json.loads(_flows("--json", "--interval", "0.3"))
+                rows = {row["slot"]: row for row in document["connections"]}
+                assert document["table"]["agent_pid"] == os.getpid()
+                assert document["table"]["agent_alive"] is True
+                assert {row["pid"] for row in rows.values()} == {pid}
+                assert {row["cls"] for row in rows.values()} == {"param_sync"}
+                assert {row["direction"] for row in rows.values()} == {"send", "recv"}
+                for index in sending:
+                    row = rows[index]
+                    assert row["applied_level"] == row["level"] is not None
+                    assert row["dscp"] == config.marking(row["level"]).dscp
+                    assert row["rate"] > 0 and row["bytes"] >= 100_000
+                text = _flows("--interval", "0")
+                assert f"agent pid {os.getpid()}" in text and "param_sync" in text
+                end_job(job, table)
+        finally:
+            job.kill()
+            job.wait()
