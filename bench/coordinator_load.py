@@ -44,11 +44,11 @@ Usage:
         [--max-batch-delay S]
         [--profile] [--json OUT]
 
-``--progress-form`` sets how the simulated agents send progress: "packed" (protocol 2, two
-integer arrays per frame; the default), "maps" (protocol 1, an ``{"id", "sent"}`` map per
-report, as agents of the previous release; they offer version 1 in their hello) or "sealed"
-(protocol 5: packed, and every frame after the handshake carries its MAC, both ways, as
-between this release's agents and coordinator). A list runs each in turn with a fresh
+``--progress-form`` sets how the simulated agents send progress: "sealed" (the default:
+protocol 5, two integer arrays per frame, and every frame after the handshake carries its
+MAC, both ways, as between this release's agents and coordinator), "packed" (the same at
+protocol 2, without MACs) or "maps" (protocol 1, an ``{"id", "sent"}`` map per report; they
+offer version 1 in their hello). A list runs each in turn with a fresh
 coordinator, e.g. ``maps,packed,packed,maps`` or ``packed,sealed,sealed,packed``, and the
 report ends with each point's p99, coordinator CPU and steal per run and the ratio of the
 means.
@@ -970,7 +970,7 @@ def main() -> int:
     )  # fmt: skip
     parser.add_argument(
         "--churn-phase", choices=["aligned", "random"], default="aligned",
-        help="aligned (default, as before): every agent's flow churn comes in the same frame"
+        help="aligned (default): every agent's flow churn comes in the same frame"
         " of a round, i.e. 1,000 opens and 1,000 closes within one tenth of each second at"
         " 100k events/s; random: each agent's in its own frame (same events, spread over the"
         " round). The aligned wave sets the p99 at 100k events/s (docs/results.md)",
@@ -982,11 +982,12 @@ def main() -> int:
         " mypyc, as a wheel installs them; built once into build/compiled/, ~30 s)",
     )  # fmt: skip
     parser.add_argument(
-        "--progress-form", default="packed",
+        "--progress-form", default="sealed",
         help="how the simulated agents send progress (comma-separated, run in the order given,"
-        " repeats allowed: e.g. maps,packed,packed,maps for an A B B A comparison): packed"
-        " (two integer arrays, protocol 2; the default) or maps ({id, sent} each, as agents"
-        " of the previous release, protocol 1)",
+        " repeats allowed: e.g. packed,sealed,sealed,packed for an A B B A comparison):"
+        " sealed (protocol 5, two integer arrays in frames that carry MACs both ways, as"
+        " this release's agents; the default), packed (the same without MACs, protocol 2) or"
+        " maps ({id, sent} each, protocol 1)",
     )  # fmt: skip
     parser.add_argument("--coordinator-cpu", type=int, default=0)
     parser.add_argument("--loadgen-cpu", type=int, default=1)
