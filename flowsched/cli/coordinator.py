@@ -44,7 +44,8 @@ def register(sub: Any) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--handshake-timeout", type=float, default=5.0, metavar="S",
-        help="seconds allowed for each handshake step of a new connection",
+        help="seconds a new connection has for its whole handshake (with TLS, as long again"
+        " for the TLS handshake before it)",
     )  # fmt: skip
     parser.add_argument(
         "--min-agent-version", type=int, default=MIN_PROTOCOL_VERSION, metavar="V",
