@@ -32,8 +32,9 @@ A policy that raises on a flow does not take the others down with it: the flow i
 (logged with its node and wire id, counted in ``Stats.policy_errors``, kept at its level) and
 the rest of the batch is decided and sent. A quarantined flow is tried again after
 :data:`QUARANTINE_RETRY_FIRST` seconds, twice as long after each further failure up to
-:data:`QUARANTINE_RETRY_MAX` (NCCL's connections live as long as their job: a fault that
-passes must not pin one for that long). Each node
+:data:`QUARANTINE_RETRY_MAX`, and from the first again once it went that long without one
+(NCCL's connections live as long as their job: a fault that passes must not pin one for that
+long). Each node
 may have at most ``max_flows_per_node`` flows open; opens beyond that are refused (counted in
 ``Stats.refused_opens``, returned by :meth:`ClusterState.open_flows`), so that one agent cannot
 grow the table without bound.
@@ -201,6 +202,9 @@ class ClusterState:
         self._strikes: dict[int, int] = {}
         #: quarantined flows the policy's admit raised on: admitted again at their retry
         self._unadmitted: set[int] = set()
+        #: when each flow with strikes was last released from quarantine (wall time): a flow
+        #: that then went QUARANTINE_RETRY_MAX without raising starts its strikes afresh
+        self._released_at: dict[int, float] = {}
         self._repeat_log = RepeatLog(log)
 
     def context(self, now: float) -> Context:
@@ -437,10 +441,15 @@ class ClusterState:
 
     def _release_quarantined(self, now: float) -> bool:
         """Take the quarantined flows whose retry is due out of quarantine: dirty (admitted
-        first if their admit raised), so the next flush tries the policy on them again.
-        Returns whether any was."""
+        again first if their admit raised), so the next flush tries the policy on them again.
+        Returns whether any was.
+
+        A policy that decides all flows together is first tried on the flow alone: were it
+        still to raise, the whole table's pass would raise and be isolated flow by flow (one
+        call per flow) at every retry."""
         retries, released = self._retries, False
         self._stamp(now)  # an admit's level, and a new failure's retry, count from now
+        ctx = self.context(now)
         while retries and retries[0][0] <= now:
             _, fid = heapq.heappop(retries)
             flow = self.flows.get(fid)
@@ -449,11 +458,29 @@ class ClusterState:
             self.quarantined.discard(fid)
             released = True
             if fid in self._unadmitted:
-                self._try_admit(flow, self.context(now))
-                if fid in self.quarantined:
-                    continue
-            self.dirty.add(fid)
+                self._undo_admit(flow, ctx)
+                self._try_admit(flow, ctx)
+            elif not self.per_flow:
+                try:
+                    self.policy.reevaluate([flow], ctx)  # a probe: its decisions are not used
+                except Exception as exc:
+                    self._quarantine(flow, "reevaluate", exc)
+            if fid not in self.quarantined:
+                self.dirty.add(fid)
+                self._released_at[fid] = now
         return released
+
+    def _undo_admit(self, flow: Flow, ctx: Context) -> None:
+        """Release what a raising admit of ``flow`` may have registered in the policy before
+        it raised, so that admitting it again counts it once (rmlq counts a request's flows)."""
+        try:
+            self.policy.release(flow, ctx)
+        except Exception as exc:  # it raised on the partial state: admit it anyway
+            self._repeat_log.log(
+                "policy_error", logging.ERROR,
+                "policy release raised on flow %d of node %s before its admit was retried",
+                self.origin[flow.flow_id][1], flow.node, exc_info=exc,
+            )  # fmt: skip
 
     def next_due(self) -> float | None:
         """The earliest promotion timer or quarantine retry (wall-clock time), or None."""
@@ -651,9 +678,13 @@ class ClusterState:
         self.progressed.discard(fid)
         self._due_at.pop(fid, None)
         self.stats.policy_errors += 1
-        strikes = self._strikes[fid] = self._strikes.get(fid, 0) + 1
+        now = self._decided[0]
+        strikes = self._strikes.get(fid, 0)
+        if now - self._released_at.get(fid, now) >= QUARANTINE_RETRY_MAX:
+            strikes = 0  # it went that long without a fault: this one is a new one
+        strikes = self._strikes[fid] = strikes + 1
         wait = min(QUARANTINE_RETRY_FIRST * 2.0 ** (strikes - 1), QUARANTINE_RETRY_MAX)
-        heapq.heappush(self._retries, (self._decided[0] + wait, fid))
+        heapq.heappush(self._retries, (now + wait, fid))
         node, wire_id = self.origin.get(fid, (flow.node, -1))
         self._repeat_log.log(
             "policy_error", logging.ERROR,
@@ -707,6 +738,7 @@ class ClusterState:
             self.quarantined.discard(fid)
             self._unadmitted.discard(fid)
             del self._strikes[fid]  # its retry, if pending, finds it gone
+            self._released_at.pop(fid, None)
         try:
             self.policy.release(flow, ctx)
         except Exception as exc:  # the flow is gone from the table anyway

@@ -705,3 +705,73 @@ def test_a_flow_the_policy_keeps_raising_on_waits_twice_as_long_each_time() -> N
     assert waits[-1] == QUARANTINE_RETRY_MAX and state.stats.policy_errors == 11 + 1
     state.close_flows("evil", [FlowClose(13, 0, now)], now=now)
     assert state.next_due() is None  # the closed flow's retry is gone with it
+
+
+def test_a_retried_admit_counts_its_request_once() -> None:
+    """rmlq counts a request's flows in admit before it can raise there: the retry must not
+    count the flow twice (the request would never end, its state kept for good)."""
+    policy = create("rmlq")
+    state = ClusterState(policy)
+    urgency, calls = policy.urgency, []
+
+    def raises_once(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ZeroDivisionError("float division by zero")
+        return urgency(*args, **kwargs)
+
+    policy.urgency = raises_once  # type: ignore[method-assign]
+    kv = _open(1, size=1 << 20, deadline=105.0, request="r1", links=("a:tx",))
+    state.open_flows("a", [kv], now=100.0)
+    assert state.quarantined
+    assert state.start_sweep(100.0 + QUARANTINE_RETRY_FIRST)
+    state.flush(100.0 + QUARANTINE_RETRY_FIRST)
+    assert not state.quarantined and state.flows
+    state.close_flows("a", [FlowClose(1, 1 << 20, 102.0)], now=102.0)
+    assert not state.flows and "r1" not in policy._request_flows
+
+
+def test_a_retry_under_a_whole_table_policy_does_not_isolate_every_flow_again() -> None:
+    policy = _RaisingPolicy("reevaluate", per_flow=False)
+    calls = []
+    reevaluate = policy.reevaluate
+
+    def counted(flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        calls.append(1)
+        return reevaluate(flows, ctx)
+
+    policy.reevaluate = counted  # type: ignore[method-assign]
+    state = ClusterState(policy)
+    state.open_flows("victim", [_open(i, deadline=1000.0) for i in range(1, 41)], now=100.0)
+    state.open_flows("evil", [_open(13, deadline=1000.0)], now=100.0)
+    state.flush(100.0)
+    assert len(state.quarantined) == 1 and len(calls) > 40  # found out: each flow alone
+    calls.clear()
+    state.start_sweep(100.0 + QUARANTINE_RETRY_FIRST)  # still raising: tried alone, once
+    state.flush(100.0 + QUARANTINE_RETRY_FIRST)
+    assert len(state.quarantined) == 1 and len(calls) <= 2, len(calls)
+
+
+def test_a_flow_that_went_long_without_a_fault_starts_its_waits_afresh() -> None:
+    policy = _RaisingPolicy("reevaluate")
+    state = ClusterState(policy)
+    state.open_flows("evil", [_open(13, deadline=5000.0)], now=100.0)
+    state.flush(100.0)  # strike 1: retried at 101
+    state.start_sweep(101.0)
+    state.flush(101.0)  # strike 2: retried at 103
+    policy.failing = False
+    state.start_sweep(103.0)
+    state.flush(103.0)  # decided again
+    assert not state.quarantined
+    policy.failing = True
+    state.open_flows("evil", [_open(13, deadline=5000.0)], now=103.0 + 10)  # a re-sent open
+    state.flush(113.0)  # strike 3, soon after the last: 4 s
+    assert state.next_due() == pytest.approx(117.0)
+    policy.failing = False
+    state.start_sweep(117.0)
+    state.flush(117.0)
+    policy.failing = True
+    later = 117.0 + QUARANTINE_RETRY_MAX
+    state.open_flows("evil", [_open(13, deadline=5000.0)], now=later)
+    state.flush(later)  # a new fault after a quiet QUARANTINE_RETRY_MAX: 1 s again
+    assert state.next_due() == pytest.approx(later + QUARANTINE_RETRY_FIRST)
