@@ -393,13 +393,17 @@ class AgentConnection:
         self._handles: dict[int, FlowHandle] = {}
         self._live: set[FlowHandle] = set()
         self._last_attempt = -RECONNECT_INTERVAL
-        self._warned = False
+        #: (path, problem) pairs already logged: each is logged once
+        self._warned: set[tuple[str, str]] = set()
         self._closed = False
         self._reconnecting = False
         self._refusal: str | None = None
 
     def ensure_connected(self) -> bool:
-        """Connect if not connected (at most once per RECONNECT_INTERVAL); True if connected."""
+        """Connect if not connected (at most once per RECONNECT_INTERVAL); True if connected.
+
+        The default path is found again at each attempt, and where a user has both its own
+        socket and the root agent's, each is tried in turn (see :func:`rundir.client_paths`)."""
         with self._state_lock:
             if self._sock is not None:
                 return True
@@ -407,33 +411,17 @@ class AgentConnection:
             if self._closed or now - self._last_attempt < RECONNECT_INTERVAL:
                 return False
             self._last_attempt = now
+            places = [self.path]
             if self._default_path:
-                self.path = default_socket_path()
-            problem = rundir.client_dir_problem(self.path)
-            if problem is not None:
-                self._warn(f"not using the flowsched agent socket {self.path}: {problem}; "
-                           "using static default levels")  # fmt: skip
+                places = rundir.client_paths(rundir.SOCKET_NAME, "FLOWSCHED_SOCKET")
+            for path in places:
+                sock = self._connect(path)
+                if sock is not None:
+                    break
+            else:
+                self.path = places[0]
                 return False
-            try:
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(OPEN_TIMEOUT)
-                sock.connect(self.path)
-                sock.settimeout(None)
-            except OSError as exc:
-                self._warn(
-                    f"no flowsched agent at {self.path} ({exc.strerror or exc}); "
-                    "using static default levels"
-                )
-                return False
-            uid = _peer_uid(sock)
-            if uid not in rundir.trusted_agent_uids():
-                sock.close()
-                self._warn(
-                    f"the process serving {self.path} runs as uid {uid}, not as root, this user "
-                    f"or ${rundir.AGENT_UID_ENV}: not a flowsched agent to trust; using static "
-                    "default levels"
-                )
-                return False
+            self.path = path
             self._sock = sock
             self._sender = _Sender(sock, _own_pid_namespace())
         threading.Thread(
@@ -441,9 +429,38 @@ class AgentConnection:
         ).start()
         return True
 
-    def _warn(self, text: str) -> None:
-        if not self._warned:
-            self._warned = True
+    def _connect(self, path: str) -> socket.socket | None:
+        """A connection to a trusted agent at ``path``, or None (the problem logged once)."""
+        problem = rundir.client_dir_problem(path)
+        if problem is not None:
+            self._warn(path, "directory", f"not using the flowsched agent socket {path}: "
+                       f"{problem}; using static default levels")  # fmt: skip
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(OPEN_TIMEOUT)
+            sock.connect(path)
+            sock.settimeout(None)
+        except OSError as exc:
+            sock.close()
+            self._warn(path, "absent", f"no flowsched agent at {path} "
+                       f"({exc.strerror or exc}); using static default levels")  # fmt: skip
+            return None
+        uid = _peer_uid(sock)
+        if uid not in rundir.trusted_agent_uids():
+            sock.close()
+            self._warn(
+                path, "untrusted",
+                f"the process serving {path} runs as uid {uid}, not as root, this user or "
+                f"${rundir.AGENT_UID_ENV}: not a flowsched agent to trust; using static "
+                "default levels",
+            )  # fmt: skip
+            return None
+        return sock
+
+    def _warn(self, path: str, problem: str, text: str) -> None:
+        if (path, problem) not in self._warned:
+            self._warned.add((path, problem))
             log.warning("%s", text)
 
     def send(self, message: sdk.SdkMessage) -> bool:
@@ -713,8 +730,10 @@ def _byte_count(value: int, name: str) -> int:
 
 def connection(path: str | None = None) -> AgentConnection:
     """The shared :class:`AgentConnection` for ``path`` (default :func:`default_socket_path`,
-    decided again whenever the connection is made)."""
-    path = path or None
+    decided again whenever the connection is made; a ``path`` that is the default now gets
+    the default's connection)."""
+    if not path or path == default_socket_path():
+        path = None
     with _connections_lock:
         conn = _connections.get(path)
         if conn is None:

@@ -46,14 +46,25 @@ def client_path(name: str, env: str) -> str:
     """Where a client finds the agent's ``name``: ``$env``; for root ``/run/flowsched``; else
     the user's runtime directory when the file is there, else ``/run/flowsched`` when it is
     there (a root agent serving a ``--group``), else the agent's default for this user."""
+    return client_paths(name, env)[0]
+
+
+def client_paths(name: str, env: str) -> list[str]:
+    """The places to try for the agent's ``name``, best first (:func:`client_path` is the
+    first): a user whose own file and ``/run/flowsched``'s both exist gets both, so a client
+    that finds no agent behind its own (a socket left by a user agent that was killed) tries
+    the root agent's next."""
     given = os.environ.get(env)
     if given:
-        return given
+        return [given]
     own = os.path.join(agent_runtime_dir(), name)
-    if os.geteuid() == 0 or (os.path.exists(own) and client_dir_problem(own) is None):
-        return own
+    if os.geteuid() == 0:
+        return [own]
     shared = os.path.join(ROOT_DIR, name)
-    return shared if os.path.exists(shared) else own
+    places = [own] if os.path.exists(own) and client_dir_problem(own) is None else []
+    if os.path.exists(shared):
+        places.append(shared)
+    return places or [own]
 
 
 def trusted_agent_uids() -> frozenset[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -282,8 +283,9 @@ def test_a_users_flow_opened_before_any_agent_finds_a_root_agent_started_later(
 ) -> None:
     # a user's job on a node that boots: no agent anywhere when its flow opens, so the default
     # path is the user's own; the root agent that starts then serves /run/flowsched. The SDK's
-    # path resolution runs as uid 1000, the agent (same process) as root.
-    monkeypatch.setattr(rundir, "os", _OsAsUser(1000))
+    # path resolution runs as a user (uid 1000 under root, else this user), the agent (same
+    # process) as root.
+    monkeypatch.setattr(rundir, "os", _OsAsUser(os.geteuid() or 1000))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
     monkeypatch.delenv("FLOWSCHED_SOCKET", raising=False)
     shared = tmp_path / "run-flowsched"
@@ -385,3 +387,62 @@ _OPEN_FIELDS = {"bytes": "size", "consumer_step": "consumer_index"}
 def test_job_progress_refuses_a_step_beyond_the_protocol() -> None:
     with pytest.raises(ValueError, match="job must be"):
         client.job_progress("j", 2**63, socket_path="/nonexistent/agent.sock")
+
+
+def test_a_path_that_is_the_default_shares_the_default_connection(
+    fresh_sdk_connections: None,
+) -> None:
+    assert client.connection(client.default_socket_path()) is client.connection()
+
+
+def test_each_place_tried_says_once_why_it_was_not_used(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    fresh_sdk_connections: None,
+) -> None:
+    # first no agent anywhere; then /run/flowsched appears, but writable by everyone
+    monkeypatch.setattr(rundir, "os", _OsAsUser(os.geteuid() or 1000))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    monkeypatch.delenv("FLOWSCHED_SOCKET", raising=False)
+    shared = tmp_path / "run-flowsched"
+    monkeypatch.setattr(rundir, "ROOT_DIR", str(shared))
+    caplog.set_level(logging.WARNING, logger="flowsched.client")
+    conn = client.connection()
+    assert not conn.ensure_connected()
+    assert "no flowsched agent at" in caplog.text
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / rundir.SOCKET_NAME).touch()
+    monkeypatch.setattr(conn, "_last_attempt", -client.RECONNECT_INTERVAL)
+    assert not conn.ensure_connected()
+    assert f"not using the flowsched agent socket {shared / rundir.SOCKET_NAME}" in caplog.text
+
+
+def test_a_socket_left_by_a_killed_user_agent_does_not_hide_the_root_agent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_sdk_connections: None
+) -> None:
+    monkeypatch.setattr(rundir, "os", _OsAsUser(os.geteuid() or 1000))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
+    monkeypatch.delenv("FLOWSCHED_SOCKET", raising=False)
+    shared = tmp_path / "run-flowsched"
+    monkeypatch.setattr(rundir, "ROOT_DIR", str(shared))
+    own = tmp_path / "xdg" / "flowsched"
+    own.mkdir(parents=True, mode=0o700)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(own / rundir.SOCKET_NAME))  # bound, never listening: connections refused
+    config = AgentConfig(
+        node="n1",
+        socket_path=str(shared / rundir.SOCKET_NAME),
+        table_path=str(shared / rundir.TABLE_NAME),
+        num_slots=8,
+        metrics_port=None,
+        fallback_after=60.0,
+        interfaces=("lo",),
+    )
+    try:
+        with AgentThread(config), client.flow("kv", bytes=10) as handle:
+            assert handle.connected
+            assert client.connection().path == str(shared / rundir.SOCKET_NAME)
+    finally:
+        stale.close()
