@@ -18,7 +18,14 @@ from typing import Any
 
 from flowsched import rundir
 from flowsched.cli._common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, fail
-from flowsched.shm.listing import ConnectionRow, TableSummary, connections, summarize, with_rates
+from flowsched.shm.listing import (
+    ConnectionRow,
+    TableSummary,
+    connections,
+    read_config,
+    summarize,
+    with_rates,
+)
 from flowsched.shm.table import FlowTable, TableError
 
 
@@ -65,20 +72,25 @@ def _interval(text: str) -> float:
 def _run(args: argparse.Namespace) -> int:
     path = args.table or rundir.client_path(rundir.TABLE_NAME, "FLOWSCHED_TABLE")
     try:
-        with FlowTable.open(path) as table:
-            rows = connections(table, include_closed=args.all)
-            if args.interval > 0:
-                started = time.monotonic()
-                time.sleep(args.interval)
-                after = connections(table, include_closed=args.all)
-                rows = with_rates(rows, after, time.monotonic() - started)
-            summary = summarize(table)
+        table = FlowTable.open(path)
     except TableError as exc:  # a --table given is bad input; no table at the default, none here
         return fail("flowsched flows", str(exc), EXIT_USAGE if args.table else EXIT_FAILURE)
+    with table:
+        config, problem = read_config(table)
+        rows = connections(table, include_closed=args.all, config=config)
+        if args.interval > 0:
+            started = time.monotonic()
+            time.sleep(args.interval)
+            after = connections(table, include_closed=args.all, config=config)
+            rows = with_rates(rows, after, time.monotonic() - started)
+        summary = summarize(table, config_problem=problem)
     if args.json:
         document = {
             "table": dataclasses.asdict(summary),
-            "connections": [dataclasses.asdict(row) for row in rows],
+            # comm_id as hex: a 64-bit hash that JSON readers keeping doubles would round
+            "connections": [
+                {**dataclasses.asdict(row), "comm_id": f"{row.comm_id:#018x}"} for row in rows
+            ],
         }
         print(json.dumps(document, indent=2))
     else:
@@ -97,10 +109,13 @@ def _header(summary: TableSummary, shown: int) -> str:
         )
     else:
         agent = "no agent attached: no level changes"
-    return (
+    line = (
         f"{summary.path}: {shown} connections in {summary.num_slots} slots, "
         f"{summary.num_levels} levels, generation {summary.generation}; {agent}"
     )
+    if summary.config_problem is not None:
+        line += f"\nno DSCPs shown: {summary.config_problem}"
+    return line
 
 
 _COLUMNS = ("SLOT", "PID", "COMMAND", "CLASS", "DIR", "PEER", "WANT", "LEVEL", "DSCP", "BYTES",
@@ -127,8 +142,10 @@ def _cells(row: ConnectionRow, rates: bool) -> tuple[str, ...]:
         pid = f"{row.host_pid} ({row.pid} in its ns)"
     elif row.other_namespace:
         pid = f"{row.pid} (other ns)"
-    flags = (("closed", row.state == "closed"), ("moved", row.moved), ("exited", row.exited))
+    flags = (("closed", row.state == "closed"), ("moved", row.moved))
     notes = [word for word, on in flags if on]
+    if row.process != "running":
+        notes.append(f"process {row.process}")
     return (
         str(row.slot),
         pid,

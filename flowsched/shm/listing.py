@@ -15,11 +15,13 @@ from dataclasses import dataclass, replace
 
 from flowsched.model import FlowClass
 from flowsched.shm import layout as L
-from flowsched.shm.pidns import UNKNOWN
+from flowsched.shm.pidns import UNKNOWN, PidNamespaces
 from flowsched.shm.table import (
     LIVE_AGENT_SECONDS,
     FlowTable,
     SlotSnapshot,
+    TableConfig,
+    TableError,
     monotonic_ns,
     pid_alive,
 )
@@ -44,6 +46,8 @@ class TableSummary:
     agent_alive: bool
     #: the agent follows a coordinator (False: its local fallback policy decides)
     coordinator_connected: bool
+    #: why the config area (the DSCP of each level) could not be read; None: it was
+    config_problem: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,13 +82,17 @@ class ConnectionRow:
     idle_s: float
     #: it moved here from a table the process used before (SLOT_FLAG_MOVED)
     moved: bool
-    #: its process is gone (the agent frees the slot at its next pass; False: alive or unknown)
-    exited: bool
+    #: its process as this reader can tell: "running", "exited" (the agent frees the slot at
+    #: its next pass), "not found" (in another pid namespace that /proc here does not show:
+    #: exited, or, read from inside a pod, another pod's) or "unknown" (/proc cannot tell)
+    process: str
     #: bytes per second between two looks (None: one look only, or the slot was re-claimed)
     rate: float | None = None
 
 
-def summarize(table: FlowTable, now_ns: int | None = None) -> TableSummary:
+def summarize(
+    table: FlowTable, now_ns: int | None = None, config_problem: str | None = None
+) -> TableSummary:
     """The header of ``table`` at ``now_ns`` (CLOCK_MONOTONIC; default now)."""
     now_ns = monotonic_ns() if now_ns is None else now_ns
     header = table.header()
@@ -100,22 +108,38 @@ def summarize(table: FlowTable, now_ns: int | None = None) -> TableSummary:
         heartbeat_age_s=age,
         agent_alive=header["agent_pid"] != 0 and age is not None and age < LIVE_AGENT_SECONDS,
         coordinator_connected=bool(flags & L.FLAG_COORDINATOR_CONNECTED),
+        config_problem=config_problem,
     )
 
 
+def read_config(table: FlowTable) -> tuple[TableConfig | None, str | None]:
+    """The table's config area, or None and why it cannot be read (an agent that died while
+    writing it, a corrupt value): the connections are listed without their DSCPs then."""
+    try:
+        return table.read_config(), None
+    except TableError as exc:
+        return None, str(exc)
+
+
 def connections(
-    table: FlowTable, *, include_closed: bool = False, now_ns: int | None = None
+    table: FlowTable,
+    *,
+    include_closed: bool = False,
+    now_ns: int | None = None,
+    config: TableConfig | None = None,
 ) -> list[ConnectionRow]:
     """The connections of ``table`` in slot order: ACTIVE ones, and CLOSED ones (which the
-    agent has not reported yet) with ``include_closed``."""
+    agent has not reported yet) with ``include_closed``; the DSCP of each level from
+    ``config`` (None: the table's, when it can be read; else no DSCPs)."""
     now_ns = monotonic_ns() if now_ns is None else now_ns
-    config = table.read_config()
+    if config is None:
+        config, _ = read_config(table)
     rows = []
     for snap in table.slots():
         if snap.state == L.SLOT_CLOSED and not include_closed:
             continue
         applied = None if snap.applied_level == L.LEVEL_UNSET else snap.applied_level
-        host_pid = _host_pid(table, snap)
+        host_pid, process = _process(table, snap)
         rows.append(
             ConnectionRow(
                 slot=snap.index,
@@ -124,7 +148,7 @@ def connections(
                 pid=snap.pid,
                 other_namespace=table.pid_namespaces.foreign(snap.pid_ns),
                 host_pid=host_pid,
-                command=_command(host_pid if host_pid is not None else snap.pid, snap, table),
+                command=_command(snap.pid if host_pid is None else host_pid, process),
                 cls=_class_label(snap.class_id),
                 direction=_DIRECTIONS.get(snap.direction, str(snap.direction)),
                 peer_rank=snap.peer_rank if snap.peer_rank >= 0 else None,
@@ -132,13 +156,13 @@ def connections(
                 comm_id=snap.comm_id,
                 level=None if snap.level == L.LEVEL_UNSET else snap.level,
                 applied_level=applied,
-                dscp=None if applied is None else config.marking(applied).dscp,
+                dscp=None if applied is None or config is None else config.marking(applied).dscp,
                 bytes=snap.bytes,
                 messages=snap.messages,
                 age_s=max(0.0, (now_ns - snap.open_ns) / 1e9),
                 idle_s=max(0.0, (now_ns - snap.last_ns) / 1e9),
                 moved=bool(snap.flags & L.SLOT_FLAG_MOVED),
-                exited=_exited(table, snap, host_pid),
+                process=process,
             )
         )
     return rows
@@ -165,24 +189,33 @@ def _class_label(class_id: int) -> str:
         return f"class {class_id}"
 
 
-def _host_pid(table: FlowTable, snap: SlotSnapshot) -> int | None:
+def _process(table: FlowTable, snap: SlotSnapshot) -> tuple[int | None, str]:
+    """The slot's process here (when it is in another pid namespace and /proc placed it) and
+    what this reader can tell of it (see :attr:`ConnectionRow.process`)."""
     namespaces = table.pid_namespaces
     if not namespaces.foreign(snap.pid_ns):
-        return None
+        return None, _running(namespaces, snap.pid, snap.start_ticks)
     here = namespaces.local_pid(snap.pid_ns, snap.pid, snap.open_ns, snap.start_ticks)
-    return None if here is None or here == UNKNOWN else here
+    if here is None:
+        return None, "not found"
+    if here == UNKNOWN:
+        return None, "unknown"
+    return here, _running(namespaces, here, snap.start_ticks)
 
 
-def _exited(table: FlowTable, snap: SlotSnapshot, host_pid: int | None) -> bool:
-    if host_pid is not None:
-        return not pid_alive(host_pid)
-    return not table.pid_namespaces.foreign(snap.pid_ns) and not pid_alive(snap.pid)
+def _running(namespaces: PidNamespaces, pid: int, start_ticks: int) -> str:
+    """ "running" when ``pid`` lives and, where both starts are known, is the process that
+    started at ``start_ticks`` (else its pid was reused: "exited")."""
+    if not pid_alive(pid):
+        return "exited"
+    started = namespaces.start_of(pid)
+    return "exited" if start_ticks and started and started != start_ticks else "running"
 
 
-def _command(pid: int, snap: SlotSnapshot, table: FlowTable) -> str | None:
-    """``pid``'s command name, when ``pid`` names the slot's process here."""
-    if table.pid_namespaces.foreign(snap.pid_ns) and pid == snap.pid:
-        return None  # only its pid in its own namespace is known: another process here
+def _command(pid: int, process: str) -> str | None:
+    """The command name of the slot's process, ``pid`` here, while it runs."""
+    if process != "running":
+        return None
     try:
         with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as comm:
             return comm.read().strip() or None

@@ -943,7 +943,10 @@ def _unpack_config(raw: bytes, num_levels: int) -> TableConfig:
     ]
     if mode > L.GATE_MODE_TUNED or not (gates[0] <= 1000 or gates[0] == L.GATE_UNSET):
         raise TableError(f"corrupt config area: gate_mode {mode}, gate_min_share {gates[0]}")
-    return TableConfig(num_levels, markings, class_map, fallback, defaults, mode, *gates)
+    try:
+        return TableConfig(num_levels, markings, class_map, fallback, defaults, mode, *gates)
+    except ValueError as exc:  # a value out of range (its message names the field)
+        raise TableError(f"corrupt config area: {exc}") from None
 
 
 # =====================================================================================

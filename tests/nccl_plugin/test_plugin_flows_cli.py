@@ -51,6 +51,8 @@ def test_flows_lists_a_jobs_connections_with_the_agents_levels_and_their_rates(
                 assert {row["pid"] for row in rows.values()} == {pid}
                 assert {row["cls"] for row in rows.values()} == {"param_sync"}
                 assert {row["direction"] for row in rows.values()} == {"send", "recv"}
+                assert {row["process"] for row in rows.values()} == {"running"}
+                assert {int(row["comm_id"], 16) for row in rows.values()} == {0x99}
                 for index in sending:
                     row = rows[index]
                     assert row["applied_level"] == row["level"] is not None
@@ -58,6 +60,9 @@ def test_flows_lists_a_jobs_connections_with_the_agents_levels_and_their_rates(
                     assert row["rate"] > 0 and row["bytes"] >= 100_000
                 text = _flows("--interval", "0")
                 assert f"agent pid {os.getpid()}" in text and "param_sync" in text
+                assert "RATE" not in text
+                busiest = _flows("--interval", "0.3").splitlines()[2]  # header, titles, rows
+                assert busiest.split()[1] == str(pid) and "bit/s" in busiest
                 end_job(job, table)
         finally:
             job.kill()

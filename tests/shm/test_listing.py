@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 from pid_namespace import unshared
+from polling import wait_until
 
 from flowsched.model import FlowClass
 from flowsched.shm import layout as L
-from flowsched.shm.listing import connections, summarize, with_rates
+from flowsched.shm.listing import connections, read_config, summarize, with_rates
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable, LevelMarking, TableConfig
 
 CONFIG = TableConfig(
@@ -36,7 +37,7 @@ def test_a_connection_shows_its_process_class_levels_and_marking(table: FlowTabl
         conn.index, os.getpid(), None, "param_sync", "send", 3
     )  # fmt: skip
     assert row.command is not None and row.comm_id == 0xAB
-    assert not row.exited and not row.other_namespace
+    assert row.process == "running" and not row.other_namespace
     assert (row.level, row.applied_level, row.dscp) == (None, None, None)  # nothing sent yet
     conn.send(1000)  # the class default (1) goes on the sockets
     [row] = connections(table)
@@ -81,7 +82,14 @@ def test_a_connection_of_a_process_that_exited_says_so(table: FlowTable) -> None
                            check=True, capture_output=True, text=True)  # fmt: skip
     EmulatedPluginSlot(table, pid=int(child.stdout))
     [row] = connections(table)
-    assert row.exited and row.command is None
+    assert row.process == "exited" and row.command is None
+
+
+def test_a_pid_that_another_process_took_since_is_not_the_connections(table: FlowTable) -> None:
+    # this process's pid, but a start long before it: the slot's owner exited, its pid reused
+    EmulatedPluginSlot(table, pid=os.getpid(), start_ticks=1)
+    [row] = connections(table)
+    assert row.process == "exited" and row.command is None
 
 
 def test_a_process_of_another_pid_namespace_is_not_named_by_a_pid_here(table: FlowTable) -> None:
@@ -89,6 +97,7 @@ def test_a_process_of_another_pid_namespace_is_not_named_by_a_pid_here(table: Fl
     EmulatedPluginSlot(table, pid=1, pid_ns=table.pid_namespaces.own + 1)
     [row] = connections(table)
     assert (row.pid, row.other_namespace, row.host_pid, row.command) == (1, True, None, None)
+    assert row.process == "not found"
 
 
 _POD_JOB = """
@@ -114,10 +123,32 @@ def test_a_process_in_a_pid_namespace_of_its_own_is_shown_by_its_pid_here(
         assert (
             Path(f"/proc/{row.host_pid}/cmdline").read_bytes().startswith(sys.executable.encode())
         )
-        assert not row.exited
+        assert row.process == "running"
+        job.kill()
+        job.wait()
+        # its namespace went with it: from here, /proc has no trace of the process
+        wait_until(lambda: connections(table)[0].process == "not found")
     finally:
         job.kill()
         job.wait()
+
+
+def test_connections_are_listed_without_dscps_when_the_config_cannot_be_read(
+    table: FlowTable,
+) -> None:
+    conn = EmulatedPluginSlot(table, class_id=FlowClass.KV)
+    conn.send(100)
+    writable = FlowTable.open(table.path, writable=True)
+    writable._u32[L.HEADER_OFFSET["config_seq"] // 4] |= 1  # an agent died while writing it
+    config, problem = read_config(table)
+    assert config is None and problem is not None and "seqlock" in problem
+    [row] = connections(table, config=config)
+    assert (row.applied_level, row.dscp) == (1, None)
+    writable._u32[L.HEADER_OFFSET["config_seq"] // 4] += 1
+    writable._mm[L.HEADER_OFFSET["level_marking"]] = 200  # level 0's DSCP, out of range
+    config, problem = read_config(table)
+    assert config is None and problem is not None and "dscp" in problem
+    writable.close()
 
 
 @pytest.mark.parametrize(
