@@ -251,10 +251,12 @@ async def connect(
     agent.progress_form = progress_form
     agent.conn = conn if conn.sealed else None
     # frames that came along with the welcome wait in conn's buffer: take them through conn
-    # (which opens sealed ones in sequence) before listen() reads the socket raw
+    # (which opens sealed ones in sequence) before listen() reads the socket raw, into the
+    # same buffer (a frame cut short stays whole)
     while isinstance(event := conn.next_event(), Message):
         if isinstance(event, Levels):
             agent.updates_received += len(event.updates)
+    agent.buffer = conn.receive_buffer
     agent.beat_interval = welcome.heartbeat_interval or agent.beat_interval
     now = time.time()
     opens = [agent.open_entry(i, CLASS_MIX[i % len(CLASS_MIX)], now) for i in range(flows)]

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import re
@@ -53,21 +52,21 @@ from typing import Any
 import msgpack
 
 from flowsched.protocol import (
-    DEFAULT_MAX_FRAME_SIZE,
     FRAME_MAC_VERSION,
+    MIN_PROTOCOL_VERSION,
+    PROTOCOL_VERSION,
     Challenge,
     Connection,
     Error,
     Levels,
     Message,
-    ReceiveBuffer,
+    ProtocolError,
     Role,
     Sentinel,
     Welcome,
     frame,
     write_token,
 )
-from flowsched.protocol.auth import FRAME_TAG_SIZE
 from flowsched.testbed.etcd import local_etcd
 from flowsched.testbed.procstat import cpu_seconds
 from flowsched.testbed.simagent import CLASS_MIX, HEARTBEAT, flow_open, prepare_load_generator
@@ -95,6 +94,8 @@ class SimAgent:
     flows: int
     #: the protocol version it offers (from FRAME_MAC_VERSION on, its frames are sealed)
     version: int = FRAME_MAC_VERSION
+    #: whether its last session's frames were sealed (both ends at FRAME_MAC_VERSION or above)
+    sealed: bool = False
     #: monotonic times: welcome from a leader with a higher epoch, all levels from it
     welcomed: float = 0.0
     decided: float = 0.0
@@ -113,8 +114,12 @@ class SimAgent:
     async def run(self) -> None:
         """Stay connected to whichever coordinator leads, forever (cancelled at the end)."""
         while True:
-            with contextlib.suppress(ConnectionError, OSError, TimeoutError, RuntimeError):
+            try:
                 await self._session()
+            except ProtocolError as exc:  # a frame refused (its MAC, say): said, then again
+                print(f"{self.node}: {exc}", file=sys.stderr)
+            except (ConnectionError, OSError, TimeoutError, RuntimeError):
+                pass
             await asyncio.sleep(RECONNECT_PAUSE)
 
     async def _session(self) -> None:
@@ -147,11 +152,14 @@ class SimAgent:
             if answer.epoch > self.epoch:
                 self.epoch, self.welcomed, self.decided = answer.epoch, time.monotonic(), 0.0
                 self._levels.clear()
+            self.sealed = conn.sealed
             # frames that came with the welcome wait in conn's buffer: take them through conn
             # (which opens sealed ones in sequence) before _serve reads the socket raw
             while isinstance(event := conn.next_event(), Message):
                 if isinstance(event, Levels):
                     self._note_levels(u.id for u in event.updates)
+                elif isinstance(event, Error):
+                    raise ConnectionError(f"refused after the welcome: {event.code}")
             return reader, writer, conn
         writer.close()
         if isinstance(answer, Error) and answer.code == "not_leader":
@@ -164,7 +172,7 @@ class SimAgent:
     ) -> None:
         writer.write(self.resync(conn))
         self.connected.set()
-        buffer = ReceiveBuffer(DEFAULT_MAX_FRAME_SIZE + FRAME_TAG_SIZE)
+        buffer = conn.receive_buffer  # what followed the welcome, a frame cut short included
         try:
             while data := await reader.read(1 << 16):
                 buffer.feed(data)
@@ -254,6 +262,8 @@ class Run:
     mode: str
     #: the protocol version the simulated agents offered
     protocol: int
+    #: how many of them the new leader's sessions sealed
+    sealed_agents: int
     lead_s: float
     all_back_s: float
     median_back_s: float
@@ -292,6 +302,7 @@ async def one_run(args: argparse.Namespace, workdir: Path) -> Run:
         return Run(
             mode=args.mode,
             protocol=args.protocol,
+            sealed_agents=sum(a.sealed for a in agents),
             lead_s=min(a.welcomed for a in agents) - killed,
             all_back_s=backs[-1],
             median_back_s=statistics.median(backs),
@@ -364,7 +375,21 @@ def _one(args: argparse.Namespace, workdir: Path, loop_factory: Any) -> Run:
     except RuntimeError as exc:  # a mode that cannot keep up: reported, not fatal
         print(f"{_label(args.mode, args.protocol)} run: {exc}", file=sys.stderr)
         nan = float("nan")
-        return Run(args.mode, args.protocol, nan, nan, nan, nan)
+        return Run(args.mode, args.protocol, 0, nan, nan, nan, nan)
+
+
+def _protocols(text: str) -> list[int]:
+    """``--protocols``: comma-separated versions this release can offer."""
+    try:
+        versions = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated versions: {text!r}") from None
+    for version in versions:
+        if not MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION:
+            raise argparse.ArgumentTypeError(
+                f"version {version} not in {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}"
+            )
+    return versions
 
 
 def main() -> int:
@@ -374,7 +399,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3, help="runs per mode")
     parser.add_argument("--modes", default="rebuild,per-turn,whole-table")
     parser.add_argument(
-        "--protocols", default=str(FRAME_MAC_VERSION),
+        "--protocols", type=_protocols, default=[FRAME_MAC_VERSION],
         help="protocol versions the simulated agents offer, each a run per mode (from "
         f"{FRAME_MAC_VERSION} on, sealed frames), e.g. {FRAME_MAC_VERSION},{FRAME_MAC_VERSION - 1}",
     )  # fmt: skip
@@ -403,7 +428,7 @@ def main() -> int:
         args.etcd = etcd
         for index in range(args.runs):
             for mode in args.modes.split(","):
-                for protocol in (int(p) for p in args.protocols.split(",")):
+                for protocol in args.protocols:
                     args.mode, args.protocol = mode, protocol
                     runs.append(_one(args, Path(tmp) / f"{mode}-{protocol}-{index}", loop_factory))
                     print(f"[{time.strftime('%H:%M:%S')}] {_label(mode, protocol)} run {index}: "

@@ -372,6 +372,13 @@ class Connection:
         self.state = new_state
         return message
 
+    @property
+    def receive_buffer(self) -> ReceiveBuffer:
+        """The buffer :meth:`receive_data` feeds, with whatever it holds (a frame cut short
+        included), for callers that go on cutting frames themselves after the handshake and
+        open them with :meth:`opened` (the benchmarks' simulated agents)."""
+        return self._buffer
+
     def opened(self, sealed: bytes) -> bytes:
         """The body of a frame received once the peer's frames are sealed, its MAC checked
         and taken off (as is before that). For callers that cut frames themselves (the

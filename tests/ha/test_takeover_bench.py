@@ -27,5 +27,6 @@ def test_sealed_and_unsealed_agents_are_all_back_under_the_standby(tmp_path: Pat
     )  # fmt: skip
     runs = json.loads(out.read_text())
     assert [run["protocol"] for run in runs] == [FRAME_MAC_VERSION, FRAME_MAC_VERSION - 1]
+    assert [run["sealed_agents"] for run in runs] == [12, 0]  # the new leader's sessions
     for run in runs:  # NaN: the agents were not all back within the bench's timeout
         assert math.isfinite(run["all_back_s"]) and run["all_back_s"] >= run["lead_s"] > 0, run
