@@ -278,22 +278,23 @@ class _OsAsUser:
         return self._uid
 
 
-def test_a_users_flow_opened_before_any_agent_finds_a_root_agent_started_later(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_sdk_connections: None
-) -> None:
-    # a user's job on a node that boots: no agent anywhere when its flow opens, so the default
-    # path is the user's own; the root agent that starts then serves /run/flowsched. The SDK's
-    # path resolution runs as a user (uid 1000 under root, else this user), the agent (same
-    # process) as root.
+@pytest.fixture
+def user_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_sdk_connections: None) -> Path:
+    """A node as a user's process sees it: its runtime directory is ``tmp_path/xdg``, the root
+    agent's ``/run/flowsched`` the returned path (neither exists yet). The SDK's path finding
+    runs as a user (uid 1000 under root, else this user), an agent of the test as root."""
     monkeypatch.setattr(rundir, "os", _OsAsUser(os.geteuid() or 1000))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
     monkeypatch.delenv("FLOWSCHED_SOCKET", raising=False)
     shared = tmp_path / "run-flowsched"
     monkeypatch.setattr(rundir, "ROOT_DIR", str(shared))
-    with client.flow("kv", bytes=1000) as handle:
-        assert not handle.connected
-        assert client.default_socket_path() == f"{tmp_path}/xdg/flowsched/agent.sock"
-        config = AgentConfig(
+    return shared
+
+
+def _root_agent(shared: Path) -> AgentThread:
+    """An agent serving ``shared`` (the root agent's directory of :func:`user_node`)."""
+    return AgentThread(
+        AgentConfig(
             node="n1",
             socket_path=str(shared / rundir.SOCKET_NAME),
             table_path=str(shared / rundir.TABLE_NAME),
@@ -302,7 +303,18 @@ def test_a_users_flow_opened_before_any_agent_finds_a_root_agent_started_later(
             fallback_after=60.0,
             interfaces=("lo",),
         )
-        with AgentThread(config) as running:
+    )
+
+
+def test_a_users_flow_opened_before_any_agent_finds_a_root_agent_started_later(
+    user_node: Path, tmp_path: Path
+) -> None:
+    # a user's job on a node that boots: no agent anywhere when its flow opens, so the default
+    # path is the user's own; the root agent that starts then serves /run/flowsched
+    with client.flow("kv", bytes=1000) as handle:
+        assert not handle.connected
+        assert client.default_socket_path() == f"{tmp_path}/xdg/flowsched/agent.sock"
+        with _root_agent(user_node) as running:
             _wait(lambda: handle.connected, timeout=5.0)
             registry = running.agent.registry
             assert registry is not None
@@ -396,53 +408,31 @@ def test_a_path_that_is_the_default_shares_the_default_connection(
 
 
 def test_each_place_tried_says_once_why_it_was_not_used(
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    caplog: pytest.LogCaptureFixture,
-    fresh_sdk_connections: None,
+    user_node: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # first no agent anywhere; then /run/flowsched appears, but writable by everyone
-    monkeypatch.setattr(rundir, "os", _OsAsUser(os.geteuid() or 1000))
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
-    monkeypatch.delenv("FLOWSCHED_SOCKET", raising=False)
-    shared = tmp_path / "run-flowsched"
-    monkeypatch.setattr(rundir, "ROOT_DIR", str(shared))
     caplog.set_level(logging.WARNING, logger="flowsched.client")
     conn = client.connection()
     assert not conn.ensure_connected()
     assert "no flowsched agent at" in caplog.text
-    shared.mkdir()
-    shared.chmod(0o777)
-    (shared / rundir.SOCKET_NAME).touch()
+    user_node.mkdir()
+    user_node.chmod(0o777)
+    (user_node / rundir.SOCKET_NAME).touch()
     monkeypatch.setattr(conn, "_last_attempt", -client.RECONNECT_INTERVAL)
     assert not conn.ensure_connected()
-    assert f"not using the flowsched agent socket {shared / rundir.SOCKET_NAME}" in caplog.text
+    assert f"not using the flowsched agent socket {user_node / rundir.SOCKET_NAME}" in caplog.text
 
 
 def test_a_socket_left_by_a_killed_user_agent_does_not_hide_the_root_agent(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh_sdk_connections: None
+    user_node: Path, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(rundir, "os", _OsAsUser(os.geteuid() or 1000))
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "xdg"))
-    monkeypatch.delenv("FLOWSCHED_SOCKET", raising=False)
-    shared = tmp_path / "run-flowsched"
-    monkeypatch.setattr(rundir, "ROOT_DIR", str(shared))
     own = tmp_path / "xdg" / "flowsched"
     own.mkdir(parents=True, mode=0o700)
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(own / rundir.SOCKET_NAME))  # bound, never listening: connections refused
-    config = AgentConfig(
-        node="n1",
-        socket_path=str(shared / rundir.SOCKET_NAME),
-        table_path=str(shared / rundir.TABLE_NAME),
-        num_slots=8,
-        metrics_port=None,
-        fallback_after=60.0,
-        interfaces=("lo",),
-    )
     try:
-        with AgentThread(config), client.flow("kv", bytes=10) as handle:
+        with _root_agent(user_node), client.flow("kv", bytes=10) as handle:
             assert handle.connected
-            assert client.connection().path == str(shared / rundir.SOCKET_NAME)
+            assert client.connection().path == str(user_node / rundir.SOCKET_NAME)
     finally:
         stale.close()
