@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import time
 from typing import Any
 
@@ -73,17 +74,25 @@ def _run(args: argparse.Namespace) -> int:
     path = args.table or rundir.client_path(rundir.TABLE_NAME, "FLOWSCHED_TABLE")
     try:
         table = FlowTable.open(path)
-    except TableError as exc:  # a --table given is bad input; no table at the default, none here
+        mapped = _file_id(path)
+    except (TableError, OSError) as exc:  # a --table given is bad input; no table: none here
         return fail("flowsched flows", str(exc), EXIT_USAGE if args.table else EXIT_FAILURE)
     with table:
         config, problem = read_config(table)
         rows = connections(table, include_closed=args.all, config=config)
-        if args.interval > 0:
-            started = time.monotonic()
-            time.sleep(args.interval)
-            after = connections(table, include_closed=args.all, config=config)
-            rows = with_rates(rows, after, time.monotonic() - started)
         summary = summarize(table, config_problem=problem)
+    if args.interval > 0:
+        started = time.monotonic()
+        time.sleep(args.interval)
+        try:
+            if _file_id(path) != mapped:  # the agent re-created it (a resize): no second look
+                raise TableError(f"flow table {path} was re-created during the {args.interval} s")
+            with FlowTable.open(path) as table:
+                after = connections(table, include_closed=args.all, config=config)
+                summary = summarize(table, config_problem=problem)
+        except (TableError, OSError) as exc:
+            return fail("flowsched flows", f"{exc}; run it again", EXIT_FAILURE)
+        rows = with_rates(rows, after, time.monotonic() - started)
     if args.json:
         document = {
             "table": dataclasses.asdict(summary),
@@ -97,6 +106,12 @@ def _run(args: argparse.Namespace) -> int:
         print(_header(summary, len(rows)))
         _print_rows(rows, rates=args.interval > 0)
     return EXIT_OK
+
+
+def _file_id(path: str) -> tuple[int, int]:
+    """The device and inode ``path`` names now (a re-created table is another file)."""
+    info = os.stat(path)
+    return info.st_dev, info.st_ino
 
 
 def _header(summary: TableSummary, shown: int) -> str:

@@ -1,0 +1,47 @@
+"""``flowsched flows`` run in process: the two looks of a rate, and a table re-created between
+them (the agent resizing it)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from flowsched.cli import flows, main
+from flowsched.shm.table import EmulatedPluginSlot, FlowTable
+
+
+@pytest.fixture
+def table(tmp_path: Path) -> FlowTable:
+    created, _ = FlowTable.create_or_attach(str(tmp_path / "run" / "table"), num_slots=4)
+    return created
+
+
+def test_the_rate_is_the_bytes_sent_between_the_two_looks(
+    table: FlowTable, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    conn = EmulatedPluginSlot(table, class_id=2)
+    clock = iter([100.0, 102.0])
+    monkeypatch.setattr(flows.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(flows.time, "sleep", lambda _: conn.send(1000))  # 1 kB in the 2 s
+    assert main(["flows", "--table", table.path, "--interval", "2", "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)["connections"]
+    assert (row["cls"], row["bytes"], row["rate"]) == ("param_sync", 1000, 500.0)
+
+
+def test_a_table_re_created_between_the_looks_is_said_not_measured(
+    table: FlowTable, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    EmulatedPluginSlot(table).send(10)
+
+    def recreate(_: float) -> None:  # as the agent does to resize it: another file at the path
+        built = table.path + ".new"
+        FlowTable.create_or_attach(built, num_slots=8)[0].close()
+        os.replace(built, table.path)  # the old file lives on while it is mapped (here: table)
+
+    monkeypatch.setattr(flows.time, "sleep", recreate)
+    assert main(["flows", "--table", table.path, "--interval", "0.5"]) == 1
+    err = capsys.readouterr().err
+    assert "was re-created during the 0.5 s" in err and len(err.strip().splitlines()) == 1
