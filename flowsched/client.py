@@ -731,14 +731,19 @@ def _byte_count(value: int, name: str) -> int:
 def connection(path: str | None = None) -> AgentConnection:
     """The shared :class:`AgentConnection` for ``path`` (default :func:`default_socket_path`,
     decided again whenever the connection is made; a ``path`` that is the default now gets
-    the default's connection)."""
-    if not path or path == default_socket_path():
-        path = None
+    the default's connection, kept under that name too: later calls find it without a look
+    at the file system)."""
+    key = path or None
     with _connections_lock:
-        conn = _connections.get(path)
-        if conn is None:
-            conn = _connections[path] = AgentConnection(path)
+        conn = _connections.get(key)
+    if conn is not None:
         return conn
+    if key is not None and key == default_socket_path():
+        conn = connection(None)
+    with _connections_lock:
+        if conn is None:
+            conn = AgentConnection(key)
+        return _connections.setdefault(key, conn)
 
 
 def open_flow(

@@ -415,7 +415,7 @@ class ClusterState:
         stretches instead of starving flows.
         """
         now = time.time() if now is None else now
-        released = self._release_quarantined(now) if self._retries else False
+        released = self._release_quarantined(now)
         if self._next_change is not None:
             return self._take_due(now) or released
         if self._sweep:
@@ -448,6 +448,8 @@ class ClusterState:
         still to raise, the whole table's pass would raise and be isolated flow by flow (one
         call per flow) at every retry."""
         retries, released = self._retries, False
+        if not retries or retries[0][0] > now:
+            return False  # nothing due (the timer tick's usual case)
         self._stamp(now)  # an admit's level, and a new failure's retry, count from now
         ctx = self.context(now)
         while retries and retries[0][0] <= now:
