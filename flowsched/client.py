@@ -431,31 +431,12 @@ class AgentConnection:
 
     def _connect(self, path: str) -> socket.socket | None:
         """A connection to a trusted agent at ``path``, or None (the problem logged once)."""
-        problem = rundir.client_dir_problem(path)
-        if problem is not None:
-            self._warn(path, "directory", f"not using the flowsched agent socket {path}: "
-                       f"{problem}; using static default levels")  # fmt: skip
-            return None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            sock.settimeout(OPEN_TIMEOUT)
-            sock.connect(path)
-            sock.settimeout(None)
-        except OSError as exc:
-            sock.close()
-            self._warn(path, "absent", f"no flowsched agent at {path} "
-                       f"({exc.strerror or exc}); using static default levels")  # fmt: skip
+            sock = _connect_trusted(path, OPEN_TIMEOUT)
+        except AgentUnavailable as exc:
+            self._warn(path, exc.problem, f"{exc}; using static default levels")
             return None
-        uid = _peer_uid(sock)
-        if uid not in rundir.trusted_agent_uids():
-            sock.close()
-            self._warn(
-                path, "untrusted",
-                f"the process serving {path} runs as uid {uid}, not as root, this user or "
-                f"${rundir.AGENT_UID_ENV}: not a flowsched agent to trust; using static "
-                "default levels",
-            )  # fmt: skip
-            return None
+        sock.settimeout(None)
         return sock
 
     def _warn(self, path: str, problem: str, text: str) -> None:
@@ -674,6 +655,134 @@ class AgentConnection:
         if sock is not None:
             with contextlib.suppress(OSError):
                 os.close(sock.detach())  # this process's copy of the descriptor only
+
+
+class AgentUnavailable(OSError):
+    """No trusted agent answers at a socket path; ``problem`` says which check failed
+    (``directory``, ``absent``, ``untrusted``, ``refused``)."""
+
+    def __init__(self, message: str, problem: str) -> None:
+        super().__init__(message)
+        self.problem = problem
+
+
+def _connect_trusted(path: str, timeout: float) -> socket.socket:
+    """A connection (with ``timeout`` set) to the agent at ``path``, checked as the SDK checks
+    it: a directory no untrusted user controls, a server running as a trusted uid.
+
+    Raises:
+        AgentUnavailable: naming the path and what is wrong with it.
+    """
+    problem = rundir.client_dir_problem(path)
+    if problem is not None:
+        raise AgentUnavailable(
+            f"not using the flowsched agent socket {path}: {problem}", "directory"
+        )
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+    except OSError as exc:
+        sock.close()
+        raise AgentUnavailable(
+            f"no flowsched agent at {path} ({exc.strerror or exc})", "absent"
+        ) from None
+    uid = _peer_uid(sock)
+    if uid not in rundir.trusted_agent_uids():
+        sock.close()
+        raise AgentUnavailable(
+            f"the process serving {path} runs as uid {uid}, not as root, this user or "
+            f"${rundir.AGENT_UID_ENV}: not a flowsched agent to trust",
+            "untrusted",
+        )
+    return sock
+
+
+@dataclass(frozen=True, slots=True)
+class FlowListing:
+    """The agent's open SDK flows (:func:`list_flows`)."""
+
+    #: the socket the agent answered on
+    path: str
+    flows: tuple[sdk.FlowInfo, ...]
+    #: every user's flows are listed (the asker is root or the agent's user), not only its own
+    everyone: bool
+
+
+def list_flows(socket_path: str | None = None, *, timeout: float = OPEN_TIMEOUT) -> FlowListing:
+    """The SDK flows open at the node agent, oldest first (what ``flowsched flows`` shows).
+
+    Root and the agent's own user get every user's flows; another user gets its own. Uses a
+    connection of its own (not the process's flows' connection), closed before it returns; the
+    whole exchange takes at most ``timeout`` seconds. ``socket_path`` None: the places
+    :func:`default_socket_path` would use, each tried in turn.
+
+    Raises:
+        AgentUnavailable: no trusted agent answers, it does not list flows (an older one), or
+            it sent a frame that does not decode.
+        TimeoutError: the agent did not answer within ``timeout``.
+    """
+    if socket_path is not None:
+        places = [socket_path]
+    else:
+        places = rundir.client_paths(rundir.SOCKET_NAME, "FLOWSCHED_SOCKET")
+    deadline = time.monotonic() + timeout
+    failures = []
+    for path in places:
+        try:
+            sock = _connect_trusted(path, timeout)
+        except AgentUnavailable as exc:
+            failures.append(exc)
+            continue
+        with sock:
+            flows, everyone = _ask_pages(sock, path, deadline)
+        return FlowListing(path, flows, everyone)
+    raise failures[0]
+
+
+def _ask_pages(
+    sock: socket.socket, path: str, deadline: float
+) -> tuple[tuple[sdk.FlowInfo, ...], bool]:
+    """Ask for ``flows`` pages until the last; the flows and whether they are everyone's."""
+    decoder = sdk.SdkDecoder("client")
+    flows: list[sdk.FlowInfo] = []
+    after: int | None = None
+    while True:
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        sock.sendall(sdk.encode(sdk.ListFlows(after)))
+        page = _next_answer(sock, decoder, path, deadline)
+        flows.extend(page.flows)
+        if not page.more or not page.flows:
+            return tuple(flows), page.everyone
+        after = page.flows[-1].id
+
+
+def _next_answer(
+    sock: socket.socket, decoder: sdk.SdkDecoder, path: str, deadline: float
+) -> sdk.FlowList:
+    while True:
+        try:
+            message = decoder.next_message()
+        except sdk.SdkProtocolError as exc:
+            raise AgentUnavailable(
+                f"the flowsched agent at {path} sent a bad frame: {exc}", "refused"
+            ) from None
+        if isinstance(message, sdk.FlowList):
+            return message
+        if isinstance(message, sdk.Error):  # an agent of an earlier release: unknown type
+            raise AgentUnavailable(
+                f"the flowsched agent at {path} does not list flows ({message.code}: "
+                f"{message.reason}); it may be older than this client",
+                "refused",
+            )
+        if message is not None:
+            continue  # nothing else is sent on this connection; skip it
+        sock.settimeout(max(deadline - time.monotonic(), 0.001))
+        data = sock.recv(65536)
+        if not data:
+            raise AgentUnavailable(f"the flowsched agent at {path} closed the connection",
+                                   "refused")  # fmt: skip
+        decoder.feed(data)
 
 
 def _own_pid_namespace() -> int | None:

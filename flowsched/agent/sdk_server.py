@@ -92,6 +92,8 @@ class SdkServer:
         self._repeat_log = RepeatLog(log)
         self.requests: Counter[str] = Counter()
         self._first_level: dict[int, asyncio.Future[int]] = {}
+        #: each open SDK flow's opener (pid, uid) and its open request, for ``list``
+        self._opened: dict[int, tuple[int, int | None, sdk.Open]] = {}
         #: opens waiting for the coordinator's first level before they are answered
         self._answering: set[asyncio.Future[None]] = set()
         #: the handler task of each client connection (close() waits for them to end)
@@ -250,7 +252,7 @@ class SdkServer:
             while data:
                 decoder.feed(data)
                 while (message := decoder.next_message()) is not None:
-                    self._handle(message, (key, uid), writer, owned)
+                    self._handle(message, (key, uid), writer, owned, pid)
                 data = await self._read(reader, idle=not owned)
         except sdk.SdkProtocolError as exc:
             self.errors_total += 1
@@ -329,6 +331,7 @@ class SdkServer:
         now = time.time()
         for flow_id in owned:
             self._owner.pop(flow_id, None)
+            self._opened.pop(flow_id, None)
             self._count_flow(uid, -1)
             if registry is not None:
                 for slot in registry.close_sdk(flow_id, key, None, now):
@@ -348,18 +351,20 @@ class SdkServer:
         cred: tuple[int, int | None],
         writer: asyncio.StreamWriter,
         owned: set[int],
+        pid: int,
     ) -> None:
         key, uid = cred  # the client's process key (PidNamespaces.process_key), its uid
         registry = self.agent.registry
         assert registry is not None
         self.requests[message.TYPE] += 1
         if isinstance(message, sdk.Open):
-            self._open(message, cred, writer, owned)
+            self._open(message, cred, writer, owned, pid)
         elif isinstance(message, sdk.Progress) and message.id in owned:
             registry.sdk_progress(message.id, key, message.sent)
         elif isinstance(message, sdk.Close) and message.id in owned:
             owned.discard(message.id)
             self._owner.pop(message.id, None)
+            self._opened.pop(message.id, None)
             self._count_flow(uid, -1)
             for slot in registry.close_sdk(message.id, key, message.sent, time.time()):
                 self.agent.write_slot(slot)
@@ -369,6 +374,54 @@ class SdkServer:
             self.agent.job_progress(
                 message.job, message.step, message.layer, owner=uid, done=bool(message.done)
             )
+        elif isinstance(message, sdk.ListFlows):
+            self._write(writer, self.flow_page(uid, message.after))
+
+    def flow_page(self, uid: int | None, after: int | None) -> sdk.FlowList:
+        """The open SDK flows with ids above ``after`` that ``uid`` may see, oldest first, as
+        many as fit one frame: root and the agent's own user see every user's flows (like
+        ``ss``, the operator's view of the node), any other user its own only (their job and
+        request names are nobody else's business)."""
+        everyone = uid == 0 or uid == os.geteuid()
+        budget = sdk.MAX_SDK_FRAME - 1024  # the frame's own fields and length prefix
+        page: list[sdk.FlowInfo] = []
+        for flow_id in self._opened:  # opening order, which is id order (ids only grow)
+            if after is not None and flow_id <= after:
+                continue
+            info = self._flow_info(flow_id)
+            if info is None or not (everyone or info.uid == uid):
+                continue
+            budget -= sdk.encoded_size(info)
+            if budget < 0:
+                return sdk.FlowList(tuple(page), more=True, everyone=everyone)
+            page.append(info)
+        return sdk.FlowList(tuple(page), more=False, everyone=everyone)
+
+    def _flow_info(self, flow_id: int) -> sdk.FlowInfo | None:
+        registry = self.agent.registry
+        flow = None if registry is None else registry.flows.get(flow_id)
+        record = None if registry is None else registry.sdk.get(flow_id)
+        if flow is None or record is None:
+            return None
+        pid, uid, asked = self._opened[flow_id]
+        slots = sorted(index for index, _ in record.slots)[: sdk.MAX_LISTED_SLOTS]
+        return sdk.FlowInfo(
+            id=flow_id,
+            cls=asked.cls,
+            pid=max(pid, 0),
+            opened_at=flow.opened_at,
+            sent=record.sent(),
+            uid=uid,
+            level=flow.level if flow.level >= 0 else None,
+            size=asked.size,
+            deadline=flow.deadline,
+            consumer_index=asked.consumer_index,
+            job=asked.job,
+            request=asked.request,
+            peer=asked.peer,
+            dst_node=asked.dst_node,
+            slots=tuple(slots),
+        )
 
     def _open(
         self,
@@ -376,6 +429,7 @@ class SdkServer:
         cred: tuple[int, int | None],
         writer: asyncio.StreamWriter,
         owned: set[int],
+        pid: int,
     ) -> None:
         uid = cred[1]
         if self._flows_of[uid] >= self.max_flows_per_uid:
@@ -389,6 +443,7 @@ class SdkServer:
             return
         flow, linked = self._register(message, *cred)
         owned.add(flow.flow_id)
+        self._opened[flow.flow_id] = (pid, uid, message)
         self._count_flow(uid, 1)
         self.agent.admit_now()
         for key in linked:

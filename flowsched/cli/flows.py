@@ -5,6 +5,11 @@ the level (with its DSCP) on its sockets, bytes, and the rate (bits per second, 
 print it) between two looks ``--interval`` apart (0: one look, no rates). The header says
 whether an agent owns the table and follows a coordinator. Read-only (see
 :mod:`flowsched.shm.listing`); ``--json`` for scripts.
+
+Below them, the flows applications opened through the SDK (:mod:`flowsched.client`), as the
+agent lists them over its socket (:func:`flowsched.client.list_flows`): class, job, request,
+deadline, level, bytes, and the table slots of the NCCL connections that carry each (those
+connections say ``sdk ID``). Root and the agent's user see every user's; others their own.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import os
 import time
 from typing import Any
 
-from flowsched import rundir
+from flowsched import client, rundir
 from flowsched.cli._common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, fail
+from flowsched.protocol.sdk import FlowInfo
 from flowsched.shm.listing import (
     ConnectionRow,
     TableSummary,
@@ -27,16 +33,22 @@ from flowsched.shm.listing import (
     summarize,
     with_rates,
 )
-from flowsched.shm.table import FlowTable, TableError
+from flowsched.shm.table import FlowTable, TableConfig, TableError
+
+#: seconds the agent has to list its SDK flows
+SDK_TIMEOUT = 2.0
 
 
 def register(sub: Any) -> None:
     """Add the ``flows`` subcommand."""
     parser = sub.add_parser(
         "flows",
-        help="list this node's NCCL connections, their levels and rates (the flow table)",
+        help="list this node's NCCL connections (the flow table) and SDK flows, their levels "
+        "and rates",
         description="List the connections in this node's flow table: process, class, the "
-        "level the agent wants and the one on the sockets, DSCP, bytes and rate. Read-only.",
+        "level the agent wants and the one on the sockets, DSCP, bytes and rate; then the SDK "
+        "flows the agent holds (every user's for root and the agent's user, else your own). "
+        "Read-only.",
     )
     parser.add_argument(
         "--table",
@@ -55,6 +67,15 @@ def register(sub: Any) -> None:
     )
     parser.add_argument(
         "--all", action="store_true", help="also closed connections the agent has not reaped"
+    )
+    parser.add_argument(
+        "--socket",
+        metavar="PATH",
+        help="the agent's SDK socket, to list the SDK flows (default: $FLOWSCHED_SOCKET, else "
+        "where the SDK looks for it)",
+    )
+    parser.add_argument(
+        "--no-sdk", action="store_true", help="the flow table only: do not ask the agent"
     )
     parser.add_argument("--json", action="store_true", help="one JSON object: header and rows")
     parser.set_defaults(func=_run)
@@ -93,6 +114,9 @@ def _run(args: argparse.Namespace) -> int:
         except (TableError, OSError) as exc:
             return fail("flowsched flows", f"{exc}; run it again", EXIT_FAILURE)
         rows = with_rates(rows, after, time.monotonic() - started)
+    listing, problem = (None, "not asked (--no-sdk)") if args.no_sdk else _sdk_flows(args.socket)
+    carried = _carriers(listing)
+    rows = [dataclasses.replace(row, sdk_flow=carried.get(row.slot)) for row in rows]
     if args.json:
         document = {
             "table": dataclasses.asdict(summary),
@@ -100,12 +124,82 @@ def _run(args: argparse.Namespace) -> int:
             "connections": [
                 {**dataclasses.asdict(row), "comm_id": f"{row.comm_id:#018x}"} for row in rows
             ],
+            "sdk": _sdk_document(listing, problem),
         }
         print(json.dumps(document, indent=2))
     else:
         print(_header(summary, len(rows)))
         _print_rows(rows, rates=args.interval > 0)
+        print()
+        _print_sdk(listing, problem, config)
     return EXIT_OK
+
+
+def _sdk_flows(path: str | None) -> tuple[client.FlowListing | None, str | None]:
+    """The agent's SDK flows, or None and why they are not shown."""
+    try:
+        return client.list_flows(path, timeout=SDK_TIMEOUT), None
+    except client.AgentUnavailable as exc:
+        return None, str(exc)
+    except TimeoutError:
+        return None, f"the agent did not list its SDK flows within {SDK_TIMEOUT:g} s"
+
+
+def _carriers(listing: client.FlowListing | None) -> dict[int, int]:
+    """Table slot -> the SDK flow its connection carries."""
+    if listing is None:
+        return {}
+    return {slot: info.id for info in listing.flows for slot in info.slots}
+
+
+def _sdk_document(listing: client.FlowListing | None, problem: str | None) -> dict[str, Any]:
+    if listing is None:
+        return {"socket": None, "everyone": None, "problem": problem, "flows": []}
+    flows = [{**dataclasses.asdict(info), "slots": list(info.slots)} for info in listing.flows]
+    return {"socket": listing.path, "everyone": listing.everyone, "problem": None, "flows": flows}
+
+
+_SDK_COLUMNS = ("ID", "PID", "UID", "CLASS", "JOB", "REQUEST", "INDEX", "LEVEL", "DSCP", "SENT",
+                "SIZE", "DEADLINE", "AGE", "SLOTS")  # fmt: skip
+
+
+def _print_sdk(
+    listing: client.FlowListing | None, problem: str | None, config: TableConfig | None
+) -> None:
+    if listing is None:
+        print(f"SDK flows not shown: {problem}")
+        return
+    whose = "every user's" if listing.everyone else "this user's only"
+    print(f"{listing.path}: {len(listing.flows)} SDK flows ({whose})")
+    if listing.flows:
+        now = time.time()
+        _print_table(_SDK_COLUMNS, [_sdk_cells(info, config, now) for info in listing.flows])
+
+
+def _sdk_cells(info: FlowInfo, config: TableConfig | None, now: float) -> tuple[str, ...]:
+    dscp = None if info.level is None or config is None else config.marking(info.level).dscp
+    slots = ",".join(map(str, info.slots))
+    return (
+        str(info.id),
+        str(info.pid) if info.pid else "?",
+        "?" if info.uid is None else str(info.uid),
+        info.cls,
+        info.job or "-",
+        info.request or "-",
+        "-" if info.consumer_index is None else str(info.consumer_index),
+        "default" if info.level is None else str(info.level),
+        "-" if dscp is None else str(dscp),
+        _bytes(info.sent),
+        "-" if info.size is None else _bytes(info.size),
+        "-" if info.deadline is None else _in_seconds(info.deadline - now),
+        _seconds(max(0.0, now - info.opened_at)),
+        slots or "-",
+    )
+
+
+def _in_seconds(delta: float) -> str:
+    """A deadline ``delta`` seconds away: ``in 1.2s``, or ``0.3s ago`` once passed."""
+    return f"in {_seconds(delta)}" if delta >= 0 else f"{_seconds(-delta)} ago"
 
 
 def _file_id(path: str) -> tuple[int, int]:
@@ -143,7 +237,11 @@ def _print_rows(rows: list[ConnectionRow], *, rates: bool) -> None:
         rows = sorted(rows, key=lambda row: -(row.rate or 0.0))
     else:
         columns = tuple(name for name in _COLUMNS if name != "RATE")
-    table = [columns] + [_cells(row, rates) for row in rows]
+    _print_table(columns, [_cells(row, rates) for row in rows])
+
+
+def _print_table(columns: tuple[str, ...], lines: list[tuple[str, ...]]) -> None:
+    table = [columns, *lines]
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     for line in table:
         print(
@@ -161,6 +259,8 @@ def _cells(row: ConnectionRow, rates: bool) -> tuple[str, ...]:
     notes = [word for word, on in flags if on]
     if row.process != "running":
         notes.append(f"process {row.process}")
+    if row.sdk_flow is not None:
+        notes.append(f"sdk {row.sdk_flow}")
     return (
         str(row.slot),
         pid,

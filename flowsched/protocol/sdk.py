@@ -21,6 +21,8 @@ Client -> agent:
   step (at most :data:`MAX_STEP`).
 * ``progress{id, sent}``, ``close{id, sent}``: bytes the application moved itself.
 * ``job_progress{job, step, layer?}``: the job reached a step (and layer).
+* ``list{after?}``: the open SDK flows with ids above ``after``, oldest first (``flowsched
+  flows``); root and the agent's own user see every user's, others their own.
 
 Agent -> client:
 
@@ -29,13 +31,16 @@ Agent -> client:
 * ``level{id, level, dscp, so_priority, decided_at?, decided_ns?}``: pushed whenever the flow's
   level changes; ``decided_at`` (wall seconds) / ``decided_ns`` (CLOCK_MONOTONIC ns of the
   coordinator's machine) say when the coordinator decided it, when it did.
+* ``flows{flows, more, everyone}``: one page of the answer to ``list``: each flow as
+  :class:`FlowInfo`; ``more``: ask again with ``after`` = the last id; ``everyone``: every
+  user's flows are listed, not only the asker's.
 * ``error{code, reason, ref?}``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any, ClassVar
 
 import msgpack
@@ -159,9 +164,60 @@ class Error:
     ref: int | None = None
 
 
-SdkMessage = Open | Progress | Close | JobProgress | Opened | Level | Error
-CLIENT_MESSAGES: dict[str, type[Any]] = {m.TYPE: m for m in (Open, Progress, Close, JobProgress)}
-AGENT_MESSAGES: dict[str, type[Any]] = {m.TYPE: m for m in (Opened, Level, Error)}
+@dataclass(frozen=True, slots=True)
+class ListFlows:
+    """Client asks for the open SDK flows with ids above ``after`` (all: None)."""
+
+    TYPE: ClassVar[str] = "list"
+    after: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FlowInfo:
+    """One open SDK flow as the agent lists it: what its ``open`` asked for (``job`` and
+    ``request`` as the application named them, unscoped), who opened it, where it stands."""
+
+    TYPE: ClassVar[str] = "flows.flows[]"
+    id: int
+    cls: str
+    #: the opening process (SO_PEERCRED, in the agent's pid namespace; 0: not visible there)
+    pid: int
+    opened_at: float
+    sent: int
+    uid: int | None = None
+    #: the level decided for it (None: none yet, its class default applies)
+    level: int | None = None
+    size: int | None = None
+    #: its deadline (wall-clock seconds), the class's default deadline when it gave none
+    deadline: float | None = None
+    consumer_index: int | None = None
+    job: str | None = None
+    request: str | None = None
+    peer: int | None = None
+    dst_node: str | None = None
+    #: flow-table slots of the NCCL connections that carry it (at most MAX_LISTED_SLOTS)
+    slots: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FlowList:
+    """One page of the answer to ``list``."""
+
+    TYPE: ClassVar[str] = "flows"
+    flows: tuple[FlowInfo, ...]
+    more: bool
+    everyone: bool
+
+
+SdkMessage = Open | Progress | Close | JobProgress | ListFlows | Opened | Level | Error | FlowList
+CLIENT_MESSAGES: dict[str, type[Any]] = {
+    m.TYPE: m for m in (Open, Progress, Close, JobProgress, ListFlows)
+}
+AGENT_MESSAGES: dict[str, type[Any]] = {m.TYPE: m for m in (Opened, Level, Error, FlowList)}
+#: carrier slots listed per flow in ``flows`` (a flow's carriers beyond are not named)
+MAX_LISTED_SLOTS = 256
+#: the slot indexes of a table are below 2**24 (flowsched.shm.table)
+_MAX_SLOT = (1 << 24) - 1
 
 # field name -> (kind, low, high); kind in "u" (int range), "f" (finite float >= 0), "s" (text
 # of low..high characters), "n" (a protocol name of at most high characters, see is_name).
@@ -191,13 +247,37 @@ _RULES: dict[str, tuple[str, float, float]] = {
     "code": ("s", 1, MAX_TEXT),
     "reason": ("s", 0, 4096),
     "done": ("b", 0, 1),
+    "after": ("u", 0, U64_MAX),
+    "pid": ("u", 0, 2**31 - 1),
+    "uid": ("u", 0, U32_MAX),
+    "opened_at": ("f", 0, math.inf),
+    "more": ("b", 0, 1),
+    "everyone": ("b", 0, 1),
 }
 
 
 def encode(message: SdkMessage) -> bytes:
     """One complete frame (length prefix included) carrying ``message``."""
-    body = {"t": message.TYPE, **{k: v for k, v in asdict(message).items() if v is not None}}
-    return frame(msgpack.packb(body, use_bin_type=True), MAX_SDK_FRAME)
+    return frame(msgpack.packb(_body(message), use_bin_type=True), MAX_SDK_FRAME)
+
+
+def encoded_size(info: FlowInfo) -> int:
+    """Bytes ``info`` takes in a ``flows`` frame (the agent fills pages up to the frame limit)."""
+    return len(msgpack.packb(_fields(info), use_bin_type=True))
+
+
+def _body(message: SdkMessage) -> dict[str, Any]:
+    if isinstance(message, FlowList):
+        flows = [_fields(info) for info in message.flows]
+        return {"t": message.TYPE, "flows": flows, "more": message.more,
+                "everyone": message.everyone}  # fmt: skip
+    return {"t": message.TYPE, **_fields(message)}
+
+
+def _fields(message: Any) -> dict[str, Any]:
+    """The fields of ``message`` that are set (None and empty slot lists left out)."""
+    values = asdict(message)
+    return {k: list(v) if k == "slots" else v for k, v in values.items() if v not in (None, ())}
 
 
 def decode_body(body: bytes, allowed: dict[str, type[Any]]) -> SdkMessage:
@@ -216,7 +296,8 @@ def decode_body(body: bytes, allowed: dict[str, type[Any]]) -> SdkMessage:
     cls = allowed.get(kind)
     if cls is None:
         raise SdkProtocolError(f"unknown or unexpected message type {kind!r}")
-    return _build(cls, data)
+    message: SdkMessage = _build(cls, data)
+    return message
 
 
 def check_message(message: SdkMessage) -> None:
@@ -227,15 +308,16 @@ def check_message(message: SdkMessage) -> None:
     Raises:
         SdkProtocolError: naming the first bad field (``.field``).
     """
-    values = {f.name: getattr(message, f.name) for f in fields(message)}
-    _build(type(message), {name: v for name, v in values.items() if v is not None})
+    body = _body(message)
+    del body["t"]
+    _build(type(message), body)
 
 
 def _no_ext(code: int, data: bytes) -> object:
     raise SdkProtocolError(f"msgpack extension type {code} is not allowed")
 
 
-def _build(cls: type[Any], data: dict[str, Any]) -> SdkMessage:
+def _build(cls: type[Any], data: dict[str, Any]) -> Any:
     known = {f.name: f for f in fields(cls)}
     for name in data:
         if name not in known:
@@ -243,16 +325,46 @@ def _build(cls: type[Any], data: dict[str, Any]) -> SdkMessage:
     values: dict[str, Any] = {}
     for name, f in known.items():
         if name not in data:
-            if f.default is not None:  # dataclasses.MISSING: required
+            if f.default is MISSING:
                 raise SdkProtocolError(f"{cls.TYPE}.{name}: missing field")
             continue
-        values[name] = _check(cls.TYPE, name, data[name], optional=f.default is None)
-    if cls is Open:
-        _check_class(values["cls"])
-        _check_node(values.get("dst_node"))
-        _check_layer(values["cls"], values.get("consumer_index"))
-    message: SdkMessage = cls(**values)
-    return message
+        if name in _NESTED:
+            values[name] = _NESTED[name](cls.TYPE, data[name])
+        else:
+            values[name] = _check(cls.TYPE, name, data[name], optional=f.default is None)
+    if cls is Open or cls is FlowInfo:
+        _check_class(cls.TYPE, values["cls"])
+        _check_node(cls.TYPE, values.get("dst_node"))
+        _check_layer(cls.TYPE, values["cls"], values.get("consumer_index"))
+    return cls(**values)
+
+
+def _flow_infos(where: str, value: Any) -> tuple[FlowInfo, ...]:
+    if type(value) is not list:
+        raise SdkProtocolError(f"{where}.flows: expected a list of flows", "flows")
+    infos = []
+    for item in value:
+        if type(item) is not dict:
+            raise SdkProtocolError(f"{where}.flows: expected a map for each flow", "flows")
+        infos.append(_build(FlowInfo, item))
+    return tuple(infos)
+
+
+def _slot_list(where: str, value: Any) -> tuple[int, ...]:
+    if (
+        type(value) is not list
+        or len(value) > MAX_LISTED_SLOTS
+        or any(type(v) is not int or not 0 <= v <= _MAX_SLOT for v in value)
+    ):
+        raise SdkProtocolError(
+            f"{where}.slots: expected at most {MAX_LISTED_SLOTS} slot indexes in 0..{_MAX_SLOT}",
+            "slots",
+        )
+    return tuple(value)
+
+
+#: fields that hold lists, with their checks (the others are scalars checked by _RULES)
+_NESTED = {"flows": _flow_infos, "slots": _slot_list}
 
 
 def _check(msg_type: str, name: str, value: Any, *, optional: bool) -> Any:
@@ -290,27 +402,27 @@ def _finite(value: float) -> bool:
         return False
 
 
-def _check_node(node: str | None) -> None:
+def _check_node(where: str, node: str | None) -> None:
     # printable is checked with the other names; a node name with surrounding blanks would
     # make a link id no agent reports
     if node is not None and node != node.strip():
-        raise SdkProtocolError("open.dst_node: expected a printable node name", "dst_node")
+        raise SdkProtocolError(f"{where}.dst_node: expected a printable node name", "dst_node")
 
 
-def _check_layer(label: str, index: int | None) -> None:
+def _check_layer(where: str, label: str, index: int | None) -> None:
     if index is not None and index > MAX_LAYER and FlowClass.parse(label) in LAYER_CLASSES:
         raise SdkProtocolError(
-            f"open.consumer_index: a {label} flow's consumer is a layer: expected an integer "
-            f"in 0..{MAX_LAYER}",
+            f"{where}.consumer_index: a {label} flow's consumer is a layer: expected an "
+            f"integer in 0..{MAX_LAYER}",
             "consumer_index",
         )
 
 
-def _check_class(label: str) -> None:
+def _check_class(where: str, label: str) -> None:
     try:
         FlowClass.parse(label)
     except ValueError as exc:
-        raise SdkProtocolError(f"open.cls: {exc}", "cls") from None
+        raise SdkProtocolError(f"{where}.cls: {exc}", "cls") from None
 
 
 class SdkDecoder:

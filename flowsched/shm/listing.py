@@ -88,6 +88,9 @@ class ConnectionRow:
     process: str
     #: bytes per second between two looks (None: one look only, or the slot was re-claimed)
     rate: float | None = None
+    #: the SDK flow this connection carries, as the agent listed it (None: its own flow, or
+    #: not asked; :func:`flowsched.client.list_flows`)
+    sdk_flow: int | None = None
 
 
 def summarize(

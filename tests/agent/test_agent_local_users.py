@@ -9,17 +9,19 @@ from __future__ import annotations
 import errno
 import grp
 import os
+import select
 import shutil
 import socket
 import stat
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from agent_helpers import wait_until
 
-from flowsched import rundir
+from flowsched import client, rundir
 from flowsched.agent import AgentConfig
 from flowsched.agent.sdk_server import SocketPathError
 from flowsched.agent.threaded import AgentThread
@@ -191,6 +193,61 @@ def test_group_members_can_connect_and_others_cannot(
         assert _as_other_user([other_group.gr_gid], open_a_flow) == 0
         assert _as_other_user([], open_a_flow) == errno.EACCES
         wait_until(lambda: running.agent.sdk is not None and running.agent.sdk.clients_total >= 1)
+
+
+@needs_root
+def test_a_user_lists_its_own_sdk_flows_and_root_lists_everyones(
+    tmp_path: Path,
+    other_group: grp.struct_group,
+    request: pytest.FixtureRequest,
+    fresh_sdk_connections: None,
+) -> None:
+    reachable = Path(tempfile.mkdtemp(prefix="flowsched-group-test-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(reachable, ignore_errors=True))
+    reachable.chmod(0o755)
+    config = _config(tmp_path, reachable / "flowsched", group=other_group.gr_name)
+    opened, go_on = os.pipe(), os.pipe()
+    with AgentThread(config), client.flow("bulk", job="mine", socket_path=config.socket_path):
+
+        def hold_a_flow_and_list() -> None:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(5)
+                sock.connect(config.socket_path)
+                sock.sendall(sdk.encode(sdk.Open(1, "bulk", job="theirs")))
+                decoder = sdk.SdkDecoder("client")
+                decoder.feed(sock.recv(65536))
+                if not isinstance(decoder.next_message(), sdk.Opened):
+                    raise OSError(errno.EPROTO, "no opened")
+                listing = client.list_flows(config.socket_path)
+                if listing.everyone or [(f.job, f.uid) for f in listing.flows] != [
+                    ("theirs", NOBODY)
+                ]:
+                    raise OSError(errno.EPERM, "saw more than its own flows")
+                os.write(opened[1], b"x")
+                os.read(go_on[0], 1)  # holds its flow while root lists
+
+        child = threading.Thread(
+            target=lambda: results.append(
+                _as_other_user([other_group.gr_gid], hold_a_flow_and_list)
+            )
+        )
+        results: list[int] = []
+        child.start()
+        try:
+            ready, _, _ = select.select([opened[0]], [], [], 30)
+            assert ready, "the other user's process never got its flow listed"
+            listing = client.list_flows(config.socket_path)
+            assert listing.everyone
+            assert sorted((f.job, f.uid) for f in listing.flows) == [
+                ("mine", 0),
+                ("theirs", NOBODY),
+            ]
+        finally:
+            os.write(go_on[1], b"x")
+            child.join(30)
+        assert results == [0]
+    for fd in (*opened, *go_on):
+        os.close(fd)
 
 
 # -- the table ----------------------------------------------------------------------------------

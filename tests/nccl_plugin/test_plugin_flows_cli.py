@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from plugin_job import SENDING_JOB, applied, end_job
 from polling import wait_until
 
@@ -63,6 +64,57 @@ def test_flows_lists_a_jobs_connections_with_the_agents_levels_and_their_rates(
                 assert "RATE" not in text
                 busiest = _flows("--interval", "0.3").splitlines()[2]  # header, titles, rows
                 assert busiest.split()[1] == str(pid) and "bit/s" in busiest
+                end_job(job, table)
+        finally:
+            job.kill()
+            job.wait()
+
+
+#: the sending job with an SDK flow of the connections' class open around it: the agent links
+#: the job's param_sync send connections to it
+SDK_JOB = (
+    "from flowsched import client\n"
+    "flow = client.open_flow('param_sync', bytes=1 << 30, job='train')\n"
+    "assert flow.connected\n" + SENDING_JOB
+)
+
+
+def test_flows_lists_the_sdk_flows_and_marks_the_connections_that_carry_them(
+    plugin_env: Path,
+    plugin_lib: Path,
+    local_agent_config: AgentConfig,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FLOWSCHED_SOCKET", local_agent_config.socket_path)
+    with AgentThread(local_agent_config):
+        job = subprocess.Popen(
+            [sys.executable, "-c", SDK_JOB, str(plugin_lib)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "FLOWSCHED_CLASS": "param_sync"},
+            text=True,
+        )
+        try:
+            assert job.stdout is not None
+            pid = int(job.stdout.readline())
+            with FlowTable.open(str(plugin_env)) as table:
+                sending = [s.index for s in table.slots() if s.direction == layout.DIR_SEND]
+                wait_until(lambda: all(applied(table, index) for index in sending))
+                document = json.loads(_flows("--json", "--interval", "0"))
+                [flow] = document["sdk"]["flows"]
+                assert document["sdk"]["everyone"] is True
+                assert document["sdk"]["socket"] == local_agent_config.socket_path
+                assert (flow["pid"], flow["job"], flow["cls"]) == (pid, "train", "param_sync")
+                assert flow["slots"] == sorted(sending) and flow["size"] == 1 << 30
+                carried = {row["slot"]: row["sdk_flow"] for row in document["connections"]}
+                assert {carried[index] for index in sending} == {flow["id"]}
+                assert {v for k, v in carried.items() if k not in sending} == {None}  # recv
+                text = _flows("--interval", "0")
+                assert "1 SDK flows (every user's)" in text and f"sdk {flow['id']}" in text
+                sdk_rows = text.split("SDK flows")[1].splitlines()
+                assert any(line.split()[:2] == [str(flow["id"]), str(pid)] for line in sdk_rows)
+                alone = json.loads(_flows("--json", "--interval", "0", "--no-sdk"))
+                assert alone["sdk"]["problem"] == "not asked (--no-sdk)"
                 end_job(job, table)
         finally:
             job.kill()

@@ -22,6 +22,23 @@ ROUND_TRIP = [
     pytest.param(sdk.Level(99, 0, 46, 6, 1.7e9, 123_456_789), "client", id="level-decided"),
     pytest.param(sdk.Open(3, "kv", dst_node="h2"), "agent", id="open-dst-node"),
     pytest.param(sdk.Error("bad", "why", 4), "client", id="error"),
+    pytest.param(sdk.ListFlows(), "agent", id="list-all"),
+    pytest.param(sdk.ListFlows(2**64 - 1), "agent", id="list-after"),
+    pytest.param(
+        sdk.FlowList(
+            (
+                sdk.FlowInfo(
+                    1, "kv", 42, 1.7e9, 10, 0, 2, 100, 1.7e9 + 1, 3, "j", "r", 1, "h2", (0, 5)
+                ),
+                sdk.FlowInfo(2, "bulk", 0, 0.0, 0),
+            ),
+            more=True,
+            everyone=False,
+        ),
+        "client",
+        id="flows",
+    ),
+    pytest.param(sdk.FlowList((), more=False, everyone=True), "client", id="flows-empty"),
 ]
 
 
@@ -86,6 +103,59 @@ def test_bad_frames_name_the_field(body: dict[str, object], message: str) -> Non
     decoder.feed(_frame(body))
     with pytest.raises(sdk.SdkProtocolError, match=message):
         decoder.next_message()
+
+
+def _listing(*flows: dict[str, object]) -> dict[str, object]:
+    return {"t": "flows", "flows": list(flows), "more": False, "everyone": True}
+
+
+_FLOW = {"id": 1, "cls": "kv", "pid": 7, "opened_at": 1.0, "sent": 0}
+
+BAD_FROM_AGENT = [
+    pytest.param(
+        {"t": "flows", "flows": {}, "more": False, "everyone": True},
+        r"flows\.flows: expected a list",
+        id="flows-not-a-list",
+    ),
+    pytest.param(_listing(7), r"flows\.flows: expected a map", id="flow-not-a-map"),
+    pytest.param({"t": "flows", "flows": []}, r"flows\.more: missing", id="no-more"),
+    pytest.param(_listing({"id": 1}), r"flows\.flows\[\]\.cls: missing", id="flow-no-cls"),
+    pytest.param(_listing({**_FLOW, "pid": -1}), r"flows\.flows\[\]\.pid", id="negative-pid"),
+    pytest.param(_listing({**_FLOW, "cls": "nope"}), r"flows\.flows\[\]\.cls", id="bad-class"),
+    pytest.param(_listing({**_FLOW, "job": "a\nb"}), r"flows\.flows\[\]\.job", id="job-ctrl"),
+    pytest.param(
+        _listing({**_FLOW, "slots": list(range(sdk.MAX_LISTED_SLOTS + 1))}),
+        r"flows\.flows\[\]\.slots: expected at most",
+        id="too-many-slots",
+    ),
+    pytest.param(_listing({**_FLOW, "slots": [-1]}), r"\.slots", id="negative-slot"),
+    pytest.param(_listing({**_FLOW, "slots": 3}), r"\.slots", id="slots-not-a-list"),
+    pytest.param(_listing({**_FLOW, "exe": "x"}), "unknown field 'exe'", id="unknown-flow-field"),
+    pytest.param({"t": "list", "after": 1}, "unexpected message type", id="client-only-type"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_FROM_AGENT)
+def test_bad_agent_frames_name_the_field(body: dict[str, object], message: str) -> None:
+    decoder = sdk.SdkDecoder("client")
+    decoder.feed(_frame(body))
+    with pytest.raises(sdk.SdkProtocolError, match=message):
+        decoder.next_message()
+
+
+def test_a_listing_after_a_negative_id_is_refused() -> None:
+    decoder = sdk.SdkDecoder("agent")
+    decoder.feed(_frame({"t": "list", "after": -1}))
+    with pytest.raises(sdk.SdkProtocolError, match=r"list\.after"):
+        decoder.next_message()
+
+
+def test_encoded_size_is_what_a_flow_adds_to_a_frame() -> None:
+    infos = [sdk.FlowInfo(i, "kv", 1, 2.0, 3, job="j" * 50, slots=(1, 2)) for i in range(5)]
+    empty = len(sdk.encode(sdk.FlowList((), more=False, everyone=True)))
+    full = len(sdk.encode(sdk.FlowList(tuple(infos), more=False, everyone=True)))
+    # msgpack's array header grows by 0 bytes up to 15 items
+    assert full - empty == sum(sdk.encoded_size(info) for info in infos)
 
 
 def test_oversized_frame_is_rejected_from_its_header() -> None:

@@ -1,0 +1,175 @@
+"""``client.list_flows`` (what ``flowsched flows`` shows of the SDK) against a real agent, an
+agent that does not know the request, and one that never answers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from polling import wait_until
+
+from flowsched import client
+from flowsched.agent.threaded import AgentThread
+from flowsched.model import FlowClass
+from flowsched.protocol import sdk
+from flowsched.shm.table import EmulatedPluginSlot, FlowTable
+
+
+def _path(agent: AgentThread) -> str:
+    assert agent.ready is not None
+    return agent.ready.socket
+
+
+def test_a_flow_is_listed_as_it_was_opened_and_leaves_the_list_when_closed(
+    agent: AgentThread,
+) -> None:
+    path = _path(agent)
+    deadline = time.time() + 30
+    with client.flow(
+        "kv", bytes=5000, deadline=deadline, job="serve", request="r1", consumer_step=3,
+        dst_node="h2", socket_path=path,
+    ) as handle:  # fmt: skip
+        handle.progress(1200)
+        registry = agent.agent.registry
+        assert registry is not None
+        wait_until(lambda: registry.flows[handle.id].sent == 1200)  # type: ignore[index]
+        listing = client.list_flows(path)
+        assert listing.path == path and listing.everyone  # this user runs the agent
+        [info] = listing.flows
+        assert (info.id, info.cls, info.pid, info.uid) == (handle.id, "kv", os.getpid(),
+                                                          os.geteuid())  # fmt: skip
+        # names as the application gave them (the agent scopes them to the uid internally)
+        assert (info.job, info.request, info.consumer_index, info.dst_node) == ("serve", "r1", 3,
+                                                                                 "h2")  # fmt: skip
+        assert (info.size, info.sent, info.deadline) == (5000, 1200, deadline)
+        assert info.level in (None, handle.level) and info.slots == ()
+        assert 0 <= time.time() - info.opened_at < 30
+    wait_until(lambda: client.list_flows(path).flows == ())
+
+
+def test_the_class_default_deadline_is_listed_when_the_flow_gave_none(agent: AgentThread) -> None:
+    path = _path(agent)
+    default = agent.agent.view.default_deadline(FlowClass.PARAM_SYNC)
+    with client.flow("param_sync", socket_path=path):
+        [info] = client.list_flows(path).flows
+    if default is None:
+        assert info.deadline is None
+    else:
+        assert info.deadline == pytest.approx(info.opened_at + default)
+
+
+def test_many_flows_come_in_pages_each_once_oldest_first(agent: AgentThread) -> None:
+    path = _path(agent)
+    long_job = "j" * 200  # ~230 bytes a flow: 400 of them take two frames
+    handles = [client.open_flow("bulk", job=long_job, socket_path=path) for _ in range(400)]
+    try:
+        sdk_server = agent.agent.sdk
+        assert sdk_server is not None
+        first = agent.run(lambda: sdk_server.flow_page(os.geteuid(), None))
+        assert first.more and 0 < len(first.flows) < 400
+        listed = client.list_flows(path).flows
+        assert [info.id for info in listed] == sorted(h.id for h in handles)  # type: ignore[type-var]
+    finally:
+        for handle in handles:
+            handle.close()
+
+
+def test_the_connections_that_carry_a_flow_are_named(agent: AgentThread) -> None:
+    assert agent.ready is not None
+    with FlowTable.open(agent.ready.table, writable=True) as table:
+        carrier = EmulatedPluginSlot(table, class_id=int(FlowClass.EXPERIENCE), peer_rank=1)
+        other = EmulatedPluginSlot(table, class_id=int(FlowClass.EXPERIENCE), peer_rank=2)
+        registry = agent.agent.registry
+        assert registry is not None
+        wait_until(lambda: len(registry.slots) == 2)
+        with client.flow("experience", job="rl", peer=1, socket_path=_path(agent)):
+            [info] = client.list_flows(_path(agent)).flows
+            assert info.slots == (carrier.index,) and other.index not in info.slots
+            assert info.peer == 1
+
+
+# -- agents that cannot answer ------------------------------------------------------------------
+
+
+@pytest.fixture
+def fake_agent(tmp_path: Path) -> Iterator[Callable[[Callable[[socket.socket], None]], str]]:
+    """Serve one connection at a socket under ``tmp_path`` with a given behaviour; returns
+    the path. The server thread is joined at the end."""
+    threads: list[threading.Thread] = []
+    listeners: list[socket.socket] = []
+
+    def serve(behaviour: Callable[[socket.socket], None]) -> str:
+        directory = tmp_path / "fake"
+        directory.mkdir(mode=0o700)
+        path = str(directory / "agent.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        listener.settimeout(10)
+        listeners.append(listener)
+
+        def run() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                behaviour(conn)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        threads.append(thread)
+        return path
+
+    yield serve
+    for thread in threads:
+        thread.join(10)
+    for listener in listeners:
+        listener.close()
+
+
+def _answer_unknown_type(conn: socket.socket) -> None:
+    """What an agent of an earlier release does with ``list``: a bad_frame error, then close."""
+    conn.recv(65536)
+    conn.sendall(sdk.encode(sdk.Error("bad_frame", "unknown or unexpected message type 'list'")))
+
+
+def _never_answer(conn: socket.socket) -> None:
+    conn.recv(65536)
+    conn.settimeout(10)
+    conn.recv(65536)  # until the client gives up and closes
+
+
+def _garble(conn: socket.socket) -> None:
+    conn.recv(65536)
+    conn.sendall(b"\x00\x00\x00\x02\xc1\xc1")
+
+
+def test_an_older_agent_is_said_to_be_older(fake_agent) -> None:  # type: ignore[no-untyped-def]
+    path = fake_agent(_answer_unknown_type)
+    with pytest.raises(client.AgentUnavailable, match=r"does not list flows.*older") as caught:
+        client.list_flows(path)
+    assert caught.value.problem == "refused"
+
+
+def test_an_agent_that_never_answers_costs_the_timeout_only(fake_agent) -> None:  # type: ignore[no-untyped-def]
+    path = fake_agent(_never_answer)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        client.list_flows(path, timeout=0.3)
+    assert time.monotonic() - started < 5
+
+
+def test_an_undecodable_answer_is_named(fake_agent) -> None:  # type: ignore[no-untyped-def]
+    path = fake_agent(_garble)
+    with pytest.raises(client.AgentUnavailable, match="sent a bad frame"):
+        client.list_flows(path)
+
+
+def test_no_agent_names_the_path(tmp_path: Path) -> None:
+    path = str(tmp_path / "none" / "agent.sock")
+    with pytest.raises(client.AgentUnavailable, match=f"no flowsched agent at {path}") as caught:
+        client.list_flows(path)
+    assert caught.value.problem == "absent"
