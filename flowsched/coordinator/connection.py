@@ -366,7 +366,7 @@ class AgentConnection:
         self._writer.write(self._conn.challenge())
         await self._next_message()  # auth: the MAC is checked by the Connection
         self._check_certificate_names(hello.node)
-        refusal = self._coordinator.not_leader()
+        refusal = self._coordinator.not_leader(hello.node)
         if refusal is not None:  # a standby: the agent goes to the leader (docs/ha.md)
             raise ConnectionClosed("not_leader", refusal)
         config, coordinator = self._config, self._coordinator

@@ -13,9 +13,10 @@ Every coordinator started with ``--etcd`` is a candidate. The recipe (docs/ha.md
 * leader: keep the lease alive every TTL/4 and give up once a keepalive reports the lease gone
   or no keepalive succeeded for TTL minus a margin (the lease may have expired at etcd);
 * graceful stop revokes the lease: a standby's watch sees the deletion within milliseconds;
-* :meth:`EtcdElection.depose` revokes a dead leader's lease (the standby checked that nothing
-  listens on its address any more): leases are fresh per campaign, so this can only end the
-  leadership it names.
+* :meth:`EtcdElection.depose` revokes a leader's lease when a standby found that nothing
+  listens on its address any more, or that more agents cannot reach it than it serves (it
+  publishes that count: :mod:`flowsched.coordinator.reach`): leases are fresh per campaign, so
+  this can only end the leadership it names.
 
 ``--etcd`` lists every member of the etcd cluster: a request that fails on one member goes to
 the next, and later ones start there; the lease TTL defaults to 10 s then, to outlast a change
@@ -52,6 +53,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from flowsched import tls
+from flowsched.coordinator import reach
 from flowsched.lograte import RepeatLog
 from flowsched.tls import ssl_reason
 
@@ -393,6 +395,8 @@ class EtcdElection:
             else None
         )
         self.key = KEY_PREFIX + name
+        #: where the leader publishes how many agents it serves (flowsched.coordinator.reach)
+        self.reach_key = reach.REACH_PREFIX + name
         self.address = address
         self.ttl = lease_ttl
         self.timeout = request_timeout or min(max(0.2, lease_ttl / KEEPALIVES_PER_TTL), 0.5)
@@ -584,6 +588,22 @@ class EtcdElection:
         with contextlib.suppress(Exception):  # an expired lease is as good as revoked
             self._post("/kv/lease/revoke", {"ID": lease}, role)
 
+    def _publish_reach(self, leadership: Leadership, agents: int) -> None:
+        value = reach.encode_reach(leadership.epoch, agents)
+        body = {"key": _b64(self.reach_key), "value": _b64(value), "lease": leadership.lease}
+        self._post("/kv/put", body, "publish")
+
+    def read_reach(self) -> tuple[int, int] | None:
+        """The leader's published (epoch, agents served), None when none is published (a
+        leader of an earlier release, or none yet). Blocks: run it in a thread."""
+        reply = self._post("/kv/range", {"key": _b64(self.reach_key)}, "once")
+        kvs = reply.get("kvs") or []
+        if not kvs:
+            return None
+        return reach.decode_reach(
+            base64.b64decode(kvs[0].get("value", "")).decode("utf-8", "replace")
+        )
+
     def _keepalive(self, lease: int) -> int:
         reply = self._post("/lease/keepalive", {"ID": lease}, "keepalive")
         return int(reply.get("result", {}).get("TTL", -1))
@@ -703,11 +723,26 @@ class EtcdElection:
                 await self._recheck.wait()
         self._recheck.clear()
 
-    async def hold(self, leadership: Leadership) -> None:
-        """Keep the lease alive; returns once leadership is (or may be) lost."""
+    async def hold(self, leadership: Leadership, agents: Callable[[], int] | None = None) -> None:
+        """Keep the lease alive; returns once leadership is (or may be) lost. ``agents``: how
+        many agents this leader serves, published after each keepalive when it changed."""
         period = self.ttl / KEEPALIVES_PER_TTL
         give_up_after = self.ttl * (1.0 - STEP_DOWN_MARGIN)
         last_good = time.monotonic()
+        publisher = _ReachPublisher(self, leadership, agents)
+        try:
+            await self._keep_alive(leadership, period, give_up_after, last_good, publisher)
+        finally:
+            publisher.stop()
+
+    async def _keep_alive(
+        self,
+        leadership: Leadership,
+        period: float,
+        give_up_after: float,
+        last_good: float,
+        publisher: _ReachPublisher,
+    ) -> None:
         failed = 0
         while True:
             sent = time.monotonic()
@@ -729,6 +764,7 @@ class EtcdElection:
                              "the last one)", self.url, failed, sent - last_good)  # fmt: skip
                 last_good, failed = sent, 0  # the lease runs at least TTL from when this was sent
                 self.renewed_at = sent
+                publisher.maybe_publish()
             elif time.monotonic() - last_good >= give_up_after:
                 log.error(
                     "lost leadership (epoch %d): no keepalive succeeded for %.2f s",
@@ -745,14 +781,18 @@ class EtcdElection:
                 await asyncio.to_thread(self._revoke, leadership.lease)
         log.info("resigned leadership (epoch %d)", leadership.epoch)
 
-    async def depose(self, leader: Leader) -> None:
-        """End ``leader``'s leadership by revoking its lease (its process is gone), then let
-        the campaign re-check at once instead of waiting for the watch."""
-        log.warning(
-            "nothing listens on the leader's address %s any more: revoking its lease "
-            "(epoch %d) instead of waiting up to %d s for it to expire",
-            leader.address, leader.epoch, self.ttl,
-        )  # fmt: skip
+    async def depose(self, leader: Leader, reason: str | None = None) -> None:
+        """End ``leader``'s leadership by revoking its lease, then let the campaign re-check at
+        once instead of waiting for the watch. ``reason``: why (None: its process is gone)."""
+        if reason is None:
+            log.warning(
+                "nothing listens on the leader's address %s any more: revoking its lease "
+                "(epoch %d) instead of waiting up to %d s for it to expire",
+                leader.address, leader.epoch, self.ttl,
+            )  # fmt: skip
+        else:
+            log.warning("deposing the leader at %s (epoch %d): %s", leader.address,
+                        leader.epoch, reason)  # fmt: skip
         with contextlib.suppress(TimeoutError):  # (a client of its own: the campaign may be
             async with asyncio.timeout(self.call_timeout):  # using the others in its thread)
                 await asyncio.to_thread(self._revoke, leader.lease, "once")
@@ -765,6 +805,46 @@ class EtcdElection:
         return str(self.leader.epoch) if self.leader is not None else "-"
 
 
+class _ReachPublisher:
+    """Publishes how many agents the leader serves (:mod:`flowsched.coordinator.reach`), in a
+    task of its own so that a slow put never delays a keepalive; one put at a time, and again
+    after a failed one."""
+
+    def __init__(
+        self, election: EtcdElection, leadership: Leadership, agents: Callable[[], int] | None
+    ) -> None:
+        self._election = election
+        self._leadership = leadership
+        self._agents = agents
+        self._published: int | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def maybe_publish(self) -> None:
+        """Publish the count if it changed since the last put that succeeded."""
+        if self._agents is None or (self._task is not None and not self._task.done()):
+            return
+        count = self._agents()
+        if count != self._published:
+            self._task = asyncio.ensure_future(self._publish(count))
+
+    async def _publish(self, count: int) -> None:
+        election = self._election
+        try:
+            async with asyncio.timeout(election.call_timeout):
+                await asyncio.to_thread(election._publish_reach, self._leadership, count)
+        except Exception as exc:
+            election._repeat.log("publish", logging.WARNING,
+                                 "etcd %s: could not publish the agents served: %s",
+                                 election.failed_url, election.explain(exc))  # fmt: skip
+            return
+        election._repeat.clear_matching("publish")
+        self._published = count
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
 class LeadershipLost(RuntimeError):
     """This coordinator led and may no longer: it must stop deciding (and exits)."""
 
@@ -773,6 +853,9 @@ class LeadershipLost(RuntimeError):
 PROBE_INTERVAL = 0.2
 #: seconds a probe connection to the leader's address may take
 PROBE_TIMEOUT = 0.5
+#: a standby reads the leader's published reach at most this often (while agents that cannot
+#: reach the leader knock)
+REACH_READ_INTERVAL = 1.0
 
 
 def split_address(address: str) -> tuple[str, int] | None:
@@ -808,14 +891,21 @@ class Candidacy:
     address and epoch), and checks at most every :data:`PROBE_INTERVAL` whether the leader's
     address still has a listener: agents knocking here usually means they lost the leader, and
     a refused connection means its process is gone, so the lease is revoked at once instead of
-    running out (docs/ha.md).
+    running out (docs/ha.md). A leader whose process lives but that more agents cannot reach
+    than it serves is deposed too (:mod:`flowsched.coordinator.reach`); ``agents`` says how
+    many this coordinator serves, published while it leads.
     """
 
-    def __init__(self, election: EtcdElection) -> None:
+    def __init__(self, election: EtcdElection, agents: Callable[[], int] | None = None) -> None:
         self.election = election
         self.leadership: Leadership | None = None
         self._last_probe = 0.0
         self._probe: asyncio.Task[None] | None = None
+        #: how many agents this coordinator serves (published while it leads)
+        self._agents = agents
+        #: the agents refused here, to tell those that cannot reach the leader
+        self.knocks = reach.Knocks()
+        self._last_reach_read = -REACH_READ_INTERVAL
 
     @property
     def epoch(self) -> int:
@@ -827,15 +917,25 @@ class Candidacy:
         """The etcd cluster id while leading, else 0."""
         return self.leadership.cluster if self.leadership is not None else 0
 
-    def refusal(self) -> str | None:
-        """None while leading; otherwise the ``not_leader`` reason sent to an agent."""
+    def refusal(self, node: str | None = None) -> str | None:
+        """None while leading; otherwise the ``not_leader`` reason sent to an agent (``node``,
+        when its handshake proved the token: its knock counts, see
+        :mod:`flowsched.coordinator.reach`)."""
         if self.leadership is not None:
             return None
+        if node is not None:
+            self.knocks.note(node, time.monotonic())
         leader = self.election.leader
         if leader is None:
             return "no leader elected yet"
         self._check_leader(leader)
         return f"leader={leader.address} epoch={leader.epoch}"
+
+    def agents_cut_off(self) -> int:
+        """How many nodes cannot reach the leader, as the knocks here tell (0 while leading)."""
+        if self.leadership is not None:
+            return 0
+        return len(self.knocks.cut_off(time.monotonic()))
 
     def _check_leader(self, leader: Leader) -> None:
         if leader.lease == self.election.won_lease:
@@ -855,8 +955,38 @@ class Candidacy:
         # died within one TTL (the address is ours, so nothing else can be listening there)
         gone = leader.address == self.election.address
         gone = gone or await refuses_connections(leader.address)
-        if gone and self.election.leader == leader:  # (unless somebody replaced it meanwhile)
-            await self.election.depose(leader)
+        reason = None if gone else await self._cut_off_from_agents(leader)
+        if (gone or reason is not None) and self.election.leader == leader:
+            # (unless somebody replaced it meanwhile)
+            await self.election.depose(leader, reason)
+
+    async def _cut_off_from_agents(self, leader: Leader) -> str | None:
+        """Why ``leader`` should go because agents cannot reach it, or None: more nodes have
+        kept knocking here than it serves (it publishes how many; one that publishes nothing,
+        an earlier release, is never deposed this way)."""
+        now = time.monotonic()
+        nodes = self.knocks.cut_off(now)
+        if not nodes or now - self._last_reach_read < REACH_READ_INTERVAL:
+            return None
+        self._last_reach_read = now
+        election = self.election
+        try:
+            async with asyncio.timeout(election.call_timeout):
+                published = await asyncio.to_thread(election.read_reach)
+        except Exception as exc:
+            log.debug("etcd %s: reading the leader's reach failed: %s", election.failed_url,
+                      election.explain(exc))  # fmt: skip
+            return None
+        if published is None or published[0] != leader.epoch:
+            return None
+        serves = published[1]
+        if not reach.should_depose(len(nodes), serves):
+            return None
+        named = ", ".join(nodes[:5]) + (f" and {len(nodes) - 5} more" if len(nodes) > 5 else "")
+        return (
+            f"agents that cannot reach it, refused here for {self.knocks.sustained_after:g} s "
+            f"or more: {len(nodes)} ({named}); it serves {serves}"
+        )
 
     async def run(self, stop: Awaitable[object]) -> None:
         """Stand by, lead once elected, until ``stop`` completes (then resign).
@@ -873,7 +1003,8 @@ class Candidacy:
             if not campaign.done():
                 return
             self.leadership = campaign.result()
-            hold = asyncio.ensure_future(self.election.hold(self.leadership))
+            self.knocks.clear()
+            hold = asyncio.ensure_future(self.election.hold(self.leadership, self._agents))
             await asyncio.wait({hold, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not stopping.done():
                 raise LeadershipLost(f"lost leadership (epoch {self.leadership.epoch})")

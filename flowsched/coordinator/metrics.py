@@ -73,6 +73,9 @@ class CoordinatorCollector:
         connected_nodes: returns the nodes with an authenticated connection now: link series
             are exported for their links only (None: for every link the state holds), so that
             the series are bounded by the agents, not by the names anyone ever reported.
+        agents_cut_off: returns how many agents have kept knocking on this standby (refused)
+            long enough to count as unable to reach the leader, 0 while leading, None without
+            an election (no series; see flowsched.coordinator.reach).
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class CoordinatorCollector:
         leadership: Callable[[], tuple[bool, int]] | None = None,
         etcd_failures: Callable[[], Mapping[str, int]] | None = None,
         connected_nodes: Callable[[], Iterable[str]] | None = None,
+        agents_cut_off: Callable[[], int | None] | None = None,
     ) -> None:
         self._state = state
         self._live = live
@@ -90,6 +94,7 @@ class CoordinatorCollector:
         self._leadership = leadership
         self._etcd_failures = etcd_failures
         self._connected_nodes = connected_nodes
+        self._agents_cut_off = agents_cut_off
 
     def collect(self) -> Iterator[Metric]:
         """The metric families (called by the registry on each scrape)."""
@@ -127,6 +132,15 @@ class CoordinatorCollector:
         for member, count in sorted((self._etcd_failures or dict)().items()):
             failures.add_metric([member], count)
         yield failures
+        unreached = self._agents_cut_off() if self._agents_cut_off is not None else None
+        if unreached is not None:
+            cut_off = GaugeMetricFamily(
+                f"{PREFIX}_agents_cut_off_from_leader",
+                "On a standby: agents refused here for 5 s or more, which cannot reach the "
+                "leader (it is deposed when they outnumber the agents it serves).",
+            )
+            cut_off.add_metric([], unreached)
+            yield cut_off
 
     def _active_flows(self) -> Metric:
         family = GaugeMetricFamily(

@@ -137,6 +137,7 @@ class Coordinator:
                 lambda: (self.leading, self.epoch),
                 lambda: self.candidacy.election.failures if self.candidacy is not None else {},
                 lambda: self.sessions.keys(),
+                lambda: self.candidacy.agents_cut_off() if self.candidacy is not None else None,
             )
         )
         register_standard_collectors(self.registry)
@@ -186,9 +187,11 @@ class Coordinator:
         """The fencing token stamped on every message to agents (0 without an election)."""
         return self.candidacy.epoch if self.candidacy is not None else 0
 
-    def not_leader(self) -> str | None:
-        """None while leading; else why an agent is refused (the leader's address, if known)."""
-        return self.candidacy.refusal() if self.candidacy is not None else None
+    def not_leader(self, node: str | None = None) -> str | None:
+        """None while leading; else why an agent is refused (the leader's address, if known).
+        ``node``: the agent's, once its handshake proved the token (a standby counts the
+        nodes that cannot reach the leader: flowsched.coordinator.reach)."""
+        return self.candidacy.refusal(node) if self.candidacy is not None else None
 
     def agent_count(self) -> int:
         """Agents with an established connection now."""
@@ -225,7 +228,9 @@ class Coordinator:
         self._spawn(self._heartbeat_loop())
         if config.etcd is not None:
             advertise = config.advertise or advertised_address(host, port)
-            self.candidacy = Candidacy(EtcdElection.from_config(config, advertise))
+            self.candidacy = Candidacy(
+                EtcdElection.from_config(config, advertise), self.agent_count
+            )
             warning = short_lease_warning(config)
             if warning is not None:
                 log.warning("%s", warning)

@@ -327,3 +327,79 @@ def test_the_lease_ttl_outlasts_an_etcd_leader_change_with_several_members(
     assert (warning is not None) == warned
     if warning is not None:
         assert warning.startswith(f"--lease-ttl {given} with 3 etcd members")
+
+
+async def _leader_serving(
+    etcd_url: str, serves: int | None
+) -> tuple[EtcdElection, asyncio.Future[None], asyncio.base_events.Server]:
+    """A leader whose process lives (its address has a listener) and that publishes that it
+    serves ``serves`` agents (None: publishes nothing, as an earlier release)."""
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    leader = EtcdElection(etcd_url, "t", f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    won = await leader.campaign()
+    counting = None if serves is None else (lambda: serves)
+    holding = asyncio.ensure_future(leader.hold(won, counting))
+    if serves is not None:
+        await wait_until(lambda: leader.read_reach() == (won.epoch, serves), 5, "the reach", 0.1)
+    return leader, holding, server
+
+
+async def _knock_until(standby: Candidacy, nodes: list[str], seconds: float) -> None:
+    """``nodes`` knock on ``standby`` (refused each time) every 0.1 s for ``seconds``, or until
+    it leads."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and standby.leadership is None:
+        for node in nodes:
+            standby.refusal(node)
+        await asyncio.sleep(0.1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("serves", "knocking", "deposed"),
+    [
+        pytest.param(0, ["n1"], True, id="serves-none"),
+        pytest.param(1, ["n1", "n2"], True, id="serves-fewer"),
+        pytest.param(2, ["n1", "n2"], False, id="serves-as-many"),
+        pytest.param(None, ["n1", "n2"], False, id="publishes-nothing"),
+    ],
+)
+async def test_a_standby_deposes_a_live_leader_that_fewer_agents_reach(
+    etcd_url: str, serves: int | None, knocking: list[str], deposed: bool
+) -> None:
+    _, holding, server = await _leader_serving(etcd_url, serves)
+    standby = Candidacy(EtcdElection(etcd_url, "t", "127.0.0.1:2"))
+    standby.knocks.sustained_after = 0.5
+    never = asyncio.get_running_loop().create_future()
+    running = asyncio.ensure_future(standby.run(never))
+    try:
+        await wait_until(lambda: standby.election.leader is not None, 5, "the standby")
+        await _knock_until(standby, knocking, 3.0)
+        assert (standby.leadership is not None) is deposed
+        if deposed:
+            await asyncio.wait_for(holding, 5)  # the old leader finds its lease gone
+            assert standby.agents_cut_off() == 0  # it leads
+        else:
+            assert not holding.done()
+            assert standby.agents_cut_off() == len(knocking)  # flowsched_coordinator_agents_...
+    finally:
+        never.set_result(None)
+        await asyncio.wait_for(running, 5)
+        holding.cancel()
+        server.close()
+
+
+@pytest.mark.asyncio
+async def test_the_leader_publishes_the_agents_it_serves_as_they_change(etcd_url: str) -> None:
+    serving = [0]
+    leader = EtcdElection(etcd_url, "t", "127.0.0.1:1")
+    won = await leader.campaign()
+    holding = asyncio.ensure_future(leader.hold(won, lambda: serving[0]))
+    try:
+        await wait_until(lambda: leader.read_reach() == (won.epoch, 0), 5, "the first count", 0.1)
+        serving[0] = 7
+        await wait_until(lambda: leader.read_reach() == (won.epoch, 7), 5, "the new count", 0.1)
+    finally:
+        holding.cancel()
+        await leader.resign(won)
+    assert leader.read_reach() is None  # on the leader's lease: gone with it

@@ -42,7 +42,7 @@ class SetLeadership:
     def cluster(self) -> int:
         return CLUSTER if self.leadership is not None else 0
 
-    def refusal(self) -> str | None:
+    def refusal(self, node: str | None = None) -> str | None:
         if self.leadership is not None:
             return None
         return self.redirect or "no leader elected yet"

@@ -7,7 +7,8 @@ flow table from their resyncs); the graceful handover time. Checked: every byte 
 (byte-exact, verified by the receiver), the epoch only grows, never two coordinators claim
 leadership at one time, the killed leader's successor sends with the higher epoch. A paused
 (SIGSTOP) leader is replaced once its lease expires and, resumed, exits without the agent ever
-following it again.
+following it again. A live leader that the agents cannot reach (its address, as they see it,
+takes connections and never answers) is deposed by the standby they reach.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -22,6 +24,7 @@ import pytest
 from ha_helpers import (
     Daemon,
     emulated_plugin,
+    leads,
     start_agent,
     start_coordinator,
     total,
@@ -203,3 +206,42 @@ def test_a_paused_leader_is_replaced_and_exits_when_it_resumes(
             if daemon.proc.poll() is None:
                 daemon.proc.send_signal(signal.SIGCONT)
             daemon.stop()
+
+
+def test_a_live_leader_the_agents_cannot_reach_is_deposed_by_the_standby_they_reach(
+    tmp_path: Path, etcd_url: str
+) -> None:
+    token = tmp_path / "token"
+    write_token(token)
+    started: list[Daemon] = []
+    # the leader's address as the agent sees it: connections are taken (by the kernel) and
+    # never answered, as through a path that drops everything after the SYN; etcd reaches
+    # the leader all along, so its lease lives
+    with socket.socket() as tarpit:
+        tarpit.bind(("127.0.0.1", 0))
+        tarpit.listen(64)
+        unreachable = f"127.0.0.1:{tarpit.getsockname()[1]}"
+        try:
+            leader = start_coordinator(tmp_path, token, etcd_url, "c0", "--advertise", unreachable)
+            started.append(leader)
+            wait_for(lambda: leads(leader), DEADLINE, "c0 to lead")
+            standby = start_coordinator(tmp_path, token, etcd_url, "c1")
+            started.append(standby)
+            agent = start_agent(tmp_path, token, [standby], "n0")  # knows the standby alone
+            started.append(agent)
+            begun = time.monotonic()
+            wait_for(
+                lambda: total(standby.metrics(), "flowsched_coordinator_agents_connected") == 1,
+                60, "the agent on the standby, leading",
+            )  # fmt: skip
+            took = time.monotonic() - begun
+            assert leads(standby)
+            assert total(standby.metrics(), "flowsched_coordinator_agents_cut_off_from_leader") == 0
+            assert leader.proc.wait(timeout=DEADLINE) == 1  # it found its lease gone and exited
+            said = (tmp_path / "c1.log").read_text()
+            assert f"deposing the leader at {unreachable}" in said
+            assert "cannot reach it, refused here for 5 s or more: 1 (n0); it serves 0" in said
+            print(f"\nleader cut off from the agent: under the standby after {took:.2f} s")
+        finally:
+            for daemon in reversed(started):
+                daemon.stop()

@@ -1,0 +1,81 @@
+"""A standby's count of the agents that cannot reach the leader, and when it deposes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flowsched.coordinator.reach import Knocks, decode_reach, encode_reach, should_depose
+
+
+def _knocks(times: dict[str, list[float]]) -> Knocks:
+    knocks = Knocks(sustained_after=5.0, gap=10.0)
+    for at, node in sorted((t, node) for node, ts in times.items() for t in ts):
+        knocks.note(node, at)
+    return knocks
+
+
+@pytest.mark.parametrize(
+    ("times", "now", "cut_off"),
+    [
+        pytest.param({"a": [0.0]}, 0.0, [], id="one-knock"),
+        pytest.param({"a": [0.0, 3.0, 6.0]}, 6.0, ["a"], id="kept-knocking"),
+        pytest.param({"a": [0.0, 3.0]}, 4.9, [], id="not-long-enough"),
+        pytest.param({"a": [0.0]}, 5.0, ["a"], id="sustained-by-time-alone"),
+        pytest.param({"a": [0.0, 3.0]}, 13.1, [], id="stopped-knocking"),
+        pytest.param({"a": [0.0, 11.0, 14.0]}, 14.0, [], id="gap-restarts-the-streak"),
+        pytest.param({"a": [0.0, 11.0, 16.0]}, 16.0, ["a"], id="new-streak-sustained"),
+        pytest.param({"b": [0.0, 6.0], "a": [1.0, 6.0], "c": [5.0]}, 6.0, ["a", "b"], id="sorted"),
+    ],
+)
+def test_cut_off_nodes(times: dict[str, list[float]], now: float, cut_off: list[str]) -> None:
+    assert _knocks(times).cut_off(now) == cut_off
+
+
+def test_tracked_nodes_are_bounded_and_ended_streaks_make_room() -> None:
+    knocks = Knocks(sustained_after=1.0, gap=10.0, limit=2)
+    knocks.note("a", 0.0)
+    knocks.note("b", 0.0)
+    knocks.note("c", 1.0)  # over the limit: not counted
+    assert knocks.cut_off(1.0) == ["a", "b"]
+    knocks.note("a", 5.0)  # a known node's streak goes on
+    knocks.note("c", 10.5)  # b's streak ended (last 0.0): room for c
+    knocks.note("c", 12.0)
+    assert knocks.cut_off(12.0) == ["a", "c"]
+
+
+def test_clear_forgets_every_streak() -> None:
+    knocks = _knocks({"a": [0.0, 6.0]})
+    knocks.clear()
+    assert knocks.cut_off(6.0) == []
+
+
+@pytest.mark.parametrize(
+    ("cut_off", "serves", "depose"),
+    [(1, 0, True), (3, 2, True), (2, 2, False), (2, 3, False), (0, 0, False)],
+)
+def test_only_strictly_more_cut_off_agents_depose(cut_off: int, serves: int, depose: bool) -> None:
+    assert should_depose(cut_off, serves) is depose
+
+
+@given(st.integers(1, 2**62), st.integers(0, 2**31))
+def test_reach_round_trips(epoch: int, agents: int) -> None:
+    assert decode_reach(encode_reach(epoch, agents)) == (epoch, agents)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "[]",
+        "not json",
+        '{"epoch": 1}',
+        '{"epoch": 0, "agents": 1}',
+        '{"epoch": 1, "agents": -1}',
+        '{"epoch": true, "agents": 1}',
+        '{"epoch": 1, "agents": 1.5}',
+    ],
+)
+def test_what_is_not_a_reach_reads_as_none(text: str) -> None:
+    assert decode_reach(text) is None
