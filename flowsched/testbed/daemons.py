@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,11 +60,13 @@ def spawn(
     timeout: float = 30.0,
     fd_limit: int | None = None,
     cwd: Path | None = None,
+    wrapper: Sequence[str] = (),
 ) -> Daemon:
     """Start ``python -m flowsched ARGS`` (stderr appended to ``log``; ``fd_limit``: its soft
     and hard open-file limit; ``cwd``: its working directory, whose ``flowsched`` package, if
-    it has one, is the one it runs) and wait for a stdout line matching ``pattern``;
-    AssertionError with the log's tail when it exits or ``timeout`` passes first."""
+    it has one, is the one it runs; ``wrapper``: a command that execs it, such as ``ip netns
+    exec NS``) and wait for a stdout line matching ``pattern``; AssertionError with the log's
+    tail when it exits or ``timeout`` passes first."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
 
     def limit_fds() -> None:  # in the child: soft and hard open-file limit
@@ -73,7 +75,7 @@ def spawn(
 
     with log.open("a") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "flowsched", *args],
+            [*wrapper, sys.executable, "-m", "flowsched", *args],
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,
