@@ -94,6 +94,9 @@ class SdkServer:
         self._first_level: dict[int, asyncio.Future[int]] = {}
         #: each open SDK flow's opener (pid, uid) and its open request, for ``list``
         self._opened: dict[int, tuple[int, int | None, sdk.Open]] = {}
+        #: the ids in ``_opened`` per uid (opening order): a user's ``list`` walks its own
+        #: flows only, not every user's on the node
+        self._opened_of: dict[int | None, dict[int, None]] = {}
         #: opens waiting for the coordinator's first level before they are answered
         self._answering: set[asyncio.Future[None]] = set()
         #: the handler task of each client connection (close() waits for them to end)
@@ -331,7 +334,7 @@ class SdkServer:
         now = time.time()
         for flow_id in owned:
             self._owner.pop(flow_id, None)
-            self._opened.pop(flow_id, None)
+            self._forget_opened(flow_id, uid)
             self._count_flow(uid, -1)
             if registry is not None:
                 for slot in registry.close_sdk(flow_id, key, None, now):
@@ -364,7 +367,7 @@ class SdkServer:
         elif isinstance(message, sdk.Close) and message.id in owned:
             owned.discard(message.id)
             self._owner.pop(message.id, None)
-            self._opened.pop(message.id, None)
+            self._forget_opened(message.id, uid)
             self._count_flow(uid, -1)
             for slot in registry.close_sdk(message.id, key, message.sent, time.time()):
                 self.agent.write_slot(slot)
@@ -374,8 +377,18 @@ class SdkServer:
             self.agent.job_progress(
                 message.job, message.step, message.layer, owner=uid, done=bool(message.done)
             )
-        elif isinstance(message, sdk.ListFlows):
+        elif isinstance(message, sdk.ListFlows) and not writer.is_closing():
+            # (a client that sends many and reads none is dropped at MAX_CLIENT_BACKLOG: the
+            # rest of what it sent costs nothing)
             self._write(writer, self.flow_page(uid, message.after))
+
+    def _forget_opened(self, flow_id: int, uid: int | None) -> None:
+        self._opened.pop(flow_id, None)
+        own = self._opened_of.get(uid)
+        if own is not None:
+            own.pop(flow_id, None)
+            if not own:
+                del self._opened_of[uid]
 
     def flow_page(self, uid: int | None, after: int | None) -> sdk.FlowList:
         """The open SDK flows with ids above ``after`` that ``uid`` may see, oldest first, as
@@ -385,11 +398,14 @@ class SdkServer:
         everyone = uid == 0 or uid == os.geteuid()
         budget = sdk.MAX_SDK_FRAME - 1024  # the frame's own fields and length prefix
         page: list[sdk.FlowInfo] = []
-        for flow_id in self._opened:  # opening order, which is id order (ids only grow)
+        # opening order, which is id order (ids only grow); another user's flows are never
+        # looked at for a user who may not see them
+        ids = self._opened if everyone else self._opened_of.get(uid, {})
+        for flow_id in ids:
             if after is not None and flow_id <= after:
                 continue
             info = self._flow_info(flow_id)
-            if info is None or not (everyone or info.uid == uid):
+            if info is None:
                 continue
             budget -= sdk.encoded_size(info)
             if budget < 0:
@@ -444,6 +460,7 @@ class SdkServer:
         flow, linked = self._register(message, *cred)
         owned.add(flow.flow_id)
         self._opened[flow.flow_id] = (pid, uid, message)
+        self._opened_of.setdefault(uid, {})[flow.flow_id] = None
         self._count_flow(uid, 1)
         self.agent.admit_now()
         for key in linked:

@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+import timeit
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -173,3 +174,42 @@ def test_no_agent_names_the_path(tmp_path: Path) -> None:
     with pytest.raises(client.AgentUnavailable, match=f"no flowsched agent at {path}") as caught:
         client.list_flows(path)
     assert caught.value.problem == "absent"
+
+
+def _open_many(path: str, count: int, job: str) -> socket.socket:
+    """A connection holding ``count`` flows, opened at once (their answers left unread)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    sock.sendall(b"".join(sdk.encode(sdk.Open(i, "bulk", job=job)) for i in range(count)))
+    return sock
+
+
+def test_a_user_who_may_not_see_the_others_flows_does_not_walk_them(agent: AgentThread) -> None:
+    registry, sdk_server = agent.agent.registry, agent.agent.sdk
+    assert registry is not None and sdk_server is not None
+    with _open_many(_path(agent), 2000, "mine"):
+        wait_until(lambda: len(registry.sdk) == 2000)
+        other = os.geteuid() + 12345  # neither root nor the agent's user
+        assert agent.run(lambda: sdk_server.flow_page(other, None)).flows == ()
+        # each page looks at the asker's own flows only: 2,000 asks of a user with none cost
+        # next to nothing (walking the node's 2,000 flows each time took seconds)
+        took = agent.run(
+            lambda: timeit.timeit(lambda: sdk_server.flow_page(other, None), number=2000)
+        )
+        assert took < 1.0
+
+
+def test_list_requests_of_a_client_that_reads_nothing_stop_costing_once_it_is_dropped(
+    agent: AgentThread,
+) -> None:
+    sdk_server = agent.agent.sdk
+    assert sdk_server is not None
+    asks = 5000
+    with _open_many(_path(agent), 300, "j" * 200) as sock:  # a page is a whole 64 KiB frame
+        wait_until(lambda: sdk_server.requests["open"] == 300)
+        started = time.monotonic()
+        sock.sendall(sdk.encode(sdk.ListFlows()) * asks)
+        wait_until(lambda: sdk_server.requests["list"] == asks, timeout=60)
+        # the agent dropped it after about 16 pages (MAX_CLIENT_BACKLOG): the other asks are
+        # not answered, so not computed (each took milliseconds: 5,000 held the agent ~10 s)
+        assert time.monotonic() - started < 3.0
