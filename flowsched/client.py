@@ -748,13 +748,32 @@ def _ask_pages(
     flows: list[sdk.FlowInfo] = []
     after: int | None = None
     while True:
-        sock.settimeout(max(deadline - time.monotonic(), 0.001))
-        sock.sendall(sdk.encode(sdk.ListFlows(after)))
-        page = _next_answer(sock, decoder, path, deadline)
+        try:
+            sock.settimeout(max(deadline - time.monotonic(), 0.001))
+            sock.sendall(sdk.encode(sdk.ListFlows(after)))
+            page = _next_answer(sock, decoder, path, deadline)
+        except (TimeoutError, AgentUnavailable):
+            raise
+        except OSError as exc:  # it closed the connection first (a refused one, say)
+            said = _last_word(sock, decoder)
+            why = f"{said.code}: {said.reason}" if said is not None else exc.strerror or exc
+            raise AgentUnavailable(
+                f"the flowsched agent at {path} closed the connection ({why})", "refused"
+            ) from None
         flows.extend(page.flows)
         if not page.more or not page.flows:
             return tuple(flows), page.everyone
         after = page.flows[-1].id
+
+
+def _last_word(sock: socket.socket, decoder: sdk.SdkDecoder) -> sdk.Error | None:
+    """The error frame an agent sent before it closed the connection, if it sent one."""
+    with contextlib.suppress(OSError, sdk.SdkProtocolError):
+        decoder.feed(sock.recv(65536, socket.MSG_DONTWAIT))
+        while (message := decoder.next_message()) is not None:
+            if isinstance(message, sdk.Error):
+                return message
+    return None
 
 
 def _next_answer(
@@ -769,10 +788,16 @@ def _next_answer(
             ) from None
         if isinstance(message, sdk.FlowList):
             return message
-        if isinstance(message, sdk.Error):  # an agent of an earlier release: unknown type
+        if isinstance(message, sdk.Error) and message.code == "bad_frame":
+            # an agent of an earlier release: the type is unknown to it
             raise AgentUnavailable(
                 f"the flowsched agent at {path} does not list flows ({message.code}: "
                 f"{message.reason}); it may be older than this client",
+                "refused",
+            )
+        if isinstance(message, sdk.Error):  # too_many_connections, say: what it said
+            raise AgentUnavailable(
+                f"the flowsched agent at {path} refused: {message.code}: {message.reason}",
                 "refused",
             )
         if message is not None:

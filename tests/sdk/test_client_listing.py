@@ -4,6 +4,7 @@ agent that does not know the request, and one that never answers."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import threading
 import time
@@ -213,3 +214,33 @@ def test_list_requests_of_a_client_that_reads_nothing_stop_costing_once_it_is_dr
         # the agent dropped it after about 16 pages (MAX_CLIENT_BACKLOG): the other asks are
         # not answered, so not computed (each took milliseconds: 5,000 held the agent ~10 s)
         assert time.monotonic() - started < 3.0
+
+
+def _refuse_at_once(conn: socket.socket) -> None:
+    """What the agent does at its connection caps: an error frame, then close, before the
+    client's request is read (the client may find the connection closed as it sends)."""
+    conn.sendall(
+        sdk.encode(sdk.Error("too_many_connections", "at most 256 SDK connections per user"))
+    )
+
+
+def test_a_refused_connection_says_what_the_agent_said(fake_agent) -> None:  # type: ignore[no-untyped-def]
+    path = fake_agent(_refuse_at_once)
+    with pytest.raises(client.AgentUnavailable) as caught:
+        client.list_flows(path)
+    assert caught.value.problem == "refused"
+    assert "older" not in str(caught.value)
+    assert re.search(r"too_many_connections|closed the connection", str(caught.value))
+
+
+def test_a_connection_closed_before_the_request_is_sent_is_an_unavailable_agent(
+    fake_agent,  # type: ignore[no-untyped-def]
+) -> None:
+    closed = threading.Event()
+    path = fake_agent(lambda conn: closed.set())  # accepted, then closed unread
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    assert closed.wait(10)
+    time.sleep(0.05)  # the server's end is closed now
+    with sock, pytest.raises(client.AgentUnavailable, match="closed the connection"):
+        client._ask_pages(sock, path, time.monotonic() + 2)
