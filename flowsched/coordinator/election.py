@@ -905,6 +905,10 @@ class Candidacy:
         self._agents = agents
         #: the agents refused here, to tell those that cannot reach the leader
         self.knocks = reach.Knocks()
+        #: the epoch of the leader the knocks were refused toward: knocks are evidence against
+        #: that leader only (those of a leaderless spell, or toward its predecessor, say nothing
+        #: of a successor that the agents are still reaching)
+        self._knocks_epoch = 0
         self._last_reach_read = -REACH_READ_INTERVAL
 
     @property
@@ -923,17 +927,21 @@ class Candidacy:
         :mod:`flowsched.coordinator.reach`)."""
         if self.leadership is not None:
             return None
-        if node is not None:
-            self.knocks.note(node, time.monotonic())
         leader = self.election.leader
         if leader is None:
             return "no leader elected yet"
+        if node is not None:
+            if leader.epoch != self._knocks_epoch:
+                self.knocks.clear()
+                self._knocks_epoch = leader.epoch
+            self.knocks.note(node, time.monotonic())
         self._check_leader(leader)
         return f"leader={leader.address} epoch={leader.epoch}"
 
     def agents_cut_off(self) -> int:
         """How many nodes cannot reach the leader, as the knocks here tell (0 while leading)."""
-        if self.leadership is not None:
+        leader = self.election.leader
+        if self.leadership is not None or leader is None or leader.epoch != self._knocks_epoch:
             return 0
         return len(self.knocks.cut_off(time.monotonic()))
 
@@ -964,6 +972,8 @@ class Candidacy:
         """Why ``leader`` should go because agents cannot reach it, or None: more nodes have
         kept knocking here than it serves (it publishes how many; one that publishes nothing,
         an earlier release, is never deposed this way)."""
+        if leader.epoch != self._knocks_epoch:
+            return None  # knocks toward another leader
         now = time.monotonic()
         nodes = self.knocks.cut_off(now)
         if not nodes or now - self._last_reach_read < REACH_READ_INTERVAL:

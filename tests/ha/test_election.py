@@ -403,3 +403,36 @@ async def test_the_leader_publishes_the_agents_it_serves_as_they_change(etcd_url
         holding.cancel()
         await leader.resign(won)
     assert leader.read_reach() is None  # on the leader's lease: gone with it
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("before", ["no-leader", "previous-leader"])
+async def test_knocks_toward_no_leader_or_its_predecessor_do_not_depose_a_new_leader(
+    etcd_url: str, before: str
+) -> None:
+    """A third coordinator saw every agent knock during a leaderless spell (or while the
+    previous leader's host was dead and its lease alive); a fresh leader that serves only some
+    of them yet is not deposed when a straggler knocks."""
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    standby = Candidacy(EtcdElection(etcd_url, "t", "127.0.0.1:2"))
+    standby.knocks.sustained_after = 0.5
+    previous = EtcdElection(etcd_url, "t", address)
+    old = await previous.campaign() if before == "previous-leader" else None
+    standby.election.leader = previous.leader  # what the standby's watch would say
+    await _knock_until(standby, ["n1", "n2", "n3"], 1.0)
+    if old is not None:
+        await previous.resign(old)
+    successor = EtcdElection(etcd_url, "t", address)
+    won = await successor.campaign()
+    holding = asyncio.ensure_future(successor.hold(won, lambda: 1))  # one agent back so far
+    try:
+        await wait_until(lambda: successor.read_reach() == (won.epoch, 1), 5, "the reach", 0.1)
+        standby.election.leader = successor.leader
+        await _knock_until(standby, ["n3"], 2.0)  # a straggler, redirected to the successor
+        assert not holding.done(), "deposed on knocks toward another leader"
+        assert standby.agents_cut_off() == 1  # the straggler's streak is the successor's
+    finally:
+        holding.cancel()
+        await successor.resign(won)
+        server.close()
