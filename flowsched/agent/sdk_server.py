@@ -491,8 +491,10 @@ class SdkServer:
         opened = sdk.Opened(message.ref, flow.flow_id, level, mark.dscp, mark.so_priority, tc)
         self._write(writer, opened)
         # level pushes start only now: one sent before ``opened`` named a flow id the client
-        # did not know yet (and was dropped); ``opened`` carries every level decided so far
-        if not writer.is_closing():
+        # did not know yet (and was dropped); ``opened`` carries every level decided so far.
+        # Not for a flow closed while its answer waited (its id can be listed, or guessed):
+        # nothing would take the entry out again
+        if not writer.is_closing() and flow.flow_id in self._opened:
             self._owner[flow.flow_id] = writer
 
     def _register(self, message: sdk.Open, key: int, uid: int | None) -> tuple[Flow, list[SlotKey]]:

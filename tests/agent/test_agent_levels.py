@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 from agent_helpers import wait_until
@@ -244,6 +244,33 @@ def test_an_open_waiting_for_its_first_level_does_not_hold_up_the_connection(
             decoder.feed(sock.recv(65536))
             first = decoder.next_message()
         assert isinstance(first, sdk.Error) and first.ref == 2, first
+
+
+def _next_of(sock: socket.socket, decoder: sdk.SdkDecoder, kind: type[Any]) -> Any:
+    while True:
+        while (message := decoder.next_message()) is not None:
+            if isinstance(message, kind):
+                return message
+        decoder.feed(sock.recv(65536))
+
+
+def test_a_flow_closed_while_its_open_waits_for_its_level_keeps_no_level_pushes(
+    tmp_path: Path,
+) -> None:
+    """A client that learned its flow's id before the answer (``list`` names it) and closed it
+    meanwhile: the late answer must not register the connection for that flow's level pushes
+    (the entry would outlive the flow and the connection, one per such open)."""
+    with _stalled_coordinator(tmp_path, first_level_wait=0.5) as running:
+        sdk_server = running.agent.sdk
+        assert sdk_server is not None
+        with _sdk_socket(running) as sock:
+            decoder = sdk.SdkDecoder("client")
+            sock.sendall(_open_kv(1) + sdk.encode(sdk.ListFlows()))
+            (info,) = _next_of(sock, decoder, sdk.FlowList).flows
+            assert info.level is None  # still waiting for the coordinator's level
+            sock.sendall(sdk.encode(sdk.Close(info.id, 0)))
+            assert _next_of(sock, decoder, sdk.Opened).id == info.id
+            assert not running.run(lambda: info.id in sdk_server._owner)
 
 
 class RecordingPolicy(ProgressPolicy):
