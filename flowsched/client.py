@@ -43,7 +43,6 @@ import itertools
 import logging
 import os
 import socket
-import struct
 import threading
 import time
 from collections import deque
@@ -729,8 +728,11 @@ def list_flows(socket_path: str | None = None, *, timeout: float = OPEN_TIMEOUT)
     deadline = time.monotonic() + timeout
     failures = []
     for path in places:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no flowsched agent listed its flows within {timeout:g} s")
         try:
-            sock = _connect_trusted(path, timeout)
+            sock = _connect_trusted(path, left)
         except AgentUnavailable as exc:
             failures.append(exc)
             continue
@@ -822,11 +824,8 @@ def _own_pid_namespace() -> int | None:
 
 def _peer_uid(sock: socket.socket) -> int | None:
     """The uid of the process at the other end of a unix socket (SO_PEERCRED), or None."""
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except OSError:
-        return None
-    return int(struct.unpack("3i", raw)[1])
+    credentials = rundir.peer_credentials(sock)
+    return None if credentials is None else credentials[1]
 
 
 #: socket path -> its connection; None: the default path's (see AgentConnection)

@@ -14,7 +14,9 @@ in ``docs/security.md``.
 from __future__ import annotations
 
 import os
+import socket
 import stat
+import struct
 
 ROOT_DIR = "/run/flowsched"
 #: names one more uid (a number) whose agent clients trust, besides root and their own
@@ -146,3 +148,19 @@ def _check_dir(path: str, info: os.stat_result, owners: frozenset[int] | None = 
             f"{path} is writable by group or others (mode {mode:04o}): another user could swap "
             f"the socket or the table in it; run: chmod go-w {path}"
         )
+
+
+#: struct ucred: pid_t (signed), uid_t and gid_t (unsigned: a uid of 2**31 or more is no
+#: negative number)
+_UCRED = "iII"
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int] | None:
+    """(pid, uid) of the process at the other end of a unix socket (``SO_PEERCRED``), or None
+    when the kernel does not say."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(_UCRED))
+    except OSError:
+        return None
+    pid, uid, _ = struct.unpack(_UCRED, raw)
+    return pid, uid

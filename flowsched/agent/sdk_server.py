@@ -25,7 +25,6 @@ import logging
 import os
 import socket
 import stat
-import struct
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
@@ -63,6 +62,11 @@ FD_RESERVE = 128
 IDLE_TIMEOUT = 300.0
 #: seconds :meth:`SdkServer.close` waits for the aborted connections' handlers to end
 CLOSE_TIMEOUT = 1.0
+#: ``list`` pages per second a user who sees only its own flows may ask for, all of its
+#: connections together, and the burst it may spend at once (a page of 4,096 flows, the most
+#: a user may hold, takes about 60): each page costs the agent's loop up to ~3 ms
+LIST_PAGES_PER_SECOND = 50.0
+LIST_BURST = 100.0
 
 
 class SocketPathError(RuntimeError):
@@ -97,6 +101,8 @@ class SdkServer:
         #: the ids in ``_opened`` per uid (opening order): a user's ``list`` walks its own
         #: flows only, not every user's on the node
         self._opened_of: dict[int | None, dict[int, None]] = {}
+        #: per uid: the ``list`` pages it may still ask for now, and when that was counted
+        self._list_budget: dict[int | None, tuple[float, float]] = {}
         #: opens waiting for the coordinator's first level before they are answered
         self._answering: set[asyncio.Future[None]] = set()
         #: the handler task of each client connection (close() waits for them to end)
@@ -380,7 +386,25 @@ class SdkServer:
         elif isinstance(message, sdk.ListFlows) and not writer.is_closing():
             # (a client that sends many and reads none is dropped at MAX_CLIENT_BACKLOG: the
             # rest of what it sent costs nothing)
-            self._write(writer, self.flow_page(uid, message.after))
+            if self._may_list(uid):
+                self._write(writer, self.flow_page(uid, message.after))
+            else:
+                reason = f"at most {LIST_PAGES_PER_SECOND:g} flow listing pages a second per user"
+                self._write(writer, sdk.Error("too_many_requests", reason))
+
+    def _may_list(self, uid: int | None) -> bool:
+        """Whether ``uid`` may have one more ``list`` page now (a token bucket per uid; root
+        and the agent's own user, who may stop the agent anyway, are not limited)."""
+        if uid == 0 or uid == os.geteuid():
+            return True
+        now = time.monotonic()
+        tokens, since = self._list_budget.get(uid, (LIST_BURST, now))
+        tokens = min(LIST_BURST, tokens + (now - since) * LIST_PAGES_PER_SECOND)
+        if tokens < 1.0:
+            self._list_budget[uid] = (tokens, now)
+            return False
+        self._list_budget[uid] = (tokens - 1.0, now)
+        return True
 
     def _forget_opened(self, flow_id: int, uid: int | None) -> None:
         self._opened.pop(flow_id, None)
@@ -420,7 +444,7 @@ class SdkServer:
         if flow is None or record is None:
             return None
         pid, uid, asked = self._opened[flow_id]
-        slots = sorted(index for index, _ in record.slots)[: sdk.MAX_LISTED_SLOTS]
+        slots = sorted(record.slots)[: sdk.MAX_LISTED_SLOTS]
         return sdk.FlowInfo(
             id=flow_id,
             cls=asked.cls,
@@ -545,12 +569,8 @@ class SdkListener:
 
 def _peer_cred(conn: socket.socket) -> tuple[int, int | None]:
     """The client's (pid, uid) from SO_PEERCRED; (0, None) when unknown."""
-    try:
-        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, uid, _ = struct.unpack("3i", raw)
-        return pid, uid
-    except OSError:
-        return 0, None
+    credentials = rundir.peer_credentials(conn)
+    return (0, None) if credentials is None else credentials
 
 
 def _set_once(future: asyncio.Future[None]) -> None:

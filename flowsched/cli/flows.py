@@ -116,7 +116,9 @@ def _run(args: argparse.Namespace) -> int:
         rows = with_rates(rows, after, time.monotonic() - started)
     listing, problem = (None, "not asked (--no-sdk)") if args.no_sdk else _sdk_flows(args.socket)
     carried = _carriers(listing)
-    rows = [dataclasses.replace(row, sdk_flow=carried.get(row.slot)) for row in rows]
+    rows = [
+        dataclasses.replace(row, sdk_flow=carried.get((row.slot, row.claim_seq))) for row in rows
+    ]
     if args.json:
         document = {
             "table": dataclasses.asdict(summary),
@@ -145,17 +147,20 @@ def _sdk_flows(path: str | None) -> tuple[client.FlowListing | None, str | None]
         return None, f"the agent did not list its SDK flows within {SDK_TIMEOUT:g} s"
 
 
-def _carriers(listing: client.FlowListing | None) -> dict[int, int]:
-    """Table slot -> the SDK flow its connection carries."""
+def _carriers(listing: client.FlowListing | None) -> dict[tuple[int, int], int]:
+    """(table slot, claim_seq) -> the SDK flow that connection carries."""
     if listing is None:
         return {}
-    return {slot: info.id for info in listing.flows for slot in info.slots}
+    return {key: info.id for info in listing.flows for key in info.slots}
 
 
 def _sdk_document(listing: client.FlowListing | None, problem: str | None) -> dict[str, Any]:
     if listing is None:
         return {"socket": None, "everyone": None, "problem": problem, "flows": []}
-    flows = [{**dataclasses.asdict(info), "slots": list(info.slots)} for info in listing.flows]
+    flows = [
+        {**dataclasses.asdict(info), "slots": [list(key) for key in info.slots]}
+        for info in listing.flows
+    ]
     return {"socket": listing.path, "everyone": listing.everyone, "problem": None, "flows": flows}
 
 
@@ -178,7 +183,7 @@ def _print_sdk(
 
 def _sdk_cells(info: FlowInfo, config: TableConfig | None, now: float) -> tuple[str, ...]:
     dscp = None if info.level is None or config is None else config.marking(info.level).dscp
-    slots = ",".join(map(str, info.slots))
+    slots = ",".join(str(index) for index, _ in info.slots)
     return (
         str(info.id),
         str(info.pid) if info.pid else "?",

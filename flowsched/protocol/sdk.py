@@ -195,8 +195,9 @@ class FlowInfo:
     request: str | None = None
     peer: int | None = None
     dst_node: str | None = None
-    #: flow-table slots of the NCCL connections that carry it (at most MAX_LISTED_SLOTS)
-    slots: tuple[int, ...] = ()
+    #: the NCCL connections that carry it: (flow-table slot, the slot's claim_seq) each, at
+    #: most MAX_LISTED_SLOTS (a slot claimed again since is another connection)
+    slots: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +278,11 @@ def _body(message: SdkMessage) -> dict[str, Any]:
 def _fields(message: Any) -> dict[str, Any]:
     """The fields of ``message`` that are set (None and empty slot lists left out)."""
     values = asdict(message)
-    return {k: list(v) if k == "slots" else v for k, v in values.items() if v not in (None, ())}
+    return {
+        k: [list(pair) for pair in v] if k == "slots" else v
+        for k, v in values.items()
+        if v not in (None, ())
+    }
 
 
 def decode_body(body: bytes, allowed: dict[str, type[Any]]) -> SdkMessage:
@@ -350,17 +355,27 @@ def _flow_infos(where: str, value: Any) -> tuple[FlowInfo, ...]:
     return tuple(infos)
 
 
-def _slot_list(where: str, value: Any) -> tuple[int, ...]:
+def _slot_list(where: str, value: Any) -> tuple[tuple[int, int], ...]:
     if (
         type(value) is not list
         or len(value) > MAX_LISTED_SLOTS
-        or any(type(v) is not int or not 0 <= v <= _MAX_SLOT for v in value)
+        or not all(_is_slot_key(v) for v in value)
     ):
         raise SdkProtocolError(
-            f"{where}.slots: expected at most {MAX_LISTED_SLOTS} slot indexes in 0..{_MAX_SLOT}",
+            f"{where}.slots: expected at most {MAX_LISTED_SLOTS} [slot, claim_seq] pairs (slot "
+            f"in 0..{_MAX_SLOT})",
             "slots",
         )
-    return tuple(value)
+    return tuple((index, seq) for index, seq in value)
+
+
+def _is_slot_key(value: Any) -> bool:
+    if type(value) is not list or len(value) != 2:
+        return False
+    index, seq = value
+    return (
+        type(index) is int and type(seq) is int and 0 <= index <= _MAX_SLOT and 0 <= seq <= U64_MAX
+    )
 
 
 #: fields that hold lists, with their checks (the others are scalars checked by _RULES)

@@ -54,16 +54,17 @@ def _start_fails(config: AgentConfig) -> BaseException:
     return caught.value
 
 
-def _as_other_user(groups: list[int], action: Callable[[], None]) -> int:
-    """Run ``action`` in a child as uid/gid nobody with supplementary ``groups``; return its
-    exit status (0: the action raised nothing; errno of an OSError; 99 otherwise)."""
+def _as_other_user(groups: list[int], action: Callable[[], None], uid: int = NOBODY) -> int:
+    """Run ``action`` in a child as ``uid`` (default nobody), gid nobody, with supplementary
+    ``groups``; return its exit status (0: the action raised nothing; errno of an OSError; 99
+    otherwise)."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 99
         try:
             os.setgroups(groups)
             os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            os.setuid(uid)
             action()
             code = 0
         except OSError as exc:
@@ -196,11 +197,13 @@ def test_group_members_can_connect_and_others_cannot(
 
 
 @needs_root
+@pytest.mark.parametrize("uid", [NOBODY, 3_000_000_000], ids=["nobody", "uid-above-2**31"])
 def test_a_user_lists_its_own_sdk_flows_and_root_lists_everyones(
     tmp_path: Path,
     other_group: grp.struct_group,
     request: pytest.FixtureRequest,
     fresh_sdk_connections: None,
+    uid: int,
 ) -> None:
     reachable = Path(tempfile.mkdtemp(prefix="flowsched-group-test-", dir="/tmp"))
     request.addfinalizer(lambda: shutil.rmtree(reachable, ignore_errors=True))
@@ -219,16 +222,14 @@ def test_a_user_lists_its_own_sdk_flows_and_root_lists_everyones(
                 if not isinstance(decoder.next_message(), sdk.Opened):
                     raise OSError(errno.EPROTO, "no opened")
                 listing = client.list_flows(config.socket_path)
-                if listing.everyone or [(f.job, f.uid) for f in listing.flows] != [
-                    ("theirs", NOBODY)
-                ]:
+                if listing.everyone or [(f.job, f.uid) for f in listing.flows] != [("theirs", uid)]:
                     raise OSError(errno.EPERM, "saw more than its own flows")
                 os.write(opened[1], b"x")
                 os.read(go_on[0], 1)  # holds its flow while root lists
 
         child = threading.Thread(
             target=lambda: results.append(
-                _as_other_user([other_group.gr_gid], hold_a_flow_and_list)
+                _as_other_user([other_group.gr_gid], hold_a_flow_and_list, uid)
             )
         )
         results: list[int] = []
@@ -240,7 +241,7 @@ def test_a_user_lists_its_own_sdk_flows_and_root_lists_everyones(
             assert listing.everyone
             assert sorted((f.job, f.uid) for f in listing.flows) == [
                 ("mine", 0),
-                ("theirs", NOBODY),
+                ("theirs", uid),
             ]
         finally:
             os.write(go_on[1], b"x")

@@ -212,3 +212,18 @@ def test_what_a_client_passes_as_its_namespace_is_checked_and_closed(tmp_path: P
     for fd in (own, *other):
         with pytest.raises(OSError):
             os.fstat(fd)  # closed
+
+
+def test_flow_listings_of_a_user_are_rate_limited_but_not_roots(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    server = sdk_server.SdkServer(None)  # type: ignore[arg-type]
+    clock = [1000.0]
+    monkeypatch.setattr(sdk_server.time, "monotonic", lambda: clock[0])
+    burst = int(sdk_server.LIST_BURST)
+    assert all(server._may_list(4242) for _ in range(burst))
+    assert not server._may_list(4242)  # the burst is spent
+    assert server._may_list(4343)  # another user's budget is its own
+    assert all(server._may_list(0) for _ in range(3 * burst))  # root is not limited
+    clock[0] += 10 / sdk_server.LIST_PAGES_PER_SECOND  # ten pages' worth of time
+    assert sum(server._may_list(4242) for _ in range(20)) == 10

@@ -105,8 +105,10 @@ def test_flows_lists_the_sdk_flows_and_marks_the_connections_that_carry_them(
                 assert document["sdk"]["everyone"] is True
                 assert document["sdk"]["socket"] == local_agent_config.socket_path
                 assert (flow["pid"], flow["job"], flow["cls"]) == (pid, "train", "param_sync")
-                assert flow["slots"] == sorted(sending) and flow["size"] == 1 << 30
                 carried = {row["slot"]: row["sdk_flow"] for row in document["connections"]}
+                claims = {row["slot"]: row["claim_seq"] for row in document["connections"]}
+                assert flow["slots"] == [[index, claims[index]] for index in sorted(sending)]
+                assert flow["size"] == 1 << 30
                 assert {carried[index] for index in sending} == {flow["id"]}
                 assert {v for k, v in carried.items() if k not in sending} == {None}  # recv
                 text = _flows("--interval", "0")

@@ -28,7 +28,21 @@ ROUND_TRIP = [
         sdk.FlowList(
             (
                 sdk.FlowInfo(
-                    1, "kv", 42, 1.7e9, 10, 0, 2, 100, 1.7e9 + 1, 3, "j", "r", 1, "h2", (0, 5)
+                    1,
+                    "kv",
+                    42,
+                    1.7e9,
+                    10,
+                    0,
+                    2,
+                    100,
+                    1.7e9 + 1,
+                    3,
+                    "j",
+                    "r",
+                    1,
+                    "h2",
+                    ((0, 1), (5, 2**64 - 1)),
                 ),
                 sdk.FlowInfo(2, "bulk", 0, 0.0, 0),
             ),
@@ -124,11 +138,14 @@ BAD_FROM_AGENT = [
     pytest.param(_listing({**_FLOW, "cls": "nope"}), r"flows\.flows\[\]\.cls", id="bad-class"),
     pytest.param(_listing({**_FLOW, "job": "a\nb"}), r"flows\.flows\[\]\.job", id="job-ctrl"),
     pytest.param(
-        _listing({**_FLOW, "slots": list(range(sdk.MAX_LISTED_SLOTS + 1))}),
+        _listing({**_FLOW, "slots": [[i, 1] for i in range(sdk.MAX_LISTED_SLOTS + 1)]}),
         r"flows\.flows\[\]\.slots: expected at most",
         id="too-many-slots",
     ),
-    pytest.param(_listing({**_FLOW, "slots": [-1]}), r"\.slots", id="negative-slot"),
+    pytest.param(_listing({**_FLOW, "slots": [[-1, 1]]}), r"\.slots", id="negative-slot"),
+    pytest.param(_listing({**_FLOW, "slots": [[1, -1]]}), r"\.slots", id="negative-claim"),
+    pytest.param(_listing({**_FLOW, "slots": [3]}), r"\.slots", id="slot-not-a-pair"),
+    pytest.param(_listing({**_FLOW, "slots": [[1, 2, 3]]}), r"\.slots", id="slot-triple"),
     pytest.param(_listing({**_FLOW, "slots": 3}), r"\.slots", id="slots-not-a-list"),
     pytest.param(_listing({**_FLOW, "exe": "x"}), "unknown field 'exe'", id="unknown-flow-field"),
     pytest.param({"t": "list", "after": 1}, "unexpected message type", id="client-only-type"),
@@ -151,7 +168,9 @@ def test_a_listing_after_a_negative_id_is_refused() -> None:
 
 
 def test_encoded_size_is_what_a_flow_adds_to_a_frame() -> None:
-    infos = [sdk.FlowInfo(i, "kv", 1, 2.0, 3, job="j" * 50, slots=(1, 2)) for i in range(5)]
+    infos = [
+        sdk.FlowInfo(i, "kv", 1, 2.0, 3, job="j" * 50, slots=((1, 9), (2, 9))) for i in range(5)
+    ]
     empty = len(sdk.encode(sdk.FlowList((), more=False, everyone=True)))
     full = len(sdk.encode(sdk.FlowList(tuple(infos), more=False, everyone=True)))
     # msgpack's array header grows by 0 bytes up to 15 items
