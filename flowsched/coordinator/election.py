@@ -588,14 +588,14 @@ class EtcdElection:
         with contextlib.suppress(Exception):  # an expired lease is as good as revoked
             self._post("/kv/lease/revoke", {"ID": lease}, role)
 
-    def _publish_reach(self, leadership: Leadership, agents: int) -> None:
-        value = reach.encode_reach(leadership.epoch, agents)
+    def _publish_reach(self, leadership: Leadership, counts: tuple[int, int]) -> None:
+        value = reach.encode_reach(reach.Reach(leadership.epoch, *counts))
         body = {"key": _b64(self.reach_key), "value": _b64(value), "lease": leadership.lease}
         self._post("/kv/put", body, "publish")
 
-    def read_reach(self) -> tuple[int, int] | None:
-        """The leader's published (epoch, agents served), None when none is published (a
-        leader of an earlier release, or none yet). Blocks: run it in a thread."""
+    def read_reach(self) -> reach.Reach | None:
+        """What the leader published of its agents, None when nothing is published (a leader
+        of an earlier release, or none yet). Blocks: run it in a thread."""
         reply = self._post("/kv/range", {"key": _b64(self.reach_key)}, "once")
         kvs = reply.get("kvs") or []
         if not kvs:
@@ -723,9 +723,12 @@ class EtcdElection:
                 await self._recheck.wait()
         self._recheck.clear()
 
-    async def hold(self, leadership: Leadership, agents: Callable[[], int] | None = None) -> None:
+    async def hold(
+        self, leadership: Leadership, agents: Callable[[], tuple[int, int]] | None = None
+    ) -> None:
         """Keep the lease alive; returns once leadership is (or may be) lost. ``agents``: how
-        many agents this leader serves, published after each keepalive when it changed."""
+        many agents this leader serves and how many connections it turned away at its caps
+        lately, published after each keepalive when they changed."""
         period = self.ttl / KEEPALIVES_PER_TTL
         give_up_after = self.ttl * (1.0 - STEP_DOWN_MARGIN)
         last_good = time.monotonic()
@@ -811,34 +814,37 @@ class _ReachPublisher:
     after a failed one."""
 
     def __init__(
-        self, election: EtcdElection, leadership: Leadership, agents: Callable[[], int] | None
+        self,
+        election: EtcdElection,
+        leadership: Leadership,
+        agents: Callable[[], tuple[int, int]] | None,
     ) -> None:
         self._election = election
         self._leadership = leadership
         self._agents = agents
-        self._published: int | None = None
+        self._published: tuple[int, int] | None = None
         self._task: asyncio.Task[None] | None = None
 
     def maybe_publish(self) -> None:
         """Publish the count if it changed since the last put that succeeded."""
         if self._agents is None or (self._task is not None and not self._task.done()):
             return
-        count = self._agents()
-        if count != self._published:
-            self._task = asyncio.ensure_future(self._publish(count))
+        counts = self._agents()
+        if counts != self._published:
+            self._task = asyncio.ensure_future(self._publish(counts))
 
-    async def _publish(self, count: int) -> None:
+    async def _publish(self, counts: tuple[int, int]) -> None:
         election = self._election
         try:
             async with asyncio.timeout(election.call_timeout):
-                await asyncio.to_thread(election._publish_reach, self._leadership, count)
+                await asyncio.to_thread(election._publish_reach, self._leadership, counts)
         except Exception as exc:
             election._repeat.log("publish", logging.WARNING,
                                  "etcd %s: could not publish the agents served: %s",
                                  election.failed_url, election.explain(exc))  # fmt: skip
             return
         election._repeat.clear_matching("publish")
-        self._published = count
+        self._published = counts
 
     def stop(self) -> None:
         if self._task is not None:
@@ -896,15 +902,18 @@ class Candidacy:
     many this coordinator serves, published while it leads.
     """
 
-    def __init__(self, election: EtcdElection, agents: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self, election: EtcdElection, agents: Callable[[], tuple[int, int]] | None = None
+    ) -> None:
         self.election = election
         self.leadership: Leadership | None = None
         self._last_probe = 0.0
         self._probe: asyncio.Task[None] | None = None
-        #: how many agents this coordinator serves (published while it leads)
+        #: how many agents this coordinator serves, and how many connections it turned away at
+        #: its caps lately (published while it leads)
         self._agents = agents
         #: the agents refused here, to tell those that cannot reach the leader
-        self.knocks = reach.Knocks()
+        self.knocks = reach.Knocks(reach.sustained_for(election.ttl / KEEPALIVES_PER_TTL))
         #: the epoch of the leader the knocks were refused toward: knocks are evidence against
         #: that leader only (those of a leaderless spell, or toward its predecessor, say nothing
         #: of a successor that the agents are still reaching)
@@ -987,11 +996,11 @@ class Candidacy:
             log.debug("etcd %s: reading the leader's reach failed: %s", election.failed_url,
                       election.explain(exc))  # fmt: skip
             return None
-        if published is None or published[0] != leader.epoch:
+        if published is None or published.epoch != leader.epoch:
             return None
-        serves = published[1]
-        if not reach.should_depose(len(nodes), serves):
+        if not reach.should_depose(len(nodes), published):
             return None
+        serves = published.agents
         named = ", ".join(nodes[:5]) + (f" and {len(nodes) - 5} more" if len(nodes) > 5 else "")
         return (
             f"agents that cannot reach it, refused here for {self.knocks.sustained_after:g} s "

@@ -34,12 +34,12 @@ import logging
 import math
 import socket
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
 
 from prometheus_client import CollectorRegistry
 
-from flowsched.coordinator import tls_accept
+from flowsched.coordinator import reach, tls_accept
 from flowsched.coordinator.config import Addresses, CoordinatorConfig
 from flowsched.coordinator.connection import (
     ESTABLISHED_CHUNK,
@@ -103,6 +103,9 @@ MAX_JOBS_PER_NODE = 4096
 JOB_TTL = 600.0
 #: file descriptors left to the process itself (listeners, epoll, logs, files it opens)
 FD_RESERVE = 64
+#: connections turned away at the caps that turned_away_lately remembers (it need only tell
+#: none from some)
+TURNED_AWAY_KEPT = 1024
 #: concurrent connections of the metrics listener (scrapes); kept out of the agents' budget
 METRICS_MAX_CONNECTIONS = MAX_CONNECTIONS
 
@@ -142,6 +145,8 @@ class Coordinator:
         )
         register_standard_collectors(self.registry)
         self.sessions: dict[str, AgentConnection] = {}
+        #: when connections were turned away at the caps lately (turned_away_lately)
+        self._turned_away: deque[float] = deque(maxlen=TURNED_AWAY_KEPT)
         self._expiry: dict[str, asyncio.TimerHandle] = {}
         self._arrivals: list[float] = []
         #: perf_counter() when the first frame of the batch in ``_arrivals`` was handled
@@ -229,7 +234,8 @@ class Coordinator:
         if config.etcd is not None:
             advertise = config.advertise or advertised_address(host, port)
             self.candidacy = Candidacy(
-                EtcdElection.from_config(config, advertise), self.agent_count
+                EtcdElection.from_config(config, advertise),
+                lambda: (self.agent_count(), self.turned_away_lately()),
             )
             warning = short_lease_warning(config)
             if warning is not None:
@@ -505,6 +511,17 @@ class Coordinator:
         """Count a closed connection by reason code (exported as a metric)."""
         assert self.live.rejected is not None
         self.live.rejected[code] += 1
+        if code in ("evicted", "too_many_connections"):
+            self._turned_away.append(time.monotonic())
+
+    def turned_away_lately(self) -> int:
+        """Connections turned away at the connection caps in the last ``reach.KNOCK_GAP``
+        seconds (agents that reach this coordinator and are not served: a standby must not
+        count them as cut off from it; flowsched.coordinator.reach)."""
+        horizon = time.monotonic() - reach.KNOCK_GAP
+        while self._turned_away and self._turned_away[0] < horizon:
+            self._turned_away.popleft()
+        return len(self._turned_away)
 
     # -- events ------------------------------------------------------------------------------
 

@@ -72,6 +72,7 @@ async def test_unauthenticated_connections_are_capped_and_agents_still_get_in(
                 lambda: coordinator.live.rejected.get("evicted", 0) >= 32, 5, "evictions"
             )
             assert coordinator.unauthenticated_count <= 8
+            assert coordinator.turned_away_lately() >= 32
             late = await connect_as(coordinator, "late")  # evicts the oldest idle peer
             await first.send(Heartbeat(1.0))
             assert coordinator.agent_count() == 2
@@ -92,6 +93,9 @@ async def test_established_agents_filling_the_budget_refuse_new_connections() ->
                 await _closed_by_peer(reader, 2.0)
             assert coordinator.live.rejected["too_many_connections"] == 1
             assert coordinator.agent_count() == 3
+            # what it publishes while leading: a standby must not take agents turned away
+            # here for agents that cannot reach it (flowsched.coordinator.reach)
+            assert coordinator.turned_away_lately() == 1
         finally:
             for link in links:
                 await link.close()

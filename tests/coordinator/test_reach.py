@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flowsched.coordinator.reach import Knocks, decode_reach, encode_reach, should_depose
+from flowsched.coordinator.reach import (
+    Knocks,
+    Reach,
+    decode_reach,
+    encode_reach,
+    should_depose,
+    sustained_for,
+)
 
 
 def _knocks(times: dict[str, list[float]]) -> Knocks:
@@ -52,16 +59,32 @@ def test_clear_forgets_every_streak() -> None:
 
 
 @pytest.mark.parametrize(
-    ("cut_off", "serves", "depose"),
-    [(1, 0, True), (3, 2, True), (2, 2, False), (2, 3, False), (0, 0, False)],
+    ("cut_off", "serves", "turned_away", "depose"),
+    [
+        (1, 0, 0, True),
+        (3, 2, 0, True),
+        (2, 2, 0, False),
+        (2, 3, 0, False),
+        (0, 0, 0, False),
+        # a leader that turns agents away at its caps is reached by them: never deposed
+        (3, 1, 2, False),
+        (3, 0, 1, False),
+    ],
 )
-def test_only_strictly_more_cut_off_agents_depose(cut_off: int, serves: int, depose: bool) -> None:
-    assert should_depose(cut_off, serves) is depose
+def test_only_strictly_more_cut_off_agents_depose_a_leader_that_turns_none_away(
+    cut_off: int, serves: int, turned_away: int, depose: bool
+) -> None:
+    assert should_depose(cut_off, Reach(7, serves, turned_away)) is depose
 
 
-@given(st.integers(1, 2**62), st.integers(0, 2**31))
-def test_reach_round_trips(epoch: int, agents: int) -> None:
-    assert decode_reach(encode_reach(epoch, agents)) == (epoch, agents)
+@given(st.integers(1, 2**62), st.integers(0, 2**31), st.integers(0, 2**20))
+def test_reach_round_trips(epoch: int, agents: int, turned_away: int) -> None:
+    reach = Reach(epoch, agents, turned_away)
+    assert decode_reach(encode_reach(reach)) == reach
+
+
+def test_a_reach_without_turned_away_counts_none() -> None:
+    assert decode_reach('{"epoch": 3, "agents": 2}') == Reach(3, 2, 0)
 
 
 @pytest.mark.parametrize(
@@ -75,7 +98,17 @@ def test_reach_round_trips(epoch: int, agents: int) -> None:
         '{"epoch": 1, "agents": -1}',
         '{"epoch": true, "agents": 1}',
         '{"epoch": 1, "agents": 1.5}',
+        '{"epoch": 1, "agents": 1, "turned_away": -1}',
+        '{"epoch": 1, "agents": 1, "turned_away": "x"}',
     ],
 )
 def test_what_is_not_a_reach_reads_as_none(text: str) -> None:
     assert decode_reach(text) is None
+
+
+@pytest.mark.parametrize(("ttl", "sustained"), [(2, 5.0), (10, 5.0), (11, 5.25), (30, 10.0)])
+def test_knocks_count_once_the_leaders_published_count_has_caught_up(
+    ttl: int, sustained: float
+) -> None:
+    # the count is published at each keepalive (TTL/4) and follows a lost session within 2.5 s
+    assert sustained_for(ttl / 4) == sustained

@@ -89,14 +89,18 @@ def leads(coordinator: Daemon) -> bool:
     return total(coordinator.metrics(), "flowsched_coordinator_leader") == 1
 
 
-def start_coordinator(tmp: Path, token: Path, etcd: str, name: str, *flags: str) -> Daemon:
-    """A coordinator of the election ``ha`` on free ports (``flags``: more of its flags)."""
+def start_coordinator(
+    tmp: Path, token: Path, etcd: str, name: str, *flags: str, fd_limit: int | None = None
+) -> Daemon:
+    """A coordinator of the election ``ha`` on free ports (``flags``: more of its flags;
+    ``fd_limit``: its open-file limit, which sizes its connection caps)."""
     return spawn(
         name,
         ["coordinator", "--listen", "127.0.0.1:0", "--metrics-port", "0", "--token-file",
          str(token), "--etcd", etcd, "--election-name", "ha", "--log-level", "INFO", *flags],
         tmp / f"{name}.log",
         r"listening on (?P<host>[\d.]+):(?P<port>\d+) metrics [\d.]+:(?P<mport>\d+)",
+        fd_limit=fd_limit,
     )  # fmt: skip
 
 

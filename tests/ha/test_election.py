@@ -16,11 +16,13 @@ from flowsched.coordinator.election import (
     ElectionError,
     EtcdElection,
     LeadershipLost,
+    _b64,
     lease_ttl,
     refuses_connections,
     short_lease_warning,
     split_address,
 )
+from flowsched.coordinator.reach import Reach, encode_reach
 from flowsched.testbed.daemons import closed_port, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -330,17 +332,19 @@ def test_the_lease_ttl_outlasts_an_etcd_leader_change_with_several_members(
 
 
 async def _leader_serving(
-    etcd_url: str, serves: int | None
+    etcd_url: str, serves: int | None, turned_away: int = 0
 ) -> tuple[EtcdElection, asyncio.Future[None], asyncio.base_events.Server]:
     """A leader whose process lives (its address has a listener) and that publishes that it
-    serves ``serves`` agents (None: publishes nothing, as an earlier release)."""
+    serves ``serves`` agents and turned ``turned_away`` away at its caps (None: publishes
+    nothing, as an earlier release)."""
     server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
     leader = EtcdElection(etcd_url, "t", f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
     won = await leader.campaign()
-    counting = None if serves is None else (lambda: serves)
+    counting = None if serves is None else (lambda: (serves, turned_away))
     holding = asyncio.ensure_future(leader.hold(won, counting))
     if serves is not None:
-        await wait_until(lambda: leader.read_reach() == (won.epoch, serves), 5, "the reach", 0.1)
+        published = Reach(won.epoch, serves, turned_away)
+        await wait_until(lambda: leader.read_reach() == published, 5, "the reach", 0.1)
     return leader, holding, server
 
 
@@ -356,18 +360,20 @@ async def _knock_until(standby: Candidacy, nodes: list[str], seconds: float) -> 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
-    ("serves", "knocking", "deposed"),
+    ("serves", "turned_away", "knocking", "deposed"),
     [
-        pytest.param(0, ["n1"], True, id="serves-none"),
-        pytest.param(1, ["n1", "n2"], True, id="serves-fewer"),
-        pytest.param(2, ["n1", "n2"], False, id="serves-as-many"),
-        pytest.param(None, ["n1", "n2"], False, id="publishes-nothing"),
+        pytest.param(0, 0, ["n1"], True, id="serves-none"),
+        pytest.param(1, 0, ["n1", "n2"], True, id="serves-fewer"),
+        pytest.param(2, 0, ["n1", "n2"], False, id="serves-as-many"),
+        pytest.param(None, 0, ["n1", "n2"], False, id="publishes-nothing"),
+        # the knocking agents reach the leader and are turned away at its caps
+        pytest.param(1, 2, ["n1", "n2"], False, id="turns-agents-away"),
     ],
 )
 async def test_a_standby_deposes_a_live_leader_that_fewer_agents_reach(
-    etcd_url: str, serves: int | None, knocking: list[str], deposed: bool
+    etcd_url: str, serves: int | None, turned_away: int, knocking: list[str], deposed: bool
 ) -> None:
-    _, holding, server = await _leader_serving(etcd_url, serves)
+    _, holding, server = await _leader_serving(etcd_url, serves, turned_away)
     standby = Candidacy(EtcdElection(etcd_url, "t", "127.0.0.1:2"))
     standby.knocks.sustained_after = 0.5
     never = asyncio.get_running_loop().create_future()
@@ -394,11 +400,13 @@ async def test_the_leader_publishes_the_agents_it_serves_as_they_change(etcd_url
     serving = [0]
     leader = EtcdElection(etcd_url, "t", "127.0.0.1:1")
     won = await leader.campaign()
-    holding = asyncio.ensure_future(leader.hold(won, lambda: serving[0]))
+    holding = asyncio.ensure_future(leader.hold(won, lambda: (serving[0], 0)))
     try:
-        await wait_until(lambda: leader.read_reach() == (won.epoch, 0), 5, "the first count", 0.1)
+        first = Reach(won.epoch, 0)
+        await wait_until(lambda: leader.read_reach() == first, 5, "the first count", 0.1)
         serving[0] = 7
-        await wait_until(lambda: leader.read_reach() == (won.epoch, 7), 5, "the new count", 0.1)
+        changed = Reach(won.epoch, 7)
+        await wait_until(lambda: leader.read_reach() == changed, 5, "the new count", 0.1)
     finally:
         holding.cancel()
         await leader.resign(won)
@@ -425,9 +433,10 @@ async def test_knocks_toward_no_leader_or_its_predecessor_do_not_depose_a_new_le
         await previous.resign(old)
     successor = EtcdElection(etcd_url, "t", address)
     won = await successor.campaign()
-    holding = asyncio.ensure_future(successor.hold(won, lambda: 1))  # one agent back so far
+    holding = asyncio.ensure_future(successor.hold(won, lambda: (1, 0)))  # one agent back yet
     try:
-        await wait_until(lambda: successor.read_reach() == (won.epoch, 1), 5, "the reach", 0.1)
+        published = Reach(won.epoch, 1)
+        await wait_until(lambda: successor.read_reach() == published, 5, "the reach", 0.1)
         standby.election.leader = successor.leader
         await _knock_until(standby, ["n3"], 2.0)  # a straggler, redirected to the successor
         assert not holding.done(), "deposed on knocks toward another leader"
@@ -436,3 +445,30 @@ async def test_knocks_toward_no_leader_or_its_predecessor_do_not_depose_a_new_le
         holding.cancel()
         await successor.resign(won)
         server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_reach_published_under_another_epoch_deposes_nobody(etcd_url: str) -> None:
+    """What the key holds must be the current leader's: one left under another epoch (a
+    predecessor's, or written by hand) says nothing of this leader."""
+    leader, holding, server = await _leader_serving(etcd_url, None)  # publishes nothing itself
+    assert leader.leader is not None
+    stale = encode_reach(Reach(leader.leader.epoch + 100, 0))
+    await asyncio.to_thread(
+        leader._post, "/kv/put", {"key": _b64(leader.reach_key), "value": _b64(stale)}
+    )
+    assert leader.read_reach() == Reach(leader.leader.epoch + 100, 0)
+    standby = Candidacy(EtcdElection(etcd_url, "t", "127.0.0.1:2"))
+    standby.knocks.sustained_after = 0.5
+    never = asyncio.get_running_loop().create_future()
+    running = asyncio.ensure_future(standby.run(never))
+    try:
+        await wait_until(lambda: standby.election.leader is not None, 5, "the standby")
+        await _knock_until(standby, ["n1"], 2.5)
+        assert standby.leadership is None and not holding.done()
+    finally:
+        never.set_result(None)
+        await asyncio.wait_for(running, 5)
+        holding.cancel()
+        server.close()
+        await asyncio.to_thread(leader._post, "/kv/deleterange", {"key": _b64(leader.reach_key)})

@@ -8,7 +8,8 @@ flow table from their resyncs); the graceful handover time. Checked: every byte 
 leadership at one time, the killed leader's successor sends with the higher epoch. A paused
 (SIGSTOP) leader is replaced once its lease expires and, resumed, exits without the agent ever
 following it again. A live leader that the agents cannot reach (its address, as they see it,
-takes connections and never answers) is deposed by the standby they reach.
+takes connections and never answers) is deposed by the standby they reach; one that turns
+agents away at its connection caps is not (they reach it).
 """
 
 from __future__ import annotations
@@ -245,3 +246,46 @@ def test_a_live_leader_the_agents_cannot_reach_is_deposed_by_the_standby_they_re
         finally:
             for daemon in reversed(started):
                 daemon.stop()
+
+
+def test_a_leader_turning_agents_away_at_its_connection_cap_keeps_its_leadership(
+    tmp_path: Path, etcd_url: str
+) -> None:
+    token = tmp_path / "token"
+    write_token(token)
+    started: list[Daemon] = []
+    try:
+        # an open-file limit of 97 leaves the leader room for one agent connection
+        leader = start_coordinator(tmp_path, token, etcd_url, "c0", fd_limit=97)
+        started.append(leader)
+        wait_for(lambda: leads(leader), DEADLINE, "c0 to lead")
+        standbys = [start_coordinator(tmp_path, token, etcd_url, f"c{i}") for i in (1, 2)]
+        started += standbys
+        coordinators = [leader, *standbys]
+        agents = [start_agent(tmp_path, token, coordinators, f"n{i}") for i in range(3)]
+        started += agents
+        wait_for(
+            lambda: total(leader.metrics(), "flowsched_coordinator_agents_connected") == 1,
+            DEADLINE, "one agent on the leader",
+        )  # fmt: skip
+        # the other two reach the leader, are turned away, and knock on the standbys: once a
+        # standby counts them as cut off (5 s of knocks), it reads the leader's reach at
+        # each later knock (at most once a second); give it eight more refusals' worth
+        wait_for(
+            lambda: any(
+                total(c.metrics(), "flowsched_coordinator_agents_cut_off_from_leader") >= 1
+                for c in standbys
+            ),
+            30, "a standby counting the turned-away agents as cut off",
+        )  # fmt: skip
+        refused = 'flowsched_coordinator_closed_connections_total{reason="too_many_connections"}'
+        before = leader.metrics().get(refused, 0.0)
+        wait_for(lambda: leader.metrics().get(refused, 0.0) >= before + 8, 30, "more refusals")
+        assert leads(leader) and leader.proc.poll() is None
+        for coordinator in coordinators:
+            said = (tmp_path / f"{coordinator.name}.log").read_text()
+            assert "deposing the leader" not in said, coordinator.name
+        assert "connection limit reached" in (tmp_path / f"{leader.name}.log").read_text()
+    finally:
+        for daemon in reversed(started):
+            daemon.stop()
