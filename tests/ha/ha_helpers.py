@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from flowsched.testbed import daemons
+from flowsched.testbed import daemons, netns
 from flowsched.testbed.daemons import Daemon, spawn
 from flowsched.testbed.etcd import EtcdServerTls, etcd_binary, local_etcd
 
@@ -25,6 +26,20 @@ def need_etcd() -> None:
         pytest.skip("etcd is not installed (Debian: apt-get install etcd-server)")
     if importlib.util.find_spec("etcd3gw") is None:
         pytest.skip("the etcd3gw client is not installed (pip install 'flowsched[ha]')")
+
+
+@contextlib.contextmanager
+def etcd_testbed(prefix: str, hosts: int) -> Iterator[netns.Topology]:
+    """The netns testbed with ``hosts`` hosts (namespace names start with ``prefix``), for
+    tests that run etcd members and coordinators in host namespaces; skips the test, with the
+    reason, where etcd or the testbed cannot run."""
+    need_etcd()
+    spec = netns.TopologySpec(prefix=prefix, hosts=hosts)
+    try:
+        with netns.testbed(spec) as built:
+            yield built
+    except netns.TestbedUnavailable as unavailable:
+        pytest.skip(f"testbed unavailable: {unavailable}")
 
 
 @pytest.fixture

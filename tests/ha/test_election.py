@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from unittest import mock
 
 import pytest
@@ -348,6 +348,22 @@ async def _leader_serving(
     return leader, holding, server
 
 
+@contextlib.asynccontextmanager
+async def _standing_by(etcd_url: str) -> AsyncIterator[Candidacy]:
+    """A standby candidacy (knocks count after 0.5 s) that has seen the leader; stopped at
+    the end."""
+    standby = Candidacy(EtcdElection(etcd_url, "t", "127.0.0.1:2"))
+    standby.knocks.sustained_after = 0.5
+    never = asyncio.get_running_loop().create_future()
+    running = asyncio.ensure_future(standby.run(never))
+    try:
+        await wait_until(lambda: standby.election.leader is not None, 5, "the standby")
+        yield standby
+    finally:
+        never.set_result(None)
+        await asyncio.wait_for(running, 5)
+
+
 async def _knock_until(standby: Candidacy, nodes: list[str], seconds: float) -> None:
     """``nodes`` knock on ``standby`` (refused each time) every 0.1 s for ``seconds``, or until
     it leads."""
@@ -374,23 +390,17 @@ async def test_a_standby_deposes_a_live_leader_that_fewer_agents_reach(
     etcd_url: str, serves: int | None, turned_away: int, knocking: list[str], deposed: bool
 ) -> None:
     _, holding, server = await _leader_serving(etcd_url, serves, turned_away)
-    standby = Candidacy(EtcdElection(etcd_url, "t", "127.0.0.1:2"))
-    standby.knocks.sustained_after = 0.5
-    never = asyncio.get_running_loop().create_future()
-    running = asyncio.ensure_future(standby.run(never))
     try:
-        await wait_until(lambda: standby.election.leader is not None, 5, "the standby")
-        await _knock_until(standby, knocking, 3.0)
-        assert (standby.leadership is not None) is deposed
-        if deposed:
-            await asyncio.wait_for(holding, 5)  # the old leader finds its lease gone
-            assert standby.agents_cut_off() == 0  # it leads
-        else:
-            assert not holding.done()
-            assert standby.agents_cut_off() == len(knocking)  # flowsched_coordinator_agents_...
+        async with _standing_by(etcd_url) as standby:
+            await _knock_until(standby, knocking, 3.0)
+            assert (standby.leadership is not None) is deposed
+            if deposed:
+                await asyncio.wait_for(holding, 5)  # the old leader finds its lease gone
+                assert standby.agents_cut_off() == 0  # it leads
+            else:
+                assert not holding.done()
+                assert standby.agents_cut_off() == len(knocking)  # the standby's gauge
     finally:
-        never.set_result(None)
-        await asyncio.wait_for(running, 5)
         holding.cancel()
         server.close()
 
@@ -458,17 +468,11 @@ async def test_a_reach_published_under_another_epoch_deposes_nobody(etcd_url: st
         leader._post, "/kv/put", {"key": _b64(leader.reach_key), "value": _b64(stale)}
     )
     assert leader.read_reach() == Reach(leader.leader.epoch + 100, 0)
-    standby = Candidacy(EtcdElection(etcd_url, "t", "127.0.0.1:2"))
-    standby.knocks.sustained_after = 0.5
-    never = asyncio.get_running_loop().create_future()
-    running = asyncio.ensure_future(standby.run(never))
     try:
-        await wait_until(lambda: standby.election.leader is not None, 5, "the standby")
-        await _knock_until(standby, ["n1"], 2.5)
-        assert standby.leadership is None and not holding.done()
+        async with _standing_by(etcd_url) as standby:
+            await _knock_until(standby, ["n1"], 2.5)
+            assert standby.leadership is None and not holding.done()
     finally:
-        never.set_result(None)
-        await asyncio.wait_for(running, 5)
         holding.cancel()
         server.close()
         await asyncio.to_thread(leader._post, "/kv/deleterange", {"key": _b64(leader.reach_key)})

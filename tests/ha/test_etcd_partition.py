@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ha_helpers import need_etcd
+from ha_helpers import etcd_testbed
 
 from flowsched.testbed import netns
 from flowsched.testbed.etcd import etcd_cluster_in_namespaces
@@ -33,13 +33,8 @@ CLIENT = Path(__file__).with_name("partition_client.py")
 @pytest.fixture
 def topo() -> Iterator[netns.Topology]:
     """Four testbed hosts: etcd members on h0-h2, the election on h3."""
-    need_etcd()
-    spec = netns.TopologySpec(prefix="fsH-", hosts=4)
-    try:
-        with netns.testbed(spec) as built:
-            yield built
-    except netns.TestbedUnavailable as unavailable:
-        pytest.skip(f"testbed unavailable: {unavailable}")
+    with etcd_testbed("fsH-", 4) as built:
+        yield built
 
 
 def cut_off(topo: netns.Topology, member: int, members: int) -> None:

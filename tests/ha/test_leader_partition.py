@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ha_helpers import need_etcd, wait_for
+from ha_helpers import etcd_testbed, wait_for
 
 from flowsched.protocol import write_token
 from flowsched.testbed import netns
@@ -35,13 +35,8 @@ _AGENT_READY = r"ready node=(?P<node>\S+)"
 @pytest.fixture
 def topo() -> Iterator[netns.Topology]:
     """Four testbed hosts: etcd on h0, coordinators on h1 and h2, an agent on h3."""
-    need_etcd()
-    spec = netns.TopologySpec(prefix="fsL-", hosts=4)
-    try:
-        with netns.testbed(spec) as built:
-            yield built
-    except netns.TestbedUnavailable as unavailable:
-        pytest.skip(f"testbed unavailable: {unavailable}")
+    with etcd_testbed("fsL-", 4) as built:
+        yield built
 
 
 def _cut(topo: netns.Topology, a: int, b: int) -> None:
