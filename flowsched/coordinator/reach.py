@@ -77,7 +77,7 @@ class Knocks:
         )
 
     def clear(self) -> None:
-        """Forget every streak (this coordinator leads now)."""
+        """Forget every streak (the leader they were evidence against changed)."""
         self._streaks.clear()
 
     def _forget_ended(self, now: float) -> None:
