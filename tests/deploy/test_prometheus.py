@@ -189,8 +189,9 @@ def test_every_dashboard_query_returns_series(system: PromAPI) -> None:
 
 
 #: alerts on series that only a coordinator with --etcd exports (`flowsched up` runs without):
-#: tests/ha/test_etcd_cluster.py reads that series from a real coordinator of an etcd cluster
-ETCD_ONLY = {"FlowschedEtcdMemberFailing"}
+#: tests/ha/test_etcd_cluster.py and tests/ha/test_takeover_e2e.py read those series from real
+#: coordinators of an election
+ETCD_ONLY = {"FlowschedEtcdMemberFailing", "FlowschedAgentsCutOffFromLeader"}
 
 
 def test_every_alert_expression_evaluates_and_watches_live_series(system: PromAPI) -> None:
