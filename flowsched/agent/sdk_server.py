@@ -67,6 +67,10 @@ CLOSE_TIMEOUT = 1.0
 #: a user may hold, takes about 60): each page costs the agent's loop up to ~3 ms
 LIST_PAGES_PER_SECOND = 50.0
 LIST_BURST = 100.0
+#: per-uid list budgets kept before those that are full again (worth no more than a fresh
+#: one) are dropped: a budget outlives the user's connections (reconnecting must not refill
+#: it), so without this every uid that ever listed would keep one
+LIST_BUDGETS_KEPT = 1024
 
 
 class SocketPathError(RuntimeError):
@@ -398,6 +402,8 @@ class SdkServer:
         if uid == 0 or uid == os.geteuid():
             return True
         now = time.monotonic()
+        if len(self._list_budget) >= LIST_BUDGETS_KEPT and uid not in self._list_budget:
+            self._forget_full_budgets(now)
         tokens, since = self._list_budget.get(uid, (LIST_BURST, now))
         tokens = min(LIST_BURST, tokens + (now - since) * LIST_PAGES_PER_SECOND)
         if tokens < 1.0:
@@ -405,6 +411,16 @@ class SdkServer:
             return False
         self._list_budget[uid] = (tokens - 1.0, now)
         return True
+
+    def _forget_full_budgets(self, now: float) -> None:
+        """Drop the list budgets that have filled up again (a fresh one is the same)."""
+        full = [
+            uid
+            for uid, (tokens, since) in self._list_budget.items()
+            if tokens + (now - since) * LIST_PAGES_PER_SECOND >= LIST_BURST
+        ]
+        for uid in full:
+            del self._list_budget[uid]
 
     def _forget_opened(self, flow_id: int, uid: int | None) -> None:
         self._opened.pop(flow_id, None)

@@ -227,3 +227,33 @@ def test_flow_listings_of_a_user_are_rate_limited_but_not_roots(
     assert all(server._may_list(0) for _ in range(3 * burst))  # root is not limited
     clock[0] += 10 / sdk_server.LIST_PAGES_PER_SECOND  # ten pages' worth of time
     assert sum(server._may_list(4242) for _ in range(20)) == 10
+
+
+def test_a_users_list_budget_refills_up_to_the_burst_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    server = sdk_server.SdkServer(None)  # type: ignore[arg-type]
+    clock = [1000.0]
+    monkeypatch.setattr(sdk_server.time, "monotonic", lambda: clock[0])
+    assert server._may_list(4242)
+    clock[0] += 3600.0  # an hour idle earns no more than one burst
+    burst = int(sdk_server.LIST_BURST)
+    assert sum(server._may_list(4242) for _ in range(2 * burst)) == burst
+
+
+def test_list_budgets_of_users_gone_quiet_are_not_kept_forever(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A budget outlives the user's connections, but not once it is full again: every uid that
+    ever listed (pods with their own uids, say) would otherwise keep one."""
+    monkeypatch.setattr(sdk_server, "LIST_BUDGETS_KEPT", 64)
+    server = sdk_server.SdkServer(None)  # type: ignore[arg-type]
+    clock = [1000.0]
+    monkeypatch.setattr(sdk_server.time, "monotonic", lambda: clock[0])
+    burst = int(sdk_server.LIST_BURST)
+    assert all(server._may_list(5000) for _ in range(burst))  # spent
+    for uid in range(6000, 6000 + 200):
+        assert server._may_list(uid)
+        clock[0] += 0.001
+    assert len(server._list_budget) <= 64 + 1
+    clock[0] += 10.0  # every budget but a spent one is full again by now
+    assert server._may_list(7000) and len(server._list_budget) <= 64 + 1
+    assert not all(server._may_list(5000) for _ in range(burst + 1))  # not reset by a prune
