@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 from coordinator_helpers import TOKEN, connect_as, running_coordinator, wait_until
 
-from flowsched.coordinator import Coordinator
+from flowsched.coordinator import Coordinator, reach, service
 from flowsched.coordinator.service import FD_RESERVE, METRICS_MAX_CONNECTIONS
 from flowsched.fdlimit import raise_fd_limit
 from flowsched.protocol import Connection, Heartbeat, Role
@@ -211,3 +211,25 @@ async def test_idle_connections_to_the_metrics_port_lock_neither_scrapes_nor_age
         finally:
             for _, idle_writer in idle:
                 idle_writer.close()
+
+
+@pytest.mark.asyncio
+async def test_connections_turned_away_are_forgotten_after_the_knock_gap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a leader publishes as turned away covers the last KNOCK_GAP seconds only: one
+    refusal must not keep it from ever being deposed."""
+    async with running_coordinator() as coordinator:
+        clock = [1000.0]
+        monkeypatch.setattr(service.time, "monotonic", lambda: clock[0])
+        coordinator.count_rejection("too_many_connections")
+        coordinator.count_rejection("evicted")
+        coordinator.count_rejection("timeout")  # not a cap
+        assert coordinator.turned_away_lately() == 2
+        clock[0] += reach.KNOCK_GAP - 0.1
+        coordinator.count_rejection("evicted")
+        assert coordinator.turned_away_lately() == 3
+        clock[0] += 0.2
+        assert coordinator.turned_away_lately() == 1
+        clock[0] += reach.KNOCK_GAP
+        assert coordinator.turned_away_lately() == 0

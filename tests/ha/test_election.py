@@ -15,6 +15,7 @@ from flowsched.coordinator.election import (
     Candidacy,
     ElectionError,
     EtcdElection,
+    Leader,
     LeadershipLost,
     _b64,
     lease_ttl,
@@ -476,3 +477,23 @@ async def test_a_reach_published_under_another_epoch_deposes_nobody(etcd_url: st
         holding.cancel()
         server.close()
         await asyncio.to_thread(leader._post, "/kv/deleterange", {"key": _b64(leader.reach_key)})
+
+
+def test_knocks_count_after_the_time_the_lease_ttl_asks_for() -> None:
+    """With a long lease the leader publishes its count less often: knocks count later."""
+    for ttl, sustained in ((10, 5.0), (30, 10.0)):
+        candidacy = Candidacy(EtcdElection("http://127.0.0.1:1", "t", "127.0.0.1:2", ttl))
+        assert candidacy.knocks.sustained_after == sustained
+
+
+@pytest.mark.asyncio
+async def test_the_gauge_counts_no_knocks_made_toward_a_previous_leader() -> None:
+    standby = Candidacy(EtcdElection("http://127.0.0.1:1", "t", "127.0.0.1:2"))
+    standby.knocks.sustained_after = 0.0
+    standby._last_probe = time.monotonic() + 3600  # no probes of these made-up leaders
+    old = Leader("127.0.0.1:3", epoch=5, lease=1)
+    standby.election.leader = old
+    assert standby.refusal("n1") is not None
+    assert standby.agents_cut_off() == 1
+    standby.election.leader = Leader("127.0.0.1:4", epoch=9, lease=2)  # no knock since
+    assert standby.agents_cut_off() == 0

@@ -244,3 +244,65 @@ def test_a_connection_closed_before_the_request_is_sent_is_an_unavailable_agent(
     time.sleep(0.05)  # the server's end is closed now
     with sock, pytest.raises(client.AgentUnavailable, match="closed the connection"):
         client._ask_pages(sock, path, time.monotonic() + 2)
+
+
+def test_a_user_over_its_listing_rate_is_told_so(
+    agent: AgentThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sdk_server = agent.agent.sdk
+    assert sdk_server is not None
+    monkeypatch.setattr(sdk_server, "_may_list", lambda uid: False)  # its budget is spent
+    with pytest.raises(client.AgentUnavailable, match="too_many_requests") as caught:
+        client.list_flows(_path(agent))
+    assert caught.value.problem == "refused"
+
+
+def test_closed_flows_leave_no_trace_in_the_per_user_index(agent: AgentThread) -> None:
+    sdk_server = agent.agent.sdk
+    assert sdk_server is not None
+    path = _path(agent)
+    with client.flow("bulk", job="a", socket_path=path):
+        assert agent.run(lambda: sum(map(len, sdk_server._opened_of.values()))) == 1
+    wait_until(lambda: not agent.run(lambda: sdk_server._opened))
+    assert agent.run(lambda: dict(sdk_server._opened_of)) == {}
+    with _open_many(path, 5, "b"):  # closed by the client's disconnect
+        wait_until(lambda: agent.run(lambda: len(sdk_server._opened)) == 5)
+    wait_until(lambda: not agent.run(lambda: sdk_server._opened))
+    assert agent.run(lambda: dict(sdk_server._opened_of)) == {}
+
+
+def _refuse_then_close(conn: socket.socket) -> None:
+    _refuse_at_once(conn)
+    conn.shutdown(socket.SHUT_RDWR)
+
+
+def test_what_an_agent_said_before_it_closed_is_quoted(fake_agent) -> None:  # type: ignore[no-untyped-def]
+    """The client finds the connection closed as it sends its request: the error frame the
+    agent sent first is read and quoted (not just "Broken pipe")."""
+    closed = threading.Event()
+    path = fake_agent(lambda conn: (_refuse_then_close(conn), closed.set()))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    assert closed.wait(10)
+    time.sleep(0.05)
+    with sock, pytest.raises(client.AgentUnavailable, match="too_many_connections"):
+        client._ask_pages(sock, path, time.monotonic() + 2)
+
+
+def test_a_listing_keeps_to_its_timeout_across_places(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each place tried gets what is left of the timeout, not a whole one."""
+    given: list[float] = []
+
+    def slow_absent(path: str, timeout: float) -> socket.socket:
+        given.append(timeout)
+        time.sleep(min(timeout, 0.3))  # a connect that hangs until its timeout, or 0.3 s
+        raise client.AgentUnavailable(f"no flowsched agent at {path}", "absent")
+
+    monkeypatch.setattr(client, "_connect_trusted", slow_absent)
+    monkeypatch.setattr(client.rundir, "client_paths", lambda *_: ["/a", "/b", "/c", "/d"])
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        client.list_flows(timeout=0.5)
+    assert time.monotonic() - started < 0.75
+    assert len(given) == 2 and given[0] == pytest.approx(0.5, abs=0.05)
+    assert given[1] == pytest.approx(0.2, abs=0.05)
