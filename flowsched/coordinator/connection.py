@@ -548,7 +548,7 @@ class AgentConnection:
         if self._abort is not None and code in ("peer_closed", "connection_lost"):
             code, reason = self._abort.code, self._abort.reason
         self.closed_with = code
-        self._coordinator.count_rejection(code)
+        self._coordinator.count_rejection(code, in_handshake=not established)
         quiet = ("peer_closed", "shutdown", "replaced", "not_leader")
         level = logging.INFO if code in quiet else logging.WARNING
         text = "closing connection peer=%s node=%s state=%s: %s: %s"

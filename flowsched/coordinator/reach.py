@@ -67,13 +67,15 @@ class Knocks:
         self._streaks[node] = (now, now)
 
     def cut_off(self, now: float) -> list[str]:
-        """The nodes that have knocked for :attr:`sustained_after` seconds and still do,
-        sorted (streaks that ended are forgotten)."""
+        """The nodes whose knocks span :attr:`sustained_after` seconds and that still knock,
+        sorted (streaks that ended are forgotten). The span is between knocks, not up to
+        ``now``: one knock, say from an agent a new leader had not taken in yet when it
+        published its count, is no streak however long ago it came."""
         self._forget_ended(now)
         return sorted(
             node
-            for node, (first, _) in self._streaks.items()
-            if now - first >= self.sustained_after
+            for node, (first, last) in self._streaks.items()
+            if last - first >= self.sustained_after
         )
 
     def clear(self) -> None:

@@ -329,6 +329,8 @@ class Coordinator:
         except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
             raw.abort()
             self.count_rejection("tls")
+            if isinstance(exc, TimeoutError):  # reached us, not served in time: turned away
+                self._turned_away.append(time.monotonic())
             reason = tls_accept.failure_reason(exc)
             self.repeat_log.log(
                 f"tls:{reason}", logging.WARNING,
@@ -507,17 +509,19 @@ class Coordinator:
         """Job names the coordinator remembers."""
         return len(self._job_nodes)
 
-    def count_rejection(self, code: str) -> None:
-        """Count a closed connection by reason code (exported as a metric)."""
+    def count_rejection(self, code: str, *, in_handshake: bool = True) -> None:
+        """Count a closed connection by reason code (exported as a metric); ``in_handshake``:
+        it closed before its session was established."""
         assert self.live.rejected is not None
         self.live.rejected[code] += 1
-        if code in ("evicted", "too_many_connections"):
+        if code in ("evicted", "too_many_connections") or (in_handshake and code == "timeout"):
             self._turned_away.append(time.monotonic())
 
     def turned_away_lately(self) -> int:
-        """Connections turned away at the connection caps in the last ``reach.KNOCK_GAP``
-        seconds (agents that reach this coordinator and are not served: a standby must not
-        count them as cut off from it; flowsched.coordinator.reach)."""
+        """Connections turned away in the last ``reach.KNOCK_GAP`` seconds: at the connection
+        caps, or whose handshake (TLS included) did not finish in time (an overloaded
+        coordinator). Agents that reach this coordinator and are not served: a standby must
+        not count them as cut off from it (flowsched.coordinator.reach)."""
         horizon = time.monotonic() - reach.KNOCK_GAP
         while self._turned_away and self._turned_away[0] < horizon:
             self._turned_away.popleft()

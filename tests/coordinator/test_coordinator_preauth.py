@@ -58,6 +58,7 @@ async def test_a_byte_dripping_peer_is_cut_at_the_handshake_deadline() -> None:
     # each byte arrives well within any per-read timeout: only a whole-handshake deadline cuts it
     assert 0.55 <= elapsed < 1.5, elapsed
     assert coordinator.live.rejected == {"timeout": 1}
+    assert coordinator.turned_away_lately() == 1  # it reached us and was not served
 
 
 @pytest.mark.asyncio
@@ -224,12 +225,14 @@ async def test_connections_turned_away_are_forgotten_after_the_knock_gap(
         monkeypatch.setattr(service.time, "monotonic", lambda: clock[0])
         coordinator.count_rejection("too_many_connections")
         coordinator.count_rejection("evicted")
-        coordinator.count_rejection("timeout")  # not a cap
+        coordinator.count_rejection("timeout", in_handshake=False)  # a session's silence
+        coordinator.count_rejection("auth_failed")  # it did not prove the token
         assert coordinator.turned_away_lately() == 2
         clock[0] += reach.KNOCK_GAP - 0.1
         coordinator.count_rejection("evicted")
-        assert coordinator.turned_away_lately() == 3
+        coordinator.count_rejection("timeout")  # a handshake not served in time
+        assert coordinator.turned_away_lately() == 4
         clock[0] += 0.2
-        assert coordinator.turned_away_lately() == 1
+        assert coordinator.turned_away_lately() == 2
         clock[0] += reach.KNOCK_GAP
         assert coordinator.turned_away_lately() == 0

@@ -151,6 +151,7 @@ def test_mutual_tls_refuses_agents_without_a_trusted_certificate_and_logs_the_pe
                 await _connect(coordinator, context)
             assert words in refused.value.reason, case
             assert coordinator.live.rejected == {"tls": 1}
+            assert coordinator.turned_away_lately() == 0  # refused, not turned away unserved
             logged = [r.getMessage() for r in caplog.records]
             logged = [line for line in logged if "TLS handshake with" in line]
             assert len(logged) == 1 and "127.0.0.1:" in logged[0], logged
@@ -215,6 +216,28 @@ def test_certificate_names_are_the_dns_alt_names_then_the_common_names() -> None
 def test_config_refuses_an_unknown_client_names_rule() -> None:
     with pytest.raises(ValueError, match="tls_client_names: expected 'node' or 'any'"):
         CoordinatorConfig(token=TOKEN, policy_factory=object, tls_client_names="cn")  # type: ignore[arg-type]
+
+
+def test_a_tls_handshake_not_finished_in_time_is_turned_away(
+    run: Runner, tls_files: TlsFiles
+) -> None:
+    async def scenario() -> None:
+        settings = {**_server(tls_files), "handshake_timeout": 0.3}
+        async with running_coordinator(**settings) as coordinator:
+            assert coordinator.addresses is not None
+            reader, writer = await asyncio.open_connection(
+                coordinator.addresses.host, coordinator.addresses.port
+            )
+            writer.write(b"\x16\x03\x01")  # the start of a ClientHello, and no more
+            async with asyncio.timeout(5):
+                await reader.read()  # until the coordinator gives up on it
+            writer.close()
+            await wait_until(lambda: coordinator.live.rejected.get("tls"), 5, "the rejection")
+            # a standby must not count an agent an overloaded leader could not serve in time
+            # as cut off from it (flowsched.coordinator.reach)
+            assert coordinator.turned_away_lately() == 1
+
+    run(scenario())
 
 
 def test_a_port_probe_is_not_a_failed_handshake(

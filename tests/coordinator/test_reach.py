@@ -29,7 +29,8 @@ def _knocks(times: dict[str, list[float]]) -> Knocks:
         pytest.param({"a": [0.0]}, 0.0, [], id="one-knock"),
         pytest.param({"a": [0.0, 3.0, 6.0]}, 6.0, ["a"], id="kept-knocking"),
         pytest.param({"a": [0.0, 3.0]}, 4.9, [], id="not-long-enough"),
-        pytest.param({"a": [0.0]}, 5.0, ["a"], id="sustained-by-time-alone"),
+        pytest.param({"a": [0.0]}, 9.0, [], id="one-knock-is-no-streak"),
+        pytest.param({"a": [0.0, 4.0]}, 9.0, [], id="knocks-span-too-little"),
         pytest.param({"a": [0.0, 3.0]}, 13.1, [], id="stopped-knocking"),
         pytest.param({"a": [0.0, 11.0, 14.0]}, 14.0, [], id="gap-restarts-the-streak"),
         pytest.param({"a": [0.0, 11.0, 16.0]}, 16.0, ["a"], id="new-streak-sustained"),
@@ -45,11 +46,14 @@ def test_tracked_nodes_are_bounded_and_ended_streaks_make_room() -> None:
     knocks.note("a", 0.0)
     knocks.note("b", 0.0)
     knocks.note("c", 1.0)  # over the limit: not counted
-    assert knocks.cut_off(1.0) == ["a", "b"]
+    knocks.note("a", 1.0)
+    knocks.note("b", 1.0)
+    knocks.note("c", 2.0)
+    assert knocks.cut_off(2.0) == ["a", "b"]
     knocks.note("a", 5.0)  # a known node's streak goes on
-    knocks.note("c", 10.5)  # b's streak ended (last 0.0): room for c
-    knocks.note("c", 12.0)
-    assert knocks.cut_off(12.0) == ["a", "c"]
+    knocks.note("c", 11.5)  # b's streak ended (last 1.0): room for c
+    knocks.note("c", 12.5)
+    assert knocks.cut_off(12.5) == ["a", "c"]
 
 
 def test_clear_forgets_every_streak() -> None:
