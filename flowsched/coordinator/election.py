@@ -591,7 +591,8 @@ class EtcdElection:
     def _publish_reach(self, leadership: Leadership, counts: tuple[int, int]) -> None:
         value = reach.encode_reach(reach.Reach(leadership.epoch, *counts))
         body = {"key": _b64(self.reach_key), "value": _b64(value), "lease": leadership.lease}
-        self._post("/kv/put", body, "publish")
+        # a client of its own per put: a put that timed out may still run in its thread
+        self._post("/kv/put", body, "once")
 
     def read_reach(self) -> reach.Reach | None:
         """What the leader published of its agents, None when nothing is published (a leader

@@ -11,12 +11,14 @@ import resource
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from agent_helpers import agent_config, wait_until
 
 from flowsched import client, fdlimit
 from flowsched.agent import sdk_server
+from flowsched.agent.flows import FlowRegistry
 from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.model import FlowClass
@@ -257,3 +259,40 @@ def test_list_budgets_of_users_gone_quiet_are_not_kept_forever(
     clock[0] += 10.0  # every budget but a spent one is full again by now
     assert server._may_list(7000) and len(server._list_budget) <= 64 + 1
     assert not all(server._may_list(5000) for _ in range(burst + 1))  # not reset by a prune
+
+
+def _listing_server(job: str, flows: int) -> sdk_server.SdkServer:
+    """An SDK server over a real registry holding ``flows`` flows of root's, each of ``job``."""
+    registry = FlowRegistry(node="n1", links=("n1:tx",), id_prefix=1)
+    server = sdk_server.SdkServer(SimpleNamespace(registry=registry))  # type: ignore[arg-type]
+    for ref in range(flows):
+        asked = sdk.Open(ref, "kv", size=1 << 40, deadline=2e9, job=job, request=job)
+        flow, _ = registry.open_sdk(7, FlowClass.KV, 1.7e9, size=asked.size,
+                                    deadline=asked.deadline, job=job, request=job)  # fmt: skip
+        server._opened[flow.flow_id] = (7, 0, asked)
+        server._opened_of.setdefault(0, {})[flow.flow_id] = None
+    return server
+
+
+def test_a_page_of_flows_fits_its_frame_whatever_their_size() -> None:
+    # a flow size whose whole number of flows fills a frame to within its own fields' bytes:
+    # a page built up to the frame limit, without room for them, would not fit
+    probe = _listing_server("j", 1)
+    base = sdk.encoded_size(probe._flow_info(next(iter(probe._opened))))  # type: ignore[arg-type]
+    size, job = next(
+        (base - 2 + 2 * n, "j" * n)  # (the job and the request both take the name)
+        for n in range(1, 200)
+        if sdk.MAX_SDK_FRAME % (base - 2 + 2 * n) < 40
+    )
+    server = _listing_server(job, 2 * (sdk.MAX_SDK_FRAME // size) + 3)
+    assert sdk.encoded_size(server._flow_info(next(iter(server._opened)))) == size  # type: ignore[arg-type]
+    listed, after, pages = [], None, 0
+    while True:
+        page = server.flow_page(0, after)
+        assert len(sdk.encode(page)) <= sdk.MAX_SDK_FRAME  # encode raises past the limit
+        listed += [info.id for info in page.flows]
+        pages += 1
+        if not page.more:
+            break
+        after = page.flows[-1].id
+    assert listed == list(server._opened) and pages > 1

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from flowsched import client
 from flowsched.cli import flows, main
+from flowsched.protocol import sdk
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
 
@@ -45,3 +47,22 @@ def test_a_table_re_created_between_the_looks_is_said_not_measured(
     assert main(["flows", "--table", table.path, "--interval", "0.5"]) == 1
     err = capsys.readouterr().err
     assert "was re-created during the 0.5 s" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_connection_is_marked_with_the_sdk_flow_it_carries_only_while_its_claim_lasts(
+    table: FlowTable, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    carried = EmulatedPluginSlot(table, class_id=2)
+    reclaimed = EmulatedPluginSlot(table, class_id=2)
+    ended_claim = (reclaimed.index, reclaimed.claim_seq - 1)
+    infos = (
+        sdk.FlowInfo(41, "param_sync", 1, 0.0, 0, slots=((carried.index, carried.claim_seq),)),
+        # the agent listed a claim of this slot that has ended since: another connection now
+        sdk.FlowInfo(42, "param_sync", 1, 0.0, 0, slots=(ended_claim,)),
+    )
+    listing = client.FlowListing("/run/agent.sock", infos, everyone=True)
+    monkeypatch.setattr(flows.client, "list_flows", lambda path, timeout: listing)
+    assert main(["flows", "--table", table.path, "--interval", "0", "--json"]) == 0
+    rows = {row["slot"]: row for row in json.loads(capsys.readouterr().out)["connections"]}
+    assert rows[carried.index]["sdk_flow"] == 41
+    assert rows[reclaimed.index]["sdk_flow"] is None
