@@ -726,10 +726,12 @@ def list_flows(socket_path: str | None = None, *, timeout: float = OPEN_TIMEOUT)
     else:
         places = rundir.client_paths(rundir.SOCKET_NAME, "FLOWSCHED_SOCKET")
     deadline = time.monotonic() + timeout
-    failures = []
+    failures: list[AgentUnavailable] = []
     for path in places:
         left = deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0:  # what an earlier place said beats a bare timeout
+            if failures:
+                raise failures[0]
             raise TimeoutError(f"no flowsched agent listed its flows within {timeout:g} s")
         try:
             sock = _connect_trusted(path, left)
