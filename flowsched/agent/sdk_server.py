@@ -399,7 +399,7 @@ class SdkServer:
     def _may_list(self, uid: int | None) -> bool:
         """Whether ``uid`` may have one more ``list`` page now (a token bucket per uid; root
         and the agent's own user, who may stop the agent anyway, are not limited)."""
-        if uid == 0 or uid == os.geteuid():
+        if _sees_everyone(uid):
             return True
         now = time.monotonic()
         if len(self._list_budget) >= LIST_BUDGETS_KEPT and uid not in self._list_budget:
@@ -435,7 +435,7 @@ class SdkServer:
         many as fit one frame: root and the agent's own user see every user's flows (like
         ``ss``, the operator's view of the node), any other user its own only (their job and
         request names are nobody else's business)."""
-        everyone = uid == 0 or uid == os.geteuid()
+        everyone = _sees_everyone(uid)
         budget = sdk.MAX_SDK_FRAME - 1024  # the frame's own fields and length prefix
         page: list[sdk.FlowInfo] = []
         # opening order, which is id order (ids only grow); another user's flows are never
@@ -581,6 +581,12 @@ class SdkListener:
     def close(self) -> None:
         """Stop accepting; the listening socket closes as the accept loop ends."""
         self._accepting.cancel()
+
+
+def _sees_everyone(uid: int | None) -> bool:
+    """Root and the agent's own user (who may stop the agent anyway) list every user's flows,
+    unlimited."""
+    return uid == 0 or uid == os.geteuid()
 
 
 def _peer_cred(conn: socket.socket) -> tuple[int, int | None]:

@@ -730,23 +730,16 @@ class EtcdElection:
         """Keep the lease alive; returns once leadership is (or may be) lost. ``agents``: how
         many agents this leader serves and how many connections it turned away at its caps
         lately, published after each keepalive when they changed."""
-        period = self.ttl / KEEPALIVES_PER_TTL
-        give_up_after = self.ttl * (1.0 - STEP_DOWN_MARGIN)
-        last_good = time.monotonic()
         publisher = _ReachPublisher(self, leadership, agents)
         try:
-            await self._keep_alive(leadership, period, give_up_after, last_good, publisher)
+            await self._keep_alive(leadership, publisher)
         finally:
             publisher.stop()
 
-    async def _keep_alive(
-        self,
-        leadership: Leadership,
-        period: float,
-        give_up_after: float,
-        last_good: float,
-        publisher: _ReachPublisher,
-    ) -> None:
+    async def _keep_alive(self, leadership: Leadership, publisher: _ReachPublisher) -> None:
+        period = self.ttl / KEEPALIVES_PER_TTL
+        give_up_after = self.ttl * (1.0 - STEP_DOWN_MARGIN)
+        last_good = time.monotonic()
         failed = 0
         while True:
             sent = time.monotonic()

@@ -330,7 +330,7 @@ class Coordinator:
             raw.abort()
             self.count_rejection("tls")
             if isinstance(exc, TimeoutError):  # reached us, not served in time: turned away
-                self._turned_away.append(time.monotonic())
+                self._note_turned_away()
             reason = tls_accept.failure_reason(exc)
             self.repeat_log.log(
                 f"tls:{reason}", logging.WARNING,
@@ -515,7 +515,10 @@ class Coordinator:
         assert self.live.rejected is not None
         self.live.rejected[code] += 1
         if code in ("evicted", "too_many_connections") or (in_handshake and code == "timeout"):
-            self._turned_away.append(time.monotonic())
+            self._note_turned_away()
+
+    def _note_turned_away(self) -> None:
+        self._turned_away.append(time.monotonic())
 
     def turned_away_lately(self) -> int:
         """Connections turned away in the last ``reach.KNOCK_GAP`` seconds: at the connection
