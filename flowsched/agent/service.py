@@ -143,7 +143,7 @@ class Agent:
         self._token: bytes | None = None
         self._tls: ReloadingContext | None = None  # config.tls: the coordinator link's
         self._socket_bound = False
-        #: (etcd cluster id, epoch) of the newest leader followed: fencing (docs/ha.md)
+        #: (fencing scope, epoch) of the newest leader followed: fencing (docs/ha.md)
         self.leader_epoch = (0, 0)
         #: which of the coordinator addresses led last (tried first on reconnect)
         self._leader_index = 0

@@ -5,7 +5,11 @@ Every coordinator started with ``--etcd`` is a candidate. The recipe (docs/ha.md
 * campaign: grant a *fresh* lease (TTL ``lease_ttl``), then one transaction "if the leader key
   does not exist, put it (value: this coordinator's agent address) on that lease, else read
   it". Winning makes the key's create revision this leadership's **epoch**, the fencing token
-  stamped on every message to agents (revisions only grow in an etcd cluster);
+  stamped on every message to agents (revisions only grow in an etcd cluster), within a
+  **fencing scope**: etcd's cluster id mixed with the election's incarnation, a random id the
+  first campaign on an etcd data set stores (an etcd rebuilt empty, whose revisions start
+  over, keeps its cluster id when its members and token are the same, but gets a new
+  incarnation, so agents do not compare the new epochs with the old ones);
 * standby: watch the key from the revision after the losing read, for its deletion only
   (lease expired, revoked, or deleted), then campaign again; every TTL/4 it also reads the
   key on the watch's member, so that a member that hangs or is cut off from etcd's quorum
@@ -41,8 +45,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import hashlib
 import json
 import logging
+import secrets
 import socket
 import ssl
 import threading
@@ -68,6 +74,9 @@ T = TypeVar("T")
 
 #: the election key is ``KEY_PREFIX + name``
 KEY_PREFIX = "/flowsched/leader/"
+#: the election's incarnation (a random id, stored once per etcd data set, no lease) is kept
+#: at ``INCARNATION_PREFIX + name``
+INCARNATION_PREFIX = "/flowsched/incarnation/"
 #: keepalives per TTL (etcd3's own clients renew at TTL/3; more often costs nothing here)
 KEEPALIVES_PER_TTL = 4
 #: a leader steps down this share of the TTL before its lease may have expired at etcd
@@ -110,9 +119,22 @@ class Leadership:
     """This candidate's won leadership."""
 
     epoch: int
-    #: etcd's cluster id: epochs compare only within one etcd cluster
+    #: the fencing scope (:func:`fencing_scope`): epochs compare only within one
     cluster: int
     lease: int
+
+
+def fencing_scope(cluster_id: int, incarnation: str | None) -> int:
+    """The id within which agents compare epochs (the welcome's ``cluster``): etcd's cluster
+    id mixed with the election's incarnation. etcd derives its cluster id from the members
+    and the cluster token, so a cluster rebuilt empty with the same ones keeps it while its
+    revisions, hence epochs, start over; the incarnation, stored by the first campaign on an
+    etcd data set, is new there. Without one (etcd refused its key) the cluster id alone, as
+    coordinators of earlier releases stamp it. Never 0 (0: no election) unless etcd says 0."""
+    if incarnation is None:
+        return cluster_id
+    digest = hashlib.blake2b(f"{cluster_id}/{incarnation}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") or 1
 
 
 def parse_endpoint(url: str) -> tuple[str, str, int]:
@@ -395,6 +417,7 @@ class EtcdElection:
             else None
         )
         self.key = KEY_PREFIX + name
+        self.incarnation_key = INCARNATION_PREFIX + name
         #: where the leader publishes how many agents it serves (flowsched.coordinator.reach)
         self.reach_key = reach.REACH_PREFIX + name
         self.address = address
@@ -557,6 +580,7 @@ class EtcdElection:
 
         Returns (leadership or None, the revision the read saw).
         """
+        incarnation = self._incarnation()  # before the lease: a won leadership needs it
         lease = int(self._post("/lease/grant", {"TTL": self.ttl})["ID"])
         key = _b64(self.key)
         txn = {
@@ -570,10 +594,42 @@ class EtcdElection:
         if reply.get("succeeded"):
             self.won_lease = lease
             self.leader = Leader(self.address, revision, lease)
-            return Leadership(revision, int(header.get("cluster_id", 0)), lease), revision
+            scope = fencing_scope(int(header.get("cluster_id", 0)), incarnation)
+            return Leadership(revision, scope, lease), revision
         self._revoke(lease)  # never used: do not leave it to expire
         self.leader = self._leader_from(reply["responses"][0]["response_range"])
         return None, revision
+
+    def _incarnation(self) -> str | None:
+        """The election's incarnation on this etcd data set: read, or stored (random) by one
+        transaction when there is none yet (of candidates starting at once, one stores it
+        and every other reads that one). None, logged, when etcd denies the key: an etcd role
+        granting only the keys of earlier releases."""
+        key, made = _b64(self.incarnation_key), secrets.token_hex(16)
+        txn = {
+            "compare": [{"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": 0}],
+            "success": [{"request_put": {"key": key, "value": _b64(made)}}],
+            "failure": [{"request_range": {"key": key}}],
+        }
+        try:
+            reply = self._post("/kv/txn", txn)
+        except Exception as exc:
+            if not (_answered(exc) and "permission denied" in str(getattr(exc, "detail_text", ""))):
+                raise
+            self._repeat.log(
+                "incarnation denied", logging.WARNING,
+                "etcd denies %s: epochs are fenced within etcd's cluster id alone, as by "
+                "earlier releases (an etcd rebuilt empty with the same members and token makes "
+                "agents refuse the new leaders); grant the coordinators read-write on it",
+                self.incarnation_key,
+            )  # fmt: skip
+            return None
+        if reply.get("succeeded"):
+            return made
+        kvs = reply["responses"][0]["response_range"].get("kvs") or []
+        if not kvs:  # deleted between the compare and the read: the next campaign stores one
+            raise ElectionError(f"{self.incarnation_key} vanished while being read")
+        return base64.b64decode(kvs[0].get("value", "")).decode(errors="replace")
 
     @staticmethod
     def _leader_from(response_range: dict[str, Any]) -> Leader | None:
@@ -921,7 +977,7 @@ class Candidacy:
 
     @property
     def cluster(self) -> int:
-        """The etcd cluster id while leading, else 0."""
+        """The fencing scope (:func:`fencing_scope`) while leading, else 0."""
         return self.leadership.cluster if self.leadership is not None else 0
 
     def refusal(self, node: str | None = None) -> str | None:

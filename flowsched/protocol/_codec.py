@@ -74,7 +74,7 @@ MAC_SIZE: Final = 32
 _Map = dict[Any, Any]
 _MISSING: Final = object()
 _CLASSES: Final = {c.label: c for c in FlowClass}
-#: optional fields left out of a frame when 0 (the leadership epoch and etcd cluster id)
+#: optional fields left out of a frame when 0 (the leadership epoch and its fencing scope)
 _ZERO_MEANS_ABSENT: Final = ("epoch", "cluster", "done")
 #: optional fields of ``hello`` and ``welcome`` left out when empty (the agent's nonce and the
 #: coordinator's MAC, from version 3): a peer of an older version knows neither
@@ -591,7 +591,7 @@ def _level_update(item: object, path: str) -> LevelUpdate:
 
 
 def _epoch(f: _Fields, name: str) -> int:
-    """An optional epoch or etcd cluster id (absent: 0, no election)."""
+    """An optional epoch or fencing scope (absent: 0, no election)."""
     value: int | None = f.integer(name, 0, U64_MAX, optional=True)
     return 0 if value is None else value
 

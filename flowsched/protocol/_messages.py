@@ -143,7 +143,9 @@ class Welcome:
     #: the leadership's fencing token (etcd create revision of the leader key; 0 = no
     #: election): an agent refuses a coordinator whose epoch is below one it already followed
     epoch: int = 0
-    #: the etcd cluster id that ``epoch`` belongs to (epochs compare only within one cluster)
+    #: the fencing scope ``epoch`` belongs to (etcd's cluster id and the election's
+    #: incarnation: :func:`flowsched.coordinator.election.fencing_scope`); epochs compare
+    #: only within one
     cluster: int = 0
     #: from version :data:`MUTUAL_AUTH_VERSION`: the coordinator's proof that it holds the
     #: token, over both nonces, the node, the versions and every other field of this welcome

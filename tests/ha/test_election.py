@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
+from ha_helpers import need_etcd
 
 from flowsched.coordinator.config import CoordinatorConfig
 from flowsched.coordinator.election import (
@@ -18,13 +23,15 @@ from flowsched.coordinator.election import (
     Leader,
     LeadershipLost,
     _b64,
+    fencing_scope,
     lease_ttl,
     refuses_connections,
     short_lease_warning,
     split_address,
 )
 from flowsched.coordinator.reach import Reach, encode_reach
-from flowsched.testbed.daemons import closed_port, wait_until
+from flowsched.testbed.daemons import closed_port, free_ports, wait_until
+from flowsched.testbed.etcd import local_etcd
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -81,6 +88,93 @@ async def test_one_leads_the_other_waits_and_takes_over_on_resign(etcd_url: str)
     assert taken.cluster == won.cluster != 0
     assert handover < 1.0, handover  # a watch round trip, not a TTL
     print(f"\nhandover after resign: {handover * 1e3:.0f} ms")
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_etcd_keeps_the_fencing_scope_and_one_rebuilt_empty_does_not(
+    tmp_path: Path,
+) -> None:
+    need_etcd()
+    ports = free_ports(2)
+    scopes, epochs = [], []
+    for data in ("etcd-a", "etcd-a", "etcd-b"):  # the same member twice, then rebuilt empty
+        with local_etcd(tmp_path / "etcd.log", data_dir=tmp_path / data, ports=ports) as url:
+            election = EtcdElection(url, "t", "a:1")
+            won = await election.campaign()
+            await election.resign(won)
+        scopes.append(won.cluster)
+        epochs.append(won.epoch)
+    assert scopes[0] == scopes[1] != 0 and epochs[1] > epochs[0]  # restarted: compared
+    assert scopes[2] not in (0, scopes[0]) and epochs[2] <= epochs[0]  # rebuilt: a new scope
+
+
+def _etcd_call(url: str, path: str, body: dict[str, Any], token: str = "") -> dict[str, Any]:
+    request = urllib.request.Request(
+        f"{url}/v3/{path}", json.dumps(body).encode(), {"Authorization": token} if token else {}
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        reply: dict[str, Any] = json.load(answer)
+    return reply
+
+
+def _coordinator_user(url: str, keys: list[str]) -> str:
+    """Turn etcd's authentication on with a user granted read-write on ``keys`` alone; its
+    token."""
+    for path, body in [
+        ("auth/user/add", {"name": "root", "password": "root-pw"}),
+        ("auth/user/grant", {"user": "root", "role": "root"}),
+        ("auth/user/add", {"name": "coordinator", "password": "pw"}),
+        ("auth/role/add", {"name": "coordinator"}),
+        *[("auth/role/grant", {"name": "coordinator", "perm": {"permType": "READWRITE",
+                                                               "key": _b64(key)}})
+          for key in keys],
+        ("auth/user/grant", {"user": "coordinator", "role": "coordinator"}),
+        ("auth/enable", {}),
+    ]:  # fmt: skip
+        _etcd_call(url, path, body)
+    return str(
+        _etcd_call(url, "auth/authenticate", {"name": "coordinator", "password": "pw"})["token"]
+    )
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("incarnation_granted", [True, False])
+async def test_without_the_incarnation_key_granted_the_scope_is_the_cluster_id(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, incarnation_granted: bool
+) -> None:
+    """An etcd role that grants the keys of earlier releases only: the leader still wins,
+    fencing within etcd's cluster id alone (what earlier releases stamp), and says which key
+    to grant."""
+    need_etcd()
+    keys = ["/flowsched/leader/t", "/flowsched/reach/t"]
+    keys += ["/flowsched/incarnation/t"] if incarnation_granted else []
+    with local_etcd(tmp_path / "etcd.log") as url:
+        token = _coordinator_user(url, keys)
+        cluster_id = int(
+            _etcd_call(url, "kv/range", {"key": _b64(keys[0])}, token)["header"]["cluster_id"]
+        )
+        election = EtcdElection(url, "t", "a:1")
+        original = election._new_client
+
+        def with_token(member: int) -> Any:  # flowsched itself authenticates by certificate
+            client = original(member)
+            client.session.headers["Authorization"] = token
+            return client
+
+        election._new_client = with_token  # type: ignore[method-assign]
+        election._clients.clear()
+        won = await asyncio.wait_for(election.campaign(), 10)
+        await election.resign(won)
+    denied = "etcd denies /flowsched/incarnation/t" in caplog.text
+    assert denied is not incarnation_granted
+    assert (won.cluster == cluster_id) is not incarnation_granted
+
+
+def test_the_fencing_scope_mixes_the_cluster_id_with_the_incarnation() -> None:
+    scope = fencing_scope(7, "a")
+    assert scope == fencing_scope(7, "a") != 0
+    assert len({scope, fencing_scope(8, "a"), fencing_scope(7, "b")}) == 3
+    assert scope < 2**64  # the welcome's field is a uint64
 
 
 @pytest.mark.asyncio

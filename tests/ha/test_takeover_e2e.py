@@ -9,16 +9,19 @@ leadership at one time, the killed leader's successor sends with the higher epoc
 (SIGSTOP) leader is replaced once its lease expires and, resumed, exits without the agent ever
 following it again. A live leader that the agents cannot reach (its address, as they see it,
 takes connections and never answers) is deposed by the standby they reach; one that turns
-agents away at its connection caps is not (they reach it).
+agents away at its connection caps is not (they reach it). After etcd is rebuilt empty, the
+agent follows the new leader although its epoch is below the old one's.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import signal
 import socket
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,7 @@ from ha_helpers import (
     Daemon,
     emulated_plugin,
     leads,
+    need_etcd,
     start_agent,
     start_coordinator,
     total,
@@ -36,6 +40,8 @@ from flowsched import transfer
 from flowsched.protocol import write_token
 from flowsched.shm import layout
 from flowsched.shm.table import FlowTable
+from flowsched.testbed.daemons import free_ports
+from flowsched.testbed.etcd import local_etcd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -289,3 +295,59 @@ def test_a_leader_turning_agents_away_at_its_connection_cap_keeps_its_leadership
     finally:
         for daemon in reversed(started):
             daemon.stop()
+
+
+def _etcd_put(url: str, key: str, value: str) -> dict[str, object]:
+    request = {"key": base64.b64encode(key.encode()).decode(),
+               "value": base64.b64encode(value.encode()).decode()}  # fmt: skip
+    with urllib.request.urlopen(f"{url}/v3/kv/put", json.dumps(request).encode(), 5) as answer:
+        reply: dict[str, object] = json.load(answer)
+    return reply
+
+
+def test_agents_follow_the_leader_of_an_etcd_rebuilt_empty(tmp_path: Path) -> None:
+    """etcd rebuilt empty with the same member and token keeps its cluster id while its
+    revisions start over: the new leader's epoch is below the one the agent followed, and
+    the agent follows it all the same (a new fencing scope), without any deposition."""
+    need_etcd()
+    token = tmp_path / "token"
+    write_token(token)
+    ports = free_ports(2)
+    started: list[Daemon] = []
+    try:
+        with local_etcd(tmp_path / "etcd.log", data_dir=tmp_path / "etcd-a", ports=ports) as url:
+            for i in range(40):  # revisions well above the rebuilt cluster's first ones
+                before = _etcd_put(url, f"/other/{i}", "x")["header"]
+            leader = start_coordinator(tmp_path, token, url, "c0")
+            standby = start_coordinator(tmp_path, token, url, "c1")
+            started += [leader, standby]
+            agent = start_agent(tmp_path, token, [leader, standby], "n0")
+            started.append(agent)
+            wait_for(lambda: _follows(agent, leader), DEADLINE, "the agent on c0")
+            followed = int(total(leader.metrics(), "flowsched_coordinator_epoch"))
+            assert followed > 40
+        # etcd is gone: c0 steps down and exits, c1 campaigns in vain until etcd is back
+        assert leader.proc.wait(timeout=DEADLINE) == 1
+        with local_etcd(tmp_path / "etcd.log", data_dir=tmp_path / "etcd-b", ports=ports) as url:
+            after = _etcd_put(url, "/other/0", "x")["header"]
+            assert after["cluster_id"] == before["cluster_id"]  # type: ignore[index]
+            wait_for(
+                lambda: _follows(agent, standby), 30, "the agent on c1, leading the rebuilt etcd"
+            )  # fmt: skip
+            assert 0 < total(standby.metrics(), "flowsched_coordinator_epoch") < followed
+            said = (tmp_path / "agent-n0.log").read_text()
+            assert "a deposed leader, not followed" not in said
+    finally:
+        for daemon in reversed(started):
+            daemon.stop()
+
+
+def _follows(agent: Daemon, coordinator: Daemon) -> bool:
+    """Whether ``agent`` holds a session with ``coordinator``, leading: the coordinator counts
+    an agent from its handshake on, the agent itself only once it took the welcome."""
+    metrics = coordinator.metrics()
+    return (
+        total(metrics, "flowsched_coordinator_leader") == 1
+        and total(metrics, "flowsched_coordinator_agents_connected") == 1
+        and total(agent.metrics(), "flowsched_agent_coordinator_connected") == 1
+    )
