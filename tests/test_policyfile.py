@@ -86,6 +86,32 @@ def test_minimal_file_gets_every_default() -> None:
     assert config.class_for_traffic_class(99) is None
 
 
+def test_default_toml_shows_what_an_omitted_key_takes() -> None:
+    # its header: every key but policy.name may be left out and takes the value shown there,
+    # except description and the classes' deadline (no default deadline without one)
+    shown = policyfile.load(ROOT / "policies" / "default.toml")
+    bare = policyfile.loads(MINIMAL)
+    assert (shown.num_levels, shown.hw_queues, shown.hw_mapping, shown.timer_period) == (
+        bare.num_levels,
+        bare.hw_queues,
+        bare.hw_mapping,
+        bare.timer_period,
+    )
+    assert (shown.queues, shown.levels, shown.gating) == (bare.queues, bare.levels, bare.gating)
+    for cls in FlowClass:
+        with_deadline, without = shown.classes[cls], bare.classes[cls]
+        assert with_deadline.traffic_classes == without.traffic_classes, cls
+        assert with_deadline.default_level == without.default_level, cls
+        assert without.deadline is None, cls
+    # top_threshold, left out, follows U (0.5 by default), as the file's comment says
+    args = {k: tuple(v) if isinstance(v, list) else v for k, v in shown.args.items()}
+    args["top_threshold"] = None
+    rmlq = policies.module("rmlq")
+    assert rmlq.Args(**bare.args) == rmlq.Args(**args)
+    built = bare.make_policy()
+    assert isinstance(built, RmlqPolicy) and built.top_threshold == shown.args["top_threshold"]
+
+
 def test_levels_follow_the_hardware_queue_mapping() -> None:
     config = policyfile.load(ROOT / "policies" / "rl-disaggregated.toml")
     assert config.level_queue == (0, 0, 1, 1, 2, 2, 3, 3)  # hw_mapping = "proportional"
