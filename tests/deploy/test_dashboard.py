@@ -62,3 +62,19 @@ def test_active_flows_stat_reads_zero_without_flows() -> None:
     # the gauge has no series while no flow is open: the stat shows 0, not "No data"
     (expr,) = [expr for title, expr in panel_targets() if title == "Active flows"]
     assert expr.replace(" ", "").endswith("orvector(0)")
+
+
+def test_quantile_panels_plot_every_quantile_their_title_names() -> None:
+    # "Lateness and earliness (p50, p99)" once plotted no earliness p99
+    for panel in dashboard()["panels"]:
+        named = re.search(r"\((p\d+(?:, p\d+)*)\)$", panel.get("title", ""))
+        if panel["type"] == "row" or named is None:
+            continue
+        wanted = {str(int(q[1:]) / 100) for q in named.group(1).split(", ")}
+        found: dict[str, set[str]] = {}
+        for target in panel["targets"]:
+            call = re.match(r"histogram_quantile\((0\.\d+),.*?(\w+)_bucket", target["expr"])
+            assert call, target["expr"]
+            found.setdefault(call.group(2), set()).add(call.group(1))
+        for metric, quantiles in found.items():
+            assert quantiles == wanted, (panel["title"], metric)
