@@ -64,7 +64,7 @@ def register(sub: Any) -> None:
         default=None,
         metavar="PATH",
         help="flow table (default $FLOWSCHED_TABLE, else 'table' in /run/flowsched for root, "
-        "$XDG_RUNTIME_DIR/flowsched otherwise)",
+        "$XDG_RUNTIME_DIR/flowsched otherwise, /tmp/flowsched-<uid> without it)",
     )
     parser.add_argument(
         "--socket",
