@@ -103,7 +103,7 @@ def register(sub: Any) -> None:
         action="append",
         default=[],
         metavar="IF",
-        help="NIC to monitor (repeatable; default: every interface that is up)",
+        help="NIC to monitor (repeatable; default: every interface that is up, loopback excluded)",
     )
     parser.add_argument(
         "--link-bandwidth",
