@@ -217,7 +217,12 @@ def resolve(name_or_path: str) -> Path:
 def load(name_or_path: str) -> Scenario:
     """Read and validate a scenario file (path or bundled name)."""
     path = resolve(name_or_path)
-    return parse(path.read_text(), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ScenarioError([f"{path}: cannot read: {reason}"]) from None
+    return parse(text, str(path))
 
 
 def parse(text: str, path: str | None = None) -> Scenario:

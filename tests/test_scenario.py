@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -101,6 +102,19 @@ def test_bundled_scenarios_parse(name: str) -> None:
 def test_unknown_scenario_name_lists_the_bundled_ones() -> None:
     with pytest.raises(ScenarioError, match="pd-serving"):
         scenario.resolve("no-such-scenario")
+
+
+@pytest.mark.parametrize("content", [None, b"\xff\xfe[scenario]\n"], ids=["directory", "not-utf8"])
+def test_an_unreadable_file_is_a_scenario_error_naming_it(
+    tmp_path: Path, content: bytes | None
+) -> None:
+    path = tmp_path / "scen.toml"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ScenarioError, match=f"{path}: cannot read"):
+        scenario.load(str(path))
 
 
 def test_trace_is_seeded_and_only_arrivals_scale_with_load() -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-#: a file where a directory is expected (``{file}``), a policy file with an error (``{bad}``)
+#: a file where a directory is expected (``{file}``), a policy file with an error (``{bad}``),
+#: a file that is not UTF-8 text (``{binary}``)
 CASES = {
     "sim-loads-not-a-number": (["sim", "pd-serving", "--loads", "abc"], "--loads"),
     "sim-loads-zero": (["sim", "pd-serving", "--loads", "0.5,0"], "--loads"),
@@ -27,6 +28,8 @@ CASES = {
     "sim-missing-policy-file": (
         ["sim", "pd-serving", "--policy-file", "{dir}/nope.toml"], "--policy-file"),
     "sim-seeds-zero": (["sim", "pd-serving", "--seeds", "0"], "--seeds"),
+    "sim-scenario-is-a-directory": (["sim", "{dir}"], "cannot read"),
+    "sim-scenario-not-utf8": (["sim", "{binary}"], "cannot read"),
     "sim-out-is-a-file": (["sim", "paper", "--out", "{file}"], "--out"),
     "sim-out-under-a-file": (["sim", "paper", "--out", "{file}/sub"], "--out"),
     "contention-out-is-a-file": (
@@ -57,7 +60,9 @@ def test_bad_input_exits_2_with_one_line_before_any_run(
 ) -> None:
     (tmp_path / "afile").write_text("")
     (tmp_path / "bad.toml").write_text("[policy]\nname = 'rmlq'\n[classes.kv]\ndeadline = -1\n")
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe[scenario]\n")
     fill = {"{file}": str(tmp_path / "afile"), "{bad}": str(tmp_path / "bad.toml")}
+    fill["{binary}"] = str(tmp_path / "binary.toml")
     fill["{dir}"] = str(tmp_path)
     argv = []
     for arg in args:
