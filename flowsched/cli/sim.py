@@ -163,6 +163,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     try:
+        if not names:
+            raise BadInput(f"flowsched sim: --policies: no policy given in {args.policies!r}")
         loads = _floats(args.loads)
         if args.seeds < 1:
             raise BadInput(f"flowsched sim: --seeds: expected at least 1, got {args.seeds}")

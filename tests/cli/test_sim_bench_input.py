@@ -28,6 +28,7 @@ CASES = {
     "sim-missing-policy-file": (
         ["sim", "pd-serving", "--policy-file", "{dir}/nope.toml"], "--policy-file"),
     "sim-seeds-zero": (["sim", "pd-serving", "--seeds", "0"], "--seeds"),
+    "sim-no-policies": (["sim", "pd-serving", "--policies", ","], "--policies"),
     "sim-scenario-is-a-directory": (["sim", "{dir}"], "cannot read"),
     "sim-scenario-not-utf8": (["sim", "{binary}"], "cannot read"),
     "sim-out-is-a-file": (["sim", "paper", "--out", "{file}"], "--out"),
