@@ -144,11 +144,26 @@ class PolicyConfig:
 
 def load(path: str | Path) -> PolicyConfig:
     """Parse and validate the policy file at ``path``; raise :class:`PolicyFileError`."""
+    return loads(read_text(path), source=str(path))
+
+
+def read_text(path: str | Path) -> str:
+    """The text of the policy file at ``path``; :class:`PolicyFileError` ``cannot read: ...``
+    when it is missing, a directory, unreadable or not UTF-8 (like every other error, it does
+    not name the file: whoever reports it does)."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PolicyFileError([f"{path}: cannot read: {exc}"]) from None
-    return loads(text, source=str(path))
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PolicyFileError([f"cannot read: {exc.strerror or exc}"]) from None
+    except UnicodeDecodeError as exc:
+        raise PolicyFileError(
+            [f"cannot read: not UTF-8 text ({exc.reason} at byte {exc.start})"]
+        ) from None
+
+
+def problem(flag: str, path: str | Path, exc: PolicyFileError) -> str:
+    """One line for a command's bad policy file: ``--policy FILE: error; error``."""
+    return f"{flag} {path}: " + "; ".join(exc.errors)
 
 
 def loads(text: str, source: str = "<string>") -> PolicyConfig:

@@ -318,7 +318,8 @@ def test_shipped_files_use_at_most_one_hardware_queue_per_level(path: Path) -> N
 def test_cli_check_missing_file(tmp_path: Path) -> None:
     result = run_cli("check", str(tmp_path / "nope.toml"))
     assert result.returncode == 2
-    assert "cannot read" in result.stdout
+    assert f"{tmp_path / 'nope.toml'}: cannot read" in result.stdout
+    assert result.stdout.count("nope.toml") == 1  # named once, as every other error
 
 
 def test_cli_show_prints_the_level_table() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
-from pathlib import Path
 from typing import Any
 
 from flowsched import qos
@@ -193,10 +192,13 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         load_token(args.token_file)  # refuse a missing or loose token file before starting
     policy_text = None
     if args.policy:
-        policy_text = Path(args.policy).read_text(encoding="utf-8")
         from flowsched import policyfile
 
-        policyfile.loads(policy_text, source=args.policy)
+        try:
+            policy_text = policyfile.read_text(args.policy)
+            policyfile.loads(policy_text, source=args.policy)
+        except policyfile.PolicyFileError as exc:
+            raise UsageError(policyfile.problem("--policy", args.policy, exc)) from None
     overrides = {
         name: getattr(args, name)
         for name in ("link_capacity", "nic_interval")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from flowsched import policyfile
 from flowsched.cli._common import (
     COORDINATOR_METRICS_PORT,
     EXIT_FAILURE,
@@ -18,6 +19,7 @@ from flowsched.cli._common import (
 )
 from flowsched.coordinator import Addresses, CoordinatorConfig, serve
 from flowsched.coordinator.election import ElectionError, EtcdElection, LeadershipLost
+from flowsched.policyfile import PolicyFileError
 from flowsched.protocol import (
     FRAME_MAC_VERSION,
     MIN_PROTOCOL_VERSION,
@@ -160,7 +162,9 @@ def _run(args: argparse.Namespace) -> int:
             tls_client_ca=args.tls_client_ca, tls_client_names=args.tls_client_names,
         )  # fmt: skip
         preflight(config)
-    except (TokenFileError, ValueError) as exc:  # UsageError and PolicyFileError too
+    except PolicyFileError as exc:
+        return fail("flowsched coordinator", policyfile.problem("--policy", args.policy, exc))
+    except (TokenFileError, ValueError) as exc:  # UsageError too
         return fail("flowsched coordinator", _flag_named(str(exc)))
     except ElectionError as exc:
         return fail("flowsched coordinator", str(exc))

@@ -89,7 +89,10 @@ def run_apply(args: argparse.Namespace) -> int:
             unmarked_prio=args.unmarked_prio,
         )
         lines = qos.apply(want, dry_run=args.dry_run, force=args.force)
-    except (policyfile.PolicyFileError, qos.QosInputError) as exc:
+    except policyfile.PolicyFileError as exc:
+        print(f"flowsched qos: {policyfile.problem('--policy', args.policy, exc)}", file=sys.stderr)
+        return 2
+    except qos.QosInputError as exc:
         print(f"flowsched qos: {_one_line(exc)}", file=sys.stderr)
         return 2
     except qos.QosError as exc:

@@ -15,6 +15,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from flowsched import policyfile
 from flowsched.agent import AgentConfig, ReadyInfo, default_table_path
 from flowsched.agent import serve as serve_agent
 from flowsched.agent.config import AgentConfigError, default_socket_path
@@ -31,6 +32,7 @@ from flowsched.cli._common import (
 from flowsched.cli.agent import preflight as agent_preflight
 from flowsched.coordinator import Addresses, CoordinatorConfig
 from flowsched.coordinator import serve as serve_coordinator
+from flowsched.policyfile import PolicyFileError
 from flowsched.protocol import DEFAULT_TOKEN_PATH, TokenFileError, load_token, write_token
 from flowsched.signals import wait_for_signal
 
@@ -125,6 +127,8 @@ def _run(args: argparse.Namespace) -> int:
         agent_preflight(agent_cfg, metrics_flag="--agent-metrics-port")
     except AgentConfigError as exc:
         return fail(PROG, f"--{exc.field.replace('_', '-')}: {exc.problem}")
+    except PolicyFileError as exc:
+        return fail(PROG, policyfile.problem("--policy", args.policy, exc))
     except (TokenFileError, ValueError, OSError) as exc:
         return fail(PROG, str(exc))
     return run_daemon(PROG, lambda: _up(coord, agent_cfg), args.no_uvloop)

@@ -182,16 +182,13 @@ class CoordinatorConfig:
             resource = importlib.resources.files("flowsched") / "data" / "policies" / "default.toml"
             text, source = resource.read_text(encoding="utf-8"), "<embedded default.toml>"
         else:
-            try:
-                text, source = Path(path).read_text(encoding="utf-8"), str(path)
-            except (OSError, UnicodeDecodeError) as exc:
-                raise policyfile.PolicyFileError([f"{path}: cannot read: {exc}"]) from None
+            text, source = policyfile.read_text(path), str(path)
         policy = policyfile.loads(text, source=source)
         welcome = encode_body(Welcome(text, policy.timer_period, 0.0))
         if len(welcome) > DEFAULT_MAX_FRAME_SIZE:  # no agent could ever complete a handshake
             raise policyfile.PolicyFileError(
                 [
-                    f"{source}: the coordinator sends the policy file to every agent, and this "
+                    "the coordinator sends the policy file to every agent, and this "
                     f"one ({len(text.encode())} bytes) does not fit in a protocol frame "
                     f"({DEFAULT_MAX_FRAME_SIZE} bytes)"
                 ]

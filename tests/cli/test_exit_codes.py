@@ -38,6 +38,8 @@ def taken_port() -> Iterator[int]:
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     write_token(tmp_path / "token")
+    (tmp_path / "bad.toml").write_text("[policy]\nname = 'rmlq'\n[classes.kv]\ndeadline = -1\n")
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe[policy]\n")
     return tmp_path
 
 
@@ -69,7 +71,10 @@ CASES = {
         [*COORD, "--listen", "192.0.2.1:0"], "not an address of this machine"),
     "coordinator-metrics-taken": ([*COORD, "--metrics-port", TAKEN], "already in use"),
     "coordinator-metrics-port-range": ([*COORD, "--metrics-port", "99999"], "0..65535"),
-    "coordinator-missing-policy": ([*COORD, "--policy", "{dir}/nope.toml"], "cannot read"),
+    "coordinator-missing-policy": (
+        [*COORD, "--policy", "{dir}/nope.toml"], "--policy {dir}/nope.toml: cannot read"),
+    "coordinator-invalid-policy": (
+        [*COORD, "--policy", "{dir}/bad.toml"], "--policy {dir}/bad.toml: classes.kv.deadline"),
     "coordinator-missing-token": (
         [*COORD, "--token-file", "{dir}/missing-token"], "missing-token"),
     # flowsched agent
@@ -82,6 +87,12 @@ CASES = {
     "coordinator-metrics-bind-port-range": (
         [*COORD, "--metrics-bind", "127.0.0.1:99999"], "--metrics-bind"),
     "agent-slots-zero": ([*AGENT, "--slots", "0"], "--slots"),
+    "agent-missing-policy": (
+        [*AGENT, "--policy", "{dir}/nope.toml"], "--policy {dir}/nope.toml: cannot read"),
+    "agent-policy-not-utf8": (
+        [*AGENT, "--policy", "{dir}/binary.toml"], "--policy {dir}/binary.toml: cannot read"),
+    "agent-invalid-policy": (
+        [*AGENT, "--policy", "{dir}/bad.toml"], "--policy {dir}/bad.toml: classes.kv.deadline"),
     "agent-slots-too-many": ([*AGENT, "--slots", str(1 << 25)], "--slots"),
     "agent-table-missing-dir": (
         [*AGENT, "--table", "{dir}/missing/table"], "does not exist"),
@@ -107,7 +118,10 @@ CASES = {
     "up-agent-metrics-taken": ([*UP, "--agent-metrics-port", TAKEN], "--agent-metrics-port"),
     "up-metrics-port-range": ([*UP, "--metrics-port", "99999"], "0..65535"),
     "up-table-missing-dir": ([*UP, "--table", "{dir}/missing/table"], "does not exist"),
-    "up-slots-in-policy-missing": ([*UP, "--policy", "{dir}/nope.toml"], "cannot read"),
+    "up-slots-in-policy-missing": (
+        [*UP, "--policy", "{dir}/nope.toml"], "--policy {dir}/nope.toml: cannot read"),
+    "up-invalid-policy": (
+        [*UP, "--policy", "{dir}/bad.toml"], "--policy {dir}/bad.toml: classes.kv.deadline"),
     # flowsched flows
     "flows-table-missing": (["flows", "--table", "{dir}/table"], "cannot open flow table"),
     "flows-interval-negative": (["flows", "--interval", "-1"], "--interval"),
@@ -125,7 +139,7 @@ def test_bad_input_exits_2_with_one_line(
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert message in proc.stderr
+    assert message.replace("{dir}", str(workdir)) in proc.stderr
     assert not (workdir / "table").exists()  # refused before anything started
 
 

@@ -646,17 +646,23 @@ def test_concurrent_applies_leave_one_whole_tree(veth_pair: tuple[str, str]) -> 
         (["apply", "--dev", "nosuchdev0"], 2, "no network interface named 'nosuchdev0'"),
         (["apply", "--dev", "lo"], 2, "lo reports no link speed"),
         (["apply", "--dev", "lo", "--rate", "1gbit", "--policy", "/nonexistent.toml"], 2,
-         "cannot read"),
+         "--policy /nonexistent.toml: cannot read"),
+        (["apply", "--dev", "lo", "--rate", "1gbit", "--policy", "{bad}"], 2,
+         "--policy {bad}: classes.kv.deadline"),
         (["show", "--dev", "nosuchdev0"], 2, "no network interface"),
     ],
 )  # fmt: skip
-def test_bad_input_exits_2_with_one_line(args: list[str], status: int, message: str) -> None:
+def test_bad_input_exits_2_with_one_line(
+    args: list[str], status: int, message: str, tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad.toml"  # a policy file with an error
+    bad.write_text("[policy]\nname = 'rmlq'\n[classes.kv]\ndeadline = -1\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "flowsched", "qos", *args],
+        [sys.executable, "-m", "flowsched", "qos", *[a.replace("{bad}", str(bad)) for a in args]],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == status
-    assert message in proc.stderr
+    assert message.replace("{bad}", str(bad)) in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
