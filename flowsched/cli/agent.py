@@ -262,6 +262,7 @@ _FLAGS = {
     "default_bandwidth": "--link-bandwidth",
     "link_capacity": "--link-capacity",
     "nic_interval": "--nic-interval",
+    "qos_check_interval": "--qos-check-interval",
     "num_slots": "--slots",
     "tls_ca": "--tls-ca",
     "tls_cert": "--tls-cert",

@@ -189,7 +189,7 @@ def preflight(config: CoordinatorConfig) -> None:
 #: CoordinatorConfig fields whose errors the CLI reports under the flag's name
 _FLAG_FIELDS = (
     "idle_timeout", "handshake_timeout", "max_batch_delay", "max_unauthenticated",
-    "max_flows_per_node",
+    "max_flows_per_node", "min_agent_version", "tls_client_names",
     "tls_cert", "tls_key", "tls_client_ca", "etcd_cacert", "etcd_cert", "etcd_key",
 )  # fmt: skip
 

@@ -75,6 +75,8 @@ CASES = {
         [*COORD, "--policy", "{dir}/nope.toml"], "--policy {dir}/nope.toml: cannot read"),
     "coordinator-invalid-policy": (
         [*COORD, "--policy", "{dir}/bad.toml"], "--policy {dir}/bad.toml: classes.kv.deadline"),
+    "coordinator-min-agent-version-range": (
+        [*COORD, "--min-agent-version", "9"], "--min-agent-version: expected 1..5"),
     "coordinator-missing-token": (
         [*COORD, "--token-file", "{dir}/missing-token"], "missing-token"),
     # flowsched agent
@@ -87,6 +89,8 @@ CASES = {
     "coordinator-metrics-bind-port-range": (
         [*COORD, "--metrics-bind", "127.0.0.1:99999"], "--metrics-bind"),
     "agent-slots-zero": ([*AGENT, "--slots", "0"], "--slots"),
+    "agent-qos-check-interval-zero": (
+        [*AGENT, "--qos-check-interval", "0"], "--qos-check-interval: expected a finite number"),
     "agent-missing-policy": (
         [*AGENT, "--policy", "{dir}/nope.toml"], "--policy {dir}/nope.toml: cannot read"),
     "agent-policy-not-utf8": (
