@@ -116,8 +116,10 @@ def resolve(flag: str, host: str) -> list[tuple[int, str]]:
 
 def check_bindable(flag: str, host: str, port_number: int, host_flag: str | None = None) -> None:
     """Bind ``host:port`` once and release it, so that a taken or privileged port, or an
-    address of another machine, is reported before anything starts."""
-    for family, address in resolve(host_flag or flag, host):
+    address of another machine, is reported before anything starts: the port's problems
+    under ``flag``, the host's under ``host_flag`` (default ``flag``)."""
+    host_flag = host_flag or flag
+    for family, address in resolve(host_flag, host):
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio does
             if family == socket.AF_INET6:
@@ -125,7 +127,8 @@ def check_bindable(flag: str, host: str, port_number: int, host_flag: str | None
             try:
                 probe.bind((address, port_number))
             except OSError as exc:
-                raise UsageError(bind_problem(flag, host, port_number, exc)) from None
+                name = host_flag if exc.errno == errno.EADDRNOTAVAIL else flag
+                raise UsageError(bind_problem(name, host, port_number, exc)) from None
 
 
 def bind_problem(flag: str, host: str, port_number: int, exc: OSError) -> str:
@@ -280,6 +283,12 @@ def add_metrics_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
     )
     parser.add_argument("--metrics-host", default=None, help=argparse.SUPPRESS)  # older flag
     parser.set_defaults(metrics_default_port=default_port)
+
+
+def metrics_port_flag(args: argparse.Namespace) -> str:
+    """The flag that set the metrics port: ``--metrics-bind`` when it alone was given (with
+    or without a port), else ``--metrics-port`` (also for the default port: it changes it)."""
+    return "--metrics-bind" if args.metrics_port is None and args.metrics_bind else "--metrics-port"
 
 
 def metrics_address(args: argparse.Namespace) -> tuple[str, int] | None:

@@ -24,6 +24,7 @@ from flowsched.cli._common import (
     fail,
     host_port,
     metrics_address,
+    metrics_port_flag,
     positive_int,
     resolve,
     run_daemon,
@@ -208,7 +209,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         config = _config(args, policy_text, overrides)
     except AgentConfigError as exc:  # name the flag, not the config field
         raise ValueError(f"{_FLAGS.get(exc.field, exc.field)}: {exc.problem}") from None
-    preflight(config)
+    preflight(config, metrics_port_flag(args))
     return config
 
 

@@ -14,6 +14,7 @@ from flowsched.cli._common import (
     fail,
     host_port,
     metrics_address,
+    metrics_port_flag,
     run_daemon,
     setup_logging,
 )
@@ -161,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
             advertise=args.advertise, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca, tls_client_names=args.tls_client_names,
         )  # fmt: skip
-        preflight(config)
+        preflight(config, metrics_port_flag(args))
     except PolicyFileError as exc:
         return fail("flowsched coordinator", policyfile.problem("--policy", args.policy, exc))
     except (TokenFileError, ValueError) as exc:  # UsageError too
@@ -174,7 +175,7 @@ def _run(args: argparse.Namespace) -> int:
         return fail("flowsched coordinator", f"{exc}: exiting", EXIT_FAILURE)
 
 
-def preflight(config: CoordinatorConfig) -> None:
+def preflight(config: CoordinatorConfig, metrics_flag: str = "--metrics-port") -> None:
     """Refuse a taken, privileged or foreign address, or unusable etcd settings (TLS files
     loaded), before anything starts (UsageError, ElectionError)."""
     check_bindable("--listen", config.host, config.port)
@@ -183,7 +184,7 @@ def preflight(config: CoordinatorConfig) -> None:
     if config.etcd is not None:  # URL, TTL, name, TLS files, etcd3gw package (ElectionError)
         EtcdElection.from_config(config, config.advertise or "")
     if config.metrics_port is not None:
-        check_bindable("--metrics-port", config.metrics_host, config.metrics_port, "--metrics-bind")
+        check_bindable(metrics_flag, config.metrics_host, config.metrics_port, "--metrics-bind")
 
 
 #: CoordinatorConfig fields whose errors the CLI reports under the flag's name

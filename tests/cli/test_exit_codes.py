@@ -85,7 +85,17 @@ CASES = {
     "agent-metrics-bind-unresolvable": (
         [*AGENT, "--metrics-bind", "no-such-host.invalid"], "--metrics-bind: cannot resolve"),
     "agent-metrics-bind-foreign-address": (
-        [*AGENT, "--metrics-bind", "192.0.2.1:0"], "not an address of this machine"),
+        [*AGENT, "--metrics-bind", "192.0.2.1:0"],
+        "--metrics-bind 192.0.2.1:0: 192.0.2.1 is not an address of this machine"),
+    "agent-metrics-bind-taken": (
+        [*AGENT[:-2], "--metrics-bind", f"127.0.0.1:{TAKEN}"],
+        f"--metrics-bind 127.0.0.1:{TAKEN}: port {TAKEN} is already in use"),
+    "coordinator-metrics-bind-foreign-address": (
+        [*COORD, "--metrics-bind", "192.0.2.1:0"],
+        "--metrics-bind 192.0.2.1:0: 192.0.2.1 is not an address of this machine"),
+    "coordinator-metrics-bind-taken": (
+        [*COORD[:-2], "--metrics-bind", f"127.0.0.1:{TAKEN}"],
+        f"--metrics-bind 127.0.0.1:{TAKEN}: port {TAKEN} is already in use"),
     "coordinator-metrics-bind-port-range": (
         [*COORD, "--metrics-bind", "127.0.0.1:99999"], "--metrics-bind"),
     "agent-slots-zero": ([*AGENT, "--slots", "0"], "--slots"),
@@ -143,7 +153,7 @@ def test_bad_input_exits_2_with_one_line(
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
-    assert message.replace("{dir}", str(workdir)) in proc.stderr
+    assert message.replace("{dir}", str(workdir)).replace(TAKEN, str(taken_port)) in proc.stderr
     assert not (workdir / "table").exists()  # refused before anything started
 
 
