@@ -6,6 +6,8 @@ import pytest
 
 from flowsched.cli import build_parser
 from flowsched.cli._common import AGENT_METRICS_PORT, COORDINATOR_METRICS_PORT, metrics_address
+from flowsched.cli.coordinator import _print_ready
+from flowsched.coordinator import Addresses
 
 
 @pytest.mark.parametrize(
@@ -45,3 +47,16 @@ def test_default_ports_are_outside_the_prometheus_allocations() -> None:
     for port in (AGENT_METRICS_PORT, COORDINATOR_METRICS_PORT):
         assert not 9100 <= port <= 9999 and port < 32768
     assert AGENT_METRICS_PORT != COORDINATOR_METRICS_PORT  # both run on one host with `up`
+
+
+@pytest.mark.parametrize(
+    ("metrics", "expected"),
+    [((None, None), "metrics off"), (("127.0.0.1", 19711), "metrics 127.0.0.1:19711")],
+)
+def test_the_coordinators_ready_line_says_where_its_metrics_are(
+    metrics: tuple[str | None, int | None], expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _print_ready(Addresses("127.0.0.1", 7711, *metrics))
+    assert (
+        capsys.readouterr().out == f"flowsched-coordinator listening on 127.0.0.1:7711 {expected}\n"
+    )
