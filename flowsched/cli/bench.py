@@ -282,7 +282,8 @@ def _params(args: argparse.Namespace) -> ScenarioParams:
 
     scenario: Path | None = Path(args.scenario) if args.scenario else None
     if scenario is not None and not scenario.is_file():
-        raise FileNotFoundError(f"--scenario: {scenario}: no such file")
+        problem = "not a file" if scenario.exists() else "no such file"
+        raise FileNotFoundError(f"--scenario: {scenario}: {problem}")
     if scenario is None and (bench.BENCH_DIR / "scenario.toml").exists():
         scenario = bench.BENCH_DIR / "scenario.toml"
     overrides = {

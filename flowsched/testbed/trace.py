@@ -127,7 +127,12 @@ def load_params(
     table: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
-        document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        try:
+            document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: cannot read: not UTF-8 text ({exc.reason})") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path}: invalid TOML: {exc}") from None
         table, source = document.get("testbed", {}), str(path)
         if not isinstance(table, dict):
             raise ValueError(f"{source}: testbed: expected a table, got {table!r}")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 #: a file where a directory is expected (``{file}``), a policy file with an error (``{bad}``),
-#: a file that is not UTF-8 text (``{binary}``)
+#: a file that is not UTF-8 text (``{binary}``), one that is not TOML (``{nottoml}``)
 CASES = {
     "sim-loads-not-a-number": (["sim", "pd-serving", "--loads", "abc"], "--loads"),
     "sim-loads-zero": (["sim", "pd-serving", "--loads", "0.5,0"], "--loads"),
@@ -36,6 +36,12 @@ CASES = {
     "contention-out-is-a-file": (
         ["bench", "contention", "--simulate-only", "--out", "{file}"], "--out"),
     "contention-load-too-high": (["bench", "contention", "--load", "2"], "testbed.load"),
+    "contention-scenario-not-toml": (
+        ["bench", "contention", "--scenario", "{nottoml}"], "{nottoml}: invalid TOML"),
+    "contention-scenario-not-utf8": (
+        ["bench", "contention", "--scenario", "{binary}"], "{binary}: cannot read"),
+    "contention-scenario-is-a-directory": (
+        ["bench", "contention", "--scenario", "{dir}"], "--scenario: {dir}: not a file"),
     "serving-loads-zero": (["bench", "serving", "--loads", "0"], "--loads"),
     "serving-loads-too-high": (["bench", "serving", "--loads", "0.6,5"], "--loads"),
     "serving-loads-nan": (["bench", "serving", "--loads", "nan"], "--loads"),
@@ -64,6 +70,8 @@ def test_bad_input_exits_2_with_one_line_before_any_run(
     (tmp_path / "binary.toml").write_bytes(b"\xff\xfe[scenario]\n")
     fill = {"{file}": str(tmp_path / "afile"), "{bad}": str(tmp_path / "bad.toml")}
     fill["{binary}"] = str(tmp_path / "binary.toml")
+    (tmp_path / "nottoml.toml").write_text("[testbed\n")
+    fill["{nottoml}"] = str(tmp_path / "nottoml.toml")
     fill["{dir}"] = str(tmp_path)
     argv = []
     for arg in args:
@@ -74,6 +82,8 @@ def test_bad_input_exits_2_with_one_line_before_any_run(
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    for key, value in fill.items():
+        message = message.replace(key, value)
     assert message in proc.stderr
     assert proc.stdout == ""  # nothing ran
 
