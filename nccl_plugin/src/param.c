@@ -98,6 +98,10 @@ void fs_params_load(struct fs_params* params) {
     /* which file the default names depends on what exists: a non-root job that started
      * before a root agent resolved its own per-user path, so look again until one maps */
     fs_table_resolve_path_with(table_default_path_now);
+  } else {
+    /* the path given: a resolver kept from an earlier load (the variable empty then)
+     * would name the default path instead */
+    fs_table_resolve_path_with(NULL);
   }
 #endif
 }

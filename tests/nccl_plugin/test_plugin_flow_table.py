@@ -435,6 +435,28 @@ def test_table_behind_a_symbolic_link_is_refused(
         table.close()
 
 
+def test_flowsched_table_set_after_a_teardown_is_the_table_used(
+    plugin_env: Path, fresh_lib: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The knobs are read again once every communicator was finalized: a FLOWSCHED_TABLE set
+    by then names the table, even though the previous load (variable empty) looked for the
+    table at the default path."""
+    monkeypatch.setenv("FLOWSCHED_TABLE", "")  # empty: the default path, decided at each look
+    plugin = Plugin(fresh_lib, 11)
+    plugin.init(comm_id=0x51).finalize()  # the last context: the global state is torn down
+    monkeypatch.setenv("FLOWSCHED_TABLE", str(plugin_env))
+    table = TestTable(plugin_env)
+    try:
+        ctx = plugin.init(comm_id=0x52)
+        send, recv = connect_pair(ctx)
+        loopback_message(send, recv, b"x" * 100)
+        slots = [s for _, s in table.slots() if s["comm_id"] == 0x52]
+        assert {s["direction"] for s in slots} == {layout.DIR_SEND, layout.DIR_RECV}
+        close_pair(plugin, ctx, send, recv)
+    finally:
+        table.close()
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="chown to another user needs root")
 def test_table_owned_by_another_user_is_refused(
     plugin_env: Path, fresh_lib: Path, caplog: pytest.LogCaptureFixture
