@@ -50,9 +50,9 @@ static int mode_locked(void) {
 #ifdef FS_INNER_BUILD
     fs_exports.mode = MODE_TCP;
 #else
-    char inner[256];
-    fs_param_peek("FLOWSCHED_NET_INNER", inner, sizeof(inner));
-    fs_exports.mode = inner[0] != '\0' ? MODE_WRAP : MODE_TCP;
+    /* set at all: wrapping mode, also when the value is too long to use (the wrapper's
+     * setup then fails and says so, rather than the TCP transport running in its place) */
+    fs_exports.mode = fs_param_is_set("FLOWSCHED_NET_INNER") ? MODE_WRAP : MODE_TCP;
 #endif
   }
   return fs_exports.mode;

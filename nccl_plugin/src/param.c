@@ -112,6 +112,11 @@ int fs_params_data_sockets(const struct fs_params* params) {
   return socks > 16 ? 16 : (int)socks;
 }
 
+int fs_param_is_set(const char* env) {
+  const char* text = env_lookup(env);
+  return text != NULL && text[0] != '\0';
+}
+
 void fs_param_peek(const char* env, char* out, size_t cap) {
   const char* text = env_lookup(env);
   snprintf(out, cap, "%s", text != NULL && strlen(text) < cap ? text : "");

@@ -103,8 +103,11 @@ struct fs_params {
 
 /* Read every knob from the environment (called once per initialisation of the plugin). */
 void fs_params_load(struct fs_params* params);
-/* One string knob read now, without logging (the mode decision before any logger exists). */
+/* One string knob read now, without logging (the mode decision before any logger exists);
+ * "" when unset or when it does not fit in `cap`. */
 void fs_param_peek(const char* env, char* out, size_t cap);
+/* Whether a knob is set and not empty, whatever its length. */
+int fs_param_is_set(const char* env);
 /* Where the agent's table is when FLOWSCHED_TABLE is unset or empty, in the order the agent's
  * clients look (flowsched.rundir.client_path): euid 0: `root_dir`/table; else
  * `xdg`/flowsched/table when that file exists (xdg = $XDG_RUNTIME_DIR, NULL or "" = unset);

@@ -102,7 +102,12 @@ int fs_wrap_setup(ncclDebugLogger_t logger) {
   if (fs_wrap.state == 0) {
     fs_params_load(&fs_wrap.params);
     char err[768];
-    int rc = fs_inner_load(fs_wrap.params.net_inner, &fs_wrap.inner, err, sizeof(err));
+    int rc = -ENAMETOOLONG;
+    if (fs_wrap.params.net_inner[0] == '\0') { /* set, but longer than the knob holds */
+      snprintf(err, sizeof(err), "longer than %zu bytes", sizeof(fs_wrap.params.net_inner) - 1);
+    } else {
+      rc = fs_inner_load(fs_wrap.params.net_inner, &fs_wrap.inner, err, sizeof(err));
+    }
     if (rc < 0) {
       FS_WARN("FLOWSCHED_NET_INNER=%s: cannot load the inner net plugin: %s",
               fs_wrap.params.net_inner, err);
@@ -274,7 +279,10 @@ static ncclResult_t inner_ctx_for(struct fs_wrap_ctx* ctx, int tc, void** out) {
 
 static ncclResult_t setup_result(ncclDebugLogger_t logger) {
   int rc = fs_wrap_setup(logger);
-  return rc == 0 ? ncclSuccess : rc == -ENOENT || rc == -ELOOP ? ncclInvalidUsage : ncclSystemError;
+  if (rc == 0) {
+    return ncclSuccess;
+  }
+  return rc == -ENOENT || rc == -ELOOP || rc == -ENAMETOOLONG ? ncclInvalidUsage : ncclSystemError;
 }
 
 /* A new context with its first inner context (the inner's init result is NCCL's). */

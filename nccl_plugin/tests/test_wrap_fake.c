@@ -384,8 +384,22 @@ static void missing_inner(void) {
   net = dlsym(lib, "ncclNetPlugin_v12");
   CHECK(net->init(&ctx, 1, NULL, NULL, NULL) == ncclInvalidUsage, "wrapping itself");
   dlclose(lib);
+  /* longer than a string knob holds: still wrapping mode, refused, never the TCP transport
+   * in place of the inner plugin the user asked for */
+  char long_name[400];
+  memset(long_name, 'x', sizeof(long_name) - 1);
+  long_name[sizeof(long_name) - 1] = '\0';
+  setenv("FLOWSCHED_NET_INNER", long_name, 1);
+  lib = dlopen(g_outer, RTLD_NOW | RTLD_LOCAL);
+  net = dlsym(lib, "ncclNetPlugin_v12");
+  ctx = (void*)0x1;
+  ncclResult_t res = net->init(&ctx, 1, NULL, NULL, NULL);
+  CHECK(res == ncclInvalidUsage && ctx == NULL,
+        "a %zu-byte FLOWSCHED_NET_INNER: init returned %d (the TCP transport instead?)",
+        strlen(long_name), (int)res);
+  dlclose(lib);
   unsetenv("FLOWSCHED_NET_INNER");
-  printf("ok missing or recursive inner: ncclInvalidUsage\n");
+  printf("ok missing, recursive or too long inner: ncclInvalidUsage\n");
 }
 
 /* ---- the permit ---------------------------------------------------------------------------- */
