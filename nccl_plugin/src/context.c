@@ -103,8 +103,10 @@ const struct fs_device* fs_global_device(int dev) {
 }
 
 static struct fs_context* context_alloc(uint64_t comm_id, int32_t traffic_class) {
+  static _Atomic uint64_t next_id = 1;
   struct fs_context* ctx = calloc(1, sizeof(*ctx));
   if (ctx != NULL) {
+    ctx->id = atomic_fetch_add(&next_id, 1);
     ctx->comm_id = comm_id;
     ctx->traffic_class = traffic_class;
     atomic_init(&ctx->refs, 1); /* the owner's */
@@ -183,9 +185,10 @@ void fs_context_finalize(struct fs_context* ctx) {
 
 /* The last hint given on this thread. NCCL's service thread calls setNetAttr right before
  * connect/accept, while its progress thread sends per-operation hints for the same context:
- * a connection takes the hint its own thread gave (else the context's latest). */
+ * a connection takes the hint its own thread gave (else the context's latest). The context
+ * is named by its id, not its address: a freed context's address may come back. */
 static _Thread_local struct {
-  const struct fs_context* ctx;
+  uint64_t ctx_id; /* 0: none */
   uint32_t op, algo, proto;
 } fs_thread_attr;
 
@@ -195,7 +198,7 @@ void fs_context_set_net_attr(struct fs_context* ctx, uint32_t op, uint32_t algo,
   ctx->net_algo = algo;
   ctx->net_proto = proto;
   pthread_mutex_unlock(&ctx->lock);
-  fs_thread_attr.ctx = ctx;
+  fs_thread_attr.ctx_id = ctx->id;
   fs_thread_attr.op = op;
   fs_thread_attr.algo = algo;
   fs_thread_attr.proto = proto;
@@ -203,7 +206,7 @@ void fs_context_set_net_attr(struct fs_context* ctx, uint32_t op, uint32_t algo,
 
 void fs_context_connect_attr(struct fs_context* ctx, uint32_t* op, uint32_t* algo,
                              uint32_t* proto) {
-  if (fs_thread_attr.ctx == ctx) {
+  if (fs_thread_attr.ctx_id == ctx->id) {
     *op = fs_thread_attr.op;
     *algo = fs_thread_attr.algo;
     *proto = fs_thread_attr.proto;

@@ -27,6 +27,7 @@
 struct fs_comm;
 
 struct fs_context {
+  uint64_t id; /* unique in the process: a later context may reuse a freed one's address */
   uint64_t comm_id;
   int32_t traffic_class;
   atomic_int refs; /* owner + listen comms + connections */

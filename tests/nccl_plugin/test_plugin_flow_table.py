@@ -175,6 +175,33 @@ def test_connection_takes_the_hint_of_its_own_thread(table: TestTable, fresh_lib
     plugin.close()
 
 
+def test_a_new_context_at_a_freed_contexts_address_has_no_hint(
+    table: TestTable, fresh_lib: Path
+) -> None:
+    """The hint this thread gave a context that is gone is not the hint of a new context
+    that the allocator happened to place at the same address."""
+    plugin = Plugin(fresh_lib, 11)
+    keep = plugin.init(comm_id=0xAB0)  # the global state stays up across the next finalize
+    old = plugin.init(comm_id=0xAB1)
+    old_address = old._ctx.value
+    old.set_net_attr(op=1 << 6)
+    old.finalize()
+    others = []  # contexts the allocator placed elsewhere: kept, so it moves on
+    ctx = plugin.init(comm_id=0xAB2)  # no setNetAttr on these contexts
+    while ctx._ctx.value != old_address and len(others) < 256:
+        others.append(ctx)
+        ctx = plugin.init(comm_id=0xAB2)
+    if ctx._ctx.value != old_address:
+        pytest.skip("the allocator did not reuse the freed context's memory")
+    send, recv = connect_pair(ctx)
+    assert {s["net_op"] for _, s in table.slots()} == {0}
+    send.close()
+    recv.close()
+    for other in [ctx, *others, keep]:
+        other.finalize()
+    plugin.close()
+
+
 def test_full_table_reuses_closed_slots(plugin_env: Path, fresh_lib: Path) -> None:
     table = TestTable(plugin_env, num_slots=2)
     try:
