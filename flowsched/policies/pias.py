@@ -168,7 +168,8 @@ def _derive(samples: tuple[float, ...], load: float, levels: int) -> tuple[float
         f_hi, m1_hi, m2_hi, s_hi = stats[hi]
         if f_hi <= f_lo:
             return 0.0
-        left_lo = 1.0 - arrival * m1_lo
+        # both floored: at load 1 the load of the sizes below the largest can round to 1
+        left_lo = max(1.0 - arrival * m1_lo, 1e-9)
         left_hi = max(1.0 - arrival * m1_hi, 1e-9)
         wait = arrival * m2_hi / 2.0 / (left_lo * left_hi)
         return (f_hi - f_lo) * wait + (s_hi - s_lo) / left_lo

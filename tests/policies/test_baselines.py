@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from policy_flows import build_flow
 
@@ -155,6 +156,33 @@ def test_pias_demotes_by_bytes_sent(sent: int, level: int) -> None:
 )
 def test_pias_validate(args: dict[str, Any], fragment: str) -> None:
     assert any(fragment in e for e in pias.validate(args, "policy.args"))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    name=st.sampled_from(["pias", "karuna"]),
+    low=st.floats(1.0, 1e15),
+    spread=st.integers(1, 3),
+    count=st.integers(1, 4),
+    load=st.sampled_from([1.0, 0.999999999999]),
+    num_levels=st.integers(2, 12),
+)
+def test_pias_thresholds_derive_at_full_load_from_any_valid_samples(
+    name: str, low: float, spread: int, count: int, load: float, num_levels: int
+) -> None:
+    """Load 1 (what validate accepts) with the largest sizes a few ulps apart: the load of the
+    sizes below the largest rounds to the whole load, and the derivation divided by 0
+    (ZeroDivisionError from create, 'policy: float division by zero' from policy check)."""
+    top = low
+    for _ in range(spread):
+        top = math.nextafter(top, math.inf)
+    samples = [low] * count + [top]
+    args = {"size_samples": samples, "load": load}
+    assert pias.validate(args, "policy.args") == []
+    policy = create(name, args, num_levels=num_levels)
+    thresholds = list(policy.thresholds)  # type: ignore[attr-defined]
+    assert thresholds == sorted(thresholds)
+    assert all(math.isfinite(t) for t in thresholds)
 
 
 def test_pias_threshold_count_must_match_levels() -> None:
