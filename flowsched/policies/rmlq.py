@@ -922,7 +922,7 @@ class RmlqPolicy:
         threshold = self._next_threshold(flow, ctx)
         if threshold is not None:
             times.append(ctx.now + self._time_to_reach(found, threshold))
-        step = self._urgent_step(flow, found)
+        step = self._urgent_step(flow, found, ctx)
         if step is None:
             step = self._deferred_step(flow, found)
         if step is not None:
@@ -941,13 +941,15 @@ class RmlqPolicy:
             return self.top_threshold
         return self.band_thresholds[min(band, len(self.band_thresholds)) - 1]
 
-    def _urgent_step(self, flow: Flow, found: _Urgency) -> float | None:
-        """Seconds until an urgent ``flow`` reaches the next urgent level (None: at the top).
+    def _urgent_step(self, flow: Flow, found: _Urgency, ctx: Context) -> float | None:
+        """Seconds until an urgent ``flow`` reaches the next urgent level (None: at the top,
+        or held below its job's collectives: never demoted, it keeps its urgent level, and
+        time alone cannot move it up; its job's report can).
 
         In deadline order that is exact; in slack order it assumes rho stays as measured (an
         urgent flow sends, so its own reports re-evaluate it often)."""
         level = flow.level
-        if not 0 < level < self.urgent_levels:
+        if not 0 < level < self.urgent_levels or self._held_below_collectives(flow, ctx):
             return None
         bound = self.args.urgent_slack * self.args.urgent_ratio ** (level - 1)
         key = found.time_left if self.args.urgent_order == "deadline" else _slack(found)

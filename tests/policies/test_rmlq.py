@@ -770,6 +770,36 @@ def test_next_change_none_without_a_time_driven_change(flow: Flow) -> None:
     assert pol.next_change(flow, ctx()) is None
 
 
+@pytest.mark.parametrize(
+    ("now", "args", "expected"),
+    [
+        (0.5, {}, 1.0),  # the deadline (pruning), not the next urgent band
+        (0.99, {}, 1.0),  # inside that band's time already
+        (0.5, {"feasibility": False}, None),
+        (0.99, {"feasibility": False}, None),
+        (1.5, {"feasibility": False}, None),  # late, not prunable
+        (0.99, {"urgent_order": "slack", "feasibility": False}, None),
+    ],
+    ids=["prunable", "prunable-in-band", "far", "in-band", "late", "slack"],
+)
+def test_next_change_of_a_flow_held_at_an_urgent_level(
+    now: float, args: dict[str, Any], expected: float | None
+) -> None:
+    """An urgent P2D flow whose job then reports prefill is held below the collectives but
+    never demoted: it keeps its urgent level, and time alone cannot move it within the urgent
+    tier. next_change said 1 us from now for ever once its time left reached the next band
+    (a re-evaluation every coordinator tick, 50,000 simulator events per 0.05 s)."""
+    pol = policy(**args)
+    flow = build_flow(cls="kv", size=int(6e8), deadline=1.0, job="j", consumer_index=2)
+    flow.level = pol.admit(flow, ctx(0.0)).level
+    assert flow.level == 1
+    flow.sent = int(6e8) - 10**6  # feasible: Algorithm 1 leaves it alone
+    held = ctx(now, job_index={"j": 3})
+    assert pol.reevaluate([flow], held) == {}
+    found = pol.next_change(flow, held)
+    assert found == (None if expected is None else pytest.approx(expected))
+
+
 def assert_level_moves_at_next_change(pol: rmlq.RmlqPolicy, size: int, deadline: float) -> None:
     """A kv flow's level holds until ``next_change`` and moves up right after, each time."""
     flow = build_flow(cls="kv", size=size, deadline=deadline)

@@ -332,3 +332,21 @@ def test_a_later_flow_of_a_request_brings_its_siblings_promotion_forward(promoti
     finished = {r.flow_id: r.finished for r in sim.records.flows if r.cls == "kv"}
     assert set(finished) == {2, 3}
     assert finished == {2: pytest.approx(0.4, abs=2e-3), 3: pytest.approx(0.6, abs=2e-3)}
+
+
+@pytest.mark.parametrize("args", [{}, {"feasibility": False}], ids=["default", "no-pruning"])
+def test_rmlq_holding_an_urgent_p2d_below_its_collectives_does_not_spin(
+    args: dict[str, object],
+) -> None:
+    """A P2D flow urgent (level 1) before its job reports prefill, then held there behind a
+    flow at level 0 that fills the link: rmlq's next_change answered 1 us ahead at every
+    evaluation once the flow's time left reached 25 ms (50,008 events in 0.1 s of simulated
+    time, 850,005 in 0.5 s without pruning). Only the deadline can change it by time now."""
+    sim = Simulator({"l": 1e9}, create("rmlq", args), SimConfig(chunk_bytes=0))
+    held = sim.open_flow(FlowClass.KV, 10**8, ("l",), deadline=0.1, job="j", request="a")
+    hog = sim.open_flow(FlowClass.KV, 10**9, ("l",), deadline=0.02, request="b")
+    assert (held.level, hog.level) == (1, 0)
+    sim.at(0.001, lambda: sim.set_job_index("j", 0))
+    sim.run(until=0.5)
+    assert held.level == (7 if not args else 1)  # late: pruned at its deadline by default
+    assert sim.events_processed < 100
