@@ -49,7 +49,7 @@ DoneCallback = Callable[[Flow], None]
 
 _FLOW, _CALL, _TIMER, _REEVAL, _DUE = 0, 1, 2, 3, 4
 #: the shortest wait before a promotion timer fires again (next_change answering "now" must
-#: not spin the event loop at one instant)
+#: not spin the event loop at one instant), and the shortest sweep period
 _MIN_DUE = 1e-6
 #: bytes below which a flow counts as finished (absorbs float rounding)
 _BYTE_EPS = 1e-3
@@ -57,7 +57,8 @@ _BYTE_EPS = 1e-3
 
 @dataclass(frozen=True, slots=True)
 class SimConfig:
-    """Engine knobs. ``timer_period`` <= 0 disables the periodic re-evaluation."""
+    """Engine knobs. ``timer_period`` <= 0 disables the periodic re-evaluation; a period
+    below 1 us sweeps every microsecond."""
 
     chunk_bytes: int = 512 * 1024
     timer_period: float = 1e-3
@@ -381,7 +382,9 @@ class Simulator:
         period = self.config.timer_period
         if period > 0 and not self._timer_armed:
             self._timer_armed = True
-            self._push(self.now + period, _TIMER, None, 0)
+            # at least _MIN_DUE: a period below the clock's resolution (a policy file's 1e-300)
+            # re-armed the sweep at the same instant for ever
+            self._push(self.now + max(period, _MIN_DUE), _TIMER, None, 0)
 
     def _arm_due(self, state: ActiveFlow, ctx: Context) -> None:
         """Schedule ``state``'s promotion timer from the policy's ``next_change`` (none while a

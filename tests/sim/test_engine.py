@@ -308,6 +308,28 @@ def test_a_promotion_time_in_the_past_waits_for_the_next_tick() -> None:
     assert 50 <= len(policy.seen) <= 110
 
 
+class BoundedSimulator(Simulator):
+    """Fails instead of spinning: at most ``limit`` events."""
+
+    limit = 10_000
+
+    def _dispatch(self, kind: int, payload: object, version: int) -> None:
+        assert self.events_processed <= self.limit, f"event {self.events_processed} at {self.now}"
+        super()._dispatch(kind, payload, version)
+
+
+@pytest.mark.parametrize("period", [1e-300, 5e-324, 1e-15], ids=["1e-300", "denormal", "1e-15"])
+def test_a_sweep_period_below_a_microsecond_still_moves_the_clock(period: float) -> None:
+    """A policy file's timer_period is any number in (0, 60] (a scenario's timer_ms any >= 0):
+    with 1e-300 the sweep re-armed at now + 1e-300 == now, an endless loop at one instant
+    (``flowsched sim --policy-file`` hung). The sweep waits at least 1 us, as timers do."""
+    policy = FixedPolicy(num_levels=1)
+    sim = BoundedSimulator({"a": 1e9}, policy, SimConfig(chunk_bytes=0, timer_period=period))
+    sim.at(0.5, lambda: sim.open_flow(FlowClass.BULK, 10**6, ("a",)))
+    sim.run()
+    assert sim.records.flows[0].finished == pytest.approx(0.501)
+
+
 @pytest.mark.parametrize("promotion", ["timers", "sweep"])
 def test_a_later_flow_of_a_request_brings_its_siblings_promotion_forward(promotion: str) -> None:
     """rmlq with request-scope MLU on one 1e9 B/s link that a long collective holds (level 2):
