@@ -43,6 +43,8 @@ MAX_DSCP = 63
 MAX_SO_PRIORITY = 6
 MAX_LEVELS = 64
 MAX_HW_QUEUES = 8
+#: the shortest ``timer_period`` (s) a file may set
+MIN_TIMER_PERIOD = 1e-6
 
 #: Default DSCP per hardware queue when a file gives no ``[[queues]]``, most urgent first:
 #: EF, CS5, AF41, CS4, AF21, AF11, CS1, LE (RFC 8622 lower effort). DSCP 0 (best effort) is
@@ -242,7 +244,8 @@ _POLICY_FIELDS: dict[str, Checker] = {
     "num_levels": integer(1, MAX_LEVELS),
     "hw_queues": integer(1, MAX_HW_QUEUES),
     "hw_mapping": one_of(*hwqueues.RULES),
-    "timer_period": number(0.0, 60.0, open_low=True),
+    # a period below the clocks' resolution (1e-300) re-armed the sweep at the same instant
+    "timer_period": number(MIN_TIMER_PERIOD, 60.0),
     "args": lambda v, p: [] if isinstance(v, Mapping) else [f"{p}: expected a table, got {v!r}"],
 }
 

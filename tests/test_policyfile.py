@@ -152,7 +152,12 @@ BAD_FILES = [
     (
         "timer",
         MINIMAL + "timer_period = 0\n",
-        ["policy.timer_period: expected a number in (0.0, 60.0]"],
+        ["policy.timer_period: expected a number in [1e-06, 60.0]"],
+    ),
+    (
+        "timer-below-a-microsecond",
+        MINIMAL + "timer_period = 1e-300\n",
+        ["policy.timer_period: expected a number in [1e-06, 60.0], got 1e-300"],
     ),
     (
         "args-E",
