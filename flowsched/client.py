@@ -532,11 +532,13 @@ class AgentConnection:
                 self._reconnecting = False
 
     def _reopen(self, handle: FlowHandle) -> None:
-        if handle._request is None:
+        # a handle with an id was opened on this connection already (by the application,
+        # on a connection one of its own calls made before this thread woke)
+        if handle._request is None or handle.id is not None:
             return
         request = dataclasses.replace(handle._request, ref=self.next_ref())
         reply = self.open(request, handle)
-        if reply is None:
+        if reply is None or handle.id != reply.id:
             return
         if handle._closed:  # closed while we were re-opening it
             self.send(sdk.Close(reply.id, handle._sent))
@@ -590,8 +592,10 @@ class AgentConnection:
             late = self._late.pop(ref, None) if pending is None else None
             handle = pending[2] if pending is not None else late
             adopt = opened is not None and handle is not None
-            if adopt and late is not None and (late._closed or late.id is not None):
-                adopt = False  # closed, or re-opened under another id, meanwhile
+            if adopt and late is not None and late._closed:
+                adopt = False  # closed meanwhile
+            if adopt and handle is not None and handle.id is not None:
+                adopt = False  # it has a flow on this connection already: one is enough
             if adopt:
                 assert opened is not None and handle is not None
                 handle.id = opened.id
@@ -604,6 +608,8 @@ class AgentConnection:
             return
         if not adopt:
             self.send(sdk.Close(opened.id, 0))  # no handle will ever close it
+            if pending is not None:
+                pending[0].set()
             return
         assert handle is not None
         marking = Marking(opened.level, opened.dscp, opened.so_priority, opened.nccl_traffic_class)

@@ -436,3 +436,48 @@ def test_a_socket_left_by_a_killed_user_agent_does_not_hide_the_root_agent(
             assert client.connection().path == str(user_node / rundir.SOCKET_NAME)
     finally:
         stale.close()
+
+
+def test_a_flow_opened_on_a_connection_another_call_remade_is_not_opened_twice(
+    tmp_path: Path,
+) -> None:
+    """After an agent restart the application's own calls (here ``job_progress``) may make
+    the new connection before the reconnect thread wakes; a flow opened on it has an id, and
+    the reconnect thread must not open it a second time (the first would stay open at the
+    agent, unowned, until the process disconnects)."""
+    config = AgentConfig(
+        node="n1",
+        socket_path=str(tmp_path / "agent.sock"),
+        table_path=str(tmp_path / "table"),
+        num_slots=8,
+        metrics_port=None,
+        fallback_after=60.0,
+        interfaces=("lo",),
+    )
+    first = AgentThread(config)
+    first.start()
+    try:
+        old = client.open_flow("param_sync", bytes=100, socket_path=config.socket_path)
+        conn = client.connection(config.socket_path)
+        # the next connection attempt is not held back by the first one's
+        _wait(lambda: time.monotonic() - conn._last_attempt >= client.RECONNECT_INTERVAL)
+        conn._reconnecting = True  # the reconnect thread is held until the new flow is open
+        first.stop()
+        _wait(lambda: old.id is None)
+        with AgentThread(config) as second:
+            registry = second.agent.registry
+            assert registry is not None
+            assert client.job_progress("j", 1, socket_path=config.socket_path)
+            new = client.open_flow("kv", bytes=100, socket_path=config.socket_path)
+            assert new.connected
+            conn._reconnecting = False
+            conn._start_reconnecting()  # it wakes a second later, the connection made
+            _wait(lambda: old.connected)
+            assert second.run(lambda: sorted(registry.sdk)) == sorted([old.id, new.id])
+            old.close()
+            new.close()
+            _wait(lambda: second.run(lambda: not registry.sdk))
+    finally:
+        conn = client._connections.pop(config.socket_path, None)
+        if conn is not None:
+            conn.close()
