@@ -458,6 +458,14 @@ class FlowRegistry:
             closes=tuple(closes),
         )
 
+    def drop_reports(self) -> None:
+        """Forget the opens and closes queued for the coordinator: none is connected to take
+        them (the next connection's resync carries the whole flow set)."""
+        if self._pending_opens:
+            self._pending_opens = {}
+        if self._closes:
+            self._closes = []
+
     def resync_opens(self) -> tuple[FlowOpen, ...]:
         """Every live flow, with its current level, for a Resync; clears the pending batch."""
         self._pending_opens = {}

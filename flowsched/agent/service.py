@@ -97,6 +97,9 @@ class Agent:
             capacity=config.link_capacity,
         )
         self.connected = False
+        #: a coordinator session took the flow set (its resync): from then on the registry's
+        #: queued opens and closes are sent; without one they are dropped as they come
+        self._reporting = False
         self.fallback: Policy | None = None
         self._admitted: set[int] = set()
         #: the local copy of the policy that gives SDK flows their first level while the
@@ -449,7 +452,7 @@ class Agent:
         except (LinkClosed, ProtocolError, OSError, TimeoutError) as exc:
             self._log_link_lost(exc)
         finally:
-            self.connected = False
+            self.connected = self._reporting = False
             self.table_flag_connected(False if self.fallback is not None else None)
             await link.close()
         return 0.0
@@ -589,6 +592,7 @@ class Agent:
         assert self.registry is not None
         limit = max(SILENCE_HEARTBEATS * self._heartbeat_interval, 0.3)
         loop = asyncio.get_running_loop()
+        self._reporting = True
         frames = itertools.chain(
             resync_frames(self.registry.resync_opens()), self._latest_jobs(link.version)
         )
@@ -844,6 +848,8 @@ class Agent:
 
     def _after_registry_change(self) -> None:
         assert self.registry is not None
+        if not self._reporting:
+            self.registry.drop_reports()
         closed = self.registry.drain_closed()
         now = time.time()
         for flow in closed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import socket
@@ -21,6 +22,7 @@ from flowsched import client
 from flowsched.agent import AgentConfig, sdk_server, serve
 from flowsched.agent.threaded import AgentThread
 from flowsched.model import FlowClass
+from flowsched.protocol import write_token
 from flowsched.shm import layout, pidns
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
@@ -454,3 +456,48 @@ def test_a_slot_with_no_possible_pid_is_reaped_and_logged(
         assert agent.agent.stats["slots_bad_pid"] >= 1
     finally:
         table.close()
+
+
+@pytest.mark.parametrize("coordinator", ["none", "unreachable"])
+def test_opens_and_closes_no_coordinator_will_read_are_not_kept(
+    tmp_path: Path, fresh_sdk_connections: None, coordinator: str
+) -> None:
+    """Without a coordinator link nothing takes the opens and closes queued for it (the next
+    connection's resync carries the whole flow set): an agent without a coordinator, or cut
+    off from it, kept one of each for every flow that ever opened, without bound."""
+    silent = socket.socket()  # listens, never answers the handshake
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    overrides: dict[str, object] = {}
+    if coordinator == "unreachable":
+        overrides = dict(
+            coordinator=silent.getsockname(),
+            token_file=str(tmp_path / "token"),
+            connect_timeout=30.0,
+        )
+        write_token(tmp_path / "token")
+    try:
+        with AgentThread(agent_config(tmp_path, **overrides)) as running:
+            assert running.ready is not None
+            registry = running.agent.registry
+            assert registry is not None
+            wait_until(lambda: running.agent.fallback is not None)
+
+            def tracked(key: tuple[int, int]) -> bool:
+                return bool(running.run(lambda: key in registry.slots))
+
+            table = FlowTable.open(running.ready.table, writable=True)
+            try:
+                for _ in range(20):
+                    conn = EmulatedPluginSlot(table, class_id=int(FlowClass.TP))
+                    wait_until(functools.partial(tracked, (conn.index, conn.claim_seq)))
+                    with client.flow("kv", bytes=100, socket_path=running.ready.socket) as h:
+                        assert h.connected
+                    conn.close()
+                wait_until(lambda: running.run(lambda: not registry.flows))
+            finally:
+                table.close()
+            queued = running.run(lambda: len(registry._pending_opens) + len(registry._closes))
+            assert queued == 0
+    finally:
+        silent.close()
