@@ -29,7 +29,14 @@ from typing import Any
 
 from flowsched import policyfile, qos, rdma
 from flowsched.agent.config import AgentConfig, ReadyInfo
-from flowsched.agent.flows import FlowRegistry, JobTable, SlotKey, resync_frames, split_batch
+from flowsched.agent.flows import (
+    MAX_JOBS,
+    FlowRegistry,
+    JobTable,
+    SlotKey,
+    resync_frames,
+    split_batch,
+)
 from flowsched.agent.metrics import start_http
 from flowsched.agent.nic import NicMonitor, default_interfaces
 from flowsched.agent.policy_view import PolicyView
@@ -732,9 +739,21 @@ class Agent:
             update, dropped = self.jobs.record(owner, job, step, layer)
             self._forget_jobs(dropped)
             self.registry.job_progress(update.job, step, layer)
-        self._job_updates[update.job] = update
+        if self.config.coordinator is not None:  # else nobody takes them
+            self._queue_job_update(update)
         if self.fallback is not None:
             self._reevaluate()
+
+    def _queue_job_update(self, update: JobProgress) -> None:
+        """Queue ``update`` for the coordinator. Progress is queued for the jobs the job table
+        keeps (MAX_JOBS at most); an end is kept until a session takes it, while the agent is
+        cut off too, so MAX_JOBS ends at least and never many more, the oldest dropped (the
+        coordinator forgets such a job at its TTL)."""
+        updates = self._job_updates
+        updates.pop(update.job, None)
+        updates[update.job] = update
+        if update.done and len(updates) > 2 * MAX_JOBS:  # progress entries are MAX_JOBS at most
+            del updates[next(name for name, u in updates.items() if u.done)]
 
     def _forget_jobs(self, names: Iterable[str]) -> None:
         assert self.registry is not None

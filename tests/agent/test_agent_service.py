@@ -20,9 +20,10 @@ from pid_namespace import unshared
 
 from flowsched import client
 from flowsched.agent import AgentConfig, sdk_server, serve
+from flowsched.agent.flows import MAX_JOBS
 from flowsched.agent.threaded import AgentThread
 from flowsched.model import FlowClass
-from flowsched.protocol import write_token
+from flowsched.protocol import sdk, write_token
 from flowsched.shm import layout, pidns
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
@@ -499,5 +500,39 @@ def test_opens_and_closes_no_coordinator_will_read_are_not_kept(
                 table.close()
             queued = running.run(lambda: len(registry._pending_opens) + len(registry._closes))
             assert queued == 0
+    finally:
+        silent.close()
+
+
+@pytest.mark.parametrize("coordinator", ["none", "unreachable"])
+def test_job_ends_no_coordinator_will_read_are_bounded(
+    tmp_path: Path, fresh_sdk_connections: None, coordinator: str
+) -> None:
+    """A job's end is kept for the next coordinator session (it forgets the job then, not at
+    its TTL); without a coordinator, or cut off from it, every end of a distinct job was kept
+    for good. Without one none is kept; cut off, at most as many as the jobs a node keeps."""
+    silent = socket.socket()  # listens, never answers the handshake
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    overrides: dict[str, object] = {}
+    if coordinator == "unreachable":
+        overrides = dict(
+            coordinator=silent.getsockname(),
+            token_file=str(tmp_path / "token"),
+            connect_timeout=30.0,
+        )
+        write_token(tmp_path / "token")
+    ends = 2 * MAX_JOBS + 100
+    try:
+        with AgentThread(agent_config(tmp_path, **overrides)) as running:
+            assert running.ready is not None
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.connect(running.ready.socket)
+                frames = (sdk.encode(sdk.JobProgress(f"j{i}", 1, done=True)) for i in range(ends))
+                sock.sendall(b"".join(frames))
+                requests = running.agent.sdk.requests  # type: ignore[union-attr]
+                wait_until(lambda: running.run(lambda: requests["job_progress"]) == ends)
+            kept = running.run(lambda: len(running.agent._job_updates))
+            assert kept <= (0 if coordinator == "none" else 2 * MAX_JOBS)
     finally:
         silent.close()

@@ -96,7 +96,10 @@ def test_the_agent_scopes_an_sdk_clients_job_to_its_uid(tmp_path: Path) -> None:
 def test_a_jobs_end_goes_to_a_coordinator_that_understands_it_only() -> None:
     """``done`` only on a version-4 link (an older coordinator refuses the field); a resync
     carries the ends not sent yet, after every running job's latest progress."""
-    agent = Agent(AgentConfig(node="n1", socket_path="unused", metrics_port=None))
+    config = AgentConfig(
+        node="n1", socket_path="unused", metrics_port=None, coordinator=("127.0.0.1", 1)
+    )
+    agent = Agent(config)
     agent.registry = FlowRegistry(node="n1", links=("n1:tx",), id_prefix=1)
     agent.job_progress("batch", 7, 7, owner=1000)
     agent.job_progress("other", 2, None, owner=1000)
