@@ -458,6 +458,13 @@ class FlowRegistry:
             closes=tuple(closes),
         )
 
+    def report_level(self, flow_id: int) -> None:
+        """Send ``flow_id``'s open again, with the level it has: the coordinator, which knows
+        the flow, answers with its own level where they differ."""
+        flow = self.flows.get(flow_id)
+        if flow is not None:
+            self._pending_opens[flow_id] = _open_message(flow, with_level=True)
+
     def drop_reports(self) -> None:
         """Forget the opens and closes queued for the coordinator: none is connected to take
         them (the next connection's resync carries the whole flow set)."""

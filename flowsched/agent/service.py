@@ -107,6 +107,9 @@ class Agent:
         #: a coordinator session took the flow set (its resync): from then on the registry's
         #: queued opens and closes are sent; without one they are dropped as they come
         self._reporting = False
+        #: the levels the session's resync reported while the local policy ran (it runs on
+        #: until the coordinator's first message): those it moves meanwhile are reported again
+        self._resynced: dict[int, int] | None = None
         self.fallback: Policy | None = None
         self._admitted: set[int] = set()
         #: the local copy of the policy that gives SDK flows their first level while the
@@ -460,6 +463,7 @@ class Agent:
             self._log_link_lost(exc)
         finally:
             self.connected = self._reporting = False
+            self._resynced = None
             self.table_flag_connected(False if self.fallback is not None else None)
             await link.close()
         return 0.0
@@ -600,9 +604,10 @@ class Agent:
         limit = max(SILENCE_HEARTBEATS * self._heartbeat_interval, 0.3)
         loop = asyncio.get_running_loop()
         self._reporting = True
-        frames = itertools.chain(
-            resync_frames(self.registry.resync_opens()), self._latest_jobs(link.version)
-        )
+        opens = self.registry.resync_opens()
+        if self.fallback is not None:
+            self._resynced = {o.id: -1 if o.level is None else o.level for o in opens}
+        frames = itertools.chain(resync_frames(opens), self._latest_jobs(link.version))
         try:
             async with asyncio.timeout(limit) as deadline:
                 for message in frames:
@@ -864,6 +869,16 @@ class Agent:
         self.fallback = None
         self._admitted.clear()
         self.table_flag_connected(True)
+        resynced, self._resynced = self._resynced, None
+        if resynced and self.registry is not None:
+            # moved by the local policy after the resync: the coordinator, which sends only
+            # the levels it changes, would leave them there
+            flows = self.registry.flows
+            for flow_id, level in resynced.items():
+                flow = flows.get(flow_id)
+                if flow is not None and flow.level != level:
+                    self.registry.report_level(flow_id)
+            self._wake.set()
 
     def _after_registry_change(self) -> None:
         assert self.registry is not None

@@ -27,7 +27,15 @@ from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.coordinator import Coordinator, CoordinatorConfig
 from flowsched.model import Context, Decision, Flow, FlowClass
-from flowsched.protocol import sdk, write_token
+from flowsched.protocol import (
+    PROTOCOL_VERSION,
+    Flows,
+    Heartbeat,
+    Resync,
+    Welcome,
+    sdk,
+    write_token,
+)
 from flowsched.shm import layout
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
@@ -313,3 +321,81 @@ def test_the_local_first_level_policy_sees_each_sdk_flow_open_and_close(tmp_path
         assert not agent._first_admitted
     finally:
         agent.table.close()
+
+
+class SwitchPolicy(ProgressPolicy):
+    """Level 5 at admission; every re-evaluation moves a flow to 2 once ``promote`` is set."""
+
+    def __init__(self) -> None:
+        self.promote = False
+
+    def _level(self, flow: Flow) -> int:
+        return PROMOTED_LEVEL if self.promote else FIRST_LEVEL
+
+
+class HeldLink:
+    """A coordinator link (as ``Agent._session`` uses one) whose coordinator says nothing
+    until ``speak`` is set, and then only heartbeats."""
+
+    def __init__(self, policy_toml: str) -> None:
+        self.welcome = Welcome(policy_toml, 0.01, time.time())
+        self.version = PROTOCOL_VERSION
+        self.cipher = None
+        self.sealed = True
+        self.sent: list[object] = []
+        self.speak = asyncio.Event()
+
+    async def send(self, message: object) -> None:
+        self.sent.append(message)
+
+    async def recv(self, timeout: float | None = None) -> Heartbeat:
+        await self.speak.wait()
+        await asyncio.sleep(0.01)
+        return Heartbeat(time.time())
+
+
+def test_a_level_the_local_policy_moved_after_the_resync_is_told_to_the_coordinator(
+    tmp_path: Path,
+) -> None:
+    """The local policy runs until the coordinator's first message, but the coordinator has
+    the flows' levels from the resync, and sends only the levels it changes: a level the local
+    policy moved in between stayed until the coordinator's own decision for the flow changed
+    (for good for a flow whose decision never does). The agent now re-sends such a flow's open
+    with the level it applies, which makes the coordinator send its own again."""
+
+    async def scenario() -> None:
+        agent = Agent(_config(tmp_path, coordinator=("127.0.0.1", 1)))
+        agent._attach_table()
+        assert agent.registry is not None and agent.table is not None
+        policy = SwitchPolicy()
+        agent.fallback = policy  # cut off: the policy runs locally
+        flow, _ = agent.registry.open_sdk(1, FlowClass.BULK, time.time())
+        agent.admit_now()
+        assert flow.level == FIRST_LEVEL
+        link = HeldLink("")  # not a policy file: the agent keeps its own
+        session = asyncio.create_task(agent._session(link))  # type: ignore[arg-type]
+
+        def told(level: int) -> bool:
+            return any(
+                isinstance(m, Resync | Flows)
+                and any(o.id == flow.flow_id and o.level == level for o in m.opens)
+                for m in link.sent
+            )
+
+        try:
+            while not told(FIRST_LEVEL):  # the resync
+                await asyncio.sleep(0.001)
+            policy.promote = True  # a local re-evaluation before the coordinator's first word
+            agent._fallback_step()
+            assert flow.level == PROMOTED_LEVEL
+            link.speak.set()  # its first word: nothing to change (it decides as at admission)
+            async with asyncio.timeout(3):
+                while agent.fallback is not None or not told(PROMOTED_LEVEL):
+                    await asyncio.sleep(0.001)
+        finally:
+            session.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await session
+            agent.table.close()
+
+    asyncio.run(scenario())
