@@ -682,6 +682,12 @@ class Agent:
         self._first_admitted.clear()
         if self.table is not None:
             self.table.write_config(self.view.table_config())
+        if self.fallback is not None:
+            # it runs on until the coordinator's first message, or again if none comes: as
+            # the new policy, whose levels (their count too) the old one's may not be
+            self.fallback = cfg.make_policy()
+            self._admitted.clear()
+            self._admit_new(keep_levels=False)
         log.info("policy from the coordinator: %s", cfg.summary())
         self._qos_due.set()
 
@@ -898,7 +904,9 @@ class Agent:
             _release_closed(self.fallback, self._admitted, closed, ctx or self._context())
             self._admit_new()
 
-    def _admit_new(self) -> None:
+    def _admit_new(self, *, keep_levels: bool = True) -> None:
+        """Admit the flows the local policy has not seen; a flow's level is its admission's
+        unless it has one (the coordinator's) and ``keep_levels``."""
         assert self.registry is not None and self.fallback is not None
         new = [f for f in self.registry.flows.values() if f.flow_id not in self._admitted]
         if not new:
@@ -909,7 +917,7 @@ class Agent:
         for flow in new:
             self._admitted.add(flow.flow_id)
             decision = self.fallback.admit(flow, ctx)
-            if flow.level < 0:  # keep a level the coordinator already gave
+            if flow.level < 0 or not keep_levels:  # else keep the coordinator's level
                 decisions.append((flow.flow_id, decision.level))
         self.telemetry.decision_latency.observe(time.perf_counter() - started)
         self.apply_levels(decisions)

@@ -22,6 +22,7 @@ import pytest
 from agent_helpers import wait_until
 from prometheus_client import CollectorRegistry
 
+from flowsched import policyfile
 from flowsched.agent import AgentConfig
 from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
@@ -36,6 +37,7 @@ from flowsched.protocol import (
     sdk,
     write_token,
 )
+from flowsched.protocol.aio import LinkClosed
 from flowsched.shm import layout
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
@@ -396,6 +398,39 @@ def test_a_level_the_local_policy_moved_after_the_resync_is_told_to_the_coordina
             session.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await session
+            agent.table.close()
+
+    asyncio.run(scenario())
+
+
+class DroppedLink(HeldLink):
+    """A coordinator link that ends right after the resync, before any message."""
+
+    async def recv(self, timeout: float | None = None) -> Heartbeat:
+        raise LinkClosed("the coordinator went away")
+
+
+def test_a_policy_adopted_while_the_local_policy_runs_replaces_it(tmp_path: Path) -> None:
+    """A coordinator restarted with another policy file (here 4 levels, not 8) that goes away
+    again before its first message: the local policy went on as the old policy, deciding
+    levels the new one does not have (level 7 of 4, pushed to SDK clients as such)."""
+    static = Path(policyfile.__file__).parent / "data" / "policies" / "static-classes.toml"
+
+    async def scenario() -> None:
+        agent = Agent(_config(tmp_path, coordinator=("127.0.0.1", 1)))
+        agent._attach_table()
+        assert agent.registry is not None and agent.table is not None
+        try:
+            agent._enter_fallback(1.0)
+            flow, _ = agent.registry.open_sdk(1, FlowClass.BULK, time.time())
+            agent.admit_now()
+            assert flow.level == agent.view.num_levels - 1 == 7  # the default policy's last
+            with contextlib.suppress(LinkClosed):
+                await agent._session(DroppedLink(static.read_text()))  # type: ignore[arg-type]
+            assert agent.view.num_levels == 4 and agent.fallback is not None
+            agent._fallback_step()
+            assert 0 <= flow.level < agent.view.num_levels
+        finally:
             agent.table.close()
 
     asyncio.run(scenario())
