@@ -463,6 +463,11 @@ def _testbed_runs(
     return errors
 
 
+def _is_oracle(name: str) -> bool:
+    """True for an oracle (``llf``, ``llf+late``): a reference, shown marked and last."""
+    return name != IDEAL and name.removesuffix(LATE_SUFFIX) in policies.ORACLES
+
+
 def _outcomes(
     scen: scenario.Scenario,
     options: ServingOptions,
@@ -481,7 +486,12 @@ def _outcomes(
             label = f"{name} sim" if name in options.policies else name
             outcomes.append(
                 shared_report.Outcome.from_records(
-                    label, load, merge(seeds), bound=policy_spec.bound, seeds=seeds
+                    label,
+                    load,
+                    merge(seeds),
+                    bound=policy_spec.bound,
+                    oracle=_is_oracle(name),
+                    seeds=seeds,
                 )
             )
         for name in dict.fromkeys((IDEAL, *specs)):
@@ -492,6 +502,7 @@ def _outcomes(
                         load,
                         merge(records),
                         bound=name == IDEAL,
+                        oracle=_is_oracle(name),
                         seeds=records,
                         source="testbed",
                     )

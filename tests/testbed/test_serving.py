@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import socket
 import subprocess
@@ -475,3 +476,45 @@ def test_the_testbed_scenario_simulates_tcps_payload_rate() -> None:
     """The simulator side runs the links at the payload rate TCP gets on the testbed's."""
     scen = scenario.load(serving.SCENARIO)
     assert scen.sim.payload_share == pytest.approx(netns.TCP_PAYLOAD_SHARE, abs=1e-4)
+
+
+# ----------------------------------------------------------------------------- the report
+def test_oracle_rows_are_marked_and_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    # llf and llf+late know every flow's true deadline: the table marks them and puts them
+    # after the real policies, as flowsched sim does, on the simulator's side and the testbed's
+    from flowsched import report
+    from flowsched.metrics import RequestRecord, RunRecords
+    from flowsched.sim.run import PolicySpec, ideal_spec
+
+    def fake_simulate(_scen: Any, _spec: Any, _load: float, _seed: int) -> Any:
+        records = RunRecords(requests=[RequestRecord("q0", 0.0, 1.0, 0.5)])
+        return type("Result", (), {"records": records})()
+
+    monkeypatch.setattr(serving, "simulate", fake_simulate)
+    options = serving.ServingOptions(
+        out=Path("unused"), policies=("rmlq", "llf+late"), loads=(0.6,), seeds=(1,)
+    )
+    specs = {
+        "ideal": ideal_spec(8),
+        "rmlq": PolicySpec("rmlq", label="rmlq"),
+        "llf+late": PolicySpec("llf", {"drop_late": True}, label="llf+late"),
+        "llf": PolicySpec("llf", label="llf"),
+    }
+    live = [RunRecords(requests=[RequestRecord("q0", 0.0, 1.0, 0.5)])]
+    testbed = {("rmlq", 0.6): live, ("llf+late", 0.6): live, ("ideal", 0.6): live}
+    outcomes = serving._outcomes(
+        scenario.load(serving.SCENARIO), options, specs, testbed, report.Progress(8, io.StringIO())
+    )
+    oracle = {o.policy: o.oracle for o in outcomes}
+    assert oracle == {
+        "ideal": False,
+        "rmlq sim": False,
+        "llf+late sim": True,
+        "llf": True,
+        "ideal testbed": False,
+        "rmlq testbed": False,
+        "llf+late testbed": True,
+    }
+    lines = report.table(outcomes).splitlines()[2:]
+    names = [line.split("  ")[1].strip() for line in lines]
+    assert names[-3:] == ["llf+late sim (oracle)", "llf (oracle)", "llf+late testbed (oracle)"]
