@@ -68,6 +68,7 @@ SECONDS_ARGS = frozenset(
         "feasibility_grace",
         "request_memory",
         "promotion_lead",
+        "volume_lag",
     }
 )
 LAYER_ARGS = frozenset({"pace_layers"})

@@ -518,3 +518,19 @@ def test_oracle_rows_are_marked_and_last(monkeypatch: pytest.MonkeyPatch) -> Non
     lines = report.table(outcomes).splitlines()[2:]
     names = [line.split("  ")[1].strip() for line in lines]
     assert names[-3:] == ["llf+late sim (oracle)", "llf (oracle)", "llf+late testbed (oracle)"]
+
+
+def test_rmlq_volume_lag_is_scaled_like_every_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # volume_lag is seconds (how old the byte counts are): at x 100 a live cluster's 0.12 s
+    # is 12 s of the testbed's time, as the file's other times are
+    policies_dir = tmp_path / "policies"
+    policies_dir.mkdir()
+    text = DEFAULT_FILE.read_text().replace("volume_lag = 0.0", "volume_lag = 0.12")
+    assert "volume_lag = 0.12" in text
+    (policies_dir / "default.toml").write_text(text)
+    monkeypatch.setattr(serving, "data_path", lambda name: tmp_path / name)
+    args = serving.policy_document("rmlq")["policy"]["args"]
+    assert args["volume_lag"] == pytest.approx(0.12 * serving.TIME_SCALE)
+    assert args["urgent_slack"] == pytest.approx(0.025 * serving.TIME_SCALE)
