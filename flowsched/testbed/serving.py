@@ -283,6 +283,7 @@ def run_live(
         finally:
             engine.stop()
         workload.finish()
+        unfinish_failed(engine.records, engine.failed)
         errors += runner.wait_workers(workers, 30.0)
     errors += engine.errors + journal_errors(workdir, engine.failed)
     return LiveRun(
@@ -292,6 +293,24 @@ def run_live(
         steal_share(machine, cpu_times()),
         topo.run_drops(),
     )
+
+
+def unfinish_failed(records: RunRecords, failed: set[int]) -> int:
+    """Mark as never finished every request with a KV or KV-reuse flow in ``failed`` (the
+    flow ids the hosts reported failed): the engine finishes a failed flow so that the workload
+    goes on, but its bytes never arrived. Returns how many requests it marked."""
+    classes = {FlowClass.KV.label, FlowClass.KV_REUSE.label}
+    lost = {
+        f.request
+        for f in records.flows
+        if f.flow_id in failed and f.cls in classes and f.request is not None
+    }
+    marked = 0
+    for request in records.requests:
+        if request.request in lost and request.finished is not None:
+            request.finished = None
+            marked += 1
+    return marked
 
 
 def journal_errors(workdir: Path, reported: set[int]) -> list[str]:

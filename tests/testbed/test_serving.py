@@ -534,3 +534,27 @@ def test_rmlq_volume_lag_is_scaled_like_every_time(
     args = serving.policy_document("rmlq")["policy"]["args"]
     assert args["volume_lag"] == pytest.approx(0.12 * serving.TIME_SCALE)
     assert args["urgent_slack"] == pytest.approx(0.025 * serving.TIME_SCALE)
+
+
+def test_a_request_whose_kv_transfer_failed_is_a_miss() -> None:
+    # the engine finishes a failed flow so that the workload goes on, but its request's KV
+    # never reached the decoder: it counts as never finished, as the contention benchmark
+    # counts a failed transfer (and metrics' convention for requests that never finished)
+    from flowsched.metrics import FlowRecord, RequestRecord, RunRecords, summarize
+
+    records = RunRecords(
+        flows=[
+            FlowRecord(1, "kv", 10, 0.0, 0.2, request="q0"),
+            FlowRecord(2, "kv", 10, 0.0, 0.3, request="q1"),
+            FlowRecord(3, "kv_reuse", 10, 0.0, 0.1, request="q2"),
+            FlowRecord(4, "tp", 10, 0.0, 0.1, job="i0/b1"),
+        ],
+        requests=[
+            RequestRecord("q0", 0.0, 1.0, 0.5),
+            RequestRecord("q1", 0.0, 1.0, 0.5),
+            RequestRecord("q2", 0.0, 1.0, 0.5),
+        ],
+    )
+    assert serving.unfinish_failed(records, {1, 3, 4}) == 2
+    assert [r.finished for r in records.requests] == [None, 0.5, None]
+    assert summarize(records).slo_attainment == pytest.approx(1 / 3)
