@@ -52,5 +52,6 @@ def steal_share(before: list[int], after: list[int]) -> float:
     include it; the coordinator's own CPU time does not. NaN where not reported."""
     if len(before) < 8 or len(after) < 8:
         return math.nan
-    spent = [now - then for then, now in zip(before, after, strict=False)]
+    # the first 8 states: guest and guest_nice after them are already in user and nice
+    spent = [now - then for then, now in zip(before[:8], after[:8], strict=True)]
     return spent[7] / sum(spent) if sum(spent) > 0 else math.nan

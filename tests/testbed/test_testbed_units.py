@@ -324,6 +324,8 @@ def test_procstat_reads_this_process_and_knows_an_exited_one() -> None:
         ([0] * 8, [0] * 8, None),  # no time passed
         ([], [1] * 8, None),  # no /proc/stat
         ([0] * 7, [1] * 7, None),  # a kernel that reports no steal column
+        # guest and guest_nice ticks are already in user and nice (proc(5)): not counted twice
+        ([0] * 10, [30, 0, 0, 50, 0, 0, 0, 20, 30, 0], 0.2),
     ],
 )
 def test_steal_share_is_stolen_ticks_over_all_ticks(
