@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -459,6 +460,26 @@ def test_a_slot_with_no_possible_pid_is_reaped_and_logged(
         table.close()
 
 
+@contextlib.contextmanager
+def _agent_without_a_session(tmp_path: Path, coordinator: str) -> Iterator[AgentThread]:
+    """A running agent that has no coordinator session: none configured (``"none"``), or
+    one whose address takes connections and never answers the handshake (``"unreachable"``)."""
+    with socket.socket() as silent:  # listens, never answers the handshake
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        overrides: dict[str, object] = {}
+        if coordinator == "unreachable":
+            write_token(tmp_path / "token")
+            overrides = dict(
+                coordinator=silent.getsockname(),
+                token_file=str(tmp_path / "token"),
+                connect_timeout=30.0,
+            )
+        with AgentThread(agent_config(tmp_path, **overrides)) as running:
+            assert running.ready is not None
+            yield running
+
+
 @pytest.mark.parametrize("coordinator", ["none", "unreachable"])
 def test_opens_and_closes_no_coordinator_will_read_are_not_kept(
     tmp_path: Path, fresh_sdk_connections: None, coordinator: str
@@ -466,42 +487,28 @@ def test_opens_and_closes_no_coordinator_will_read_are_not_kept(
     """Without a coordinator link nothing takes the opens and closes queued for it (the next
     connection's resync carries the whole flow set): an agent without a coordinator, or cut
     off from it, kept one of each for every flow that ever opened, without bound."""
-    silent = socket.socket()  # listens, never answers the handshake
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)
-    overrides: dict[str, object] = {}
-    if coordinator == "unreachable":
-        overrides = dict(
-            coordinator=silent.getsockname(),
-            token_file=str(tmp_path / "token"),
-            connect_timeout=30.0,
-        )
-        write_token(tmp_path / "token")
-    try:
-        with AgentThread(agent_config(tmp_path, **overrides)) as running:
-            assert running.ready is not None
-            registry = running.agent.registry
-            assert registry is not None
-            wait_until(lambda: running.agent.fallback is not None)
+    with _agent_without_a_session(tmp_path, coordinator) as running:
+        assert running.ready is not None
+        registry = running.agent.registry
+        assert registry is not None
+        wait_until(lambda: running.agent.fallback is not None)
 
-            def tracked(key: tuple[int, int]) -> bool:
-                return bool(running.run(lambda: key in registry.slots))
+        def tracked(key: tuple[int, int]) -> bool:
+            return bool(running.run(lambda: key in registry.slots))
 
-            table = FlowTable.open(running.ready.table, writable=True)
-            try:
-                for _ in range(20):
-                    conn = EmulatedPluginSlot(table, class_id=int(FlowClass.TP))
-                    wait_until(functools.partial(tracked, (conn.index, conn.claim_seq)))
-                    with client.flow("kv", bytes=100, socket_path=running.ready.socket) as h:
-                        assert h.connected
-                    conn.close()
-                wait_until(lambda: running.run(lambda: not registry.flows))
-            finally:
-                table.close()
-            queued = running.run(lambda: len(registry._pending_opens) + len(registry._closes))
-            assert queued == 0
-    finally:
-        silent.close()
+        table = FlowTable.open(running.ready.table, writable=True)
+        try:
+            for _ in range(20):
+                conn = EmulatedPluginSlot(table, class_id=int(FlowClass.TP))
+                wait_until(functools.partial(tracked, (conn.index, conn.claim_seq)))
+                with client.flow("kv", bytes=100, socket_path=running.ready.socket) as h:
+                    assert h.connected
+                conn.close()
+            wait_until(lambda: running.run(lambda: not registry.flows))
+        finally:
+            table.close()
+        queued = running.run(lambda: len(registry._pending_opens) + len(registry._closes))
+        assert queued == 0
 
 
 @pytest.mark.parametrize("coordinator", ["none", "unreachable"])
@@ -511,28 +518,14 @@ def test_job_ends_no_coordinator_will_read_are_bounded(
     """A job's end is kept for the next coordinator session (it forgets the job then, not at
     its TTL); without a coordinator, or cut off from it, every end of a distinct job was kept
     for good. Without one none is kept; cut off, at most as many as the jobs a node keeps."""
-    silent = socket.socket()  # listens, never answers the handshake
-    silent.bind(("127.0.0.1", 0))
-    silent.listen(8)
-    overrides: dict[str, object] = {}
-    if coordinator == "unreachable":
-        overrides = dict(
-            coordinator=silent.getsockname(),
-            token_file=str(tmp_path / "token"),
-            connect_timeout=30.0,
-        )
-        write_token(tmp_path / "token")
     ends = 2 * MAX_JOBS + 100
-    try:
-        with AgentThread(agent_config(tmp_path, **overrides)) as running:
-            assert running.ready is not None
-            with socket.socket(socket.AF_UNIX) as sock:
-                sock.connect(running.ready.socket)
-                frames = (sdk.encode(sdk.JobProgress(f"j{i}", 1, done=True)) for i in range(ends))
-                sock.sendall(b"".join(frames))
-                requests = running.agent.sdk.requests  # type: ignore[union-attr]
-                wait_until(lambda: running.run(lambda: requests["job_progress"]) == ends)
-            kept = running.run(lambda: len(running.agent._job_updates))
-            assert kept <= (0 if coordinator == "none" else 2 * MAX_JOBS)
-    finally:
-        silent.close()
+    with _agent_without_a_session(tmp_path, coordinator) as running:
+        assert running.ready is not None
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(running.ready.socket)
+            frames = (sdk.encode(sdk.JobProgress(f"j{i}", 1, done=True)) for i in range(ends))
+            sock.sendall(b"".join(frames))
+            requests = running.agent.sdk.requests  # type: ignore[union-attr]
+            wait_until(lambda: running.run(lambda: requests["job_progress"]) == ends)
+        kept = running.run(lambda: len(running.agent._job_updates))
+        assert kept <= (0 if coordinator == "none" else 2 * MAX_JOBS)

@@ -209,8 +209,9 @@ def test_default_socket_path_honours_environment(monkeypatch: pytest.MonkeyPatch
         assert client.default_socket_path() == expected
 
 
-def test_open_flows_are_reopened_at_a_restarted_agent(tmp_path: Path) -> None:
-    config = AgentConfig(
+def _restartable_agent(tmp_path: Path) -> AgentConfig:
+    """An agent the tests stop and start again at the same socket and table."""
+    return AgentConfig(
         node="n1",
         socket_path=str(tmp_path / "agent.sock"),
         table_path=str(tmp_path / "table"),
@@ -219,6 +220,10 @@ def test_open_flows_are_reopened_at_a_restarted_agent(tmp_path: Path) -> None:
         fallback_after=60.0,
         interfaces=("lo",),
     )
+
+
+def test_open_flows_are_reopened_at_a_restarted_agent(tmp_path: Path) -> None:
+    config = _restartable_agent(tmp_path)
     first = AgentThread(config)
     first.start()
     try:
@@ -445,15 +450,7 @@ def test_a_flow_opened_on_a_connection_another_call_remade_is_not_opened_twice(
     the new connection before the reconnect thread wakes; a flow opened on it has an id, and
     the reconnect thread must not open it a second time (the first would stay open at the
     agent, unowned, until the process disconnects)."""
-    config = AgentConfig(
-        node="n1",
-        socket_path=str(tmp_path / "agent.sock"),
-        table_path=str(tmp_path / "table"),
-        num_slots=8,
-        metrics_port=None,
-        fallback_after=60.0,
-        interfaces=("lo",),
-    )
+    config = _restartable_agent(tmp_path)
     first = AgentThread(config)
     first.start()
     try:
