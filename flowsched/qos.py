@@ -376,6 +376,9 @@ def changes(want: Plan, have: Tree, *, force: bool = False) -> list[str]:
     if owner == "ours" and have.default != tree.default:
         lines.append(f"qdisc del dev {dev} root")  # htb cannot change its default in place
         owner = "kernel"
+    elif owner == "foreign":  # forced: a qdisc of that tree may hold the handle f5:, which
+        lines.append(f"qdisc del dev {dev} root")  # "qdisc replace" cannot take over
+        owner = "kernel"
     if owner != "ours":  # a new root: grafted over the old one, which the kernel destroys
         lines.append(
             f"qdisc replace dev {dev} root handle {HANDLE:x}: htb default {tree.default:x}"

@@ -244,7 +244,23 @@ def test_a_foreign_root_is_refused_unless_forced(have: qos.Tree) -> None:
     with pytest.raises(qos.QosForeignRootError, match=f"root qdisc is {have.root}.*--force"):
         qos.changes(want, have)
     lines = qos.changes(want, have, force=True)
-    assert lines[0] == "qdisc replace dev eth0 root handle f5: htb default f"
+    assert lines[:2] == [
+        "qdisc del dev eth0 root",
+        "qdisc replace dev eth0 root handle f5: htb default f",
+    ]
+
+
+@pytest.mark.parametrize("root", ["tbf f5:", "htb 1:"])
+def test_a_forced_apply_first_removes_the_foreign_tree_that_may_hold_our_handle(
+    root: str,
+) -> None:
+    # "qdisc replace ... root handle f5: htb" fails when a qdisc of the foreign tree already
+    # has the handle f5: (its root: "Invalid qdisc name"; a leaf: "Cannot move an existing
+    # qdisc to a different parent"), and the tree it reads back shows the root only
+    want = qos.plan("eth0", _markings(46, 1), 200 * 10**6)
+    lines = qos.changes(want, qos.Tree(root, None), force=True)
+    assert lines.index("qdisc del dev eth0 root") == 0
+    assert lines[1] == "qdisc replace dev eth0 root handle f5: htb default f"
 
 
 def test_an_earlier_release_tree_is_replaced_whole() -> None:
