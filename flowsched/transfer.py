@@ -345,6 +345,8 @@ def _await_ack(sock: socket.socket, timeout: float) -> None:
         status = sock.recv(1)
     except OSError as exc:
         raise TransferError(f"no acknowledgement from the receiver: {exc}") from exc
+    if not status:
+        raise TransferError("the receiver closed the connection without acknowledging the transfer")
     if status != b"\x01":
         raise TransferError("the receiver reported a corrupt or incomplete transfer")
 

@@ -195,6 +195,26 @@ def test_short_transfer_is_reported_as_incomplete() -> None:
     assert not got.ok and got.bytes == 100 and "100/5000 bytes, incomplete" in (got.error or "")
 
 
+def test_a_receiver_that_closes_without_an_answer_is_not_called_a_corrupt_transfer() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        got: list[int] = []
+
+        def receive_then_close() -> None:
+            peer, _ = server.accept()
+            with peer:  # takes the whole transfer, then closes without its status byte
+                got.append(len(transfer.recv_exact(peer, transfer.HEADER.size + 1000 + 32)))
+
+        thread = threading.Thread(target=receive_then_close)
+        thread.start()
+        try:
+            with pytest.raises(transfer.TransferError, match="closed the connection") as caught:
+                transfer.send_flow(server.getsockname(), 1000, timeout=10)
+        finally:
+            thread.join(timeout=10)
+    assert got == [transfer.HEADER.size + 1000 + 32]
+    assert "corrupt" not in str(caught.value)
+
+
 def test_bad_magic_is_rejected() -> None:
     with transfer.Receiver() as rx:
         with socket.create_connection(rx.address) as sock:
