@@ -425,10 +425,14 @@ class Receiver:
     ) -> None:
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(address)
-        self._listener.listen(64)
-        self._listener.settimeout(0.2)
+        try:
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._listener.bind(address)
+            self._listener.listen(64)
+            self._listener.settimeout(0.2)
+        except BaseException:  # address in use, no such address: no socket left open
+            self._listener.close()
+            raise
         self._timeout = timeout
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="flowsched-rx", daemon=True)

@@ -215,6 +215,16 @@ def test_a_receiver_that_closes_without_an_answer_is_not_called_a_corrupt_transf
     assert "corrupt" not in str(caught.value)
 
 
+def test_a_receiver_that_cannot_bind_closes_its_socket() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        before = set(os.listdir("/proc/self/fd"))
+        with pytest.raises(OSError) as caught:
+            transfer.Receiver(busy.getsockname()[:2])
+        # while the exception (and the frame holding the half-built Receiver) is alive
+        assert set(os.listdir("/proc/self/fd")) - before == set()
+        del caught
+
+
 def test_bad_magic_is_rejected() -> None:
     with transfer.Receiver() as rx:
         with socket.create_connection(rx.address) as sock:
