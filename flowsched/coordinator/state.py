@@ -286,8 +286,10 @@ class ClusterState:
         flow = self.flows[fid]
         self._due_at.pop(fid, None)  # re-derive its timer at the next evaluation
         flow.sent = max(flow.sent, op.sent)
-        if op.level is not None and op.level != flow.level and flow.level >= 0:
-            self._queue(fid, flow)  # the agent applies something else: tell it ours again
+        if op.level != flow.level and flow.level >= 0:
+            # the agent applies something else, or no level at all (the update that carried
+            # ours was lost with a previous connection): tell it ours again
+            self._queue(fid, flow)
         self.dirty.add(fid)
 
     def progress(self, node: str, ids: Sequence[int], sent: Sequence[int]) -> None:

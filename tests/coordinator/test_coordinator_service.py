@@ -158,6 +158,26 @@ async def test_quick_reconnect_keeps_flows_and_grace_expiry_drops_them() -> None
 
 
 @pytest.mark.asyncio
+async def test_a_level_lost_with_the_old_connection_is_sent_again_after_the_resync() -> None:
+    # The agent's open reached the coordinator, but the levels frame answering it went to a
+    # connection that was already dying: the agent resyncs the flow with no level (it never
+    # got one), and must be told the level the coordinator holds for it.
+    async with running_coordinator() as coordinator:
+        old = await connect_as(coordinator, "n1")
+        await old.send(Flows(opens=(_open(1), _open(2, sent=300))))
+        await wait_until(lambda: len(coordinator.state.flows) == 2, 3.0, "the opens to arrive")
+        await old.close()  # the levels answering them are lost
+        await wait_until(lambda: coordinator.agent_count() == 0, 3.0, "the old session to end")
+        new = await connect_as(coordinator, "n1")
+        try:
+            await new.send(Resync((_open(1), _open(2, sent=300, level=4))))
+            levels = await next_levels(new, timeout=1.0)
+            assert levels.updates == (LevelUpdate(1, 7),)  # not flow 2: the agent has its level
+        finally:
+            await new.close()
+
+
+@pytest.mark.asyncio
 async def test_newer_connection_of_a_node_replaces_the_older() -> None:
     async with running_coordinator() as coordinator:
         old = await connect_as(coordinator, "n1")
