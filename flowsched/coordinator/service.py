@@ -474,9 +474,16 @@ class Coordinator:
             self._drop_node_job(node, next(iter(jobs)))
         jobs[job] = time.monotonic()
         self._job_nodes.setdefault(job, set()).add(node)
+        self._expire_jobs_when_due()
+
+    def _expire_jobs_when_due(self) -> None:
+        """Forget the jobs no node reported for JOB_TTL, at most every tenth of it (called
+        with each report and by the heartbeat loop: the last reports are followed by none)."""
         if time.monotonic() >= self._next_job_expiry:
             self._next_job_expiry = time.monotonic() + JOB_TTL / 10
             self._expire_jobs(time.monotonic() - JOB_TTL)
+            if self.state.pending:  # the expired jobs' flows are re-evaluated
+                self._schedule_flush()
 
     def _expire_jobs(self, older_than: float) -> None:
         for node, jobs in list(self._node_jobs.items()):
@@ -708,6 +715,7 @@ class Coordinator:
         slices: list[list[AgentConnection]] = []
         for slot in itertools.cycle(range(HEARTBEAT_SLICES)):
             if slot == 0:  # the agents, sliced once per interval (a newcomer waits for it)
+                self._expire_jobs_when_due()
                 slices = [[] for _ in range(HEARTBEAT_SLICES)]
                 for node, connection in self.sessions.items():
                     # a node keeps its slice while others come and go: one visit per interval

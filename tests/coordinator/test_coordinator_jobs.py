@@ -6,10 +6,11 @@ import asyncio
 import time
 
 import pytest
-from coordinator_helpers import connect_as, running_coordinator
+from coordinator_helpers import DeadlineStepPolicy, connect_as, running_coordinator, wait_until
 
 from flowsched.coordinator import Coordinator, service
-from flowsched.protocol import JOB_END_VERSION, JobProgress
+from flowsched.model import FlowClass
+from flowsched.protocol import JOB_END_VERSION, FlowOpen, Flows, JobProgress
 
 
 @pytest.mark.asyncio
@@ -53,6 +54,33 @@ async def test_a_job_that_ended_is_forgotten_by_every_node_at_once() -> None:
         finally:
             await link.close()
             await other.close()
+
+
+@pytest.mark.asyncio
+async def test_a_job_no_node_reports_any_more_expires_without_further_reports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An agent before protocol 4 never says that a job ended: the TTL is what forgets it,
+    # also when no job progress at all comes after its last report.
+    monkeypatch.setattr(service, "JOB_TTL", 0.3)
+    policy = DeadlineStepPolicy()  # promotion timers: no timer sweep re-evaluates the flow
+    async with running_coordinator(idle_timeout=30.0, policy_factory=lambda: policy) as coordinator:
+        link = await connect_as(coordinator, "n1")
+        try:
+            await link.send(
+                Flows(opens=(FlowOpen(1, FlowClass.KV, time.time(), job="last-batch"),))
+            )
+            await link.send(JobProgress("last-batch", 5, 2))
+            await _reports_received(coordinator, 1)
+            assert coordinator.job_count == 1
+            await wait_until(lambda: policy.seen, 3.0, "the flow's first evaluation")
+            policy.seen.clear()
+            await wait_until(lambda: coordinator.job_count == 0, 3.0, "the job to expire")
+            assert "last-batch" not in coordinator.state.job_index
+            assert "last-batch/layer" not in coordinator.state.job_index
+            await wait_until(lambda: policy.seen, 3.0, "the job's flow to be re-evaluated")
+        finally:
+            await link.close()
 
 
 async def _reports_received(coordinator: Coordinator, count: int) -> None:
