@@ -463,6 +463,8 @@ class Coordinator:
             self.state.drop_node(node, time.time())
             for job in list(self._node_jobs.get(node, ())):
                 self._drop_node_job(node, job)
+            if self.state.pending:  # the flows of the jobs forgotten with it, on other nodes
+                self._schedule_flush()
 
     def _note_job(self, node: str, job: str) -> None:
         """Remember that ``node`` reports ``job``: bounded per node, expired by age, so that

@@ -83,6 +83,28 @@ async def test_a_job_no_node_reports_any_more_expires_without_further_reports(
             await link.close()
 
 
+@pytest.mark.asyncio
+async def test_a_job_forgotten_with_its_node_has_its_flows_on_other_nodes_re_evaluated() -> None:
+    policy = DeadlineStepPolicy()  # promotion timers: no timer sweep re-evaluates the flow
+    async with running_coordinator(
+        grace_period=0.2, idle_timeout=30.0, policy_factory=lambda: policy
+    ) as coordinator:
+        reporter, other = await connect_as(coordinator, "n1"), await connect_as(coordinator, "n2")
+        try:
+            await other.send(Flows(opens=(FlowOpen(1, FlowClass.KV, time.time(), job="batch"),)))
+            await reporter.send(JobProgress("batch", 5, 2))
+            await _reports_received(coordinator, 1)
+            await wait_until(lambda: policy.seen, 3.0, "the flow's first evaluation")
+            policy.seen.clear()
+            await reporter.close()  # n1 goes for good: after the grace period, "batch" with it
+            await wait_until(lambda: coordinator.job_count == 0, 3.0, "the job to be forgotten")
+            assert "batch" not in coordinator.state.job_index
+            await wait_until(lambda: policy.seen, 3.0, "n2's flow of the job to be re-evaluated")
+        finally:
+            await reporter.close()
+            await other.close()
+
+
 async def _reports_received(coordinator: Coordinator, count: int) -> None:
     """Wait until the coordinator has handled ``count`` job_progress frames."""
     events = coordinator.state.stats.events
