@@ -851,6 +851,11 @@ class Agent:
         """Run the policy locally: the coordinator was silent for ``silent_for`` seconds, or
         (None) the agent has no coordinator configured."""
         assert self.registry is not None
+        if self._reporting and self._resynced is None:
+            # started while a session's resync was being sent (connected only once it is
+            # all out): the levels it reported are the flows' levels now, and those the
+            # local policy moves before the coordinator's first message are reported again
+            self._resynced = {f.flow_id: f.level for f in self.registry.flows.values()}
         self.fallback = self.view.cfg.make_policy()
         self._admitted.clear()
         self._admit_new()

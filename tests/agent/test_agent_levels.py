@@ -434,3 +434,69 @@ def test_a_policy_adopted_while_the_local_policy_runs_replaces_it(tmp_path: Path
             agent.table.close()
 
     asyncio.run(scenario())
+
+
+class SlowResyncLink(HeldLink):
+    """A coordinator link whose coordinator takes the resync late (a full socket buffer: a
+    new leader busy with every agent's resync), then says nothing until ``speak``."""
+
+    def __init__(self, policy_toml: str) -> None:
+        super().__init__(policy_toml)
+        self.sending = asyncio.Event()
+        self.taken = asyncio.Event()
+
+    async def send(self, message: object) -> None:
+        if isinstance(message, Resync):
+            self.sending.set()
+            await self.taken.wait()
+        await super().send(message)
+
+
+def test_a_level_moved_by_a_local_policy_started_during_the_resync_is_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator's silence passes fallback_after while the resync waits on a full socket
+    buffer: the local policy starts then, after the resync reported the flows' levels, and
+    moves one before the coordinator's first message. That level, too, must be re-reported
+    (the coordinator sends only the levels it changes)."""
+    policy = SwitchPolicy()
+    policy.promote = True
+    monkeypatch.setattr(policyfile.PolicyConfig, "make_policy", lambda self: policy)
+
+    async def scenario() -> None:
+        agent = Agent(_config(tmp_path, coordinator=("127.0.0.1", 1), fallback_after=0.05))
+        agent._attach_table()
+        assert agent.registry is not None and agent.table is not None
+        flow, _ = agent.registry.open_sdk(1, FlowClass.BULK, time.time())
+        agent.admit_now()
+        agent.apply_levels([(flow.flow_id, FIRST_LEVEL)])  # the previous coordinator's level
+        link = SlowResyncLink("")  # not a policy file: the agent keeps its own
+        session = asyncio.create_task(agent._session(link))  # type: ignore[arg-type]
+
+        def told(level: int) -> bool:
+            return any(
+                isinstance(m, Resync | Flows)
+                and any(o.id == flow.flow_id and o.level == level for o in m.opens)
+                for m in link.sent
+            )
+
+        try:
+            await link.sending.wait()  # the resync (level 5) is on its way, not taken yet
+            agent._last_rx = time.monotonic() - 1.0  # the coordinator silent past fallback_after
+            agent._fallback_step()
+            assert agent.fallback is policy and flow.level == PROMOTED_LEVEL
+            link.taken.set()
+            async with asyncio.timeout(3):
+                while not told(FIRST_LEVEL):
+                    await asyncio.sleep(0.001)
+            link.speak.set()  # the coordinator's first word
+            async with asyncio.timeout(3):
+                while agent.fallback is not None or not told(PROMOTED_LEVEL):
+                    await asyncio.sleep(0.001)
+        finally:
+            session.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await session
+            agent.table.close()
+
+    asyncio.run(scenario())
