@@ -492,6 +492,8 @@ class AgentConnection:
     def track(self, handle: FlowHandle) -> None:
         """Keep ``handle`` open here: it is re-opened if the agent restarts (or first appears)."""
         with self._state_lock:
+            if handle.id is not None and self._handles.get(handle.id) is not handle:
+                handle.id = None  # from a connection that ended before this: re-open it
             self._live.add(handle)
             start = self._sock is None
         if start:

@@ -478,3 +478,37 @@ def test_a_flow_opened_on_a_connection_another_call_remade_is_not_opened_twice(
         conn = client._connections.pop(config.socket_path, None)
         if conn is not None:
             conn.close()
+
+
+def test_a_flow_whose_connection_ended_before_it_was_tracked_is_reopened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent answers the open and goes away before ``open_flow`` tracks the handle: the
+    dropped connection resets the ids of the tracked handles only, so this one kept the dead
+    connection's id, and the reconnect thread, which re-opens only flows without an id, never
+    re-opened it at the restarted agent (no level pushes, a close for an id it never gave)."""
+    config = _restartable_agent(tmp_path)
+    first = AgentThread(config)
+    first.start()
+    track = client.AgentConnection.track
+
+    def track_after_the_agent_left(self: client.AgentConnection, handle: client.FlowHandle) -> None:
+        assert handle.id is not None  # answered by the first agent
+        first.stop()
+        _wait(lambda: self._sock is None)  # the reader saw the connection end
+        track(self, handle)
+
+    try:
+        monkeypatch.setattr(client.AgentConnection, "track", track_after_the_agent_left)
+        handle = client.open_flow("param_sync", bytes=100, socket_path=config.socket_path)
+        monkeypatch.setattr(client.AgentConnection, "track", track)
+        with AgentThread(config) as second:
+            registry = second.agent.registry
+            assert registry is not None
+            _wait(lambda: second.run(lambda: list(registry.sdk)) == [handle.id])
+            handle.close()
+            _wait(lambda: second.run(lambda: not registry.sdk))
+    finally:
+        conn = client._connections.pop(config.socket_path, None)
+        if conn is not None:
+            conn.close()
