@@ -356,6 +356,28 @@ class HeldLink:
         return Heartbeat(time.time())
 
 
+def _told(link: HeldLink, flow_id: int, level: int) -> bool:
+    """Whether the agent sent the coordinator ``flow_id``'s open with ``level`` (resync or
+    later report)."""
+    return any(
+        isinstance(m, Resync | Flows) and any(o.id == flow_id and o.level == level for o in m.opens)
+        for m in link.sent
+    )
+
+
+async def _reported_once_connected(agent: Agent, link: HeldLink, flow_id: int, level: int) -> None:
+    """Wait until the local policy stopped and the agent told the coordinator ``level``."""
+    async with asyncio.timeout(3):
+        while agent.fallback is not None or not _told(link, flow_id, level):
+            await asyncio.sleep(0.001)
+
+
+async def _ended(session: asyncio.Task[None]) -> None:
+    session.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await session
+
+
 def test_a_level_the_local_policy_moved_after_the_resync_is_told_to_the_coordinator(
     tmp_path: Path,
 ) -> None:
@@ -377,27 +399,16 @@ def test_a_level_the_local_policy_moved_after_the_resync_is_told_to_the_coordina
         link = HeldLink("")  # not a policy file: the agent keeps its own
         session = asyncio.create_task(agent._session(link))  # type: ignore[arg-type]
 
-        def told(level: int) -> bool:
-            return any(
-                isinstance(m, Resync | Flows)
-                and any(o.id == flow.flow_id and o.level == level for o in m.opens)
-                for m in link.sent
-            )
-
         try:
-            while not told(FIRST_LEVEL):  # the resync
+            while not _told(link, flow.flow_id, FIRST_LEVEL):  # the resync
                 await asyncio.sleep(0.001)
             policy.promote = True  # a local re-evaluation before the coordinator's first word
             agent._fallback_step()
             assert flow.level == PROMOTED_LEVEL
             link.speak.set()  # its first word: nothing to change (it decides as at admission)
-            async with asyncio.timeout(3):
-                while agent.fallback is not None or not told(PROMOTED_LEVEL):
-                    await asyncio.sleep(0.001)
+            await _reported_once_connected(agent, link, flow.flow_id, PROMOTED_LEVEL)
         finally:
-            session.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await session
+            await _ended(session)
             agent.table.close()
 
     asyncio.run(scenario())
@@ -473,13 +484,6 @@ def test_a_level_moved_by_a_local_policy_started_during_the_resync_is_told(
         link = SlowResyncLink("")  # not a policy file: the agent keeps its own
         session = asyncio.create_task(agent._session(link))  # type: ignore[arg-type]
 
-        def told(level: int) -> bool:
-            return any(
-                isinstance(m, Resync | Flows)
-                and any(o.id == flow.flow_id and o.level == level for o in m.opens)
-                for m in link.sent
-            )
-
         try:
             await link.sending.wait()  # the resync (level 5) is on its way, not taken yet
             agent._last_rx = time.monotonic() - 1.0  # the coordinator silent past fallback_after
@@ -487,16 +491,12 @@ def test_a_level_moved_by_a_local_policy_started_during_the_resync_is_told(
             assert agent.fallback is policy and flow.level == PROMOTED_LEVEL
             link.taken.set()
             async with asyncio.timeout(3):
-                while not told(FIRST_LEVEL):
+                while not _told(link, flow.flow_id, FIRST_LEVEL):
                     await asyncio.sleep(0.001)
             link.speak.set()  # the coordinator's first word
-            async with asyncio.timeout(3):
-                while agent.fallback is not None or not told(PROMOTED_LEVEL):
-                    await asyncio.sleep(0.001)
+            await _reported_once_connected(agent, link, flow.flow_id, PROMOTED_LEVEL)
         finally:
-            session.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await session
+            await _ended(session)
             agent.table.close()
 
     asyncio.run(scenario())

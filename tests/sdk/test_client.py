@@ -209,6 +209,13 @@ def test_default_socket_path_honours_environment(monkeypatch: pytest.MonkeyPatch
         assert client.default_socket_path() == expected
 
 
+def _drop_connection(socket_path: str) -> None:
+    """Close and forget the SDK's connection to ``socket_path`` (the next test makes its own)."""
+    conn = client._connections.pop(socket_path, None)
+    if conn is not None:
+        conn.close()
+
+
 def _restartable_agent(tmp_path: Path) -> AgentConfig:
     """An agent the tests stop and start again at the same socket and table."""
     return AgentConfig(
@@ -265,9 +272,7 @@ def test_flow_opened_before_the_agent_starts_is_adopted(tmp_path: Path) -> None:
             with AgentThread(config):
                 _wait(lambda: handle.connected)
     finally:
-        conn = client._connections.pop(config.socket_path, None)
-        if conn is not None:
-            conn.close()
+        _drop_connection(config.socket_path)
 
 
 class _OsAsUser:
@@ -475,9 +480,7 @@ def test_a_flow_opened_on_a_connection_another_call_remade_is_not_opened_twice(
             new.close()
             _wait(lambda: second.run(lambda: not registry.sdk))
     finally:
-        conn = client._connections.pop(config.socket_path, None)
-        if conn is not None:
-            conn.close()
+        _drop_connection(config.socket_path)
 
 
 def test_a_flow_whose_connection_ended_before_it_was_tracked_is_reopened(
@@ -509,6 +512,4 @@ def test_a_flow_whose_connection_ended_before_it_was_tracked_is_reopened(
             handle.close()
             _wait(lambda: second.run(lambda: not registry.sdk))
     finally:
-        conn = client._connections.pop(config.socket_path, None)
-        if conn is not None:
-            conn.close()
+        _drop_connection(config.socket_path)
