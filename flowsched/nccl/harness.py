@@ -43,6 +43,10 @@ PTR_HOST = 0x1
 PTR_CUDA = 0x2
 OPTIONAL_RECV_COMPLETION = 0x1
 TRAFFIC_CLASS_UNDEF = -1
+MAX_NET_SIZE_BYTES = 1 << 40  # NCCL_MAX_NET_SIZE_BYTES: the largest maxP2pBytes/maxCollBytes
+NET_DEVICE_HOST = 0
+NET_DEVICE_UNPACK = 1
+NET_DEVICE_UNPACK_VERSION = 0x7
 SUPPORTED_VERSIONS = (10, 11, 12)
 
 RESULT_NAMES = {
@@ -66,6 +70,11 @@ class PluginError(RuntimeError):
         self.call = call
         self.code = code
         super().__init__(f"{call} returned {RESULT_NAMES.get(code, code)} ({code})")
+
+
+class PluginRejected(RuntimeError):
+    """The plugin answered init/devices/getProperties with something NCCL refuses: NCCL would
+    disable it (no device), skip it (device type) or fail the connection setup (size limits)."""
 
 
 class PluginTimeout(TimeoutError):
@@ -262,6 +271,18 @@ def _check(call: str, code: int) -> None:
         raise PluginError(call, code)
 
 
+def _check_properties(dev: int, props: dict[str, Any]) -> None:
+    kind, version = props["netDeviceType"], props["netDeviceVersion"]
+    if kind != NET_DEVICE_HOST and (kind, version) != (
+        NET_DEVICE_UNPACK,
+        NET_DEVICE_UNPACK_VERSION,
+    ):
+        raise PluginRejected(f"device {dev}: netDeviceType {kind} version {version}")
+    for name in ("maxP2pBytes", "maxCollBytes"):
+        if not 0 < props[name] <= MAX_NET_SIZE_BYTES:
+            raise PluginRejected(f"device {dev}: {name} {props[name]} outside (0, 1 TiB]")
+
+
 def _deadline(timeout: float) -> Callable[[], bool]:
     end = time.monotonic() + timeout
     return lambda: time.monotonic() > end
@@ -287,7 +308,10 @@ class Plugin:
     def init(self, comm_id: int = 0, traffic_class: int = TRAFFIC_CLASS_UNDEF) -> Context:
         """``init`` for one communicator (v11/v12), or the once-per-process v10 ``init``.
 
-        Also calls ``devices`` and ``getProperties`` for each device, as NCCL does.
+        Also calls ``devices`` and ``getProperties`` for each device, as NCCL does, and checks
+        what NCCL checks there: at least one device (else NCCL disables the plugin), a host (or
+        UNPACK) device type (else NCCL skips it) and ``maxP2pBytes``/``maxCollBytes`` in
+        (0, 1 TiB] (else NCCL's proxy setup fails); :class:`PluginRejected` otherwise.
         """
         ctx = ctypes.c_void_p()
         if self.version == 10:
@@ -302,9 +326,17 @@ class Plugin:
                     ctypes.byref(ctx), comm_id, ctypes.byref(config), _FORWARD_LOG, None
                 ),
             )
-        for dev in range(self.devices()):
-            self.properties(dev)
-        return Context(self, ctx, comm_id, traffic_class)
+        context = Context(self, ctx, comm_id, traffic_class)
+        try:
+            ndev = self.devices()
+            if ndev <= 0:
+                raise PluginRejected(f"devices returned {ndev}: NCCL disables the plugin")
+            for dev in range(ndev):
+                _check_properties(dev, self.properties(dev))
+        except (PluginError, PluginRejected):
+            context.finalize()  # NCCL finalizes a context whose plugin it then refuses
+            raise
+        return context
 
     def devices(self) -> int:
         """Number of devices (interfaces) the plugin offers."""
