@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 from plugin_table import TestTable
 
-from flowsched.nccl.harness import Plugin, PluginError, connect_pair, loopback_message, stream
+from flowsched.nccl.harness import (
+    Plugin,
+    PluginError,
+    PluginRejected,
+    connect_pair,
+    loopback_message,
+    stream,
+)
 from flowsched.shm import layout
 
 PEER = Path(__file__).with_name("plugin_peer.py")
@@ -179,14 +186,43 @@ def test_finalize_before_listen_and_connections_are_closed(
     table.close()
 
 
-def test_properties_as_nccl_requires(plugin_env: Path, plugin_lib: Path) -> None:
-    plugin = Plugin(plugin_lib, 12)
+@pytest.mark.parametrize("version", VERSIONS, ids=[f"v{v}" for v in VERSIONS])
+def test_properties_as_nccl_requires(plugin_env: Path, plugin_lib: Path, version: int) -> None:
+    """Each exported version fills its own properties struct: check every one."""
+    plugin = Plugin(plugin_lib, version)
     ctx = plugin.init()
     props = plugin.properties(0)
     assert props["name"] == "lo" and props["ptrSupport"] == 1  # NCCL_PTR_HOST only
-    assert 0 < props["maxP2pBytes"] <= 1 << 40 and props["maxRecvs"] == 1
-    assert props["netDeviceType"] == 0 and props["railId"] == -1 and props["vProps"] == [0]
+    assert 0 < props["maxP2pBytes"] <= 1 << 40 and 0 < props["maxCollBytes"] <= 1 << 40
+    assert props["maxRecvs"] == 1 and props["netDeviceType"] == 0 and props["vProps"] == [0]
+    if version >= 11:
+        assert props["maxMultiRequestSize"] == 1
+    if version == 12:
+        assert props["railId"] == -1 and props["planeId"] == -1
     ctx.finalize()
+    plugin.close()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"maxCollBytes": 0}, {"maxP2pBytes": (1 << 40) + 1}, {"netDeviceType": 2}],
+    ids=["no-coll-bytes", "p2p-over-1TiB", "gin-device"],
+)
+def test_init_rejects_properties_nccl_refuses(
+    plugin_env: Path, plugin_lib: Path, monkeypatch: pytest.MonkeyPatch, bad: dict[str, int]
+) -> None:
+    """The harness checks what NCCL checks after init, so a plugin that reports such
+    properties fails the tests instead of passing them (NCCL would skip it or fail setup)."""
+    plugin = Plugin(plugin_lib, 11)
+    real = plugin.properties
+    monkeypatch.setattr(plugin, "properties", lambda dev: {**real(dev), **bad})
+    with pytest.raises(PluginRejected):
+        plugin.init(comm_id=9)
+    monkeypatch.setattr(plugin, "properties", real)
+    monkeypatch.setattr(plugin, "devices", lambda: 0)
+    with pytest.raises(PluginRejected, match="devices returned 0"):
+        plugin.init(comm_id=10)
+    monkeypatch.undo()
     plugin.close()
 
 
