@@ -143,7 +143,10 @@ static ncclResult_t s_props(int dev, ncclNetProperties_v10_t* out) {
   out->maxRecvs = p.maxRecvs;
   out->netDeviceType = p.netDeviceType;
   out->netDeviceVersion = p.netDeviceVersion;
+  out->vProps.ndevs = 1; /* what NCCL's v8 shim fills in */
+  out->vProps.devs[0] = dev;
   out->maxP2pBytes = NCCL_MAX_NET_SIZE_V8;
+  out->maxCollBytes = NCCL_MAX_COLLNET_SIZE;
   return res;
 }
 static ncclResult_t s_listen(int dev, void* handle, void** l) { return LEGACY(listen, dev, handle, l); }
@@ -236,20 +239,31 @@ static void* net_init(struct net* n, uint64_t comm_id, int traffic_class) {
   NCHECK(CALL(n, devices, &ndev));
   CHECK(ndev > 0, "no device");
   for (int d = 0; d < ndev; d++) {
+    /* what NCCL checks: a host device, and both size limits in (0, 1 TiB] (proxy setup) */
+#define PROPS_CHECK(p)                                                                            \
+  CHECK((p).netDeviceType == NCCL_NET_DEVICE_HOST && (p).ptrSupport == NCCL_PTR_HOST &&          \
+            (p).maxRecvs == 1 && (p).vProps.ndevs == 1 && (p).vProps.devs[0] == d,               \
+        "props of device %d", d);                                                                 \
+  CHECK((p).maxP2pBytes > 0 && (p).maxP2pBytes <= NCCL_MAX_NET_SIZE_BYTES, "maxP2pBytes %zu",    \
+        (size_t)(p).maxP2pBytes);                                                                 \
+  CHECK((p).maxCollBytes > 0 && (p).maxCollBytes <= NCCL_MAX_NET_SIZE_BYTES, "maxCollBytes %zu", \
+        (size_t)(p).maxCollBytes)
     if (n->version == 10) {
       ncclNetProperties_v10_t p;
       NCHECK(n->v10->getProperties(d, &p));
-      CHECK(p.ptrSupport == NCCL_PTR_HOST && p.maxRecvs == 1 && p.maxP2pBytes > 0, "props");
+      PROPS_CHECK(p);
     } else if (n->version == 11) {
       ncclNetProperties_v11_t p;
       NCHECK(n->v11->getProperties(d, &p));
-      CHECK(p.maxP2pBytes > 0 && p.maxP2pBytes <= NCCL_MAX_NET_SIZE_BYTES, "maxP2pBytes");
-      CHECK(p.netDeviceType == NCCL_NET_DEVICE_HOST && p.maxMultiRequestSize == 1, "props");
+      PROPS_CHECK(p);
+      CHECK(p.maxMultiRequestSize == 1, "maxMultiRequestSize");
     } else {
       ncclNetProperties_v12_t p;
       NCHECK(n->v12->getProperties(d, &p));
-      CHECK(p.railId == -1 && p.planeId == -1 && p.vProps.ndevs == 1, "props v12");
+      PROPS_CHECK(p);
+      CHECK(p.maxMultiRequestSize == 1 && p.railId == -1 && p.planeId == -1, "props v12");
     }
+#undef PROPS_CHECK
   }
   return ctx;
 }
