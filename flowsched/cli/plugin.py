@@ -45,13 +45,16 @@ def _run_path(args: argparse.Namespace) -> int:
 
 
 def _run_info(args: argparse.Namespace) -> int:
-    from flowsched.nccl.harness import Plugin, PluginError
+    from flowsched.nccl.harness import Plugin, PluginError, PluginRejected
 
     try:
         plugin = Plugin(plugin_path(), version=args.version)
         ctx = plugin.init()
         devices = [plugin.properties(dev) for dev in range(plugin.devices())]
         ctx.finalize()
+    except PluginRejected as exc:  # e.g. no interface matches: NCCL would not use it
+        print(f"flowsched: NCCL would not use the plugin: {exc}", file=sys.stderr)
+        return 1
     except (PluginNotFoundError, PluginError, OSError) as exc:
         print(f"flowsched: {exc}", file=sys.stderr)
         return 1

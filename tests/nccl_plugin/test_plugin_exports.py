@@ -63,3 +63,15 @@ def test_cli_plugin_info(plugin_env: Path, plugin_lib: Path) -> None:
         text=True,
     ).stdout
     assert '"name": "flowsched"' in out and '"name": "lo"' in out
+
+
+def test_cli_plugin_info_says_when_nccl_would_not_use_the_plugin(
+    plugin_env: Path, plugin_lib: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLOWSCHED_SOCKET_IFNAME", "nothing-like-this")
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowsched", "plugin", "info"], capture_output=True, text=True
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "NCCL would not use the plugin: devices returned 0" in proc.stderr
+    assert "Traceback" not in proc.stderr
