@@ -373,9 +373,15 @@ def _link_host(topo: Topology, host: Host) -> None:
     )
 
 
-def _ours(prefix: str) -> re.Pattern[str]:
-    """Names a testbed with ``prefix`` creates (and nothing of a longer prefix's testbed)."""
-    return re.compile(re.escape(prefix) + r"(h\d+[dmsn]?|sw|br|mb|probe|h\d+-.*)")
+def _ours(prefix: str, *, shm: bool = False) -> re.Pattern[str]:
+    """Names a testbed with ``prefix`` creates (and nothing of a longer prefix's testbed):
+    namespaces and links, or with ``shm`` the agents' tables (:func:`runner.table_path`).
+
+    The two are kept apart: a namespace or link pattern that took a table's ``h<N>-`` form
+    would claim ``fsE-h1-h0`` and ``fsE-h1-sw``, the whole testbed of the prefix ``fsE-h1-``.
+    """
+    names = r"h\d+-table" if shm else r"h\d+[dmsn]?|sw|br|mb|probe"
+    return re.compile(re.escape(prefix) + f"({names})")
 
 
 def namespaces(prefix: str) -> list[str]:
@@ -397,7 +403,7 @@ def shm_files(prefix: str) -> list[Path]:
     shm = Path("/dev/shm")
     if not shm.is_dir():
         return []
-    return sorted(p for p in shm.glob(f"{prefix}*") if _ours(prefix).fullmatch(p.name))
+    return sorted(p for p in shm.glob(f"{prefix}*") if _ours(prefix, shm=True).fullmatch(p.name))
 
 
 def _kill_namespace_processes(netns: str) -> None:

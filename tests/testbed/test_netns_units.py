@@ -126,3 +126,25 @@ def test_a_testbed_run_probes_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     results = bench.run(options, stream=io.StringIO())
     assert probes == ["fsU-"]
     assert results[0].testbed is not None
+
+
+def test_cleanup_leaves_a_longer_prefixs_testbed_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The testbed of ``fsU-h1-`` (hosts ``fsU-h1-h0``..., switch ``fsU-h1-sw``) is not
+    leftovers of ``fsU-``: cleaning up ``fsU-`` must not delete it under its live run."""
+    theirs = ["fsU-h1-sw", "fsU-h1-h0", "fsU-h1-h1"]
+    ours = ["fsU-sw", "fsU-h0", "fsU-h1"]
+    links = ["fsU-h1-h0d", "fsU-h0d"]
+
+    def run(argv: Sequence[str], *, stdin: str | None = None, check: bool = True) -> str:
+        if list(argv) == ["ip", "netns", "list"]:
+            return "".join(f"{name} (id: {i})\n" for i, name in enumerate(theirs + ours))
+        if list(argv) == ["ip", "-o", "link", "show"]:
+            return "".join(
+                f"{i + 2}: {name}@if9: <BROADCAST> mtu 1500\n" for i, name in enumerate(links)
+            )
+        return ""
+
+    monkeypatch.setattr(netns, "_run", run)
+    assert sorted(netns.namespaces("fsU-")) == sorted(ours)
+    assert netns.root_links("fsU-") == ["fsU-h0d"]
+    assert sorted(netns.namespaces("fsU-h1-")) == sorted(theirs)
