@@ -84,18 +84,26 @@ def spawn(
             cwd=cwd,
         )
     assert proc.stdout is not None
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.2)
-        if ready:
-            line = proc.stdout.readline()
-            found = re.search(pattern, line)
-            if found:
-                return Daemon(proc, line.strip(), found.groupdict(), name)
-        if proc.poll() is not None:
-            break
-    proc.kill()
-    raise AssertionError(f"{name} did not become ready; log:\n{log.read_text()[-3000:]}")
+    try:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            ready, _, _ = select.select([proc.stdout], [], [], 0.2)
+            if ready:
+                line = proc.stdout.readline()
+                found = re.search(pattern, line)
+                if found:
+                    return Daemon(proc, line.strip(), found.groupdict(), name)
+            if proc.poll() is not None:
+                break
+        raise AssertionError(f"{name} did not become ready; log:\n{log.read_text()[-3000:]}")
+    except BaseException:
+        # not ready, or the wait itself failed (Ctrl-C, a bad pattern): the process must not
+        # outlive the call, nor stay a zombie holding its pipe
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        proc.stdout.close()
+        raise
 
 
 #: where :func:`free_ports` looks when the kernel's ephemeral range leaves room below it

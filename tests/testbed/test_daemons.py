@@ -4,6 +4,7 @@ closed_port: a port that refuses connections and cannot be taken while held."""
 from __future__ import annotations
 
 import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,3 +83,62 @@ def test_a_closed_port_refuses_connections_and_cannot_be_taken_while_held() -> N
             with pytest.raises(OSError, match="in use"):
                 server.bind(("127.0.0.1", port))
     _listen(port)  # free again once the block ends
+
+
+#: a wrapper that never execs the daemon and never prints: a daemon that does not get ready
+_SILENT = ("sh", "-c", "exec sleep 60", "sh")
+
+
+def _started(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen[str]]:
+    """The processes :func:`daemons.spawn` starts from now on."""
+    started: list[subprocess.Popen[str]] = []
+    popen = subprocess.Popen
+
+    def record(*args: object, **kwargs: object) -> subprocess.Popen[str]:
+        proc = popen(*args, **kwargs)  # type: ignore[call-overload]
+        started.append(proc)
+        return proc  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(daemons.subprocess, "Popen", record)
+    return started
+
+
+def _reap(started: list[subprocess.Popen[str]]) -> None:
+    for proc in started:
+        proc.kill()
+        proc.wait(timeout=10)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def test_a_daemon_that_never_gets_ready_is_killed_and_reaped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    started = _started(monkeypatch)
+    try:
+        with pytest.raises(AssertionError, match="did not become ready"):
+            daemons.spawn("silent", [], tmp_path / "log", "ready", timeout=0.3, wrapper=_SILENT)
+        assert len(started) == 1
+        assert started[0].returncode is not None, "killed but left a zombie"
+        assert started[0].stdout is not None and started[0].stdout.closed
+    finally:
+        _reap(started)
+
+
+def test_an_interrupted_wait_for_the_ready_line_kills_the_daemon(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Ctrl-C while spawn waits: the process it started must not outlive it."""
+    started = _started(monkeypatch)
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(daemons.select, "select", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            daemons.spawn("silent", [], tmp_path / "log", "ready", timeout=30, wrapper=_SILENT)
+        assert len(started) == 1
+        assert started[0].returncode is not None, "the daemon was left running"
+    finally:
+        _reap(started)
