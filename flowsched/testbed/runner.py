@@ -182,11 +182,26 @@ def _start_control(
     return address
 
 
-def _expect_line(proc: subprocess.Popen[bytes], marker: bytes, what: str) -> bytes:
+def _expect_line(
+    proc: subprocess.Popen[bytes], marker: bytes, what: str, log: Path | None = None
+) -> bytes:
+    """The first stdout line of ``proc``; RuntimeError when it lacks ``marker``, with the exit
+    status and the end of ``log`` (where the daemon's stderr, and so its reason, went)."""
     line = proc.stdout.readline() if proc.stdout else b""
-    if marker not in line:
-        raise RuntimeError(f"{what} did not start: {line!r}")
-    return line
+    if marker in line:
+        return line
+    detail = repr(line)
+    if not line:  # end of output: it exited
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=STOP_GRACE)
+        detail = f"exited with status {proc.returncode} before its ready line"
+    if log is not None:
+        try:
+            tail = log.read_text(encoding="utf-8", errors="replace")[-2000:].strip()
+        except OSError as exc:
+            tail = f"(unreadable: {exc})"
+        detail += f"; its log {log} ends:\n{tail or '(empty)'}"
+    raise RuntimeError(f"{what} did not start: {detail}")
 
 
 def table_path(topo: Topology, host: str) -> Path:
@@ -227,9 +242,11 @@ def start_agents(
         "--token-file",
         str(token),
     ]
-    coord = _spawn_daemon(topo.ns_command(topo.switch_ns, argv), workdir / "coordinator.log")
+    coord_log = workdir / "coordinator.log"
+    coord = _spawn_daemon(topo.ns_command(topo.switch_ns, argv), coord_log)
     procs.append(coord)
-    address = _expect_line(coord, b"listening on", "the coordinator").split()[3].decode()
+    ready = _expect_line(coord, b"listening on", "the coordinator", coord_log)
+    address = ready.split()[3].decode()
     for host in topo.hosts:
         argv = [
             sys.executable,
@@ -260,9 +277,10 @@ def start_agents(
             "--nic-interval",
             str(NIC_INTERVAL),
         ]
-        agent = _spawn_daemon(topo.ns_command(host.netns, argv), workdir / f"agent-{host.name}.log")
+        agent_log = workdir / f"agent-{host.name}.log"
+        agent = _spawn_daemon(topo.ns_command(host.netns, argv), agent_log)
         procs.append(agent)
-        _expect_line(agent, b"ready", f"the agent of {host.name}")
+        _expect_line(agent, b"ready", f"the agent of {host.name}", agent_log)
 
 
 def _start_sniffer(

@@ -417,3 +417,26 @@ def test_late_dropping_is_the_files_policy_with_drop_late(name: str) -> None:
     assert replace(late, args=plain.args, source=plain.source) == plain
     with pytest.raises(FileNotFoundError, match=f"no registered policy '{name}-late'"):
         bench.policy_config(name + "-late")
+
+
+def test_a_coordinator_that_fails_to_start_says_why(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The coordinator's stderr goes to its log file, off the terminal: when it exits before
+    its ready line, the error must carry the reason it gave, not just an empty line."""
+    topo = netns.plan(netns.TopologySpec(prefix="fsU-", hosts=2))
+    failing = ["sh", "-c", "echo 'error: policy file: no such level' >&2; exit 2"]
+    monkeypatch.setattr(netns.Topology, "ns_command", lambda self, ns, argv: failing)
+    procs: list[Any] = []
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            runner.start_agents(topo, procs, tmp_path / "policy.toml", 1e6, tmp_path)
+        message = str(raised.value)
+        assert "the coordinator did not start" in message
+        assert "no such level" in message
+        assert str(tmp_path / "coordinator.log") in message
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+            proc.stdout.close()
