@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -40,6 +42,17 @@ def etcd_testbed(prefix: str, hosts: int) -> Iterator[netns.Topology]:
             yield built
     except netns.TestbedUnavailable as unavailable:
         pytest.skip(f"testbed unavailable: {unavailable}")
+
+
+def etcd_call(url: str, path: str, body: dict[str, Any], token: str = "") -> dict[str, Any]:
+    """POST ``body`` to etcd's v3 JSON gateway at ``url``/v3/``path`` (``token``: an etcd
+    authentication token); the decoded answer."""
+    request = urllib.request.Request(
+        f"{url}/v3/{path}", json.dumps(body).encode(), {"Authorization": token} if token else {}
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=5) as answer:
+        reply: dict[str, Any] = json.load(answer)
+    return reply
 
 
 @pytest.fixture

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
-import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import pytest
-from ha_helpers import need_etcd
+from ha_helpers import etcd_call, need_etcd
 
 from flowsched.coordinator.config import CoordinatorConfig
 from flowsched.coordinator.election import (
@@ -108,15 +106,6 @@ async def test_a_restarted_etcd_keeps_the_fencing_scope_and_one_rebuilt_empty_do
     assert scopes[2] not in (0, scopes[0]) and epochs[2] <= epochs[0]  # rebuilt: a new scope
 
 
-def _etcd_call(url: str, path: str, body: dict[str, Any], token: str = "") -> dict[str, Any]:
-    request = urllib.request.Request(
-        f"{url}/v3/{path}", json.dumps(body).encode(), {"Authorization": token} if token else {}
-    )  # fmt: skip
-    with urllib.request.urlopen(request, timeout=5) as answer:
-        reply: dict[str, Any] = json.load(answer)
-    return reply
-
-
 def _coordinator_user(url: str, keys: list[str]) -> str:
     """Turn etcd's authentication on with a user granted read-write on ``keys`` alone; its
     token."""
@@ -131,9 +120,9 @@ def _coordinator_user(url: str, keys: list[str]) -> str:
         ("auth/user/grant", {"user": "coordinator", "role": "coordinator"}),
         ("auth/enable", {}),
     ]:  # fmt: skip
-        _etcd_call(url, path, body)
+        etcd_call(url, path, body)
     return str(
-        _etcd_call(url, "auth/authenticate", {"name": "coordinator", "password": "pw"})["token"]
+        etcd_call(url, "auth/authenticate", {"name": "coordinator", "password": "pw"})["token"]
     )
 
 
@@ -151,7 +140,7 @@ async def test_without_the_incarnation_key_granted_the_scope_is_the_cluster_id(
     with local_etcd(tmp_path / "etcd.log") as url:
         token = _coordinator_user(url, keys)
         cluster_id = int(
-            _etcd_call(url, "kv/range", {"key": _b64(keys[0])}, token)["header"]["cluster_id"]
+            etcd_call(url, "kv/range", {"key": _b64(keys[0])}, token)["header"]["cluster_id"]
         )
         election = EtcdElection(url, "t", "a:1")
         original = election._new_client

@@ -15,19 +15,18 @@ agent follows the new leader although its epoch is below the old one's.
 
 from __future__ import annotations
 
-import base64
 import json
 import re
 import signal
 import socket
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from ha_helpers import (
     Daemon,
     emulated_plugin,
+    etcd_call,
     leads,
     need_etcd,
     start_agent,
@@ -37,6 +36,7 @@ from ha_helpers import (
 )
 
 from flowsched import transfer
+from flowsched.coordinator.election import _b64
 from flowsched.protocol import write_token
 from flowsched.shm import layout
 from flowsched.shm.table import FlowTable
@@ -297,14 +297,6 @@ def test_a_leader_turning_agents_away_at_its_connection_cap_keeps_its_leadership
             daemon.stop()
 
 
-def _etcd_put(url: str, key: str, value: str) -> dict[str, object]:
-    request = {"key": base64.b64encode(key.encode()).decode(),
-               "value": base64.b64encode(value.encode()).decode()}  # fmt: skip
-    with urllib.request.urlopen(f"{url}/v3/kv/put", json.dumps(request).encode(), 5) as answer:
-        reply: dict[str, object] = json.load(answer)
-    return reply
-
-
 def test_agents_follow_the_leader_of_an_etcd_rebuilt_empty(tmp_path: Path) -> None:
     """etcd rebuilt empty with the same member and token keeps its cluster id while its
     revisions start over: the new leader's epoch is below the one the agent followed, and
@@ -317,7 +309,7 @@ def test_agents_follow_the_leader_of_an_etcd_rebuilt_empty(tmp_path: Path) -> No
     try:
         with local_etcd(tmp_path / "etcd.log", data_dir=tmp_path / "etcd-a", ports=ports) as url:
             for i in range(40):  # revisions well above the rebuilt cluster's first ones
-                before = _etcd_put(url, f"/other/{i}", "x")["header"]
+                before = etcd_call(url, "kv/put", _put(f"/other/{i}"))["header"]
             leader = start_coordinator(tmp_path, token, url, "c0")
             standby = start_coordinator(tmp_path, token, url, "c1")
             started += [leader, standby]
@@ -329,7 +321,7 @@ def test_agents_follow_the_leader_of_an_etcd_rebuilt_empty(tmp_path: Path) -> No
         # etcd is gone: c0 steps down and exits, c1 campaigns in vain until etcd is back
         assert leader.proc.wait(timeout=DEADLINE) == 1
         with local_etcd(tmp_path / "etcd.log", data_dir=tmp_path / "etcd-b", ports=ports) as url:
-            after = _etcd_put(url, "/other/0", "x")["header"]
+            after = etcd_call(url, "kv/put", _put("/other/0"))["header"]
             assert after["cluster_id"] == before["cluster_id"]  # type: ignore[index]
             wait_for(
                 lambda: _follows(agent, standby), 30, "the agent on c1, leading the rebuilt etcd"
@@ -340,6 +332,11 @@ def test_agents_follow_the_leader_of_an_etcd_rebuilt_empty(tmp_path: Path) -> No
     finally:
         for daemon in reversed(started):
             daemon.stop()
+
+
+def _put(key: str) -> dict[str, str]:
+    """An etcd put of ``key`` (any value)."""
+    return {"key": _b64(key), "value": _b64("x")}
 
 
 def _follows(agent: Daemon, coordinator: Daemon) -> bool:
