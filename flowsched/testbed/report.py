@@ -118,17 +118,18 @@ def display(policy: str) -> str:
     """``ideal (bound)``, ``llf (oracle)``, ``llf+late (oracle)`` or the policy name."""
     if policy == IDEAL:
         return f"{policy} (bound)"
-    if _is_oracle(policy):
+    if is_oracle(policy):
         return f"{policy} (oracle)"
     return policy
 
 
-def _is_oracle(policy: str) -> bool:
+def is_oracle(policy: str) -> bool:
+    """True for an oracle (``llf``, ``llf+late``): a reference, shown marked and last."""
     return policy.removesuffix(LATE_SUFFIX) in ORACLES
 
 
 def _order(result: PolicyResult) -> int:
-    return 0 if result.policy == IDEAL else 2 if _is_oracle(result.policy) else 1
+    return 0 if result.policy == IDEAL else 2 if is_oracle(result.policy) else 1
 
 
 def _row(

@@ -48,6 +48,7 @@ from flowsched.sim.run import (
 from flowsched.sim.run import run as simulate
 from flowsched.sim.serving import ServingWorkload
 from flowsched.testbed import netns, runner
+from flowsched.testbed import report as testbed_report
 from flowsched.testbed.live import LiveEngine
 from flowsched.testbed.procstat import cpu_times, steal_share
 
@@ -483,11 +484,6 @@ def _testbed_runs(
     return errors
 
 
-def _is_oracle(name: str) -> bool:
-    """True for an oracle (``llf``, ``llf+late``): a reference, shown marked and last."""
-    return name != IDEAL and name.removesuffix(LATE_SUFFIX) in policies.ORACLES
-
-
 def _outcomes(
     scen: scenario.Scenario,
     options: ServingOptions,
@@ -510,7 +506,7 @@ def _outcomes(
                     load,
                     merge(seeds),
                     bound=policy_spec.bound,
-                    oracle=_is_oracle(name),
+                    oracle=testbed_report.is_oracle(name),
                     seeds=seeds,
                 )
             )
@@ -522,7 +518,7 @@ def _outcomes(
                         load,
                         merge(records),
                         bound=name == IDEAL,
-                        oracle=_is_oracle(name),
+                        oracle=testbed_report.is_oracle(name),
                         seeds=records,
                         source="testbed",
                     )
