@@ -112,9 +112,9 @@ def specs(names: list[str], policy_file: Path | None, default_levels: int) -> li
 
         try:
             cfg = policyfile.load(policy_file)
-        except (OSError, ValueError) as exc:
-            problems = "; ".join(str(exc).splitlines())
-            raise BadInput(f"flowsched sim: --policy-file {policy_file}: {problems}") from None
+        except policyfile.PolicyFileError as exc:
+            problem = policyfile.problem("--policy-file", policy_file, exc)
+            raise BadInput(f"flowsched sim: {problem}") from None
         levels, timer, file_args, file_policy = (
             cfg.num_levels,
             cfg.timer_period,
