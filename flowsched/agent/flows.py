@@ -473,10 +473,13 @@ class FlowRegistry:
         if self._closes:
             self._closes = []
 
+    def levels(self) -> dict[int, int]:
+        """Every live flow's level (-1: none yet), by flow id."""
+        return {flow_id: flow.level for flow_id, flow in self.flows.items()}
+
     def resync_opens(self) -> tuple[FlowOpen, ...]:
         """Every live flow, with its current level, for a Resync; clears the pending batch."""
-        self._pending_opens = {}
-        self._closes = []
+        self.drop_reports()
         opens = tuple(_open_message(f, with_level=True) for f in self.flows.values())
         self._reported = {o.id: o.sent for o in opens}
         return opens

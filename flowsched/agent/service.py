@@ -604,9 +604,9 @@ class Agent:
         limit = max(SILENCE_HEARTBEATS * self._heartbeat_interval, 0.3)
         loop = asyncio.get_running_loop()
         self._reporting = True
+        if self.fallback is not None:  # the levels the resync reports
+            self._resynced = self.registry.levels()
         opens = self.registry.resync_opens()
-        if self.fallback is not None:
-            self._resynced = {o.id: -1 if o.level is None else o.level for o in opens}
         frames = itertools.chain(resync_frames(opens), self._latest_jobs(link.version))
         try:
             async with asyncio.timeout(limit) as deadline:
@@ -855,7 +855,7 @@ class Agent:
             # started while a session's resync was being sent (connected only once it is
             # all out): the levels it reported are the flows' levels now, and those the
             # local policy moves before the coordinator's first message are reported again
-            self._resynced = {f.flow_id: f.level for f in self.registry.flows.values()}
+            self._resynced = self.registry.levels()
         self.fallback = self.view.cfg.make_policy()
         self._admitted.clear()
         self._admit_new()
