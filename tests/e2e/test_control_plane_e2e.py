@@ -51,6 +51,15 @@ def test_sdk_and_table_flows_are_ranked_promoted_and_closed(tmp_path: Path, toke
             5,
             "the agent to connect",
         )
+        # and the agent took the welcome (the coordinator counts it from its handshake): what
+        # opens and closes before the agent's resync is never reported to the coordinator
+        wait_for(
+            lambda: (
+                total(scrape(agent.fields["mport"]), "flowsched_agent_coordinator_connected") == 1
+            ),
+            5,
+            "the agent's session",
+        )
         table = FlowTable.open(agent.fields["table"], writable=True)
         tp = EmulatedPluginSlot(table, class_id=int(FlowClass.TP))
         exp = EmulatedPluginSlot(table, class_id=int(FlowClass.EXPERIENCE), peer_rank=1)
