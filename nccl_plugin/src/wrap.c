@@ -18,7 +18,6 @@
 #include "permit.h"
 
 #define FS_WRAP_MAX_INNER_CTX 8 /* traffic classes per communicator (one per class at most) */
-#define FS_WRAP_MAX_PENDING 64  /* connects in progress per communicator */
 #define FS_WRAP_REQ_BLOCK 32
 
 struct fs_wrap_ctx {
@@ -31,8 +30,8 @@ struct fs_wrap_ctx {
     int traffic_class;
     void* ctx;
   } inner[FS_WRAP_MAX_INNER_CTX];
-  void* pending[FS_WRAP_MAX_PENDING]; /* NCCL's handle buffers of connects in progress */
-  int npending;
+  void** pending; /* NCCL's handle buffers of connects in progress (grown on demand) */
+  int npending, pending_cap;
   uint32_t net_op, net_algo, net_proto; /* latest setNetAttr: stamped on the next connection */
   /* FLOWSCHED_CLASS as it was at this communicator's init (v11/v12). The legacy context
    * (v8-v10: one for the whole process) reads it again at each listen and connect, i.e.
@@ -237,6 +236,7 @@ static void wrap_ctx_free(struct fs_wrap_ctx* ctx) {
     }
   }
   pthread_mutex_destroy(&ctx->lock);
+  free(ctx->pending);
   free(ctx);
 }
 
@@ -493,23 +493,52 @@ ncclResult_t fs_wrap_listen(void* ctx, int dev, void* handle, void** listen_comm
   return ncclSuccess;
 }
 
-/* Track NCCL's handle buffer of a connect in progress: it holds a context reference, so a
- * finalize during the retries never frees what the next retry reads. */
-static void pending_set(struct fs_wrap_ctx* ctx, void* handle, int in_progress) {
-  pthread_mutex_lock(&ctx->lock);
+/* NCCL's handle buffers of the connects in progress on a context: each holds a context
+ * reference, so a finalize during the retries never frees what the next retry reads. The set
+ * grows with the connects (NCCL may have one per peer and channel in progress at once): a
+ * connect that held no reference would be a use-after-free waiting for a finalize. */
+static int pending_find(const struct fs_wrap_ctx* ctx, const void* handle) {
   int i = 0;
   while (i < ctx->npending && ctx->pending[i] != handle) {
     i++;
   }
-  int found = i < ctx->npending;
-  if (in_progress && !found && ctx->npending < FS_WRAP_MAX_PENDING) {
-    ctx->pending[ctx->npending++] = handle;
-    wrap_ctx_retain(ctx);
-  } else if (!in_progress && found) {
+  return i < ctx->npending ? i : -1;
+}
+
+/* Hold a reference for `handle` before the inner sees it (a retry already holds one).
+ * 0, or -ENOMEM when the set cannot grow: the connect is then refused, never run unguarded. */
+static int pending_hold(struct fs_wrap_ctx* ctx, void* handle) {
+  int rc = 0;
+  pthread_mutex_lock(&ctx->lock);
+  if (pending_find(ctx, handle) < 0) {
+    if (ctx->npending == ctx->pending_cap) {
+      int cap = ctx->pending_cap > 0 ? 2 * ctx->pending_cap : 16;
+      void** grown = realloc(ctx->pending, (size_t)cap * sizeof(*grown));
+      if (grown != NULL) {
+        ctx->pending = grown;
+        ctx->pending_cap = cap;
+      }
+    }
+    if (ctx->npending < ctx->pending_cap) {
+      ctx->pending[ctx->npending++] = handle;
+      wrap_ctx_retain(ctx);
+    } else {
+      rc = -ENOMEM;
+    }
+  }
+  pthread_mutex_unlock(&ctx->lock);
+  return rc;
+}
+
+/* The connect of `handle` is over (done or failed): drop its reference. */
+static void pending_drop(struct fs_wrap_ctx* ctx, void* handle) {
+  pthread_mutex_lock(&ctx->lock);
+  int i = pending_find(ctx, handle);
+  if (i >= 0) {
     ctx->pending[i] = ctx->pending[--ctx->npending];
   }
   pthread_mutex_unlock(&ctx->lock);
-  if (!in_progress && found) {
+  if (i >= 0) {
     wrap_ctx_release(ctx);
   }
 }
@@ -527,6 +556,11 @@ ncclResult_t fs_wrap_connect(void* ctx, int dev, int traffic_class, void* handle
   char class_name[32];
   ctx_class_name(c, class_name, sizeof(class_name));
   int tc = inner_traffic_class(traffic_class, class_name);
+  if (pending_hold(c, handle) != 0) {
+    FS_WARN("connect: out of memory for the context reference of a connect in progress; "
+            "refusing the connect");
+    return ncclSystemError;
+  }
   void* ictx = NULL;
   ncclResult_t res = inner_ctx_for(c, tc, &ictx);
   void* inner = NULL;
@@ -534,11 +568,13 @@ ncclResult_t fs_wrap_connect(void* ctx, int dev, int traffic_class, void* handle
     res = fs_wrap.inner.ops.connect(ictx, dev, tc, handle, &inner, dev_comm);
   }
   if (res != ncclSuccess || inner == NULL) {
-    pending_set(c, handle, res == ncclSuccess);
+    if (res != ncclSuccess) {
+      pending_drop(c, handle);
+    }
     return res;
   }
   struct fs_wrap_comm* comm = comm_new(c, inner, 1, dev, traffic_class, class_name);
-  pending_set(c, handle, 0);
+  pending_drop(c, handle); /* after comm_new: the connection holds its own reference now */
   if (comm == NULL) {
     fs_wrap.inner.ops.closeSend(inner);
     return ncclSystemError;

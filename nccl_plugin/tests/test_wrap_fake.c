@@ -12,6 +12,8 @@
  *  - the inner gets the traffic class of the connection's class (ToS of its level's DSCP);
  *  - inner tables v10 and v8 (trafficClass at connect; int sizes, hint cleared);
  *  - a failing inner init or connect is NCCL's error code, and a missing inner too;
+ *  - connects in progress (more than 64) keep their communicator's context alive past its
+ *    finalize, until the last of them is over;
  *  - the permit: deferral while a more urgent send is in flight, lifted by a promotion (a
  *    level written into the flow table) and by completion, the age bound, the share guard;
  *    a connection closed with a send in flight gives its permit back;
@@ -400,6 +402,49 @@ static void missing_inner(void) {
   dlclose(lib);
   unsetenv("FLOWSCHED_NET_INNER");
   printf("ok missing, recursive or too long inner: ncclInvalidUsage\n");
+}
+
+/* ---- connects in progress outlive a finalize ---------------------------------------------- */
+
+#define MANY_CONNECTS 70 /* more than the 64 connects in progress the wrapper once tracked */
+
+/* NCCL's abort path may finalize a communicator while connects are still in progress. Each of
+ * them holds a context reference: the context (and the inner's) must survive until the last
+ * one is over, however many there are. The first 64 complete and close (the context would be
+ * freed here if the others held no reference), then the others retry (a use-after-free then,
+ * which ASan reports) and complete; the inner context is finalized by the last close only. */
+static void connects_in_progress_outlive_finalize(const char* fake) {
+  const ncclNet_v12_t* net = load(fake, "ncclNetPlugin_v12");
+  void* ctx = NULL;
+  OK(net->init(&ctx, 0xF1, NULL, NULL, NULL));
+  static char handles[MANY_CONNECTS][NCCL_NET_HANDLE_MAXSIZE];
+  void* scomms[MANY_CONNECTS] = {0};
+  g_fake->connect_nulls = 1 << 20; /* every connect stays in progress */
+  for (int i = 0; i < MANY_CONNECTS; i++) {
+    OK(net->connect(ctx, 0, handles[i], &scomms[i], NULL));
+    CHECK(scomms[i] == NULL, "connect %d in progress", i);
+  }
+  OK(net->finalize(ctx));
+  g_fake->connect_nulls = 0; /* the next retry of each completes */
+  for (int i = 0; i < 64; i++) {
+    OK(net->connect(ctx, 0, handles[i], &scomms[i], NULL));
+    CHECK(scomms[i] != NULL, "connect %d completes", i);
+    OK(net->closeSend(scomms[i]));
+  }
+  CHECK(count("finalize") == 0, "the inner context was finalized with %d connects in progress",
+        MANY_CONNECTS - 64);
+  g_fake->ncalls = 0; /* the fake records at most FAKE_MAX_CALLS */
+  for (int i = 64; i < MANY_CONNECTS; i++) {
+    OK(net->connect(ctx, 0, handles[i], &scomms[i], NULL));
+    CHECK(scomms[i] != NULL, "connect %d completes after the finalize", i);
+  }
+  for (int i = 64; i < MANY_CONNECTS; i++) {
+    CHECK(count("finalize") == 0, "finalized before the last close");
+    OK(net->closeSend(scomms[i]));
+  }
+  CHECK(count("finalize") == 1, "the last close finalizes the inner context");
+  unload();
+  printf("ok %d connects in progress outlive a finalize\n", MANY_CONNECTS);
 }
 
 /* ---- the permit ---------------------------------------------------------------------------- */
@@ -826,6 +871,7 @@ int main(int argc, char** argv) {
   inner_v10(argv[3]);
   inner_v8(argv[4]);
   missing_inner();
+  connects_in_progress_outlive_finalize(argv[2]);
   permit(argv[2]);
   permit_close_in_flight(argv[2]);
   logger_inner_inits_v10(argv[2]);
