@@ -20,8 +20,10 @@ static const ncclNet_v9_t* inner_v9;
 static const ncclNet_v10_t* inner_v10;
 static const ncclNet_v11_t* inner_v11;
 static const ncclNet_v12_t* inner_v12;
-/* Pre-v11 inners: init once per process (refcounted), and this marker as the context. */
-static atomic_int legacy_refs;
+/* Pre-v11 inners: init once per process (refcounted), and this marker as the context. The
+ * count changes under the lock, and only once the inner's init has succeeded. */
+static pthread_mutex_t legacy_lock = PTHREAD_MUTEX_INITIALIZER;
+static int legacy_refs;
 static int legacy_ctx_marker;
 #define NCCL_PROXY_MAX_SUBS 64 /* the most receives NCCL groups into one irecv */
 
@@ -126,19 +128,24 @@ static ncclResult_t vdev_v11(int* d, ncclNetVDeviceProps_v12_t* props) {
 
 static void bind_once(void);
 
+/* The first init runs the inner's own init under the lock, so a concurrent init (NCCL 2.27+
+ * initialises each communicator on the thread that creates it) waits for it: it must neither
+ * use the inner before its init finished nor count on an init that failed. A failed init
+ * leaves nothing behind: the next init tries the inner's init again. */
 static ncclResult_t legacy_init(void** ctx, ncclResult_t (*first)(ncclDebugLogger_t, ncclProfilerCallback_t),
                                 ncclDebugLogger_t logger, ncclProfilerCallback_t prof) {
-  if (atomic_fetch_add(&legacy_refs, 1) == 0) {
-    ncclResult_t res = first(logger, prof);
-    if (res != ncclSuccess) {
-      atomic_fetch_sub(&legacy_refs, 1);
-      *ctx = NULL;
-      return res;
-    }
+  ncclResult_t res = ncclSuccess;
+  pthread_mutex_lock(&legacy_lock);
+  if (legacy_refs == 0) {
+    res = first(logger, prof);
   }
-  bind_once();
-  *ctx = &legacy_ctx_marker;
-  return ncclSuccess;
+  if (res == ncclSuccess) {
+    legacy_refs++;
+    bind_once();
+  }
+  pthread_mutex_unlock(&legacy_lock);
+  *ctx = res == ncclSuccess ? &legacy_ctx_marker : NULL;
+  return res;
 }
 
 static ncclResult_t first_v8(ncclDebugLogger_t logger, ncclProfilerCallback_t prof) {
@@ -188,7 +195,11 @@ static ncclResult_t init_v12(void** ctx, uint64_t id, int tc, ncclDebugLogger_t 
 
 static ncclResult_t finalize_legacy(void* ctx) {
   (void)ctx;
-  atomic_fetch_sub(&legacy_refs, 1); /* pre-v11 plugins have no finalize: NCCL never unloads them mid-run */
+  pthread_mutex_lock(&legacy_lock); /* pre-v11 plugins have no finalize: NCCL never unloads them mid-run */
+  if (legacy_refs > 0) {
+    legacy_refs--;
+  }
+  pthread_mutex_unlock(&legacy_lock);
   return ncclSuccess;
 }
 
@@ -481,7 +492,9 @@ void fs_inner_unload(struct fs_inner* inner) {
   inner_v10 = NULL;
   inner_v11 = NULL;
   inner_v12 = NULL;
-  atomic_store(&legacy_refs, 0);
+  pthread_mutex_lock(&legacy_lock);
+  legacy_refs = 0;
+  pthread_mutex_unlock(&legacy_lock);
   atomic_store(&bound, 0);
   bound_inner = NULL;
   bound_table = NULL;

@@ -9,7 +9,9 @@
  * The calling convention is v12's with two changes: init and connect carry the trafficClass
  * to use, because v10 takes it at connect, v11/v12 at init, and v8/v9 not at all. For inners
  * older than v11 (no context, no finalize), init is refcounted and the context is a constant
- * non-NULL marker, as NCCL's own compatibility shims do. Entries the inner lacks are NULL.
+ * non-NULL marker, as NCCL's own compatibility shims do; the inner's init runs under a lock,
+ * so a concurrent init waits for it, and only a successful one is counted.
+ * Entries the inner lacks are NULL.
  * Argument conversion (size_t <-> int sizes of v8, property structs, vDevice props) happens
  * here; a size a v8 inner cannot carry is ncclInternalError, as in NCCL's v8 shim.
  */

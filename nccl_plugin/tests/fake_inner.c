@@ -5,8 +5,10 @@
  * Built for table version FAKE_VERSION (12 by default; 10 and 8 exercise the adapters). */
 #include "fake_inner.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "nccl/net_v10.h"
 #include "nccl/net_v12.h"
@@ -37,6 +39,18 @@ static struct fake_call* rec(const char* fn) {
 
 static int token_listen, token_send, token_recv;
 
+/* An init that is slow to finish: wait while the test holds block_init. */
+static void init_wait_if_blocked(void) {
+  if (!atomic_load(&fake_state.block_init)) {
+    return;
+  }
+  atomic_store(&fake_state.init_blocked, 1);
+  while (atomic_load(&fake_state.block_init)) {
+    nanosleep(&(struct timespec){.tv_nsec = 100000}, NULL);
+  }
+  atomic_store(&fake_state.init_blocked, 0);
+}
+
 /* Every init keeps the logger it was given and logs through it at once, as IBext's v11 init
  * does (IBext calls it unchecked: a NULL logger would crash it; the fake records it instead). */
 static ncclResult_t f_init12(void** ctx, uint64_t comm_id, ncclNetCommConfig_v12_t* config,
@@ -49,6 +63,7 @@ static ncclResult_t f_init12(void** ctx, uint64_t comm_id, ncclNetCommConfig_v12
   }
   c->comm_id = comm_id;
   c->tc = config != NULL ? config->trafficClass : -3;
+  init_wait_if_blocked();
   *ctx = fake_state.fail_init ? NULL : malloc(16);
   c->ctx = *ctx;
   return (ncclResult_t)fake_state.fail_init;

@@ -52,6 +52,8 @@ struct fake_state {
   int connect_nulls;  /* connect answers NULL this many times first (retry contract) */
   int defer_isends;   /* isend answers a NULL request this many times */
   int complete_sends; /* 0: isend requests stay incomplete until set to 1 */
+  _Atomic int block_init;   /* 1: the next init waits until the test sets it back to 0 */
+  _Atomic int init_blocked; /* 1 while an init waits there */
   int ncalls;
   struct fake_call calls[FAKE_MAX_CALLS];
 };

@@ -12,6 +12,8 @@
  *  - the inner gets the traffic class of the connection's class (ToS of its level's DSCP);
  *  - inner tables v10 and v8 (trafficClass at connect; int sizes, hint cleared);
  *  - a failing inner init or connect is NCCL's error code, and a missing inner too;
+ *  - concurrent first inits over a v10 inner: the second waits for the inner's init, and
+ *    fails with it when it fails;
  *  - connects in progress (more than 64) keep their communicator's context alive past its
  *    finalize, until the last of them is over;
  *  - the permit: deferral while a more urgent send is in flight, lifted by a promotion (a
@@ -22,11 +24,15 @@
  * Exit status 0 when every check passed. */
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -402,6 +408,118 @@ static void missing_inner(void) {
   dlclose(lib);
   unsetenv("FLOWSCHED_NET_INNER");
   printf("ok missing, recursive or too long inner: ncclInvalidUsage\n");
+}
+
+/* ---- concurrent first inits over a legacy (v8-v10) inner ------------------------------------ */
+
+/* One communicator's init on its own thread (NCCL 2.27+ initialises each communicator on the
+ * thread that creates it). */
+struct init_try {
+  const ncclNet_v12_t* net;
+  uint64_t comm_id;
+  void* ctx;
+  ncclResult_t res;
+  _Atomic int tid;
+  _Atomic int done;
+  pthread_t thread;
+};
+
+static void* init_try_run(void* arg) {
+  struct init_try* t = arg;
+  atomic_store(&t->tid, (int)syscall(SYS_gettid));
+  t->res = t->net->init(&t->ctx, t->comm_id, NULL, NULL, NULL);
+  atomic_store(&t->done, 1);
+  return NULL;
+}
+
+static void init_try_start(struct init_try* t, const ncclNet_v12_t* net, uint64_t comm_id) {
+  *t = (struct init_try){.net = net, .comm_id = comm_id};
+  CHECK(pthread_create(&t->thread, NULL, init_try_run, t) == 0, "pthread_create");
+}
+
+/* Whether thread `tid` of this process is blocked on a lock (state S in a futex wait; where
+ * the kernel hides wchan, any interruptible sleep). */
+static int thread_blocked(int tid) {
+  char path[64], text[512] = "";
+  snprintf(path, sizeof(path), "/proc/self/task/%d/stat", tid);
+  FILE* f = fopen(path, "r");
+  if (f == NULL) return 0;
+  size_t n = fread(text, 1, sizeof(text) - 1, f);
+  fclose(f);
+  text[n] = '\0';
+  const char* state = strrchr(text, ')');
+  if (state == NULL || state[1] != ' ' || state[2] != 'S') return 0;
+  char wchan[64] = "";
+  snprintf(path, sizeof(path), "/proc/self/task/%d/wchan", tid);
+  f = fopen(path, "r");
+  if (f != NULL) {
+    n = fread(wchan, 1, sizeof(wchan) - 1, f);
+    wchan[n] = '\0';
+    fclose(f);
+  }
+  return wchan[0] == '\0' || strcmp(wchan, "0") == 0 || strstr(wchan, "futex") != NULL;
+}
+
+static void wait_until(_Atomic int* flag, const char* what) {
+  double deadline = now_s() + 30;
+  while (!atomic_load(flag)) {
+    CHECK(now_s() < deadline, "%s", what);
+    nanosleep(&(struct timespec){.tv_nsec = 100000}, NULL);
+  }
+}
+
+/* Two communicators initialise at once over a v10 inner, whose init runs once per process
+ * (refcounted). While the first thread is inside the inner's init, the second must wait: it
+ * may neither return success (the inner is not initialised yet, or never will be) nor run
+ * the inner's init a second time. When the inner's init fails, both fail, and a later init
+ * tries the inner's init again (the failure left nothing behind). */
+static void concurrent_first_init(const char* fake10) {
+  static const struct {
+    const char* name;
+    ncclResult_t inner_res;
+  } cases[] = {{"the inner's init succeeds", ncclSuccess},
+               {"the inner's init fails", ncclSystemError}};
+  for (size_t k = 0; k < sizeof(cases) / sizeof(cases[0]); k++) {
+    const ncclNet_v12_t* net = load(fake10, "ncclNetPlugin_v12");
+    g_fake->fail_init = (int)cases[k].inner_res;
+    atomic_store(&g_fake->block_init, 1);
+    struct init_try first, second;
+    init_try_start(&first, net, 0xA1);
+    wait_until(&g_fake->init_blocked, "the first init never reached the inner");
+    init_try_start(&second, net, 0xA2);
+    double deadline = now_s() + 30;
+    while (!atomic_load(&second.done) &&
+           (atomic_load(&second.tid) == 0 || !thread_blocked(atomic_load(&second.tid)))) {
+      CHECK(now_s() < deadline, "%s: the second init neither returned nor waited", cases[k].name);
+      sched_yield();
+    }
+    CHECK(!atomic_load(&second.done),
+          "%s: the second init returned %d while the inner's first init was still running",
+          cases[k].name, (int)second.res);
+    atomic_store(&g_fake->block_init, 0);
+    CHECK(pthread_join(first.thread, NULL) == 0 && pthread_join(second.thread, NULL) == 0, "join");
+    CHECK(first.res == cases[k].inner_res && second.res == cases[k].inner_res,
+          "%s: the inits returned %d and %d, want %d", cases[k].name, (int)first.res,
+          (int)second.res, (int)cases[k].inner_res);
+    if (cases[k].inner_res == ncclSuccess) {
+      CHECK(count("init") == 1, "%s: the inner's init ran %d times", cases[k].name, count("init"));
+      OK(net->finalize(first.ctx));
+      OK(net->finalize(second.ctx));
+    } else {
+      CHECK(first.ctx == NULL && second.ctx == NULL, "%s: a context after a failed init",
+            cases[k].name);
+      CHECK(count("init") == 2, "%s: the second init did not try the inner's init itself",
+            cases[k].name);
+      g_fake->fail_init = 0;
+      void* ctx = NULL;
+      OK(net->init(&ctx, 0xA3, NULL, NULL, NULL));
+      CHECK(count("init") == 3, "%s: a later init did not run the inner's init again",
+            cases[k].name);
+      OK(net->finalize(ctx));
+    }
+    unload();
+  }
+  printf("ok concurrent first inits over a v10 inner wait for its init (success, failure)\n");
 }
 
 /* ---- connects in progress outlive a finalize ---------------------------------------------- */
@@ -870,6 +988,7 @@ int main(int argc, char** argv) {
   forwarding_v8_export(argv[2]);
   inner_v10(argv[3]);
   inner_v8(argv[4]);
+  concurrent_first_init(argv[3]);
   missing_inner();
   connects_in_progress_outlive_finalize(argv[2]);
   permit(argv[2]);
