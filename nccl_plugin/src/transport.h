@@ -43,7 +43,8 @@
 #define FS_MAX_THREADS 16
 #define FS_MAX_REQUESTS 64 /* NCCL needs >= 32 outstanding per comm */
 #define FS_MAX_PENDING (2 * (FS_MAX_SOCKS + 1))
-#define FS_MAX_ASSEMBLIES 4
+#define FS_MAX_ASSEMBLIES 4 /* half-built connections per listener (the stalest is evicted) */
+#define FS_HELLO_MAGIC 0x46534845u /* "FSHE": the first field of every socket's hello */
 /* Receive-side control stream buffer: many headers and small inline payloads per recv;
  * a larger inline payload is read straight into the posted buffer. */
 #define FS_CTRL_BUF 8320
@@ -145,6 +146,7 @@ struct fs_pending {
 struct fs_assembly {
   int used;
   uint64_t since_ns; /* its first socket was accepted at (fs_now_ns) */
+  uint64_t last_ns;  /* its latest socket was accepted at */
   uint64_t nonce;
   int have;
   struct fs_comm* comm;

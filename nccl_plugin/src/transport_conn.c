@@ -15,7 +15,6 @@
 #include "transport.h"
 
 #define FS_HANDLE_MAGIC 0x46534831u /* "FSH1" */
-#define FS_HELLO_MAGIC 0x46534845u  /* "FSHE" */
 #define FS_CONNECT_RETRY_NS 20000000ull /* wait 20 ms before retrying a refused connect */
 
 enum fs_handle_stage { FS_STAGE_NEW = 0, FS_STAGE_CONNECTING = 1, FS_STAGE_DONE = 2 };
@@ -450,20 +449,42 @@ static int hello_valid(const struct fs_listen_comm* lcomm, const struct fs_hello
          hello->index <= hello->nsocks;
 }
 
+/* A free assembly slot; when all are taken, the one that waited longest for its next socket,
+ * evicted (its sockets closed). A live connector opens its sockets back to back, so its
+ * assembly is the one that grew last; an assembly whose peer died after its first hellos
+ * only ever ages. Waiting for those to reach FLOWSCHED_ACCEPT_TIMEOUT_MS instead would close
+ * every new connection's sockets meanwhile, and its connector, whose connect has already
+ * succeeded, would fail on first use. An evicted assembly of a live peer needs more than
+ * FS_MAX_ASSEMBLIES connectors assembling on one listener at once; NCCL uses one listener
+ * per connection. */
+static struct fs_assembly* assembly_slot(struct fs_listen_comm* lcomm) {
+  struct fs_assembly* stalest = &lcomm->assemblies[0];
+  for (int i = 0; i < FS_MAX_ASSEMBLIES; i++) {
+    struct fs_assembly* a = &lcomm->assemblies[i];
+    if (!a->used) {
+      return a;
+    }
+    if (a->last_ns < stalest->last_ns) {
+      stalest = a;
+    }
+  }
+  static atomic_int warned;
+  FS_WARN_ONCE(warned,
+               "accept: %d connections of this listener are half-built; dropping the one that "
+               "waited longest for its next socket (%d of %d sockets) to make room",
+               FS_MAX_ASSEMBLIES, stalest->have, stalest->comm->nsocks + 1);
+  comm_free(stalest->comm);
+  *stalest = (struct fs_assembly){0};
+  return stalest;
+}
+
 static struct fs_assembly* assembly_for(struct fs_listen_comm* lcomm, const struct fs_hello* hello,
                                         uint64_t since_ns) {
-  struct fs_assembly* free_slot = NULL;
   for (int i = 0; i < FS_MAX_ASSEMBLIES; i++) {
     struct fs_assembly* a = &lcomm->assemblies[i];
     if (a->used && a->nonce == hello->nonce) {
       return a;
     }
-    if (!a->used && free_slot == NULL) {
-      free_slot = a;
-    }
-  }
-  if (free_slot == NULL) {
-    return NULL;
   }
   struct fs_context* ctx = lcomm->ctx;
   uint64_t comm_id = ctx->comm_id != 0 ? ctx->comm_id : hello->comm_id;
@@ -477,9 +498,10 @@ static struct fs_assembly* assembly_for(struct fs_listen_comm* lcomm, const stru
   comm->min_chunk = lcomm->min_chunk;
   comm->inline_max = lcomm->inline_max;
   comm->nonce = hello->nonce;
-  *free_slot = (struct fs_assembly){
-      .used = 1, .since_ns = since_ns, .nonce = hello->nonce, .comm = comm};
-  return free_slot;
+  struct fs_assembly* a = assembly_slot(lcomm);
+  *a = (struct fs_assembly){
+      .used = 1, .since_ns = since_ns, .last_ns = since_ns, .nonce = hello->nonce, .comm = comm};
+  return a;
 }
 
 /* Place a socket whose hello is complete; returns the connection once it has all sockets. */
@@ -491,6 +513,7 @@ static struct fs_comm* accept_place(struct fs_listen_comm* lcomm, struct fs_pend
   }
   struct fs_comm* comm = a->comm;
   comm->fds[p->hello.index] = p->fd;
+  a->last_ns = p->since_ns > a->last_ns ? p->since_ns : a->last_ns;
   struct sockaddr_storage ss;
   socklen_t len = sizeof(ss);
   if (getsockname(p->fd, (struct sockaddr*)&ss, &len) == 0) {
@@ -509,8 +532,8 @@ static struct fs_comm* accept_place(struct fs_listen_comm* lcomm, struct fs_pend
 /* Drop the sockets and half-built connections older than FLOWSCHED_ACCEPT_TIMEOUT_MS: a
  * legitimate connector sends its hello with each connect and opens all its sockets at once,
  * so only a stalled or dead peer gets that old, and it must not hold a slot for good (with
- * the pending slots full nothing more is accepted; with the assemblies full every new
- * connection is closed). */
+ * the pending slots full nothing more is accepted; a full set of assemblies makes room by
+ * evicting its stalest, see assembly_slot). */
 static void drop_stale(struct fs_listen_comm* lcomm, uint64_t now_ns) {
   uint64_t limit_ns = (uint64_t)fs_global_params()->accept_timeout_ms * 1000000u;
   static atomic_int warned_pending, warned_assembly;

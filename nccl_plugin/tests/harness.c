@@ -37,15 +37,22 @@
  *                                         of them than it has slots): once they age out
  *                                         (FLOWSCHED_ACCEPT_TIMEOUT_MS), a real connection is
  *                                         accepted and carries data
+ *   harness PLUGIN.so deadpeers VERSION   peers that sent a valid hello and died fill the
+ *                                         listener's half-built connections: a real
+ *                                         connection still gets in (the stalest is evicted,
+ *                                         its socket closed) and carries data
  *   harness PLUGIN.so bw SIZE COUNT [V]   benchmark: streaming throughput (JSON line)
  *   harness PLUGIN.so rtt COUNT [V]       benchmark: 8-byte round trip (JSON line)
  *
  * Exit status 0 when every check passed.
  */
 #include <dlfcn.h>
+#include <errno.h>
 #include <fcntl.h>
+#include <linux/sockios.h>
 #include <netinet/in.h>
 #include <netinet/ip.h>
+#include <netinet/tcp.h>
 #include <stdatomic.h>
 #include <pthread.h>
 #include <sched.h>
@@ -55,6 +62,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -68,6 +76,7 @@
 #include "flow_table.h"
 #include "nccl/net_v8.h"
 #include "nccl/net_v9.h"
+#include "transport.h"
 
 #define STEPS 8
 #define TIMEOUT_S 60
@@ -1260,6 +1269,134 @@ static int test_stale(int version) {
   return 0;
 }
 
+/* ---- dead peers: half-built connections of peers that died after their first hellos ------- */
+
+struct knob {
+  const char* name;
+  const char* value;
+  char saved[64];
+  int was_set;
+};
+
+/* Set the knobs (and their FSTCP_ twins, for the wrapped fstcp), remembering what was there. */
+static void knobs_set(struct knob* knobs, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    const char* old = getenv(knobs[i].name);
+    knobs[i].was_set = old != NULL;
+    snprintf(knobs[i].saved, sizeof(knobs[i].saved), "%s", old != NULL ? old : "");
+    char twin[96];
+    snprintf(twin, sizeof(twin), "FSTCP_%s", knobs[i].name + strlen("FLOWSCHED_"));
+    setenv(knobs[i].name, knobs[i].value, 1);
+    setenv(twin, knobs[i].value, 1);
+  }
+}
+
+static void knobs_restore(const struct knob* knobs, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    char twin[96];
+    snprintf(twin, sizeof(twin), "FSTCP_%s", knobs[i].name + strlen("FLOWSCHED_"));
+    unsetenv(twin);
+    if (knobs[i].was_set) {
+      setenv(knobs[i].name, knobs[i].saved, 1);
+    } else {
+      unsetenv(knobs[i].name);
+    }
+  }
+}
+
+/* Connections waiting in the listening socket's accept queue (TCP_INFO of a listener). */
+static unsigned accept_queue_length(int lfd) {
+  struct tcp_info info;
+  socklen_t len = sizeof(info);
+  CHECK(getsockopt(lfd, IPPROTO_TCP, TCP_INFO, &info, &len) == 0, "TCP_INFO");
+  return info.tcpi_unacked;
+}
+
+/* Bytes written on `fd` that the peer's kernel has not acknowledged yet. */
+static int unacked_bytes(int fd) {
+  int n = 0;
+  CHECK(ioctl(fd, SIOCOUTQ, &n) == 0, "SIOCOUTQ");
+  return n;
+}
+
+#define DEAD_PEERS FS_MAX_ASSEMBLIES /* as many half-built connections as a listener keeps */
+
+/* Peers that connected one socket each, sent a valid hello (their connection has one data
+ * socket and the control socket) and then died: two closed their socket, two went silent.
+ * They fill the listener's half-built connections; a real connection that comes next must
+ * still be accepted (the age limit is an hour here, so only an eviction lets it in) and carry
+ * data, and the evicted connection's socket is closed. */
+static int test_dead_peers(int version) {
+  struct knob knobs[] = {{.name = "FLOWSCHED_SOCKET_NTHREADS", .value = "1"},
+                         {.name = "FLOWSCHED_NSOCKS_PERTHREAD", .value = "1"},
+                         {.name = "FLOWSCHED_MIN_CHUNK_SIZE", .value = "65536"},
+                         {.name = "FLOWSCHED_INLINE_SIZE", .value = "65536"},
+                         {.name = "FLOWSCHED_ACCEPT_TIMEOUT_MS", .value = "3600000"}};
+  size_t nknobs = sizeof(knobs) / sizeof(knobs[0]);
+  knobs_set(knobs, nknobs); /* read by the init below */
+  struct net n;
+  net_open(&n, version);
+  void* ctx = net_init(&n, 0x5B, -1);
+  int before[64];
+  int nbefore = listening_fds(before, 64);
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void *lcomm = NULL, *scomm = NULL, *rcomm = NULL;
+  net_listen(&n, ctx, handle, &lcomm);
+  int lfd = new_listening_fd(before, nbefore);
+  CHECK(lfd >= 0, "the listener's socket not found");
+  struct sockaddr_storage ss;
+  socklen_t len = sizeof(ss);
+  CHECK(getsockname(lfd, (struct sockaddr*)&ss, &len) == 0, "getsockname");
+  int peers[DEAD_PEERS];
+  for (int i = 0; i < DEAD_PEERS; i++) {
+    peers[i] = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(peers[i] >= 0 && connect(peers[i], (struct sockaddr*)&ss, len) == 0, "connect");
+    struct fs_hello hello = {.magic = FS_HELLO_MAGIC, .index = 0, .nsocks = 1, .chunk = 65536,
+                             .inline_max = 65536, .traffic_class = -1,
+                             .nonce = 0xDEAD0000u + (uint64_t)i, .comm_id = 0x5B};
+    write_all(peers[i], &hello, sizeof(hello));
+  }
+  double deadline = now_s() + TIMEOUT_S;
+  int queued = 0;
+  while (!queued) { /* every dead peer's socket and hello is in the listener's kernel */
+    queued = accept_queue_length(lfd) == DEAD_PEERS;
+    for (int i = 0; i < DEAD_PEERS; i++) queued = queued && unacked_bytes(peers[i]) == 0;
+    CHECK(now_s() < deadline, "the dead peers' hellos never reached the listener");
+    sched_yield();
+  }
+  for (int i = DEAD_PEERS / 2; i < DEAD_PEERS; i++) {
+    close(peers[i]);
+    peers[i] = -1;
+  }
+  NCHECK(CALL(&n, accept, lcomm, &rcomm, NULL)); /* takes them all: 4 half-built connections */
+  CHECK(rcomm == NULL, "accepted a connection nobody completed");
+  deadline = now_s() + TIMEOUT_S;
+  while (scomm == NULL || rcomm == NULL) {
+    if (scomm == NULL) NCHECK(net_connect_step(&n, ctx, handle, -1, &scomm));
+    if (rcomm == NULL) NCHECK(CALL(&n, accept, lcomm, &rcomm, NULL));
+    CHECK(now_s() < deadline, "half-built connections of dead peers kept a real one out");
+  }
+  pump_pair(&n, scomm, rcomm, 70000, 35);
+  int evicted = 0;
+  while (!evicted) { /* a silent peer's half-built connection made room: its socket is closed */
+    for (int i = 0; i < DEAD_PEERS / 2; i++) {
+      char byte;
+      ssize_t got = recv(peers[i], &byte, 1, MSG_DONTWAIT);
+      evicted |= got == 0 || (got < 0 && errno == ECONNRESET);
+    }
+    CHECK(now_s() < deadline, "no half-built connection was evicted");
+    sched_yield();
+  }
+  for (int i = 0; i < DEAD_PEERS / 2; i++) close(peers[i]);
+  NCHECK(CALL(&n, closeSend, scomm));
+  NCHECK(CALL(&n, closeRecv, rcomm));
+  NCHECK(CALL(&n, closeListen, lcomm));
+  net_finalize(&n, ctx);
+  net_close(&n);
+  knobs_restore(knobs, nknobs);
+  return 0;
+}
+
 static int bench_rtt(int version, long count) {
   int sv[2];
   CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0, "socketpair");
@@ -1330,6 +1467,8 @@ static int run_one(const char* name, int version) {
     rc = test_gateleak(version);
   } else if (strcmp(name, "stale") == 0) {
     rc = test_stale(version);
+  } else if (strcmp(name, "deadpeers") == 0) {
+    rc = test_dead_peers(version);
   } else {
     fprintf(stderr, "unknown test %s\n", name);
     return 2;
@@ -1343,7 +1482,7 @@ int main(int argc, char** argv) {
   if (argc < 3) {
     fprintf(stderr,
             "usage: %s PLUGIN.so "
-            "all|transfer|alternate|contexts|cycles|errors|lifetime|gateleak|marking|stale "
+            "all|transfer|alternate|contexts|cycles|errors|lifetime|gateleak|marking|stale|deadpeers "
             "[VERSION]\n",
             argv[0]);
     return 2;
@@ -1360,7 +1499,7 @@ int main(int argc, char** argv) {
     return run_one(argv[2], argc > 3 ? atoi(argv[3]) : 11);
   }
   static const char* const tests[] = {"transfer", "alternate", "contexts", "cycles", "errors",
-                                      "lifetime", "gateleak", "marking", "stale"};
+                                      "lifetime", "gateleak", "marking", "stale", "deadpeers"};
   for (int version = 8; version <= 12; version++) {
     for (size_t t = 0; t < sizeof(tests) / sizeof(tests[0]); t++) {
       if (run_one(tests[t], version) != 0) {
