@@ -23,6 +23,16 @@ ROOT_DIR = "/run/flowsched"
 AGENT_UID_ENV = "FLOWSCHED_AGENT_UID"
 SOCKET_NAME = "agent.sock"
 TABLE_NAME = "table"
+#: the longest flow table path the NCCL plugin uses (its string knobs hold 255 bytes, and it
+#: refuses a longer default path rather than truncate it: ``FS_TABLE_PATH_MAX`` in
+#: nccl_plugin/src/param.h; tests/nccl_plugin/test_layout_agreement.py checks they agree)
+TABLE_PATH_MAX = 255
+#: the longest unix socket path (``sun_path`` holds 108 bytes with the terminating NUL)
+SOCKET_PATH_MAX = 107
+_PATH_LIMITS = {
+    TABLE_NAME: (TABLE_PATH_MAX, "flow table", "the NCCL plugin uses at most"),
+    SOCKET_NAME: (SOCKET_PATH_MAX, "SDK socket", "a unix socket path has at most"),
+}
 
 
 class RuntimeDirError(RuntimeError):
@@ -40,8 +50,33 @@ def agent_runtime_dir() -> str:
 
 
 def agent_path(name: str, env: str) -> str:
-    """``$env``, else ``name`` in :func:`agent_runtime_dir` (the agent's defaults)."""
-    return os.environ.get(env) or os.path.join(agent_runtime_dir(), name)
+    """``$env``, else ``name`` in :func:`agent_runtime_dir` (the agent's defaults).
+
+    Raises:
+        RuntimeDirError: the default is longer than the table's or the socket's path may be
+            (a long ``$XDG_RUNTIME_DIR``: the plugin would look for the table elsewhere, the
+            socket could not be bound); the message names the variable and the limit.
+    """
+    given = os.environ.get(env)
+    if given:
+        return given
+    path = os.path.join(agent_runtime_dir(), name)
+    _check_default_length(name, path, env)
+    return path
+
+
+def _check_default_length(name: str, path: str, env: str) -> None:
+    if name not in _PATH_LIMITS:
+        return
+    limit, what, rule = _PATH_LIMITS[name]
+    size = len(os.fsencode(path))
+    if size > limit:
+        runtime = os.fsencode(os.environ.get("XDG_RUNTIME_DIR", ""))
+        raise RuntimeDirError(
+            f"XDG_RUNTIME_DIR is {len(runtime)} bytes long: the agent's default {what} path "
+            f"{path} would be {size} bytes, and {rule} {limit}; set a shorter "
+            f"XDG_RUNTIME_DIR, or {env}"
+        )
 
 
 def client_path(name: str, env: str) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import flowsched
+from flowsched import rundir
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -37,7 +38,7 @@ EXIT_STATUS_HELP = (
 )
 
 #: longest unix socket path (sun_path is 108 bytes with its terminating NUL)
-MAX_UNIX_PATH = 107
+MAX_UNIX_PATH = rundir.SOCKET_PATH_MAX
 #: errno values that mean "this address cannot be bound" (bad input, not a crash)
 _BIND_ERRORS = {errno.EADDRINUSE, errno.EACCES, errno.EADDRNOTAVAIL, errno.EPERM}
 

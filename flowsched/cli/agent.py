@@ -7,7 +7,7 @@ import socket
 import sys
 from typing import Any
 
-from flowsched import qos
+from flowsched import qos, rundir
 from flowsched.agent import AgentConfig, ReadyInfo, default_table_path, serve
 from flowsched.agent.config import AgentConfigError, default_socket_path
 from flowsched.agent.sdk_server import SocketPathError
@@ -233,7 +233,7 @@ def check_coordinators_resolve(hosts: list[str]) -> None:
 
 def preflight(config: AgentConfig, metrics_flag: str = "--metrics-port") -> None:
     """Refuse, before anything starts, what would make the agent fail: raises UsageError."""
-    if config.table_path != default_table_path():  # the default directory is the agent's own
+    if not _is_default_table(config.table_path):  # the default directory is the agent's own
         check_parent_dir("--table", config.table_path)
     check_socket_path("--socket", config.socket_path)
     for name in config.interfaces:
@@ -253,6 +253,13 @@ def preflight(config: AgentConfig, metrics_flag: str = "--metrics-port") -> None
                 raise UsageError(f"{_FLAGS[exc.field]}: {exc.problem}") from None
     if config.metrics_port is not None:
         check_bindable(metrics_flag, config.metrics_host, config.metrics_port, "--metrics-bind")
+
+
+def _is_default_table(path: str) -> bool:
+    try:
+        return path == default_table_path()
+    except rundir.RuntimeDirError:
+        return False  # there is no usable default (a long XDG_RUNTIME_DIR): the path was given
 
 
 #: AgentConfig fields set from flags whose names differ
@@ -319,7 +326,7 @@ def _run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     try:
         config = config_from_args(args)
-    except (TokenFileError, ValueError, OSError) as exc:
+    except (TokenFileError, ValueError, OSError, rundir.RuntimeDirError) as exc:
         return fail(PROG, str(exc))
     try:
         return run_daemon(PROG, lambda: serve(config), args.no_uvloop)

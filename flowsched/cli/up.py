@@ -15,7 +15,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from flowsched import policyfile
+from flowsched import policyfile, rundir
 from flowsched.agent import AgentConfig, ReadyInfo, default_table_path
 from flowsched.agent import serve as serve_agent
 from flowsched.agent.config import AgentConfigError, default_socket_path
@@ -129,7 +129,7 @@ def _run(args: argparse.Namespace) -> int:
         return fail(PROG, f"--{exc.field.replace('_', '-')}: {exc.problem}")
     except PolicyFileError as exc:
         return fail(PROG, policyfile.problem("--policy", args.policy, exc))
-    except (TokenFileError, ValueError, OSError) as exc:
+    except (TokenFileError, ValueError, OSError, rundir.RuntimeDirError) as exc:
         return fail(PROG, str(exc))
     return run_daemon(PROG, lambda: _up(coord, agent_cfg), args.no_uvloop)
 

@@ -67,20 +67,43 @@ static void param_str(char* out, size_t cap, const char* env, const char* def) {
 #define FS_PARAM_LOAD_STR(field, env, def, doc) \
   param_str(params->field, sizeof(params->field), env, def);
 
+/* `dir`/`tail` in out, or "" when it does not fit in `cap` (a truncated path would name
+ * another file than the agent's). */
+static int table_path_in(const char* dir, const char* tail, char* out, size_t cap) {
+  int n = snprintf(out, cap, "%s%s", dir, tail);
+  if (n < 0 || (size_t)n >= cap) {
+    out[0] = '\0';
+    return -ENAMETOOLONG;
+  }
+  return 0;
+}
+
 void fs_table_default_path(unsigned euid, const char* xdg, const char* root_dir, char* out,
                            size_t cap) {
-  char own[512];
+  char own[FS_TABLE_PATH_MAX + 1];
   if (euid == 0) {
-    snprintf(own, sizeof(own), "%s/table", root_dir);
+    table_path_in(root_dir, "/table", own, sizeof(own));
   } else if (xdg != NULL && xdg[0] != '\0') {
-    snprintf(own, sizeof(own), "%s/flowsched/table", xdg);
+    if (table_path_in(xdg, "/flowsched/table", own, sizeof(own)) != 0) {
+      /* the agent refuses this path as well (flowsched.rundir.agent_path): none of its
+       * tables is there, so the plugin looks no further than a root agent's */
+      static atomic_int warned;
+      FS_WARN_ONCE(warned,
+                   "XDG_RUNTIME_DIR is %zu bytes long: the default flow table path "
+                   "$XDG_RUNTIME_DIR/flowsched/table would exceed %d bytes; not using it "
+                   "(set FLOWSCHED_TABLE, or a shorter XDG_RUNTIME_DIR)",
+                   strlen(xdg), FS_TABLE_PATH_MAX);
+    }
   } else {
     snprintf(own, sizeof(own), "/tmp/flowsched-%u/table", euid);
   }
-  char shared[512];
-  snprintf(shared, sizeof(shared), "%s/table", root_dir);
-  int use_shared = euid != 0 && access(own, F_OK) != 0 && access(shared, F_OK) == 0;
-  snprintf(out, cap, "%s", use_shared ? shared : own);
+  char shared[FS_TABLE_PATH_MAX + 1];
+  table_path_in(root_dir, "/table", shared, sizeof(shared));
+  int use_shared = euid != 0 && (own[0] == '\0' || access(own, F_OK) != 0) &&
+                   shared[0] != '\0' && access(shared, F_OK) == 0;
+  if (table_path_in(use_shared ? shared : own, "", out, cap) != 0) {
+    out[0] = '\0';
+  }
 }
 
 #ifndef FS_INNER_BUILD

@@ -94,8 +94,13 @@
   /* Fallback for the interface selection when FLOWSCHED_SOCKET_IFNAME is unset. */           \
   FS_PARAM_STR(nccl_socket_ifname, "NCCL_SOCKET_IFNAME", "", "NCCL's interface selection")
 
+#define FS_PARAM_STR_MAX 255 /* bytes of a string knob */
+/* The longest flow table path the plugin uses (a knob's; flowsched.rundir.TABLE_PATH_MAX, the
+ * agent's limit, must be the same: tests/nccl_plugin/test_layout_agreement.py checks it). */
+#define FS_TABLE_PATH_MAX FS_PARAM_STR_MAX
+
 #define FS_PARAM_DECLARE_INT(field, env, def, lo, hi, doc) int64_t field;
-#define FS_PARAM_DECLARE_STR(field, env, def, doc) char field[256];
+#define FS_PARAM_DECLARE_STR(field, env, def, doc) char field[FS_PARAM_STR_MAX + 1];
 
 struct fs_params {
   FS_PARAMS(FS_PARAM_DECLARE_INT, FS_PARAM_DECLARE_STR)
@@ -112,7 +117,10 @@ int fs_param_is_set(const char* env);
  * clients look (flowsched.rundir.client_path): euid 0: `root_dir`/table; else
  * `xdg`/flowsched/table when that file exists (xdg = $XDG_RUNTIME_DIR, NULL or "" = unset);
  * else `root_dir`/table when it exists (a root agent serving a --group); else the agent's own
- * default for this user: `xdg`/flowsched/table, or /tmp/flowsched-<euid>/table. */
+ * default for this user: `xdg`/flowsched/table, or /tmp/flowsched-<euid>/table. A path longer
+ * than FS_TABLE_PATH_MAX bytes (a long XDG_RUNTIME_DIR), or than `cap` - 1, is never
+ * truncated: it is refused with a warning, as if it did not exist ("" when nothing else is
+ * there: no table). */
 void fs_table_default_path(unsigned euid, const char* xdg, const char* root_dir, char* out,
                            size_t cap);
 /* Data sockets per connection: max(1, nthreads) x nsocks_per_thread, at most 16. */

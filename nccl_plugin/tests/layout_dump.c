@@ -1,12 +1,14 @@
 /* SPDX-License-Identifier: Apache-2.0
- * Prints the C view of the shared-memory table layout and the compiled-in class defaults as
- * JSON; tests/nccl_plugin/test_layout_agreement.py compares it with flowsched/shm/layout.py
- * and with the shipped default policy. */
+ * Prints the C view of the shared-memory table layout, the compiled-in class defaults and the
+ * longest table path the plugin uses as JSON; tests/nccl_plugin/test_layout_agreement.py
+ * compares them with flowsched/shm/layout.py, the shipped default policy and
+ * flowsched/rundir.py. */
 #include <stddef.h>
 #include <stdio.h>
 
 #include "class_defaults.h"
 #include "flow_table.h"
+#include "param.h"
 
 #define FIELD(type, name) \
   printf("%s\"%s\": [%zu, %zu]", first ? "" : ", ", #name, offsetof(type, name), \
@@ -77,6 +79,7 @@ int main(void) {
          FS_TABLE_MAGIC, FS_TABLE_VERSION, FS_TABLE_MAX_LEVELS, FS_TABLE_MAX_CLASS_MAP,
          FS_TABLE_MAX_CLASSES, FS_LEVEL_UNSET, FS_SLOT_FREE, FS_SLOT_CLAIMED, FS_SLOT_ACTIVE,
          FS_SLOT_CLOSED, FS_DIR_SEND, FS_DIR_RECV);
+  printf(", \"limits\": {\"table_path\": %d}", FS_TABLE_PATH_MAX);
   printf(", \"defaults\": {\"num_levels\": %d, ", FS_DEFAULT_NUM_LEVELS);
   print_u8_list("class_level", fs_default_class_level, FS_NUM_CLASSES);
   printf(", ");

@@ -5,15 +5,35 @@
  *
  *   test_param        exit status 0 when every case resolves to what the table says
  */
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "log.h"
 #include "param.h"
 
 static int failures;
+static char warnings[4096]; /* what the plugin warned, line after line */
+
+static void capture(ncclDebugLogLevel level, unsigned long flags, const char* file, int line,
+                    const char* fmt, ...) {
+  (void)flags;
+  (void)file;
+  (void)line;
+  if (level != NCCL_LOG_WARN) {
+    return;
+  }
+  size_t used = strlen(warnings);
+  va_list args;
+  va_start(args, fmt);
+  vsnprintf(warnings + used, sizeof(warnings) - used, fmt, args);
+  va_end(args);
+  used = strlen(warnings);
+  snprintf(warnings + used, sizeof(warnings) - used, "\n");
+}
 
 static void expect(const char* what, const char* got, const char* want) {
   if (strcmp(got, want) != 0) {
@@ -38,6 +58,47 @@ static void touch(const char* dir, const char* sub) {
   fclose(f);
 }
 
+/* XDG_RUNTIME_DIR of `len` bytes (a directory that does not exist). */
+static char* xdg_of_length(size_t len) {
+  char* xdg = malloc(len + 1);
+  memset(xdg, 'x', len);
+  xdg[0] = '/';
+  xdg[len] = '\0';
+  return xdg;
+}
+
+/* A long XDG_RUNTIME_DIR: $XDG_RUNTIME_DIR/flowsched/table (16 bytes after it) is used up to
+ * FS_TABLE_PATH_MAX bytes, never truncated beyond: refused with a warning that names the
+ * variable and the limit, the root agent's table taken instead when there is one, else none. */
+static void long_xdg(const char* run, int root_table_exists) {
+  static const struct {
+    size_t xdg_len;
+    int refused;
+  } cases[] = {{FS_TABLE_PATH_MAX - 16, 0}, {FS_TABLE_PATH_MAX - 15, 1}, {4000, 1}};
+  char root_table[700], out[FS_TABLE_PATH_MAX + 1], what[160];
+  snprintf(root_table, sizeof(root_table), "%s/table", run);
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    char* xdg = xdg_of_length(cases[i].xdg_len);
+    char own[4100];
+    snprintf(own, sizeof(own), "%s/flowsched/table", xdg);
+    /* the own path (never there) loses to the root agent's table, if any, either way */
+    const char* want = root_table_exists ? root_table : cases[i].refused ? "" : own;
+    snprintf(what, sizeof(what), "XDG_RUNTIME_DIR of %zu bytes%s", cases[i].xdg_len,
+             root_table_exists ? ", a root agent's table" : "");
+    warnings[0] = '\0';
+    fs_table_default_path(1234, xdg, run, out, sizeof(out));
+    expect(what, out, want);
+    /* warned once per process: the first refusal says it */
+    if (cases[i].refused && cases[i].xdg_len == FS_TABLE_PATH_MAX - 15 && !root_table_exists &&
+        (strstr(warnings, "XDG_RUNTIME_DIR") == NULL || strstr(warnings, "255 bytes") == NULL)) {
+      fprintf(stderr, "FAIL %s: no warning naming XDG_RUNTIME_DIR and the limit (got: %s)\n",
+              what, warnings);
+      failures++;
+    }
+    free(xdg);
+  }
+}
+
 int main(void) {
   char base[] = "/tmp/fs-param-XXXXXX";
   if (mkdtemp(base) == NULL) {
@@ -48,6 +109,8 @@ int main(void) {
   snprintf(xdg, sizeof(xdg), "%s/xdg", base);  /* holds flowsched/table once touched */
   snprintf(run, sizeof(run), "%s/run", base);  /* stands in for /run/flowsched */
   mkdir(xdg, 0700);
+  fs_log_set_logger(capture);
+  long_xdg(run, 0);
 
   /* nothing exists yet: root uses the root directory, a user its own default */
   fs_table_default_path(0, xdg, run, out, sizeof(out));
@@ -72,6 +135,7 @@ int main(void) {
   expect("user, only the root agent's table exists", out, want);
   fs_table_default_path(1234, NULL, run, out, sizeof(out));
   expect("user without XDG, only the root agent's table", out, want);
+  long_xdg(run, 1);
 
   /* the user's own agent wins over root's */
   touch(xdg, "flowsched");
@@ -105,7 +169,8 @@ int main(void) {
     fprintf(stderr, "cannot remove %s\n", base);
   }
   if (failures == 0) {
-    printf("ok table default path (FLOWSCHED_TABLE, root, XDG, a root agent's group table)\n");
+    printf("ok table default path (FLOWSCHED_TABLE, root, XDG, a root agent's group table, "
+           "an XDG_RUNTIME_DIR too long)\n");
   }
   return failures == 0 ? 0 : 1;
 }

@@ -101,3 +101,28 @@ def test_values_that_would_fail_later_are_refused(
 ) -> None:
     assert main(_agent(tmp_path, *flags)) == 2
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["agent", "up"])
+def test_a_default_table_path_too_long_for_the_plugin_is_refused(
+    command: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # a user (root's default directory is /run/flowsched) whose XDG_RUNTIME_DIR is so long
+    # that the default table path would pass the plugin's 255 bytes: refused before anything
+    # starts, naming the variable, rather than serving a table the plugin never finds
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("FLOWSCHED_TABLE", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / ("x" * 250)))
+    socket_flags = ["--socket", str(tmp_path / "agent.sock")]
+    if command == "agent":
+        args = ["agent", "--node", "n1", *socket_flags, "--metrics-port", "-1"]
+    else:
+        args = ["up", "--token-file", str(tmp_path / "token"), *socket_flags, "--listen",
+                "127.0.0.1:0", "--metrics-port", "0", "--agent-metrics-port", "0"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "XDG_RUNTIME_DIR" in err and "at most 255" in err, err
+    assert not (tmp_path / ("x" * 250)).exists()

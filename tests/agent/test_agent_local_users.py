@@ -145,6 +145,33 @@ def test_default_runtime_directory(
     assert rundir.agent_path("table", "FLOWSCHED_TABLE") == f"{expected}/table"
 
 
+@pytest.mark.parametrize(
+    ("name", "env", "limit"),
+    [
+        (rundir.TABLE_NAME, "FLOWSCHED_TABLE", rundir.TABLE_PATH_MAX),
+        (rundir.SOCKET_NAME, "FLOWSCHED_SOCKET", rundir.SOCKET_PATH_MAX),
+    ],
+)
+def test_a_default_path_too_long_names_xdg_runtime_dir(
+    monkeypatch: pytest.MonkeyPatch, name: str, env: str, limit: int
+) -> None:
+    # the plugin refuses a table path longer than 255 bytes (it would map another file than
+    # the one written here if it truncated it), bind() a socket path longer than sun_path
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.delenv(env, raising=False)
+    tail = len(f"/flowsched/{name}")
+    fits = "/" + "x" * (limit - tail - 1)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", fits)
+    assert len(rundir.agent_path(name, env)) == limit
+    monkeypatch.setenv("XDG_RUNTIME_DIR", fits + "x")
+    with pytest.raises(rundir.RuntimeDirError) as refused:
+        rundir.agent_path(name, env)
+    assert "XDG_RUNTIME_DIR" in str(refused.value) and str(limit) in str(refused.value)
+    assert env in str(refused.value)  # the way out
+    monkeypatch.setenv(env, "/short/path")
+    assert rundir.agent_path(name, env) == "/short/path"
+
+
 def test_a_user_client_finds_a_root_agent_serving_its_group(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -1,5 +1,6 @@
-"""The C structs of the flow table agree with flowsched/shm/layout.py, field by field, and the
-plugin's compiled-in defaults agree with the shipped default policy."""
+"""The C structs of the flow table agree with flowsched/shm/layout.py, field by field, the
+plugin's compiled-in defaults agree with the shipped default policy, and its longest table
+path with the agent's (flowsched/rundir.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from flowsched import rundir
 from flowsched.model import FlowClass
 from flowsched.shm import layout
 
@@ -50,6 +52,11 @@ def test_sizes_and_constants(c_view: dict[str, Any]) -> None:
     }
     for name, value in c_view["constants"].items():
         assert getattr(layout, name) == value, name
+
+
+def test_table_path_limit_matches_the_agent(c_view: dict[str, Any]) -> None:
+    # the agent refuses a default table path the plugin would refuse (or truncate)
+    assert c_view["limits"]["table_path"] == rundir.TABLE_PATH_MAX
 
 
 def test_class_labels_match_flow_classes(c_view: dict[str, Any]) -> None:
