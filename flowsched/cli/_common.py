@@ -194,6 +194,17 @@ def check_socket_path(flag: str, path: str) -> None:
         )
 
 
+def check_table_path(flag: str, path: str) -> None:
+    """UsageError when ``path`` is longer than the NCCL plugin reads ``FLOWSCHED_TABLE``: the
+    plugin would ignore it, and jobs would never see the agent's table."""
+    size = len(os.fsencode(os.path.abspath(path)))
+    if size > rundir.TABLE_PATH_MAX:
+        raise UsageError(
+            f"{flag}: the path is {size} bytes long; the NCCL plugin reads a table path of at "
+            f"most {rundir.TABLE_PATH_MAX}"
+        )
+
+
 def check_interface(flag: str, name: str) -> None:
     """UsageError unless ``name`` is a network interface of this namespace."""
     try:

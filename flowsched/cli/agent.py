@@ -21,6 +21,7 @@ from flowsched.cli._common import (
     check_interface,
     check_parent_dir,
     check_socket_path,
+    check_table_path,
     fail,
     host_port,
     metrics_address,
@@ -234,6 +235,7 @@ def check_coordinators_resolve(hosts: list[str]) -> None:
 def preflight(config: AgentConfig, metrics_flag: str = "--metrics-port") -> None:
     """Refuse, before anything starts, what would make the agent fail: raises UsageError."""
     if not _is_default_table(config.table_path):  # the default directory is the agent's own
+        check_table_path("--table", config.table_path)
         check_parent_dir("--table", config.table_path)
     check_socket_path("--socket", config.socket_path)
     for name in config.interfaces:

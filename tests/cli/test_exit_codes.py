@@ -110,6 +110,8 @@ CASES = {
     "agent-slots-too-many": ([*AGENT, "--slots", str(1 << 25)], "--slots"),
     "agent-table-missing-dir": (
         [*AGENT, "--table", "{dir}/missing/table"], "does not exist"),
+    "agent-table-too-long": (
+        [*AGENT, "--table", "{dir}/" + "t" * 260], "reads a table path of at most 255"),
     "agent-socket-too-long": (
         [*AGENT, "--socket", "{dir}/" + "s" * 120], "unix socket path has at most 107"),
     "agent-interface-missing": (
@@ -132,6 +134,7 @@ CASES = {
     "up-agent-metrics-taken": ([*UP, "--agent-metrics-port", TAKEN], "--agent-metrics-port"),
     "up-metrics-port-range": ([*UP, "--metrics-port", "99999"], "0..65535"),
     "up-table-missing-dir": ([*UP, "--table", "{dir}/missing/table"], "does not exist"),
+    "up-table-too-long": ([*UP, "--table", "{dir}/" + "t" * 260], "--table: the path is"),
     "up-slots-in-policy-missing": (
         [*UP, "--policy", "{dir}/nope.toml"], "--policy {dir}/nope.toml: cannot read"),
     "up-invalid-policy": (
