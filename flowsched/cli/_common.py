@@ -97,7 +97,24 @@ def host_port(text: str) -> tuple[str, int]:
     host, sep, port_text = text.rpartition(":")
     if not sep or not port_text.isdigit() or int(port_text) > 65535:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT with a port 0..65535, got {text!r}")
-    return host.strip("[]") or "127.0.0.1", int(port_text)
+    return unbracketed(host, text) or "127.0.0.1", int(port_text)
+
+
+def unbracketed(host: str, text: str) -> str:
+    """``host`` without the brackets of ``[v6addr]``; ``text`` is the whole value, for the
+    message. Brackets anywhere else (``[::1``, ``::1]``) are refused: a typo, not a host.
+
+    Raises:
+        argparse.ArgumentTypeError: misplaced or unbalanced brackets.
+    """
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if "[" in host or "]" in host:
+        raise argparse.ArgumentTypeError(
+            f"unbalanced or misplaced brackets in {text!r} (an IPv6 address goes as [ADDR] or "
+            "[ADDR]:PORT)"
+        )
+    return host
 
 
 # -- checks before a daemon starts (raise UsageError) ----------------------------------------
@@ -312,13 +329,16 @@ def metrics_address(args: argparse.Namespace) -> tuple[str, int] | None:
     if args.metrics_bind is not None:
         text = args.metrics_bind
         with_port = "]:" in text if text.startswith("[") else text.count(":") == 1
-        if with_port:  # HOST:PORT or [V6]:PORT; else a bare host (a bare IPv6 has 2+ colons)
+        # HOST:PORT or [V6]:PORT; else a bare host (a bare IPv6 has 2+ colons)
+        try:
+            host = unbracketed(text.rpartition(":")[0] if with_port else text, text)
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"--metrics-bind: {exc}") from None
+        if with_port:
             try:
                 host, port_number = host_port(text)
             except argparse.ArgumentTypeError:
                 raise UsageError(f"--metrics-bind: expected HOST[:PORT], got {text!r}") from None
-        else:
-            host = text.strip("[]")
         if not host:
             raise UsageError(f"--metrics-bind: no host in {text!r}")
     if args.metrics_port is not None:

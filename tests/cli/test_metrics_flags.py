@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from flowsched.cli import build_parser
-from flowsched.cli._common import AGENT_METRICS_PORT, COORDINATOR_METRICS_PORT, metrics_address
+from flowsched.cli._common import (
+    AGENT_METRICS_PORT,
+    COORDINATOR_METRICS_PORT,
+    UsageError,
+    host_port,
+    metrics_address,
+)
 from flowsched.cli.coordinator import _print_ready
 from flowsched.coordinator import Addresses
 
@@ -33,6 +41,45 @@ def test_metrics_address(command: str, flags: list[str], expected: tuple[str, in
 def test_bad_metrics_bind_names_the_flag(bind: str) -> None:
     with pytest.raises(ValueError, match="--metrics-bind"):
         metrics_address(build_parser().parse_args(["agent", "--metrics-bind", bind]))
+
+
+#: --metrics-bind's address forms: (value, the address taken, or the start of the refusal)
+BIND_FORMS = [
+    ("[::1]", ("::1", AGENT_METRICS_PORT)),
+    ("::1", ("::1", AGENT_METRICS_PORT)),
+    ("127.0.0.1", ("127.0.0.1", AGENT_METRICS_PORT)),
+    ("[::1]:80", ("::1", 80)),
+    ("[::1", "--metrics-bind: unbalanced or misplaced brackets in '[::1'"),
+    ("::1]", "--metrics-bind: unbalanced or misplaced brackets in '::1]'"),
+    ("[::1]x", "--metrics-bind: unbalanced or misplaced brackets in '[::1]x'"),
+    ("[::1]]:80", "--metrics-bind: unbalanced or misplaced brackets in '[::1]]:80'"),
+    ("", "--metrics-bind: no host in ''"),
+    ("[]", "--metrics-bind: no host in '[]'"),
+]
+
+
+@pytest.mark.parametrize(("bind", "expected"), BIND_FORMS, ids=[form for form, _ in BIND_FORMS])
+def test_metrics_bind_takes_an_address_or_refuses_it_naming_the_flag(
+    bind: str, expected: tuple[str, int] | str
+) -> None:
+    """A bracket without its pair (``[::1``) was taken as the address inside it."""
+    args = build_parser().parse_args(["agent", "--metrics-bind", bind])
+    if isinstance(expected, tuple):
+        assert metrics_address(args) == expected
+    else:
+        with pytest.raises(UsageError) as refused:
+            metrics_address(args)
+        assert str(refused.value).startswith(expected)
+
+
+@pytest.mark.parametrize("listen", ["[::1:7711", "::1]:7711", "[[::1]]:7711"])
+def test_a_host_port_flag_refuses_unbalanced_brackets(listen: str) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["coordinator", "--listen", listen])
+    assert exited.value.code == 2
+    assert host_port("[::1]:7711") == ("::1", 7711)
+    with pytest.raises(argparse.ArgumentTypeError, match="brackets"):
+        host_port(listen)
 
 
 def test_a_port_outside_0_65535_is_refused_by_the_parser() -> None:
