@@ -51,7 +51,7 @@ def register(sub: Any) -> None:
         default=DEFAULT_SIM_POLICIES,
         help="comma-separated policies replayed in the simulator only: 'ideal' (the ideal-network "
         "bound), a benchmark policy file's name, or a registered policy (NAME+late adds "
-        f"drop_late) (default {DEFAULT_SIM_POLICIES}; '' for none)",
+        f"drop_late, for the policies that take it) (default {DEFAULT_SIM_POLICIES}; '' for none)",
     )
     contention.add_argument(
         "--scenario",
@@ -132,7 +132,8 @@ def _register_serving(benches: Any) -> None:
     serving.add_argument(
         "--policies",
         default=SERVING_POLICIES,
-        help=f"comma-separated, each also as NAME+late (default {SERVING_POLICIES})",
+        help="comma-separated, those that take drop_late also as NAME+late "
+        f"(default {SERVING_POLICIES})",
     )
     serving.add_argument(
         "--sim-policies",
@@ -160,10 +161,10 @@ def _serving(args: argparse.Namespace) -> int:
         loads = finite_fractions("--loads", args.loads, MAX_SERVING_LOAD)
         options = serving.ServingOptions(
             out=prepare_out_dir("--out", args.out),
-            policies=_names(args.policies),
+            policies=_names(args.policies, "--policies"),
             loads=tuple(loads),
             seeds=tuple(range(args.seed, args.seed + args.seeds)),
-            sim_policies=_names(args.sim_policies),
+            sim_policies=_names(args.sim_policies, "--sim-policies"),
             simulate_only=args.simulate_only,
             command="flowsched bench serving " + " ".join(sys.argv[3:]),
         )
@@ -226,7 +227,9 @@ def _options(args: argparse.Namespace) -> BenchOptions:
     if args.seeds < 1:
         raise ValueError("--seeds must be at least 1")
     policies, ablation = _policy_names(args)
-    sim_policies = tuple(n for n in _names(args.sim_policies) if n not in policies)
+    sim_policies = tuple(
+        n for n in _names(args.sim_policies, "--sim-policies") if n not in policies
+    )
     for name in sim_policies:
         if name != IDEAL:
             bench.policy_config(name)
@@ -257,7 +260,8 @@ def _policy_names(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str,
     subset of them)."""
     from flowsched.testbed import bench
 
-    policies, ablation = _names(args.policies), _names(args.ablation_policies)
+    policies = _names(args.policies, "--policies")
+    ablation = _names(args.ablation_policies)
     if not policies:
         raise ValueError("--policies: no policy given")
     for name in policies:
@@ -270,8 +274,16 @@ def _policy_names(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str,
     return policies, ablation
 
 
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(p.strip() for p in text.split(",") if p.strip())
+def _names(text: str, flag: str | None = None) -> tuple[str, ...]:
+    """The comma-separated names of ``text``; with ``flag``, policy names, a ``NAME+late``
+    of a policy that has no such variant refused under the flag's name."""
+    from flowsched.sim.run import late_problem
+
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    for name in names if flag is not None else ():
+        if (problem := late_problem(name)) is not None:
+            raise UsageError(f"{flag}: {problem}")
+    return names
 
 
 def _params(args: argparse.Namespace) -> ScenarioParams:

@@ -1,7 +1,8 @@
 """``flowsched sim``: run a scenario under several policies and loads, compare, write a report.
 
 Policy names are the registry's, plus ``ideal`` (the ideal-network bound, a ceiling) and
-``NAME+late`` (NAME with the one-line late-dropping rule, ``drop_late = true``). Ctrl-C stops
+``NAME+late`` (NAME with the one-line late-dropping rule, ``drop_late = true``; only for the
+policies that take it, :func:`~flowsched.sim.run.late_variants`). Ctrl-C stops
 after the run in progress is abandoned: the finished policy/load pairs are still reported.
 """
 
@@ -17,7 +18,15 @@ from flowsched.cli._common import EXIT_USAGE, UsageError, finite_fractions, prep
 from flowsched.metrics import merge
 from flowsched.policies import hwqueues
 from flowsched.report import Outcome, Progress, table, write_all
-from flowsched.sim.run import IDEAL, LATE_SUFFIX, PolicySpec, ideal_spec, run
+from flowsched.sim.run import (
+    IDEAL,
+    LATE_SUFFIX,
+    PolicySpec,
+    ideal_spec,
+    late_problem,
+    late_variants,
+    run,
+)
 
 DEFAULT_POLICIES = "ideal,rmlq,fair,static,static+late,edf,edf+late,sjf,pias,karuna,llf,llf+late"
 #: ``flowsched sim paper``: the MFS paper's serving setting with the paper's comparison
@@ -51,8 +60,8 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--policies",
         default=None,
-        help=f"comma-separated policy names, 'ideal' (the bound) and NAME+late "
-        f"(default {DEFAULT_POLICIES})",
+        help=f"comma-separated policy names, 'ideal' (the bound) and NAME+late for "
+        f"{', '.join(late_variants())} (default {DEFAULT_POLICIES})",
     )
     parser.add_argument(
         "--loads", default=None, help="comma-separated load values (default 0.3,0.5,0.7,0.9)"
@@ -102,9 +111,12 @@ def specs(names: list[str], policy_file: Path | None, default_levels: int) -> li
     if unknown:
         known = ", ".join([IDEAL, *policies.names()])
         raise BadInput(
-            f"flowsched sim: --policies: unknown policy {unknown[0]!r} (known: {known}, each "
-            "also as NAME+late)"
+            f"flowsched sim: --policies: unknown policy {unknown[0]!r} (known: {known}; "
+            f"NAME+late for {', '.join(late_variants())})"
         )
+    for name in names:
+        if (problem := late_problem(name)) is not None:
+            raise BadInput(f"flowsched sim: --policies: {problem}")
     levels, timer, file_args, file_policy = default_levels, None, {}, None
     queues = hwqueues.table(default_levels, min(default_levels, DEFAULT_HW_QUEUES))
     if policy_file is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from flowsched import policies
@@ -26,6 +26,32 @@ IDEAL_PRIVATE = frozenset(
 IDEAL = "ideal"
 #: suffix of a baseline with late-dropping (``drop_late = true``), as in ``static+late``
 LATE_SUFFIX = "+late"
+#: why a policy that has no ``+late`` variant needs none, where it is not just "it has no rule"
+LATE_BY_ITSELF = {"rmlq": "it prunes late requests by itself"}
+
+
+def late_variants() -> list[str]:
+    """The registered policies that have a ``NAME+late`` variant: those whose arguments
+    include ``drop_late`` (the baselines' late-dropping rule, ``policies.common.LateDrop``)."""
+    return [
+        name
+        for name in policies.names()
+        if "drop_late" in {f.name for f in fields(policies.module(name).Args)}
+    ]
+
+
+def late_problem(name: str) -> str | None:
+    """Why ``name`` (``NAME+late``, ``NAME`` registered) is no policy, or None when it is one
+    (or has no ``+late``)."""
+    base = name.removesuffix(LATE_SUFFIX)
+    variants = late_variants()
+    if base == name or base in variants:
+        return None
+    why = f": {LATE_BY_ITSELF[base]}" if base in LATE_BY_ITSELF else ""
+    return (
+        f"{name!r}: {base} has no late-dropping variant{why} (NAME+late is for the policies "
+        f"that take drop_late: {', '.join(variants)})"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,14 @@ CASES = {
     "sim-loads-inf": (["sim", "pd-serving", "--loads", "inf"], "--loads"),
     "sim-loads-none": (["sim", "pd-serving", "--loads", ","], "--loads"),
     "sim-unknown-policy": (["sim", "pd-serving", "--policies", "nosuch"], "--policies"),
+    "sim-rmlq-late": (["sim", "pd-serving", "--policies", "rmlq+late"],
+        "--policies: 'rmlq+late': rmlq has no late-dropping variant"),
+    "contention-sim-rmlq-late": (
+        ["bench", "contention", "--simulate-only", "--sim-policies", "rmlq+late"],
+        "--sim-policies: 'rmlq+late': rmlq has no late-dropping variant"),
+    "serving-karuna-late": (
+        ["bench", "serving", "--simulate-only", "--policies", "rmlq,karuna+late"],
+        "--policies: 'karuna+late': karuna has no late-dropping variant"),
     "sim-bad-policy-file": (["sim", "pd-serving", "--policy-file", "{bad}"], "--policy-file"),
     "sim-missing-policy-file": (
         ["sim", "pd-serving", "--policy-file", "{dir}/nope.toml"], "--policy-file"),

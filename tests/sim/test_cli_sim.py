@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+import flowsched.cli.sim as sim_cli
 from flowsched.cli import main
+from flowsched.sim.run import late_variants
 
 TINY = """
 [scenario]
@@ -68,6 +70,32 @@ def test_sim_rejects_an_unknown_policy(tmp_path: Path) -> None:
         main(["sim", str(path), "--policies", "fair,nope", "--loads", "0.5"])
 
 
+@pytest.mark.parametrize(
+    ("names", "refusal"),
+    [
+        ("rmlq+late", "'rmlq+late': rmlq has no late-dropping variant: it prunes late requests"),
+        ("fair,karuna+late", "'karuna+late': karuna has no late-dropping variant (NAME+late is"),
+        ("sjf+late", "'sjf+late': sjf has no late-dropping variant (NAME+late is for the "
+         "policies that take drop_late: static, edf, llf)"),
+        ("static+late,edf+late,llf+late,rmlq", None),
+    ],
+)  # fmt: skip
+def test_only_the_policies_that_take_drop_late_have_a_late_variant(
+    names: str, refusal: str | None
+) -> None:
+    """``rmlq+late`` was refused with rmlq's whole argument list (``policy.args.drop_late:
+    unknown key (known: E, U, ...)``), as if a key were misspelt."""
+    if refusal is None:
+        built = sim_cli.specs(names.split(","), None, 8)
+        assert [s.title for s in built] == names.split(",")
+        assert [bool(s.args.get("drop_late")) for s in built] == [True, True, True, False]
+        return
+    with pytest.raises(SystemExit) as refused:
+        sim_cli.specs(names.split(","), None, 8)
+    assert str(refused.value).startswith(f"flowsched sim: --policies: {refusal}")
+    assert late_variants() == ["static", "edf", "llf"]
+
+
 def test_sim_pools_several_seeds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "tiny.toml"
     path.write_text(TINY)
@@ -91,7 +119,6 @@ def test_interrupted_sim_reports_the_finished_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C during the third run: the two finished policy/load pairs are still written."""
-    import flowsched.cli.sim as sim_cli
 
     real_run, calls = sim_cli.run, [0]
 
