@@ -192,6 +192,9 @@ class ClusterState:
         self.last_sweep_cost = 0.0
         self.outbox: dict[str, dict[int, LevelUpdate]] = {}
         self.rates: dict[int, float] = {}
+        #: flows the policy ever gave a rate (pacing policies: karuna): a resync re-sends
+        #: their rate, which the agent's resync does not report (see _refresh)
+        self._rated: set[int] = set()
         self.stats = Stats()
         self._ids = itertools.count(1)
         #: flows the policy raised on: kept at their level until their retry (_retries)
@@ -235,7 +238,7 @@ class ClusterState:
             events[kind] += 1
             known = table.get(op.id)
             if known is not None:
-                self._refresh(known, op)
+                self._refresh(known, op, resync=kind == "resync_flow")
             elif len(table) < cap:
                 self._admit(node, table, op, ctx)
             else:
@@ -282,13 +285,15 @@ class ClusterState:
                 self._due_at.pop(other, None)  # its timer may now come too late
                 self.dirty.add(other)
 
-    def _refresh(self, fid: int, op: FlowOpen) -> None:
+    def _refresh(self, fid: int, op: FlowOpen, *, resync: bool = False) -> None:
         flow = self.flows[fid]
         self._due_at.pop(fid, None)  # re-derive its timer at the next evaluation
         flow.sent = max(flow.sent, op.sent)
-        if op.level != flow.level and flow.level >= 0:
+        if (op.level != flow.level and flow.level >= 0) or (resync and fid in self._rated):
             # the agent applies something else, or no level at all (the update that carried
-            # ours was lost with a previous connection): tell it ours again
+            # ours was lost with a previous connection): tell it ours again. A resync carries
+            # no rate: a flow we ever gave one gets its rate again (the update may have been
+            # lost likewise, or dropped while the agent was away), its level with it
             self._queue(fid, flow)
         self.dirty.add(fid)
 
@@ -370,7 +375,9 @@ class ClusterState:
     ) -> int:
         """Replace ``node``'s flow set by ``opens`` (its complete set after a (re)connect).
 
-        Every flow gets its admission decision at once. With ``defer``, the policy's
+        Known flows keep their state; the agent is sent our level of each where the level it
+        reports differs, and our rate of each flow the policy ever gave one (a resync reports
+        no rates). New flows get their admission decision at once. With ``defer``, the policy's
         re-evaluation of these flows waits for :meth:`settle_resyncs`: a new leader absorbs
         the resyncs of every agent at once, and one re-evaluation of the whole burst costs far
         less than one per event-loop turn (``bench/takeover.py``). Returns how many flows were
@@ -709,6 +716,7 @@ class ClusterState:
                 self.rates.pop(fid, None)
             else:
                 self.rates[fid] = decision.rate
+                self._rated.add(fid)
         self._queue(fid, flow)
 
     def _queue(self, fid: int, flow: Flow) -> None:
@@ -730,6 +738,7 @@ class ClusterState:
         flow = self.flows.pop(fid)
         node, wire_id = self.origin.pop(fid)
         self.rates.pop(fid, None)
+        self._rated.discard(fid)
         self.dirty.discard(fid)
         self.progressed.discard(fid)
         self.timed.discard(fid)

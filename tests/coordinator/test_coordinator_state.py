@@ -133,6 +133,64 @@ def test_resync_rebuilds_the_node_and_sends_only_differences(state: ClusterState
     assert outbox == {"a": {4: LevelUpdate(4, 7)}}  # flow 2 already right: not re-sent
 
 
+class PlannedDecisions:
+    """Decides ``decision`` for every flow (a pacing policy when it has a rate)."""
+
+    name = "planned"
+    num_levels = 8
+    per_flow_decisions = True
+
+    def __init__(self) -> None:
+        self.decision = Decision(3)
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        return self.decision
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        return {flow.flow_id: self.decision for flow in flows}
+
+    def release(self, flow: Flow, ctx: Context) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("decisions", "flushed", "agent_level", "resent"),
+    [
+        pytest.param([Decision(3, 100.0), Decision(3, 200.0)], True, 3, LevelUpdate(1, 3, 200.0),
+                     id="rate-change-while-away"),
+        pytest.param([Decision(3, 100.0), Decision(3)], True, 3, LevelUpdate(1, 3),
+                     id="rate-lifted-while-away"),
+        pytest.param([Decision(3, 100.0)], False, 3, LevelUpdate(1, 3, 100.0),
+                     id="queued-rate-popped-by-the-resync"),
+        pytest.param([Decision(3, 100.0)], True, 3, LevelUpdate(1, 3, 100.0),
+                     id="rate-sent-maybe-lost-with-the-connection"),
+        pytest.param([Decision(3, 100.0), Decision(2, 100.0)], True, 3, LevelUpdate(1, 2, 100.0),
+                     id="level-and-rate-differ"),
+        pytest.param([Decision(3), Decision(3)], True, 3, None, id="never-rated"),
+        pytest.param([Decision(3), Decision(2)], True, 3, LevelUpdate(1, 2), id="level-differs"),
+    ],
+)  # fmt: skip
+def test_a_resync_re_sends_the_rate_of_every_flow_ever_rated(
+    decisions: list[Decision], flushed: bool, agent_level: int, resent: LevelUpdate | None
+) -> None:
+    """The agent's resync reports levels, not rates: a rate update it missed (decided while it
+    was away, queued for it and dropped by the resync, or lost with the old connection) was
+    not sent again while the flow's level matched."""
+    policy = PlannedDecisions()
+    state = ClusterState(policy)
+    policy.decision = decisions[0]
+    state.open_flows("a", [_open(1)], now=1.0)
+    for decision in decisions[1:] if flushed else ():
+        state.flush(1.0)  # sent: whether the agent got it is unknown
+        policy.decision = decision
+        state.progress("a", [1], [10])  # anything that re-evaluates the flow
+    if flushed:
+        state.flush(2.0)  # the last decision: its agent was away
+    state.resync("a", (_open(1, level=agent_level),), now=3.0)
+    assert state.flush(3.0) == ({"a": {1: resent}} if resent is not None else {})
+    assert state.flush(4.0) == {}  # once per resync
+
+
 def test_drop_node_forgets_its_flows_only(state: ClusterState, policy: BytesPolicy) -> None:
     state.open_flows("a", [_open(1)], now=1.0)
     state.open_flows("b", [_open(1)], now=1.0)
