@@ -41,6 +41,7 @@ from typing import TypeVar
 from flowsched.model import Flow, FlowClass
 from flowsched.protocol import (
     MAX_PROGRESS,
+    RESYNC_FRAME_OPENS,
     U64_MAX,
     FlowClose,
     FlowOpen,
@@ -56,8 +57,9 @@ _T = TypeVar("_T")
 
 #: flow opens per ``flows``/``resync`` frame. An agent's open is at most ~3.9 KB on the wire
 #: (job and request of 255 four-byte characters, three links of a 128-character node name), so
-#: 200 of them stay far below the 1 MiB default frame limit.
-MAX_OPENS_PER_FRAME = 200
+#: 200 of them stay far below the 1 MiB default frame limit. A full ``resync`` frame tells the
+#: coordinator that more of it may follow (RESYNC_FRAME_OPENS): never fewer than that.
+MAX_OPENS_PER_FRAME = RESYNC_FRAME_OPENS
 #: progress reports (the most a coordinator accepts in one frame) or closes per ``flows``
 #: frame, each well under 64 bytes
 MAX_ENTRIES_PER_FRAME = MAX_PROGRESS
@@ -507,8 +509,10 @@ def split_batch(batch: Flows) -> list[Flows]:
 
 def resync_frames(opens: tuple[FlowOpen, ...]) -> list[Resync | Flows]:
     """A complete flow set as frames that each fit the frame limit: a ``resync`` with the first
-    opens (the coordinator drops the node's other flows), then ``flows`` opens for the rest
-    (admitted like new flows, keeping the level each carries)."""
+    opens, then ``flows`` frames of opens alone with the rest, before any other frame. The
+    coordinator keeps the node's flows the ``resync`` did not name until the first frame that
+    is not such a continuation (a full ``resync`` may be continued: RESYNC_FRAME_OPENS), so a
+    flow named in a continuation keeps its state there; then it drops the others."""
     parts = list(_chunks(opens, MAX_OPENS_PER_FRAME)) or [()]
     frames: list[Resync | Flows] = [Resync(parts[0])]
     frames += [Flows(opens=part) for part in parts[1:]]

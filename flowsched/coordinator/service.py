@@ -553,6 +553,8 @@ class Coordinator:
         self.live.frames_received += 1
         state = self.state
         kind = type(message)
+        if node in state.split_resyncs and kind is not Resync and not continues_resync(message):
+            state.end_resync(node, time.time())  # (a new resync replaces it instead)
         if kind is Flows:
             assert isinstance(message, Flows)
             if message.opens:
@@ -597,6 +599,13 @@ class Coordinator:
     def _flows(self, node: str, message: Flows) -> None:
         state = self.state
         now = time.time()  # one instant for the frame's opens and closes
+        if node in state.split_resyncs:  # (the rest of its resync: opens alone)
+            refused = state.continue_resync(node, message.opens, now)
+            if refused:
+                self._log_refused(node, refused)
+            if self.config.rebuild_batching:
+                self._settle_resyncs_soon()
+            return
         if message.opens:
             refused = state.open_flows(node, message.opens, now)
             if refused:
@@ -732,6 +741,17 @@ class Coordinator:
                     connection.sent_since_beat = False  # "alive" just as well
                 else:
                     connection.send_frame(Heartbeat.TYPE, beat)
+
+
+def continues_resync(message: Message) -> bool:
+    """Whether ``message`` may be more of a split resync: a ``flows`` frame of opens alone
+    (ClusterState.resync). Any other frame ends the resync before it is applied."""
+    return (
+        type(message) is Flows
+        and bool(message.opens)
+        and not message.progress_ids
+        and not message.closes
+    )
 
 
 def check_nic_load(node: str, entries: tuple[NicLoadEntry, ...]) -> None:

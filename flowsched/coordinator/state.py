@@ -56,6 +56,7 @@ from flowsched.model import Context, Decision, Flow, FlowClass
 from flowsched.policies.base import Policy
 from flowsched.policies.common import MIN_BANDWIDTH
 from flowsched.protocol import (
+    RESYNC_FRAME_OPENS,
     FlowClose,
     FlowOpen,
     JobProgress,
@@ -82,6 +83,17 @@ def node_links(node: str) -> tuple[str, str]:
     """The links ``node``'s agent reports the load of: its egress ``<node>:tx`` and its
     ingress ``<node>:rx`` (flowsched.agent.nic)."""
     return f"{node}:tx", f"{node}:rx"
+
+
+@dataclass(slots=True)
+class SplitResync:
+    """A node's resync that may go on in ``flows`` frames (its ``resync`` frame was full)."""
+
+    #: wire ids of the node's flows no frame of the resync named yet: kept, with their state,
+    #: until the resync ends (:meth:`ClusterState.end_resync`), then dropped
+    unnamed: set[int]
+    #: whether the flows' re-evaluation waits for settle_resyncs() (see ClusterState.resync)
+    defer: bool
 
 
 @dataclass(slots=True)
@@ -181,6 +193,8 @@ class ClusterState:
         self.progressed: set[int] = set()
         #: resynced flows whose re-evaluation waits for settle_resyncs()
         self.resynced: set[int] = set()
+        #: nodes whose resync may go on in further frames (see resync)
+        self.split_resyncs: dict[str, SplitResync] = {}
         #: flows re-evaluated by the last flush
         self.last_batch = 0
         self.timed: set[int] = set()
@@ -382,14 +396,52 @@ class ClusterState:
         the resyncs of every agent at once, and one re-evaluation of the whole burst costs far
         less than one per event-loop turn (``bench/takeover.py``). Returns how many flows were
         refused (see :meth:`open_flows`).
+
+        A resync of :data:`~flowsched.protocol.RESYNC_FRAME_OPENS` opens or more may go on in
+        ``flows`` frames of opens alone (an agent's flow set larger than one frame): then the
+        node's flows it does not name stay until :meth:`end_resync`, and a flow that
+        :meth:`continue_resync` names meanwhile keeps its state (id, strikes, rate, the
+        policy's view) instead of being dropped and admitted anew.
         """
         self.stats.events["resync"] += 1
         current = {op.id for op in opens}
         table = self.by_node.get(node, {})
-        ctx = self.context(now)
-        for wire_id in [w for w in table if w not in current]:
-            self._remove(table.pop(wire_id), ctx)
+        unnamed = [wire_id for wire_id in table if wire_id not in current]
+        self.split_resyncs.pop(node, None)  # a new resync ends one still open (a reconnect)
+        if len(opens) >= RESYNC_FRAME_OPENS:
+            self.split_resyncs[node] = SplitResync(set(unnamed), defer)
+        elif unnamed:
+            ctx = self.context(now)
+            for wire_id in unnamed:
+                self._remove(table.pop(wire_id), ctx)
         self.outbox.pop(node, None)  # updates queued for the old connection are stale
+        return self._resync_opens(node, opens, now, defer)
+
+    def continue_resync(self, node: str, opens: tuple[FlowOpen, ...], now: float) -> int:
+        """More of ``node``'s split resync (a ``flows`` frame of opens alone that follows it,
+        see :meth:`resync`). Returns how many flows were refused.
+
+        Raises:
+            KeyError: ``node`` has no resync going on (:attr:`split_resyncs`).
+        """
+        split = self.split_resyncs[node]
+        split.unnamed.difference_update(op.id for op in opens)
+        return self._resync_opens(node, opens, now, split.defer)
+
+    def end_resync(self, node: str, now: float) -> None:
+        """``node``'s split resync is complete (a frame other than its continuation came):
+        drop the flows none of its frames named. Nothing when none is going on."""
+        split = self.split_resyncs.pop(node, None)
+        if split is None or not split.unnamed:
+            return
+        table = self.by_node.get(node, {})
+        ctx = self.context(now)
+        for wire_id in split.unnamed:
+            fid = table.pop(wire_id, None)
+            if fid is not None:  # (closed meanwhile)
+                self._remove(fid, ctx)
+
+    def _resync_opens(self, node: str, opens: tuple[FlowOpen, ...], now: float, defer: bool) -> int:
         refused = self.open_flows(node, opens, now, kind="resync_flow")
         if defer:
             table = self.by_node[node]  # created by open_flows for a new node
@@ -409,6 +461,7 @@ class ClusterState:
         ctx = self.context(now)
         for fid in self.by_node.pop(node, {}).values():
             self._remove(fid, ctx)
+        self.split_resyncs.pop(node, None)
         self.outbox.pop(node, None)
         for link in node_links(node):
             self.link_bandwidth.pop(link, None)

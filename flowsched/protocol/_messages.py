@@ -216,9 +216,19 @@ class NicLoad:
     entries: tuple[NicLoadEntry, ...] = ()
 
 
+#: Opens in a full ``resync`` frame. A flow set larger than one frame holds goes as a
+#: ``resync`` of the first RESYNC_FRAME_OPENS opens, then ``flows`` frames of opens alone with
+#: the rest (every release's agent splits it so). So a ``resync`` of at least this many opens
+#: may be continued: the coordinator keeps the node's flows it did not name until the first
+#: frame that is not a ``flows`` frame of opens alone, and a flow named in between keeps its
+#: state (see docs/protocol.md, "A resync in several frames").
+RESYNC_FRAME_OPENS = 200
+
+
 @dataclass(frozen=True, slots=True)
 class Resync:
-    """agent -> coordinator: the agent's complete current flow set (after each (re)connect)."""
+    """agent -> coordinator: the agent's complete current flow set (after each (re)connect);
+    with :data:`RESYNC_FRAME_OPENS` opens or more, possibly continued in ``flows`` frames."""
 
     TYPE: ClassVar[str] = "resync"
     opens: tuple[FlowOpen, ...] = ()

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,8 @@ from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.coordinator import Coordinator, CoordinatorConfig
 from flowsched.coordinator.connection import AgentConnection
-from flowsched.protocol import Heartbeat, write_token
+from flowsched.model import FlowClass
+from flowsched.protocol import RESYNC_FRAME_OPENS, Heartbeat, write_token
 
 
 class CoordinatorThread:
@@ -36,6 +37,14 @@ class CoordinatorThread:
         self._thread.start()
         future = asyncio.run_coroutine_threadsafe(self.coordinator.start(), self._loop)
         return future.result(10).port
+
+    def run(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the coordinator's loop (its state changes only there)."""
+
+        async def call() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(10)
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self.coordinator.stop(), self._loop).result(10)
@@ -168,6 +177,37 @@ def test_a_reporting_agent_sends_no_heartbeats_an_idle_one_does(
             handle_flow.close()
         idle_since = time.monotonic() + 0.5  # the close and its last progress go out first
         wait_until(lambda: len([t for t in beats if t >= idle_since]) >= 3, timeout=5.0)
+
+
+def test_an_agent_with_more_flows_than_one_frame_holds_keeps_them_across_a_reconnect(
+    coordinator: tuple[CoordinatorThread, int, Path], tmp_path: Path
+) -> None:
+    """A real agent's resync of more flows than one frame holds (NCCL opens many
+    connections): the coordinator admitted the flows after the first frame as new ones (new
+    ids; strikes, rates and policy state reset). They now keep their place in its table."""
+    running, port, token_file = coordinator
+    node_flows = RESYNC_FRAME_OPENS + 30
+    state = running.coordinator.state
+
+    def table() -> dict[int, int]:
+        return dict(state.by_node.get("n1", {}))
+
+    def opens_taken() -> int:  # the first report's, then the resync's (either kind)
+        return state.stats.events["open"] + state.stats.events["resync_flow"]
+
+    with _agent(tmp_path, port, token_file, "a") as agent:
+        wait_until(lambda: agent.agent.connected)
+        registry = agent.agent.registry
+        assert registry is not None
+        agent.run(
+            lambda: [registry.open_sdk(1, FlowClass.BULK, time.time()) for _ in range(node_flows)]
+        )
+        wait_until(lambda: len(running.run(table)) == node_flows, timeout=5.0)
+        before = running.run(table)
+        running.run(lambda: running.coordinator.sessions["n1"].abort("refused", "test: cut"))
+        wait_until(lambda: agent.agent.stats["resyncs_sent"] >= 2, timeout=5.0)
+        wait_until(lambda: running.run(opens_taken) >= 2 * node_flows, timeout=5.0)
+        assert running.run(table) == before
 
 
 def test_nic_loop_survives_a_failing_sample(tmp_path: Path) -> None:

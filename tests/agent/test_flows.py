@@ -364,14 +364,18 @@ def test_a_resync_larger_than_one_frame_is_split_and_rebuilds_the_coordinator_st
     with pytest.raises(LocalProtocolError):
         frame(encode_body(Resync(reg.resync_opens())), DEFAULT_MAX_FRAME_SIZE)
     state = ClusterState(policies.create("fair", {}, num_levels=8))
-    state.resync(reg.node, (_stale_open(),), 0.5)  # a flow of the previous connection
+    state.open_flows(reg.node, (_stale_open(), *frames[0].opens, *frames[-1].opens), 0.5)
+    known = dict(state.by_node[reg.node])  # flows of the previous connection, one stale
     for message in frames:
         if isinstance(message, Resync):
             state.resync(reg.node, message.opens, 2.0)
         else:
             assert not (message.progress_ids or message.closes)
-            state.open_flows(reg.node, message.opens, 2.0)
+            state.continue_resync(reg.node, message.opens, 2.0)
+    state.end_resync(reg.node, 2.5)  # the agent's next frame came
     assert set(state.by_node[reg.node]) == set(reg.flows)  # the stale flow is gone
+    for wire_id in (op.id for op in (*frames[0].opens, *frames[-1].opens)):
+        assert state.by_node[reg.node][wire_id] == known[wire_id]  # the same flow, kept
 
 
 def _stale_open() -> FlowOpen:

@@ -8,6 +8,7 @@ import logging
 import math
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from flowsched.model import FlowClass
 from flowsched.protocol import (
     FRAME_MAC_VERSION,
     PROTOCOL_VERSION,
+    RESYNC_FRAME_OPENS,
     Challenge,
     Connection,
     FlowClose,
@@ -173,6 +175,36 @@ async def test_a_level_lost_with_the_old_connection_is_sent_again_after_the_resy
             await new.send(Resync((_open(1), _open(2, sent=300, level=4))))
             levels = await next_levels(new, timeout=1.0)
             assert levels.updates == (LevelUpdate(1, 7),)  # not flow 2: the agent has its level
+        finally:
+            await new.close()
+
+
+@pytest.mark.asyncio
+async def test_a_resync_in_several_frames_keeps_the_flows_of_its_later_frames() -> None:
+    """A flow set larger than one frame: a full ``resync``, then ``flows`` frames of opens
+    alone. The flows of the later frames were dropped by the ``resync`` and admitted again
+    with new ids (strikes, rates, policy state lost); a flow no frame names goes once the
+    agent sends anything else (here a heartbeat)."""
+    full = RESYNC_FRAME_OPENS
+    opens = [_open(i) for i in range(full + 50)]
+    async with running_coordinator() as coordinator:
+        state = coordinator.state
+        old = await connect_as(coordinator, "n1")
+        await old.send(Flows(opens=tuple(opens[:full])))
+        await old.send(Flows(opens=(*opens[full:], _open(999))))  # 999: closed while away
+        await wait_until(lambda: len(state.flows) == full + 51, 3.0, "the opens to arrive")
+        before = dict(state.by_node["n1"])
+        await old.close()
+        await wait_until(lambda: coordinator.agent_count() == 0, 3.0, "the old session to end")
+        new = await connect_as(coordinator, "n1")
+        try:
+            again = [replace(op, level=7) for op in opens]
+            await new.send(Resync(tuple(again[:full])))
+            await new.send(Flows(opens=tuple(again[full:])))
+            await new.send(Heartbeat(time.time()))  # the resync is complete
+            await wait_until(lambda: 999 not in state.by_node["n1"], 3.0, "the stale flow to go")
+            assert state.by_node["n1"] == {i: before[i] for i in range(full + 50)}
+            assert state.stats.events["resync_flow"] == full + 50
         finally:
             await new.close()
 

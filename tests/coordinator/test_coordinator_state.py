@@ -21,6 +21,7 @@ from flowsched.coordinator.state import (
 from flowsched.model import Context, Decision, Flow, FlowClass
 from flowsched.policies import create
 from flowsched.protocol import (
+    RESYNC_FRAME_OPENS,
     FlowClose,
     FlowOpen,
     JobProgress,
@@ -189,6 +190,85 @@ def test_a_resync_re_sends_the_rate_of_every_flow_ever_rated(
     state.resync("a", (_open(1, level=agent_level),), now=3.0)
     assert state.flush(3.0) == ({"a": {1: resent}} if resent is not None else {})
     assert state.flush(4.0) == {}  # once per resync
+
+
+class CountingAdmits(BytesPolicy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.admitted: list[int] = []
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        self.admitted.append(flow.flow_id)
+        return super().admit(flow, ctx)
+
+
+FULL = RESYNC_FRAME_OPENS
+
+
+@pytest.mark.parametrize(
+    ("known", "frames", "kept", "new"),
+    [
+        # (wire ids the coordinator knows; the agent's frames: ("resync" | "flows", wire ids);
+        #  the known flows kept with their state; the new flows admitted)
+        pytest.param(range(FULL + 50), [("resync", range(FULL)), ("flows", range(FULL, FULL + 50))],
+                     range(FULL + 50), [], id="the-rest-in-a-flows-frame-keeps-its-state"),
+        pytest.param(range(FULL + 60), [("resync", range(FULL)), ("flows", range(FULL, FULL + 50))],
+                     range(FULL + 50), [], id="flows-no-frame-names-go-at-the-end"),
+        pytest.param(range(FULL + 60), [("resync", range(FULL)), ("flows", range(FULL, FULL + 20)),
+                                        ("flows", range(FULL + 20, FULL + 60))],
+                     range(FULL + 60), [], id="several-flows-frames"),
+        pytest.param(range(FULL + 9), [("resync", range(FULL)),
+                                       ("flows", range(FULL + 10, FULL + 15))],
+                     range(FULL), range(FULL + 10, FULL + 15), id="new-flows-in-a-flows-frame"),
+        pytest.param(range(FULL + 50), [("resync", range(FULL)), ("resync", range(FULL)),
+                                        ("flows", range(FULL, FULL + 50))],
+                     range(FULL + 50), [], id="a-reconnect-starts-the-resync-again"),
+        pytest.param(range(FULL + 50), [("resync", range(FULL)), ("resync", range(5)),
+                                        ("flows", range(FULL, FULL + 50))],
+                     range(5), range(FULL, FULL + 50), id="a-short-resync-is-complete-at-once"),
+        pytest.param(range(10), [("resync", range(5)), ("flows", range(5, 10))],
+                     range(5), range(5, 10), id="a-short-resync-then-opens"),
+    ],
+)  # fmt: skip
+def test_a_resync_larger_than_one_frame_keeps_the_flows_its_later_frames_name(
+    known: range, frames: list[tuple[str, range]], kept: range, new: range
+) -> None:
+    """An agent with more flows than one frame holds sends a full ``resync`` then ``flows``
+    frames of opens alone: the coordinator dropped every flow the first frame did not name
+    and admitted those of the later frames as new ones (new ids, strikes, rates and policy
+    state lost). It now keeps them until the agent's first other frame."""
+    policy = CountingAdmits()
+    state = ClusterState(policy)
+    state.open_flows("a", [_open(i, sent=i) for i in known], now=1.0)
+    before = dict(state.by_node["a"])
+    policy.admitted.clear()
+    for kind, ids in frames:
+        opens = tuple(_open(i, sent=i, level=7) for i in ids)
+        if kind == "resync":
+            state.resync("a", opens, now=2.0)
+        elif "a" in state.split_resyncs:  # what the service does with a flows frame of opens
+            state.continue_resync("a", opens, now=2.0)
+        else:
+            state.open_flows("a", opens, now=2.0)
+    state.end_resync("a", now=3.0)  # the agent's next frame (progress, a heartbeat)
+    table = state.by_node["a"]
+    assert sorted(table) == sorted([*kept, *new])
+    assert {wire_id: table[wire_id] for wire_id in kept} == {i: before[i] for i in kept}
+    assert sorted(policy.admitted) == sorted(table[i] for i in new)  # the others kept theirs
+    gone = [before[i] for i in known if i not in kept]
+    assert sorted(policy.released) == sorted(gone)  # each released once
+    assert "a" not in state.split_resyncs
+
+
+def test_a_split_resync_keeps_the_unnamed_flows_until_it_ends(state: ClusterState) -> None:
+    state.open_flows("a", [_open(i) for i in range(FULL + 2)], now=1.0)
+    state.resync("a", tuple(_open(i, level=7) for i in range(FULL)), now=2.0)
+    assert len(state.by_node["a"]) == FULL + 2  # more of the resync may come
+    state.continue_resync("a", (_open(FULL, level=7),), now=2.0)
+    state.drop_node("a", now=3.0)  # the agent went away for good mid-resync
+    assert "a" not in state.split_resyncs
+    state.end_resync("a", now=3.0)  # nothing left to end
+    assert not state.flows
 
 
 def test_drop_node_forgets_its_flows_only(state: ClusterState, policy: BytesPolicy) -> None:
