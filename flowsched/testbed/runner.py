@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -42,6 +43,11 @@ START_MARGIN = 3.0
 NIC_INTERVAL = 0.1
 #: seconds the run's processes get to exit on SIGTERM before they are killed
 STOP_GRACE = 2.0
+#: seconds a daemon (coordinator, agent, minimal controller) gets to print its ready line before
+#: it is killed and the run fails. Measured: 0.4 s for the coordinator and for an agent with the
+#: load average at 2 on the 2-core machine; this is the ready-line wait of the end-to-end tests'
+#: daemons (:func:`flowsched.testbed.daemons.spawn`), so only a hung daemon reaches it
+READY_TIMEOUT = 30.0
 
 
 @dataclass(slots=True)
@@ -183,18 +189,30 @@ def _start_control(
 
 
 def _expect_line(
-    proc: subprocess.Popen[bytes], marker: bytes, what: str, log: Path | None = None
+    proc: subprocess.Popen[bytes],
+    marker: bytes,
+    what: str,
+    log: Path | None = None,
+    *,
+    timeout: float = READY_TIMEOUT,
 ) -> bytes:
-    """The first stdout line of ``proc``; RuntimeError when it lacks ``marker``, with the exit
-    status and the end of ``log`` (where the daemon's stderr, and so its reason, went)."""
-    line = proc.stdout.readline() if proc.stdout else b""
-    if marker in line:
+    """The first stdout line of ``proc``; RuntimeError when it lacks ``marker``, or when no
+    whole line comes within ``timeout`` s (``proc`` is then killed), with the exit status and
+    the end of ``log`` (where the daemon's stderr, and so its reason, went)."""
+    line = _first_line(proc, timeout)
+    if line is not None and marker in line:
         return line
-    detail = repr(line)
-    if not line:  # end of output: it exited
+    if line is None:  # hung: it must not outlive the failed start
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=STOP_GRACE)
+        detail = f"no line with {marker.decode()!r} within {timeout:g} s; killed"
+    elif not line:  # end of output: it exited
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=STOP_GRACE)
         detail = f"exited with status {proc.returncode} before its ready line"
+    else:
+        detail = repr(line)
     if log is not None:
         try:
             tail = log.read_text(encoding="utf-8", errors="replace")[-2000:].strip()
@@ -202,6 +220,25 @@ def _expect_line(
             tail = f"(unreadable: {exc})"
         detail += f"; its log {log} ends:\n{tail or '(empty)'}"
     raise RuntimeError(f"{what} did not start: {detail}")
+
+
+def _first_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes | None:
+    """``proc``'s first stdout line (b"" at end of output), or None when no whole line comes
+    within ``timeout`` s. Reads the pipe itself, not through ``proc.stdout``'s buffer: a
+    partial line must not block past the deadline."""
+    if proc.stdout is None:
+        return b""
+    fd, line = proc.stdout.fileno(), b""
+    deadline = time.monotonic() + timeout
+    while not line.endswith(b"\n"):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            return line
+        line += chunk
+    return line.split(b"\n", 1)[0] + b"\n"
 
 
 def table_path(topo: Topology, host: str) -> Path:

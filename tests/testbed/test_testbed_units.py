@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import signal
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,7 @@ import pytest
 from flowsched import policies
 from flowsched.metrics import summarize
 from flowsched.testbed import bench, netns, replay, runner, sniff
+from flowsched.testbed.daemons import wait_for
 from flowsched.testbed.trace import ScenarioParams, Trace, generate, params_from_mapping
 
 TC_OUTPUT = """class htb 1:11 parent 1:1 leaf 800a: prio 1 rate 10Mbit ceil 200Mbit burst 32Kb
@@ -440,3 +444,51 @@ def test_a_coordinator_that_fails_to_start_says_why(
             proc.kill()
             proc.wait(timeout=10)
             proc.stdout.close()
+
+
+#: fake daemons that hang without a whole ready line: one says nothing, one prints part of it
+_HUNG_DAEMONS = {
+    "silent": "import sys, time; print('loading the policy', file=sys.stderr, flush=True); "
+    "time.sleep(60)",
+    "partial-line": "import sys, time; print('loading the policy', file=sys.stderr, flush=True); "
+    "sys.stdout.write('listening'); sys.stdout.flush(); time.sleep(60)",
+}
+
+
+@pytest.mark.parametrize("code", list(_HUNG_DAEMONS.values()), ids=list(_HUNG_DAEMONS))
+def test_a_daemon_that_hangs_before_its_ready_line_is_killed_and_named(
+    code: str, tmp_path: Path
+) -> None:
+    """A daemon that hangs without printing its ready line must not block the run: after the
+    timeout it is killed, and the error names it, the line it waited for, the timeout and its
+    log."""
+    log = tmp_path / "coordinator.log"
+    with log.open("ab") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=sink)
+    try:
+        wait_for(lambda: log.read_bytes(), 30, "the fake daemon's log line")
+        with pytest.raises(RuntimeError) as raised:
+            runner._expect_line(proc, b"listening on", "the coordinator", log, timeout=0.3)
+        message = str(raised.value)
+        assert "the coordinator did not start" in message
+        assert "'listening on' within 0.3 s" in message
+        assert f"its log {log} ends:\nloading the policy" in message
+        assert proc.returncode == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+def test_the_ready_line_is_the_first_line_only() -> None:
+    code = "import time; print('listening on 10.78.0.254:7 metrics x\\nmore'); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        line = runner._expect_line(proc, b"listening on", "the coordinator", timeout=30)
+        assert line == b"listening on 10.78.0.254:7 metrics x\n"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
