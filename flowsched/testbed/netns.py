@@ -20,10 +20,11 @@ starved by its own high-priority sends. Classification is by u32 on the IP TOS b
 Everything is created inside the namespaces, so deleting the namespaces removes every link.
 :func:`testbed` tears everything down also on exceptions, Ctrl-C and SIGTERM; :func:`cleanup`
 removes the leftovers of a run that was killed (it is called before every build). A run holds
-an exclusive ``flock`` on a per-prefix lock file (:func:`prefix_lock`) while its testbed is up,
-so a second run with the same prefix is refused (:class:`TestbedBusy`) instead of taking the
-first run's live testbed for leftovers; the kernel releases the lock when its holder dies, so a
-killed run's leftovers never block the next run.
+an exclusive ``flock`` on a per-prefix lock file (:func:`prefix_lock`) while it probes the
+machine (:func:`probe`) and while its testbed is up, so a second run with the same prefix is
+refused (:class:`TestbedBusy`) instead of taking the first run's live testbed for leftovers; the
+kernel releases the lock when its holder dies, so a killed run's leftovers never block the next
+run.
 """
 
 from __future__ import annotations
@@ -446,13 +447,25 @@ def missing_programs() -> list[str]:
 
 
 def probe(prefix: str = "fsE-") -> str | None:
-    """None when this machine can build the testbed, else the reason it cannot."""
+    """None when this machine can build the testbed, else the reason it cannot.
+
+    The trial namespace ``P probe`` exists only while this holds the prefix's lock
+    (:func:`prefix_lock`; :class:`TestbedBusy` when another run holds it): a second run with the
+    same prefix probing at the same moment, or a live run's :func:`cleanup`, would delete it
+    half-way and the probe would report a missing kernel feature.
+    """
     if os.geteuid() != 0:
         return "not running as root (network namespaces and tc need CAP_NET_ADMIN)"
     missing = missing_programs()
     if missing:
         return f"missing {', '.join(missing)}: the testbed's build runs them"
-    netns = f"{prefix}probe"
+    with prefix_lock(prefix):
+        return _probe_namespace(f"{prefix}probe")
+
+
+def _probe_namespace(netns: str) -> str | None:
+    """Build ``netns`` with a veth and an htb qdisc with a u32 filter, and remove it; None when
+    that worked, else why not."""
     # a probe killed half-way leaves its namespace behind, and `ip netns add` would then fail
     _run(["ip", "netns", "del", netns], check=False)
     try:

@@ -1,6 +1,9 @@
-"""Fixtures of the testbed tests: skip the netns tests with a reason without root/netns/htb."""
+"""Fixtures of the testbed tests: skip the netns tests with a reason without root/netns/htb;
+the prefix locks in a test's own folder."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -13,3 +16,11 @@ def netns_ok() -> None:
     reason = netns.probe("fsE-t0-")
     if reason is not None:
         pytest.skip(f"testbed unavailable: {reason}")
+
+
+@pytest.fixture
+def lock_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """The folder of the prefix locks (:data:`netns.LOCK_DIR`), private to the test."""
+    folder = tmp_path / "locks"
+    monkeypatch.setattr(netns, "LOCK_DIR", folder)
+    return folder

@@ -105,6 +105,23 @@ def test_a_second_run_leaves_the_first_runs_testbed_alone() -> None:
         netns.cleanup(prefix)
 
 
+def test_a_probe_leaves_a_live_run_alone() -> None:
+    """The probe makes its namespace under the prefix's lock: while another run holds the
+    testbed it is refused, and neither makes nor deletes anything of that prefix."""
+    prefix = "fsE-t7-"
+    child = _start_child(prefix)
+    try:
+        before = sorted(netns.namespaces(prefix))
+        with pytest.raises(netns.TestbedBusy, match=f"pid {child.pid}"):
+            netns.probe(prefix)
+        assert sorted(netns.namespaces(prefix)) == before
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        netns.cleanup(prefix)
+
+
 _SEND = textwrap.dedent(
     """
     import socket, sys

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import signal
@@ -89,6 +90,7 @@ class FakeIp:
 
 
 @pytest.mark.parametrize("leftover", [[], ["fsU-probe"]], ids=["clean", "killed-probe-left"])
+@pytest.mark.usefixtures("lock_dir")
 def test_probe_survives_a_killed_probes_namespace(
     monkeypatch: pytest.MonkeyPatch, leftover: list[str]
 ) -> None:
@@ -97,6 +99,61 @@ def test_probe_survives_a_killed_probes_namespace(
     monkeypatch.setattr(netns, "_run", ip.run)
     assert netns.probe("fsU-") is None
     assert ip.namespaces == set()
+
+
+class LockWatchingIp(FakeIp):
+    """:class:`FakeIp` that records, at each command, whether the prefix's lock is held."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__([])
+        self.prefix = prefix
+        self.locked_at_each_command: list[bool] = []
+
+    def run(self, argv: Sequence[str], *, stdin: str | None = None, check: bool = True) -> str:
+        fd = os.open(netns.lock_path(self.prefix), os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.locked_at_each_command.append(False)
+        except BlockingIOError:
+            self.locked_at_each_command.append(True)
+        finally:
+            os.close(fd)  # (and with it a lock this took)
+        return super().run(argv, stdin=stdin, check=check)
+
+
+@pytest.mark.usefixtures("lock_dir")
+def test_the_probe_holds_the_prefix_lock_while_its_namespace_exists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two runs with the same prefix probing at once, or a live run's cleanup, must not delete
+    each other's probe namespace: the probe makes and removes it under the prefix's lock."""
+    netns.lock_path("fsU-").parent.mkdir(parents=True)
+    netns.lock_path("fsU-").touch()
+    ip = LockWatchingIp("fsU-")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns, "_run", ip.run)
+    assert netns.probe("fsU-") is None
+    assert ip.locked_at_each_command and all(ip.locked_at_each_command)
+    with netns.prefix_lock("fsU-"):  # released afterwards
+        pass
+
+
+@pytest.mark.usefixtures("lock_dir")
+def test_a_probe_while_another_run_holds_the_prefix_is_busy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ip = FakeIp([])
+    commands: list[Sequence[str]] = []
+
+    def run(argv: Sequence[str], *, stdin: str | None = None, check: bool = True) -> str:
+        commands.append(argv)
+        return ip.run(argv, stdin=stdin, check=check)
+
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(netns, "_run", run)
+    with netns.prefix_lock("fsU-"), pytest.raises(netns.TestbedBusy, match=f"pid {os.getpid()}"):
+        netns.probe("fsU-")
+    assert commands == []  # the holder's namespaces were not touched
 
 
 def test_a_testbed_run_probes_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

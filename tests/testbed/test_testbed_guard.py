@@ -38,13 +38,6 @@ _HOLDER = textwrap.dedent(
 
 
 @pytest.fixture
-def lock_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    folder = tmp_path / "locks"
-    monkeypatch.setattr(netns, "LOCK_DIR", folder)
-    return folder
-
-
-@pytest.fixture
 def fake_testbed(monkeypatch: pytest.MonkeyPatch, lock_dir: Path) -> list[str]:
     """Probe and build succeed without building anything; the cleanups are recorded."""
     cleanups: list[str] = []
