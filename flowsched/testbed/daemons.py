@@ -1,8 +1,8 @@
 """Started ``python -m flowsched`` processes for the end-to-end and HA tests: spawn one, wait
 for its ready line, scrape its metrics, stop it (SIGTERM, then SIGKILL) or kill -9 it;
-:func:`wait_for`, polling a condition with a deadline; :func:`free_ports` for servers
-that cannot listen on port 0 (etcd's peer URLs, Prometheus); :func:`closed_port` for a port
-that refuses connections."""
+:func:`agent_in_session`, whether an agent holds a coordinator session; :func:`wait_for`,
+polling a condition with a deadline; :func:`free_ports` for servers that cannot listen on port
+0 (etcd's peer URLs, Prometheus); :func:`closed_port` for a port that refuses connections."""
 
 from __future__ import annotations
 
@@ -49,6 +49,23 @@ class Daemon:
     def metrics(self) -> dict[str, float]:
         """``{'name{labels}': value}`` of its metrics endpoint (ready-line field ``mport``)."""
         return scrape(self.fields["mport"], timeout=2)
+
+
+#: the agent's gauge that is 1 while it holds a coordinator session
+AGENT_SESSION = "flowsched_agent_coordinator_connected"
+
+
+def agent_in_session(agent: Daemon) -> bool:
+    """Whether the agent ``agent`` holds a coordinator session: it took the welcome and sent
+    its resync (its metrics' :data:`AGENT_SESSION`).
+
+    Wait on this, not on the coordinator's ``flowsched_coordinator_agents_connected``, before
+    anything that needs the session: the coordinator counts the agent from its handshake, before
+    the agent has read the welcome. Until the resync, a flow the agent opens and closes is never
+    reported, an older agent answers an open with its class default, and the agent's log has no
+    ``connected to the coordinator`` line yet.
+    """
+    return agent.metrics().get(AGENT_SESSION) == 1.0
 
 
 def spawn(

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from flowsched.testbed.daemons import Daemon as Service
+from flowsched.testbed.daemons import agent_in_session as agent_in_session  # re-exported
 from flowsched.testbed.daemons import scrape as scrape  # re-exported for the e2e tests
 from flowsched.testbed.daemons import spawn
 from flowsched.testbed.daemons import wait_for as wait_for  # re-exported for the e2e tests

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from e2e_helpers import (
+    agent_in_session,
     cleanup,
     emulated_plugin,
     scrape,
@@ -53,13 +54,7 @@ def test_sdk_and_table_flows_are_ranked_promoted_and_closed(tmp_path: Path, toke
         )
         # and the agent took the welcome (the coordinator counts it from its handshake): what
         # opens and closes before the agent's resync is never reported to the coordinator
-        wait_for(
-            lambda: (
-                total(scrape(agent.fields["mport"]), "flowsched_agent_coordinator_connected") == 1
-            ),
-            5,
-            "the agent's session",
-        )
+        wait_for(lambda: agent_in_session(agent), 5, "the agent's session")
         table = FlowTable.open(agent.fields["table"], writable=True)
         tp = EmulatedPluginSlot(table, class_id=int(FlowClass.TP))
         exp = EmulatedPluginSlot(table, class_id=int(FlowClass.EXPERIENCE), peer_rank=1)
