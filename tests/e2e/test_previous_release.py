@@ -21,7 +21,15 @@ import time
 from pathlib import Path
 
 import pytest
-from e2e_helpers import cleanup, scrape, start_agent, start_coordinator, total, wait_for
+from e2e_helpers import (
+    agent_in_session,
+    cleanup,
+    scrape,
+    start_agent,
+    start_coordinator,
+    total,
+    wait_for,
+)
 
 from flowsched import client
 from flowsched.model import FlowClass
@@ -53,9 +61,9 @@ def previous(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _ranks_a_kv_flow(coordinator_metrics: str, sock: str) -> None:
-    """An SDK ``kv`` flow with a far deadline, opened through the agent at ``sock``, gets the
-    coordinator's deferred level (not its class default), is counted by the coordinator, its
-    progress decoded, and goes when closed."""
+    """An SDK ``kv`` flow with a far deadline, opened through the agent at ``sock`` (in session:
+    :func:`agent_in_session`), gets the coordinator's deferred level (not its class default), is
+    counted by the coordinator, its progress decoded, and goes when closed."""
     deadline = time.time() + 60
     with client.flow("kv", bytes=1 << 30, deadline=deadline, socket_path=sock) as kv:
         assert kv.connected
@@ -105,6 +113,7 @@ def test_a_new_agent_allowed_to_follow_a_previous_coordinator(
         cm = coord.fields["mport"]
         wait_for(lambda: total(scrape(cm), "flowsched_coordinator_agents_connected") == 1, 10,
                  "the agent to connect")  # fmt: skip
+        wait_for(lambda: agent_in_session(agent), 10, "the agent's session")
         _ranks_a_kv_flow(cm, agent.fields["socket"])
     agent_log = (tmp_path / "agent-n1.log").read_text()
     assert f"refused protocol version {PROTOCOL_VERSION}" in agent_log, agent_log[-2000:]
@@ -124,5 +133,6 @@ def test_a_previous_agent_follows_a_new_coordinator(
         cm = coord.fields["mport"]
         wait_for(lambda: total(scrape(cm), "flowsched_coordinator_agents_connected") == 1, 10,
                  "the agent to connect")  # fmt: skip
+        wait_for(lambda: agent_in_session(agent), 10, "the agent's session")
         _ranks_a_kv_flow(cm, agent.fields["socket"])
     assert "protocol version" not in (tmp_path / "agent-n1.log").read_text()  # (it predates it)
