@@ -8,7 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_helpers import cleanup, start_agent, start_coordinator, total, wait_for
+from e2e_helpers import (
+    agent_in_session,
+    cleanup,
+    start_agent,
+    start_coordinator,
+    total,
+    wait_for,
+)
 
 from flowsched.cli import main
 from flowsched.protocol import write_token
@@ -30,7 +37,8 @@ def test_mutual_tls_admits_the_agent_its_certificate_names_and_names_the_others(
         trusted = ("--tls-ca", str(tls_files.ca), "--tls-cert", str(tls_files.client_cert),
                    "--tls-key", str(tls_files.client_key))  # fmt: skip
         # the certificate's CN is "client": the node it may log in as (--tls-client-names node)
-        started.append(start_agent(tmp_path, token, port, node="client", extra=trusted))
+        admitted = start_agent(tmp_path, token, port, node="client", extra=trusted)
+        started.append(admitted)
         # no client certificate: TLS (it verifies the coordinator) but refused by it
         refused = start_agent(
             tmp_path, token, port, node="refused", extra=("--tls-ca", str(tls_files.ca))
@@ -44,6 +52,8 @@ def test_mutual_tls_admits_the_agent_its_certificate_names_and_names_the_others(
             return total(coordinator.metrics(), f"{COORDINATOR}_{name}", **labels)
 
         wait_for(lambda: coordinator_metric("agents_connected") == 1, 20, "the trusted agent")
+        # its log says "over TLSv1.3" once it took the welcome, after the coordinator counts it
+        wait_for(lambda: agent_in_session(admitted), 20, "the trusted agent's session")
         assert "over TLSv1.3" in (tmp_path / "agent-client.log").read_text()
         wait_for(
             lambda: coordinator_metric("closed_connections_total", reason="tls") >= 1, 20,
