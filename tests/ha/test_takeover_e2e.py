@@ -40,7 +40,7 @@ from flowsched.coordinator.election import _b64
 from flowsched.protocol import write_token
 from flowsched.shm import layout
 from flowsched.shm.table import FlowTable
-from flowsched.testbed.daemons import free_ports
+from flowsched.testbed.daemons import agent_in_session, free_ports
 from flowsched.testbed.etcd import local_etcd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -189,6 +189,8 @@ def test_a_paused_leader_is_replaced_and_exits_when_it_resumes(
             lambda: total(standby.metrics(), "flowsched_coordinator_agents_connected") == 1,
             DEADLINE, "the agent on the new leader",
         )  # fmt: skip
+        # the agent logs its session (read below) once it took the welcome, after that count
+        wait_for(lambda: _follows(agent, standby), DEADLINE, "the agent's session on it")
         assert epochs[-1] > first_epoch
 
         leader.proc.send_signal(signal.SIGCONT)
@@ -346,5 +348,5 @@ def _follows(agent: Daemon, coordinator: Daemon) -> bool:
     return (
         total(metrics, "flowsched_coordinator_leader") == 1
         and total(metrics, "flowsched_coordinator_agents_connected") == 1
-        and total(agent.metrics(), "flowsched_agent_coordinator_connected") == 1
+        and agent_in_session(agent)
     )
