@@ -159,6 +159,7 @@ def test_a_standby_redirects_the_agent_to_the_leader(
     started.append(agent)
     agent.start()
     wait_until(lambda: leader.agents() == 1)
+    wait_until(lambda: agent.agent.connected)  # it took the welcome (counted before that)
     assert standby.agents() == 0
     assert agent.agent.leader_epoch == (CLUSTER, 7)
     assert standby.call(lambda: dict(standby.coordinator.live.rejected or {})).get("not_leader")
@@ -179,6 +180,7 @@ def test_a_deposed_leader_is_refused_and_its_stale_levels_dropped(
     started.append(agent)
     agent.start()
     wait_until(lambda: new.agents() == 1)
+    wait_until(lambda: agent.agent.connected)  # it took the welcome (counted before that)
     assert agent.agent.leader_epoch == (CLUSTER, 7)
 
     # the epoch-7 leader goes away: the only coordinator left leads with epoch 5
@@ -194,6 +196,8 @@ def test_a_deposed_leader_is_refused_and_its_stale_levels_dropped(
     # re-elected with a newer epoch, the same coordinator is followed again
     deposed_leadership.leadership = Leadership(9, CLUSTER, 2)
     wait_until(lambda: deposed.agents() == 1)
+    # followed: a try still refused (its welcome said epoch 5) is counted until it closes
+    wait_until(lambda: agent.agent.connected)
     assert agent.agent.leader_epoch == (CLUSTER, 9)
 
     # a flow makes it send levels; stamped below what the agent followed, they are dropped
@@ -222,4 +226,5 @@ def test_epochs_of_another_etcd_cluster_are_not_compared(
     started.append(agent)
     agent.start()
     wait_until(lambda: plain.agents() == 1)
+    wait_until(lambda: agent.agent.connected)  # it took the welcome (counted before that)
     assert agent.agent.leader_epoch == (0, 0)
