@@ -44,6 +44,10 @@ def topo(tmp_path: Path) -> Iterator[netns.Topology]:
             procs: list[subprocess.Popen[bytes]] = []
             try:
                 start_agents(built, procs, POLICY, spec.rate_bytes, tmp_path)
+                # an agent is ready before its first session: the test counts on that session
+                # (its resync of no flows) before it opens one and cuts the link
+                for host in built.hosts:
+                    _wait_for_session(tmp_path / f"agent-{host.name}.log")
                 yield built
             finally:
                 for proc in procs:
@@ -52,6 +56,11 @@ def topo(tmp_path: Path) -> Iterator[netns.Topology]:
                     proc.wait(timeout=10)
     except netns.TestbedUnavailable as unavailable:
         pytest.skip(f"testbed unavailable: {unavailable}")
+
+
+def _wait_for_session(agent_log: Path) -> None:
+    """Until the agent's log says it took a coordinator's welcome and sent its resync."""
+    wait_for(lambda: RESYNC.search(agent_log.read_text()), 15, f"a session in {agent_log.name}")
 
 
 def test_an_agent_cut_off_from_its_coordinator_falls_back_and_rejoins(
