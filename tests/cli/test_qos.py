@@ -686,16 +686,18 @@ def test_the_agent_applies_the_classes_and_restores_them(
     veth_pair: tuple[str, str], tmp_path: Path
 ) -> None:
     ns_a, _ = veth_pair
-    agent = subprocess.Popen(
-        ["ip", "netns", "exec", ns_a, sys.executable, "-m", "flowsched", "agent",
-         "--qos-dev", "a0", "--qos-rate", "200mbit", "--qos-check-interval", "0.2",
-         "--table", str(tmp_path / "table"), "--socket", str(tmp_path / "agent.sock"),
-         "--metrics-port", "-1", "--no-uvloop"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-    )  # fmt: skip
+    log = tmp_path / "agent.log"
+    with log.open("w") as sink:
+        agent = subprocess.Popen(
+            ["ip", "netns", "exec", ns_a, sys.executable, "-m", "flowsched", "agent",
+             "--qos-dev", "a0", "--qos-rate", "200mbit", "--qos-check-interval", "0.2",
+             "--table", str(tmp_path / "table"), "--socket", str(tmp_path / "agent.sock"),
+             "--metrics-port", "-1", "--no-uvloop"],
+            stdout=subprocess.PIPE, stderr=sink, text=True, cwd=ROOT,
+        )  # fmt: skip
     try:
         assert agent.stdout is not None
-        assert agent.stdout.readline().startswith("flowsched-agent ready"), agent.stderr
+        assert agent.stdout.readline().startswith("flowsched-agent ready"), log.read_text()
         classes = _packets_by_class(ns_a, "a0")
         queues = policyfile.embedded_default().queues
         assert {qos.QUEUE_CLASS_BASE + q for q in range(len(queues))} <= set(classes)
@@ -703,7 +705,11 @@ def test_the_agent_applies_the_classes_and_restores_them(
         assert "cleared" in _flowsched(ns_a, "qos", "clear", "--dev", "a0").stdout
         _wait_for(lambda: qos.QUEUE_CLASS_BASE in _packets_by_class(ns_a, "a0"))
         assert _root(ns_a, "a0") == "htb f5:"
+        # the repair runs in a worker thread: its classes show before the agent logs it, and
+        # a SIGTERM in between would cancel the log line
+        _wait_for(lambda: "had been changed" in log.read_text())
     finally:
         agent.terminate()
-        _, err = agent.communicate(timeout=30)
+        agent.communicate(timeout=30)
+    err = log.read_text()
     assert "had been changed" in err
