@@ -48,6 +48,10 @@ STOP_GRACE = 2.0
 #: load average at 2 on the 2-core machine; this is the ready-line wait of the end-to-end tests'
 #: daemons (:func:`flowsched.testbed.daemons.spawn`), so only a hung daemon reaches it
 READY_TIMEOUT = 30.0
+#: what an agent logs once it holds a coordinator session (flowsched.agent.service)
+SESSION_LINE = b"connected to the coordinator"
+#: seconds between looks at an agent's log while waiting for its session
+SESSION_POLL = 0.02
 
 
 @dataclass(slots=True)
@@ -214,12 +218,41 @@ def _expect_line(
     else:
         detail = repr(line)
     if log is not None:
-        try:
-            tail = log.read_text(encoding="utf-8", errors="replace")[-2000:].strip()
-        except OSError as exc:
-            tail = f"(unreadable: {exc})"
-        detail += f"; its log {log} ends:\n{tail or '(empty)'}"
+        detail += _log_tail(log)
     raise RuntimeError(f"{what} did not start: {detail}")
+
+
+def _log_tail(log: Path) -> str:
+    try:
+        tail = log.read_text(encoding="utf-8", errors="replace")[-2000:].strip()
+    except OSError as exc:
+        tail = f"(unreadable: {exc})"
+    return f"; its log {log} ends:\n{tail or '(empty)'}"
+
+
+def _expect_session(
+    proc: subprocess.Popen[bytes], log: Path, what: str, *, timeout: float = READY_TIMEOUT
+) -> None:
+    """Wait until the agent ``proc`` logs its first coordinator session (:data:`SESSION_LINE`:
+    it took the welcome and sent its resync); RuntimeError naming it, with its log's tail, when
+    it exits first or ``timeout`` s pass (it is then killed). An agent prints its ready line
+    before it connects, and until its resync the flows it opens and closes are never reported
+    and the trace's first transfers would run at their class defaults."""
+    deadline = time.monotonic() + timeout
+    while SESSION_LINE not in log.read_bytes():
+        if proc.poll() is not None:
+            detail = f"exited with status {proc.returncode} before its coordinator session"
+            break
+        if time.monotonic() >= deadline:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=STOP_GRACE)
+            detail = f"no coordinator session within {timeout:g} s; killed"
+            break
+        time.sleep(SESSION_POLL)
+    else:
+        return
+    raise RuntimeError(f"{what} did not connect: {detail}{_log_tail(log)}")
 
 
 def _first_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes | None:
@@ -284,6 +317,7 @@ def start_agents(
     procs.append(coord)
     ready = _expect_line(coord, b"listening on", "the coordinator", coord_log)
     address = ready.split()[3].decode()
+    agents: list[tuple[subprocess.Popen[bytes], Path, str]] = []
     for host in topo.hosts:
         argv = [
             sys.executable,
@@ -318,6 +352,9 @@ def start_agents(
         agent = _spawn_daemon(topo.ns_command(host.netns, argv), agent_log)
         procs.append(agent)
         _expect_line(agent, b"ready", f"the agent of {host.name}", agent_log)
+        agents.append((agent, agent_log, f"the agent of {host.name}"))
+    for agent, agent_log, what in agents:
+        _expect_session(agent, agent_log, what)
 
 
 def _start_sniffer(

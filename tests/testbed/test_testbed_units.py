@@ -492,3 +492,44 @@ def test_the_ready_line_is_the_first_line_only() -> None:
         proc.wait(timeout=10)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+#: fake agents after their ready line: one logs its session, one never does, one exits
+_SESSION_AGENTS = {
+    "session": ("import sys, time; print('INFO connected to the coordinator (epoch 1)', "
+                "file=sys.stderr, flush=True); time.sleep(60)", None),
+    "no-session": ("import sys, time; print('WARNING cannot reach the coordinator', "
+                   "file=sys.stderr, flush=True); time.sleep(60)",
+                   "no coordinator session within 0.3 s; killed"),
+    "exits": ("import sys; print('ERROR token refused', file=sys.stderr, flush=True); "
+              "sys.exit(3)", "exited with status 3 before its coordinator session"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("code", "problem"), list(_SESSION_AGENTS.values()), ids=list(_SESSION_AGENTS)
+)
+def test_the_benchmark_waits_for_each_agents_coordinator_session(
+    code: str, problem: str | None, tmp_path: Path
+) -> None:
+    """An agent prints its ready line before it connects: the run goes on only once the agent
+    logged its session, and an agent that never gets one fails the run, named, with its log."""
+    log = tmp_path / "agent-h0.log"
+    with log.open("ab") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=sink)
+    try:
+        wait_for(lambda: log.read_bytes(), 30, "the fake agent's log line")
+        if problem is None:
+            runner._expect_session(proc, log, "the agent of h0", timeout=30)
+            assert proc.poll() is None
+            return
+        with pytest.raises(RuntimeError) as raised:
+            runner._expect_session(proc, log, "the agent of h0", timeout=0.3)
+        message = str(raised.value)
+        assert message.startswith(f"the agent of h0 did not connect: {problem}"), message
+        assert f"its log {log} ends:\n" in message
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
