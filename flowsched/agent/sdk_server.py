@@ -12,7 +12,10 @@ Limits (docs/security.md): open flows per uid (all of its connections together) 
 connections per uid and in total (the total below the open-file limit, so that accepts do not
 fail); a connection with no open flow that sends nothing for :data:`IDLE_TIMEOUT` is closed
 (one holding flows never is: applications keep a flow open for minutes). A refused connection
-or flow gets an ``error`` frame that the client logs.
+or flow gets an ``error`` frame that the client logs. A client that does not read what it
+asked for is dropped once :data:`MAX_CLIENT_BACKLOG` bytes wait for it: its connection is
+aborted, queue and all; any other close gives the client :data:`LINGER_TIMEOUT` to take what
+is queued (a closed connection counts toward no cap, so it must not outlive that).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ FD_RESERVE = 128
 IDLE_TIMEOUT = 300.0
 #: seconds :meth:`SdkServer.close` waits for the aborted connections' handlers to end
 CLOSE_TIMEOUT = 1.0
+#: seconds a closed connection may take to hand the client what is queued for it (the
+#: ``error`` frame saying why) before it is aborted
+LINGER_TIMEOUT = 1.0
 #: ``list`` pages per second a user who sees only its own flows may ask for, all of its
 #: connections together, and the burst it may spend at once (a page of 4,096 flows, the most
 #: a user may hold, takes about 60): each page costs the agent's loop up to ~3 ms
@@ -194,9 +200,17 @@ class SdkServer:
         self._write(writer, message)
 
     def _write(self, writer: asyncio.StreamWriter, message: sdk.SdkMessage) -> None:
+        if writer.is_closing():
+            return
         if writer.transport.get_write_buffer_size() > MAX_CLIENT_BACKLOG:
-            log.warning("SDK client is not reading; dropping it")
-            writer.close()
+            self._repeat_log.log(
+                "not_reading", logging.WARNING,
+                "SDK client is not reading (over %d bytes queued); dropping it",
+                MAX_CLIENT_BACKLOG,
+            )  # fmt: skip
+            # aborted, not closed: a close waits for the client to read what is queued, and
+            # one that never does would keep its socket and the queue for as long as it likes
+            writer.transport.abort()
             return
         writer.write(sdk.encode(message))
 
@@ -266,6 +280,8 @@ class SdkServer:
                 decoder.feed(data)
                 while (message := decoder.next_message()) is not None:
                     self._handle(message, (key, uid), writer, owned, pid)
+                    if writer.is_closing():  # dropped (not reading): the rest is not served
+                        break
                 data = await self._read(reader, idle=not owned)
         except sdk.SdkProtocolError as exc:
             self.errors_total += 1
@@ -350,7 +366,7 @@ class SdkServer:
                 for slot in registry.close_sdk(flow_id, key, None, now):
                     self.agent.write_slot(slot)
         self.agent.admit_now()
-        writer.close()
+        _close_soon(writer)
 
     def _count_flow(self, uid: int | None, delta: int) -> None:
         self._flows += delta
@@ -587,6 +603,19 @@ def _sees_everyone(uid: int | None) -> bool:
     """Root and the agent's own user (who may stop the agent anyway) list every user's flows,
     unlimited."""
     return uid == 0 or uid == os.geteuid()
+
+
+def _close_soon(writer: asyncio.StreamWriter) -> None:
+    """Close a client's connection, letting it take what is queued for it for
+    :data:`LINGER_TIMEOUT` seconds at most, then abort: the connection no longer counts
+    toward any cap, so a client that never reads must not keep its socket and its queued
+    answers."""
+    transport = writer.transport
+    if transport.is_closing():
+        return
+    writer.close()
+    if transport.get_write_buffer_size():  # else closed at once
+        asyncio.get_running_loop().call_later(LINGER_TIMEOUT, transport.abort)
 
 
 def _peer_cred(conn: socket.socket) -> tuple[int, int | None]:

@@ -5,10 +5,13 @@ open-file limit, and request names scoped like job names."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
+import select
 import socket
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -133,6 +136,66 @@ def test_an_idle_client_is_closed_but_not_one_holding_a_flow(agent: AgentThread)
     wait_until(lambda: registry.flows[opened.id].sent == 7)
     holder.sendall(sdk.encode(sdk.Close(opened.id, 7)))  # no flow left: idle from now on
     assert _closed(holder)
+
+
+def _released(sock: socket.socket) -> bool:
+    """Whether the agent let go of its end of ``sock``: the client sees the hang-up before it
+    reads any of what was queued for it (an agent end that waits to send it holds on)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return any(events & select.POLLHUP for _, events in poller.poll(0))
+
+
+def _send_unread(sock: socket.socket, messages: list[sdk.SdkMessage]) -> threading.Thread:
+    """Send ``messages`` from a thread and read none of the answers (the agent may stop
+    reading them: the send then fails or times out)."""
+
+    def send() -> None:
+        with contextlib.suppress(OSError):
+            sock.sendall(b"".join(sdk.encode(message) for message in messages))
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def _refusal_size() -> int:
+    reason = f"at most {sdk_server.MAX_FLOWS_PER_UID} open SDK flows per user on a node"
+    return len(sdk.encode(sdk.Error("too_many_flows", reason, 99999)))
+
+
+def test_a_client_that_reads_nothing_is_dropped_at_once_and_logged_once(
+    agent: AgentThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = _sdk(agent)
+    agent.run(lambda: setattr(server, "max_flows_per_uid", 1))
+    sock = _raw(agent)
+    assert isinstance(_ask(sock, sdk.Open(0, "bulk")), sdk.Opened)  # a flow: never idle
+    refusals = 3 * sdk_server.MAX_CLIENT_BACKLOG // _refusal_size()
+    with caplog.at_level(logging.WARNING, logger="flowsched.agent.sdk"):
+        _send_unread(sock, [sdk.Open(ref, "bulk") for ref in range(1, refusals)])
+        # dropped: its queued answers (over 1 MiB) and its socket are freed now, not kept
+        # for as long as the client keeps its end open without reading
+        wait_until(lambda: _released(sock), timeout=10)
+        wait_until(lambda: server.clients == 0)  # its flow closed with it
+    assert caplog.text.count("is not reading") == 1  # not once per answer it did not read
+
+
+def test_a_connection_closed_as_idle_does_not_outlive_its_unread_answers(
+    agent: AgentThread,
+) -> None:
+    server = _sdk(agent)
+    agent.run(lambda: setattr(server, "max_flows_per_uid", 0))  # every open refused
+    agent.run(lambda: setattr(server, "idle_timeout", 0.5))
+    sock = _raw(agent)
+    # answers beyond what the socket buffers hold, below the backlog that drops a client
+    refusals = sdk_server.MAX_CLIENT_BACKLOG // 2 // _refusal_size()
+    _send_unread(sock, [sdk.Open(ref, "bulk") for ref in range(refusals)])
+    wait_until(lambda: server.requests["open"] == refusals)
+    # the idle timeout ends the connection and it no longer counts toward the user's cap:
+    # it must not keep its socket and answers either, or a user could hold any number
+    wait_until(lambda: not server._connections_of, timeout=10)
+    wait_until(lambda: _released(sock), timeout=5)
 
 
 def test_the_agent_raises_its_open_file_limit(tmp_path: Path) -> None:
