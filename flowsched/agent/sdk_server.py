@@ -68,6 +68,8 @@ CLOSE_TIMEOUT = 1.0
 #: seconds a closed connection may take to hand the client what is queued for it (the
 #: ``error`` frame saying why) before it is aborted
 LINGER_TIMEOUT = 1.0
+#: characters of a bad frame's description that are logged (it may quote the client's text)
+LOGGED_TEXT = 200
 #: ``list`` pages per second a user who sees only its own flows may ask for, all of its
 #: connections together, and the burst it may spend at once (a page of 4,096 flows, the most
 #: a user may hold, takes about 60): each page costs the agent's loop up to ~3 ms
@@ -285,7 +287,12 @@ class SdkServer:
                 data = await self._read(reader, idle=not owned)
         except sdk.SdkProtocolError as exc:
             self.errors_total += 1
-            log.warning("SDK client pid %d sent a bad frame: %s", pid, exc)
+            # once per user, then at a falling rate: a client reconnecting to send bad frames
+            # (up to 64 KiB of its own text each) must not fill the disk with the log
+            self._repeat_log.log(
+                f"bad_frame:{uid}", logging.WARNING,
+                "SDK client pid %d (uid %s) sent a bad frame: %s", pid, uid, _cut(str(exc)),
+            )  # fmt: skip
             with contextlib.suppress(Exception):
                 writer.write(sdk.encode(sdk.Error("bad_frame", str(exc)[:4000])))
         except TimeoutError:
@@ -603,6 +610,11 @@ def _sees_everyone(uid: int | None) -> bool:
     """Root and the agent's own user (who may stop the agent anyway) list every user's flows,
     unlimited."""
     return uid == 0 or uid == os.geteuid()
+
+
+def _cut(text: str, limit: int = LOGGED_TEXT) -> str:
+    """``text`` cut to ``limit`` characters for a log line (saying how long it was)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _close_soon(writer: asyncio.StreamWriter) -> None:

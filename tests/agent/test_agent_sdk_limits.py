@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import msgpack
 import pytest
 from agent_helpers import agent_config, wait_until
 
@@ -196,6 +197,24 @@ def test_a_connection_closed_as_idle_does_not_outlive_its_unread_answers(
     # it must not keep its socket and answers either, or a user could hold any number
     wait_until(lambda: not server._connections_of, timeout=10)
     wait_until(lambda: _released(sock), timeout=5)
+
+
+def test_bad_frames_are_logged_once_per_user_and_cut_short(
+    agent: AgentThread, caplog: pytest.LogCaptureFixture
+) -> None:
+    body = msgpack.packb({"t": "x" * 60000})  # a type name the agent quotes in its answer
+    tries = 20
+    with caplog.at_level(logging.WARNING, logger="flowsched.agent.sdk"):
+        for _ in range(tries):  # each on a connection of its own: the answer, then the end
+            sock = _raw(agent)
+            sock.sendall(len(body).to_bytes(4, "big") + body)
+            refusal = _next(sock)
+            assert isinstance(refusal, sdk.Error) and refusal.code == "bad_frame"
+            assert _closed(sock)
+        wait_until(lambda: _sdk(agent).errors_total == tries)
+    logged = [r.getMessage() for r in caplog.records if "sent a bad frame" in r.getMessage()]
+    assert len(logged) == 1  # then at a falling rate: 20 lines of 60 KB each were logged
+    assert len(logged[0]) < 500 and "(60037 characters)" in logged[0]
 
 
 def test_the_agent_raises_its_open_file_limit(tmp_path: Path) -> None:
