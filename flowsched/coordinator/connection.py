@@ -346,12 +346,24 @@ class AgentConnection:
             )  # fmt: skip
             self._reject("internal", f"internal error ({type(exc).__name__})", established)
         finally:
+            self._forget_failure()
             self._protocol.sink = self._protocol.sink_closed = None
             if self._watchdog is not None:
                 self._watchdog.cancel()
             if established:
                 self._coordinator.detach(self)
             self._close(self.closed_with or "closed")
+
+    def _forget_failure(self) -> None:
+        """Drop the traceback of the exception that ended the established connection: its
+        frames hold the future it was raised through and this connection, a cycle that only
+        the cyclic garbage collector frees (rarely, after ``gc.freeze()``), and with them the
+        receive buffer and whatever the last frame decoded into."""
+        ended = self._ended
+        if ended is not None and ended.done() and not ended.cancelled():
+            failure = ended.exception()
+            if failure is not None:
+                failure.__traceback__ = None
 
     def _timeout_reason(self, established: bool) -> str:
         if established:

@@ -338,7 +338,11 @@ class Connection:
             return self._next_event()
         except LocalProtocolError as exc:
             self.state = State.ERROR
-            raise exc._reraise_as_remote() from None
+            error = exc._reraise_as_remote()
+        # raised outside the handler, so that the error does not carry the decoder's exception
+        # as its context: that one's traceback holds the decoder's frames, and with them
+        # everything the frame decoded into (a million objects from one 1 MiB frame)
+        raise error
 
     def _next_event(self) -> Event:
         body = self._buffer.next_body()
