@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from flowsched.lograte import RepeatLog
+
 log = logging.getLogger("flowsched.transfer")
 
 HEADER = struct.Struct("!4sIQQ")
@@ -45,6 +47,12 @@ DEFAULT_NOTSENT_LOWAT = 128 * 1024
 _TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 _IPV6_TCLASS = getattr(socket, "IPV6_TCLASS", 67)
 _PATTERN_BLOCK = 1 << 20
+#: transfers a :class:`Receiver` serves at once (a thread and a 256 KiB buffer each); it
+#: closes a connection beyond at once, and the sender gets a TransferError
+RECEIVER_MAX_CONNECTIONS = 256
+#: seconds a :class:`Receiver` waits after a failed accept (out of descriptors, say) before it
+#: tries again; the sender waits in the listen backlog meanwhile
+ACCEPT_RETRY_DELAY = 0.2
 
 
 class MarkedFlow(Protocol):
@@ -416,12 +424,20 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 class Receiver:
     """Accepts transfers on ``address`` in a background thread; each result goes to ``results``.
 
-    One thread per connection; ``results`` is a queue of :class:`ReceiveStats`. Use as a
-    context manager or call :meth:`start` / :meth:`stop`.
+    One thread per connection, ``max_connections`` at once (a connection beyond is closed at
+    once); ``results`` is a queue of :class:`ReceiveStats`. A failed accept (the process out
+    of descriptors) is logged at a falling rate and retried: the port keeps serving once
+    descriptors are free again. The receiver authenticates nobody: anyone who can reach the
+    port can send it transfers, or hold its connections with a byte every ``timeout``
+    seconds. Use as a context manager or call :meth:`start` / :meth:`stop`.
     """
 
     def __init__(
-        self, address: tuple[str, int] = ("127.0.0.1", 0), *, timeout: float = 60.0
+        self,
+        address: tuple[str, int] = ("127.0.0.1", 0),
+        *,
+        timeout: float = 60.0,
+        max_connections: int = RECEIVER_MAX_CONNECTIONS,
     ) -> None:
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
@@ -434,6 +450,9 @@ class Receiver:
             self._listener.close()
             raise
         self._timeout = timeout
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._max_connections = max_connections
+        self._repeat_log = RepeatLog(log)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="flowsched-rx", daemon=True)
         self.results: queue.Queue[ReceiveStats] = queue.Queue()
@@ -468,10 +487,39 @@ class Receiver:
                 conn, _ = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
+            except OSError as exc:
+                if self._stop.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # the listener is closed
+                # out of descriptors or memory: ending this thread would leave the port dead
+                # for every later sender; this one waits in the backlog meanwhile
+                self._repeat_log.log(
+                    "accept", logging.WARNING, "transfer receiver on %s cannot accept: %s",
+                    self.address, exc,
+                )  # fmt: skip
+                self._stop.wait(ACCEPT_RETRY_DELAY)
+                continue
+            self._serve_in_thread(conn)
+
+    def _serve_in_thread(self, conn: socket.socket) -> None:
+        """Serve ``conn`` in a thread of its own, or close it at the connection cap."""
+        if not self._slots.acquire(blocking=False):
+            self._repeat_log.log(
+                "cap", logging.WARNING,
+                "transfer receiver on %s serves %d connections, its most: closing one from %s",
+                self.address, self._max_connections, _peer_name(conn),
+            )  # fmt: skip
+            conn.close()
+            return
+        try:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had: the sender is told by the close
+            self._slots.release()
+            conn.close()
+            self._repeat_log.log("thread", logging.WARNING, "transfer receiver: %s", exc)
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            self.results.put(receive_flow(conn, timeout=self._timeout))
+        try:
+            with conn:
+                self.results.put(receive_flow(conn, timeout=self._timeout))
+        finally:
+            self._slots.release()

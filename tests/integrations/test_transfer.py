@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 import pytest
+from polling import wait_until
 
 from flowsched import transfer
 from flowsched.testbed.daemons import closed_port
+
+#: a Receiver in a process of its own whose open-file limit is 64; prints its port
+_LIMITED_RECEIVER = """
+import resource, threading
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+from flowsched import transfer
+print(transfer.Receiver(("127.0.0.1", 0)).start().address[1], flush=True)
+threading.Event().wait()
+"""
 
 
 class FakeHandle:
@@ -231,6 +244,36 @@ def test_bad_magic_is_rejected() -> None:
             sock.sendall(b"HTTP" + bytes(20))
         got = rx.results.get(timeout=10)
     assert not got.ok and "magic" in (got.error or "")
+
+
+def test_the_receiver_keeps_accepting_after_running_out_of_descriptors() -> None:
+    child = subprocess.Popen([sys.executable, "-c", _LIMITED_RECEIVER], stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None
+        port = int(child.stdout.readline())
+        with contextlib.ExitStack() as held:
+            for _ in range(100):  # more than its descriptors: its accepts fail (EMFILE)
+                held.enter_context(socket.create_connection(("127.0.0.1", port)))
+            wait_until(lambda: len(os.listdir(f"/proc/{child.pid}/fd")) == 64)
+        # they left: the next sender is served (the accept thread used to end at the
+        # first failed accept, and the port stayed dead)
+        assert transfer.send_flow(("127.0.0.1", port), 1 << 20, timeout=10).bytes == 1 << 20
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+
+
+def test_connections_beyond_the_receivers_cap_are_closed_at_once() -> None:
+    with transfer.Receiver(max_connections=2) as rx, contextlib.ExitStack() as held:
+        for _ in range(2):  # silent peers holding both of its connections
+            held.enter_context(socket.create_connection(rx.address))
+        # closed unread: the sender sees the end, a reset or a broken pipe, and no
+        # acknowledgement
+        with pytest.raises(transfer.TransferError, match=r"closed the connection|reset|pipe"):
+            transfer.send_flow(rx.address, 1000, timeout=10)
+        held.close()
+        wait_until(lambda: rx.results.qsize() == 2)  # their slots are free again
+        assert transfer.send_flow(rx.address, 1000, timeout=10).bytes == 1000
 
 
 def test_unreachable_receiver_is_a_transfer_error() -> None:
