@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,9 +48,11 @@ STOP_GRACE = 2.0
 #: load average at 2 on the 2-core machine; this is the ready-line wait of the end-to-end tests'
 #: daemons (:func:`flowsched.testbed.daemons.spawn`), so only a hung daemon reaches it
 READY_TIMEOUT = 30.0
+#: seconds the sniffer gets to write its capture and exit on SIGTERM (it writes a few kB)
+SNIFFER_STOP_GRACE = 10.0
 #: what an agent logs once it holds a coordinator session (flowsched.agent.service)
 SESSION_LINE = b"connected to the coordinator"
-#: seconds between looks at an agent's log while waiting for its session
+#: seconds between looks while waiting for an agent's session or the sniffer's ready file
 SESSION_POLL = 0.02
 
 
@@ -144,9 +146,7 @@ def run_policy(
         )
         errors = wait_workers(workers, trace.duration * 3 + 30)
         cpu = {_label(p): cpu_seconds(p.pid) for p in procs if p not in workers}
-        sniffer.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            sniffer.wait(timeout=10)
+        errors += stop_sniffer(sniffer, sniff_out)
     after = topo.class_bytes()
     journals = [_read_json(workdir / f"{h.name}.json", []) for h in topo.hosts]
     run = collect(
@@ -238,21 +238,29 @@ def _expect_session(
     it exits first or ``timeout`` s pass (it is then killed). An agent prints its ready line
     before it connects, and until its resync the flows it opens and closes are never reported
     and the trace's first transfers would run at their class defaults."""
+    problem = _wait_until(
+        proc, lambda: SESSION_LINE in log.read_bytes(), "coordinator session", timeout
+    )
+    if problem is not None:
+        raise RuntimeError(f"{what} did not connect: {problem}{_log_tail(log)}")
+
+
+def _wait_until(
+    proc: subprocess.Popen[bytes], done: Callable[[], bool], goal: str, timeout: float
+) -> str | None:
+    """Poll ``done()`` until it holds (None), else why it never did: ``proc`` exited first
+    (its status) or ``timeout`` s passed (``proc`` is then killed); ``goal`` names the wait."""
     deadline = time.monotonic() + timeout
-    while SESSION_LINE not in log.read_bytes():
+    while not done():
         if proc.poll() is not None:
-            detail = f"exited with status {proc.returncode} before its coordinator session"
-            break
+            return f"exited with status {proc.returncode} before its {goal}"
         if time.monotonic() >= deadline:
             proc.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=STOP_GRACE)
-            detail = f"no coordinator session within {timeout:g} s; killed"
-            break
+            return f"no {goal} within {timeout:g} s; killed"
         time.sleep(SESSION_POLL)
-    else:
-        return
-    raise RuntimeError(f"{what} did not connect: {detail}{_log_tail(log)}")
+    return None
 
 
 def _first_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes | None:
@@ -358,19 +366,60 @@ def start_agents(
 
 
 def _start_sniffer(
-    topo: Topology, procs: list[subprocess.Popen[bytes]], out: Path
+    topo: Topology,
+    procs: list[subprocess.Popen[bytes]],
+    out: Path,
+    *,
+    timeout: float = READY_TIMEOUT,
 ) -> subprocess.Popen[bytes]:
+    """Start the sniffer on the switch ports and wait for its ready file; RuntimeError naming
+    it, with its exit status and its log's tail (its stderr, so its reason), when it exits first
+    or ``timeout`` s pass (it is then killed). Without it the run would report no promotion
+    latency, which reads as a run in which no promotion was measured."""
     ready = out.with_suffix(".ready")
     ready.unlink(missing_ok=True)
     argv = _python(
         "flowsched.testbed.sniff", "--out", str(out), *(h.switch_port for h in topo.hosts)
     )
-    proc = subprocess.Popen(topo.ns_command(topo.switch_ns, argv))
+    log = sniffer_log(out)
+    with log.open("ab") as sink:
+        proc = subprocess.Popen(topo.ns_command(topo.switch_ns, argv), stderr=sink)
     procs.append(proc)
-    deadline = time.monotonic() + 10
-    while not ready.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.02)
+    problem = _wait_until(proc, ready.exists, "ready file", timeout)
+    if problem is not None:
+        raise RuntimeError(f"the sniffer did not start: {problem}{_log_tail(log)}")
     return proc
+
+
+def sniffer_log(out: Path) -> Path:
+    """Where the sniffer writing ``out`` logs (its stderr), next to ``out``."""
+    return out.with_name("sniffer.log")
+
+
+def stop_sniffer(proc: subprocess.Popen[bytes], out: Path) -> list[str]:
+    """Stop the sniffer (on SIGTERM it writes its capture to ``out``); the run's errors: one
+    when it does not exit within :data:`SNIFFER_STOP_GRACE` s (it is then killed), exits with
+    an error or leaves no capture, since that run's promotion latencies are then missing."""
+    proc.send_signal(signal.SIGTERM)
+    problem: str | None
+    try:
+        code = proc.wait(timeout=SNIFFER_STOP_GRACE)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=STOP_GRACE)
+        problem = f"did not exit within {SNIFFER_STOP_GRACE:g} s of SIGTERM; killed"
+    else:
+        problem = f"exited with status {code}" if code else None
+    out.with_suffix(".ready").unlink(missing_ok=True)
+    if problem is None and not isinstance(_read_json(out, None), dict):
+        problem = f"left no capture in {out}"
+    if problem is None:
+        return []
+    return [
+        f"the sniffer {problem}: this run's promotion latencies are missing "
+        f"(its log: {sniffer_log(out)})"
+    ]
 
 
 def _start_workers(

@@ -533,3 +533,110 @@ def test_the_benchmark_waits_for_each_agents_coordinator_session(
         proc.wait(timeout=10)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+#: fake sniffers (``python -c CODE --out OUT DEV...``): each writes its ready file and then
+#: does, on SIGTERM, what its name says (``exits-at-start`` never gets ready)
+_SNIFFER = (
+    "import json, pathlib, signal, sys, time\n"
+    "out = pathlib.Path(sys.argv[2])\n"
+    "def on_term(signum, frame):\n"
+    "    {on_term}\n"
+    "signal.signal(signal.SIGTERM, on_term)\n"
+    "out.with_suffix('.ready').write_text('ready')\n"
+    "while True:\n"
+    "    time.sleep(1)\n"
+)
+_SNIFFERS = {
+    "clean": _SNIFFER.format(on_term="out.write_text('{\"transitions\": []}'); sys.exit(0)"),
+    "no-capture": _SNIFFER.format(on_term="sys.exit(0)"),
+    "fails": _SNIFFER.format(on_term="print('OSError: disk full', file=sys.stderr); sys.exit(3)"),
+    "ignores-sigterm": _SNIFFER.format(on_term="pass"),
+    "exits-at-start": "import sys; print('PermissionError: [Errno 1] Operation not permitted',"
+    " file=sys.stderr, flush=True); sys.exit(1)",
+}
+#: a control-plane daemon that runs until stopped, and one that dies during the run
+_CONTROL = {"runs": "import time; time.sleep(60)", "dies": "import sys; sys.exit(7)"}
+
+
+def _fake_run(
+    monkeypatch: pytest.MonkeyPatch, work: Path, sniffer: str, control: str = "runs"
+) -> runner.TestbedRun:
+    """run_policy outside namespaces and tc: the control plane and the sniffer are the fakes
+    named, the workers exit at once; the dying control plane has exited before the workers
+    start."""
+    codes = {"flowsched.testbed.sniff": _SNIFFERS[sniffer], "flowsched.testbed.worker": "pass"}
+    monkeypatch.setattr(
+        runner, "_python", lambda module, *args: [sys.executable, "-c", codes[module], *args]
+    )
+    monkeypatch.setattr(netns.Topology, "ns_command", lambda self, ns, argv: list(argv))
+    monkeypatch.setattr(netns.Topology, "configure_classes", lambda self, dscp: None)
+    monkeypatch.setattr(netns.Topology, "class_bytes", lambda self: {})
+    monkeypatch.setattr(netns.Topology, "run_drops", lambda self: 0)
+
+    def start_control(topo: object, procs: list[Any], *args: object) -> str:
+        proc = subprocess.Popen([sys.executable, "-c", _CONTROL[control]])
+        procs.append(proc)
+        if control == "dies":
+            proc.wait(timeout=30)
+        return ""
+
+    monkeypatch.setattr(runner, "_start_control", start_control)
+    topo = netns.plan(netns.TopologySpec(prefix="fsU-", hosts=2))
+    trace = Trace(0, 2, 25e6, 0.1, 0.0, [], [])
+    path = bench.policy_path("fair")
+    return runner.run_policy(topo, trace, bench.policy_config("fair"), path, work, control="mini")
+
+
+def test_a_sniffer_that_exits_before_it_is_ready_fails_the_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without its sniffer a run reports no promotion latency, as if it had measured none: a
+    sniffer that does not get ready fails the run, named, with its exit status and its reason."""
+    with pytest.raises(RuntimeError) as raised:
+        _fake_run(monkeypatch, tmp_path, "exits-at-start")
+    message = str(raised.value)
+    assert message.startswith("the sniffer did not start: exited with status 1 before its ready")
+    assert f"its log {tmp_path / 'sniffer.log'} ends:\nPermissionError" in message
+
+
+def test_a_sniffer_that_hangs_before_it_is_ready_is_killed_and_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    hung = [sys.executable, "-c", "import time; time.sleep(60)"]
+    monkeypatch.setattr(netns.Topology, "ns_command", lambda self, ns, argv: hung)
+    topo = netns.plan(netns.TopologySpec(prefix="fsU-", hosts=2))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        with pytest.raises(RuntimeError) as raised:
+            runner._start_sniffer(topo, procs, tmp_path / "sniff.json", timeout=0.3)
+        assert str(raised.value).startswith(
+            "the sniffer did not start: no ready file within 0.3 s; killed"
+        )
+        assert procs[0].returncode == -signal.SIGKILL
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("sniffer", "problem"),
+    [
+        ("clean", None),
+        ("no-capture", "left no capture in {work}/sniff.json"),
+        ("fails", "exited with status 3"),
+        ("ignores-sigterm", "did not exit within 0.3 s of SIGTERM; killed"),
+    ],
+)
+def test_a_sniffer_that_ends_without_its_capture_is_a_run_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, sniffer: str, problem: str | None
+) -> None:
+    """The run's promotion latencies come from the capture the sniffer writes when it is
+    stopped: when it fails to, the run says that they are missing instead of reporting none."""
+    monkeypatch.setattr(runner, "SNIFFER_STOP_GRACE", 0.3)
+    run = _fake_run(monkeypatch, tmp_path, sniffer)
+    missing = f": this run's promotion latencies are missing (its log: {tmp_path}/sniffer.log)"
+    expected = [] if problem is None else [f"the sniffer {problem.format(work=tmp_path)}{missing}"]
+    assert run.errors == expected
+    assert not (tmp_path / "sniff.ready").exists()
