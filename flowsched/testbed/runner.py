@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -145,6 +145,7 @@ def run_policy(
             trace.duration,
         )
         errors = wait_workers(workers, trace.duration * 3 + 30)
+        errors += ended_early(p for p in procs if p not in workers and p is not sniffer)
         cpu = {_label(p): cpu_seconds(p.pid) for p in procs if p not in workers}
         errors += stop_sniffer(sniffer, sniff_out)
     after = topo.class_bytes()
@@ -493,6 +494,16 @@ def wait_workers(workers: list[subprocess.Popen[bytes]], timeout: float) -> list
         if code != 0:
             errors.append(f"worker h{i} exited with status {code}")
     return errors
+
+
+def ended_early(daemons: Iterable[subprocess.Popen[bytes]]) -> list[str]:
+    """An error for each of ``daemons`` (the control plane, which runs until the run stops it)
+    that has exited already: from then on the run's levels were not its policy's."""
+    return [
+        f"{_label(proc)} exited with status {proc.returncode} during the run"
+        for proc in daemons
+        if proc.poll() is not None
+    ]
 
 
 def _read_json(path: Path, default: Any) -> Any:

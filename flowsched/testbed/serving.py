@@ -286,6 +286,7 @@ def run_live(
         workload.finish()
         unfinish_failed(engine.records, engine.failed)
         errors += runner.wait_workers(workers, 30.0)
+        errors += runner.ended_early(p for p in procs if p not in workers)
     errors += engine.errors + journal_errors(workdir, engine.failed)
     return LiveRun(
         engine.records,

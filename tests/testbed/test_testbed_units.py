@@ -640,3 +640,12 @@ def test_a_sniffer_that_ends_without_its_capture_is_a_run_error(
     expected = [] if problem is None else [f"the sniffer {problem.format(work=tmp_path)}{missing}"]
     assert run.errors == expected
     assert not (tmp_path / "sniff.ready").exists()
+
+
+def test_a_control_plane_daemon_that_dies_during_the_run_is_a_run_error(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A coordinator, agent or minimal controller that exits mid-run leaves the workers with
+    stale levels and no error of their own: the run must say so."""
+    run = _fake_run(monkeypatch, tmp_path, "clean", control="dies")
+    assert len(run.errors) == 1 and run.errors[0].endswith("exited with status 7 during the run")
