@@ -491,20 +491,35 @@ def _probe_namespace(netns: str) -> str | None:
 def veth_pair(*ends: tuple[str, str, str]) -> None:
     """Two new namespaces joined by a veth pair: ``ends`` is (namespace, device, IPv4 address)
     for each side, the address a /24; the devices and each namespace's ``lo`` come up.
-    Raises :class:`subprocess.CalledProcessError` (its ``stderr`` says why) on any failure."""
+    Raises :class:`subprocess.CalledProcessError` (its ``stderr`` says why) on any failure, or
+    :class:`subprocess.TimeoutExpired` for a command that hangs, once what it made is removed:
+    the namespaces it added and the pair while it is still in the root namespace."""
     (ns_a, dev_a, _), (ns_b, dev_b, _) = ends
+    undo: list[list[str]] = []
 
-    def run(*argv: str) -> None:
-        subprocess.run(argv, check=True, capture_output=True, text=True)
+    def run(*argv: str, undone_by: list[str] | None = None) -> None:
+        subprocess.run(argv, check=True, capture_output=True, text=True, timeout=30)
+        if undone_by is not None:
+            undo.append(undone_by)
 
-    run("ip", "netns", "add", ns_a)
-    run("ip", "netns", "add", ns_b)
-    run("ip", "link", "add", dev_a, "type", "veth", "peer", "name", dev_b)
-    for ns, dev, addr in ends:
-        run("ip", "link", "set", dev, "netns", ns)
-        run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-        run("ip", "-n", ns, "link", "set", dev, "up")
-        run("ip", "-n", ns, "link", "set", "lo", "up")
+    try:
+        run("ip", "netns", "add", ns_a, undone_by=["ip", "netns", "del", ns_a])
+        run("ip", "netns", "add", ns_b, undone_by=["ip", "netns", "del", ns_b])
+        veth = ["ip", "link", "add", dev_a, "type", "veth", "peer", "name", dev_b]
+        run(*veth, undone_by=["ip", "link", "del", dev_a])
+        # once dev_a is in ns_a, deleting ns_a deletes the pair only when the kernel destroys
+        # the namespace, later: dev_b, still in the root namespace, would outlive the call
+        undo.append(["ip", "link", "del", dev_b])
+        for ns, dev, addr in ends:
+            run("ip", "link", "set", dev, "netns", ns)
+            run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            run("ip", "-n", ns, "link", "set", dev, "up")
+            run("ip", "-n", ns, "link", "set", "lo", "up")
+    except BaseException:
+        for argv in reversed(undo):
+            with contextlib.suppress(subprocess.SubprocessError, OSError):
+                subprocess.run(argv, capture_output=True, timeout=30, check=False)
+        raise
 
 
 class Terminated(BaseException):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -182,3 +186,57 @@ def _send_through_switch(prefix: str, levels: list[int], dscp: int, size: int) -
         )
         rx.wait(timeout=30)
         return topo.class_bytes()[f"{topo.switch_ns}/{b.switch_port}"]
+
+
+#: `ip` or `tc` that counts its calls in $FAILING_COUNT and fails the $FAILING_AT-th one,
+#: running the real program otherwise
+_FAILING = """#!/bin/sh
+n=$(( $(cat "$FAILING_COUNT") + 1 )); echo "$n" > "$FAILING_COUNT"
+if [ "$n" -eq "$FAILING_AT" ]; then echo "injected failure of call $n" >&2; exit 2; fi
+exec REAL "$@"
+"""
+
+
+@pytest.fixture
+def failing_ip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[[int], int]:
+    """``ip`` and ``tc`` first on PATH, failing at the call given to the returned function
+    (0: none), which returns how many calls were made since it was last called."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for program in ("ip", "tc"):
+        real = shutil.which(program)
+        assert real is not None
+        (folder / program).write_text(_FAILING.replace("REAL", real))
+        (folder / program).chmod(0o755)
+    count = tmp_path / "count"
+    count.write_text("0")
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAILING_COUNT", str(count))
+
+    def fail_at(call: int) -> int:
+        calls = int(count.read_text())
+        count.write_text("0")
+        monkeypatch.setenv("FAILING_AT", str(call))
+        return calls
+
+    fail_at(0)
+    return fail_at
+
+
+def test_a_veth_pair_that_fails_at_any_step_leaves_nothing(
+    failing_ip: Callable[[int], int],
+) -> None:
+    ends = (("fsE-t9-h0", "fsE-t9-h0d", "10.231.9.1"), ("fsE-t9-h1", "fsE-t9-h1d", "10.231.9.2"))
+    netns.veth_pair(*ends)
+    steps = failing_ip(0)
+    netns.cleanup("fsE-t9-")
+    try:
+        for step in range(1, steps + 1):
+            failing_ip(step)
+            with pytest.raises(subprocess.CalledProcessError) as raised:
+                netns.veth_pair(*ends)
+            assert f"injected failure of call {step}" in raised.value.stderr
+            failing_ip(0)
+            assert netns.leftovers("fsE-t9-") == [], f"call {step} failed"
+    finally:
+        netns.cleanup("fsE-t9-")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import fcntl
 import io
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -205,3 +208,113 @@ def test_cleanup_leaves_a_longer_prefixs_testbed_alone(monkeypatch: pytest.Monke
     assert sorted(netns.namespaces("fsU-")) == sorted(ours)
     assert netns.root_links("fsU-") == ["fsU-h0d"]
     assert sorted(netns.namespaces("fsU-h1-")) == sorted(theirs)
+
+
+#: a fake `ip` for :func:`netns.veth_pair`: namespaces and links kept in the JSON file
+#: $FAKE_IP_STATE ({"netns": [...], "links": {name: [namespace or "", peer]}}), the
+#: $FAKE_IP_FAIL_AT-th command (1 = the first) failing as the kernel would refuse it
+_FAKE_IP = """\
+import json, os, sys
+state_path = os.environ["FAKE_IP_STATE"]
+state = json.load(open(state_path))
+state["calls"] = calls = state.get("calls", 0) + 1
+args = sys.argv[1:]
+ns = ""
+if args[0] == "-n":
+    ns, args = args[1], args[2:]
+links = state["links"]
+
+def fail(why):
+    print(why, file=sys.stderr)
+    sys.exit(2)
+
+def save():
+    json.dump(state, open(state_path, "w"))
+
+if calls == int(os.environ["FAKE_IP_FAIL_AT"]):
+    save()
+    fail("RTNETLINK answers: Operation not permitted")
+def here(dev):
+    if links.get(dev, [None])[0] != ns:
+        fail(f'Cannot find device "{dev}"')
+def delete(dev):
+    peer = links.pop(dev)[1]
+    links.pop(peer, None)
+match args:
+    case ["netns", "add", name]:
+        if name in state["netns"]:
+            fail("Cannot create namespace file: File exists")
+        state["netns"].append(name)
+    case ["netns", "del", name]:
+        state["netns"].remove(name)
+        for dev in [d for d, (where, _) in list(links.items()) if where == name]:
+            if dev in links:
+                delete(dev)
+    case ["link", "add", a, "type", "veth", "peer", "name", b]:
+        links[a], links[b] = [ns, b], [ns, a]
+    case ["link", "set", dev, "netns", target]:
+        here(dev)
+        links[dev][0] = target
+    case ["link", "del", dev]:
+        here(dev)
+        delete(dev)
+    case ["addr", "add", _, "dev", dev] | ["link", "set", dev, "up"]:
+        if dev != "lo":
+            here(dev)
+    case _:
+        fail(f"fake ip: unknown command {args}")
+save()
+"""
+#: the commands veth_pair runs: 3 to make the namespaces and the pair, 4 for each end
+VETH_PAIR_STEPS = 3 + 2 * 4
+
+
+@pytest.fixture
+def fake_ip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """:data:`_FAKE_IP` first on PATH; returns its state file (nothing made yet)."""
+    (tmp_path / "bin").mkdir()
+    ip = tmp_path / "bin" / "ip"
+    ip.write_text(f"#!{sys.executable}\n{_FAKE_IP}")
+    ip.chmod(0o755)
+    state = tmp_path / "ip-state.json"
+    state.write_text(json.dumps({"netns": [], "links": {}}))
+    monkeypatch.setenv("PATH", f"{ip.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_IP_STATE", str(state))
+    return state
+
+
+@pytest.mark.parametrize("fail_at", range(1, VETH_PAIR_STEPS + 1))
+def test_a_veth_pair_that_fails_half_way_leaves_nothing_behind(
+    monkeypatch: pytest.MonkeyPatch, fake_ip: Path, fail_at: int
+) -> None:
+    """Whichever command fails, the namespaces veth_pair added and the pair (in the root
+    namespace until each end is moved) are gone when it raises."""
+    monkeypatch.setenv("FAKE_IP_FAIL_AT", str(fail_at))
+    with pytest.raises(subprocess.CalledProcessError) as raised:
+        netns.veth_pair(("fsU-a", "fsU-da", "10.9.0.1"), ("fsU-b", "fsU-db", "10.9.0.2"))
+    assert "Operation not permitted" in raised.value.stderr
+    state = json.loads(fake_ip.read_text())
+    assert (state["netns"], state["links"]) == ([], {})
+
+
+def test_a_veth_pair_leaves_a_namespace_it_did_not_make_alone(
+    monkeypatch: pytest.MonkeyPatch, fake_ip: Path
+) -> None:
+    """A name already taken is someone else's namespace: the failed call must not delete it."""
+    fake_ip.write_text(json.dumps({"netns": ["fsU-b"], "links": {}}))
+    monkeypatch.setenv("FAKE_IP_FAIL_AT", "0")
+    with pytest.raises(subprocess.CalledProcessError):
+        netns.veth_pair(("fsU-a", "fsU-da", "10.9.0.1"), ("fsU-b", "fsU-db", "10.9.0.2"))
+    state = json.loads(fake_ip.read_text())
+    assert (state["netns"], state["links"]) == (["fsU-b"], {})
+
+
+def test_a_veth_pair_that_succeeds_has_each_end_in_its_namespace(
+    monkeypatch: pytest.MonkeyPatch, fake_ip: Path
+) -> None:
+    monkeypatch.setenv("FAKE_IP_FAIL_AT", "0")
+    netns.veth_pair(("fsU-a", "fsU-da", "10.9.0.1"), ("fsU-b", "fsU-db", "10.9.0.2"))
+    state = json.loads(fake_ip.read_text())
+    assert state["calls"] == VETH_PAIR_STEPS
+    assert state["netns"] == ["fsU-a", "fsU-b"]
+    assert state["links"] == {"fsU-da": ["fsU-a", "fsU-db"], "fsU-db": ["fsU-b", "fsU-da"]}
