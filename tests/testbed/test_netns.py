@@ -223,6 +223,33 @@ def failing_ip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[[int
     return fail_at
 
 
+def test_a_build_that_fails_at_any_step_leaves_nothing(failing_ip: Callable[[int], int]) -> None:
+    """Whichever `ip` or `tc` command of the build fails, the run is told why
+    (TestbedUnavailable) and no namespace or link of the testbed is left (its qdiscs are on
+    its links); only the `tc qdisc del` before each port's tree may fail (no tree yet)."""
+    prefix = "fsE-t9-"
+    spec = netns.TopologySpec(prefix=prefix, hosts=2)
+    with netns.testbed(spec, probed=True) as topo:
+        build = failing_ip(0)  # the cleanup before the build, then the build's commands
+    failing_ip(0)
+    netns.cleanup(prefix)
+    cleanup_before = failing_ip(0)
+    built_anyway = []
+    try:
+        for step in range(cleanup_before + 1, build + 1):
+            failing_ip(step)
+            try:
+                with netns.testbed(spec, probed=True):
+                    built_anyway.append(step)
+            except netns.TestbedUnavailable as exc:
+                assert f"injected failure of call {step}" in str(exc)
+            failing_ip(0)
+            assert netns.leftovers(prefix) == [], f"call {step} failed"
+    finally:
+        netns.cleanup(prefix)
+    assert len(built_anyway) == len(topo.shaped_ports())
+
+
 def test_a_veth_pair_that_fails_at_any_step_leaves_nothing(
     failing_ip: Callable[[int], int],
 ) -> None:
