@@ -205,7 +205,7 @@ def _on_testbed(name: str, run: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print(f"flowsched bench {name}: interrupted; the testbed was removed", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (netns.TestbedUnavailable, netns.TestbedBusy) as exc:
+    except (netns.TestbedUnavailable, netns.TestbedBusy, netns.TestbedLeftBehind) as exc:
         print(f"flowsched bench {name}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     if errors:

@@ -73,6 +73,12 @@ class TestbedUnavailable(RuntimeError):
     program missing, or the build failed): the benchmarks then run the simulator only."""
 
 
+class TestbedLeftBehind(RuntimeError):
+    """Raised when :func:`cleanup` could not remove part of a testbed (it names what and why),
+    also by :func:`testbed`'s teardown, in place of the exception that ended the block (kept
+    as its ``__context__``): a run must not end as if its testbed were gone."""
+
+
 class TestbedBusy(RuntimeError):
     """Raised when another live process holds the testbed of this prefix: not a reason to fall
     back to the simulator, but to stop and say so."""
@@ -385,16 +391,18 @@ def _ours(prefix: str, *, shm: bool = False) -> re.Pattern[str]:
     return re.compile(re.escape(prefix) + f"({names})")
 
 
-def namespaces(prefix: str) -> list[str]:
-    """Network namespaces that a testbed with ``prefix`` creates."""
-    out = _run(["ip", "netns", "list"], check=False)
+def namespaces(prefix: str, *, check: bool = False) -> list[str]:
+    """Network namespaces that a testbed with ``prefix`` creates (``check``: RuntimeError when
+    ``ip`` cannot list them, rather than none)."""
+    out = _run(["ip", "netns", "list"], check=check)
     names = [line.split()[0] for line in out.splitlines() if line.strip()]
     return [name for name in names if _ours(prefix).fullmatch(name)]
 
 
-def root_links(prefix: str) -> list[str]:
-    """Links in the root namespace whose name starts with ``prefix``."""
-    out = _run(["ip", "-o", "link", "show"], check=False)
+def root_links(prefix: str, *, check: bool = False) -> list[str]:
+    """Links in the root namespace whose name starts with ``prefix`` (``check``: as for
+    :func:`namespaces`)."""
+    out = _run(["ip", "-o", "link", "show"], check=check)
     names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
     return [name for name in names if _ours(prefix).fullmatch(name)]
 
@@ -409,29 +417,56 @@ def shm_files(prefix: str) -> list[Path]:
 
 def _kill_namespace_processes(netns: str) -> None:
     """SIGKILL the processes still running inside ``netns`` (all started by a testbed run)."""
-    out = _run(["ip", "netns", "pids", netns], check=False)
+    out = _run(["ip", "netns", "pids", netns])
     for token in out.split():
         with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
             os.kill(int(token), signal.SIGKILL)
 
 
 def cleanup(prefix: str) -> list[str]:
-    """Remove every namespace, root link and /dev/shm file named ``prefix*``; return them."""
+    """Remove every namespace, root link and /dev/shm file named ``prefix*``; return them.
+
+    Every removal is tried, also after one failed; :class:`TestbedLeftBehind` then names each
+    one that failed and why (the testbed's teardown must not pass for complete when it is not,
+    nor a failed ``ip netns list`` for "nothing left").
+    """
     if not prefix.strip("-"):
         raise ValueError("cleanup needs a non-empty prefix")
     removed: list[str] = []
-    for netns in namespaces(prefix):
-        _kill_namespace_processes(netns)
-        _run(["ip", "netns", "del", netns], check=False)
-        removed.append(f"netns {netns}")
-    for link in root_links(prefix):
-        _run(["ip", "link", "del", link], check=False)
-        removed.append(f"link {link}")
+    failed: list[str] = []
+    for netns in namespaces(prefix, check=True):
+        try:
+            _kill_namespace_processes(netns)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            # they would keep the namespace, and its links, alive after its name is gone
+            failed.append(f"the processes in netns {netns} ({exc})")
+        _remove(f"netns {netns}", ["ip", "netns", "del", netns], removed, failed)
+    for link in root_links(prefix, check=True):
+        _remove(f"link {link}", ["ip", "link", "del", link], removed, failed)
     for path in shm_files(prefix):
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            failed.append(f"file {path} ({exc})")
+            continue
         removed.append(f"file {path}")
+    if failed:
+        raise TestbedLeftBehind(
+            f"could not remove {'; '.join(failed)} of the testbed {prefix}*; remove them by hand"
+            f" (ip netns del / ip link del / rm) or run flowsched.testbed.netns.cleanup({prefix!r})"
+            " again"
+        )
     return removed
+
+
+def _remove(what: str, argv: list[str], removed: list[str], failed: list[str]) -> None:
+    """Run ``argv`` to remove ``what``: into ``removed``, or into ``failed`` with the reason."""
+    try:
+        _run(argv)
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        failed.append(f"{what} ({exc})")
+        return
+    removed.append(what)
 
 
 def leftovers(prefix: str) -> list[str]:
@@ -628,8 +663,9 @@ def testbed(
     first. A build that fails is a :class:`TestbedUnavailable` (what it made is removed).
     SIGTERM is turned into an exception while the testbed is up (main thread only), so Ctrl-C,
     SIGTERM and errors all run the teardown, and signals that arrive during the teardown wait
-    for its end. ``probed=True`` skips :func:`probe` when the caller has just run it (and it
-    succeeded).
+    for its end. A teardown that leaves something behind raises :class:`TestbedLeftBehind`
+    (naming it), in place of whatever ended the block. ``probed=True`` skips :func:`probe` when
+    the caller has just run it (and it succeeded).
     """
     reason = None if probed else probe(spec.prefix)
     if reason is not None:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from flowsched.cli import main
-from flowsched.testbed import bench
+from flowsched.testbed import bench, netns
 from flowsched.testbed.trace import MAX_HOSTS, load_params, params_from_mapping
 
 
@@ -126,3 +126,17 @@ def test_testbed_must_be_a_table(tmp_path: Path) -> None:
     path.write_text("testbed = 1\n", encoding="utf-8")
     with pytest.raises(ValueError, match="testbed: expected a table"):
         load_params(path)
+
+
+def test_a_testbed_left_behind_is_a_failure_naming_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A run whose teardown could not remove its namespaces ends with exit status 1 and a line
+    naming them, not with a traceback nor as a removed testbed."""
+
+    def run(options: bench.BenchOptions, *args: Any) -> list[Any]:
+        raise netns.TestbedLeftBehind("could not remove netns fsE-h1 (busy) of the testbed fsE-*")
+
+    monkeypatch.setattr(bench, "run", run)
+    assert main(["bench", "contention", "--out", str(tmp_path)]) == 1
+    assert "could not remove netns fsE-h1 (busy)" in capsys.readouterr().err

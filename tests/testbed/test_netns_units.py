@@ -318,3 +318,83 @@ def test_a_veth_pair_that_succeeds_has_each_end_in_its_namespace(
     assert state["calls"] == VETH_PAIR_STEPS
     assert state["netns"] == ["fsU-a", "fsU-b"]
     assert state["links"] == {"fsU-da": ["fsU-a", "fsU-db"], "fsU-db": ["fsU-b", "fsU-da"]}
+
+
+class StubbornIp(FakeIp):
+    """:class:`FakeIp` that lists its namespaces and cannot delete those in ``refused``: a
+    failed ``ip`` (RuntimeError under ``check``, as netns._run raises it, else ignored) or
+    an exception such as a timeout."""
+
+    def __init__(self, existing: Sequence[str], refused: dict[str, str | Exception]) -> None:
+        super().__init__(existing)
+        self.refused = refused
+
+    def run(self, argv: Sequence[str], *, stdin: str | None = None, check: bool = True) -> str:
+        if list(argv) == ["ip", "netns", "list"]:
+            return "".join(f"{name}\n" for name in sorted(self.namespaces))
+        if list(argv[:3]) == ["ip", "netns", "del"] and argv[3] in self.refused:
+            refusal = self.refused[argv[3]]
+            if isinstance(refusal, Exception):
+                raise refusal
+            if check:
+                raise RuntimeError(f"{' '.join(argv)} failed (1): {refusal}")
+            return ""
+        return super().run(argv, stdin=stdin, check=check)
+
+
+@pytest.mark.parametrize(
+    ("refusal", "reason"),
+    [
+        ("Device or resource busy", "ip netns del fsU-h1 failed (1): Device or resource busy"),
+        (subprocess.TimeoutExpired(["ip"], 30), "Command '['ip']' timed out after 30 seconds"),
+    ],
+    ids=["fails", "hangs"],
+)
+def test_a_cleanup_that_cannot_remove_a_namespace_says_so_and_removes_the_rest(
+    monkeypatch: pytest.MonkeyPatch, refusal: str | Exception, reason: str
+) -> None:
+    ip = StubbornIp(["fsU-sw", "fsU-h0", "fsU-h1", "fsU-h2"], {"fsU-h1": refusal})
+    monkeypatch.setattr(netns, "_run", ip.run)
+    monkeypatch.setattr(netns, "shm_files", lambda prefix: [])
+    with pytest.raises(netns.TestbedLeftBehind) as raised:
+        netns.cleanup("fsU-")
+    assert str(raised.value).startswith(f"could not remove netns fsU-h1 ({reason}) of the testbed")
+    assert ip.namespaces == {"fsU-h1"}
+
+
+def test_a_cleanup_that_cannot_list_the_namespaces_does_not_take_it_for_none(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def run(argv: Sequence[str], *, stdin: str | None = None, check: bool = True) -> str:
+        if check:
+            raise RuntimeError(f"{' '.join(argv)} failed (1): Permission denied")
+        return ""
+
+    monkeypatch.setattr(netns, "_run", run)
+    with pytest.raises(RuntimeError, match="ip netns list failed"):
+        netns.cleanup("fsU-")
+
+
+@pytest.mark.parametrize("ending", [None, ValueError("boom")], ids=["block-ends", "block-raises"])
+@pytest.mark.usefixtures("lock_dir")
+def test_a_teardown_that_leaves_a_namespace_behind_ends_the_run_saying_so(
+    monkeypatch: pytest.MonkeyPatch, ending: Exception | None
+) -> None:
+    """Whatever ended the block, a run whose testbed could not be removed must not end as if
+    it had been: TestbedLeftBehind names what is left (the block's exception is its context)."""
+    ip = StubbornIp([], {"fsU-h1": "Device or resource busy"})
+
+    def build(topo: netns.Topology, dscp: Sequence[int]) -> None:
+        ip.namespaces.update([topo.switch_ns, *(h.netns for h in topo.hosts)])
+
+    monkeypatch.setattr(netns, "_run", ip.run)
+    monkeypatch.setattr(netns, "_build", build)
+    monkeypatch.setattr(netns, "shm_files", lambda prefix: [])
+    with (
+        pytest.raises(netns.TestbedLeftBehind, match=r"netns fsU-h1 \(.*busy\)") as raised,
+        netns.testbed(netns.TopologySpec(prefix="fsU-", hosts=2), probed=True),
+    ):
+        if ending is not None:
+            raise ending
+    assert raised.value.__context__ is ending
+    assert ip.namespaces == {"fsU-h1"}
