@@ -34,6 +34,12 @@ TRANSFER_PORT = 7000
 TP_PORT = 7100
 CHUNK = 64 * 1024
 REPORT_EVERY = 256 * 1024
+#: seconds a TP iteration waits for the experience batch it consumes before it goes on without
+#: it (an error of the run)
+EXPERIENCE_WAIT = 60.0
+#: seconds a flow waits for its first level from the minimal controller before it is sent at
+#: level 0 without it (an error of the run)
+FIRST_LEVEL_WAIT = 1.0
 
 
 class Clock:
@@ -132,6 +138,18 @@ class MiniClient:
             self._sock.sendall(json.dumps(msg).encode() + b"\n")
 
     def _reader(self) -> None:
+        try:
+            self._read_levels()
+        except (OSError, ValueError, KeyError) as exc:
+            ended = f"{type(exc).__name__}: {exc}"
+        else:
+            ended = "closed by the controller"
+        # the worker never closes it: every later level change of this host's flows is lost
+        self.journal.add(
+            "error", what="the testbed controller's connection", error=f"{ended} during the run"
+        )
+
+    def _read_levels(self) -> None:
         with self._sock.makefile("rb") as reader:
             for raw in reader:
                 msg = json.loads(raw)
@@ -164,7 +182,13 @@ class MiniClient:
                 links=[f"{t.src}.nic0.tx", f"{t.dst}.nic0.rx"],
             )
         self.send(msg)
-        handle.first.wait(1.0)
+        if not handle.first.wait(FIRST_LEVEL_WAIT):
+            self.journal.add(
+                "error",
+                id=flow_id,
+                error=f"no level from the testbed controller within {FIRST_LEVEL_WAIT:g} s;"
+                " sent at level 0",
+            )
         try:
             yield handle
         finally:
@@ -261,7 +285,12 @@ class Worker:
         deadline = time.monotonic() + timeout
         for thread in threads:
             thread.join(max(deadline - time.monotonic(), 0.1))
-        self._wait_receives(deadline)
+        for thread in threads:
+            if thread.is_alive():  # its flow or TP job never ended: the records lack it
+                self.journal.add(
+                    "error", what=thread.name, error=f"still running after {timeout:g} s"
+                )
+        self._wait_receives(deadline, timeout)
         receiver.stop()
 
     def _thread(self, what: str, target: Callable[..., None], *args: Any) -> threading.Thread:
@@ -276,11 +305,20 @@ class Worker:
 
         return threading.Thread(target=guarded, name=what, daemon=True)
 
-    def _wait_receives(self, deadline: float) -> None:
+    def _wait_receives(self, deadline: float, timeout: float) -> None:
+        """Wait until every transfer to this host arrived; an error naming those that did not
+        by ``deadline`` (the run's ``timeout`` s), which the records then lack."""
         expected = {t.flow_id for t in self.trace.transfers if t.dst == self.host}
         with self._done_cv:
             self._done_cv.wait_for(
                 lambda: expected <= set(self.done), max(deadline - time.monotonic(), 0.1)
+            )
+            missing = sorted(expected - set(self.done))
+        if missing:
+            self.journal.add(
+                "error",
+                what=f"receiver on {self.host}",
+                error=f"flows {', '.join(map(str, missing))} did not arrive within {timeout:g} s",
             )
 
     def _drain(self, receiver: transfer.Receiver) -> None:
@@ -423,7 +461,15 @@ class Worker:
             if t.job == job.job and t.consumer_step == step and t.dst == self.host
         ]
         with self._done_cv:
-            self._done_cv.wait_for(lambda: all(n in self.done for n in needed), 60)
+            if self._done_cv.wait_for(lambda: all(n in self.done for n in needed), EXPERIENCE_WAIT):
+                return
+            missing = [n for n in needed if n not in self.done]
+        self.journal.add(
+            "error",
+            what=f"TP job {job.job}, iteration {step} on {self.host}",
+            error=f"its experience (flows {', '.join(map(str, missing))}) did not arrive within "
+            f"{EXPERIENCE_WAIT:g} s; it went on without it",
+        )
 
 
 def _plugin_pair(ctx: Any, oob: socket.socket) -> tuple[Any, Any]:

@@ -17,7 +17,7 @@ import pytest
 from flowsched import nccl, transfer
 from flowsched.nccl import harness
 from flowsched.testbed import worker
-from flowsched.testbed.daemons import free_ports
+from flowsched.testbed.daemons import free_ports, wait_for
 from flowsched.testbed.runner import collect
 from flowsched.testbed.trace import TpJob, Trace, Transfer
 
@@ -235,3 +235,98 @@ def test_wait_requests_times_out_naming_what_is_left(poll: str) -> None:
 def test_unknown_poll_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="FLOWSCHED_TESTBED_POLL: unknown mode 'spin'"):
         worker._wait_requests([CountedRequest(1)], 1.0, "spin")
+
+
+def test_a_transfer_that_never_arrives_is_an_error() -> None:
+    """The worker stops waiting for its receives at its deadline: the transfers it never got
+    are missing from the records, so the run must say which."""
+    lost = Transfer(7, "kv", "h0", "h1", 0.0, 1000)
+    trace = Trace(1, 2, 25e6, 1.0, 0.5, [], [lost])
+    journal = worker.Journal()
+    receiver_only = worker.Worker(
+        trace, "h1", IPS, worker.Clock(time.monotonic_ns()), MiniControl(), journal
+    )
+    receiver_only.run(0.3)
+    assert _errors(trace, journal) == ["receiver on h1: flows 7 did not arrive within 0.3 s"]
+
+
+def test_a_thread_still_running_at_the_deadline_is_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A TP rank whose peer never comes: the worker ends at its deadline without the job's
+    spans, and says so."""
+    release = threading.Event()
+
+    def connect(self: worker.Worker, job: TpJob, server: object) -> Any:
+        release.wait(30)
+        raise OSError("released by the test")
+
+    monkeypatch.setattr(worker.Worker, "_tp_connect", connect)
+    trace = _trace()
+    try:
+        journal = _run_ranks(trace, {"h1": MiniControl()}, timeout=0.3)
+    finally:
+        release.set()
+    assert "TP job tp0, rank on h1: still running after 0.3 s" in _errors(trace, journal)
+
+
+def test_an_iteration_whose_experience_never_arrives_goes_on_with_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(worker, "EXPERIENCE_WAIT", 0.2)
+    experience = Transfer(7, "experience", "h0", "h1", 0.0, 1000, job="tp0", consumer_step=0)
+    trace = _trace(transfers=[experience])
+    journal = worker.Journal()
+    rank = worker.Worker(
+        trace, "h1", IPS, worker.Clock(time.monotonic_ns()), MiniControl(), journal
+    )
+    rank._wait_experience(trace.tp_jobs[0], 0)
+    assert _errors(trace, journal) == [
+        "TP job tp0, iteration 0 on h1: its experience (flows 7) did not arrive within 0.2 s;"
+        " it went on without it"
+    ]
+
+
+@pytest.fixture
+def silent_controller() -> Iterator[tuple[tuple[str, int], queue.Queue[socket.socket]]]:
+    """A minimal controller's address that accepts and never answers; its connections."""
+    accepted: queue.Queue[socket.socket] = queue.Queue()
+    with socket.create_server(("127.0.0.1", 0)) as server:
+
+        def accept() -> None:
+            with contextlib.suppress(OSError):
+                accepted.put(server.accept()[0])
+
+        threading.Thread(target=accept, daemon=True).start()
+        yield server.getsockname(), accepted
+
+
+def test_a_flow_without_a_level_from_the_controller_is_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+    silent_controller: tuple[tuple[str, int], queue.Queue[socket.socket]],
+) -> None:
+    """A flow the minimal controller never answers goes out at level 0, the top: the run's
+    admission and level figures are not the policy's, and the run must say so."""
+    monkeypatch.setattr(worker, "FIRST_LEVEL_WAIT", 0.2)
+    address, accepted = silent_controller
+    journal = worker.Journal()
+    client = worker.MiniClient(address, [], journal)
+    with accepted.get(timeout=10), client.flow(Transfer(7, "kv", "h0", "h1", 0.0, 1000)):
+        pass
+    assert _errors(_trace(), journal)[0] == (
+        "flow 7: no level from the testbed controller within 0.2 s; sent at level 0"
+    )
+
+
+def test_a_controller_that_closes_its_connection_is_an_error(
+    silent_controller: tuple[tuple[str, int], queue.Queue[socket.socket]],
+) -> None:
+    """The minimal controller died: every later level change of the host's flows is lost."""
+    address, accepted = silent_controller
+    journal = worker.Journal()
+    worker.MiniClient(address, [], journal)
+    accepted.get(timeout=10).close()
+    wait_for(lambda: journal.events, 10, "the reader's error")
+    assert _errors(_trace(), journal) == [
+        "the testbed controller's connection: closed by the controller during the run"
+    ]
