@@ -84,6 +84,7 @@ class LiveEngine:
         self._hosts: dict[str, socket.socket] = {}
         self._hosts_changed = threading.Condition()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._socket_path = socket_path
         socket_path.unlink(missing_ok=True)
         self._listener.bind(str(socket_path))
         os.chmod(socket_path, 0o600)
@@ -196,10 +197,11 @@ class LiveEngine:
             self._handle(message)
 
     def stop(self) -> None:
-        """Tell every host to finish and close the engine's socket."""
+        """Tell every host to finish, close the engine's socket and remove its file."""
         for host in list(self._hosts):
             self._send(host, {"t": "stop"})
         self._listener.close()
+        self._socket_path.unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ internals
     def _handle(self, message: dict[str, Any]) -> None:

@@ -272,15 +272,16 @@ def run_live(
             private=private,
             private_rate=topo.spec.rate_bytes * netns.TCP_PAYLOAD_SHARE,
         )
-        workers = _start_hosts(topo, procs, sorted(set(hosts.values())), workdir)
-        workload = ServingWorkload(engine, build_topology(scen), serving, trace)
-        try:
-            engine.wait_for_hosts(set(hosts.values()), 30.0)
-            engine.start(START_MARGIN)
-            workload.start()
-            engine.run(timeout)
-        except TimeoutError as exc:
-            errors.append(str(exc))
+        try:  # the engine's socket and thread must not outlive a start that fails
+            workers = _start_hosts(topo, procs, sorted(set(hosts.values())), workdir)
+            workload = ServingWorkload(engine, build_topology(scen), serving, trace)
+            try:
+                engine.wait_for_hosts(set(hosts.values()), 30.0)
+                engine.start(START_MARGIN)
+                workload.start()
+                engine.run(timeout)
+            except TimeoutError as exc:
+                errors.append(str(exc))
         finally:
             engine.stop()
         workload.finish()

@@ -558,3 +558,30 @@ def test_a_request_whose_kv_transfer_failed_is_a_miss() -> None:
     assert serving.unfinish_failed(records, {1, 3, 4}) == 2
     assert [r.finished for r in records.requests] == [None, 0.5, None]
     assert summarize(records).slo_attainment == pytest.approx(1 / 3)
+
+
+def test_a_stopped_engine_leaves_no_socket_file(tmp_path: Path) -> None:
+    live = LiveEngine(tmp_path / "engine.sock", {"p0": "h0"}, lambda job: [])
+    live.stop()
+    assert not (tmp_path / "engine.sock").exists()
+
+
+def test_a_live_run_whose_hosts_fail_to_start_stops_its_engine(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The engine listens before the host processes start: when they cannot, its socket (and
+    its accept thread) must not outlive the run."""
+
+    def cannot_start(*args: object) -> None:
+        raise OSError("no such namespace")
+
+    monkeypatch.setattr(netns.Topology, "configure_classes", lambda self, dscp: None)
+    monkeypatch.setattr(serving.runner, "start_agents", lambda *args: None)
+    monkeypatch.setattr(serving, "_start_hosts", cannot_start)
+    scen = scenario.parse(TINY, "tiny.toml")
+    topo = netns.plan(serving.topology_spec(scen, "fsU-"))
+    policy = tmp_path / "rmlq.toml"
+    serving.write_policy_file("rmlq", policy)
+    with pytest.raises(OSError, match="no such namespace"):
+        serving.run_live(topo, scen, 0.5, 1, policy, tmp_path / "work")
+    assert not (tmp_path / "work" / "engine.sock").exists()
