@@ -59,6 +59,8 @@ def other_control(control: str) -> str:
 
 #: result of the last :func:`calibrate` run (reported in the notes)
 CALIBRATION: dict[str, float] = {}
+#: what went wrong in the last calibration run (its figure is then left out; notes and stderr)
+CALIBRATION_ERRORS: list[str] = []
 
 
 def policy_path(name: str) -> Path:
@@ -156,6 +158,8 @@ def run(options: BenchOptions, stream: TextIO | None = None) -> list[report.Poli
         meta["steal"] = round(steal, 4)
     _print_summary(results, steal, stream)  # before the files: a write error keeps the table
     report_errors(results)
+    if CALIBRATION_ERRORS:
+        print(f"error: {_calibration_failed()}", file=sys.stderr)
     paths = report.write(results, meta, options.out)
     print("wrote " + ", ".join(str(p) for p in paths), file=stream)
     return results
@@ -244,15 +248,24 @@ def calibration_trace(rate_bytes: float, size: int = 1_500_000, count: int = 8) 
 
 
 def calibrate(
-    topo: netns.Topology, rate_bytes: float, work: Path, control: str = "agent"
+    topo: netns.Topology,
+    rate_bytes: float,
+    work: Path,
+    control: str = "agent",
+    errors: list[str] | None = None,
 ) -> dict[str, float]:
     """Median completion time of an isolated transfer on the testbed vs the simulator's: size /
-    the link's payload rate (:data:`netns.TCP_PAYLOAD_SHARE` of ``rate_bytes``)."""
+    the link's payload rate (:data:`netns.TCP_PAYLOAD_SHARE` of ``rate_bytes``). Empty, with
+    the reasons appended to ``errors``, when the run recorded errors or no transfer completed:
+    an incomplete run's median is not the testbed's overhead."""
     trace = calibration_trace(rate_bytes)
     path = policy_path("fair")
     run = runner.run_policy(topo, trace, policyfile.load(path), path, work, control=control)
     fcts = [f.fct for f in run.records.flows]
-    if not fcts:
+    problems = run.errors + ([] if fcts else ["no transfer completed"])
+    if problems:
+        if errors is not None:
+            errors += problems
         return {}
     size, median = trace.transfers[0].size, report.nearest_rank(fcts, 0.5)
     ideal = size / (rate_bytes * netns.TCP_PAYLOAD_SHARE)
@@ -275,8 +288,15 @@ def _testbed(
     other = other_control(options.control)
     with netns.testbed(options.spec, probed=True) as topo:  # run() has probed
         if options.calibrate:
+            CALIBRATION_ERRORS.clear()
             CALIBRATION.update(
-                calibrate(topo, traces[0].rate_bytes, work / "calibration", options.control)
+                calibrate(
+                    topo,
+                    traces[0].rate_bytes,
+                    work / "calibration",
+                    options.control,
+                    CALIBRATION_ERRORS,
+                )
             )
         for trace in traces:
             suffix = f"-seed{trace.seed}" if len(traces) > 1 else ""
@@ -404,6 +424,8 @@ def _notes(results: list[report.PolicyResult]) -> list[str]:
             f"simulator ({c['overhead_s'] * 1e3:+.1f} ms: connection setup, admission, TCP slow "
             "start, digest and acknowledgement)."
         )
+    if CALIBRATION_ERRORS:
+        notes.append(_calibration_failed())
     notes += [_gap_note(r) for r in results if r.testbed_records is not None]
     admitted = [r for r in results if r.admission]
     if admitted:
@@ -431,6 +453,14 @@ def _notes(results: list[report.PolicyResult]) -> list[str]:
     if errors:
         notes.append(f"{errors} errors were recorded (see results.json).")
     return notes
+
+
+def _calibration_failed() -> str:
+    """The line saying why the per-transfer overhead is missing (notes and stderr)."""
+    return (
+        "The calibration run (isolated transfers: the testbed's per-transfer overhead) was "
+        f"incomplete, so its figure is left out: {'; '.join(CALIBRATION_ERRORS)}."
+    )
 
 
 def _kv_gaps(testbed: RunRecords, sim: RunRecords) -> list[float]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import signal
@@ -649,3 +650,39 @@ def test_a_control_plane_daemon_that_dies_during_the_run_is_a_run_error(
     stale levels and no error of their own: the run must say so."""
     run = _fake_run(monkeypatch, tmp_path, "clean", control="dies")
     assert len(run.errors) == 1 and run.errors[0].endswith("exited with status 7 during the run")
+
+
+@pytest.mark.usefixtures("lock_dir")
+def test_an_incomplete_calibration_run_is_left_out_and_said(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The calibration's overhead figure from a run that recorded errors would be an
+    incomplete run's: it is left out, and the report and stderr say why."""
+
+    def calibration_run(topo: object, trace: Trace, *args: object, **kwargs: object) -> Any:
+        records = replay.replay(trace, policies.create("fair", num_levels=8))
+        return runner.TestbedRun("fair", records, errors=["worker h0 exited with status 1"])
+
+    def simulated_testbed_run(topo: object, trace: Trace, *args: object) -> Any:
+        return replay.replay(trace, policies.create("fair", num_levels=8))
+
+    monkeypatch.setattr(netns, "_build", lambda topo, dscp: None)
+    monkeypatch.setattr(netns, "cleanup", lambda prefix: [])
+    monkeypatch.setattr(netns, "probe", lambda prefix="fsE-": None)
+    monkeypatch.setattr(runner, "run_policy", calibration_run)
+    monkeypatch.setattr(bench, "_testbed_run", simulated_testbed_run)
+    monkeypatch.setattr(bench, "CALIBRATION", {})
+    options = bench.BenchOptions(
+        out=tmp_path / "out",
+        policies=("fair",),
+        params=ScenarioParams(duration=1.0),
+        seed=1,
+        spec=netns.TopologySpec(prefix="fsU-"),
+    )
+    bench.run(options, stream=io.StringIO())
+    said = "The calibration run (isolated transfers: the testbed's per-transfer overhead) was "
+    said += "incomplete, so its figure is left out: worker h0 exited with status 1."
+    notes = json.loads((tmp_path / "out" / "results.json").read_text())["meta"]["notes"]
+    assert said in notes
+    assert not any(note.startswith("Measured per-transfer overhead") for note in notes)
+    assert f"error: {said}" in capsys.readouterr().err
