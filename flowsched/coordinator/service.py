@@ -75,13 +75,15 @@ from flowsched.protocol import (
     Resync,
     encode_frame,
 )
+from flowsched.protocol._codec import MAX_UPDATES
 from flowsched.signals import wait_for_signal
 from flowsched.tls import ReloadingContext, reloading_server
 
 log = logging.getLogger("flowsched.coordinator")
 
-#: level updates per ``levels`` frame (keeps frames far below the 1 MiB default limit)
-MAX_UPDATES_PER_FRAME = 8192
+#: level updates per ``levels`` frame (keeps frames far below the 1 MiB default limit; an
+#: agent's decoder takes no more in one frame)
+MAX_UPDATES_PER_FRAME = MAX_UPDATES
 #: heartbeats go out to 1/HEARTBEAT_SLICES of the agents every interval/HEARTBEAT_SLICES
 HEARTBEAT_SLICES = 10
 #: pending connections the kernel queues for accept(): every agent reconnects at once after a

@@ -16,6 +16,12 @@ two arrays of equal length (version 2, checked by one loop per array instead of 
 entry). Both decode to the same :class:`Flows`; :func:`encode_body` writes the form of the
 version it is given.
 
+Before any of that, msgpack decodes under limits taken from the protocol's maxima (entries
+per array, keys per map, bytes per bin, no extension types: checked from each container's
+header, before the container is built) and :class:`_ArrayBudget` counts the arrays it builds,
+so that a frame no message could be costs next to nothing to refuse (tests/protocol/
+test_protocol_limits.py); the error names the field (:func:`_over_limit`).
+
 Wheels compile this module with mypyc (flowsched/compiled.py), which checks annotated types
 at run time: data not yet checked is typed ``object`` or ``Any`` (:data:`_Map`), never what
 it should be, so that both builds raise the same :class:`LocalProtocolError` for a bad frame
@@ -37,6 +43,7 @@ from flowsched.protocol._messages import (
     MESSAGE_TYPES,
     PACKED_PROGRESS_VERSION,
     PROTOCOL_VERSION,
+    RESYNC_FRAME_OPENS,
     Auth,
     Challenge,
     Error,
@@ -64,8 +71,21 @@ MAX_LINKS: Final = 64
 MAX_LEVEL: Final = 255
 #: progress reports per ``flows`` frame, either form (an agent splits larger batches)
 MAX_PROGRESS: Final = 8192
+#: level updates per ``levels`` frame (the coordinator splits larger batches)
+MAX_UPDATES: Final = 8192
 NONCE_SIZE: Final = 32
 MAC_SIZE: Final = 32
+#: Entries in one array of any legal frame, either direction: a frame's ``opens`` (an agent
+#: of any release sends at most RESYNC_FRAME_OPENS per frame), its progress reports or
+#: ``closes`` (MAX_PROGRESS each, which the agent splits by too), a ``levels`` frame's updates,
+#: an open's links, a ``nic_load`` frame's entries (its node's two links). msgpack refuses a
+#: longer array from its header, before building any of it (see :func:`decode_body`).
+MAX_ARRAY: Final = max(RESYNC_FRAME_OPENS, MAX_PROGRESS, MAX_UPDATES, MAX_LINKS)
+#: Arrays in one legal frame: a ``flows`` frame's own four (opens, progress ids and bytes,
+#: closes) and one per open (its links). A frame of nested arrays, each within MAX_ARRAY, is
+#: refused at the next one: arrays are what costs a decoder most to build (a 1 MiB frame of
+#: empty ones took 160-180 ms, a frame's worth of the largest legal ones 1-20 ms).
+MAX_ARRAYS: Final = MAX_ARRAY + 4
 
 #: A decoded msgpack map before its checks: str keys, or bytes ones (``bin`` keys pass
 #: ``strict_map_key``), and any values. Never annotate unchecked data more narrowly: the
@@ -209,6 +229,15 @@ _NIC_FIELDS: Final = _known(NicLoadEntry)
 _UPDATE_FIELDS: Final = _known(LevelUpdate)
 _MESSAGE_FIELDS: Final = {t: _known(cls) | {"t"} for t, cls in MESSAGE_TYPES.items()}
 _MESSAGE_FIELDS[Flows.TYPE] |= {"progress"}  # the map form of the progress arrays
+#: the most fields of any message or entry (a flow open's 11)
+MAX_FIELDS: Final = max(
+    len(fields)
+    for fields in (_OPEN_FIELDS, _PROGRESS_FIELDS, _CLOSE_FIELDS, _NIC_FIELDS, _UPDATE_FIELDS,
+                   *_MESSAGE_FIELDS.values())
+)  # fmt: skip
+#: Keys in one map of any frame msgpack builds: twice MAX_FIELDS, so that a map with a few
+#: unknown keys is still refused by its field check, which names them
+MAX_MAP: Final = 2 * MAX_FIELDS
 
 
 def _each(items: list[Any], path: str, parse: Callable[[object, str], Any]) -> tuple[Any, ...]:
@@ -657,9 +686,16 @@ def decode_body(body: bytes) -> Message:
             field is missing, unknown, of the wrong type or out of range (the message names the
             frame type and field).
     """
+    # A body shorter than MAX_ARRAYS bytes cannot hold more arrays: no hook to call per array
+    count_arrays = _ArrayBudget().take if len(body) > MAX_ARRAYS else None
     try:
-        data = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+        data = msgpack.unpackb(
+            body, raw=False, strict_map_key=True, use_list=True, list_hook=count_arrays,
+            max_array_len=MAX_ARRAY, max_map_len=MAX_MAP, max_bin_len=MAX_BIN, max_ext_len=0,
+        )  # fmt: skip
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        if "exceeds max_" in str(exc):  # a container over the limits, seen from its header
+            raise LocalProtocolError(_over_limit(body), code="bad_field") from None
         raise LocalProtocolError(f"frame: not valid msgpack ({exc})", code="bad_frame") from None
     if type(data) is not dict:
         raise _bad("frame", "a map", data)
@@ -668,6 +704,96 @@ def decode_body(body: bytes) -> Message:
     if fast is not None and (decoded := fast(data)) is not None:
         return decoded
     return _decode_checked(data)
+
+
+class _ArrayBudget:
+    """msgpack's ``list_hook`` for one decode: refuses the array past :data:`MAX_ARRAYS`
+    (msgpack hands over each array once built, inner ones first)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_ARRAYS
+
+    def take(self, items: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise LocalProtocolError(
+                f"frame: more than {MAX_ARRAYS} arrays (a legal frame holds one per flow open"
+                " and four of its own)",
+                code="bad_field",
+            )
+        return items
+
+
+#: Items a refused frame is walked through to name its container over the limits
+#: (:func:`_over_limit`), and how deep (a legal frame nests 4 deep: frame, opens, open, links)
+_WALK_ITEMS: Final = 4096
+_WALK_DEPTH: Final = 8
+#: bin fields are nonces and MACs
+MAX_BIN: Final = max(NONCE_SIZE, MAC_SIZE)
+#: every field name of every message and entry (a map key outside it is named "?")
+_FIELD_NAMES: Final = frozenset().union(*_MESSAGE_FIELDS.values(), _OPEN_FIELDS, _UPDATE_FIELDS,
+                                        _NIC_FIELDS, _CLOSE_FIELDS)  # fmt: skip
+
+
+def _over_limit(body: bytes) -> str:
+    """The error for a body that msgpack refused for a container over the limits: which
+    container (``flows.opens[3].links: an array of 9000 entries, ...``), found by walking the
+    headers up to it (at most :data:`_WALK_ITEMS` items: "frame" beyond)."""
+    walk = _LimitWalk(memoryview(body))
+    kind = peek_type(body)
+    found = walk.item(0, kind if kind in MESSAGE_TYPES else "frame", 0)[1]
+    return found or "frame: a container over the protocol's limits"
+
+
+class _LimitWalk:
+    """Reads msgpack headers without building anything, to name the first container over
+    :data:`MAX_ARRAY`, :data:`MAX_MAP`, :data:`MAX_BIN` or any extension type."""
+
+    __slots__ = ("left", "view")
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.left = _WALK_ITEMS
+
+    def item(self, pos: int, path: str, depth: int) -> tuple[int, str]:
+        """(where the item at ``pos`` ends or -1, the error if it holds a container over the
+        limits, else "")."""
+        self.left -= 1
+        if self.left < 0 or depth > _WALK_DEPTH or pos >= len(self.view):
+            return -1, ""
+        kind, size, start = _header(self.view, pos)
+        if kind == "scalar":
+            return _skip_scalar(self.view, pos), ""
+        if kind == "ext":
+            return -1, f"{path}: an extension type (no field holds one)"
+        if kind == "bin":
+            if size > MAX_BIN:
+                return -1, f"{path}: more than {MAX_BIN} bytes of bin ({size})"
+            return start + size, ""
+        if kind == "array" and size > MAX_ARRAY:
+            return -1, f"{path}: more than {MAX_ARRAY} entries (an array of {size})"
+        if kind == "map" and size > MAX_MAP:
+            return -1, f"{path}: more than {MAX_MAP} keys (a map of {size})"
+        return self.entries(start, size, kind == "map", path, depth)
+
+    def entries(self, pos: int, count: int, is_map: bool, path: str, depth: int) -> tuple[int, str]:
+        for index in range(count):
+            sub = f"{path}[{index}]"
+            if is_map:
+                key, after = _peek_str(self.view, pos)
+                if key is None:  # not a str: a key is an item too
+                    pos, found = self.item(pos, f"{path}.?", depth + 1)
+                    if found or pos < 0:
+                        return pos, found
+                    sub = f"{path}.?"
+                else:
+                    pos, sub = after, f"{path}.{key if key in _FIELD_NAMES else '?'}"
+            pos, found = self.item(pos, sub, depth + 1)
+            if found or pos < 0:
+                return pos, found
+        return pos, ""
 
 
 def _decode_checked(data: _Map) -> Message:
@@ -835,6 +961,30 @@ _FIXED_SIZES: Final = {0xC0: 1, 0xC2: 1, 0xC3: 1, 0xCA: 5, 0xCB: 9, 0xCC: 2, 0xC
                 0xCF: 9, 0xD0: 2, 0xD1: 3, 0xD2: 5, 0xD3: 9}  # fmt: skip
 #: str and bin with a length field -> size of that field
 _SIZED: Final = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4}
+
+
+#: extension types with a fixed size (fixext 1..16) -> that size
+_FIXEXT: Final = {0xD4: 1, 0xD5: 2, 0xD6: 4, 0xD7: 8, 0xD8: 16}
+#: containers, bin and ext with a size field -> (kind, size of that field)
+_SIZED_HEADERS: Final = {0xDC: ("array", 2), 0xDD: ("array", 4), 0xDE: ("map", 2),
+                         0xDF: ("map", 4), 0xC4: ("bin", 1), 0xC5: ("bin", 2), 0xC6: ("bin", 4),
+                         0xC7: ("ext", 1), 0xC8: ("ext", 2), 0xC9: ("ext", 4)}  # fmt: skip
+
+
+def _header(view: memoryview, pos: int) -> tuple[str, int, int]:
+    """The kind of the msgpack item at ``pos`` ("array", "map", "bin", "ext" or "scalar"),
+    its entry count or byte size, and where its contents start (a truncated header reads as
+    a scalar, which :func:`_skip_scalar` then finds truncated)."""
+    lead = view[pos]
+    if 0x80 <= lead <= 0x9F:
+        return ("map" if lead <= 0x8F else "array"), lead & 0x0F, pos + 1
+    if lead in _FIXEXT:
+        return "ext", _FIXEXT[lead], pos + 2
+    if lead in _SIZED_HEADERS:
+        kind, width = _SIZED_HEADERS[lead]
+        if pos + 1 + width <= len(view):
+            return kind, int.from_bytes(view[pos + 1 : pos + 1 + width], "big"), pos + 1 + width
+    return "scalar", 0, pos
 
 
 def _skip_scalar(view: memoryview, pos: int) -> int:

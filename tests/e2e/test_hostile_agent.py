@@ -1,10 +1,13 @@
 """An authenticated but hostile agent against a real coordinator, with a real agent connected.
 
 The peer holds the token, so it gets past the handshake, and then sends frames built to be
-costly to decode: a legal-size (1 MiB) ``flows`` frame whose ``opens`` array holds a million
-empty maps (msgpack decodes each byte into a dict: ~75 MB of objects). The coordinator
-refuses each (``bad_field``) and ends that connection only; it must keep nothing it decoded.
-Resident memory comes from ``/proc/<pid>/status``; figures are printed (``-s``).
+costly to decode: a legal-size (1 MiB) ``flows`` frame whose ``opens`` holds a million empty
+maps (msgpack decodes each byte into a dict: ~75 MB of objects), as arrays of MAX_ARRAY maps
+(a single array that long is refused from its header); or a million empty arrays, flat or
+nested, which the decoder's limits refuse before building them. The coordinator refuses each
+(``bad_field``) and ends that connection only; it must keep nothing it decoded, and build
+nothing it need not. Resident memory comes from ``/proc/<pid>/status``; figures are printed
+(``-s``).
 """
 
 from __future__ import annotations
@@ -33,14 +36,28 @@ from flowsched.protocol import (
     Welcome,
     load_token,
 )
+from flowsched.protocol._codec import MAX_ARRAY, MAX_ARRAYS
 from flowsched.protocol._framing import HEADER_SIZE
 
 pytestmark = pytest.mark.slow
 
-#: ``{"t": "flows", "opens": [{}, {}, ...]}`` filling a 1 MiB body (the largest allowed)
-_EMPTY_MAPS = 1_000_000
-EMPTY_MAPS_FRAME = (
-    b"\x82\xa1t\xa5flows\xa5opens\xdd" + _EMPTY_MAPS.to_bytes(4, "big") + b"\x80" * _EMPTY_MAPS
+_ENTRIES = (1 << 20) - 64
+
+
+def _nested(inner: bytes) -> bytes:
+    """``{"t": "flows", "opens": [[x, x, ...], ...]}`` of ~1 MiB (the largest body allowed),
+    ``x`` being ``inner`` (one byte), each inner array MAX_ARRAY long (within the limit)."""
+    chunk = b"\xdc" + MAX_ARRAY.to_bytes(2, "big") + inner * MAX_ARRAY
+    count = _ENTRIES // len(chunk)
+    return b"\x82\xa1t\xa5flows\xa5opens\xdc" + count.to_bytes(2, "big") + chunk * count
+
+
+#: a million empty maps, built (each array is within the limits) and then refused
+EMPTY_MAPS_FRAME = _nested(b"\x80")
+_EMPTY_MAPS = EMPTY_MAPS_FRAME.count(b"\x80")
+#: ``{"t": "flows", "opens": [[], [], ...]}``: a million empty arrays in one array
+FLAT_ARRAYS_FRAME = (
+    b"\x82\xa1t\xa5flows\xa5opens\xdd" + _ENTRIES.to_bytes(4, "big") + b"\x90" * _ENTRIES
 )
 
 
@@ -69,6 +86,27 @@ def send_after_handshake(address: tuple[str, int], token: bytes, node: str, body
     return answer
 
 
+def _wait_refused(mport: str, frames: int) -> None:
+    wait_for(
+        lambda: (
+            total(
+                scrape(mport), "flowsched_coordinator_closed_connections_total", reason="bad_field"
+            )
+            == frames
+        ),
+        10,
+        "the coordinator to count every refused frame",
+    )
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The most resident memory ``pid`` ever had (VmHWM): a peak no sampling can miss."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")
+
+
 def test_refused_costly_frames_leave_nothing_decoded_behind(tmp_path: Path, token: Path) -> None:
     frames = 12
     with coordinator_and_agent(tmp_path, token) as setup:
@@ -80,18 +118,7 @@ def test_refused_costly_frames_leave_nothing_decoded_behind(tmp_path: Path, toke
                     setup.address, load_token(str(token)), f"hostile-{index}", EMPTY_MAPS_FRAME
                 )
                 assert answer.code == "bad_field" and "flows.opens[0]" in answer.reason
-        wait_for(
-            lambda: (
-                total(
-                    scrape(mport),
-                    "flowsched_coordinator_closed_connections_total",
-                    reason="bad_field",
-                )
-                == frames
-            ),
-            10,
-            "the coordinator to count every refused frame",
-        )
+        _wait_refused(mport, frames)
         rss_after = rss_bytes(pid)
         print(
             f"\n{frames} refused 1 MiB frames of {_EMPTY_MAPS:,} empty maps from an "
@@ -103,3 +130,38 @@ def test_refused_costly_frames_leave_nothing_decoded_behind(tmp_path: Path, toke
     # each refused frame's decoded maps (~75 MB) stayed until a full garbage collection,
     # which gc.freeze() at start makes rare: 12 frames grew the coordinator by ~900 MB
     assert rss_after - rss_before < 256 * MIB
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        pytest.param(FLAT_ARRAYS_FRAME, f"flows.opens: more than {MAX_ARRAY} entries", id="flat"),
+        pytest.param(_nested(b"\x90"), f"frame: more than {MAX_ARRAYS} arrays", id="nested"),
+    ],
+)
+def test_frames_of_empty_arrays_are_refused_before_they_are_built(
+    tmp_path: Path, token: Path, body: bytes, reason: str
+) -> None:
+    """Ten frames of a million empty arrays each (160-180 ms of decoding apiece, ~64 MB of
+    lists) in a row made the connected agent lose its link: the decoder's limits refuse
+    them from their headers, or at the array past MAX_ARRAYS."""
+    frames = 10
+    with coordinator_and_agent(tmp_path, token) as setup:
+        pid, mport = setup.coordinator.proc.pid, setup.coordinator.fields["mport"]
+        before, peak_before = agent_counters(setup.agent), peak_rss_bytes(pid)
+        with Watch(pid, [setup.agent]).running() as watch:
+            for index in range(frames):
+                answer = send_after_handshake(
+                    setup.address, load_token(str(token)), f"hostile-{index}", body
+                )
+                assert answer.code == "bad_field" and answer.reason.startswith(reason)
+        _wait_refused(mport, frames)
+        peak_after = peak_rss_bytes(pid)
+        print(
+            f"\n{frames} refused 1 MiB frames of empty arrays: coordinator peak RSS "
+            f"{peak_before / MIB:.1f} -> {peak_after / MIB:.1f} MiB; agent disconnected in "
+            f"{watch.disconnected_samples} of {watch.samples} samples"
+        )
+        assert_agent_never_dropped(setup, before, watch)
+    # building a frame's million lists took the peak up by ~60 MB or more
+    assert peak_after - peak_before < 16 * MIB

@@ -24,6 +24,7 @@ from typing import Any
 import msgpack
 import pytest
 import test_protocol_codec as codec_tests
+import test_protocol_limits as limits_tests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from protocol_strategies import messages
@@ -101,6 +102,14 @@ def test_the_edge_tables_decode_alike() -> None:
             _same_map_decoding(build.values[0](value))
     for bad in codec_tests.BAD_BODIES:
         _same_map_decoding(bad.values[0])
+
+
+def test_frames_over_the_limits_are_refused_alike() -> None:
+    """Each container over the decoder's limits, and the largest legal frames, in both builds."""
+    for over in limits_tests.OVER_LIMIT:
+        _same_decoding(over.values[0])
+    for largest in limits_tests.LARGEST:
+        _same_decoding(_codec.encode_body(largest.values[0]))
 
 
 @pytest.mark.parametrize(
