@@ -181,7 +181,8 @@ class CoordinatorCollector:
         )  # fmt: skip
         yield CounterMetricFamily(
             f"{PREFIX}_refused_flows",
-            "Flow opens refused: their node had --max-flows-per-node flows open.",
+            "Flow opens refused: their node had --max-flows-per-node flows open, or its flows "
+            "would name too many distinct links or jobs, or links in all (docs/security.md).",
             value=stats.refused_opens,
         )
         yield CounterMetricFamily(

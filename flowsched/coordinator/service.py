@@ -58,7 +58,7 @@ from flowsched.coordinator.metrics import (
     LiveCounters,
     register_standard_collectors,
 )
-from flowsched.coordinator.state import ClusterState, node_links
+from flowsched.coordinator.state import MAX_JOBS_PER_NODE, ClusterState, node_links
 from flowsched.fdlimit import raise_fd_limit
 from flowsched.lograte import RepeatLog
 from flowsched.protocol import (
@@ -98,9 +98,6 @@ RESYNC_MAX_DEFER = 0.1
 STOP_TIMEOUT = 2.0
 #: with promotion timers and none armed, the timer loop still looks again this often (s)
 TIMER_IDLE_WAKE = 1.0
-#: job names one node may have reported at once (its agent keeps as many, see
-#: flowsched.agent.flows.MAX_JOBS); beyond it the node's least recently updated is forgotten
-MAX_JOBS_PER_NODE = 4096
 #: a job no agent reported progress for in this long is forgotten (s); checked every tenth
 JOB_TTL = 600.0
 #: file descriptors left to the process itself (listeners, epoll, logs, files it opens)
@@ -129,6 +126,8 @@ class Coordinator:
             per_flow=config.per_flow_decisions,
             promotion=config.promotion,
             max_flows_per_node=config.max_flows_per_node,
+            # a node's own egress and the ingress of every other node this coordinator serves
+            max_link_names_per_node=config.max_connections + 1,
         )
         self.live = LiveCounters(
             Histogram(LATENCY_BUCKETS), Histogram(LATENCY_BUCKETS), rejected=defaultdict(int)
@@ -618,11 +617,25 @@ class Coordinator:
             state.close_flows(node, message.closes, now)
 
     def _log_refused(self, node: str, refused: int) -> None:
+        state = self.state
+        flows = len(state.by_node.get(node, ()))
+        if flows < state.max_flows_per_node:  # refused for what they named
+            names = state.node_names.get(node)
+            self.repeat_log.log(
+                "cap:node_names", logging.WARNING,
+                "node %s: %d flow opens refused for their names (its %d open flows name %d "
+                "distinct links, %d in all, and %d jobs; at most %d, %d and %d): they keep the "
+                "agent's static levels",
+                node, refused, flows, len(names.links) if names else 0,
+                names.link_uses if names else 0, len(names.jobs) if names else 0,
+                state.max_link_names_per_node, state.max_link_uses_per_node, MAX_JOBS_PER_NODE,
+            )  # fmt: skip
+            return
         self.repeat_log.log(
             "cap:node_flows", logging.WARNING,
             "node %s has %d flows open, the most one node may have (--max-flows-per-node): "
             "%d more refused; they keep the agent's static levels",
-            node, len(self.state.by_node.get(node, ())), refused,
+            node, flows, refused,
         )  # fmt: skip
 
     def _settle_resyncs_soon(self) -> None:

@@ -37,7 +37,12 @@ the rest of the batch is decided and sent. A quarantined flow is tried again aft
 long). Each node
 may have at most ``max_flows_per_node`` flows open; opens beyond that are refused (counted in
 ``Stats.refused_opens``, returned by :meth:`ClusterState.open_flows`), so that one agent cannot
-grow the table without bound.
+grow the table without bound. What its flows name is bounded too (:class:`NodeNames`): each
+name is kept once per node however many of its flows repeat it, and a node's flows may name at
+most ``max_link_names_per_node`` distinct links, :data:`LINKS_PER_FLOW` links per allowed flow
+in all, and :data:`MAX_JOBS_PER_NODE` distinct jobs; an open beyond is refused likewise (also
+counted in ``Stats.refused_for_names``). A real node's flows name their node's egress and
+their peers' ingress links (1-3 each) and the few jobs it runs: only a hostile agent meets them.
 """
 
 from __future__ import annotations
@@ -73,6 +78,16 @@ SWEEP_STEP = 32
 #: models 1,000 agents x 10-20 flows; the SDK caps one client at 4,096), so only a runaway or
 #: hostile agent meets it (docs/security.md)
 MAX_FLOWS_PER_NODE = 65536
+#: distinct link names one node's flows may name by default: its egress and the ingress of
+#: every other node a coordinator serves (CoordinatorConfig.max_connections, 16,384)
+MAX_LINK_NAMES_PER_NODE = 16385
+#: links a node's flows may name in all, per flow it may have open (a real flow names 1-3; one
+#: flow may still name up to MAX_LINKS, 64, while its node has room)
+LINKS_PER_FLOW = 4
+#: job names one node may have reported at once (its agent keeps as many, see
+#: flowsched.agent.flows.MAX_JOBS); beyond it the node's least recently updated is forgotten
+#: (the service's job index). Also the distinct jobs one node's open flows may name.
+MAX_JOBS_PER_NODE = 4096
 #: seconds a quarantined flow waits before the policy is tried on it again; each further
 #: failure of the same flow doubles the wait, up to QUARANTINE_RETRY_MAX
 QUARANTINE_RETRY_FIRST = 1.0
@@ -83,6 +98,59 @@ def node_links(node: str) -> tuple[str, str]:
     """The links ``node``'s agent reports the load of: its egress ``<node>:tx`` and its
     ingress ``<node>:rx`` (flowsched.agent.nic)."""
     return f"{node}:tx", f"{node}:rx"
+
+
+class SharedNames:
+    """One copy of each name (link, job or request) some flows use, with how many use it: a
+    name that every flow of a node repeats is kept once, not once per flow."""
+
+    __slots__ = ("copies", "uses")
+
+    def __init__(self) -> None:
+        self.copies: dict[str, str] = {}
+        self.uses: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.uses)
+
+    def take(self, name: str) -> str:
+        """The kept copy of ``name`` (``name`` itself if new), now used once more."""
+        kept = self.copies.get(name)
+        if kept is None:
+            self.copies[name] = name
+            self.uses[name] = 1
+            return name
+        self.uses[kept] += 1
+        return kept
+
+    def drop(self, name: str) -> None:
+        """``name`` is used once less; forgotten when no flow uses it."""
+        left = self.uses[name] - 1
+        if left:
+            self.uses[name] = left
+        else:
+            del self.uses[name]
+            del self.copies[name]
+
+    def new_among(self, names: Iterable[str]) -> int:
+        """How many distinct names of ``names`` are not kept yet."""
+        return len({name for name in names if name not in self.copies})
+
+
+class NodeNames:
+    """What one node's open flows name: its links, jobs and requests (each kept once), and
+    how many links they name in all."""
+
+    __slots__ = ("jobs", "link_uses", "links", "requests")
+
+    def __init__(self) -> None:
+        self.links = SharedNames()
+        self.jobs = SharedNames()
+        self.requests = SharedNames()
+        self.link_uses = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.links or self.jobs or self.requests)
 
 
 @dataclass(slots=True)
@@ -110,8 +178,12 @@ class Stats:
     timer_fires: int = 0
     #: timer ticks that found the previous sweep unfinished (the effective period stretched)
     sweep_overruns: int = 0
-    #: flow opens refused because their node had max_flows_per_node flows open
+    #: flow opens refused because their node had max_flows_per_node flows open, or because
+    #: of what they named (refused_for_names)
     refused_opens: int = 0
+    #: flow opens refused because their node's flows would name too many distinct links or
+    #: jobs, or too many links in all (see NodeNames)
+    refused_for_names: int = 0
     #: flows the policy raised on (each quarantined: see the module docstring)
     policy_errors: int = 0
     completed: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
@@ -139,6 +211,9 @@ class ClusterState:
             ``next_change`` gave comes; "sweep" for policies without it) or ``"sweep"``
             (every timer tick queues every flow with a deadline).
         max_flows_per_node: open flows one node may have; its opens beyond are refused.
+        max_link_names_per_node: distinct links one node's open flows may name; an open that
+            would name more is refused (and one that would bring the node's link names in all
+            past :data:`LINKS_PER_FLOW` per allowed flow).
     """
 
     def __init__(
@@ -150,11 +225,16 @@ class ClusterState:
         mono_clock: Callable[[], int] = time.monotonic_ns,
         promotion: str = "timers",
         max_flows_per_node: int = MAX_FLOWS_PER_NODE,
+        max_link_names_per_node: int = MAX_LINK_NAMES_PER_NODE,
     ) -> None:
         if promotion not in ("timers", "sweep"):
             raise ValueError(f"promotion: expected 'timers' or 'sweep', got {promotion!r}")
         self.policy = policy
         self.max_flows_per_node = max_flows_per_node
+        self.max_link_names_per_node = max_link_names_per_node
+        self.max_link_uses_per_node = LINKS_PER_FLOW * max_flows_per_node
+        #: what each node's open flows name (see NodeNames)
+        self.node_names: dict[str, NodeNames] = {}
         next_change = getattr(policy, "next_change", None) if promotion == "timers" else None
         #: the policy's next_change, or None when promotions are swept
         self._next_change: Callable[[Flow, Context], float | None] | None = next_change
@@ -241,40 +321,65 @@ class ClusterState:
     ) -> int:
         """Admit newly opened flows of ``node`` (a re-sent open of a known flow is an update).
 
-        Returns how many new flows were refused: ``node`` had ``max_flows_per_node`` open.
+        Returns how many new flows were refused: ``node`` had ``max_flows_per_node`` open,
+        or their names would pass its bounds (:class:`NodeNames`; counted in
+        ``Stats.refused_for_names`` too).
         """
         self._stamp(now)
         ctx = self.context(now)
         table = self.by_node.setdefault(node, {})
+        names = self.node_names.get(node)
+        if names is None:
+            names = self.node_names[node] = NodeNames()
         events = self.stats.events
-        cap, refused = self.max_flows_per_node, 0
+        cap, refused, for_names = self.max_flows_per_node, 0, 0
         for op in opens:
             events[kind] += 1
             known = table.get(op.id)
             if known is not None:
                 self._refresh(known, op, resync=kind == "resync_flow")
-            elif len(table) < cap:
-                self._admit(node, table, op, ctx)
-            else:
+            elif len(table) >= cap:
                 refused += 1
+            elif not self._names_fit(names, op):
+                refused += 1
+                for_names += 1
+            else:
+                self._admit(node, table, op, ctx, names)
         if refused:
             self.stats.refused_opens += refused
+            self.stats.refused_for_names += for_names
         return refused
 
-    def _admit(self, node: str, table: dict[int, int], op: FlowOpen, ctx: Context) -> None:
+    def _names_fit(self, names: NodeNames, op: FlowOpen) -> bool:
+        """Whether ``op``'s names stay within its node's bounds (see :class:`NodeNames`)."""
+        if names.link_uses + len(op.links) > self.max_link_uses_per_node:
+            return False
+        if len(names.links) + names.links.new_among(op.links) > self.max_link_names_per_node:
+            return False
+        job = op.job
+        return job is None or job in names.jobs.copies or len(names.jobs) < MAX_JOBS_PER_NODE
+
+    def _admit(
+        self, node: str, table: dict[int, int], op: FlowOpen, ctx: Context, names: NodeNames
+    ) -> None:
         fid = next(self._ids)
+        # the node's kept copy of each name: a name its flows repeat costs nothing more
+        links = tuple([names.links.take(link) for link in op.links])
+        names.link_uses += len(links)
+        job = None if op.job is None else names.jobs.take(op.job)
+        request = None if op.request is None else names.requests.take(op.request)
         flow = Flow(
-            fid, op.cls, op.opened_at, op.size, op.sent, op.deadline, op.job,
-            op.consumer_index, op.request, op.links, node,
+            fid, op.cls, op.opened_at, op.size, op.sent, op.deadline, job,
+            op.consumer_index, request, links, node,
         )  # fmt: skip
         table[op.id] = fid
         self.flows[fid] = flow
         self.origin[fid] = (node, op.id)
-        if op.job is not None:
-            self.by_job[op.job].add(fid)
+        if job is not None:
+            self.by_job[job].add(fid)
         if op.deadline is not None:
             self.timed.add(fid)
-        for link in op.links:
+        for link in links:
             self.by_link[link].add(fid)
         # the agent's current level (resync) is what it applies now: send only differences
         flow.level = -1 if op.level is None else op.level
@@ -463,6 +568,7 @@ class ClusterState:
             self._remove(fid, ctx)
         self.split_resyncs.pop(node, None)
         self.outbox.pop(node, None)
+        self.node_names.pop(node, None)
         for link in node_links(node):
             self.link_bandwidth.pop(link, None)
             self.link_load.pop(link, None)
@@ -800,6 +906,7 @@ class ClusterState:
             self._discard(self.by_job, flow.job, fid)
         for link in flow.links:
             self._discard(self.by_link, link, fid)
+        self._forget_names(node, flow)
         if fid in self._strikes:
             self.quarantined.discard(fid)
             self._unadmitted.discard(fid)
@@ -814,6 +921,20 @@ class ClusterState:
                 wire_id, node, exc_info=exc,
             )  # fmt: skip
         return flow
+
+    def _forget_names(self, node: str, flow: Flow) -> None:
+        names = self.node_names.get(node)
+        if names is None:
+            return
+        for link in flow.links:
+            names.links.drop(link)
+        names.link_uses -= len(flow.links)
+        if flow.job is not None:
+            names.jobs.drop(flow.job)
+        if flow.request is not None:
+            names.requests.drop(flow.request)
+        if not names:
+            del self.node_names[node]
 
     @staticmethod
     def _discard(index: dict[str, set[int]], key: str, fid: int) -> None:

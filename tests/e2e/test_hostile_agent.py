@@ -12,7 +12,10 @@ nothing it need not. Resident memory comes from ``/proc/<pid>/status``; figures 
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,18 +29,23 @@ from test_preauth_floods import (
     rss_bytes,
 )
 
+from flowsched.model import FlowClass
 from flowsched.protocol import (
+    MAX_NAME,
     NEED_DATA,
     Challenge,
     Connection,
     Error,
+    FlowOpen,
+    Flows,
     Message,
     Role,
     Welcome,
     load_token,
 )
-from flowsched.protocol._codec import MAX_ARRAY, MAX_ARRAYS
+from flowsched.protocol._codec import MAX_ARRAY, MAX_ARRAYS, MAX_LINKS
 from flowsched.protocol._framing import HEADER_SIZE
+from flowsched.protocol.aio import connect_agent
 
 pytestmark = pytest.mark.slow
 
@@ -165,3 +173,70 @@ def test_frames_of_empty_arrays_are_refused_before_they_are_built(
         assert_agent_never_dropped(setup, before, watch)
     # building a frame's million lists took the peak up by ~60 MB or more
     assert peak_after - peak_before < 16 * MIB
+
+
+def _invented_links_open(index: int, node: str) -> FlowOpen:
+    """A flow naming its node's egress and 63 invented ~250-character ingress links, with the
+    longest job and a request of its own: the most a token holder could make one flow cost."""
+    links = (f"{node}:tx", *(f"{'d' * 240}{index}-{j}:rx" for j in range(MAX_LINKS - 1)))
+    return FlowOpen(
+        index, FlowClass.KV, time.time(), size=1 << 30, deadline=time.time() + 3600,
+        job="j" * MAX_NAME, request=f"{'r' * 240}{index}", links=links,
+    )  # fmt: skip
+
+
+async def _open_flows(
+    address: tuple[str, int], token: bytes, node: str, frames: int, until: Callable[[int], None]
+) -> int:
+    """Log in as ``node``, send ``frames`` frames of such opens, and hold the connection until
+    ``until(opens sent)`` returns (closing it with frames unread would reset it)."""
+    link = await connect_agent(*address, node=node, token=token)
+    try:
+        for frame in range(frames):
+            base = frame * OPENS_PER_FRAME
+            opens = tuple(_invented_links_open(base + i, node) for i in range(OPENS_PER_FRAME))
+            await link.send(Flows(opens=opens))
+        await asyncio.to_thread(until, frames * OPENS_PER_FRAME)
+    finally:
+        await link.close()
+    return frames * OPENS_PER_FRAME
+
+
+#: opens of 64 links (~16 KB each) that fit a 1 MiB frame
+OPENS_PER_FRAME = 60
+
+
+def test_flows_naming_invented_links_are_refused_past_the_nodes_bounds(
+    tmp_path: Path, token: Path
+) -> None:
+    """37 KiB per flow before: 65,534 such flows took the coordinator to 2.4 GB."""
+    with coordinator_and_agent(tmp_path, token) as setup:
+        pid, mport = setup.coordinator.proc.pid, setup.coordinator.fields["mport"]
+        before, rss_before = agent_counters(setup.agent), rss_bytes(pid)
+        with Watch(pid, [setup.agent]).running() as watch:
+            # a node's flows may name 16,385 distinct links (its egress and every ingress a
+            # coordinator of 16,384 connections serves): 1 + 63 new ones per flow
+            kept = (16_385 - 1) // (MAX_LINKS - 1)
+
+            def all_refused(sent: int) -> None:
+                wait_for(
+                    lambda: (
+                        total(scrape(mport), "flowsched_coordinator_refused_flows_total")
+                        == sent - kept
+                    ),
+                    30,
+                    "the coordinator to refuse the flows past the node's link names",
+                )
+
+            sent = asyncio.run(
+                _open_flows(setup.address, load_token(str(token)), "hostile", 40, all_refused)
+            )
+        rss_after = rss_bytes(pid)
+        print(
+            f"\n{sent} opens of {MAX_LINKS} links ({kept} kept): coordinator RSS "
+            f"{rss_before / MIB:.1f} -> {rss_after / MIB:.1f} MiB (peak {watch.rss_peak / MIB:.1f})"
+        )
+        assert_agent_never_dropped(setup, before, watch)
+        assert "refused for their names" in (tmp_path / "coordinator.log").read_text()
+    # 2,400 such flows kept were ~87 MiB
+    assert rss_after - rss_before < 32 * MIB
