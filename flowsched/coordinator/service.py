@@ -555,7 +555,9 @@ class Coordinator:
         state = self.state
         kind = type(message)
         if node in state.split_resyncs and kind is not Resync and not continues_resync(message):
-            state.end_resync(node, time.time())  # (a new resync replaces it instead)
+            refused = state.end_resync(node, time.time())  # (a new resync replaces it instead)
+            if refused:
+                self._log_refused(node, refused)
         if kind is Flows:
             assert isinstance(message, Flows)
             if message.opens:

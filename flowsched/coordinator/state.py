@@ -162,6 +162,12 @@ class SplitResync:
     unnamed: set[int]
     #: whether the flows' re-evaluation waits for settle_resyncs() (see ClusterState.resync)
     defer: bool
+    #: opens of new flows that found the node at ``max_flows_per_node`` while the unnamed
+    #: flows still counted: admitted (or refused) once those are gone (end_resync). Refused at
+    #: once, a live flow would stay unmanaged until the next resync (the agent never reports it
+    #: again), kept out by a flow the agent closed while away. At most as many as there are
+    #: unnamed flows (only their going makes room): the cap still bounds the memory
+    held: list[FlowOpen]
 
 
 @dataclass(slots=True)
@@ -317,13 +323,21 @@ class ClusterState:
     # -- events ------------------------------------------------------------------------------
 
     def open_flows(
-        self, node: str, opens: Iterable[FlowOpen], now: float, kind: str = "open"
+        self,
+        node: str,
+        opens: Iterable[FlowOpen],
+        now: float,
+        kind: str = "open",
+        held: list[FlowOpen] | None = None,
+        hold_max: int = 0,
     ) -> int:
         """Admit newly opened flows of ``node`` (a re-sent open of a known flow is an update).
 
         Returns how many new flows were refused: ``node`` had ``max_flows_per_node`` open,
         or their names would pass its bounds (:class:`NodeNames`; counted in
-        ``Stats.refused_for_names`` too).
+        ``Stats.refused_for_names`` too). With ``held``, a new flow past the flow cap goes
+        there instead, undecided and uncounted, while it holds fewer than ``hold_max`` (a split
+        resync's, see :class:`SplitResync`).
         """
         self._stamp(now)
         ctx = self.context(now)
@@ -334,8 +348,11 @@ class ClusterState:
         events = self.stats.events
         cap, refused, for_names = self.max_flows_per_node, 0, 0
         for op in opens:
-            events[kind] += 1
             known = table.get(op.id)
+            if known is None and held is not None and len(table) >= cap and len(held) < hold_max:
+                held.append(op)
+                continue
+            events[kind] += 1
             if known is not None:
                 self._refresh(known, op, resync=kind == "resync_flow")
             elif len(table) >= cap:
@@ -506,7 +523,8 @@ class ClusterState:
         ``flows`` frames of opens alone (an agent's flow set larger than one frame): then the
         node's flows it does not name stay until :meth:`end_resync`, and a flow that
         :meth:`continue_resync` names meanwhile keeps its state (id, strikes, rate, the
-        policy's view) instead of being dropped and admitted anew.
+        policy's view) instead of being dropped and admitted anew. A new flow that finds the
+        node at ``max_flows_per_node`` meanwhile waits for the end too (:class:`SplitResync`).
         """
         self.stats.events["resync"] += 1
         current = {op.id for op in opens}
@@ -514,7 +532,7 @@ class ClusterState:
         unnamed = [wire_id for wire_id in table if wire_id not in current]
         self.split_resyncs.pop(node, None)  # a new resync ends one still open (a reconnect)
         if len(opens) >= RESYNC_FRAME_OPENS:
-            self.split_resyncs[node] = SplitResync(set(unnamed), defer)
+            self.split_resyncs[node] = SplitResync(set(unnamed), defer, [])
         elif unnamed:
             ctx = self.context(now)
             for wire_id in unnamed:
@@ -533,21 +551,32 @@ class ClusterState:
         split.unnamed.difference_update(op.id for op in opens)
         return self._resync_opens(node, opens, now, split.defer)
 
-    def end_resync(self, node: str, now: float) -> None:
+    def end_resync(self, node: str, now: float) -> int:
         """``node``'s split resync is complete (a frame other than its continuation came):
-        drop the flows none of its frames named. Nothing when none is going on."""
+        drop the flows none of its frames named, then admit the new flows they kept past the
+        cap (:attr:`SplitResync.held`). Returns how many of those were refused all the same;
+        0, and nothing done, when no resync is going on."""
         split = self.split_resyncs.pop(node, None)
-        if split is None or not split.unnamed:
-            return
+        if split is None:
+            return 0
         table = self.by_node.get(node, {})
-        ctx = self.context(now)
-        for wire_id in split.unnamed:
-            fid = table.pop(wire_id, None)
-            if fid is not None:  # (closed meanwhile)
-                self._remove(fid, ctx)
+        if split.unnamed:
+            ctx = self.context(now)
+            for wire_id in split.unnamed:
+                fid = table.pop(wire_id, None)
+                if fid is not None:  # (closed meanwhile)
+                    self._remove(fid, ctx)
+        if not split.held:
+            return 0
+        # not deferred: the settle of the resync burst may be over, and these are few
+        return self.open_flows(node, split.held, now, kind="resync_flow")
 
     def _resync_opens(self, node: str, opens: tuple[FlowOpen, ...], now: float, defer: bool) -> int:
-        refused = self.open_flows(node, opens, now, kind="resync_flow")
+        split = self.split_resyncs.get(node)
+        held, hold_max = (split.held, len(split.unnamed)) if split is not None else (None, 0)
+        refused = self.open_flows(
+            node, opens, now, kind="resync_flow", held=held, hold_max=hold_max
+        )
         if defer:
             table = self.by_node[node]  # created by open_flows for a new node
             resynced = [fid for op in opens if (fid := table.get(op.id)) is not None]

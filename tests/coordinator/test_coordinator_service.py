@@ -210,6 +210,39 @@ async def test_a_resync_in_several_frames_keeps_the_flows_of_its_later_frames() 
 
 
 @pytest.mark.asyncio
+async def test_a_flow_a_split_resync_holds_past_the_cap_is_refused_at_its_end_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A new flow of a split resync that finds its node at --max-flows-per-node waits for the
+    end of the resync (the unnamed flows may make room); refused then, it is logged then."""
+    caplog.set_level(logging.WARNING, logger="flowsched.coordinator")
+    full = RESYNC_FRAME_OPENS
+    async with running_coordinator(max_flows_per_node=full + 1) as coordinator:
+        state = coordinator.state
+        old = await connect_as(coordinator, "n1")
+        await old.send(Flows(opens=tuple(_open(i) for i in range(full + 1))))  # at the cap
+        await wait_until(lambda: len(state.flows) == full + 1, 3.0, "the opens to arrive")
+        await old.close()
+        await wait_until(lambda: coordinator.agent_count() == 0, 3.0, "the old session to end")
+        new = await connect_as(coordinator, "n1")
+        try:
+            await new.send(Resync(tuple(_open(i) for i in range(full))))
+            await new.send(Flows(opens=(_open(999),)))  # new: held, flow `full` may go
+            await new.send(Flows(opens=(_open(full),)))  # it does not: no room at the end
+            await wait_until(
+                lambda: state.stats.events["resync_flow"] == full + 1, 3.0, "the resync frames"
+            )
+            assert "refused" not in caplog.text  # undecided until the end of the resync
+            await new.send(Heartbeat(time.time()))  # the resync is complete
+            await wait_until(lambda: state.stats.refused_opens == 1, 3.0, "the refusal")
+            assert 999 not in state.by_node["n1"]
+            assert "node n1 has 201 flows open" in caplog.text
+            assert "1 more refused" in caplog.text
+        finally:
+            await new.close()
+
+
+@pytest.mark.asyncio
 async def test_newer_connection_of_a_node_replaces_the_older() -> None:
     async with running_coordinator() as coordinator:
         old = await connect_as(coordinator, "n1")

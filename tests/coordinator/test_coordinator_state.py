@@ -260,6 +260,43 @@ def test_a_resync_larger_than_one_frame_keeps_the_flows_its_later_frames_name(
     assert "a" not in state.split_resyncs
 
 
+NEW = range(10 * FULL, 10 * FULL + 20)  # wire ids of flows the agent opened while away
+
+
+@pytest.mark.parametrize(
+    ("resync", "flows", "refused_at_once", "refused_at_end"),
+    [
+        # (the agent's resync frame; its flows frame; refused by that frame; by the end)
+        pytest.param([*range(FULL)], [*NEW[:10]], 0, 0, id="new-flows-in-the-flows-frame"),
+        pytest.param([*range(FULL - 5), *NEW[:5]], [], 0, 0, id="new-flows-in-the-resync"),
+        pytest.param([*range(FULL)], [*NEW[:15]], 5, 0, id="more-new-flows-than-unnamed"),
+        pytest.param([*range(FULL), *NEW[:3]], [*range(FULL, FULL + 8), *NEW[3:8]], 5, 1,
+                     id="named-later-the-cap-still-full-at-the-end"),
+    ],
+)  # fmt: skip
+def test_a_split_resync_admits_new_flows_past_the_cap_once_the_unnamed_ones_go(
+    resync: list[int], flows: list[int], refused_at_once: int, refused_at_end: int
+) -> None:
+    """The flows a split resync does not name stay until it ends, and count towards the cap:
+    a new flow of the resync that the closed-while-away ones kept out was refused for good (the
+    agent reports it once), though the end of the resync makes room. It now waits for the end,
+    refused only if the node is still at the cap then; at most as many wait as the unnamed
+    flows could make room for."""
+    cap = FULL + 10
+    state = ClusterState(BytesPolicy(), max_flows_per_node=cap)
+    state.open_flows("a", [_open(i) for i in range(cap)], now=1.0)  # at the cap
+    state.resync("a", tuple(_open(i) for i in resync), now=2.0)
+    at_once = state.continue_resync("a", tuple(_open(i) for i in flows), now=2.0) if flows else 0
+    assert at_once == refused_at_once
+    assert state.end_resync("a", now=3.0) == refused_at_end
+    named = {*resync, *flows}
+    table = state.by_node["a"]
+    assert len(table) == len(named) - refused_at_once - refused_at_end
+    assert set(table) <= named
+    assert {i for i in named if i < cap} <= set(table)  # the known flows named are kept
+    assert state.stats.refused_opens == refused_at_once + refused_at_end
+
+
 def test_a_split_resync_keeps_the_unnamed_flows_until_it_ends(state: ClusterState) -> None:
     state.open_flows("a", [_open(i) for i in range(FULL + 2)], now=1.0)
     state.resync("a", tuple(_open(i, level=7) for i in range(FULL)), now=2.0)
