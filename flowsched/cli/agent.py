@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
 from typing import Any
@@ -237,6 +238,8 @@ def preflight(config: AgentConfig, metrics_flag: str = "--metrics-port") -> None
     if not _is_default_table(config.table_path):  # the default directory is the agent's own
         check_table_path("--table", config.table_path)
         check_parent_dir("--table", config.table_path)
+    elif os.environ.get("FLOWSCHED_TABLE"):  # the jobs' FLOWSCHED_TABLE too: the same limit
+        check_table_path("FLOWSCHED_TABLE", config.table_path)
     check_socket_path("--socket", config.socket_path)
     for name in config.interfaces:
         check_interface("--interface", name)

@@ -126,3 +126,26 @@ def test_a_default_table_path_too_long_for_the_plugin_is_refused(
     err = capsys.readouterr().err
     assert "XDG_RUNTIME_DIR" in err and "at most 255" in err, err
     assert not (tmp_path / ("x" * 250)).exists()
+
+
+@pytest.mark.parametrize("command", ["agent", "up"])
+def test_a_flowsched_table_too_long_for_the_plugin_is_refused(
+    command: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # $FLOWSCHED_TABLE is the agent's default table path, and the jobs' (`up` exports it): the
+    # plugin ignores one over 255 bytes as it would a --table path, so it is refused the same
+    long_path = tmp_path / ("d" * 120) / ("d" * 120) / "table"
+    monkeypatch.setenv("FLOWSCHED_TABLE", str(long_path))
+    socket_flags = ["--socket", str(tmp_path / "agent.sock")]
+    if command == "agent":
+        args = ["agent", "--node", "n1", *socket_flags, "--metrics-port", "-1"]
+    else:
+        args = ["up", "--token-file", str(tmp_path / "token"), *socket_flags, "--listen",
+                "127.0.0.1:0", "--metrics-port", "0", "--agent-metrics-port", "0"]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "FLOWSCHED_TABLE: the path is" in err and "at most 255" in err, err
+    assert not (tmp_path / ("d" * 120)).exists()
