@@ -232,18 +232,40 @@ def _log_tail(log: Path) -> str:
 
 
 def _expect_session(
-    proc: subprocess.Popen[bytes], log: Path, what: str, *, timeout: float = READY_TIMEOUT
+    proc: subprocess.Popen[bytes],
+    log: Path,
+    what: str,
+    *,
+    since: int = 0,
+    timeout: float = READY_TIMEOUT,
 ) -> None:
     """Wait until the agent ``proc`` logs its first coordinator session (:data:`SESSION_LINE`:
-    it took the welcome and sent its resync); RuntimeError naming it, with its log's tail, when
+    it took the welcome and sent its resync) in ``log`` past byte ``since`` (its size before
+    ``proc`` started: a run into the same ``--out`` appends to an earlier run's log, whose
+    session line says nothing of this agent); RuntimeError naming it, with its log's tail, when
     it exits first or ``timeout`` s pass (it is then killed). An agent prints its ready line
     before it connects, and until its resync the flows it opens and closes are never reported
     and the trace's first transfers would run at their class defaults."""
     problem = _wait_until(
-        proc, lambda: SESSION_LINE in log.read_bytes(), "coordinator session", timeout
+        proc, lambda: SESSION_LINE in _read_from(log, since), "coordinator session", timeout
     )
     if problem is not None:
         raise RuntimeError(f"{what} did not connect: {problem}{_log_tail(log)}")
+
+
+def _read_from(path: Path, offset: int) -> bytes:
+    """``path``'s bytes from ``offset`` on."""
+    with path.open("rb") as file:
+        file.seek(offset)
+        return file.read()
+
+
+def _size(path: Path) -> int:
+    """``path``'s size in bytes, 0 when it does not exist."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _wait_until(
@@ -326,7 +348,7 @@ def start_agents(
     procs.append(coord)
     ready = _expect_line(coord, b"listening on", "the coordinator", coord_log)
     address = ready.split()[3].decode()
-    agents: list[tuple[subprocess.Popen[bytes], Path, str]] = []
+    agents: list[tuple[subprocess.Popen[bytes], Path, int, str]] = []
     for host in topo.hosts:
         argv = [
             sys.executable,
@@ -358,12 +380,13 @@ def start_agents(
             str(NIC_INTERVAL),
         ]
         agent_log = workdir / f"agent-{host.name}.log"
+        since = _size(agent_log)  # (the log of an earlier run into the same --out goes on)
         agent = _spawn_daemon(topo.ns_command(host.netns, argv), agent_log)
         procs.append(agent)
         _expect_line(agent, b"ready", f"the agent of {host.name}", agent_log)
-        agents.append((agent, agent_log, f"the agent of {host.name}"))
-    for agent, agent_log, what in agents:
-        _expect_session(agent, agent_log, what)
+        agents.append((agent, agent_log, since, f"the agent of {host.name}"))
+    for agent, agent_log, since, what in agents:
+        _expect_session(agent, agent_log, what, since=since)
 
 
 def _start_sniffer(

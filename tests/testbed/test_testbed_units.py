@@ -686,3 +686,24 @@ def test_an_incomplete_calibration_run_is_left_out_and_said(
     assert said in notes
     assert not any(note.startswith("Measured per-transfer overhead") for note in notes)
     assert f"error: {said}" in capsys.readouterr().err
+
+
+def test_an_earlier_runs_session_line_does_not_count(tmp_path: Path) -> None:
+    """The agents' logs are opened for appending, and a benchmark run into the same ``--out``
+    finds the previous run's in its folders: that run's session line made the wait for this
+    agent's session return at once."""
+    log = tmp_path / "agent-h0.log"
+    log.write_text("INFO connected to the coordinator (epoch 1); resync sent (0 flows)\n")
+    since = log.stat().st_size  # (start_agents takes it before it spawns the agent)
+    code = _SESSION_AGENTS["no-session"][0]
+    with log.open("ab") as sink:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=sink)
+    try:
+        wait_for(lambda: b"cannot reach" in log.read_bytes(), 30, "the fake agent's log line")
+        with pytest.raises(RuntimeError, match=r"no coordinator session within 0\.3 s; killed"):
+            runner._expect_session(proc, log, "the agent of h0", since=since, timeout=0.3)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
