@@ -69,7 +69,7 @@ def _check_default_length(name: str, path: str, env: str) -> None:
     if name not in _PATH_LIMITS:
         return
     limit, what, rule = _PATH_LIMITS[name]
-    size = len(os.fsencode(path))
+    size = _length_as_used(name, path)
     if size > limit:
         runtime = os.fsencode(os.environ.get("XDG_RUNTIME_DIR", ""))
         raise RuntimeDirError(
@@ -77,6 +77,16 @@ def _check_default_length(name: str, path: str, env: str) -> None:
             f"{path} would be {size} bytes, and {rule} {limit}; set a shorter "
             f"XDG_RUNTIME_DIR, or {env}"
         )
+
+
+def _length_as_used(name: str, path: str) -> int:
+    """``path``'s length in bytes where it is used: the NCCL plugin builds the default table
+    path as ``$XDG_RUNTIME_DIR/flowsched/table`` (src/param.c), a byte longer than ``path`` when
+    the variable ends with a slash (os.path.join adds none then)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if name == TABLE_NAME and runtime and os.geteuid() != 0:
+        return max(len(os.fsencode(path)), len(os.fsencode(f"{runtime}/flowsched/{name}")))
+    return len(os.fsencode(path))
 
 
 def client_path(name: str, env: str) -> str:

@@ -172,6 +172,22 @@ def test_a_default_path_too_long_names_xdg_runtime_dir(
     assert rundir.agent_path(name, env) == "/short/path"
 
 
+def test_a_default_table_path_is_measured_as_the_plugin_builds_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the plugin writes "$XDG_RUNTIME_DIR/flowsched/table" as such: with a trailing slash its
+    # path is a byte longer than os.path.join's, so at the limit the agent took a table path
+    # the plugin refuses (jobs never saw the agent's table)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.delenv("FLOWSCHED_TABLE", raising=False)
+    fits = "/" + "x" * (rundir.TABLE_PATH_MAX - len("/flowsched/table") - 1)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", fits)
+    assert len(rundir.agent_path(rundir.TABLE_NAME, "FLOWSCHED_TABLE")) == rundir.TABLE_PATH_MAX
+    monkeypatch.setenv("XDG_RUNTIME_DIR", fits + "/")  # os.path.join's path as long: it fits
+    with pytest.raises(rundir.RuntimeDirError, match="XDG_RUNTIME_DIR"):
+        rundir.agent_path(rundir.TABLE_NAME, "FLOWSCHED_TABLE")
+
+
 def test_a_user_client_finds_a_root_agent_serving_its_group(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
