@@ -1224,6 +1224,18 @@ static int new_listening_fd(const int* before, int nbefore) {
   return -1;
 }
 
+/* net_listen on ctx, then the listening socket it opened and its address (for raw peers). */
+static int listen_located(struct net* n, void* ctx, char* handle, void** lcomm,
+                          struct sockaddr_storage* ss, socklen_t* len) {
+  int before[64];
+  int nbefore = listening_fds(before, 64);
+  net_listen(n, ctx, handle, lcomm);
+  int lfd = new_listening_fd(before, nbefore);
+  CHECK(lfd >= 0, "the listener's socket not found");
+  CHECK(getsockname(lfd, (struct sockaddr*)ss, len) == 0, "getsockname");
+  return lfd;
+}
+
 #define STALLED_PEERS 40 /* more than the listener's pending slots (2 x (16 + 1)) */
 
 static int test_stale(int version) {
@@ -1232,16 +1244,11 @@ static int test_stale(int version) {
   struct net n;
   net_open(&n, version);
   void* ctx = net_init(&n, 0x5A, -1);
-  int before[64];
-  int nbefore = listening_fds(before, 64);
   char handle[NCCL_NET_HANDLE_MAXSIZE];
   void *lcomm = NULL, *scomm = NULL, *rcomm = NULL;
-  net_listen(&n, ctx, handle, &lcomm);
-  int lfd = new_listening_fd(before, nbefore);
-  CHECK(lfd >= 0, "the listener's socket not found");
   struct sockaddr_storage ss;
   socklen_t len = sizeof(ss);
-  CHECK(getsockname(lfd, (struct sockaddr*)&ss, &len) == 0, "getsockname");
+  listen_located(&n, ctx, handle, &lcomm, &ss, &len);
   int stalled[STALLED_PEERS];
   for (int i = 0; i < STALLED_PEERS; i++) {
     stalled[i] = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -1337,16 +1344,11 @@ static int test_dead_peers(int version) {
   struct net n;
   net_open(&n, version);
   void* ctx = net_init(&n, 0x5B, -1);
-  int before[64];
-  int nbefore = listening_fds(before, 64);
   char handle[NCCL_NET_HANDLE_MAXSIZE];
   void *lcomm = NULL, *scomm = NULL, *rcomm = NULL;
-  net_listen(&n, ctx, handle, &lcomm);
-  int lfd = new_listening_fd(before, nbefore);
-  CHECK(lfd >= 0, "the listener's socket not found");
   struct sockaddr_storage ss;
   socklen_t len = sizeof(ss);
-  CHECK(getsockname(lfd, (struct sockaddr*)&ss, &len) == 0, "getsockname");
+  int lfd = listen_located(&n, ctx, handle, &lcomm, &ss, &len);
   int peers[DEAD_PEERS];
   for (int i = 0; i < DEAD_PEERS; i++) {
     peers[i] = socket(ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
