@@ -15,7 +15,10 @@ fail); a connection with no open flow that sends nothing for :data:`IDLE_TIMEOUT
 or flow gets an ``error`` frame that the client logs. A client that does not read what it
 asked for is dropped once :data:`MAX_CLIENT_BACKLOG` bytes wait for it: its connection is
 aborted, queue and all; any other close gives the client :data:`LINGER_TIMEOUT` to take what
-is queued (a closed connection counts toward no cap, so it must not outlive that).
+is queued (a closed connection counts toward no cap, so it must not outlive that). Each uid
+has its share of every loop turn (:mod:`flowsched.agent.turns`): a user sending thousands of
+messages at once, over as many connections as it may hold, does not hold up another user's
+clients.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from flowsched import rundir
 from flowsched.agent.flows import JobTable, SlotKey
+from flowsched.agent.turns import UidTurns
 from flowsched.lograte import RepeatLog
 from flowsched.model import Flow, FlowClass
 from flowsched.protocol import sdk
@@ -106,6 +110,8 @@ class SdkServer:
         self._flows_of: Counter[int | None] = Counter()
         self._flows = 0
         self._repeat_log = RepeatLog(log)
+        #: each uid's share of the loop's turns: one user's flood does not hold up another's
+        self.turns = UidTurns()
         self.requests: Counter[str] = Counter()
         self._first_level: dict[int, asyncio.Future[int]] = {}
         #: each open SDK flow's opener (pid, uid) and its open request, for ``list``
@@ -280,10 +286,9 @@ class SdkServer:
             data = first
             while data:
                 decoder.feed(data)
-                while (message := decoder.next_message()) is not None:
-                    self._handle(message, (key, uid), writer, owned, pid)
-                    if writer.is_closing():  # dropped (not reading): the rest is not served
-                        break
+                await self._handle_fed(decoder, (key, uid), writer, owned, pid)
+                if writer.is_closing():  # dropped (not reading): the rest is not served
+                    break
                 data = await self._read(reader, idle=not owned)
         except sdk.SdkProtocolError as exc:
             self.errors_total += 1
@@ -310,6 +315,32 @@ class SdkServer:
                 self._writers.discard(writer)
             else:
                 self._disconnect(key, uid, writer, owned)
+
+    async def _handle_fed(
+        self,
+        decoder: sdk.SdkDecoder,
+        cred: tuple[int, int | None],
+        writer: asyncio.StreamWriter,
+        owned: set[int],
+        pid: int,
+    ) -> None:
+        """Handle the messages ``decoder`` holds, in the uid's shares of the loop's turns
+        (:mod:`flowsched.agent.turns`): a user whose connections sent thousands at once no
+        longer holds the loop while another user's client waits. Stops at a client dropped
+        for not reading (the rest of what it sent is not served)."""
+        uid = cred[1]
+        message = decoder.next_message()
+        while message is not None:
+            share = await self.turns.share(uid)
+            try:
+                while share and message is not None and not writer.is_closing():
+                    self._handle(message, cred, writer, owned, pid)
+                    share -= 1
+                    message = None if writer.is_closing() else decoder.next_message()
+            finally:
+                self.turns.give_back(uid, share)
+            if writer.is_closing():
+                return
 
     async def _first_read(self, conn: socket.socket) -> tuple[bytes, int]:
         """The client's first bytes (b"": it left) and the pid namespace it showed with them,

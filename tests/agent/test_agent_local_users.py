@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from agent_helpers import wait_until
+from agent_helpers import shareable_group, wait_until
 
 from flowsched import client, rundir
 from flowsched.agent import AgentConfig
@@ -78,13 +78,10 @@ def _as_other_user(groups: list[int], action: Callable[[], None], uid: int = NOB
 @pytest.fixture
 def other_group() -> Iterator[grp.struct_group]:
     """A group the test can hand the socket to (not root's)."""
-    for name in ("users", "nogroup", "daemon", "staff"):
-        try:
-            yield grp.getgrnam(name)
-            return
-        except KeyError:
-            continue
-    pytest.skip("no group among users/nogroup/daemon/staff on this machine")
+    group = shareable_group()
+    if group is None:
+        pytest.skip("no group among users/nogroup/daemon/staff on this machine")
+    yield group
 
 
 # -- the socket directory -----------------------------------------------------------------------

@@ -10,15 +10,20 @@ import logging
 import os
 import resource
 import select
+import selectors
+import shutil
+import signal
 import socket
+import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import msgpack
 import pytest
-from agent_helpers import agent_config, wait_until
+from agent_helpers import agent_config, shareable_group, wait_until
 
 from flowsched import client, fdlimit
 from flowsched.agent import sdk_server
@@ -29,6 +34,11 @@ from flowsched.model import FlowClass
 from flowsched.protocol import PROTOCOL_VERSION, Welcome, sdk
 
 UID = os.geteuid()
+NOBODY = 65534
+#: connections of the flooding user (below its cap of 256) and what it sends on each, over and
+#: over: opens with a long job name, refused once it holds 4,096 flows (review 35d's attack)
+FLOOD_CONNECTIONS = 200
+FLOOD_FRAMES = b"".join(sdk.encode(sdk.Open(ref, "bulk", job="j" * 200)) for ref in range(1000))
 
 
 @pytest.fixture
@@ -215,6 +225,113 @@ def test_bad_frames_are_logged_once_per_user_and_cut_short(
     logged = [r.getMessage() for r in caplog.records if "sent a bad frame" in r.getMessage()]
     assert len(logged) == 1  # then at a falling rate: 20 lines of 60 KB each were logged
     assert len(logged[0]) < 500 and "(60037 characters)" in logged[0]
+
+
+def _flood(path: str, group: int, stop: int) -> None:
+    """In a forked child: as nobody, in ``group`` (which may use the socket), keep
+    :data:`FLOOD_CONNECTIONS` connections full of opens, reading and dropping the answers (so it
+    is never dropped for not reading), until ``stop`` is readable; then exit."""
+    code = 1
+    try:
+        os.setgroups([group])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        socks = []
+        for _ in range(FLOOD_CONNECTIONS):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            sock.setblocking(False)
+            socks.append(sock)
+        _keep_sending(socks, stop)
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _keep_sending(socks: list[socket.socket], stop: int) -> None:
+    frames = memoryview(FLOOD_FRAMES)
+    sent = dict.fromkeys(socks, 0)  # where each is in FLOOD_FRAMES: only whole frames go out
+    with selectors.DefaultSelector() as selector:
+        selector.register(stop, selectors.EVENT_READ)
+        for sock in socks:
+            selector.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
+        while True:
+            for key, events in selector.select():
+                if key.fd == stop:
+                    return
+                sock = key.fileobj  # type: ignore[assignment]
+                try:
+                    if events & selectors.EVENT_READ and not sock.recv(1 << 20):
+                        selector.unregister(sock)
+                    elif events & selectors.EVENT_WRITE:
+                        offset = sent[sock]
+                        sent[sock] = (offset + sock.send(frames[offset:])) % len(frames)
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    selector.unregister(sock)
+
+
+def _reap(child: int) -> None:
+    """Wait for ``child`` to exit; kill it if it has not within 10 s."""
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: os.waitpid(child, os.WNOHANG)[0] == child, timeout=10)
+        return
+    os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+
+
+def _open_on_a_fresh_connection(path: str) -> client.FlowHandle:
+    """``client.open_flow`` (which waits :data:`client.OPEN_TIMEOUT` at most for the answer,
+    then runs on static defaults) on a new connection: its accept and first read wait for the
+    agent's loop too."""
+    with contextlib.suppress(KeyError):
+        client._connections.pop(path).close()
+    return client.open_flow("kv", bytes=1000, deadline=time.time() + 60, socket_path=path)
+
+
+@pytest.mark.skipif(UID != 0, reason="the flood comes from another uid: switching users needs root")
+def test_another_users_opens_are_answered_while_one_user_floods_the_agent(
+    tmp_path: Path, request: pytest.FixtureRequest, fresh_sdk_connections: None
+) -> None:
+    """200 connections of one user, each sending opens as fast as the agent takes them, held
+    the agent's loop for seconds a turn: another user's client never got an answer within the
+    SDK's timeout (and the agent lost its coordinator). Each user now has its share of every
+    loop turn (flowsched.agent.turns); the flood is still served, not refused."""
+    group = shareable_group()
+    if group is None:
+        pytest.skip("no group among users/nogroup/daemon/staff to give the flooding user")
+    reachable = Path(tempfile.mkdtemp(prefix="flowsched-flood-test-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(reachable, ignore_errors=True))
+    reachable.chmod(0o755)  # pytest's tmp_path is under a 0700 directory nobody cannot traverse
+    path = str(reachable / "run" / "agent.sock")
+    config = agent_config(
+        tmp_path, metrics_port=None, fallback_after=60.0, socket_path=path, group=group.gr_name
+    )
+    stop_read, stop_write = os.pipe()
+    with AgentThread(config) as running:
+        server = _sdk(running)
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child
+            os.close(stop_write)  # the parent's closing it is the signal to stop
+            _flood(path, group.gr_gid, stop_read)
+        try:
+            # the flood is on: every connection in, the user's flows at its cap, refusals going
+            flooding = 2 * sdk_server.MAX_FLOWS_PER_UID
+            wait_until(
+                lambda: server.clients >= FLOOD_CONNECTIONS and server.requests["open"] > flooding,
+                timeout=30,
+            )
+            before = server.requests["open"]
+            for _ in range(3):
+                handle = _open_on_a_fresh_connection(path)
+                assert handle.connected, f"root's open went unanswered for {client.OPEN_TIMEOUT} s"
+                handle.close()
+            assert server.requests["open"] > before  # the flood was served meanwhile
+        finally:
+            os.close(stop_write)
+            _reap(child)
+            os.close(stop_read)
 
 
 def test_the_agent_raises_its_open_file_limit(tmp_path: Path) -> None:
