@@ -50,8 +50,11 @@ log = logging.getLogger("flowsched.agent.sdk")
 
 MAX_CLIENT_BACKLOG = 1 << 20  # bytes queued to one client before it is dropped
 READ_SIZE = 65536
-#: connections the kernel queues for the accept loop
-LISTEN_BACKLOG = 128
+#: connections the kernel queues for the accept loop (it caps this at net.core.somaxconn,
+#: 4096 by default since Linux 5.4): as many as the agent serves at once, far above one uid's
+#: cap. A client that finds the backlog full fails at once (EAGAIN) and runs on static
+#: defaults; at 128, one user's connections made at once (all it may hold) could fill it
+LISTEN_BACKLOG = 4096
 #: seconds the accept loop pauses after a failed accept (out of descriptors or memory, say)
 ACCEPT_RETRY_DELAY = 1.0
 #: open SDK flows of one uid, all of its connections together (a user cannot grow the agent's

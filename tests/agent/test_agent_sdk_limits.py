@@ -227,6 +227,50 @@ def test_bad_frames_are_logged_once_per_user_and_cut_short(
     assert len(logged[0]) < 500 and "(60037 characters)" in logged[0]
 
 
+def _somaxconn() -> int:
+    """The kernel's cap on a listen backlog."""
+    try:
+        return int(Path("/proc/sys/net/core/somaxconn").read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+@pytest.mark.skipif(
+    _somaxconn() <= sdk_server.MAX_CONNECTIONS_PER_UID,
+    reason="net.core.somaxconn caps the listen backlog below one user's connections",
+)
+def test_all_the_connections_a_user_may_hold_get_in_at_once_while_the_agent_is_busy(
+    agent: AgentThread,
+) -> None:
+    """A client that finds the listen backlog full fails at once (EAGAIN) and runs on static
+    defaults: the backlog was 128, below the 256 connections one user may hold, so one user's
+    processes starting together (or a flooding user's) kept others out while the loop was
+    busy. It now holds as many as the agent serves."""
+    server = _sdk(agent)
+    busy, release = threading.Event(), threading.Event()
+
+    def hold_the_loop() -> None:
+        busy.set()
+        release.wait(10)
+
+    holder = threading.Thread(target=agent.run, args=(hold_the_loop,))
+    holder.start()
+    socks: list[socket.socket] = []
+    try:
+        assert busy.wait(10)
+        for _ in range(sdk_server.MAX_CONNECTIONS_PER_UID):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setblocking(False)
+            sock.connect(agent.ready.socket)  # type: ignore[union-attr]  # BlockingIOError: full
+    finally:
+        release.set()
+        holder.join()
+    wait_until(lambda: server._connections_of[UID] == len(socks))
+    for sock in socks:
+        sock.close()
+
+
 def _flood(path: str, group: int, stop: int) -> None:
     """In a forked child: as nobody, in ``group`` (which may use the socket), keep
     :data:`FLOOD_CONNECTIONS` connections full of opens, reading and dropping the answers (so it
