@@ -103,6 +103,16 @@ def test_values_that_would_fail_later_are_refused(
     assert named in capsys.readouterr().err
 
 
+def _daemon_args(command: str, tmp_path: Path) -> list[str]:
+    """``flowsched agent`` or ``flowsched up`` with its files in ``tmp_path`` and every port 0
+    (the table path comes from the environment)."""
+    socket_flags = ["--socket", str(tmp_path / "agent.sock")]
+    if command == "agent":
+        return ["agent", "--node", "n1", *socket_flags, "--metrics-port", "-1"]
+    return ["up", "--token-file", str(tmp_path / "token"), *socket_flags, "--listen",
+            "127.0.0.1:0", "--metrics-port", "0", "--agent-metrics-port", "0"]  # fmt: skip
+
+
 @pytest.mark.parametrize("command", ["agent", "up"])
 def test_a_default_table_path_too_long_for_the_plugin_is_refused(
     command: str,
@@ -116,13 +126,7 @@ def test_a_default_table_path_too_long_for_the_plugin_is_refused(
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.delenv("FLOWSCHED_TABLE", raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / ("x" * 250)))
-    socket_flags = ["--socket", str(tmp_path / "agent.sock")]
-    if command == "agent":
-        args = ["agent", "--node", "n1", *socket_flags, "--metrics-port", "-1"]
-    else:
-        args = ["up", "--token-file", str(tmp_path / "token"), *socket_flags, "--listen",
-                "127.0.0.1:0", "--metrics-port", "0", "--agent-metrics-port", "0"]  # fmt: skip
-    assert main(args) == 2
+    assert main(_daemon_args(command, tmp_path)) == 2
     err = capsys.readouterr().err
     assert "XDG_RUNTIME_DIR" in err and "at most 255" in err, err
     assert not (tmp_path / ("x" * 250)).exists()
@@ -139,13 +143,7 @@ def test_a_flowsched_table_too_long_for_the_plugin_is_refused(
     # plugin ignores one over 255 bytes as it would a --table path, so it is refused the same
     long_path = tmp_path / ("d" * 120) / ("d" * 120) / "table"
     monkeypatch.setenv("FLOWSCHED_TABLE", str(long_path))
-    socket_flags = ["--socket", str(tmp_path / "agent.sock")]
-    if command == "agent":
-        args = ["agent", "--node", "n1", *socket_flags, "--metrics-port", "-1"]
-    else:
-        args = ["up", "--token-file", str(tmp_path / "token"), *socket_flags, "--listen",
-                "127.0.0.1:0", "--metrics-port", "0", "--agent-metrics-port", "0"]  # fmt: skip
-    assert main(args) == 2
+    assert main(_daemon_args(command, tmp_path)) == 2
     err = capsys.readouterr().err
     assert "FLOWSCHED_TABLE: the path is" in err and "at most 255" in err, err
     assert not (tmp_path / ("d" * 120)).exists()
