@@ -15,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from e2e_helpers import scrape, total, wait_for
 from test_preauth_floods import (
     MIB,
+    Setup,
     Watch,
     agent_counters,
     assert_agent_never_dropped,
@@ -115,16 +116,22 @@ def peak_rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmHWM for pid {pid}")
 
 
+def _send_each_as_a_new_node(
+    setup: Setup, token: Path, body: bytes, frames: int
+) -> Iterator[Error]:
+    """The coordinator's answers to ``body`` sent ``frames`` times, each after a handshake of
+    its own under a new node name (``hostile-N``), as a token holder would."""
+    for index in range(frames):
+        yield send_after_handshake(setup.address, load_token(str(token)), f"hostile-{index}", body)
+
+
 def test_refused_costly_frames_leave_nothing_decoded_behind(tmp_path: Path, token: Path) -> None:
     frames = 12
     with coordinator_and_agent(tmp_path, token) as setup:
         pid, mport = setup.coordinator.proc.pid, setup.coordinator.fields["mport"]
         before, rss_before = agent_counters(setup.agent), rss_bytes(pid)
         with Watch(pid, [setup.agent]).running() as watch:
-            for index in range(frames):
-                answer = send_after_handshake(
-                    setup.address, load_token(str(token)), f"hostile-{index}", EMPTY_MAPS_FRAME
-                )
+            for answer in _send_each_as_a_new_node(setup, token, EMPTY_MAPS_FRAME, frames):
                 assert answer.code == "bad_field" and "flows.opens[0]" in answer.reason
         _wait_refused(mport, frames)
         rss_after = rss_bytes(pid)
@@ -158,10 +165,7 @@ def test_frames_of_empty_arrays_are_refused_before_they_are_built(
         pid, mport = setup.coordinator.proc.pid, setup.coordinator.fields["mport"]
         before, peak_before = agent_counters(setup.agent), peak_rss_bytes(pid)
         with Watch(pid, [setup.agent]).running() as watch:
-            for index in range(frames):
-                answer = send_after_handshake(
-                    setup.address, load_token(str(token)), f"hostile-{index}", body
-                )
+            for answer in _send_each_as_a_new_node(setup, token, body, frames):
                 assert answer.code == "bad_field" and answer.reason.startswith(reason)
         _wait_refused(mport, frames)
         peak_after = peak_rss_bytes(pid)
