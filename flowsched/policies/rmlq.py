@@ -890,10 +890,11 @@ class RmlqPolicy:
         An explicit flow is promoted when its MLU reaches the next threshold above its level.
         With ``remaining`` fixed, that time follows from MLU's formula; rho is taken to rise
         as fast as its EWMA can (towards 1, capped at ``max_load``), so the answer is never
-        later than the true crossing. Also the deadline itself (pruning), with
-        ``volume_check`` the instant its request's bytes can no longer cross in time, and, for
-        a request judged hopeless by the ``"mlu"`` check, the end of its grace. None: only
-        reports can change the flow (implicit classes: job progress).
+        later than the true crossing. Also the deadline itself (pruning; the only time of a
+        flow of unknown size, which has no MLU), with ``volume_check`` the instant its
+        request's bytes can no longer cross in time, and, for a request judged hopeless by
+        the ``"mlu"`` check, the end of its grace. None: only reports can change the flow
+        (implicit classes: job progress).
         """
         memo = self._found.pop(flow.flow_id, None)
         if flow.cls not in EXPLICIT_DEADLINE or flow.level < 0 or self.dropped(flow, ctx.now):
@@ -902,15 +903,13 @@ class RmlqPolicy:
             found, lost_at = memo[3:]  # the same inputs as reevaluate's a moment ago (_found)
         else:
             found, lost_at = self.urgency(flow, ctx), None
+        pruned_at = self._pruned_at(flow, ctx.now)
         if found is None or found.remaining <= 0:
-            return None
-        times = []
+            # no MLU (an unknown size: unknown_level), or nothing left of the request: at
+            # most the deadline, where an unknown size counts as late (bytes left)
+            return pruned_at
+        times = [] if pruned_at is None else [pruned_at]
         if self._prunable(flow) and flow.deadline is not None:
-            if flow.deadline > ctx.now and (flow.remaining or 0) > 0:
-                # pruned there if bytes of its own are left, as LateDrop.next_change says (a
-                # past one re-armed its timer at every tick: with mlu_scope = "request", its
-                # request's bytes keep found.remaining > 0 once its own are sent)
-                times.append(flow.deadline)
             since = self._infeasible_since.get(self._request_key(flow))
             if since is not None:
                 times.append(since + self.args.feasibility_grace)
@@ -928,6 +927,17 @@ class RmlqPolicy:
         if step is not None:
             times.append(ctx.now + max(step, _MIN_STEP))
         return min(times) if times else None
+
+    def _pruned_at(self, flow: Flow, now: float) -> float | None:
+        """``flow``'s deadline while it is ahead and would prune the flow there: prunable,
+        with bytes of its own left or an unknown size (:meth:`_late`, as
+        ``LateDrop.next_change``). None otherwise: a past deadline re-armed the timer at
+        every tick (with ``mlu_scope = "request"`` a flow whose own bytes are sent still sees
+        its request's bytes)."""
+        deadline = flow.deadline
+        if deadline is None or deadline <= now or flow.remaining == 0:
+            return None
+        return deadline if self._prunable(flow) else None
 
     def _next_threshold(self, flow: Flow, ctx: Context) -> float | None:
         """The MLU at which a deferred ``flow`` moves up a level (None: urgent, or held)."""

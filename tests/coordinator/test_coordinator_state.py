@@ -438,6 +438,28 @@ def test_rmlq_deferred_flow_is_promoted_by_its_timer() -> None:
     assert state.stats.timer_fires < 100  # re-arms near the crossing, not a sweep per tick
 
 
+@pytest.mark.parametrize("size", [None, 10**8], ids=["unknown-size", "sized"])
+def test_rmlq_late_kv_flow_reaches_the_scavenger_by_its_deadline(size: int | None) -> None:
+    """A kv flow opened with a deadline, with or without a size (an SDK flow may give none),
+    and nothing else happening: its promotion timers move it to the scavenger level by its
+    deadline (a sized one maybe earlier: Algorithm 1, no bytes reported). Without a size it
+    has no MLU, sits at unknown_level, and its one timer is the deadline; it had none and
+    stayed at unknown_level for good."""
+    policy = create("rmlq", {}, num_levels=8)
+    state = ClusterState(policy, default_bandwidth=1e9)
+    state.open_flows("a", [_open(1, size=size, deadline=101.0, links=("l",))], now=100.0)
+    assert state.flush(100.0)["a"][1].level < 7
+    fires = []
+    while (due := state.next_due()) is not None:
+        assert state.start_sweep(now=due)
+        fires.append((due, state.flush(due).get("a", {}).get(1)))
+    assert fires, "no promotion timer"
+    last_due, update = fires[-1]
+    assert update is not None and update.level == 7 and last_due <= 101.0
+    if size is None:
+        assert [due for due, _ in fires] == [101.0]
+
+
 def test_rmlq_pruned_request_moves_its_untouched_flows_in_the_same_flush() -> None:
     """Default rmlq (Algorithm 1 on, per-flow): on one 1e9 B/s link r1 needs 0.5 s by 101.0;
     r2's second flow (0.9 s by 101.2) makes r2 infeasible, and its flow on node b, not

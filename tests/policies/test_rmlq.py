@@ -760,14 +760,44 @@ def test_next_change_assumes_rho_rises_as_fast_as_its_window_allows() -> None:
         build_flow(cls="tp"),
         build_flow(cls="experience", job="j", consumer_index=3),
         build_flow(cls="bulk"),
-        build_flow(cls="kv", deadline=1.0),  # size unknown
+        build_flow(cls="param_sync", deadline=1.0),  # size unknown, not prunable
     ],
-    ids=["tp", "experience", "bulk", "unknown-size"],
+    ids=["tp", "experience", "bulk", "unknown-size-not-prunable"],
 )
 def test_next_change_none_without_a_time_driven_change(flow: Flow) -> None:
     pol = policy()
     flow.level = pol.admit(flow, ctx()).level
     assert pol.next_change(flow, ctx()) is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "args", "now", "expected"),
+    [
+        ({}, {}, 0.0, 1.0),  # late at its deadline: pruned there
+        ({"request": "r"}, {"mlu_scope": "request"}, 0.0, 1.0),
+        ({}, {}, 1.0, None),  # already late: dropped, nothing left to wake
+        ({}, {"feasibility": False}, 0.0, None),  # stays at unknown_level
+        ({"deadline": None}, {}, 0.0, None),
+        ({"cls": "param_sync"}, {"prune_classes": ["param_sync"]}, 0.0, 1.0),
+    ],
+    ids=["kv", "request-scope", "late", "no-pruning", "no-deadline", "pruned-param-sync"],
+)
+def test_a_flow_of_unknown_size_is_woken_at_its_deadline(
+    fields: dict[str, Any], args: dict[str, Any], now: float, expected: float | None
+) -> None:
+    """An explicit flow opened without a size (an SDK kv flow) has no MLU and sits at
+    ``unknown_level``; past its deadline it is late like a sized one with bytes left, and
+    its timer must wake it there: next_change said None, so nothing moved it to the
+    scavenger level under promotion timers (nothing else reports on such a flow)."""
+    pol = policy(**args)
+    fields = {"cls": "kv", "deadline": 1.0, **fields}
+    flow = build_flow(**fields)
+    flow.level = pol.admit(flow, ctx()).level
+    assert flow.level == pol.unknown_level
+    assert pol.next_change(flow, ctx(now)) == expected
+    if expected is not None:
+        assert pol.reevaluate([flow], ctx(expected - 1e-6)) == {}
+        assert pol.reevaluate([flow], ctx(expected))[1].level == pol.scavenger
 
 
 @pytest.mark.parametrize(

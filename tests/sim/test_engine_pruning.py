@@ -1,8 +1,11 @@
-"""The simulator applies decisions a per-flow policy returns for flows it was not passed."""
+"""The simulator applies rmlq's pruning: decisions for flows not passed, late flows."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
+
+import pytest
 
 from flowsched.model import Context, Decision, Flow, FlowClass
 from flowsched.policies import create
@@ -58,3 +61,59 @@ def test_pruned_request_flows_not_passed_move_to_the_scavenger_at_once() -> None
     assert touched and opened["r2-small"] not in touched[0]
     assert seen[opened["r2-small"]] == 7 and seen[opened["r2-big"]] == 7
     assert seen[opened["r1"]] < 7
+
+
+class SizeBlindRmlq:
+    """The rmlq it wraps, seeing every flow without its size (as an SDK flow opened without
+    one reaches the coordinator) while the engine moves the flow's bytes: the policy gets a
+    copy of each flow with ``size=None``, its ``sent`` and ``level`` kept in step."""
+
+    def __init__(self, inner: RmlqPolicy) -> None:
+        self._inner = inner
+        self._views: dict[int, Flow] = {}
+
+    def _view(self, flow: Flow) -> Flow:
+        view = self._views.get(flow.flow_id)
+        if view is None:
+            view = self._views[flow.flow_id] = dataclasses.replace(flow, size=None)
+        view.sent, view.level = flow.sent, flow.level
+        return view
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        return self._inner.admit(self._view(flow), ctx)
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        return self._inner.reevaluate([self._view(flow) for flow in flows], ctx)
+
+    def next_change(self, flow: Flow, ctx: Context) -> float | None:
+        return self._inner.next_change(self._view(flow), ctx)
+
+    def release(self, flow: Flow, ctx: Context) -> None:
+        self._inner.release(self._view(flow), ctx)
+        del self._views[flow.flow_id]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("promotion", ["timers", "sweep"])
+def test_a_late_kv_flow_of_unknown_size_goes_to_the_scavenger_at_its_deadline(
+    promotion: str,
+) -> None:
+    """A kv flow whose size the policy does not know (deadline 0.5 s; 10 s of bytes on its
+    link), nothing else happening: at unknown_level until its deadline, on the scavenger
+    level just after it, with promotion timers as with the sweep (timers: it stayed there)."""
+    base = create("rmlq", {}, num_levels=8)
+    assert isinstance(base, RmlqPolicy)
+    sim = Simulator({"l": 1e9}, SizeBlindRmlq(base), SimConfig(promotion=promotion))  # type: ignore[arg-type]
+    opened: list[Flow] = []
+    seen: dict[float, int] = {}
+
+    def look(when: float) -> None:
+        seen[when] = sim.active[opened[0].flow_id].level
+
+    sim.at(0.0, lambda: opened.append(sim.open_flow(FlowClass.KV, 10**10, ("l",), deadline=0.5)))
+    for when in (0.25, 0.499, 0.502):
+        sim.at(when, lambda when=when: look(when))
+    sim.run(until=0.6)
+    assert seen == {0.25: base.unknown_level, 0.499: base.unknown_level, 0.502: 7}
