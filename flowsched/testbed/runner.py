@@ -9,6 +9,9 @@ Processes (all started here, all stopped here, and all inside the testbed's name
   ``control="mini"``);
 * the sniffer on the switch ports (:mod:`flowsched.testbed.sniff`);
 * one worker per host (:mod:`flowsched.testbed.worker`).
+
+The coordinator's token lives in a private temporary folder for the run
+(:func:`private_token`), never in the run's output folder, which users copy and share.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -105,6 +109,19 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
                     proc.wait(timeout=5)
 
 
+@contextlib.contextmanager
+def private_token() -> Iterator[Path]:
+    """A fresh coordinator token file (mode 0600) in a private temporary folder (0700),
+    both removed when the block exits, also on error: the daemons read it at start, and it
+    must not land in a run's output folder (its logs and results get copied and shared)."""
+    from flowsched.protocol import write_token
+
+    with tempfile.TemporaryDirectory(prefix="flowsched-token-") as folder:
+        token = Path(folder) / "token"
+        write_token(token)
+        yield token
+
+
 def run_policy(
     topo: Topology,
     trace: Trace,
@@ -121,14 +138,16 @@ def run_policy(
     trace_path.write_text(trace.to_json(), encoding="utf-8")
     started = time.monotonic()
     before = topo.class_bytes()
-    with processes() as procs:
+    with private_token() as token, processes() as procs:  # (the daemons stop first)
         if control == "agent":  # agents take a while to start: the trace starts after them
-            ctl = _start_control(topo, procs, policy_path, 0, trace.rate_bytes, control, workdir)
+            ctl = _start_control(
+                topo, procs, policy_path, 0, trace.rate_bytes, control, workdir, token
+            )
         t0_ns = time.monotonic_ns() + int(START_MARGIN * 1e9)
         t0_wall = time.time() + START_MARGIN
         if control != "agent":
             ctl = _start_control(
-                topo, procs, policy_path, t0_ns, trace.rate_bytes, control, workdir
+                topo, procs, policy_path, t0_ns, trace.rate_bytes, control, workdir, token
             )
         sniff_out = workdir / "sniff.json"
         sniffer = _start_sniffer(topo, procs, sniff_out)
@@ -168,10 +187,11 @@ def _start_control(
     bandwidth: float,
     control: str,
     workdir: Path,
+    token: Path,
 ) -> str:
     """Start the control plane; return the address the workers use (mini) or ""."""
     if control == "agent":
-        start_agents(topo, procs, policy, bandwidth, workdir)
+        start_agents(topo, procs, policy, bandwidth, workdir, token=token)
         return ""
     address = f"{topo.switch_mgmt_ip}:{CTL_PORT}"
     argv = _python(
@@ -323,12 +343,12 @@ def start_agents(
     policy: Path,
     bandwidth: float,
     workdir: Path,
+    *,
+    token: Path,
 ) -> None:
-    """The real coordinator in the switch namespace and one real agent per host."""
-    from flowsched.protocol import write_token
-
-    token = workdir / "token"
-    write_token(token)
+    """The real coordinator in the switch namespace and one real agent per host, their logs
+    and sockets in ``workdir``; ``token``: their token file, kept out of ``workdir``
+    (:func:`private_token`)."""
     argv = [
         sys.executable,
         "-m",

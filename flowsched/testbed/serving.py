@@ -262,8 +262,8 @@ def run_live(
     timeout = trace[-1].arrival * 3 + 60 if trace else 60.0
     started, machine = time.monotonic(), cpu_times()
     errors: list[str] = []
-    with runner.processes() as procs:
-        runner.start_agents(topo, procs, policy_path, topo.spec.rate_bytes, workdir)
+    with runner.private_token() as token, runner.processes() as procs:
+        runner.start_agents(topo, procs, policy_path, topo.spec.rate_bytes, workdir, token=token)
         serving = scen.serving
         engine = LiveEngine(
             workdir / "engine.sock",

@@ -22,7 +22,7 @@ import pytest
 from flowsched import client
 from flowsched.testbed import netns
 from flowsched.testbed.daemons import wait_for
-from flowsched.testbed.runner import start_agents
+from flowsched.testbed.runner import private_token, start_agents
 
 pytestmark = [
     pytest.mark.netns,
@@ -40,10 +40,10 @@ def topo(tmp_path: Path) -> Iterator[netns.Topology]:
     """Two testbed hosts, their agents and the coordinator (logs in ``tmp_path``)."""
     spec = netns.TopologySpec(prefix="fsA-", hosts=2)
     try:
-        with netns.testbed(spec) as built:
+        with netns.testbed(spec) as built, private_token() as token:
             procs: list[subprocess.Popen[bytes]] = []
             try:
-                start_agents(built, procs, POLICY, spec.rate_bytes, tmp_path)
+                start_agents(built, procs, POLICY, spec.rate_bytes, tmp_path, token=token)
                 # an agent is ready before its first session: the test counts on that session
                 # (its resync of no flows) before it opens one and cuts the link
                 for host in built.hosts:

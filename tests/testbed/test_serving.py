@@ -570,13 +570,19 @@ def test_a_live_run_whose_hosts_fail_to_start_stops_its_engine(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The engine listens before the host processes start: when they cannot, its socket (and
-    its accept thread) must not outlive the run."""
+    its accept thread) must not outlive the run, nor the agents' token file its private
+    folder (never the run's folder, which gets shared)."""
+    tokens: list[Path] = []
+
+    def start_agents(*args: object, token: Path) -> None:
+        assert token.read_bytes() and not token.is_relative_to(tmp_path / "work")
+        tokens.append(token)
 
     def cannot_start(*args: object) -> None:
         raise OSError("no such namespace")
 
     monkeypatch.setattr(netns.Topology, "configure_classes", lambda self, dscp: None)
-    monkeypatch.setattr(serving.runner, "start_agents", lambda *args: None)
+    monkeypatch.setattr(serving.runner, "start_agents", start_agents)
     monkeypatch.setattr(serving, "_start_hosts", cannot_start)
     scen = scenario.parse(TINY, "tiny.toml")
     topo = netns.plan(serving.topology_spec(scen, "fsU-"))
@@ -585,3 +591,4 @@ def test_a_live_run_whose_hosts_fail_to_start_stops_its_engine(
     with pytest.raises(OSError, match="no such namespace"):
         serving.run_live(topo, scen, 0.5, 1, policy, tmp_path / "work")
     assert not (tmp_path / "work" / "engine.sock").exists()
+    assert len(tokens) == 1 and not tokens[0].parent.exists()

@@ -435,7 +435,9 @@ def test_a_coordinator_that_fails_to_start_says_why(
     procs: list[Any] = []
     try:
         with pytest.raises(RuntimeError) as raised:
-            runner.start_agents(topo, procs, tmp_path / "policy.toml", 1e6, tmp_path)
+            runner.start_agents(
+                topo, procs, tmp_path / "policy.toml", 1e6, tmp_path, token=tmp_path / "token"
+            )
         message = str(raised.value)
         assert "the coordinator did not start" in message
         assert "no such level" in message
@@ -560,20 +562,55 @@ _SNIFFERS = {
 _CONTROL = {"runs": "import time; time.sleep(60)", "dies": "import sys; sys.exit(7)"}
 
 
-def _fake_run(
-    monkeypatch: pytest.MonkeyPatch, work: Path, sniffer: str, control: str = "runs"
-) -> runner.TestbedRun:
-    """run_policy outside namespaces and tc: the control plane and the sniffer are the fakes
-    named, the workers exit at once; the dying control plane has exited before the workers
-    start."""
+#: a fake coordinator or agent (``python -c CODE coordinator|agent ARGS...``): it appends
+#: what it found at its ``--token-file`` (the path, the file's and its folder's modes, the
+#: token) as a JSON line to $FAKE_DAEMON_SEEN, then, with $FAKE_DAEMON_FAIL set, exits at
+#: once; else it prints its ready line (an agent: and logs its session) and runs until stopped
+_DAEMON = (
+    "import json, os, pathlib, stat, sys, time\n"
+    "args = sys.argv[1:]\n"
+    "token = pathlib.Path(args[args.index('--token-file') + 1])\n"
+    "def mode(path): return stat.S_IMODE(path.stat().st_mode)\n"
+    "seen = {'role': args[0], 'path': str(token), 'mode': mode(token),\n"
+    "        'folder_mode': mode(token.parent), 'token': token.read_text().strip()}\n"
+    "with open(os.environ['FAKE_DAEMON_SEEN'], 'a') as out:\n"
+    "    out.write(json.dumps(seen) + '\\n')\n"
+    "if os.environ.get('FAKE_DAEMON_FAIL'):\n"
+    "    sys.exit('error: policy file: no such level')\n"
+    "if args[0] == 'coordinator':\n"
+    "    print('flowsched-coordinator listening on 127.0.0.1:1 metrics -', flush=True)\n"
+    "else:\n"
+    "    print('ready', flush=True)\n"
+    "    print('INFO connected to the coordinator (epoch 1)', file=sys.stderr, flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def _fake_testbed(monkeypatch: pytest.MonkeyPatch, sniffer: str) -> None:
+    """run_policy outside namespaces and tc: the sniffer is the fake named, the workers exit
+    at once, and the coordinator and agents are :data:`_DAEMON`."""
     codes = {"flowsched.testbed.sniff": _SNIFFERS[sniffer], "flowsched.testbed.worker": "pass"}
     monkeypatch.setattr(
         runner, "_python", lambda module, *args: [sys.executable, "-c", codes[module], *args]
     )
-    monkeypatch.setattr(netns.Topology, "ns_command", lambda self, ns, argv: list(argv))
+
+    def command(self: netns.Topology, ns: str, argv: list[str]) -> list[str]:
+        if argv[1:3] == ["-m", "flowsched"]:  # the coordinator, an agent
+            return [sys.executable, "-c", _DAEMON, *argv[3:]]
+        return list(argv)
+
+    monkeypatch.setattr(netns.Topology, "ns_command", command)
     monkeypatch.setattr(netns.Topology, "configure_classes", lambda self, dscp: None)
     monkeypatch.setattr(netns.Topology, "class_bytes", lambda self: {})
     monkeypatch.setattr(netns.Topology, "run_drops", lambda self: 0)
+
+
+def _fake_run(
+    monkeypatch: pytest.MonkeyPatch, work: Path, sniffer: str, control: str = "runs"
+) -> runner.TestbedRun:
+    """run_policy outside namespaces and tc (:func:`_fake_testbed`), the control plane the
+    fake named; the dying control plane has exited before the workers start."""
+    _fake_testbed(monkeypatch, sniffer)
 
     def start_control(topo: object, procs: list[Any], *args: object) -> str:
         proc = subprocess.Popen([sys.executable, "-c", _CONTROL[control]])
@@ -707,3 +744,36 @@ def test_an_earlier_runs_session_line_does_not_count(tmp_path: Path) -> None:
         proc.wait(timeout=10)
         assert proc.stdout is not None
         proc.stdout.close()
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["run", "coordinator-fails"])
+def test_the_token_stays_out_of_the_runs_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, fails: bool
+) -> None:
+    """A run's folder (logs, results, plots) gets copied and shared: the coordinator's token
+    is in a private folder (0700, the file 0600) while the daemons run, and that folder is
+    gone when the run ends, also when it fails. It was written into the run's folder."""
+    seen = tmp_path / "seen.jsonl"
+    monkeypatch.setenv("FAKE_DAEMON_SEEN", str(seen))
+    if fails:
+        monkeypatch.setenv("FAKE_DAEMON_FAIL", "1")
+    _fake_testbed(monkeypatch, "clean")
+    topo = netns.plan(netns.TopologySpec(prefix="fsU-", hosts=2))
+    trace = Trace(0, 2, 25e6, 0.1, 0.0, [], [])
+    path, work = bench.policy_path("fair"), tmp_path / "out"
+    if fails:
+        with pytest.raises(RuntimeError, match="the coordinator did not start"):
+            runner.run_policy(topo, trace, bench.policy_config("fair"), path, work)
+    else:
+        assert runner.run_policy(topo, trace, bench.policy_config("fair"), path, work).errors == []
+    daemons = [json.loads(line) for line in seen.read_text().splitlines()]
+    roles = ["coordinator"] if fails else ["coordinator", "agent", "agent"]
+    assert [daemon["role"] for daemon in daemons] == roles
+    token, files = Path(daemons[0]["path"]), [f for f in work.rglob("*") if f.is_file()]
+    assert files, "the run wrote its logs and trace"
+    leaked = [f for f in files if daemons[0]["token"].encode() in f.read_bytes()]
+    assert leaked == []
+    assert {(d["path"], d["mode"], d["folder_mode"]) for d in daemons} == {
+        (str(token), 0o600, 0o700)
+    }
+    assert not token.parent.exists()
