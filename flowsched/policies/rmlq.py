@@ -26,6 +26,7 @@ each rule and argument, and the measurements, are in docs/rmlq.md.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -167,6 +168,72 @@ class _Urgency:
         self.rho = rho
 
 
+class _RequestFlows:
+    """One request's open explicit-deadline flows (``mlu_scope = "request"``) by path, and
+    the deepest ``consumer_index`` among them. ``linked_flows`` and a flow's request bytes
+    read the flows of its path only, the deepest index comes from a heap (pruned lazily):
+    each of a request's n opens scanned all its open flows, O(n^2) in all (a plain class, as
+    :class:`_Urgency`)."""
+
+    __slots__ = ("by_path", "depths", "index_count", "path_of")
+
+    def __init__(self) -> None:
+        #: path (a flow's ``links``) -> {flow id: flow}, in opening order
+        self.by_path: dict[tuple[str, ...], dict[int, Flow]] = {}
+        #: flow id -> the path it is kept under (a flow re-admitted on another path moves)
+        self.path_of: dict[int, tuple[str, ...]] = {}
+        #: max-heap (negated) of the open flows' indices; an index no open flow has any more
+        #: (``index_count``) is dropped when it reaches the top
+        self.depths: list[int] = []
+        self.index_count: dict[int, int] = {}
+
+    def add(self, flow: Flow) -> None:
+        """Count ``flow`` in. A flow already in is replaced, not counted twice: in its place
+        on the same path (the order ``linked_flows`` answers in), or moved to its new one."""
+        fid = flow.flow_id
+        path = self.path_of.get(fid)
+        if path is not None and path != flow.links:
+            self.remove(flow)
+            path = None
+        group = self.by_path.get(flow.links)
+        if group is None:
+            group = self.by_path[flow.links] = {}
+        if path is not None:
+            self._count_index(group[fid].consumer_index, -1)
+        group[fid] = flow
+        self.path_of[fid] = flow.links
+        self._count_index(flow.consumer_index, 1)
+
+    def remove(self, flow: Flow) -> bool:
+        """Count the flow of ``flow``'s id out; True when no flow is left."""
+        path = self.path_of.pop(flow.flow_id, None)
+        if path is not None:
+            group = self.by_path[path]
+            gone = group.pop(flow.flow_id)
+            if not group:
+                del self.by_path[path]
+            self._count_index(gone.consumer_index, -1)
+        return not self.path_of
+
+    def _count_index(self, index: int | None, change: int) -> None:
+        if index is None:
+            return
+        count = self.index_count.get(index, 0) + change
+        if count > 0:
+            if count == 1 and change > 0:
+                heapq.heappush(self.depths, -index)
+            self.index_count[index] = count
+        else:
+            self.index_count.pop(index, None)
+
+    def deepest(self) -> int | None:
+        """The largest ``consumer_index`` of the open flows (None: none has one)."""
+        depths, counts = self.depths, self.index_count
+        while depths and -depths[0] not in counts:
+            heapq.heappop(depths)
+        return -depths[0] if depths else None
+
+
 class RmlqPolicy:
     """Reverse Multi-Level Queue: enter by current urgency, promote only (see module doc)."""
 
@@ -235,8 +302,9 @@ class RmlqPolicy:
         self._layer_pace: dict[str, tuple[int, int, float, float]] = {}
         self._pace_check = args.feasibility and args.pace_layers > 0
         self._volume_check = args.feasibility and args.volume_check
-        #: open explicit-deadline flows by request, for the request's remaining bytes (MLU)
-        self._siblings: dict[str, dict[int, Flow]] = {}
+        #: open explicit-deadline flows by request and path, for the request's remaining
+        #: bytes (MLU) and linked_flows
+        self._siblings: dict[str, _RequestFlows] = {}
         self._request_scope = args.mlu_scope == "request"
         self._deferred_by_time = args.deferred_order == "deadline"
         #: the urgencies (and volume_check's instants) the last reevaluate computed, with the
@@ -271,10 +339,11 @@ class RmlqPolicy:
         if not self._request_scope or flow.request is None:
             return ()
         siblings = self._siblings.get(flow.request)
-        if not siblings:
+        group = siblings.by_path.get(flow.links) if siblings is not None else None
+        if not group:
             return ()
-        fid, links = flow.flow_id, flow.links
-        return tuple(other for other, f in siblings.items() if other != fid and f.links == links)
+        fid = flow.flow_id
+        return tuple(other for other in group if other != fid)
 
     def describe_levels(self) -> list[str]:
         """What each level 0..K-1 holds (for ``flowsched policy show``)."""
@@ -370,14 +439,14 @@ class RmlqPolicy:
         count (docs/rmlq.md)."""
         siblings = self._siblings.get(flow.request or "")
         last = flow.consumer_index
-        for other in siblings.values() if siblings else ():
-            if other.flow_id == flow.flow_id:
-                continue
-            if other.links == flow.links:
-                remaining += other.remaining or 0
-            index = other.consumer_index
-            if index is not None and (last is None or index > last):
-                last = index
+        if siblings is not None:
+            fid = flow.flow_id
+            for other in siblings.by_path.get(flow.links, {}).values():
+                if other.flow_id != fid:
+                    remaining += other.remaining or 0
+            deepest = siblings.deepest()
+            if deepest is not None and (last is None or deepest > last):
+                last = deepest
         return remaining + self._unopened_layers(flow, last, ctx) * (flow.size or 0)
 
     def _unopened_layers(self, flow: Flow, last: int | None, ctx: Context) -> int:
@@ -707,7 +776,10 @@ class RmlqPolicy:
         if self._prunable(flow):
             self._members.setdefault(self._request_key(flow), {})[flow.flow_id] = flow
         if self._request_scope and flow.request is not None and flow.cls in EXPLICIT_DEADLINE:
-            self._siblings.setdefault(flow.request, {})[flow.flow_id] = flow
+            siblings = self._siblings.get(flow.request)
+            if siblings is None:
+                siblings = self._siblings[flow.request] = _RequestFlows()
+            siblings.add(flow)
             if flow.consumer_index is not None:
                 self._learn_depth(flow, flow.consumer_index)
         found = self.urgency(flow, ctx) if flow.cls in EXPLICIT_DEADLINE else None
@@ -853,10 +925,8 @@ class RmlqPolicy:
         self._meter.close(flow)
         self._urgent.pop(flow.flow_id, None)
         siblings = self._siblings.get(flow.request or "")
-        if siblings is not None:
-            siblings.pop(flow.flow_id, None)
-            if not siblings:
-                del self._siblings[flow.request or ""]
+        if siblings is not None and siblings.remove(flow):
+            del self._siblings[flow.request or ""]
         members = self._members.get(self._request_key(flow))
         if members is not None:
             members.pop(flow.flow_id, None)

@@ -1111,6 +1111,129 @@ def test_request_scope_forgets_closed_layers() -> None:
     assert found is not None and found.remaining == 1e7
 
 
+def _scanned_linked(opened: dict[int, Flow], flow: Flow) -> tuple[int, ...]:
+    """``linked_flows`` as it was (a scan of the request's every open flow), the reference."""
+    return tuple(
+        fid
+        for fid, other in opened.items()
+        if fid != flow.flow_id and other.request == flow.request and other.links == flow.links
+    )
+
+
+def _scanned_request_remaining(
+    pol: rmlq.RmlqPolicy, opened: dict[int, Flow], flow: Flow, context: Context
+) -> int:
+    """The request's bytes on ``flow``'s path as they were computed (the same scan)."""
+    remaining, last = flow.remaining or 0, flow.consumer_index
+    for other in opened.values():
+        if other.request != flow.request or other.flow_id == flow.flow_id:
+            continue
+        if other.links == flow.links:
+            remaining += other.remaining or 0
+        index = other.consumer_index
+        if index is not None and (last is None or index > last):
+            last = index
+    return remaining + pol._unopened_layers(flow, last, context) * (flow.size or 0)
+
+
+#: one step of a request-scope run: open (request, path, layer or None), close the i-th open
+#: flow, or send bytes on it
+_REQUEST_STEPS = st.one_of(
+    st.tuples(
+        st.just("open"),
+        st.sampled_from(["r1", "r2"]),
+        st.sampled_from([("a",), ("b",), ("a", "b")]),
+        st.none() | st.integers(0, 6),
+    ),
+    st.tuples(st.just("close"), st.integers(0, 40)),
+    st.tuples(st.just("send"), st.integers(0, 40), st.integers(0, 10**6)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(_REQUEST_STEPS, max_size=60), in_prefill=st.booleans())
+def test_request_index_answers_as_the_scan_of_every_open_flow(
+    steps: list[tuple[Any, ...]], in_prefill: bool
+) -> None:
+    """With ``mlu_scope = "request"`` a request's flows are indexed by path (its opens were
+    O(n^2): ``linked_flows`` and the request's bytes scanned all its open flows per open).
+    After every open, close and progress, the index gives what the scan gave: the same
+    linked flows in the same order, the same request bytes (so the same MLU and levels)."""
+    pol = policy(mlu_scope="request", rho_source="none")
+    context = ctx(job_index={"j": 0} if in_prefill else {})
+    opened: dict[int, Flow] = {}
+    for number, step in enumerate(steps, start=1):
+        ids = list(opened)
+        if step[0] == "open":
+            _, request, links, index = step
+            flow = build_flow(number, cls="kv", size=10**6, deadline=5.0, job="j",
+                              request=request, links=links, consumer_index=index)  # fmt: skip
+            flow.level = pol.admit(flow, context).level
+            assert pol.linked_flows(flow) == _scanned_linked(opened, flow)
+            opened[flow.flow_id] = flow
+        elif ids and step[0] == "close":
+            pol.release(opened.pop(ids[step[1] % len(ids)]), context)
+        elif ids:
+            target = opened[ids[step[1] % len(ids)]]
+            target.sent = min(target.sent + step[2], target.size or 0)
+        for flow in opened.values():
+            assert pol.linked_flows(flow) == _scanned_linked(opened, flow)
+            found = pol.urgency(flow, context)
+            assert found is not None
+            assert found.remaining == _scanned_request_remaining(pol, opened, flow, context)
+    for flow in opened.values():
+        pol.release(flow, context)
+    assert not pol._siblings
+
+
+def _kept(flows: rmlq._RequestFlows) -> dict[tuple[str, ...], list[int]]:
+    return {path: list(group) for path, group in flows.by_path.items()}
+
+
+def _kv(flow_id: int, links: tuple[str, ...], index: int | None) -> Flow:
+    return build_flow(flow_id, cls="kv", size=1, deadline=1.0, request="r", links=links,
+                      consumer_index=index)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("steps", "kept", "deepest"),
+    [
+        ([("add", 1, ("a",), 3), ("add", 2, ("a",), 5)], {("a",): [1, 2]}, 5),
+        # a re-admitted flow keeps its place on its path, and its index is replaced
+        ([("add", 1, ("a",), 3), ("add", 2, ("a",), 5), ("add", 1, ("a",), 7)],
+         {("a",): [1, 2]}, 7),
+        ([("add", 1, ("a",), 7), ("add", 2, ("a",), 5), ("add", 1, ("a",), 3)],
+         {("a",): [1, 2]}, 5),
+        # re-admitted on another path: moved, counted once
+        ([("add", 1, ("a",), 3), ("add", 2, ("a",), 5), ("add", 1, ("b",), 3)],
+         {("a",): [2], ("b",): [1]}, 5),
+        ([("add", 1, ("a",), 3), ("add", 2, ("b",), 5), ("remove", 2, ("b",), 5)],
+         {("a",): [1]}, 3),
+        # an index back after all its flows closed; an unknown flow's removal changes nothing
+        ([("add", 1, ("a",), 5), ("remove", 1, ("a",), 5), ("add", 2, ("a",), 5),
+          ("remove", 9, ("a",), 1)], {("a",): [2]}, 5),
+        ([("add", 1, ("a",), None), ("add", 2, ("a",), 4), ("remove", 2, ("a",), 4)],
+         {("a",): [1]}, None),
+    ],
+    ids=["two", "readmit-deeper", "readmit-shallower", "readmit-moved", "remove-path",
+         "index-again", "no-index"],
+)  # fmt: skip
+def test_request_flows_index(
+    steps: list[tuple[str, int, tuple[str, ...], int | None]],
+    kept: dict[tuple[str, ...], list[int]],
+    deepest: int | None,
+) -> None:
+    flows = rmlq._RequestFlows()
+    for what, flow_id, links, index in steps:
+        if what == "add":
+            flows.add(_kv(flow_id, links, index))
+        else:
+            flows.remove(_kv(flow_id, links, index))
+    assert _kept(flows) == kept
+    assert flows.deepest() == deepest
+    assert sorted(flows.path_of) == sorted(fid for ids in kept.values() for fid in ids)
+
+
 # deferred bands in deadline order (K=8: 5 = time left <= 25 ms, 6 = more), MLU < 0.5
 @pytest.mark.parametrize(
     ("size", "deadline", "args", "level"),
