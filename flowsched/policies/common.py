@@ -141,6 +141,16 @@ def is_late(flow: Flow, now: float) -> bool:
     return deadline is not None and deadline <= now and flow.remaining != 0
 
 
+def late_at(flow: Flow, now: float) -> float | None:
+    """When :func:`is_late` turns true by time alone: ``flow``'s deadline while it is ahead and
+    bytes (or an unknown size) are left. None otherwise (a past deadline would only re-arm a
+    promotion timer at every tick)."""
+    deadline = flow.deadline
+    if deadline is None or deadline <= now or flow.remaining == 0:
+        return None
+    return deadline
+
+
 #: the classes late-dropping applies to by default: P2D transfers (a late param sync still
 #: gates the next generation, so dropping it would only add delay)
 DROP_CLASSES = ("kv",)
@@ -190,11 +200,9 @@ class LateDrop:
     def next_change(self, flow: Flow, now: float) -> float | None:
         """When :meth:`dropped` turns true by time alone (the deadline), or None (also once
         it has: a dropped flow stays dropped, so a past time would only re-arm its timer)."""
-        if not self.enabled or flow.cls not in self.classes or flow.remaining == 0:
+        if not self.enabled or flow.cls not in self.classes:
             return None
-        if flow.deadline is None or flow.deadline <= now:
-            return None
-        return flow.deadline
+        return late_at(flow, now)
 
 
 def level_changes(flows: Iterable[Flow], decide: Callable[[Flow], int]) -> dict[int, Decision]:

@@ -48,6 +48,8 @@ from flowsched.policies.common import (
     TrafficMeter,
     bottleneck,
     ewma_step,
+    is_late,
+    late_at,
 )
 from flowsched.policies.feasibility import Demand, inter_scheduling, robust_effective_deadline
 
@@ -545,7 +547,7 @@ class RmlqPolicy:
         if self._alg1 or not self._prunable(flow) or found is None:
             return None
         key = self._request_key(flow)
-        if key in self._pruned or self._late(flow, ctx.now):
+        if key in self._pruned or is_late(flow, ctx.now):  # late: pruned at once
             return True
         value = found.value
         if self.args.feasibility_load == "none":
@@ -626,15 +628,11 @@ class RmlqPolicy:
             self._pruned.add(key)
             self._newly_pruned.append(key)
 
-    def _late(self, flow: Flow, now: float) -> bool:
-        """Past its deadline with bytes left: pruned at once, nothing is estimated there."""
-        return flow.deadline is not None and flow.deadline <= now and flow.remaining != 0
-
     def dropped(self, flow: Flow, now: float) -> bool:
         """True when ``flow`` goes to the scavenger level: late, or its request was pruned."""
         if not self._prunable(flow):
             return False
-        return self._late(flow, now) or self._request_key(flow) in self._pruned
+        return is_late(flow, now) or self._request_key(flow) in self._pruned
 
     def _forget_idle_requests(self, now: float) -> None:
         """Drop the state of requests that have had no flow for ``request_memory`` seconds."""
@@ -999,15 +997,11 @@ class RmlqPolicy:
         return min(times) if times else None
 
     def _pruned_at(self, flow: Flow, now: float) -> float | None:
-        """``flow``'s deadline while it is ahead and would prune the flow there: prunable,
-        with bytes of its own left or an unknown size (:meth:`_late`, as
-        ``LateDrop.next_change``). None otherwise: a past deadline re-armed the timer at
-        every tick (with ``mlu_scope = "request"`` a flow whose own bytes are sent still sees
-        its request's bytes)."""
-        deadline = flow.deadline
-        if deadline is None or deadline <= now or flow.remaining == 0:
-            return None
-        return deadline if self._prunable(flow) else None
+        """``flow``'s deadline while it would prune the flow there (:func:`late_at`, an
+        unknown size counting as bytes left); None for a flow that is not prunable. With
+        ``mlu_scope = "request"`` a flow whose own bytes are sent still sees its request's
+        bytes, which is why this asks the flow's own."""
+        return late_at(flow, now) if self._prunable(flow) else None
 
     def _next_threshold(self, flow: Flow, ctx: Context) -> float | None:
         """The MLU at which a deferred ``flow`` moves up a level (None: urgent, or held)."""
