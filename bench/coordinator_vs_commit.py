@@ -83,10 +83,18 @@ def coordinator_identity(pid: int) -> dict[str, Any]:
     return {"cwd": os.readlink(f"/proc/{pid}/cwd"), "pythonpath": pythonpath, "mapped": mapped}
 
 
-class WindowRecorder:
-    """The benchmark's scrapes right before and right after its ``saturate()``."""
+def identify_coordinator(address: str, pid: int) -> tuple[dict[str, Any], str]:
+    """The coordinator's identity (above) and its ``flowsched_build_info`` series."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=60) as response:
+        found = re.search(r"flowsched_build_info\{[^}]*\}", response.read().decode())
+    return coordinator_identity(pid), found[0] if found else "(no flowsched_build_info metric)"
 
-    def __init__(self, bench: ModuleType) -> None:
+
+class WindowRecorder:
+    """The benchmark's scrapes right before and right after its ``saturate()``: wraps the two
+    module-level functions without changing what they do."""
+
+    def __init__(self, bench: ModuleType, identify: Any = identify_coordinator) -> None:
         self.identity: dict[str, Any] | None = None
         self.build_info = ""
         self.last: Any = None
@@ -99,10 +107,7 @@ class WindowRecorder:
         def recording_scrape(address: str, pid: int) -> Any:
             result = scrape(address, pid)
             if self.identity is None:
-                self.identity = coordinator_identity(pid)
-                with urllib.request.urlopen(f"http://{address}/metrics", timeout=60) as response:
-                    found = re.search(r"flowsched_build_info\{[^}]*\}", response.read().decode())
-                self.build_info = found[0] if found else "(no flowsched_build_info metric)"
+                self.identity, self.build_info = identify(address, pid)
             if self.before is not None and self.after is None and not self.in_phase:
                 self.after = result
             self.last = result
@@ -224,10 +229,27 @@ def run_in(
         raise SystemExit(
             f"the {code} {build} run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
         )
-    row: dict[str, Any] = json.loads(out.read_text())
+    return with_rates(json.loads(out.read_text()))
+
+
+def with_rates(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with its events per wall second and per coordinator CPU-second."""
     row["events_per_s"] = row["events"] / row["wall_s"]
     row["events_per_cpu_s"] = row["events"] / max(row["coordinator_cpu_s"], 1e-9)
     return row
+
+
+def ratios(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """Per build of the new code: its mean events/s and events per CPU-second over its runs,
+    each over the old code's mean."""
+    olds = [r for r in rows if r["code"] == "old"]
+    result = {}
+    for build in ("compiled", "interpreted"):
+        news = [r for r in rows if r["code"] == "new" and r["build"] == build]
+        if olds and news:
+            per_s = mean(news, "events_per_s") / mean(olds, "events_per_s")
+            result[build] = (per_s, mean(news, "events_per_cpu_s") / mean(olds, "events_per_cpu_s"))
+    return result
 
 
 def print_table(rows: list[dict[str, Any]], old: str, new: str) -> None:
@@ -250,16 +272,13 @@ def print_table(rows: list[dict[str, Any]], old: str, new: str) -> None:
             f"mapped: {len(c['mapped'])}; {r['build_info']}; "
             f"generator imports {r['generator_imports']}"
         )
-    olds = [r for r in rows if r["code"] == "old"]
-    for build in ("compiled", "interpreted"):
-        news = [r for r in rows if r["code"] == "new" and r["build"] == build]
-        if olds and news:
-            ratio = {k: mean(news, k) / mean(olds, k) for k in ("events_per_s", "events_per_cpu_s")}
-            print(
-                f"new {build} / old, means of {len(news)} and {len(olds)} runs: "
-                f"{ratio['events_per_s']:.2f}x events/s, {ratio['events_per_cpu_s']:.2f}x events "
-                "per coordinator CPU-second"
-            )
+    for build, (per_s, per_cpu_s) in ratios(rows).items():
+        runs = sum(r["build"] == build and r["code"] == "new" for r in rows)
+        old_runs = sum(r["code"] == "old" for r in rows)
+        print(
+            f"new {build} / old, means of {runs} and {old_runs} runs: {per_s:.2f}x events/s, "
+            f"{per_cpu_s:.2f}x events per coordinator CPU-second"
+        )
 
 
 def mean(rows: list[dict[str, Any]], key: str) -> float:
