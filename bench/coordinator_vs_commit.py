@@ -217,18 +217,25 @@ def run_in(
     command = [sys.executable, str(Path(__file__).resolve()), "--one-run", code, "--build", build]
     command += ["--form", args.form, "--duration", str(args.duration), "--agents", str(args.agents)]
     env = dict(os.environ, PYTHONPATH=str(checkout))
-    done = subprocess.run(
+    # a session of its own: a run past its time is killed with its coordinator, which would
+    # otherwise stay pinned to its core, spinning, under the next runs
+    child = subprocess.Popen(
         [*command, "--json", str(out)],
         cwd=checkout,
         env=env,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=args.duration + RUN_SLACK_S,
+        start_new_session=True,
     )
-    if done.returncode != 0:
-        raise SystemExit(
-            f"the {code} {build} run failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
-        )
+    try:
+        output, _ = child.communicate(timeout=args.duration + RUN_SLACK_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        output, _ = child.communicate()
+        raise SystemExit(f"the {code} {build} run took too long:\n{output[-2000:]}") from None
+    if child.returncode != 0:
+        raise SystemExit(f"the {code} {build} run failed:\n{output[-4000:]}")
     return with_rates(json.loads(out.read_text()))
 
 
