@@ -39,6 +39,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -254,9 +255,15 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
     for build in ("compiled", "interpreted"):
         news = [r for r in rows if r["code"] == "new" and r["build"] == build]
         if olds and news:
-            per_s = mean(news, "events_per_s") / mean(olds, "events_per_s")
-            result[build] = (per_s, mean(news, "events_per_cpu_s") / mean(olds, "events_per_cpu_s"))
+            result[build] = (
+                mean_ratio(news, olds, "events_per_s"),
+                mean_ratio(news, olds, "events_per_cpu_s"),
+            )
     return result
+
+
+def mean_ratio(news: list[dict[str, Any]], olds: list[dict[str, Any]], key: str) -> float:
+    return statistics.fmean(r[key] for r in news) / statistics.fmean(r[key] for r in olds)
 
 
 def print_table(rows: list[dict[str, Any]], old: str, new: str) -> None:
@@ -286,10 +293,6 @@ def print_table(rows: list[dict[str, Any]], old: str, new: str) -> None:
             f"new {build} / old, means of {runs} and {old_runs} runs: {per_s:.2f}x events/s, "
             f"{per_cpu_s:.2f}x events per coordinator CPU-second"
         )
-
-
-def mean(rows: list[dict[str, Any]], key: str) -> float:
-    return sum(r[key] for r in rows) / len(rows)
 
 
 def side_by_side(args: argparse.Namespace) -> int:
