@@ -39,7 +39,6 @@ from flowsched.protocol import FlowOpen
 
 NODE = "n1"
 BATCH = 200
-MIB = 1024 * 1024
 
 
 def fresh(text: str) -> str:
@@ -54,6 +53,7 @@ def wide_name(index: int, length: int) -> str:
 
 
 def real(i: int) -> tuple[tuple[str, ...], str, str]:
+    """Open ``i``'s links, job and request in the ``real`` shape (see the module docstring)."""
     return (f"{NODE}:tx", f"peer{i % 1000}:rx"), f"job-{i % 16}", f"job-{i % 16}/r{i // 4}"
 
 
@@ -114,13 +114,15 @@ def measure(shape: str, flows: int) -> dict[str, float | int | str]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES))
-    parser.add_argument("--flows", type=int, default=65534)
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: %(default)s")
+    parser.add_argument("--flows", type=int, default=65534, help="opens sent per shape")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(measure(args.child, args.flows)))
         return 0
+    if args.flows < 1:
+        parser.error(f"--flows: at least 1, got {args.flows}")
     shapes = args.shapes.split(",")
     unknown = [shape for shape in shapes if shape not in SHAPES]
     if unknown:
