@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ from flowsched.coordinator.state import ClusterState
 from flowsched.model import FlowClass
 from flowsched.policies import create
 from flowsched.protocol import FlowOpen
+from flowsched.testbed.procstat import memory_mib
 
 NODE = "n1"
 BATCH = 200
@@ -74,14 +76,6 @@ SHAPES: dict[str, Callable[[int], tuple[tuple[str, ...], str, str]]] = {
 }
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 def batches(shape: str, flows: int) -> Iterator[list[FlowOpen]]:
     names = SHAPES[shape]
     now = time.time()
@@ -99,12 +93,12 @@ def measure(shape: str, flows: int) -> dict[str, float | int | str]:
     """Open ``flows`` flows of ``shape`` into a fresh state; what it kept and what it cost."""
     state = ClusterState(create("rmlq"))
     gc.collect()
-    before = rss_mib()
+    before = memory_mib(os.getpid())[0]
     refused = 0
     for batch in batches(shape, flows):
         refused += state.open_flows(NODE, batch, time.time())
     gc.collect()
-    after = rss_mib()
+    after = memory_mib(os.getpid())[0]
     kept = len(state.by_node.get(NODE, {}))
     per_flow = (after - before) * 1024 / kept if kept else float("nan")
     return {"shape": shape, "sent": flows, "kept": kept, "refused": refused,
