@@ -110,15 +110,24 @@ static int socket_has_chunk(const struct fs_comm* comm, size_t size, uint64_t se
   return chunk_of(comm, size, seq, s, 0, &off, &len);
 }
 
-/* Make message `seq`'s size visible to the data sockets (before data_limit moves). */
+/* Make message `seq`'s size visible to the data sockets (before data_limit moves). A seqlock
+ * write: the slot first says it holds no message (pub_seq 0; seq + 1 never is), then the size
+ * changes. A helper may still be reading the message the slot held before (a socket that had
+ * no chunk in it reaches it late, after the slot was reused 64 messages on): without the
+ * first store it could read the new size under the old sequence number, take a chunk in the
+ * old message for its own and move bytes the peer does not expect on that socket. The release
+ * fence orders the invalidation before the size, for request_size_of's second check. */
 static void request_publish_size(struct fs_request* req, uint64_t seq, size_t size) {
+  atomic_store_explicit(&req->pub_seq, 0, memory_order_relaxed);
+  atomic_thread_fence(memory_order_release);
   atomic_store_explicit(&req->pub_size, size, memory_order_relaxed);
   atomic_store_explicit(&req->pub_seq, seq + 1, memory_order_release);
 }
 
 /* The size of message `seq` as seen from a data socket: 1 and *size, or 0 when the request
- * slot already holds a later message. That happens only to a socket without a chunk in
- * `seq` (a message cannot complete before its sockets moved their chunks), so it skips. */
+ * slot already holds a later message (or is being rewritten for one). That happens only to a
+ * socket without a chunk in `seq` (a message cannot complete before its sockets moved their
+ * chunks), so it skips. The seqlock read of request_publish_size's write. */
 static int request_size_of(struct fs_request* req, uint64_t seq, size_t* size) {
   if (atomic_load_explicit(&req->pub_seq, memory_order_acquire) != seq + 1) {
     return 0;
