@@ -92,18 +92,29 @@ static int more_urgent_in_flight(const struct gate_dev* d, uint32_t level) {
   return 0;
 }
 
-/* Halve the shares once per window, so they follow the recent past (one thread wins). */
+/* `value` halved `times` times (nothing left from 64 halvings on). */
+static uint64_t halved(uint64_t value, uint64_t times) {
+  return times >= 64 ? 0 : value >> times;
+}
+
+/* Halve the shares once per window that ended since the last decay, so they follow the recent
+ * past (one thread wins). The decay runs on the contended path only: after a stretch of k
+ * windows without contention the shares are halved k times, not once, or a level that sent
+ * alone for minutes would keep a share that lets less urgent levels through the guard for
+ * many windows once they contend. 0 = nothing sent on the device yet (window_open). */
 static void window_decay(struct gate_dev* d, uint64_t now_ns) {
   uint64_t start = atomic_load_explicit(&d->window_start_ns, memory_order_relaxed);
   uint64_t window = atomic_load_explicit(&fs_gate.window_ns, memory_order_relaxed);
-  if (now_ns - start < window ||
+  if (start == 0 || now_ns - start < window ||
       !atomic_compare_exchange_strong(&d->window_start_ns, &start, now_ns)) {
     return;
   }
+  uint64_t windows = (now_ns - start) / window;
   for (int l = 0; l < FS_GATE_LEVELS; l++) {
-    atomic_store_explicit(&d->bytes[l], atomic_load(&d->bytes[l]) / 2, memory_order_relaxed);
+    atomic_store_explicit(&d->bytes[l], halved(atomic_load(&d->bytes[l]), windows),
+                          memory_order_relaxed);
   }
-  atomic_store_explicit(&d->total, atomic_load(&d->total) / 2, memory_order_relaxed);
+  atomic_store_explicit(&d->total, halved(atomic_load(&d->total), windows), memory_order_relaxed);
 }
 
 static int below_share(const struct gate_dev* d, uint32_t level) {
@@ -161,12 +172,22 @@ int fs_gate_permit(struct fs_gate_conn* conn, int dev, uint32_t level) {
   return 0;
 }
 
+/* The first bytes on a device open its first window, so that the decay counts the windows
+ * since then (one clock read per device, not per send). */
+static void window_open(struct gate_dev* d) {
+  if (atomic_load_explicit(&d->window_start_ns, memory_order_relaxed) == 0) {
+    uint64_t unset = 0;
+    atomic_compare_exchange_strong(&d->window_start_ns, &unset, now_ns_monotonic());
+  }
+}
+
 void fs_gate_started(int dev, uint32_t level, size_t bytes) {
   atomic_fetch_add_explicit(&fs_gate.permits, 1, memory_order_relaxed);
   if (!in_range(dev, level)) {
     return;
   }
   struct gate_dev* d = &fs_gate.devs[dev];
+  window_open(d);
   atomic_fetch_add_explicit(&d->inflight[level], 1, memory_order_relaxed);
   atomic_fetch_add_explicit(&d->bytes[level], bytes, memory_order_relaxed);
   atomic_fetch_add_explicit(&d->total, bytes, memory_order_relaxed);
