@@ -141,6 +141,10 @@ int fs_param_is_set(const char* env) {
 }
 
 void fs_param_peek(const char* env, char* out, size_t cap) {
+  static const char cut[] = "...";
   const char* text = env_lookup(env);
-  snprintf(out, cap, "%s", text != NULL && strlen(text) < cap ? text : "");
+  snprintf(out, cap, "%s", text != NULL ? text : "");
+  if (text != NULL && strlen(text) >= cap && cap >= sizeof(cut)) {
+    memcpy(out + cap - sizeof(cut), cut, sizeof(cut)); /* with its NUL, at the very end */
+  }
 }

@@ -108,8 +108,9 @@ struct fs_params {
 
 /* Read every knob from the environment (called once per initialisation of the plugin). */
 void fs_params_load(struct fs_params* params);
-/* One string knob read now, without logging (the mode decision before any logger exists);
- * "" when unset or when it does not fit in `cap`. */
+/* One string knob read now, without logging (FLOWSCHED_CLASS, per communicator); "" when
+ * unset. A value that does not fit in `cap` is not taken for unset: its head is kept, ending
+ * in "...", which names no class (no label or id ends so) and shows in the caller's warning. */
 void fs_param_peek(const char* env, char* out, size_t cap);
 /* Whether a knob is set and not empty, whatever its length. */
 int fs_param_is_set(const char* env);
