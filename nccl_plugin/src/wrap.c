@@ -20,6 +20,13 @@
 #define FS_WRAP_MAX_INNER_CTX 8 /* traffic classes per communicator (one per class at most) */
 #define FS_WRAP_REQ_BLOCK 32
 
+/* A connect in progress: NCCL's handle buffer (the same on every retry) and the inner
+ * trafficClass its first call chose, which every retry keeps. */
+struct fs_wrap_pending {
+  void* handle;
+  int inner_tc;
+};
+
 struct fs_wrap_ctx {
   uint64_t comm_id;
   int32_t traffic_class; /* NCCL's (v11/v12 init; UNDEF for the legacy context) */
@@ -30,7 +37,7 @@ struct fs_wrap_ctx {
     int traffic_class;
     void* ctx;
   } inner[FS_WRAP_MAX_INNER_CTX];
-  void** pending; /* NCCL's handle buffers of connects in progress (grown on demand) */
+  struct fs_wrap_pending* pending; /* connects in progress (grown on demand) */
   int npending, pending_cap;
   uint32_t net_op, net_algo, net_proto; /* latest setNetAttr: stamped on the next connection */
   /* FLOWSCHED_CLASS as it was at this communicator's init (v11/v12). The legacy context
@@ -499,28 +506,35 @@ ncclResult_t fs_wrap_listen(void* ctx, int dev, void* handle, void** listen_comm
  * connect that held no reference would be a use-after-free waiting for a finalize. */
 static int pending_find(const struct fs_wrap_ctx* ctx, const void* handle) {
   int i = 0;
-  while (i < ctx->npending && ctx->pending[i] != handle) {
+  while (i < ctx->npending && ctx->pending[i].handle != handle) {
     i++;
   }
   return i < ctx->npending ? i : -1;
 }
 
-/* Hold a reference for `handle` before the inner sees it (a retry already holds one).
+/* Hold a reference for `handle` before the inner sees it (a retry already holds one), and
+ * pin the connect's inner trafficClass: a retry gets its first call's in *inner_tc. The class
+ * queue's DSCP may change between retries (the agent starts, or rewrites its config), and the
+ * inner must finish a handshake on the context and with the trafficClass it began with.
  * 0, or -ENOMEM when the set cannot grow: the connect is then refused, never run unguarded. */
-static int pending_hold(struct fs_wrap_ctx* ctx, void* handle) {
+static int pending_hold(struct fs_wrap_ctx* ctx, void* handle, int* inner_tc) {
   int rc = 0;
   pthread_mutex_lock(&ctx->lock);
-  if (pending_find(ctx, handle) < 0) {
+  int i = pending_find(ctx, handle);
+  if (i >= 0) {
+    *inner_tc = ctx->pending[i].inner_tc;
+  } else {
     if (ctx->npending == ctx->pending_cap) {
       int cap = ctx->pending_cap > 0 ? 2 * ctx->pending_cap : 16;
-      void** grown = realloc(ctx->pending, (size_t)cap * sizeof(*grown));
+      struct fs_wrap_pending* grown = realloc(ctx->pending, (size_t)cap * sizeof(*grown));
       if (grown != NULL) {
         ctx->pending = grown;
         ctx->pending_cap = cap;
       }
     }
     if (ctx->npending < ctx->pending_cap) {
-      ctx->pending[ctx->npending++] = handle;
+      ctx->pending[ctx->npending++] = (struct fs_wrap_pending){.handle = handle,
+                                                                .inner_tc = *inner_tc};
       wrap_ctx_retain(ctx);
     } else {
       rc = -ENOMEM;
@@ -556,7 +570,7 @@ ncclResult_t fs_wrap_connect(void* ctx, int dev, int traffic_class, void* handle
   char class_name[32];
   ctx_class_name(c, class_name, sizeof(class_name));
   int tc = inner_traffic_class(traffic_class, class_name);
-  if (pending_hold(c, handle) != 0) {
+  if (pending_hold(c, handle, &tc) != 0) {
     FS_WARN("connect: out of memory for the context reference of a connect in progress; "
             "refusing the connect");
     return ncclSystemError;

@@ -978,6 +978,62 @@ static void class_and_peer(const char* fake) {
   printf("ok class per communicator (v12 init, v10 listen/connect), peer rank from irecv only\n");
 }
 
+/* A connect NCCL retries (NULL comm, same handle) keeps the inner traffic class of its first
+ * call: the agent may rewrite the table's DSCPs (or start) between two retries, and the inner
+ * must not see one connection's handshake continued on another inner context (v11/v12 inner)
+ * or with another trafficClass (v10 inner). */
+static void connect_retries_keep_their_class(const char* fake12, const char* fake10) {
+  static const struct {
+    const char* what;
+    int fake_is_v10;
+  } cases[] = {{"v12 inner", 0}, {"v10 inner", 1}};
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    char path[] = "/tmp/fs-wrap-table-XXXXXX";
+    int fd = mkstemp(path);
+    CHECK(fd >= 0, "mkstemp");
+    close(fd);
+    struct fs_table_header* h = table_create(path, 16);
+    setenv("FLOWSCHED_TABLE", path, 1);
+    const ncclNet_v12_t* net = load(cases[i].fake_is_v10 ? fake10 : fake12, "ncclNetPlugin_v12");
+    ncclNetCommConfig_v12_t cfg = {.trafficClass = 0}; /* tp: level 0 */
+    void* ctx = NULL;
+    OK(net->init(&ctx, 0xC0, &cfg, NULL, NULL));
+    int inits = count("init");
+    char handle[NCCL_NET_HANDLE_MAXSIZE];
+    void* scomm = NULL;
+    ncclNetDeviceHandle_t* dh = NULL;
+    g_fake->connect_nulls = 2;
+    int first = g_fake->ncalls;
+    OK(net->connect(ctx, 0, handle, &scomm, &dh));
+    CHECK(scomm == NULL, "%s: the connect is in progress", cases[i].what);
+    h->level_marking[0].dscp = 40; /* the agent rewrites the config meanwhile */
+    atomic_store(&h->config_seq, 4);
+    for (int tries = 0; scomm == NULL; tries++) {
+      CHECK(tries < 10, "%s: the connect never completed", cases[i].what);
+      OK(net->connect(ctx, 0, handle, &scomm, &dh));
+    }
+    struct fake_call* call0 = NULL;
+    for (int c = first; c < g_fake->ncalls; c++) {
+      struct fake_call* call = &g_fake->calls[c];
+      if (strcmp(call->fn, "connect") != 0) continue;
+      if (call0 == NULL) call0 = call;
+      CHECK(call->ctx == call0->ctx && call->tc == call0->tc,
+            "%s: a retry of the same connect went to inner context %p with trafficClass %d, "
+            "the first call to %p with %d", cases[i].what, call->ctx, call->tc, call0->ctx,
+            call0->tc);
+    }
+    CHECK(count("init") == inits, "%s: an inner init in the middle of a connect",
+          cases[i].what);
+    OK(net->closeSend(scomm));
+    OK(net->finalize(ctx));
+    unload();
+    unsetenv("FLOWSCHED_TABLE");
+    munmap(h, FS_TABLE_HEADER_SIZE + 16 * FS_TABLE_SLOT_SIZE);
+    unlink(path);
+  }
+  printf("ok a connect's retries keep the inner context and trafficClass of its first call\n");
+}
+
 int main(int argc, char** argv) {
   if (argc < 5) {
     fprintf(stderr, "usage: %s OUTER.so FAKE12.so FAKE10.so FAKE8.so\n", argv[0]);
@@ -996,5 +1052,6 @@ int main(int argc, char** argv) {
   logger_inner_inits_v10(argv[2]);
   logger_inner_inits_v12(argv[2]);
   class_and_peer(argv[2]);
+  connect_retries_keep_their_class(argv[2], argv[3]);
   return 0;
 }
