@@ -72,7 +72,9 @@ def register(sub: Any) -> None:
         "--socket",
         default=None,
         metavar="PATH",
-        help="SDK socket (default $FLOWSCHED_SOCKET, else 'agent.sock' next to the table)",
+        help="SDK socket (default $FLOWSCHED_SOCKET, else 'agent.sock' in the agent's runtime "
+        "directory of --table's default, where the SDK looks; a --table or $FLOWSCHED_TABLE "
+        "elsewhere does not move it)",
     )
     parser.add_argument(
         "--group",
