@@ -79,7 +79,8 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--per-flow-policy", choices=["auto", "yes", "no"], default="auto",
         help="yes: the policy decides each flow on its own, so events re-evaluate only the flows"
-        " they touch (true of rmlq with red_tiers = 1, sjf, fair, static); auto: ask the policy",
+        " they touch (true of fair, static, sjf, pias, karuna, and rmlq unless red_tiers > 1 or"
+        ' feasibility_check = "mlu"; not of edf, llf); auto: ask the policy',
     )  # fmt: skip
     parser.add_argument(
         "--promotion", choices=["timers", "sweep"], default="timers",

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 import pytest
 
-from flowsched import rundir
+from flowsched import policies, rundir
 from flowsched.cli import agent as agent_cli
 from flowsched.cli import build_parser
 
@@ -45,3 +46,39 @@ def test_agent_socket_help_names_where_the_default_socket_goes(
     text = option_help("agent", "--socket")
     assert "$FLOWSCHED_SOCKET" in text and "runtime directory" in text, text
     assert "next to the table" not in text, text
+
+
+def _per_flow_clause(text: str, head: str) -> set[str]:
+    """The policy names listed after ``head`` (``true of``/``not of``) up to ``;`` or ``)``,
+    an ``rmlq unless ...`` entry counted as ``rmlq``."""
+    match = re.search(rf"{head} ([^;)]*)", text)
+    assert match, text
+    entries = [e.strip().removeprefix("and ") for e in match.group(1).split(",")]
+    return {e.split()[0] for e in entries if e}
+
+
+def test_per_flow_policy_help_lists_what_each_policy_says() -> None:
+    """``--per-flow-policy yes`` forces per-flow re-evaluation: wrong for a policy whose decisions
+    depend on other flows, so the help must name the policies that are per-flow and those
+    that are not, as the policy objects themselves say (what ``auto`` asks)."""
+    text = option_help("coordinator", "--per-flow-policy")
+    per_flow = _per_flow_clause(text, "true of")
+    not_per_flow = _per_flow_clause(text, "not of")
+    for name in policies.names():
+        policy = policies.module(name).new({}, num_levels=8)
+        decides_alone = getattr(policy, "per_flow_decisions", False) is True  # optional
+        assert name in (per_flow if decides_alone else not_per_flow), (name, text)
+
+
+@pytest.mark.parametrize(
+    ("args", "named_in_help"),
+    [
+        ({"red_tiers": 2}, "red_tiers > 1"),
+        ({"feasibility_check": "mlu"}, 'feasibility_check = "mlu"'),
+    ],
+)
+def test_per_flow_policy_help_names_the_rmlq_arguments_that_end_it(
+    args: dict[str, object], named_in_help: str
+) -> None:
+    assert policies.module("rmlq").new(args, num_levels=12).per_flow_decisions is False
+    assert named_in_help in option_help("coordinator", "--per-flow-policy")
