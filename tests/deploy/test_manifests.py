@@ -639,3 +639,21 @@ def test_ha_coordinator_token_copy_matches_the_base(ha: list[dict[str, Any]]) ->
         _flags(container["args"])["token-file"]
         == _flags(COORDINATOR_CONTAINER["args"])["token-file"]
     )
+
+
+def test_ha_docs_name_the_files_holding_the_replica_count_and_the_agents_list() -> None:
+    """docs/ha.md says how to run another number of coordinators: the files it names must be
+    those holding the StatefulSet's ``replicas``, its disruption budget and the agents' list."""
+    text = " ".join((ROOT / "docs" / "ha.md").read_text().split())
+    match = re.search(
+        r"Another number of replicas: change `replicas` in `([^`]+)` .*? and the agents' list"
+        r" in `([^`]+)` together",
+        text,
+    )
+    assert match, "docs/ha.md: no 'change `replicas` in FILE ... the agents' list in FILE'"
+    replicas_file, agents_file = (ROOT / name for name in match.groups())
+    kinds = {doc["kind"]: doc for doc in documents(replicas_file)}
+    assert "replicas" in kinds["StatefulSet"]["spec"]
+    assert "minAvailable" in kinds["PodDisruptionBudget"]["spec"]
+    patches = [p["patch"] for p in documents(agents_file)[0].get("patches", [])]
+    assert any("name: flowsched-agent" in p and "coordinator:" in p for p in patches)
