@@ -28,6 +28,7 @@ docs/qos.md.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -69,7 +70,8 @@ SMALL_V6_MASK = 0xFFC0
 #: above this rate one htb (one qdisc lock for every CPU) is the bottleneck: see docs/qos.md
 HTB_RATE_ADVICE = 10 * 10**9
 TC_TIMEOUT = 10.0
-#: per-device locks, so that two applies (two agents, an agent and an operator) take turns
+#: per-device locks, so that two applies (two agents, an agent and an operator) take turns;
+#: the systemd units (RuntimeDirectory=) and the DaemonSet (a hostPath) make it writable
 LOCK_DIR = Path("/run/flowsched-qos")
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 
@@ -436,6 +438,9 @@ def device_lock(dev: str) -> Iterator[None]:
     """Hold ``dev``'s lock (per network namespace and ifindex) while reading and changing it.
 
     Without the right to create the lock (not root) it holds none: tc refuses the change then.
+    Nor where ``LOCK_DIR`` is on a read-only file system (a sandbox that does not give it the
+    directory, such as a container with a read-only root): the lock only orders two applies,
+    so its absence must not stop the one that runs (the shipped units and DaemonSet give it).
 
     Raises:
         QosError: another holder kept the device for over ``TC_TIMEOUT`` seconds.
@@ -445,11 +450,11 @@ def device_lock(dev: str) -> Iterator[None]:
         LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(LOCK_DIR / name, flags, 0o600)
-    except PermissionError:
+    except OSError as exc:
+        if not isinstance(exc, PermissionError) and exc.errno != errno.EROFS:
+            raise QosInputError(f"--dev: {dev}: {exc.strerror}") from None
         yield
         return
-    except OSError as exc:
-        raise QosInputError(f"--dev: {dev}: {exc.strerror}") from None
     try:
         if not lock_within(fd, TC_TIMEOUT):
             raise QosError(

@@ -7,6 +7,7 @@ applying twice changes nothing, that a changed policy converges, and that ``clea
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -16,7 +17,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PosixPath
 from typing import IO
 
 import pytest
@@ -333,6 +334,27 @@ def test_the_rate_advice_starts_above_10_gbit() -> None:
     assert qos.rate_advice(qos.plan("eth0", _markings(46), 10 * 10**9)) is None
     advice = qos.rate_advice(qos.plan("eth0", _markings(46), 100 * 10**9))
     assert advice is not None and "100Gbit" in advice and "DCB" in advice
+
+
+@pytest.mark.parametrize("error", [errno.EROFS, errno.EACCES], ids=["EROFS", "EACCES"])
+def test_a_lock_directory_it_cannot_create_takes_no_lock_and_stops_nothing(
+    monkeypatch: pytest.MonkeyPatch, error: int
+) -> None:
+    """A read-only /run (a unit with ProtectSystem=strict and no RuntimeDirectory= for the
+    locks, a container with a read-only root) or no right to create the lock: the apply goes
+    on without it, rather than failing the agent's --qos-dev or the qos unit."""
+
+    class Unwritable(PosixPath):
+        def mkdir(self, mode: int = 0o777, parents: bool = False, exist_ok: bool = False) -> None:
+            raise OSError(error, os.strerror(error), str(self))
+
+    monkeypatch.setattr(qos, "LOCK_DIR", Unwritable("/run/flowsched-qos"))
+    entered = []
+    with qos.device_lock("lo"):
+        entered.append(True)
+    assert entered == [True]
+    with pytest.raises(qos.QosInputError, match="--dev: nosuch0"), qos.device_lock("nosuch0"):
+        pass
 
 
 # -- a real device ------------------------------------------------------------------------------

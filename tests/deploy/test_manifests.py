@@ -275,6 +275,16 @@ def test_daemonset_mounts_hold_the_table_socket_and_token_but_not_all_of_dev_shm
     assert token["readOnly"] and secret["defaultMode"] == 0o400  # load_token refuses group/other
 
 
+def test_daemonset_agent_can_write_the_hosts_qos_locks() -> None:
+    """The agent's root file system is read-only: --qos-dev's per-device locks need the host's
+    lock directory mounted, which the host's `flowsched qos` (an operator, a unit) shares."""
+    assert AGENT_CONTAINER["securityContext"]["readOnlyRootFilesystem"] is True
+    volumes = {v["name"]: v for v in AGENT_POD["volumes"]}
+    mount = _mount_for(AGENT_CONTAINER, str(qos.LOCK_DIR / "x.lock"))
+    assert mount["mountPath"] == str(qos.LOCK_DIR) and not mount.get("readOnly")
+    assert volumes[mount["name"]]["hostPath"]["path"] == str(qos.LOCK_DIR)
+
+
 def test_daemonset_metrics_port_and_probes_match_the_flag() -> None:
     port = int(_flags(AGENT_CONTAINER["args"])["metrics-bind"].rsplit(":", 1)[1])
     ports = {p["name"]: p["containerPort"] for p in AGENT_CONTAINER["ports"]}

@@ -97,3 +97,23 @@ def test_agent_keeps_table_and_socket_where_the_plugin_and_sdk_look_by_default()
     assert args.table == f"{ROOT_DIR}/{TABLE_NAME}" and args.socket == f"{ROOT_DIR}/{SOCKET_NAME}"
     agent = (ROOT / "agent" / "systemd" / "flowsched-agent.service").read_text()
     assert f"RuntimeDirectory={Path(ROOT_DIR).name}" in agent.splitlines()
+
+
+def test_units_that_change_qdiscs_can_write_the_qos_locks() -> None:
+    """ProtectSystem=strict leaves /run read-only but for a unit's RuntimeDirectory=: a unit
+    that runs `flowsched qos` or the agent (--qos-dev) must have the locks' directory, or its
+    applies take no lock (the agent and an operator's apply could interleave)."""
+    from flowsched.qos import LOCK_DIR
+
+    assert LOCK_DIR.parent == Path("/run")
+    changing = 0
+    for unit in UNITS:
+        lines = unit.read_text().splitlines()
+        starts = " ".join(line for line in lines if line.startswith("ExecStart="))
+        if " qos apply " not in starts and " agent " not in starts:
+            continue
+        changing += 1
+        assert "ProtectSystem=strict" in lines, unit.name
+        assert f"RuntimeDirectory={LOCK_DIR.name}" in lines, unit.name
+        assert "RuntimeDirectoryPreserve=yes" in lines, unit.name  # another may hold a lock
+    assert changing == 2
