@@ -341,6 +341,8 @@ def _run(args: argparse.Namespace) -> int:
         return fail(PROG, str(exc))
     except qos.QosError as exc:  # --qos-dev asked for and tc refused
         return fail(PROG, f"--qos-dev: {exc}", EXIT_FAILURE)
+    except qos.QosInputError as exc:  # the device went away after config_from_args checked it
+        return fail(PROG, str(exc).replace("--dev:", "--qos-dev:", 1))
 
 
 PROG = "flowsched agent"

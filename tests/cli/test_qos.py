@@ -7,6 +7,7 @@ applying twice changes nothing, that a changed policy converges, and that ``clea
 
 from __future__ import annotations
 
+import argparse
 import errno
 import fcntl
 import json
@@ -357,6 +358,36 @@ def test_a_lock_directory_it_cannot_create_takes_no_lock_and_stops_nothing(
         pass
 
 
+@pytest.mark.parametrize(
+    ("error", "status", "line"),
+    [
+        (qos.QosInputError("--dev: a0: No such device"), 2, "--qos-dev: a0: No such device"),
+        (qos.QosError("tc refused: Operation not permitted"), 1, "--qos-dev: tc refused"),
+    ],
+    ids=["device-gone", "tc-refused"],
+)
+def test_the_agent_reports_a_qos_failure_at_start_in_one_line(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    error: Exception,
+    status: int,
+    line: str,
+) -> None:
+    """The --qos-dev device can vanish between the flag checks and the first apply: the agent
+    then exits 2 with one line naming the flag, as for a device missing from the start."""
+    from flowsched.cli import agent as agent_cli
+
+    def failing_daemon(*_args: object) -> int:
+        raise error
+
+    monkeypatch.setattr(agent_cli, "setup_logging", lambda _level: None)
+    monkeypatch.setattr(agent_cli, "config_from_args", lambda _args: object())
+    monkeypatch.setattr(agent_cli, "run_daemon", failing_daemon)
+    assert agent_cli._run(argparse.Namespace(log_level="warning", no_uvloop=True)) == status
+    err = capsys.readouterr().err
+    assert err.startswith(f"flowsched agent: {line}") and err.count("\n") == 1
+
+
 # -- a real device ------------------------------------------------------------------------------
 
 
@@ -503,6 +534,7 @@ def _wait_for(predicate: object, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.netns
 def test_marked_traffic_lands_in_its_queue_class(veth_pair: tuple[str, str]) -> None:
     ns_a, _ = veth_pair
     first = _flowsched(ns_a, "qos", "apply", "--dev", "a0", "--rate", "200mbit")
@@ -546,6 +578,7 @@ def _best_effort_policy(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.netns
 def test_a_changed_policy_converges_and_clear_removes_it(
     veth_pair: tuple[str, str], tmp_path: Path
 ) -> None:
@@ -572,6 +605,7 @@ def test_a_changed_policy_converges_and_clear_removes_it(
     assert "no flowsched classes" in _flowsched(ns_a, "qos", "show", "--dev", "a0").stdout
 
 
+@pytest.mark.netns
 def test_someone_elses_root_is_left_alone_unless_forced(veth_pair: tuple[str, str]) -> None:
     ns_a, _ = veth_pair
     tbf = "tc -n {} qdisc add dev a0 root handle 5: tbf rate 1gbit burst 100k latency 10ms"
@@ -587,6 +621,7 @@ def test_someone_elses_root_is_left_alone_unless_forced(veth_pair: tuple[str, st
     assert _root(ns_a, "a0") == "htb f5:"
 
 
+@pytest.mark.netns
 def test_an_earlier_release_tree_is_replaced(veth_pair: tuple[str, str]) -> None:
     ns_a, _ = veth_pair
     for command in (  # the tree an earlier release installed: htb 1: and its small filter
@@ -623,6 +658,7 @@ s.close()
 """
 
 
+@pytest.mark.netns
 def test_big_tcp_packets_keep_their_queue(veth_pair: tuple[str, str]) -> None:
     # a GSO packet over 64 KiB carries payload length 0, which the small-packet test matches
     ns_a, ns_b = veth_pair
@@ -655,6 +691,7 @@ def test_big_tcp_packets_keep_their_queue(veth_pair: tuple[str, str]) -> None:
     assert sent.get(qos.SMALL_CLASS, 0) < 1 << 20, sent
 
 
+@pytest.mark.netns
 def test_concurrent_applies_leave_one_whole_tree(veth_pair: tuple[str, str]) -> None:
     ns_a, _ = veth_pair
     small = str(ROOT / "policies" / "static-classes.toml")
@@ -704,6 +741,7 @@ def test_bad_input_exits_2_with_one_line(
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.netns
 def test_the_agent_applies_the_classes_and_restores_them(
     veth_pair: tuple[str, str], tmp_path: Path
 ) -> None:
