@@ -68,8 +68,9 @@ HEARTBEAT_PERIOD = 0.1
 REAP_PERIOD = 1.0
 #: coordinator heartbeats missed before the agent drops the link (2 s at the default 0.2 s). A
 #: coordinator accepting a burst of ~1,100 connections stalled its loop for more than 3 (0.6 s):
-#: a healthy link must survive that. The local policy does not wait for it: fallback counts from
-#: the last message received (``fallback_after``); a killed coordinator resets the link at once.
+#: a healthy link must survive that. The local policy starts only once the link is down, at
+#: ``fallback_after`` past the last message received: a silent coordinator's agents go local
+#: when they drop the link (2 s), a killed coordinator's sooner, since it resets the link at once.
 SILENCE_HEARTBEATS = 10
 #: the local policy re-evaluates at the policy's timer period, but not more often than this
 #: (one node's flows do not need a 1 ms sweep; events such as opens are handled at once)
