@@ -46,8 +46,10 @@ const char* fs_addr_str(const struct fs_addr* addr, char* buf, size_t cap);
  * TCP_NOTSENT_LOWAT); the control socket carries payloads up to the inline size too. */
 void fs_sock_tune(int fd, const struct fs_params* params);
 /* Bind a connecting socket to its device's address (the device NCCL chose for this
- * connection), so its traffic leaves through that interface whatever the routing table
- * prefers; a no-op when the peer's family differs. Failure is warned once, never fatal. */
+ * connection): its packets carry that source address. The routing table still picks the
+ * interface they leave through (the device's own only with source-address rules, as
+ * multi-NIC hosts set up). A no-op when the peer's family differs. Failure is warned once,
+ * never fatal. */
 void fs_sock_bind_device(int fd, const struct fs_device* device, int family);
 /* Put a level on a socket: DSCP first (IP_TOS / IPV6_TCLASS), then SO_PRIORITY, because
  * setting IP_TOS overwrites SO_PRIORITY on Linux. Failures are warned once, never fatal. */
