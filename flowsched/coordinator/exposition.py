@@ -59,6 +59,7 @@ def make_handler(
                 head = await reader.readuntil(b"\r\n\r\n")
             waiting.pop(writer, None)
             status, body, ctype = _respond(head, registry, ready)
+            writer.transport.set_write_buffer_limits(0)  # drain(): until all is in the kernel
             writer.write(_response(status, body, ctype))
             async with asyncio.timeout(REQUEST_TIMEOUT):
                 await writer.drain()
@@ -69,9 +70,20 @@ def make_handler(
         finally:
             served.discard(writer)
             waiting.pop(writer, None)
-            writer.close()
+            _close(writer)
 
     return handle
+
+
+def _close(writer: asyncio.StreamWriter) -> None:
+    """Close ``writer``'s connection; abort it while part of the answer is still queued (the
+    client stopped reading): a graceful close would keep its socket and the rest of the body
+    for as long as the client holds its end open, no longer counted by the connection cap."""
+    transport = writer.transport
+    if transport.get_write_buffer_size():
+        transport.abort()
+    else:
+        writer.close()
 
 
 def _respond(

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import socket
 import subprocess
+from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from flowsched.coordinator.exposition import start_metrics_server
+from flowsched.coordinator import exposition
+from flowsched.coordinator.exposition import make_handler, start_metrics_server
 from flowsched.coordinator.histogram import DeadlineSlack
 from flowsched.coordinator.metrics import register_standard_collectors
 
@@ -117,3 +121,62 @@ def test_a_connection_open_when_the_loop_ends_closes_quietly(
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         asyncio.run(main())
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+
+
+class _ManyLinks:
+    """A collector whose exposition is about 1 MB: the link series of a large cluster."""
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily("many_links", "One series per link.", labels=["link"])
+        for index in range(20_000):
+            family.add_metric([f"node-{index:05d}:tx"], index)
+        yield family
+
+
+@pytest.mark.parametrize("client_reads", [True, False])
+@pytest.mark.asyncio
+async def test_a_scrape_not_taken_within_the_timeout_is_aborted(
+    monkeypatch: pytest.MonkeyPatch, client_reads: bool
+) -> None:
+    """A client that asks for a large /metrics and stops reading must lose its connection at
+    the request timeout: a graceful close kept its socket and the rest of the body for as long
+    as it held its end open, outside the connection cap (each such client one more descriptor
+    than the 32 the daemons reserve). A client that reads gets the whole body."""
+    if not client_reads:  # (a reader keeps the usual 5 s: a slow machine must not fail it)
+        monkeypatch.setattr(exposition, "REQUEST_TIMEOUT", 0.5)
+    registry = CollectorRegistry()
+    registry.register(_ManyLinks())
+    handler = make_handler(registry)
+    served: asyncio.Queue[asyncio.StreamWriter] = asyncio.Queue()
+
+    async def with_small_send_buffer(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        # the kernel holds little of the answer: the rest waits in the transport's buffer
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        await handler(reader, writer)
+        served.put_nowait(writer)
+
+    server = await asyncio.start_server(with_small_send_buffer, "127.0.0.1", 0)
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    client.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(client, server.sockets[0].getsockname())
+        reader, writer = await asyncio.open_connection(sock=client)
+        writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        response = b""
+        if client_reads:
+            async with asyncio.timeout(10):
+                response = await reader.read()
+        async with asyncio.timeout(5):  # the server's side of the connection is gone
+            server_side = await served.get()
+            await server_side.wait_closed()
+        if client_reads:
+            head, _, body = response.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200 OK")
+            assert body == generate_latest(registry)
+        writer.close()
+    finally:
+        client.close()
+        server.close()
