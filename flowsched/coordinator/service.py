@@ -317,6 +317,8 @@ class Coordinator:
                 if protocol.lost_early:  # a port probe, or a peer past TLS_EARLY_LIMIT: no log
                     return
                 await self._handshake_pace.turn()
+            if protocol.lost_early:  # gone while it waited: start_tls would wait for good
+                return
             timeout = deadline - loop.time()
             if timeout <= 0:
                 raise TimeoutError

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import socket
 import ssl
+import struct
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -439,6 +441,55 @@ def test_a_flood_of_hellos_is_answered_a_few_per_turn_and_half_hellos_wait(
         assert max(per_turn.values()) <= 3, per_turn
 
     run(scenario())
+
+
+class _HeldTurns(tls_accept.HandshakePace):
+    """A pace that holds every handshake turn until :attr:`opened` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.opened = asyncio.Event()
+
+    async def turn(self) -> None:
+        await self.opened.wait()
+
+
+def test_peers_gone_while_their_hellos_wait_for_a_turn_leave_nothing_behind(
+    run: Runner, tls_files: TlsFiles, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer that sends its hello and resets while the hello waits for a handshake turn (a
+    flood's, say): no handshake starts on its closed connection. One did, and never ended (the
+    TLS layer's own timeout does not end a handshake on a connection already lost): each such
+    peer kept a task, its TLS state and a slot of the unauthenticated cap for good, and
+    uvloop logged an error for each."""
+
+    async def scenario() -> None:
+        caplog.set_level(logging.WARNING)
+        overrides = {**_server(tls_files), "handshake_timeout": 30}
+        async with running_coordinator(**overrides) as coordinator:
+            coordinator._handshake_pace = held = _HeldTurns()
+            assert coordinator.addresses is not None
+            address = coordinator.addresses.host, coordinator.addresses.port
+            hello = _client_hello()
+            peers = [await asyncio.open_connection(*address) for _ in range(5)]
+            for _, writer in peers:
+                writer.write(hello)
+            await wait_until(lambda: len(coordinator._tls_pending) == 5, 5, "5 hellos waiting")
+            waiting = list(coordinator._tls_pending)
+            for _, writer in peers:  # a reset (linger 0), not a FIN: the peer is gone
+                sock = writer.transport.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                writer.transport.abort()
+            await wait_until(lambda: all(raw.is_closing() for raw in waiting), 5, "peers gone")
+            held.opened.set()
+            await wait_until(lambda: not coordinator._tls_pending, 5, "no handshake left")
+            good = await _connect(coordinator, tls.client_context(str(tls_files.ca)))
+            await good.close()
+            assert "tls" not in (coordinator.live.rejected or {})
+            assert coordinator.turned_away_lately() == 0
+
+    run(scenario())
+    assert [record.getMessage() for record in caplog.records] == []
 
 
 def test_a_renewed_certificate_is_served_to_new_connections(
