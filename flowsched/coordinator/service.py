@@ -96,6 +96,9 @@ RESYNC_QUIET = 0.02
 RESYNC_MAX_DEFER = 0.1
 #: seconds stop() waits for connections to close before cancelling them
 STOP_TIMEOUT = 2.0
+#: seconds the TLS layer's own handshake timeout comes after the handshake deadline, which
+#: ends a handshake first (as a timeout: the TLS layer's ends it as an abort)
+TLS_TIMEOUT_MARGIN = 1.0
 #: with promotion timers and none armed, the timer loop still looks again this often (s)
 TIMER_IDLE_WAKE = 1.0
 #: a job no agent reported progress for in this long is forgotten (s); checked every tenth
@@ -322,7 +325,12 @@ class Coordinator:
             timeout = deadline - loop.time()
             if timeout <= 0:
                 raise TimeoutError
-            secure = await tls_accept.handshake(raw, protocol, self._tls.current(), timeout)
+            # the deadline ends a handshake not done in time, before the TLS layer's own
+            # timeout would: that one aborts it, which reads as the peer's doing
+            async with asyncio.timeout_at(deadline):
+                secure = await tls_accept.handshake(
+                    raw, protocol, self._tls.current(), timeout + TLS_TIMEOUT_MARGIN
+                )
         except asyncio.CancelledError:
             raw.abort()
             raise
