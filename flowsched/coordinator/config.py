@@ -14,9 +14,11 @@ from flowsched.protocol import (
     DEFAULT_MAX_FRAME_SIZE,
     MIN_PROTOCOL_VERSION,
     PROTOCOL_VERSION,
+    U64_MAX,
     Welcome,
     encode_body,
 )
+from flowsched.protocol._codec import MAC_SIZE
 
 SECONDS = 1.0
 MIB = 1 << 20
@@ -184,8 +186,10 @@ class CoordinatorConfig:
         else:
             text, source = policyfile.read_text(path), str(path)
         policy = policyfile.loads(text, source=source)
-        welcome = encode_body(Welcome(text, policy.timer_period, 0.0))
-        if len(welcome) > DEFAULT_MAX_FRAME_SIZE:  # no agent could ever complete a handshake
+        # the largest welcome this file makes: with its MAC, an epoch and a fencing scope
+        widest = Welcome(text, policy.timer_period, 0.0, epoch=U64_MAX, cluster=U64_MAX,
+                         mac=bytes(MAC_SIZE))  # fmt: skip
+        if len(encode_body(widest)) > DEFAULT_MAX_FRAME_SIZE:  # no handshake could complete
             raise policyfile.PolicyFileError(
                 [
                     "the coordinator sends the policy file to every agent, and this "

@@ -50,7 +50,7 @@ from flowsched.protocol.aio import HandshakeError, LinkClosed, connect_agent
 
 
 def _open(wire_id: int, **kw: object) -> FlowOpen:
-    return FlowOpen(wire_id, FlowClass.KV, time.time(), **kw)  # type: ignore[arg-type]
+    return FlowOpen(wire_id, FlowClass.KV, time.time(), **kw)
 
 
 @pytest.mark.asyncio
@@ -452,7 +452,7 @@ def test_config_refuses_timeouts_that_cannot_work(overrides: dict[str, float], f
     from flowsched.coordinator import CoordinatorConfig
 
     with pytest.raises(ValueError, match=field):
-        CoordinatorConfig(token=TOKEN, policy_factory=BytesPolicy, **overrides)  # type: ignore[arg-type]
+        CoordinatorConfig(token=TOKEN, policy_factory=BytesPolicy, **overrides)
 
 
 @pytest.mark.asyncio
@@ -485,6 +485,49 @@ def test_policy_file_too_big_for_the_welcome_frame_is_refused(tmp_path: Path) ->
         CoordinatorConfig.from_policy_file(path, TOKEN)
     path.write_text('[policy]\nname = "pias"\n[policy.args]\nsize_samples = [1000, 2000]\n')
     assert CoordinatorConfig.from_policy_file(path, TOKEN).policy_text == path.read_text()
+
+
+#: what the welcome a coordinator sends adds to the one without its optional fields: a MAC, an
+#: epoch and a fencing scope (from an election) at their widest
+WIDEST_WELCOME: dict[str, Any] = {"epoch": 2**64 - 1, "cluster": 2**64 - 1, "mac": bytes(32)}
+
+
+def _policy_of_welcome_size(size: int, fields: dict[str, Any]) -> str:
+    """A valid policy file whose welcome (with ``fields``) is ``size`` bytes of body: the
+    default policy, padded with a comment."""
+    from flowsched.protocol import Welcome, encode_body
+
+    base = "# " + "x" * (size - 16 * 1024) + '\n[policy]\nname = "static"\n'
+    grown = len(encode_body(Welcome(base, 0.05, 0.0, **fields)))
+    padded = base.replace("# ", "# " + "x" * (size - grown), 1)
+    assert len(encode_body(Welcome(padded, 0.05, 0.0, **fields))) == size
+    return padded
+
+
+@pytest.mark.parametrize(
+    ("fields", "refused"),
+    [
+        pytest.param({}, True, id="fits-only-without-mac-and-epoch"),
+        pytest.param(WIDEST_WELCOME, False, id="fits-with-every-field"),
+    ],
+)
+def test_the_welcome_size_check_counts_the_fields_every_real_welcome_carries(
+    tmp_path: Path, fields: dict[str, Any], refused: bool
+) -> None:
+    """The check measured a welcome without its MAC, epoch and fencing scope: a file within
+    70 bytes of the limit passed it, and then every handshake failed (an ``internal`` error
+    logged for each agent, forever)."""
+    from flowsched.coordinator.config import CoordinatorConfig
+    from flowsched.policyfile import PolicyFileError
+    from flowsched.protocol import DEFAULT_MAX_FRAME_SIZE
+
+    path = tmp_path / "big.toml"
+    path.write_text(_policy_of_welcome_size(DEFAULT_MAX_FRAME_SIZE, fields))
+    if refused:
+        with pytest.raises(PolicyFileError, match="does not fit in a protocol frame"):
+            CoordinatorConfig.from_policy_file(path, TOKEN)
+    else:
+        assert CoordinatorConfig.from_policy_file(path, TOKEN).policy_text == path.read_text()
 
 
 @pytest.mark.asyncio
