@@ -46,6 +46,10 @@ IMPLICIT_DEADLINE = frozenset({FlowClass.TP, FlowClass.EXPERIENCE, FlowClass.KV_
 LAYER_CLASSES = frozenset({FlowClass.KV, FlowClass.KV_REUSE})
 #: MFS "early stage" classes: they may delay compute directly (served before last-stage flows).
 EARLY_STAGE = IMPLICIT_DEADLINE
+#: seconds of lateness or earliness one closed flow adds to a histogram at most. A deadline is
+#: any finite time a client names: one of 1e308 would pin the ``_sum`` at +Inf, or freeze it,
+#: until the daemon restarts. Past the largest bucket (100 s) the value lands in +Inf anyway.
+SLACK_CAP = 86_400.0
 
 
 @dataclass(slots=True)

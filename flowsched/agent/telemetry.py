@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Histogram
 from prometheus_client.core import Metric
 
-from flowsched.model import Flow
+from flowsched.model import SLACK_CAP, Flow
 from flowsched.shm import layout
 
 if TYPE_CHECKING:
@@ -77,10 +77,10 @@ class Telemetry:
         slack = flow.deadline - now
         if slack >= 0:
             self.completions[flow.cls.label, "met"] += 1
-            self.earliness.observe(slack)
+            self.earliness.observe(min(slack, SLACK_CAP))
         else:
             self.completions[flow.cls.label, "missed"] += 1
-            self.lateness.observe(-slack)
+            self.lateness.observe(min(-slack, SLACK_CAP))
 
     def histograms(self) -> Iterator[Metric]:
         """The histogram families, for the collector."""

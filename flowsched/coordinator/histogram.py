@@ -14,6 +14,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
+from flowsched.model import SLACK_CAP
+
 #: Buckets (seconds) of the lateness (completion after the deadline) and earliness
 #: (completion before it) histograms. Both observe non-negative values only, so their
 #: ``_sum`` never goes down (a signed "slack" histogram's would).
@@ -67,11 +69,12 @@ class DeadlineSlack:
         self.early = Histogram(bounds)
 
     def observe(self, slack: float) -> None:
-        """Record ``slack`` = deadline - completion time (negative: missed by ``-slack``)."""
+        """Record ``slack`` = deadline - completion time (negative: missed by ``-slack``),
+        at most :data:`~flowsched.model.SLACK_CAP` either way."""
         if slack < 0:
-            self.late.observe(-slack)
+            self.late.observe(min(-slack, SLACK_CAP))
         else:
-            self.early.observe(slack)
+            self.early.observe(min(slack, SLACK_CAP))
 
     @property
     def counts(self) -> list[int]:

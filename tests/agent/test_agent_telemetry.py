@@ -10,7 +10,7 @@ from prometheus_client import Histogram
 
 from flowsched.agent.flows import SlotConn
 from flowsched.agent.telemetry import SlotTelemetry, Telemetry
-from flowsched.model import Flow, FlowClass
+from flowsched.model import SLACK_CAP, Flow, FlowClass
 from flowsched.shm import layout
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 
@@ -142,3 +142,15 @@ def test_closed_flows_split_into_met_missed_lateness_and_earliness() -> None:
     assert telemetry.completions == {("kv", "none"): 1, ("kv", "met"): 2, ("kv", "missed"): 1}
     assert (_count(telemetry.earliness), _sum(telemetry.earliness)) == (2, 2.5)
     assert (_count(telemetry.lateness), _sum(telemetry.lateness)) == (1, 2.0)
+
+
+def test_a_far_deadline_adds_at_most_the_cap_to_the_sums() -> None:
+    """A deadline is any finite time an SDK client names: two at 1e308 must not pin the
+    earliness sum at +Inf, and later flows must still move it."""
+    telemetry = Telemetry()
+    for deadline in (1.7e308, 1.7e308, 10.5, -1.7e308):
+        telemetry.completed(
+            Flow(flow_id=1, cls=FlowClass.KV, opened_at=0.0, deadline=deadline), 10.0
+        )
+    assert _sum(telemetry.earliness) == 2 * SLACK_CAP + 0.5
+    assert _sum(telemetry.lateness) == SLACK_CAP

@@ -17,6 +17,7 @@ from flowsched.coordinator import exposition
 from flowsched.coordinator.exposition import make_handler, start_metrics_server
 from flowsched.coordinator.histogram import DeadlineSlack
 from flowsched.coordinator.metrics import register_standard_collectors
+from flowsched.model import SLACK_CAP
 
 
 async def _get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
@@ -65,6 +66,9 @@ async def test_endpoint_paths(
         ([0.5, 0.0], 0, 0.0, 2, 0.5),  # exactly on time counts as met, early by 0
         ([-2.0, -0.25], 2, 2.25, 0, 0.0),
         ([-1.0, 3.0, -0.5, 0.125], 2, 1.5, 2, 3.125),
+        # a client's far deadline (finite, so the protocol takes it) adds SLACK_CAP, not 1e308
+        ([1.7e308, 1.7e308, 0.5], 0, 0.0, 3, 2 * SLACK_CAP + 0.5),
+        ([-1.7e308, -2.0], 2, SLACK_CAP + 2.0, 0, 0.0),
     ],
 )
 def test_deadline_slack_splits_into_two_non_negative_histograms(
