@@ -197,12 +197,14 @@ def _finite(value: Any) -> Any:
 
 
 def best_baseline(outcomes: Iterable[Outcome], load: float, exclude: str) -> Outcome | None:
-    """The non-oracle outcome other than ``exclude`` with the highest SLO attainment at ``load``."""
+    """The outcome other than ``exclude`` with the highest SLO attainment at ``load``, neither
+    an oracle nor the ideal bound (references and the ceiling, never baselines)."""
     candidates = [
         o
         for o in outcomes
         if o.load == load
         and not o.oracle
+        and not o.bound
         and o.policy != exclude
         and o.metrics.slo_attainment is not None
     ]

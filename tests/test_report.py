@@ -65,6 +65,15 @@ def test_best_baseline_ignores_oracles_and_the_candidate() -> None:
     assert best is not None and best.policy == "fair"
 
 
+def test_best_baseline_is_never_the_ideal_bound() -> None:
+    """The bound is the ceiling, not a competitor: it attains more than every baseline, and a
+    policy's ratio to the strongest baseline must not become its ratio to the bound."""
+    bound = dataclasses.replace(_outcome("ideal", 0.5, 1.0), bound=True)
+    best = best_baseline([bound, *OUTCOMES], 0.5, exclude="rmlq")
+    assert best is not None and best.policy == "fair"
+    assert best_baseline([bound], 0.5, exclude="rmlq") is None
+
+
 def test_json_is_plain_and_drops_non_finite_values() -> None:
     bad = Outcome("x", 0.1, RunMetrics(ttft_p50=float("inf")))
     data = to_json([*OUTCOMES, bad], {"scenario": "s"})
