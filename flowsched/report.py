@@ -4,7 +4,8 @@ Shared by ``flowsched sim`` and the testbed. Input is a list of :class:`Outcome`
 one load); nothing here knows how the outcome was produced. Plots use matplotlib's Agg backend
 (no display needed). The ideal-network bound is shown first as the ceiling, oracle policies
 (``llf``) last as references; neither is ranked. Tables, JSON and plots use the same units
-(ms, %), and every plot names its scenario, loads and seeds and gives each policy one colour.
+(ms, %), and every plot names its scenario, loads and seeds and gives each policy one colour
+(the same for its simulator and testbed rows, which differ by their markers).
 """
 
 from __future__ import annotations
@@ -261,10 +262,20 @@ def colour(policy: str) -> str:
     return _PALETTE[sum(policy.encode()) % len(_PALETTE)]
 
 
-def _style(outcome: Outcome) -> dict[str, Any]:
+def policy_of(label: str) -> str:
+    """The policy a row's label names: its first word (``flowsched bench serving`` labels its
+    rows with their source, ``rmlq sim`` and ``rmlq testbed``; policy names have no spaces)."""
+    return label.split(" ", 1)[0]
+
+
+def line_style(outcome: Outcome) -> dict[str, Any]:
+    """How ``outcome`` is drawn in every plot: its policy's colour whatever the row's source,
+    the line by role (the bound dotted, oracles dashed), the marker by source (squares for
+    rows measured on the testbed, circles for the simulator's)."""
     return {
-        "color": colour(outcome.policy),
+        "color": colour(policy_of(outcome.policy)),
         "linestyle": ":" if outcome.bound else "--" if outcome.oracle else "-",
+        "marker": "s" if outcome.source else "o",
         "label": outcome.display,
     }
 
@@ -315,7 +326,7 @@ def plot_vs_load(
             # seeds, more) outside the per-seed range: a bar never reaches past the value
             low.append(max(y - spread[0] * scale, 0.0) if spread else 0.0)
             high.append(max(spread[1] * scale - y, 0.0) if spread else 0.0)
-        ax.errorbar(xs, ys, yerr=[low, high], marker="o", capsize=3, **_style(runs[0]))
+        ax.errorbar(xs, ys, yerr=[low, high], capsize=3, **line_style(runs[0]))
     ax.set_xticks(sorted({o.load for o in outcomes}))
     ax.set_xlabel("load")
     ax.set_ylabel(ylabel)
@@ -347,7 +358,8 @@ def plot_cdfs(
             values = sorted(v * 1e3 for v in getattr(o, attr))
             if values:
                 ys = [(i + 1) / len(values) for i in range(len(values))]
-                ax.plot(values, ys, **_style(o))
+                # a marker every tenth of the samples: the source shows, the curve stays a line
+                ax.plot(values, ys, markevery=max(len(values) // 10, 1), **line_style(o))
         ax.set_xlabel(name)
         ax.set_ylabel("CDF")
         ax.set_xscale("log")

@@ -166,3 +166,43 @@ def test_error_bars_survive_a_pooled_value_outside_the_seed_range(tmp_path: Path
     outcome.per_seed = [dataclasses.replace(outcome.metrics, iteration_mean=0.8102)] * 2
     assert outcome.spread("iteration_mean") == (0.8102, 0.8102)
     assert plot_vs_load(tmp_path / "i.png", [outcome], "iteration_mean", "ms", 1e3)
+
+
+@pytest.mark.parametrize(
+    ("label", "source", "bound", "policy"),
+    [
+        # flowsched bench serving names its rows "<policy> sim" and "<policy> testbed"
+        ("rmlq sim", "", False, "rmlq"),
+        ("rmlq testbed", "testbed", False, "rmlq"),
+        ("static sim", "", False, "static"),
+        ("static+late testbed", "testbed", False, "static+late"),
+        ("ideal testbed", "testbed", True, "ideal"),
+        ("edf", "", False, "edf"),
+    ],
+)
+def test_a_row_takes_its_policys_colour_whatever_its_source(
+    label: str, source: str, bound: bool, policy: str
+) -> None:
+    from flowsched.report import colour, line_style
+
+    outcome = dataclasses.replace(_outcome(label, 0.5, 0.5), source=source, bound=bound)
+    style = line_style(outcome)
+    assert style["color"] == colour(policy)
+    assert style["marker"] == ("s" if source else "o")  # testbed rows: squares
+    assert style["label"] == outcome.display
+
+
+def test_rows_of_different_policies_never_share_colour_and_line() -> None:
+    """The serving benchmark's default rows: no two draw alike (``rmlq sim`` took edf's colour
+    by its name's hash, ``static sim`` rmlq's)."""
+    from flowsched.report import line_style
+
+    rows = [
+        dataclasses.replace(_outcome(name, 0.5, 0.5), source=source, bound=name == "ideal")
+        for name in ("ideal", "rmlq", "static+late", "static")
+        for source in ("", "testbed")
+    ]
+    rows += [_outcome(name, 0.5, 0.5) for name in ("edf", "edf+late", "fair")]
+    rows += [_outcome(name, 0.5, 0.5, oracle=True) for name in ("llf", "llf+late")]
+    looks = [tuple(sorted((k, v) for k, v in line_style(o).items() if k != "label")) for o in rows]
+    assert len(set(looks)) == len(rows)

@@ -470,6 +470,7 @@ def plot(
                 records,
                 bound=r.policy == IDEAL,
                 oracle=_order(r) == 2,
+                source="" if source == "sim" else source,
             )
             for r in results
             if (records := r.testbed_records if source == "testbed" else r.sim_records)
