@@ -2,8 +2,9 @@
 
 Rows: the ideal-network bound first (simulator only, the ceiling), then the policies, oracles
 (``llf``) last. Every row states KV SLO attainment and the collective and iteration times side
-by side (the trace is scored jointly: a policy cannot win by starving TP), the fraction of KV
-flows admitted at the top level, and attainment relative to the bound. Units as in
+by side (the trace is scored jointly: a policy cannot win by starving TP), the fractions of KV
+flows admitted at the top level and above the collectives, and attainment relative to the
+bound. Units as in
 :mod:`flowsched.report`: % and ms, in the table and in the JSON alike.
 """
 
@@ -106,6 +107,7 @@ COLUMNS = (
     "CCT mean ms",
     "iter mean ms",
     "KV@top %",
+    "KV>TP %",
     "TTFT p50 ms",
     "TTFT p99 ms",
     "sync miss %",
@@ -138,9 +140,11 @@ def _row(
     m: RunMetrics,
     records: RunRecords | None = None,
     ideal: float | None = None,
+    tp_level: int | None = None,
 ) -> list[str]:
     kv = m.class_fct.get("kv", {})
     top = top_share(records) if records is not None else None
+    above = above_collectives_share(records, tp_level) if records is not None else None
     ratio = m.slo_attainment / ideal if ideal and m.slo_attainment is not None else None
     return [
         display(policy),
@@ -150,6 +154,7 @@ def _row(
         _fmt(m.cct_mean, 1e3, 1),
         _fmt(m.iteration_mean, 1e3, 0),
         _fmt(top, 100.0, 0),
+        _fmt(above, 100.0, 0),
         _fmt(m.ttft_p50, 1e3, 1),
         _fmt(m.ttft_p99, 1e3, 1),
         _fmt(m.deadline_miss_rate, 100.0, 1),
@@ -192,13 +197,14 @@ def table_rows(results: list[PolicyResult]) -> list[list[str]]:
     rows = []
     for r in sorted(results, key=_order):
         main_errors, ablation_errors = error_counts(r)
+        tp = _tp_level(r)
         if r.testbed is not None:
             label = _marked(CONTROL_LABELS.get(r.control, r.control), main_errors)
-            rows.append(_row(r.policy, label, r.testbed, r.testbed_records, ideal))
+            rows.append(_row(r.policy, label, r.testbed, r.testbed_records, ideal, tp))
         if r.ablation is not None:
             label = CONTROL_LABELS.get(r.ablation_control, r.ablation_control)
             label = _marked(f"{label} (ablation)", ablation_errors)
-            rows.append(_row(r.policy, label, r.ablation, r.ablation_records, ideal))
+            rows.append(_row(r.policy, label, r.ablation, r.ablation_records, ideal, tp))
         rows.append(_row(r.policy, "sim", r.sim, r.sim_records, ideal))
     return rows
 
@@ -323,6 +329,14 @@ def to_json(results: list[PolicyResult], meta: dict[str, Any]) -> dict[str, Any]
                 if r.testbed_records
                 else None,
                 "sim_kv_top_pct": _pct(top_share(r.sim_records)) if r.sim_records else None,
+                "testbed_kv_above_tp_pct": _pct(
+                    above_collectives_share(r.testbed_records, _tp_level(r))
+                )
+                if r.testbed_records
+                else None,
+                "sim_kv_above_tp_pct": _pct(above_collectives_share(r.sim_records))
+                if r.sim_records
+                else None,
                 "testbed_control": r.control,
                 "control_cpu_seconds": r.cpu_seconds,
                 "admission_delay_s": _quantiles(r.admission),
@@ -358,8 +372,33 @@ def top_share(records: RunRecords) -> float | None:
     return sum(f.first_level == 0 for f in kv) / len(kv) if kv else None
 
 
+def tp_admission_level(records: RunRecords) -> int | None:
+    """The most urgent level any collective (TP) flow was admitted at; None without one."""
+    levels = [f.first_level for f in records.flows if f.cls == "tp" and f.first_level >= 0]
+    return min(levels) if levels else None
+
+
+def above_collectives_share(records: RunRecords, tp_level: int | None = None) -> float | None:
+    """Fraction of KV flows admitted above every collective: at a level more urgent than
+    ``tp_level`` (default: :func:`tp_admission_level` of ``records``). With an urgent tier of
+    several levels the top level alone understates how many flows skip the deferral: rmlq's
+    tier is levels 0-1, both above the collectives. The testbed's records hold no TP flows
+    (the plugin carries them): its rows take the level from the simulator's run of the same
+    policy. None without KV flows or a TP level."""
+    line = tp_admission_level(records) if tp_level is None else tp_level
+    kv = [f for f in records.flows if f.cls == "kv"]
+    if line is None or not kv:
+        return None
+    return sum(0 <= f.first_level < line for f in kv) / len(kv)
+
+
 def _pct(value: float | None) -> float | None:
     return None if value is None else value * 100.0
+
+
+def _tp_level(result: PolicyResult) -> int | None:
+    """The TP admission level of ``result``'s simulator run (the same policy, same traces)."""
+    return tp_admission_level(result.sim_records) if result.sim_records else None
 
 
 def _seed_spread(result: PolicyResult, source: str) -> tuple[float, float] | None:
@@ -530,6 +569,7 @@ def _joint(rmlq: PolicyResult | None, edf: PolicyResult | None, source: str) -> 
         return ""
     records = rmlq.testbed_records if testbed else rmlq.sim_records
     top = top_share(records) if records is not None else None
+    above = above_collectives_share(records, _tp_level(rmlq)) if records is not None else None
     met = a.slo_attainment >= b.slo_attainment and a.cct_mean <= b.cct_mean
     text = (
         f"rmlq {a.slo_attainment * 100:.1f}% vs edf {b.slo_attainment * 100:.1f}% KV SLO "
@@ -542,6 +582,8 @@ def _joint(rmlq: PolicyResult | None, edf: PolicyResult | None, source: str) -> 
         )
     if top is not None:
         text += f"; rmlq admits {top:.0%} of KV flows at the top level"
+        if above is not None:
+            text += f" and {above:.0%} above the collectives"
     verdict = "both" if met else "not both"
     return text + f". Attainment >= edf's and collective time <= edf's: {verdict}."
 

@@ -10,7 +10,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from flowsched import policies
-from flowsched.metrics import RunMetrics, RunRecords
+from flowsched.metrics import FlowRecord, RunMetrics, RunRecords
 from flowsched.testbed import replay, report
 from flowsched.testbed.trace import ScenarioParams, generate
 
@@ -122,3 +122,36 @@ def test_drops_line_counts_the_policies_that_ran_on_the_testbed() -> None:
     sim_only = report.PolicyResult("edf+late", None, RunMetrics(), dropped_packets=0)
     line = report.drops_line([fair, static, sim_only])
     assert line == "the testbed's ports dropped 12 packets (fair 0, static 12)"
+
+
+def _records(*flows: tuple[str, int]) -> RunRecords:
+    """Records of flows given as (class, first level)."""
+    return RunRecords(
+        flows=[FlowRecord(i, cls, 1, 0.0, 1.0, first_level=lv) for i, (cls, lv) in enumerate(flows)]
+    )
+
+
+@pytest.mark.parametrize(
+    ("flows", "tp_level", "top", "above"),
+    [
+        # rmlq's layout: an urgent tier of levels 0-1 above the collectives on 2
+        ([("kv", 0), ("kv", 1), ("kv", 1), ("kv", 6), ("tp", 2), ("tp", 3)], None, 0.25, 0.75),
+        # static: the collectives on top, every KV flow below them
+        ([("kv", 1), ("kv", 1), ("tp", 0)], None, 0.0, 0.0),
+        # fair: one level for all, so no KV flow is above a collective
+        ([("kv", 0), ("kv", 0), ("tp", 0)], None, 1.0, 0.0),
+        # edf: the collectives last
+        ([("kv", 0), ("kv", 4), ("tp", 7)], None, 0.5, 1.0),
+        # testbed records hold no TP flow: the level comes from the simulator's run
+        ([("kv", 0), ("kv", 1), ("kv", 5)], 2, 1 / 3, 2 / 3),
+        ([("kv", 0), ("kv", 1)], None, 0.5, None),  # no TP level at all
+        ([("kv", -1), ("tp", 2)], None, 0.0, 0.0),  # a flow never given a level is not above
+        ([("tp", 2)], None, None, None),  # no KV flow
+    ],
+)
+def test_kv_flows_at_the_top_and_above_the_collectives(
+    flows: list[tuple[str, int]], tp_level: int | None, top: float | None, above: float | None
+) -> None:
+    records = _records(*flows)
+    assert report.top_share(records) == top
+    assert report.above_collectives_share(records, tp_level) == above

@@ -383,7 +383,9 @@ def test_report_scores_attainment_and_collectives_jointly() -> None:
     both = rmlq.slo_attainment >= edf.slo_attainment and rmlq.cct_mean <= edf.cct_mean
     assert joint.endswith("both." if both else "not both.")
     top = report.top_share(results[1].sim_records)  # type: ignore[arg-type]
-    assert top is not None and f"admits {top:.0%} of KV flows at the top level" in joint
+    above = report.above_collectives_share(results[1].sim_records)  # type: ignore[arg-type]
+    assert top is not None and above is not None
+    assert f"admits {top:.0%} of KV flows at the top level and {above:.0%} above the" in joint
 
 
 def test_report_names_the_source_of_the_ratio_line_without_edf() -> None:
