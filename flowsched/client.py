@@ -532,6 +532,12 @@ class AgentConnection:
         finally:
             with self._state_lock:
                 self._reconnecting = False
+                # a connection that ended while this thread ran (refused at the connection
+                # cap, or the agent gone again during the re-opens) found it running and
+                # left the retry to it: retry here, or nothing would while flows stay open
+                lost = self._sock is None
+            if lost:
+                self._start_reconnecting()
 
     def _reopen(self, handle: FlowHandle) -> None:
         # a handle with an id was opened on this connection already (by the application,

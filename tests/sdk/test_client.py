@@ -513,3 +513,56 @@ def test_a_flow_whose_connection_ended_before_it_was_tracked_is_reopened(
             _wait(lambda: second.run(lambda: not registry.sdk))
     finally:
         _drop_connection(config.socket_path)
+
+
+def test_a_connection_refused_while_flows_are_reopened_is_retried(
+    agent: AgentThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user at its connection cap: the reconnect thread's new connection is refused (an
+    ``error`` frame, then the close) while it re-opens the flows. The reader thread that sees
+    the close asks for a reconnect while that thread still runs, so the request was dropped and
+    the thread ended: the flow stayed on static defaults for good, never retried once the cap
+    had room (docs/security.md: it retries once a second while it has flows). The test holds
+    the reconnect thread in its re-open until the refused connection's drop is done, the order
+    that lost the retry (two of three unheld runs lost it)."""
+    path = agent.ready.socket  # type: ignore[union-attr]
+    sdk_server = agent.agent.sdk
+    assert sdk_server is not None
+    agent.run(lambda: setattr(sdk_server, "max_connections_per_uid", 1))
+    made: list[socket.socket] = []  # the connections the SDK made, newest last
+    ended: list[socket.socket] = []  # those whose drop has returned
+    connect, drop, reopen = (
+        client.AgentConnection._connect,
+        client.AgentConnection._drop,
+        client.AgentConnection._reopen,
+    )
+
+    def connect_and_tell(self: client.AgentConnection, where: str) -> socket.socket | None:
+        sock = connect(self, where)
+        if sock is not None:
+            made.append(sock)
+        return sock
+
+    def drop_and_tell(self: client.AgentConnection, sock: socket.socket, **kw: bool) -> None:
+        drop(self, sock, **kw)
+        ended.append(sock)
+
+    def reopen_until_dropped(self: client.AgentConnection, handle: client.FlowHandle) -> None:
+        reopen(self, handle)
+        sock = made[-1]  # the connection this re-open went over
+        _wait(lambda: handle.connected or any(s is sock for s in ended), timeout=10.0)
+
+    monkeypatch.setattr(client.AgentConnection, "_connect", connect_and_tell)
+    monkeypatch.setattr(client.AgentConnection, "_drop", drop_and_tell)
+    monkeypatch.setattr(client.AgentConnection, "_reopen", reopen_until_dropped)
+    blocker = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    blocker.connect(path)  # the user's one connection (counted before its first byte)
+    try:
+        _wait(lambda: agent.run(lambda: sdk_server._connections_of.get(os.geteuid())) == 1)
+        handle = client.open_flow("kv", socket_path=path)
+        assert not handle.connected  # refused: static defaults
+        _wait(lambda: sdk_server.refused_total >= 3, timeout=10.0)  # retried while refused
+    finally:
+        blocker.close()
+    _wait(lambda: handle.connected, timeout=10.0)  # and taken once the cap has room
+    handle.close()
