@@ -117,12 +117,16 @@ class SocketMarker:
         self._sock = sock
         self._lock = threading.Lock()
         self._warned = False
+        self._stopped = False
         self.applied: list[tuple[float, int]] = []
 
     def apply(self, level: int, dscp: int, so_priority: int) -> None:
-        """Set IP_TOS / IPV6_TCLASS to ``dscp << 2``, then SO_PRIORITY."""
+        """Set IP_TOS / IPV6_TCLASS to ``dscp << 2``, then SO_PRIORITY (nothing once
+        :meth:`stop` was called)."""
         tos = (dscp & 0x3F) << 2
         with self._lock:
+            if self._stopped:
+                return
             try:
                 if self._sock.family == socket.AF_INET6:
                     self._sock.setsockopt(socket.IPPROTO_IPV6, _IPV6_TCLASS, tos)
@@ -138,6 +142,13 @@ class SocketMarker:
                     log.warning("cannot mark socket: %s", exc)
                 return
             self.applied.append((time.monotonic(), level))
+
+    def stop(self) -> None:
+        """Mark the socket no more, whoever calls :meth:`apply` later: a flow handle's reader
+        thread may still run a listener it copied before :meth:`follow`'s was removed, and the
+        socket may carry another flow by then. An :meth:`apply` under way ends first."""
+        with self._lock:
+            self._stopped = True
 
     def _set_priority(self, so_priority: int) -> None:
         try:
@@ -253,6 +264,7 @@ def send_flow(
     finally:
         if listener is not None and flow_handle is not None:
             flow_handle.remove_listener(listener)
+        marker.stop()  # a listener call already copied by the handle's thread changes nothing
         if owned:
             sock.close()
         else:

@@ -375,3 +375,20 @@ def test_marker_sets_the_tos_of_an_ipv6_socket_with_an_ipv4_peer() -> None:
             assert peer[0] == "::ffff:127.0.0.1"  # a v4-mapped peer
             transfer.SocketMarker(accepted).apply(0, 46, 0)
             assert accepted.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 46 << 2
+
+
+def test_a_marking_change_that_comes_late_leaves_the_callers_socket_alone() -> None:
+    """The SDK's reader thread calls the listeners it copied before ``send_flow`` removed its
+    own: one that runs after ``send_flow`` returned must not mark the caller's socket, which by
+    then may carry the next transfer (of another flow, at another marking)."""
+    handle = FakeHandle(level=5, dscp=10)
+    removed: list[Callable[[FakeHandle], None]] = []
+    remove = handle.remove_listener
+    handle.remove_listener = lambda cb: (removed.append(cb), remove(cb))  # type: ignore[method-assign]
+    with transfer.Receiver() as rx, socket.create_connection(rx.address) as sock:
+        transfer.send_flow(sock, 1000, flow_handle=handle, timeout=5)
+        assert rx.results.get(timeout=10).ok
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, 46 << 2)  # the next transfer's
+        handle.level, handle.dscp = 0, 34
+        removed[0](handle)  # the reader thread, late
+        assert sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 46 << 2
