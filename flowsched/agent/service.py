@@ -42,6 +42,7 @@ from flowsched.agent.nic import NicMonitor, default_interfaces
 from flowsched.agent.policy_view import PolicyView
 from flowsched.agent.sdk_server import SdkListener, SdkServer
 from flowsched.agent.telemetry import SlotTelemetry, Telemetry
+from flowsched.coordinator.connection import quoted
 from flowsched.fdlimit import raise_fd_limit
 from flowsched.lograte import RepeatLog
 from flowsched.model import Context, Decision, Flow
@@ -492,11 +493,7 @@ class Agent:
                 redirect = _redirect(exc)
                 if exc.code != "not_leader":  # a wrong token repeats: once, then less often
                     self.stats["handshakes_refused"] += 1
-                    said = "refused coordinator %s:%d: %s" if exc.by_agent else (
-                        "coordinator %s:%d refused us: %s")  # fmt: skip
-                    self._repeat_log.log(
-                        f"refused:{address}:{exc.code}", logging.ERROR, said, *address, exc,
-                    )  # fmt: skip
+                    self._log_refusal(address, exc)
                     pause = REFUSED_PAUSE
                 elif redirect is not None:
                     queue.insert(0, redirect)
@@ -513,6 +510,25 @@ class Agent:
                 self._leader_index = addresses.index(address)
             return link, None
         return None, pause
+
+    def _log_refusal(self, address: tuple[str, int], exc: HandshakeError) -> None:
+        """A refused handshake, once and then at a falling rate. What the coordinator said
+        comes before it proved that it holds the token: anyone listening at the address
+        (a local user while the coordinator restarts) chooses it. So its code and reason are
+        logged quoted (control characters escaped: no forged lines) and cut, and one key per
+        address spaces them out however the code changes; this agent's own refusals (a
+        handful of codes) keep a key each."""
+        if exc.by_agent:
+            self._repeat_log.log(
+                f"refused:{address}:{exc.code}", logging.ERROR,
+                "refused coordinator %s:%d: %s", *address, exc,
+            )  # fmt: skip
+            return
+        self._repeat_log.log(
+            f"refused:{address}:by_coordinator", logging.ERROR,
+            "coordinator %s:%d refused us: %s: %s", *address, quoted(exc.code, 64),
+            quoted(exc.reason),
+        )  # fmt: skip
 
     def _log_unreachable(self, address: tuple[str, int], exc: OSError | TimeoutError) -> None:
         """A failed connect, said as what it is, once and then at a falling rate."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import math
 import random
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +19,7 @@ from flowsched.agent import AgentConfig, service
 from flowsched.agent.service import RECONNECT_JITTER, Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.lograte import RepeatLog
-from flowsched.protocol import write_token
+from flowsched.protocol import Error, encode_frame, write_token
 from flowsched.testbed.daemons import closed_port
 
 
@@ -143,4 +145,60 @@ def test_a_repeating_auth_failure_is_logged_once_then_less_and_less(
         coordinator.stop()
     said = [r for r in caplog.records if "refused us" in r.getMessage()]
     assert said and "auth_failed" in said[0].getMessage()
+    assert len(said) <= _allowed_messages(elapsed) < 10
+
+
+class _TokenlessListener:
+    """What listens at the coordinator's address without the token (a local user while the
+    coordinator restarts, a stale address): it answers each hello with an ``error`` frame of
+    its own text, a new code every time, with a line break and 4,000 characters of reason."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self.refusals = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                conn.settimeout(5)
+                try:
+                    conn.recv(4096)  # the hello
+                    code = f"no_{self.refusals}\nflowsched.agent ERROR forged line"
+                    conn.sendall(encode_frame(Error(code, "x" * 4000 + "\nforged too")))
+                    self.refusals += 1
+                    while conn.recv(4096):  # until the agent closes
+                        pass
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._server.close()
+
+
+def test_what_a_tokenless_listener_says_is_logged_escaped_cut_and_less_and_less(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its text reached the log as it came (a line break forges a line, and 4 KB a refusal),
+    and each new code was a new key of the falling rate, so every refusal was logged."""
+    monkeypatch.setattr(service, "REFUSED_PAUSE", 0.02)  # many refusals in little time
+    monkeypatch.setattr(service, "MAX_RECONNECT_BACKOFF", 0.05)
+    caplog.set_level(logging.INFO, logger="flowsched.agent")
+    rogue = _TokenlessListener()
+    try:
+        write_token(tmp_path / "token")
+        started = time.monotonic()
+        with _agent(tmp_path, rogue.port, tmp_path / "token") as running:
+            wait_until(lambda: running.agent.stats["handshakes_refused"] >= 10)
+            elapsed = time.monotonic() - started
+    finally:
+        rogue.close()
+    said = [r.getMessage() for r in caplog.records if "refused us" in r.getMessage()]
+    assert said and all("\n" not in line and len(line) < 600 for line in said), said[:1]
+    assert "no_0\\n" in said[0]  # escaped, still readable
     assert len(said) <= _allowed_messages(elapsed) < 10
