@@ -216,11 +216,14 @@ def _running(namespaces: PidNamespaces, pid: int, start_ticks: int) -> str:
 
 
 def _command(pid: int, process: str) -> str | None:
-    """The command name of the slot's process, ``pid`` here, while it runs."""
+    """The command name of the slot's process, ``pid`` here, while it runs, each character
+    that is not printable shown as ``?`` (as ``ps`` does): a process names itself, and
+    another user's escape sequences must not reach the terminal of whoever lists the table."""
     if process != "running":
         return None
     try:
         with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as comm:
-            return comm.read().strip() or None
+            name = comm.read().rstrip("\n")
     except OSError:
         return None
+    return "".join(char if char.isprintable() else "?" for char in name).strip() or None

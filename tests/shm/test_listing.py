@@ -109,6 +109,45 @@ sys.stdin.readline()
 """
 
 
+_RENAMED_JOB = """
+import os, sys
+from flowsched.shm.table import EmulatedPluginSlot, FlowTable
+with open("/proc/self/comm", "w") as comm:  # what prctl(PR_SET_NAME) sets: any 15 bytes
+    comm.write(sys.argv[2])
+slot = EmulatedPluginSlot(FlowTable.open(sys.argv[1], writable=True), class_id=3)
+print(os.getpid(), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "shown"),
+    [
+        pytest.param("trainer", "trainer", id="plain"),
+        pytest.param("a\x1b[2Jb", "a?[2Jb", id="escape-sequence"),
+        pytest.param("ok\rforged", "ok?forged", id="carriage-return"),
+        pytest.param("tab\tnl\x7f", "tab?nl?", id="tab-and-delete"),
+    ],
+)
+def test_a_process_name_is_shown_without_control_characters(
+    table: FlowTable, name: str, shown: str
+) -> None:
+    """A process names itself (``comm``): one of another user, listed to root, must not send
+    the operator's terminal escape sequences or rewrite the line, as ``ps`` does not."""
+    job = subprocess.Popen(
+        [sys.executable, "-c", _RENAMED_JOB, table.path, name],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert job.stdout is not None
+        job.stdout.readline()  # its slot is written
+        [row] = connections(table)
+        assert row.command == shown
+    finally:
+        job.kill()
+        job.wait()
+
+
 def test_a_process_in_a_pid_namespace_of_its_own_is_shown_by_its_pid_here(
     table: FlowTable,
 ) -> None:
