@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable
 from types import TracebackType
@@ -29,9 +30,20 @@ class AgentThread:
         self.ready: ReadyInfo | None = None
 
     def start(self, timeout: float = 10.0) -> ReadyInfo:
-        """Start the thread and the agent; returns where it listens."""
+        """Start the thread and the agent; returns where it listens.
+
+        A start that fails is undone before the error is raised (as :func:`serve` does): the
+        agent stops, so that nothing of it goes on serving the SDK socket or owning the table
+        (``with AgentThread(...)`` never reaches :meth:`stop` when this raises), and the
+        thread ends.
+        """
         self._thread.start()
-        self.ready = self.run(self.agent.start, timeout)
+        try:
+            self.ready = self.run(self.agent.start, timeout)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the start's error is the one to raise
+                self.stop()
+            raise
         return self.ready
 
     def run(self, fn: Callable[[], Any], timeout: float = 10.0) -> Any:

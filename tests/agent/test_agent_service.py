@@ -318,6 +318,37 @@ def test_second_agent_on_the_same_socket_is_refused(agent: AgentThread, tmp_path
         assert handle.connected
 
 
+@pytest.mark.parametrize("cause", ["metrics port in use", "socket served by another agent"])
+def test_an_agent_thread_that_fails_to_start_leaves_nothing_running(
+    tmp_path: Path, cause: str
+) -> None:
+    """``AgentThread.start`` raised and left the half-started agent on its thread: with the
+    metrics port in use (the last step) its SDK socket went on accepting clients, so that the
+    next agent at that path was refused as a second one, and the table named it as its live
+    owner. ``with AgentThread(...)`` never reached ``stop`` to undo it."""
+    with contextlib.ExitStack() as stack:
+        if cause == "metrics port in use":
+            port = stack.enter_context(socket.create_server(("127.0.0.1", 0))).getsockname()[1]
+            config = agent_config(tmp_path, metrics_port=port)
+        else:
+            first = stack.enter_context(AgentThread(agent_config(tmp_path / "first")))
+            assert first.ready is not None
+            config = agent_config(tmp_path, socket_path=first.ready.socket)
+        failed = AgentThread(config)
+        with pytest.raises(OSError if cause == "metrics port in use" else RuntimeError):
+            failed.start()
+        assert not failed._thread.is_alive()
+        with FlowTable.open(config.table_path) as table:
+            assert table.header()["agent_pid"] == 0  # detached: no live owner
+        if cause == "metrics port in use":
+            with socket.socket(socket.AF_UNIX) as probe, pytest.raises(OSError):
+                probe.connect(config.socket_path)  # nobody serves it, nor is it left behind
+        else:  # the first agent's socket is still its own
+            with client.flow("kv", socket_path=config.socket_path) as handle:
+                assert handle.connected
+            client._connections.pop(config.socket_path).close()
+
+
 def test_metrics_count_completions_and_local_decisions(agent: AgentThread) -> None:
     assert agent.ready is not None and agent.ready.metrics is not None
     wait_until(lambda: agent.agent.fallback is not None)
