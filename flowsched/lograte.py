@@ -5,6 +5,7 @@ unauthenticated connections) must not fill the log, and must not vanish from it 
 :class:`RepeatLog` logs the first occurrence of a key, then at most once per interval, the
 interval doubling after each message up to a ceiling; each message says how many occurrences
 it stands for. :meth:`RepeatLog.clear` (the condition ended) starts the key afresh.
+:func:`quoted` makes a peer's text safe for a log line.
 """
 
 from __future__ import annotations
@@ -83,3 +84,15 @@ class RepeatLog:
         """:meth:`clear` every key that starts with ``prefix``."""
         for key in [k for k in self._keys if k.startswith(prefix)]:
             del self._keys[key]
+
+
+#: characters of a peer's text (an error frame's reason, a name) that a log line shows
+PEER_TEXT_LIMIT = 200
+
+
+def quoted(text: str, limit: int = PEER_TEXT_LIMIT) -> str:
+    """``text`` for a log line: quoted with every control character escaped (``repr``), so that
+    it cannot forge a line, and cut to ``limit`` characters."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"

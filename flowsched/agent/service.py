@@ -42,9 +42,8 @@ from flowsched.agent.nic import NicMonitor, default_interfaces
 from flowsched.agent.policy_view import PolicyView
 from flowsched.agent.sdk_server import SdkListener, SdkServer
 from flowsched.agent.telemetry import SlotTelemetry, Telemetry
-from flowsched.coordinator.connection import quoted
 from flowsched.fdlimit import raise_fd_limit
-from flowsched.lograte import RepeatLog
+from flowsched.lograte import RepeatLog, quoted
 from flowsched.model import Context, Decision, Flow
 from flowsched.policies.base import Policy
 from flowsched.protocol import (

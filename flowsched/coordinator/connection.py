@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, SupportsIndex, cast
 
 from flowsched import tls
+from flowsched.lograte import PEER_TEXT_LIMIT, quoted
 from flowsched.protocol import (
     HANDSHAKE_MAX_FRAME_SIZE,
     NEED_DATA,
@@ -69,8 +70,6 @@ TLS_PREAUTH_READ_LIMIT = 16 << 10
 CLOSE_TIMEOUT = 1.0
 #: close reasons whose connection is aborted at once (see the module docstring)
 ABORT_CODES = frozenset({"send_overflow", "timeout", "replaced", "evicted", "connection_lost"})
-#: characters of a peer-supplied text (and of a close reason) that are logged
-PEER_TEXT_LIMIT = 200
 
 
 class TimedStreamReader(asyncio.StreamReader):
@@ -256,14 +255,6 @@ def peer_text(peer: object) -> str:
     if isinstance(peer, tuple) and len(peer) >= 2:
         return f"{peer[0]}:{peer[1]}"
     return str(peer)
-
-
-def quoted(text: str, limit: int = PEER_TEXT_LIMIT) -> str:
-    """``text`` for a log line: quoted with every control character escaped (``repr``), so that
-    it cannot forge a line, and cut to ``limit`` characters."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 class ConnectionClosed(Exception):
