@@ -911,10 +911,11 @@ def open_flow(
 
     ``deadline`` is absolute wall-clock seconds (``time.time()``); ``consumer_step`` is the job
     step (RLI) that consumes the data, of ``job`` (default: the job last passed to
-    :func:`job_progress` in this process); ``peer`` narrows NCCL linking to one peer rank;
-    ``dst_node`` names the node that receives the data (the agent then counts that node's
-    ingress link, ``<dst_node>:rx``, among the flow's links, so the coordinator sees incast at
-    the receiver). Argument errors raise ValueError; an absent or failing agent never raises.
+    :func:`job_progress` in this process); ``peer`` narrows NCCL linking to one peer rank
+    (-1, like None, narrows nothing); ``dst_node`` names the node that receives the data (the
+    agent then counts that node's ingress link, ``<dst_node>:rx``, among the flow's links, so
+    the coordinator sees incast at the receiver). Argument errors raise ValueError; an absent
+    or failing agent never raises.
     """
     flow_class = FlowClass.parse(cls) if isinstance(cls, str) else FlowClass(cls)
     request_template = sdk.Open(

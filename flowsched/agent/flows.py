@@ -188,6 +188,11 @@ class FlowRegistry:
         ``dst_node`` (the receiving node) adds that node's ingress link to the flow's links.
         """
         links = None if dst_node is None or dst_node == self.node else self._links_to(dst_node)
+        if peer is not None and peer < 0:
+            # -1 is "no peer" (the plugin's unknown peer_rank, which the SDK's rule admits): a
+            # flow narrowed to it would link exactly the connections whose peer is unknown,
+            # which must never link to a narrowed flow; it narrows nothing instead
+            peer = None
         flow = self._open(
             cls,
             now,

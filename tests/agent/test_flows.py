@@ -180,6 +180,28 @@ def test_linking_rule(reg: FlowRegistry) -> None:
     assert batch.opens[0].id not in (own_before, sdk_flow.flow_id)
 
 
+@pytest.mark.parametrize(
+    ("peer", "linked"),
+    [
+        (None, [(0, 1), (1, 1), (2, 1)]),  # not narrowed: every send connection of the class
+        (2, [(1, 1)]),  # narrowed: only the connection known to send to rank 2
+        (-1, [(0, 1), (1, 1), (2, 1)]),  # "no peer": not narrowed, never "peer unknown only"
+    ],
+    ids=["none", "rank-2", "minus-1"],
+)
+def test_a_negative_peer_narrows_nothing(
+    reg: FlowRegistry, peer: int | None, linked: list[tuple[int, int]]
+) -> None:
+    """A connection whose peer is still unknown (-1) never links to a narrowed flow
+    (docs/nccl-plugin-transport.md): an SDK flow opened with peer -1 is not narrowed."""
+    reg.observe([slot(0, peer=-1), slot(1, peer=2), slot(2, peer=3)], 1.0, 0)
+    reg.take_batch()
+    _, got = reg.open_sdk(PID, FlowClass.EXPERIENCE, 2.0, peer=peer)
+    assert sorted(got) == linked
+    reg.observe([slot(0, nbytes=1, peer=5), slot(1, peer=2), slot(2, peer=3)], 3.0, 0)
+    assert sorted(k for k, c in reg.slots.items() if c.linked_to is not None) == linked
+
+
 def test_new_connection_during_sdk_flow_is_linked(reg: FlowRegistry) -> None:
     sdk_flow, _ = reg.open_sdk(PID, FlowClass.KV, 1.0, size=1000)
     assert sdk_flow.deadline == 3.0  # class default relative deadline
