@@ -15,25 +15,7 @@
 #include "class_defaults.h"
 #include "context.h"
 #include "log.h"
-
-static char warnings[8192]; /* what the plugin warned, line after line */
-
-static void capture(ncclDebugLogLevel level, unsigned long flags, const char* file, int line,
-                    const char* fmt, ...) {
-  (void)flags;
-  (void)file;
-  (void)line;
-  if (level != NCCL_LOG_WARN) {
-    return;
-  }
-  size_t used = strlen(warnings);
-  va_list args;
-  va_start(args, fmt);
-  vsnprintf(warnings + used, sizeof(warnings) - used, fmt, args);
-  va_end(args);
-  used = strlen(warnings);
-  snprintf(warnings + used, sizeof(warnings) - used, "\n");
-}
+#include "warn_capture.h"
 
 /* A value of `len` bytes that names no class. */
 static char* junk_of_length(size_t len) {

@@ -14,26 +14,9 @@
 
 #include "log.h"
 #include "param.h"
+#include "warn_capture.h"
 
 static int failures;
-static char warnings[4096]; /* what the plugin warned, line after line */
-
-static void capture(ncclDebugLogLevel level, unsigned long flags, const char* file, int line,
-                    const char* fmt, ...) {
-  (void)flags;
-  (void)file;
-  (void)line;
-  if (level != NCCL_LOG_WARN) {
-    return;
-  }
-  size_t used = strlen(warnings);
-  va_list args;
-  va_start(args, fmt);
-  vsnprintf(warnings + used, sizeof(warnings) - used, fmt, args);
-  va_end(args);
-  used = strlen(warnings);
-  snprintf(warnings + used, sizeof(warnings) - used, "\n");
-}
 
 static void expect(const char* what, const char* got, const char* want) {
   if (strcmp(got, want) != 0) {

@@ -593,6 +593,23 @@ static struct fs_table_header* table_create(const char* path, int nslots) {
   return h;
 }
 
+/* A 16-slot table in a new file `path` (a mkstemp template), named by FLOWSCHED_TABLE for the
+ * plugins loaded next; table_drop undoes all three. */
+static struct fs_table_header* table_install(char* path) {
+  int fd = mkstemp(path);
+  CHECK(fd >= 0, "mkstemp");
+  close(fd);
+  struct fs_table_header* h = table_create(path, 16);
+  setenv("FLOWSCHED_TABLE", path, 1);
+  return h;
+}
+
+static void table_drop(struct fs_table_header* h, const char* path) {
+  unsetenv("FLOWSCHED_TABLE");
+  munmap(h, FS_TABLE_HEADER_SIZE + 16 * FS_TABLE_SLOT_SIZE);
+  unlink(path);
+}
+
 static struct fs_table_slot* slot_of(struct fs_table_header* h, int32_t tc) {
   for (uint32_t i = 0; i < h->num_slots; i++) {
     struct fs_table_slot* s =
@@ -617,11 +634,7 @@ static int isend_count(void) { return count("isend"); }
 
 static void permit(const char* fake) {
   char path[] = "/tmp/fs-wrap-table-XXXXXX";
-  int fd = mkstemp(path);
-  CHECK(fd >= 0, "mkstemp");
-  close(fd);
-  struct fs_table_header* h = table_create(path, 16);
-  setenv("FLOWSCHED_TABLE", path, 1);
+  struct fs_table_header* h = table_install(path);
   setenv("FLOWSCHED_GATE_MIN_SHARE", "0", 1);
   setenv("FLOWSCHED_GATE_MAX_DEFER_US", "30000", 1);
   const ncclNet_v12_t* net = load(fake, "ncclNetPlugin_v12");
@@ -722,9 +735,7 @@ static void permit(const char* fake) {
     unload();
   }
   unsetenv("FLOWSCHED_GATING");
-  unsetenv("FLOWSCHED_TABLE");
-  munmap(h, FS_TABLE_HEADER_SIZE + 16 * FS_TABLE_SLOT_SIZE);
-  unlink(path);
+  table_drop(h, path);
   printf("ok permit: the policy's gating off, the environment wins\n");
 }
 
@@ -829,11 +840,7 @@ static void logger_inner_inits_v10(const char* fake) {
 /* v12 export: the agent gives the class's level another DSCP between init and listen. */
 static void logger_inner_inits_v12(const char* fake) {
   char path[] = "/tmp/fs-wrap-table-XXXXXX";
-  int fd = mkstemp(path);
-  CHECK(fd >= 0, "mkstemp");
-  close(fd);
-  struct fs_table_header* h = table_create(path, 16);
-  setenv("FLOWSCHED_TABLE", path, 1);
+  struct fs_table_header* h = table_install(path);
   const ncclNet_v12_t* net = load(fake, "ncclNetPlugin_v12");
   g_fake_logs = 0;
   ncclNetCommConfig_v12_t cfg = {.trafficClass = 0}; /* tp: level 0 */
@@ -851,9 +858,7 @@ static void logger_inner_inits_v12(const char* fake) {
   OK(net->closeListen(lcomm));
   OK(net->finalize(ctx));
   unload();
-  unsetenv("FLOWSCHED_TABLE");
-  munmap(h, FS_TABLE_HEADER_SIZE + 16 * FS_TABLE_SLOT_SIZE);
-  unlink(path);
+  table_drop(h, path);
   printf("ok logger: every inner init gets NCCL's logger and profiler callback\n");
 }
 
@@ -875,11 +880,7 @@ static struct fs_table_slot* slot_by(struct fs_table_header* h, uint64_t comm_id
  * creation), and a slot's peer_rank is the remote rank or -1, never our own isend tag. */
 static void class_and_peer(const char* fake) {
   char path[] = "/tmp/fs-wrap-table-XXXXXX";
-  int fd = mkstemp(path);
-  CHECK(fd >= 0, "mkstemp");
-  close(fd);
-  struct fs_table_header* h = table_create(path, 16);
-  setenv("FLOWSCHED_TABLE", path, 1);
+  struct fs_table_header* h = table_install(path);
   const ncclNet_v12_t* net = load(fake, "ncclNetPlugin_v12");
   ncclNetCommConfig_v12_t cfg = {.trafficClass = NCCL_NET_TRAFFIC_CLASS_UNDEF};
   void *actx = NULL, *bctx = NULL;
@@ -972,9 +973,7 @@ static void class_and_peer(const char* fake) {
   OK(n10->closeRecv(r10));
   OK(n10->closeListen(lcomm));
   unload();
-  unsetenv("FLOWSCHED_TABLE");
-  munmap(h, FS_TABLE_HEADER_SIZE + 16 * FS_TABLE_SLOT_SIZE);
-  unlink(path);
+  table_drop(h, path);
   printf("ok class per communicator (v12 init, v10 listen/connect), peer rank from irecv only\n");
 }
 
@@ -989,11 +988,7 @@ static void connect_retries_keep_their_class(const char* fake12, const char* fak
   } cases[] = {{"v12 inner", 0}, {"v10 inner", 1}};
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
     char path[] = "/tmp/fs-wrap-table-XXXXXX";
-    int fd = mkstemp(path);
-    CHECK(fd >= 0, "mkstemp");
-    close(fd);
-    struct fs_table_header* h = table_create(path, 16);
-    setenv("FLOWSCHED_TABLE", path, 1);
+    struct fs_table_header* h = table_install(path);
     const ncclNet_v12_t* net = load(cases[i].fake_is_v10 ? fake10 : fake12, "ncclNetPlugin_v12");
     ncclNetCommConfig_v12_t cfg = {.trafficClass = 0}; /* tp: level 0 */
     void* ctx = NULL;
@@ -1027,9 +1022,7 @@ static void connect_retries_keep_their_class(const char* fake12, const char* fak
     OK(net->closeSend(scomm));
     OK(net->finalize(ctx));
     unload();
-    unsetenv("FLOWSCHED_TABLE");
-    munmap(h, FS_TABLE_HEADER_SIZE + 16 * FS_TABLE_SLOT_SIZE);
-    unlink(path);
+    table_drop(h, path);
   }
   printf("ok a connect's retries keep the inner context and trafficClass of its first call\n");
 }
