@@ -437,6 +437,9 @@ class EtcdElection:
         self.watching = False
         #: the lease of this candidate's last won campaign (0: none yet)
         self.won_lease = 0
+        #: when (monotonic) that lease's grant was sent: its TTL runs from about then, however
+        #: late etcd answered the campaign, so the leader's first renewal is counted from it
+        self.won_lease_sent = 0.0
         self._recheck = asyncio.Event()
         self._repeat = RepeatLog(log)
 
@@ -581,6 +584,7 @@ class EtcdElection:
         Returns (leadership or None, the revision the read saw).
         """
         incarnation = self._incarnation()  # before the lease: a won leadership needs it
+        grant_sent = time.monotonic()
         lease = int(self._post("/lease/grant", {"TTL": self.ttl})["ID"])
         key = _b64(self.key)
         txn = {
@@ -592,7 +596,7 @@ class EtcdElection:
         header = reply["header"]
         revision = int(header["revision"])
         if reply.get("succeeded"):
-            self.won_lease = lease
+            self.won_lease, self.won_lease_sent = lease, grant_sent
             self.leader = Leader(self.address, revision, lease)
             scope = fencing_scope(int(header.get("cluster_id", 0)), incarnation)
             return Leadership(revision, scope, lease), revision
@@ -795,7 +799,10 @@ class EtcdElection:
     async def _keep_alive(self, leadership: Leadership, publisher: _ReachPublisher) -> None:
         period = self.ttl / KEEPALIVES_PER_TTL
         give_up_after = self.ttl * (1.0 - STEP_DOWN_MARGIN)
-        last_good = time.monotonic()
+        # the grant counts as the first renewal: a slow campaign transaction (etcd answering
+        # late, or on the next member) has used up part of the lease already
+        won_here = leadership.lease == self.won_lease
+        last_good = self.won_lease_sent if won_here else time.monotonic()
         failed = 0
         while True:
             sent = time.monotonic()

@@ -28,7 +28,7 @@ from flowsched.coordinator.election import (
     split_address,
 )
 from flowsched.coordinator.reach import Reach, encode_reach
-from flowsched.testbed.daemons import closed_port, free_ports, wait_until
+from flowsched.testbed.daemons import closed_port, free_ports, wait_for, wait_until
 from flowsched.testbed.etcd import local_etcd
 
 pytestmark = pytest.mark.timeout(60)
@@ -176,6 +176,42 @@ async def test_a_silent_leader_is_replaced_once_its_lease_expires(etcd_url: str)
     assert taken.epoch > 0
     assert 1.0 < elapsed < 6.0, elapsed  # about the TTL plus etcd's expiry scan
     print(f"\ntakeover by lease expiry at TTL 2: {elapsed:.2f} s")
+
+
+def _lease_ttl_left(url: str, lease: int) -> int:
+    """Whole seconds etcd gives ``lease`` before it expires; -1 once it is gone."""
+    return int(etcd_call(url, "kv/lease/timetolive", {"ID": lease}).get("TTL", -1))
+
+
+@pytest.mark.asyncio
+async def test_a_leader_steps_down_before_a_lease_granted_by_a_slow_campaign_expires(
+    etcd_url: str,
+) -> None:
+    # The lease's TTL runs from its grant, not from the win: when etcd answers the campaign's
+    # transaction late, a leader whose keepalives then fail must give up 0.75 TTL after the
+    # grant was sent, before etcd can expire the lease and let a successor lead.
+    ttl = 6
+    election = EtcdElection(etcd_url, "t", "slow:1", lease_ttl=ttl)
+    post, granted = election._post, []
+
+    def slow_answers(path: str, body: dict[str, Any], role: str = "campaign") -> dict[str, Any]:
+        reply = post(path, body, role)
+        if path == "/lease/grant":
+            granted.append(int(reply["ID"]))
+        elif path == "/kv/txn" and granted:  # the campaign's answer comes half a TTL late
+            wait_for(lambda: _lease_ttl_left(etcd_url, granted[0]) <= ttl // 2, ttl, "ttl/2")
+        return reply
+
+    with mock.patch.object(election, "_post", slow_answers):
+        won = await election.campaign()
+    assert won.lease == granted[0]
+
+    def unreachable(lease: int) -> int:
+        raise ConnectionError("etcd unreachable")
+
+    with mock.patch.object(election, "_keepalive", unreachable):
+        await asyncio.wait_for(election.hold(won), 2 * ttl)
+    assert _lease_ttl_left(etcd_url, won.lease) >= 0, "led on after its lease expired"
 
 
 @pytest.mark.asyncio
