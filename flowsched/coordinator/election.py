@@ -87,6 +87,8 @@ MAX_CAMPAIGN_PAUSE = 1.0
 #: next campaign after a watch that failed or ended: the first keepalive after etcd answers
 #: again renews the lease, well before the leader would give up
 RETRY_AFTER_FAILURE = 0.25
+#: etcd requests of a won campaign attempt (the incarnation, the grant, the transaction)
+CAMPAIGN_REQUESTS = 3
 #: the lease TTL (s) with one etcd URL, and with several: a change of etcd's own (raft) leader
 #: takes one to two of etcd's election timeouts (1 s each by default), during which no
 #: keepalive succeeds, and a leader waits only 0.75 TTL for one (docs/ha.md, "Several etcd
@@ -440,6 +442,8 @@ class EtcdElection:
         #: when (monotonic) that lease's grant was sent: its TTL runs from about then, however
         #: late etcd answered the campaign, so the leader's first renewal is counted from it
         self.won_lease_sent = 0.0
+        #: the last campaign attempt, in its thread (None: none yet, or withdrawn)
+        self._attempt: asyncio.Future[tuple[Leadership | None, int]] | None = None
         self._recheck = asyncio.Event()
         self._repeat = RepeatLog(log)
 
@@ -694,8 +698,11 @@ class EtcdElection:
         that cannot reach etcd stays a standby.
         """
         while True:
+            # shielded: a cancelled campaign leaves the attempt to :meth:`withdraw`
+            attempt = self._attempt = asyncio.ensure_future(asyncio.to_thread(self._try_once))
+            attempt.add_done_callback(_retrieve)
             try:
-                won, revision = await asyncio.to_thread(self._try_once)
+                won, revision = await asyncio.shield(attempt)
             except Exception as exc:
                 why = self.explain(exc)
                 self._repeat.log(f"campaign {why}", logging.WARNING,
@@ -708,6 +715,22 @@ class EtcdElection:
                 return won
             log.info("standby: %s leads (epoch %s)", self._leader_text(), self._epoch_text())
             await self._wait_for_vacancy(revision)
+
+    async def withdraw(self) -> None:
+        """Stop campaigning (a shutdown while standing by), after cancelling :meth:`campaign`.
+        Its last attempt runs in a thread that cancelling cannot stop, and may have won, or
+        still win: then that lease is revoked, so that a standby leads at once instead of
+        redirecting agents for a TTL to a coordinator that is gone."""
+        attempt, self._attempt = self._attempt, None
+        if attempt is None:
+            return
+        try:
+            async with asyncio.timeout(CAMPAIGN_REQUESTS * self.call_timeout):
+                won, _ = await asyncio.shield(attempt)
+        except Exception:  # it failed (nothing won), or hangs on past every request's timeout
+            return
+        if won is not None:
+            await self.resign(won)
 
     async def _wait_for_vacancy(self, revision: int) -> None:
         self._recheck.clear()
@@ -1077,6 +1100,8 @@ class Candidacy:
         try:
             await asyncio.wait({campaign, stopping}, return_when=asyncio.FIRST_COMPLETED)
             if not campaign.done():
+                campaign.cancel()
+                await self.election.withdraw()
                 return
             self.leadership = campaign.result()
             self.knocks.clear()

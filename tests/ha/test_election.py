@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from flowsched.coordinator.election import (
     ElectionError,
     EtcdElection,
     Leader,
+    Leadership,
     LeadershipLost,
     _b64,
     fencing_scope,
@@ -248,6 +250,50 @@ async def test_candidacy_raises_when_its_lease_is_revoked(etcd_url: str) -> None
     await asyncio.to_thread(other._revoke, leadership.lease)
     with pytest.raises(LeadershipLost):
         await asyncio.wait_for(running, 5)
+
+
+@pytest.mark.asyncio
+async def test_a_campaign_that_wins_while_the_candidate_stops_revokes_its_lease(
+    etcd_url: str,
+) -> None:
+    # A campaign's requests run in a thread that a shutdown cannot stop: when its transaction
+    # wins as the candidate stops, the lease must still be revoked, or the standbys wait a
+    # whole TTL, redirecting agents to a coordinator that is gone.
+    election = EtcdElection(etcd_url, "t", "stopping:1", lease_ttl=10)
+    candidacy = Candidacy(election)
+    post, granted = election._post, []
+    won_at_etcd, abandoned = threading.Event(), threading.Event()
+
+    def answer_once_abandoned(path: str, body: dict[str, Any], role: str = "campaign") -> Any:
+        reply = post(path, body, role)
+        if path == "/lease/grant":
+            granted.append(reply)
+        elif path == "/kv/txn" and granted:  # won at etcd; the answer is still on its way
+            won_at_etcd.set()
+            abandoned.wait(10)
+        return reply
+
+    async def campaign() -> Leadership:
+        try:
+            return await EtcdElection.campaign(election)
+        except asyncio.CancelledError:
+            abandoned.set()
+            raise
+
+    stop = asyncio.get_running_loop().create_future()
+    with (
+        mock.patch.object(election, "_post", answer_once_abandoned),
+        mock.patch.object(election, "campaign", campaign),
+    ):
+        running = asyncio.ensure_future(candidacy.run(stop))
+        await wait_until(won_at_etcd.is_set, 10, "the campaign's transaction")
+        stop.set_result(None)
+        await asyncio.wait_for(running, 10)
+    assert candidacy.leadership is None
+    other = EtcdElection(etcd_url, "t", "other:1")
+    taken, _ = await asyncio.to_thread(other._try_once)
+    assert taken is not None, f"the stopped candidate still holds the key: {other.leader}"
+    await other.resign(taken)
 
 
 @pytest.mark.asyncio
