@@ -596,7 +596,14 @@ class EtcdElection:
             "success": [{"request_put": {"key": key, "value": _b64(self.address), "lease": lease}}],
             "failure": [{"request_range": {"key": key}}],
         }
-        reply = self._post("/kv/txn", txn)
+        try:
+            reply = self._post("/kv/txn", txn)
+        except Exception:
+            # etcd may have applied it and the answer been lost (a timeout, the member dying
+            # after the commit): the key would name this candidate, on a lease nobody renews,
+            # for a TTL in which no candidate leads
+            self._revoke(lease)
+            raise
         header = reply["header"]
         revision = int(header["revision"])
         if reply.get("succeeded"):

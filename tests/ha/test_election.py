@@ -216,6 +216,27 @@ async def test_a_leader_steps_down_before_a_lease_granted_by_a_slow_campaign_exp
     assert _lease_ttl_left(etcd_url, won.lease) >= 0, "led on after its lease expired"
 
 
+def test_a_campaign_whose_answer_is_lost_does_not_keep_the_key_on_its_lease(
+    etcd_url: str,
+) -> None:
+    # etcd may apply the campaign's transaction and its answer never arrive (a timeout, a
+    # member dying after the commit): the key then names this candidate on a lease nobody
+    # renews, and without the revocation every candidate, this one too, stands by for a TTL.
+    election = EtcdElection(etcd_url, "t", "lost:1", lease_ttl=10)
+    post = election._post
+
+    def answer_lost(path: str, body: dict[str, Any], role: str = "campaign") -> Any:
+        reply = post(path, body, role)
+        if path == "/kv/txn" and "lease" in str(body):  # the campaign's, applied at etcd
+            raise ConnectionError("read timed out")
+        return reply
+
+    with mock.patch.object(election, "_post", answer_lost), pytest.raises(ConnectionError):
+        election._try_once()
+    won, _ = election._try_once()
+    assert won is not None, f"the key is still held: {election.leader}"
+
+
 @pytest.mark.asyncio
 async def test_deposing_revokes_only_the_named_leadership(etcd_url: str) -> None:
     old = EtcdElection(etcd_url, "t", "old:1")
