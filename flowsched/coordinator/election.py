@@ -655,9 +655,13 @@ class EtcdElection:
         address = base64.b64decode(kv.get("value", "")).decode(errors="replace")
         return Leader(address, int(kv["create_revision"]), int(kv.get("lease", 0)))
 
-    def _revoke(self, lease: int, role: str = "campaign") -> None:
-        with contextlib.suppress(Exception):  # an expired lease is as good as revoked
+    def _revoke(self, lease: int, role: str = "campaign") -> bool:
+        """Revoke ``lease``; False when no member answered (it then lives until it expires)."""
+        try:
             self._post("/kv/lease/revoke", {"ID": lease}, role)
+        except Exception as exc:
+            return _answered(exc)  # (404: expired or revoked already, as good as revoked)
+        return True
 
     def _publish_reach(self, leadership: Leadership, counts: tuple[int, int]) -> None:
         value = reach.encode_reach(reach.Reach(leadership.epoch, *counts))
@@ -865,11 +869,20 @@ class EtcdElection:
             await asyncio.sleep(max(0.0, sent + pause - time.monotonic()))
 
     async def resign(self, leadership: Leadership) -> None:
-        """Give leadership up now (graceful stop): a standby takes over at once."""
+        """Give leadership up now (graceful stop): a standby takes over at once, or once the
+        lease expires when etcd does not answer (logged)."""
+        revoked = False
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self.call_timeout):
-                await asyncio.to_thread(self._revoke, leadership.lease)
-        log.info("resigned leadership (epoch %d)", leadership.epoch)
+                revoked = await asyncio.to_thread(self._revoke, leadership.lease)
+        if revoked:
+            log.info("resigned leadership (epoch %d)", leadership.epoch)
+            return
+        log.warning(
+            "could not revoke the lease of leadership (epoch %d): etcd %s did not answer; a "
+            "standby leads once the lease expires, within %d s",
+            leadership.epoch, self.failed_url, self.ttl,
+        )  # fmt: skip
 
     async def depose(self, leader: Leader, reason: str | None = None) -> None:
         """End ``leader``'s leadership by revoking its lease, then let the campaign re-check at

@@ -237,6 +237,22 @@ def test_a_campaign_whose_answer_is_lost_does_not_keep_the_key_on_its_lease(
     assert won is not None, f"the key is still held: {election.leader}"
 
 
+@pytest.mark.parametrize("etcd_answers", [True, False])
+@pytest.mark.asyncio
+async def test_a_resignation_is_logged_as_one_only_when_the_lease_was_revoked(
+    etcd_url: str, caplog: pytest.LogCaptureFixture, etcd_answers: bool
+) -> None:
+    # A leader stopped while etcd does not answer keeps its lease until it expires: its log
+    # must say so, not that it resigned (the standbys wait out the TTL).
+    won = await EtcdElection(etcd_url, "t", "a:1").campaign()
+    with closed_port() as port:
+        url = etcd_url if etcd_answers else f"http://127.0.0.1:{port}"
+        with caplog.at_level("INFO", "flowsched.coordinator.election"):
+            await EtcdElection(url, "t", "a:1").resign(won)
+    assert ("resigned leadership" in caplog.text) is etcd_answers, caplog.text
+    assert ("could not revoke" in caplog.text) is not etcd_answers, caplog.text
+
+
 @pytest.mark.asyncio
 async def test_deposing_revokes_only_the_named_leadership(etcd_url: str) -> None:
     old = EtcdElection(etcd_url, "t", "old:1")
