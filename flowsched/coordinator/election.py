@@ -14,8 +14,9 @@ Every coordinator started with ``--etcd`` is a candidate. The recipe (docs/ha.md
   (lease expired, revoked, or deleted), then campaign again; every TTL/4 it also reads the
   key on the watch's member, so that a member that hangs or is cut off from etcd's quorum
   (its watch stays open and silent) is left within a fraction of the TTL;
-* leader: keep the lease alive every TTL/4 and give up once a keepalive reports the lease gone
-  or no keepalive succeeded for TTL minus a margin (the lease may have expired at etcd);
+* leader: keep the lease alive every TTL/4 and give up once a keepalive reports the lease gone,
+  the key read after it is gone or another's (deleted: the standbys campaign), or no keepalive
+  succeeded for TTL minus a margin (the lease may have expired at etcd);
 * graceful stop revokes the lease: a standby's watch sees the deletion within milliseconds;
 * :meth:`EtcdElection.depose` revokes a leader's lease when a standby found that nothing
   listens on its address any more, or that more agents cannot reach it than it serves (it
@@ -684,6 +685,22 @@ class EtcdElection:
         reply = self._post("/lease/keepalive", {"ID": lease}, "keepalive")
         return int(reply.get("result", {}).get("TTL", -1))
 
+    def _renew(self, leadership: Leadership) -> int:
+        """Keep the leadership's lease alive, then read the key: the lease's new TTL; -1 when
+        the lease is gone; 0 when it lives but the key is gone or another's (deleted, say by
+        an operator's ``etcdctl del``: the standbys saw that deletion and one may lead). A
+        read that fails leaves the check to the next renewal: the keepalive succeeded."""
+        ttl = self._keepalive(leadership.lease)
+        if ttl <= 0:
+            return ttl
+        try:
+            reply = self._post("/kv/range", {"key": _b64(self.key)}, "keepalive")
+        except Exception:
+            return ttl
+        now = self._leader_from(reply)
+        held = now is not None and (now.epoch, now.lease) == (leadership.epoch, leadership.lease)
+        return ttl if held else 0
+
     def _open_watch(self, revision: int, member: int) -> Response:
         """Watch the key's deletions after ``revision`` on ``member``: the open stream (a
         session of its own: the stream keeps its connection while the standby waits). The
@@ -845,12 +862,13 @@ class EtcdElection:
             left = max(0.0, last_good + give_up_after - sent)
             try:
                 async with asyncio.timeout(min(self.call_timeout, left)):
-                    ttl = await asyncio.to_thread(self._keepalive, leadership.lease)
+                    ttl = await asyncio.to_thread(self._renew, leadership)
             except Exception as exc:
                 ttl, failed = None, failed + 1
                 log.warning("etcd %s: keepalive failed: %s", self.failed_url, self.explain(exc))
             if ttl is not None and ttl <= 0:
-                log.error("lost leadership (epoch %d): the lease is gone", leadership.epoch)
+                why = "the lease is gone" if ttl < 0 else "its key was deleted or replaced"
+                log.error("lost leadership (epoch %d): %s", leadership.epoch, why)
                 return
             if ttl is not None:
                 if failed:

@@ -333,6 +333,24 @@ async def test_a_campaign_that_wins_while_the_candidate_stops_revokes_its_lease(
     await other.resign(taken)
 
 
+@pytest.mark.parametrize("replaced", [False, True])
+@pytest.mark.asyncio
+async def test_a_leader_whose_key_is_deleted_steps_down(etcd_url: str, replaced: bool) -> None:
+    # `etcdctl del /flowsched/leader/NAME` (say, to force an election) leaves the leader's
+    # lease alive: the standbys see the deletion and one leads, so the old leader must stop,
+    # or two lead for as long as its keepalives succeed.
+    candidacy = Candidacy(EtcdElection(etcd_url, "t", "c:1"))
+    never = asyncio.get_running_loop().create_future()
+    running = asyncio.ensure_future(candidacy.run(never))
+    await wait_until(lambda: candidacy.leadership is not None, 5, "the leadership")
+    key = _b64(candidacy.election.key)
+    await asyncio.to_thread(etcd_call, etcd_url, "kv/deleterange", {"key": key})
+    if replaced:  # and put again by someone else (a successor's campaign)
+        await asyncio.to_thread(etcd_call, etcd_url, "kv/put", {"key": key, "value": key})
+    with pytest.raises(LeadershipLost):
+        await asyncio.wait_for(running, 5)
+
+
 @pytest.mark.asyncio
 async def test_a_candidate_never_deposes_the_leadership_it_has_just_won(etcd_url: str) -> None:
     # The campaign records the new leader (this candidate's own address) before run() takes
