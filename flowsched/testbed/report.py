@@ -4,8 +4,7 @@ Rows: the ideal-network bound first (simulator only, the ceiling), then the poli
 (``llf``) last. Every row states KV SLO attainment and the collective and iteration times side
 by side (the trace is scored jointly: a policy cannot win by starving TP), the fractions of KV
 flows admitted at the top level and above the collectives, and attainment relative to the
-bound. Units as in
-:mod:`flowsched.report`: % and ms, in the table and in the JSON alike.
+bound. Units as in :mod:`flowsched.report`: % and ms, in the table and in the JSON alike.
 """
 
 from __future__ import annotations
