@@ -52,6 +52,15 @@ EARLY_STAGE = IMPLICIT_DEADLINE
 SLACK_CAP = 86_400.0
 
 
+def deadline_outcome(slack: float) -> tuple[str, float]:
+    """A closed flow's deadline outcome from ``slack`` (deadline - completion): ``("met",
+    earliness)`` or ``("missed", lateness)``, the amount capped at :data:`SLACK_CAP`. The
+    coordinator's and the agent's deadline histograms both record what this returns."""
+    if slack >= 0:
+        return "met", min(slack, SLACK_CAP)
+    return "missed", min(-slack, SLACK_CAP)
+
+
 @dataclass(slots=True)
 class Flow:
     """One flow as every scheduler component sees it.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Histogram
 from prometheus_client.core import Metric
 
-from flowsched.model import SLACK_CAP, Flow
+from flowsched.model import Flow, deadline_outcome
 from flowsched.shm import layout
 
 if TYPE_CHECKING:
@@ -74,13 +74,9 @@ class Telemetry:
         if flow.deadline is None:
             self.completions[flow.cls.label, "none"] += 1
             return
-        slack = flow.deadline - now
-        if slack >= 0:
-            self.completions[flow.cls.label, "met"] += 1
-            self.earliness.observe(min(slack, SLACK_CAP))
-        else:
-            self.completions[flow.cls.label, "missed"] += 1
-            self.lateness.observe(min(-slack, SLACK_CAP))
+        outcome, amount = deadline_outcome(flow.deadline - now)
+        self.completions[flow.cls.label, outcome] += 1
+        (self.earliness if outcome == "met" else self.lateness).observe(amount)
 
     def histograms(self) -> Iterator[Metric]:
         """The histogram families, for the collector."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from flowsched.model import SLACK_CAP
+from flowsched.model import deadline_outcome
 
 #: Buckets (seconds) of the lateness (completion after the deadline) and earliness
 #: (completion before it) histograms. Both observe non-negative values only, so their
@@ -71,10 +71,8 @@ class DeadlineSlack:
     def observe(self, slack: float) -> None:
         """Record ``slack`` = deadline - completion time (negative: missed by ``-slack``),
         at most :data:`~flowsched.model.SLACK_CAP` either way."""
-        if slack < 0:
-            self.late.observe(min(-slack, SLACK_CAP))
-        else:
-            self.early.observe(min(slack, SLACK_CAP))
+        outcome, amount = deadline_outcome(slack)
+        (self.early if outcome == "met" else self.late).observe(amount)
 
     @property
     def counts(self) -> list[int]:

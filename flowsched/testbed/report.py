@@ -204,7 +204,7 @@ def table_rows(results: list[PolicyResult]) -> list[list[str]]:
             label = CONTROL_LABELS.get(r.ablation_control, r.ablation_control)
             label = _marked(f"{label} (ablation)", ablation_errors)
             rows.append(_row(r.policy, label, r.ablation, r.ablation_records, ideal, tp))
-        rows.append(_row(r.policy, "sim", r.sim, r.sim_records, ideal))
+        rows.append(_row(r.policy, "sim", r.sim, r.sim_records, ideal, tp))
     return rows
 
 
