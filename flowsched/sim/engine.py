@@ -14,10 +14,11 @@ Model
   completion and time, ``release`` when a flow closes. A policy with ``per_flow_decisions``
   sees only the flows an event touched (job progress: that job's flows; a completion: the rest
   of its job; time: the flows whose time came; plus any flow it decides unasked, such as a
-  pruned request's others), others see every active flow. Time: a policy
-  with ``next_change`` gets each flow re-evaluated when its promotion time comes (the
+  pruned request's others), others see every active flow, also after each opening. Time: a
+  policy with ``next_change`` gets each flow re-evaluated when its promotion time comes (the
   coordinator's promotion timers), and again when a flow its ``linked_flows`` names for a new
-  flow opens; the others are swept every ``timer_period``.
+  flow opens; the others are swept every ``timer_period``. A decision waiting for its message
+  boundary is the flow's level for the policy (the coordinator's table holds what it sent).
 * Message boundaries: a decision change takes effect when the flow's sent bytes reach the next
   multiple of ``chunk_bytes`` (one message never spans two levels). ``chunk_bytes = 0`` models
   infinitesimal messages (changes apply at once).
@@ -225,6 +226,10 @@ class Simulator:
             self._touch_linked(flow)
         else:
             self._arm_timer()
+        if not self._per_flow:
+            # a rank policy (edf, llf) re-ranks every flow when one opens, as the coordinator's
+            # flush does: an earlier deadline moves the others down at once
+            self._request_reevaluate()
         return flow
 
     def _touch_linked(self, flow: Flow) -> None:
@@ -464,6 +469,10 @@ class Simulator:
             return
         state.pending = decision
         state.target = max(size - boundary, 0.0)
+        # the decided level, as the coordinator records it when it sends the change: the policy
+        # then sees a withdrawal (back to the applied level) as a change, which clears the
+        # pending decision above instead of leaving it to apply at the boundary
+        state.flow.level = decision.level
         self._reschedule(state)
 
     def _apply(self, state: ActiveFlow, decision: Decision) -> None:

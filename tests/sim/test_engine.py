@@ -372,3 +372,39 @@ def test_rmlq_holding_an_urgent_p2d_below_its_collectives_does_not_spin(
     sim.run(until=0.5)
     assert held.level == (7 if not args else 1)  # late: pruned at its deadline by default
     assert sim.events_processed < 100
+
+
+class ScheduledPolicy(FixedPolicy):
+    """Test policy: each flow follows its own ``(from time, level)`` schedule."""
+
+    def __init__(self, schedule: Mapping[int, list[tuple[float, int]]]) -> None:
+        super().__init__()
+        self.schedule = schedule
+
+    def _decision(self, flow: Flow, now: float) -> Decision:
+        level = flow.consumer_index or 0
+        for start, scheduled in self.schedule.get(flow.flow_id, []):
+            if now >= start:
+                level = scheduled
+        return Decision(level)
+
+
+def test_a_decision_withdrawn_before_its_message_boundary_is_not_applied() -> None:
+    # flow 1 is promoted at t=0.5 (25 B sent; 40-byte messages: due at t=0.8) and demoted back
+    # at t=0.75, before the boundary: the promotion never happens, both share fairly to t=2
+    policy = ScheduledPolicy({1: [(0.5, 0), (0.75, 1)]})
+    sim = Simulator({"l": 100.0}, policy, SimConfig(chunk_bytes=40, timer_period=0.25))
+    _open(sim, 0, 100, ("l",), 1)
+    _open(sim, 0, 100, ("l",), 1)
+    assert _finish_times(sim) == pytest.approx({1: 2.0, 2: 2.0})
+
+
+@pytest.mark.parametrize("promotion", ["timers", "sweep"])
+def test_an_earlier_deadline_re_ranks_the_open_flows_of_a_rank_policy(promotion: str) -> None:
+    # edf: flow 2 (deadline 1) opens at t=0.5 below flow 1 (deadline 10, 50 B sent): flow 1
+    # moves down at once, so flow 2 takes the whole link (done at 1.5) and flow 1 ends at 2
+    config = SimConfig(chunk_bytes=0, timer_period=10.0, promotion=promotion)
+    sim = Simulator({"l": 100.0}, create("edf"), config)
+    for at, deadline in ((0.0, 10.0), (0.5, 1.0)):
+        sim.at(at, lambda d=deadline: sim.open_flow(FlowClass.KV, 100, ("l",), deadline=d))
+    assert _finish_times(sim) == pytest.approx({1: 2.0, 2: 1.5})

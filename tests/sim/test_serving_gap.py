@@ -98,7 +98,10 @@ def test_a_decision_delay_applies_each_later_decision_that_much_later() -> None:
     flow = sim.open_flow(FlowClass.KV, 10**6, ("l",))
     sim.run(until=0.01)
     assert sim.active[flow.flow_id].level == 6  # admitted at once, at the policy's level
-    sim.run(until=0.14)  # decided at 0.05, repeated at every tick since: still on its way
+    # decided when it opened (a rank policy sees every flow then), repeated at the ticks at
+    # 0.05 and 0.1 (the flow is still at 6): the first decision arrives at 0.1, once
+    sim.run(until=0.09)
     assert sim.active[flow.flow_id].level == 6
-    sim.run(until=0.16)
+    sim.run(until=0.11)
     assert sim.active[flow.flow_id].level == 1
+    assert not sim._in_flight
