@@ -456,8 +456,9 @@ class Simulator:
     def _decide(self, state: ActiveFlow, decision: Decision) -> None:
         """Apply ``decision`` now if at a message boundary, else at the next one."""
         if decision.level == state.level and decision.rate == state.cap:
-            if state.pending is not None:
+            if state.pending is not None:  # withdrawn: the flow stays where it is
                 state.pending, state.target = None, 0.0
+                state.flow.level = state.level
                 self._reschedule(state)
             return
         chunk = self.config.chunk_bytes

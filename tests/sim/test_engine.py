@@ -399,6 +399,16 @@ def test_a_decision_withdrawn_before_its_message_boundary_is_not_applied() -> No
     assert _finish_times(sim) == pytest.approx({1: 2.0, 2: 2.0})
 
 
+def test_a_decision_made_again_after_its_withdrawal_is_applied() -> None:
+    # as above, then promoted again at t=1 (50 B sent): the withdrawal left the flow's level at
+    # 1, so the new promotion is a change; applied at 80 B (t=1.6), 20 B at 100 B/s -> 1.8
+    policy = ScheduledPolicy({1: [(0.5, 0), (0.75, 1), (1.0, 0)]})
+    sim = Simulator({"l": 100.0}, policy, SimConfig(chunk_bytes=40, timer_period=0.25))
+    _open(sim, 0, 100, ("l",), 1)
+    _open(sim, 0, 100, ("l",), 1)
+    assert _finish_times(sim) == pytest.approx({1: 1.8, 2: 2.0})
+
+
 @pytest.mark.parametrize("promotion", ["timers", "sweep"])
 def test_an_earlier_deadline_re_ranks_the_open_flows_of_a_rank_policy(promotion: str) -> None:
     # edf: flow 2 (deadline 1) opens at t=0.5 below flow 1 (deadline 10, 50 B sent): flow 1
