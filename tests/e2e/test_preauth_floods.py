@@ -95,22 +95,28 @@ class Watch:
 
     def run(self) -> None:
         while not self._stop.wait(0.05):
-            self.rss_peak = max(self.rss_peak, rss_bytes(self.coordinator_pid))
-            if self.coordinator_metrics is not None:
-                began = time.perf_counter()
-                try:
-                    scrape(self.coordinator_metrics)
-                except OSError:
-                    self.failed_scrapes += 1
-                self.slowest_scrape = max(self.slowest_scrape, time.perf_counter() - began)
-            for agent in self.agents:
-                try:
-                    connected = agent_counters(agent)[CONNECTED]
-                except OSError:
-                    self.failed_scrapes += 1
-                    continue
-                self.samples += 1
-                self.disconnected_samples += connected != 1.0
+            self._sample()
+        # once more when stopped: a flood refused within the first period still gets a sample
+        # (ten refused frames can all be answered before the first 50 ms are up)
+        self._sample()
+
+    def _sample(self) -> None:
+        self.rss_peak = max(self.rss_peak, rss_bytes(self.coordinator_pid))
+        if self.coordinator_metrics is not None:
+            began = time.perf_counter()
+            try:
+                scrape(self.coordinator_metrics)
+            except OSError:
+                self.failed_scrapes += 1
+            self.slowest_scrape = max(self.slowest_scrape, time.perf_counter() - began)
+        for agent in self.agents:
+            try:
+                connected = agent_counters(agent)[CONNECTED]
+            except OSError:
+                self.failed_scrapes += 1
+                continue
+            self.samples += 1
+            self.disconnected_samples += connected != 1.0
 
     @contextlib.contextmanager
     def running(self) -> Iterator[Watch]:
