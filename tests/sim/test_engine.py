@@ -14,7 +14,8 @@ from flowsched.sim.topology import NodeGroup, Topology
 
 
 class FixedPolicy:
-    """Test policy: level = ``consumer_index``, optional cap per flow id, timed promotions."""
+    """Test policy: level = ``consumer_index``, optional cap per flow id, and per flow id a
+    schedule of ``(from time, level)`` steps (promotions, and demotions back)."""
 
     name = "fixed"
 
@@ -22,7 +23,7 @@ class FixedPolicy:
         self,
         num_levels: int = 4,
         caps: Mapping[int, float] | None = None,
-        promote: Mapping[int, tuple[float, int]] | None = None,
+        promote: Mapping[int, list[tuple[float, int]]] | None = None,
     ) -> None:
         self.num_levels = num_levels
         self.caps = dict(caps or {})
@@ -30,8 +31,10 @@ class FixedPolicy:
 
     def _decision(self, flow: Flow, now: float) -> Decision:
         level = flow.consumer_index or 0
-        when, promoted = self.promote.get(flow.flow_id, (float("inf"), level))
-        return Decision(promoted if now >= when else level, self.caps.get(flow.flow_id))
+        for start, scheduled in self.promote.get(flow.flow_id, []):
+            if now >= start:
+                level = scheduled
+        return Decision(level, self.caps.get(flow.flow_id))
 
     def admit(self, flow: Flow, ctx: Context) -> Decision:
         return self._decision(flow, ctx.now)
@@ -141,7 +144,7 @@ def test_rate_cap_leaves_the_rest_to_others() -> None:
 def test_level_change_waits_for_message_boundary(chunk: int, expected_first: float) -> None:
     # both fair at 50 B/s; at t=0.5 (timer) flow 1 (25 B sent) is promoted to level 0. With
     # 40-byte messages the change applies at 40 B sent (t=0.8), then 60 B at 100 B/s -> 1.4.
-    policy = FixedPolicy(promote={1: (0.5, 0)})
+    policy = FixedPolicy(promote={1: [(0.5, 0)]})
     sim = Simulator({"l": 100.0}, policy, SimConfig(chunk_bytes=chunk, timer_period=0.5))
     _open(sim, 0, 100, ("l",), 1)
     _open(sim, 0, 100, ("l",), 1)
@@ -265,7 +268,7 @@ class TimedPolicy(FixedPolicy):
     per_flow_decisions = True
 
     def __init__(self) -> None:
-        super().__init__(promote={1: (0.1, 0), 2: (0.2, 0)})
+        super().__init__(promote={1: [(0.1, 0)], 2: [(0.2, 0)]})
         self.seen: list[tuple[float, list[int]]] = []
 
     def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
@@ -274,7 +277,8 @@ class TimedPolicy(FixedPolicy):
         return super().reevaluate(flows, ctx)
 
     def next_change(self, flow: Flow, ctx: Context) -> float | None:
-        when = self.promote.get(flow.flow_id, (float("inf"), 0))[0]
+        steps = self.promote.get(flow.flow_id, [])
+        when = steps[0][0] if steps else float("inf")
         return when if when > ctx.now and flow.level != 0 else None
 
 
@@ -374,25 +378,10 @@ def test_rmlq_holding_an_urgent_p2d_below_its_collectives_does_not_spin(
     assert sim.events_processed < 100
 
 
-class ScheduledPolicy(FixedPolicy):
-    """Test policy: each flow follows its own ``(from time, level)`` schedule."""
-
-    def __init__(self, schedule: Mapping[int, list[tuple[float, int]]]) -> None:
-        super().__init__()
-        self.schedule = schedule
-
-    def _decision(self, flow: Flow, now: float) -> Decision:
-        level = flow.consumer_index or 0
-        for start, scheduled in self.schedule.get(flow.flow_id, []):
-            if now >= start:
-                level = scheduled
-        return Decision(level)
-
-
 def test_a_decision_withdrawn_before_its_message_boundary_is_not_applied() -> None:
     # flow 1 is promoted at t=0.5 (25 B sent; 40-byte messages: due at t=0.8) and demoted back
     # at t=0.75, before the boundary: the promotion never happens, both share fairly to t=2
-    policy = ScheduledPolicy({1: [(0.5, 0), (0.75, 1)]})
+    policy = FixedPolicy(promote={1: [(0.5, 0), (0.75, 1)]})
     sim = Simulator({"l": 100.0}, policy, SimConfig(chunk_bytes=40, timer_period=0.25))
     _open(sim, 0, 100, ("l",), 1)
     _open(sim, 0, 100, ("l",), 1)
@@ -402,7 +391,7 @@ def test_a_decision_withdrawn_before_its_message_boundary_is_not_applied() -> No
 def test_a_decision_made_again_after_its_withdrawal_is_applied() -> None:
     # as above, then promoted again at t=1 (50 B sent): the withdrawal left the flow's level at
     # 1, so the new promotion is a change; applied at 80 B (t=1.6), 20 B at 100 B/s -> 1.8
-    policy = ScheduledPolicy({1: [(0.5, 0), (0.75, 1), (1.0, 0)]})
+    policy = FixedPolicy(promote={1: [(0.5, 0), (0.75, 1), (1.0, 0)]})
     sim = Simulator({"l": 100.0}, policy, SimConfig(chunk_bytes=40, timer_period=0.25))
     _open(sim, 0, 100, ("l",), 1)
     _open(sim, 0, 100, ("l",), 1)
