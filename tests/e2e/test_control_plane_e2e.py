@@ -58,6 +58,9 @@ def test_sdk_and_table_flows_are_ranked_promoted_and_closed(tmp_path: Path, toke
         table = FlowTable.open(agent.fields["table"], writable=True)
         tp = EmulatedPluginSlot(table, class_id=int(FlowClass.TP))
         exp = EmulatedPluginSlot(table, class_id=int(FlowClass.EXPERIENCE), peer_rank=1)
+        # both slots reported as their own flows before the SDK flow that will carry exp opens: a
+        # slot the agent first sees after that links at once and never has a flow of its own
+        wait_for(lambda: total(scrape(cm), ACTIVE) == 2, 5, "the two slots' own flows")
         client.job_progress("j1", 0, socket_path=sock)
         kv_levels: list[int] = []
         exp_levels: list[int] = []
