@@ -277,9 +277,9 @@ class TimedPolicy(FixedPolicy):
         return super().reevaluate(flows, ctx)
 
     def next_change(self, flow: Flow, ctx: Context) -> float | None:
-        steps = self.promote.get(flow.flow_id, [])
-        when = steps[0][0] if steps else float("inf")
-        return when if when > ctx.now and flow.level != 0 else None
+        starts = (start for start, _ in self.promote.get(flow.flow_id, []) if start > ctx.now)
+        when = next(starts, None)
+        return when if when is not None and flow.level != 0 else None
 
 
 def test_promotion_timers_replace_the_sweep_and_touch_only_their_flow() -> None:
