@@ -853,6 +853,13 @@ def _saturation_ratio(runs: list[ModeResult], form: str) -> float | None:
     return statistics.fmean(mine) / max(statistics.fmean(base), 1e-9)
 
 
+def _lower(ours: float, theirs: float) -> str:
+    """``ours`` against ``theirs``, as "1.4x lower" or, when it is not lower, "1.2x higher"."""
+    if ours <= theirs:
+        return f"{theirs / max(ours, 1e-9):.1f}x lower"
+    return f"{ours / max(theirs, 1e-9):.1f}x higher"
+
+
 def compare_modes(build: str, results: list[ModeResult]) -> None:
     """The batched / unbatched, batched / per-turn and timers / sweep ratios of one build."""
     by_mode = {r.mode: r for r in results}
@@ -880,7 +887,7 @@ def compare_modes(build: str, results: list[ModeResult]) -> None:
         print(f"\n{build} {mode}, timers / sweep: {ratio:.2f}x events/s at saturation")
         for fast, slow in zip(timers.latency, sweep.latency, strict=False):
             print(f"  {fast.nominal_rate:>8.0f} events/s: p99 {fast.p99_ms:.2f} ms vs "
-                  f"{slow.p99_ms:.2f} ms ({slow.p99_ms / max(fast.p99_ms, 1e-9):.1f}x lower), "
+                  f"{slow.p99_ms:.2f} ms ({_lower(fast.p99_ms, slow.p99_ms)}), "
                   f"p50 {fast.p50_ms:.2f} vs {slow.p50_ms:.2f} ms")  # fmt: skip
 
 
@@ -929,7 +936,7 @@ def compare_builds(results: list[ModeResult]) -> None:
               f"{per_cpu:.2f}x events per CPU-second")  # fmt: skip
         for new, old in zip(fast.latency, slow.latency, strict=False):
             print(f"  {new.nominal_rate:>8.0f} events/s: p99 {new.p99_ms:.2f} ms vs "
-                  f"{old.p99_ms:.2f} ms ({old.p99_ms / max(new.p99_ms, 1e-9):.1f}x lower), "
+                  f"{old.p99_ms:.2f} ms ({_lower(new.p99_ms, old.p99_ms)}), "
                   f"coordinator CPU {new.coordinator_cpu:.2f} vs {old.coordinator_cpu:.2f}, "
                   f"steal {new.steal:.1%} / {old.steal:.1%}")  # fmt: skip
 

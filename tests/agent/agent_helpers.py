@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import grp
 from pathlib import Path
 
 from polling import wait_until
 
 from flowsched.agent import AgentConfig
+from flowsched.testbed.sdk_flood import shareable_group
 
 __all__ = ["agent_config", "shareable_group", "wait_until"]
 
@@ -26,14 +26,3 @@ def agent_config(tmp_path: Path, **overrides: object) -> AgentConfig:
     )
     settings.update(overrides)
     return AgentConfig(**settings)  # type: ignore[arg-type]
-
-
-def shareable_group() -> grp.struct_group | None:
-    """A group other than root's that a test can hand the SDK socket to (``--group``), or
-    None when the machine has none of users/nogroup/daemon/staff."""
-    for name in ("users", "nogroup", "daemon", "staff"):
-        try:
-            return grp.getgrnam(name)
-        except KeyError:
-            continue
-    return None

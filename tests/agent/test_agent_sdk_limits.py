@@ -10,7 +10,6 @@ import logging
 import os
 import resource
 import select
-import selectors
 import shutil
 import signal
 import socket
@@ -23,7 +22,7 @@ from types import SimpleNamespace
 
 import msgpack
 import pytest
-from agent_helpers import agent_config, shareable_group, wait_until
+from agent_helpers import agent_config, wait_until
 
 from flowsched import client, fdlimit
 from flowsched.agent import sdk_server
@@ -32,13 +31,9 @@ from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.model import FlowClass
 from flowsched.protocol import PROTOCOL_VERSION, Welcome, sdk
+from flowsched.testbed.sdk_flood import FLOOD_CONNECTIONS, flood, shareable_group
 
 UID = os.geteuid()
-NOBODY = 65534
-#: connections of the flooding user (below its cap of 256) and what it sends on each, over and
-#: over: opens with a long job name, refused once it holds 4,096 flows (review 35d's attack)
-FLOOD_CONNECTIONS = 200
-FLOOD_FRAMES = b"".join(sdk.encode(sdk.Open(ref, "bulk", job="j" * 200)) for ref in range(1000))
 
 
 @pytest.fixture
@@ -271,51 +266,6 @@ def test_all_the_connections_a_user_may_hold_get_in_at_once_while_the_agent_is_b
         sock.close()
 
 
-def _flood(path: str, group: int, stop: int) -> None:
-    """In a forked child: as nobody, in ``group`` (which may use the socket), keep
-    :data:`FLOOD_CONNECTIONS` connections full of opens, reading and dropping the answers (so it
-    is never dropped for not reading), until ``stop`` is readable; then exit."""
-    code = 1
-    try:
-        os.setgroups([group])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
-        socks = []
-        for _ in range(FLOOD_CONNECTIONS):
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(path)
-            sock.setblocking(False)
-            socks.append(sock)
-        _keep_sending(socks, stop)
-        code = 0
-    finally:
-        os._exit(code)
-
-
-def _keep_sending(socks: list[socket.socket], stop: int) -> None:
-    frames = memoryview(FLOOD_FRAMES)
-    sent = dict.fromkeys(socks, 0)  # where each is in FLOOD_FRAMES: only whole frames go out
-    with selectors.DefaultSelector() as selector:
-        selector.register(stop, selectors.EVENT_READ)
-        for sock in socks:
-            selector.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
-        while True:
-            for key, events in selector.select():
-                if key.fd == stop:
-                    return
-                sock = key.fileobj  # type: ignore[assignment]
-                try:
-                    if events & selectors.EVENT_READ and not sock.recv(1 << 20):
-                        selector.unregister(sock)
-                    elif events & selectors.EVENT_WRITE:
-                        offset = sent[sock]
-                        sent[sock] = (offset + sock.send(frames[offset:])) % len(frames)
-                except BlockingIOError:
-                    pass
-                except OSError:
-                    selector.unregister(sock)
-
-
 def _reap(child: int) -> None:
     """Wait for ``child`` to exit; kill it if it has not within 10 s."""
     with contextlib.suppress(AssertionError):
@@ -358,7 +308,7 @@ def test_another_users_opens_are_answered_while_one_user_floods_the_agent(
         child = os.fork()
         if child == 0:  # pragma: no cover - the child
             os.close(stop_write)  # the parent's closing it is the signal to stop
-            _flood(path, group.gr_gid, stop_read)
+            flood(path, group.gr_gid, stop_read)
         try:
             # the flood is on: every connection in, the user's flows at its cap, refusals going
             flooding = 2 * sdk_server.MAX_FLOWS_PER_UID
