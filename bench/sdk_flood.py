@@ -1,5 +1,5 @@
 """Another user's SDK opens while one local user floods the agent, next to the same opens with
-no flood, in one run (docs/security.md, "Local users").
+no flood, in one run (docs/security.md, "The SDK socket: limits per user and per node").
 
     sudo .venv/bin/python bench/sdk_flood.py [--seconds 45] [--interval 0.25]
 

@@ -1,5 +1,6 @@
 """One local user flooding an agent's SDK socket, for the test and the benchmark that check
-another user's opens are still answered (docs/security.md, "Local users").
+another user's opens are still answered (docs/security.md, "The SDK socket: limits per user
+and per node").
 
 :func:`flood` runs in a forked child of a root process: it becomes ``nobody`` in a group that
 may use the socket, opens :data:`FLOOD_CONNECTIONS` connections and keeps each full of opens
