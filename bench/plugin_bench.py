@@ -15,7 +15,10 @@ see the same machine load:
   * the per-isend cost of the priority check (nccl_plugin/bench/prio_read_bench.c), in ns.
 Each measurement runs in two conditions in the same run: ``quiet`` (nothing of ours besides
 the pair) and ``hog`` (a busy loop pinned to CPU 0 for the whole condition), so the hog
-figures are measured against a baseline that suffers the same hog.
+figures are measured against a baseline that suffers the same hog. Where the scheduler puts the
+harness's progress threads, which spin and yield as NCCL's proxy does, moves the hog figures
+from run to run; two more conditions, no goals, pin every measured process of both sides:
+``hog-apart`` to the CPUs the hog leaves free, ``hog-shared`` to the hog's CPU.
 The plugin runs with a real flow table (so every isend reads shared memory), loopback only.
 The run holds /tmp/flowsched-measure.lock (flock) so that other measurements on this shared
 machine do not overlap it; the load average at the start and end of each condition is in
@@ -46,6 +49,14 @@ BUILD = ROOT / "nccl_plugin" / "build"
 SIZES = {"1MiB": (1 << 20, 1500), "4MiB": (4 << 20, 400), "64MiB": (64 << 20, 30)}
 RTT_COUNT = 20000
 GOALS = {"quiet_min_ratio": 0.95, "hog_min_ratio": 0.9, "rtt_max_ratio": 1.5}
+#: every condition: whether it runs the hog, and where the measured processes are pinned
+#: ("apart": the CPUs the hog leaves free; "shared": the hog's CPU; None: not pinned)
+CONDITIONS = {
+    "quiet": (False, None),
+    "hog": (True, None),
+    "hog-apart": (True, "apart"),
+    "hog-shared": (True, "shared"),
+}
 HOG_CODE = "while True:\n    pass\n"
 
 
@@ -70,9 +81,13 @@ def make_table(path: Path) -> None:
     path.write_bytes(bytes(mem))
 
 
-def run_json(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """Run one measurement program and parse its last JSON line."""
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env, timeout=300)
+def run_json(cmd: list[str], env: dict[str, str], cpus: set[int] | None = None) -> dict[str, Any]:
+    """Run one measurement program (pinned to ``cpus``, with its children and threads, when
+    given) and parse its last JSON line."""
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    out = subprocess.run(
+        cmd, check=True, capture_output=True, text=True, env=env, timeout=300, preexec_fn=pin
+    )
     line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]
     result: dict[str, Any] = json.loads(line)
     return result
@@ -85,9 +100,11 @@ def trial(
     sizes: list[str],
     rtt: bool,
     against: Path | None = None,
+    cpus: set[int] | None = None,
 ) -> dict[str, float]:
-    """One plugin/baseline round of every measurement (back to back, same load); with
-    ``against``, another build of the plugin driven by the same harness joins the round."""
+    """One plugin/baseline round of every measurement (back to back, same load, every program
+    pinned to ``cpus`` when given); with ``against``, another build of the plugin driven by the
+    same harness joins the round."""
     lib = str(build / "libnccl-net-flowsched.so")
     programs = {"plugin": [str(build / "harness"), lib], "plain": [str(build / "plain_tcp")]}
     order = ["plugin", "plain"] if plugin_first else ["plain", "plugin"]
@@ -99,10 +116,11 @@ def trial(
         size, count = SIZES[label]
         for who in order:
             row[f"{who}_{label}_MBps"] = run_json(
-                [*programs[who], "bw", str(size), str(count)], env
+                [*programs[who], "bw", str(size), str(count)], env, cpus
             )["MBps"]
     for who in order if rtt else []:
-        row[f"{who}_rtt_us"] = run_json([*programs[who], "rtt", str(RTT_COUNT)], env)["rtt_us"]
+        answer = run_json([*programs[who], "rtt", str(RTT_COUNT)], env, cpus)
+        row[f"{who}_rtt_us"] = answer["rtt_us"]
     return row
 
 
@@ -125,11 +143,13 @@ def measure(
     sizes: list[str],
     rtt: bool,
     against: Path | None = None,
+    cpus: set[int] | None = None,
 ) -> dict[str, Any]:
     """Medians, ratios and load for one condition (``against``: also this build against
-    another build of the plugin, as ``against_*`` ratios, which are no goals)."""
+    another build of the plugin, as ``against_*`` ratios, which are no goals; ``cpus``: where
+    every measured program is pinned)."""
     load_start = os.getloadavg()
-    rows = [trial(build, env, i % 2 == 0, sizes, rtt, against) for i in range(trials)]
+    rows = [trial(build, env, i % 2 == 0, sizes, rtt, against, cpus) for i in range(trials)]
     med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
     ratios = {
         f"throughput_{label}": med[f"plugin_{label}_MBps"] / med[f"plain_{label}_MBps"]
@@ -150,13 +170,31 @@ def measure(
         "ratios": ratios,
         "load_average_start": load_start,
         "load_average_end": os.getloadavg(),
+        "cpus": sorted(cpus) if cpus else None,
     }
+
+
+def pinned_cpus(placement: str | None, hog_cpu: int) -> set[int] | None:
+    """The CPUs a condition's programs are pinned to (None: not pinned); ValueError when the
+    hog's CPU is not this process's to use, or leaves none free."""
+    allowed = os.sched_getaffinity(0)
+    if hog_cpu not in allowed:
+        raise ValueError(f"--hog-cpu {hog_cpu} is not among this process's CPUs {sorted(allowed)}")
+    if placement == "shared":
+        return {hog_cpu}
+    if placement == "apart":
+        if allowed == {hog_cpu}:
+            raise ValueError("hog-apart needs a CPU besides the hog's")
+        return allowed - {hog_cpu}
+    return None
 
 
 def goals_met(report: dict[str, Any]) -> dict[str, bool]:
     """Which goal holds in which condition (throughput at every size, round trip)."""
     met: dict[str, bool] = {}
     for cond, part in report["conditions"].items():
+        if f"{cond}_min_ratio" not in GOALS:
+            continue  # a pinned diagnostic condition: no goal
         floor = GOALS[f"{cond}_min_ratio"]
         for name, ratio in part["ratios"].items():
             if name.startswith("against_"):
@@ -173,8 +211,10 @@ def print_report(report: dict[str, Any]) -> None:
     for cond, part in report["conditions"].items():
         med, ratios = part["median"], part["ratios"]
         start, end = part["load_average_start"][0], part["load_average_end"][0]
+        goal = GOALS.get(f"{cond}_min_ratio")
+        what = f"goal >= {goal}x" if goal else f"pinned to CPUs {part['cpus']}, no goal"
         print(
-            f"== {cond} (goal >= {GOALS[f'{cond}_min_ratio']}x; "
+            f"== {cond} ({what}; "
             f"load average {start:.2f} -> {end:.2f}; {len(part['trials'])} trials, medians)"
         )
         print(f"{'metric':<22}{'plain':>12}{'plugin':>12}{'ratio':>9}")
@@ -212,7 +252,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--conditions",
         default="quiet,hog",
-        help="comma-separated subset of quiet,hog (default: both, in the same run)",
+        help=f"comma-separated subset of {','.join(CONDITIONS)} (default: quiet,hog, in the "
+        "same run; the pinned ones have no goal)",
     )
     parser.add_argument(
         "--sizes",
@@ -240,8 +281,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="exit 1 when a goal is not met")
     args = parser.parse_args(argv)
     conditions = [c for c in args.conditions.split(",") if c]
-    if not conditions or any(c not in ("quiet", "hog") for c in conditions):
-        parser.error(f"--conditions: expected quiet and/or hog, got {args.conditions!r}")
+    if not conditions or any(c not in CONDITIONS for c in conditions):
+        parser.error(
+            f"--conditions: expected a subset of {','.join(CONDITIONS)}, got {args.conditions!r}"
+        )
     if args.trials < 1:
         parser.error("--trials must be at least 1")
     sizes = [s for s in args.sizes.split(",") if s]
@@ -263,11 +306,13 @@ def main(argv: list[str] | None = None) -> int:
         make_table(table)
         env = {**os.environ, "FLOWSCHED_SOCKET_IFNAME": "lo", "FLOWSCHED_TABLE": str(table)}
         for cond in args.condition_list:
-            hog = cpu_hog(args.hog_cpu) if cond == "hog" else contextlib.nullcontext()
+            with_hog, placement = CONDITIONS[cond]
+            cpus = pinned_cpus(placement, args.hog_cpu)
+            hog = cpu_hog(args.hog_cpu) if with_hog else contextlib.nullcontext()
             with hog:
                 report["conditions"][cond] = measure(
                     args.build_dir, env, args.trials, args.size_list, not args.no_rtt,
-                    args.against,
+                    args.against, cpus,
                 )  # fmt: skip
         if not args.no_rtt:
             prio_bench = str(args.build_dir / "prio_read_bench")

@@ -3,6 +3,8 @@ benchmark's business, not a test's)."""
 
 from __future__ import annotations
 
+import os
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -71,3 +73,46 @@ def test_a_comparison_against_another_build_is_no_goal() -> None:
     report = {"conditions": {"quiet": {"ratios": {"throughput_1MiB": 1.0, "rtt_8B": 1.0,
                                                   "against_throughput_1MiB": 0.5}}}}  # fmt: skip
     assert bench.goals_met(report) == {"quiet_throughput_1MiB": True, "quiet_rtt_8B": True}
+
+
+def test_the_pinned_conditions_are_accepted_and_carry_no_goal() -> None:
+    bench = load()
+    args = bench.parse_args(["--conditions", "hog,hog-apart,hog-shared"])
+    assert args.condition_list == ["hog", "hog-apart", "hog-shared"]
+    part = {"ratios": {"throughput_1MiB": 0.5, "rtt_8B": 9.0}}
+    met = bench.goals_met({"conditions": {"hog-apart": part, "hog-shared": part}})
+    assert met == {}
+
+
+@pytest.mark.parametrize(
+    "allowed,placement,hog_cpu,expected",
+    [
+        ({0, 1}, None, 0, None),
+        ({0, 1}, "apart", 0, {1}),
+        ({0, 1, 2, 3}, "apart", 2, {0, 1, 3}),
+        ({0, 1}, "shared", 1, {1}),
+        ({0}, "apart", 0, ValueError),  # nothing left besides the hog's CPU
+        ({0, 1}, "shared", 5, ValueError),  # not a CPU this process may use
+    ],
+)
+def test_pinned_cpus(
+    monkeypatch: pytest.MonkeyPatch,
+    allowed: set[int],
+    placement: str | None,
+    hog_cpu: int,
+    expected: Any,
+) -> None:
+    bench = load()
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: set(allowed))
+    if expected is ValueError:
+        with pytest.raises(ValueError):
+            bench.pinned_cpus(placement, hog_cpu)
+    else:
+        assert bench.pinned_cpus(placement, hog_cpu) == expected
+
+
+def test_a_measured_program_runs_on_the_cpus_it_is_pinned_to() -> None:
+    cpu = min(os.sched_getaffinity(0))
+    report_cpus = "import json, os; print(json.dumps({'cpus': sorted(os.sched_getaffinity(0))}))"
+    answer = load().run_json([sys.executable, "-c", report_cpus], dict(os.environ), {cpu})
+    assert answer == {"cpus": [cpu]}
