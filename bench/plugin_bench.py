@@ -177,6 +177,8 @@ def measure(
 def pinned_cpus(placement: str | None, hog_cpu: int) -> set[int] | None:
     """The CPUs a condition's programs are pinned to (None: not pinned); ValueError when the
     hog's CPU is not this process's to use, or leaves none free."""
+    if placement is None:
+        return None
     allowed = os.sched_getaffinity(0)
     if hog_cpu not in allowed:
         raise ValueError(f"--hog-cpu {hog_cpu} is not among this process's CPUs {sorted(allowed)}")
@@ -186,7 +188,7 @@ def pinned_cpus(placement: str | None, hog_cpu: int) -> set[int] | None:
         if allowed == {hog_cpu}:
             raise ValueError("hog-apart needs a CPU besides the hog's")
         return allowed - {hog_cpu}
-    return None
+    raise ValueError(f"unknown placement {placement!r}")
 
 
 def goals_met(report: dict[str, Any]) -> dict[str, bool]:

@@ -88,6 +88,7 @@ def test_the_pinned_conditions_are_accepted_and_carry_no_goal() -> None:
     "allowed,placement,hog_cpu,expected",
     [
         ({0, 1}, None, 0, None),
+        ({1}, None, 0, None),  # unpinned: the hog's CPU is not looked at
         ({0, 1}, "apart", 0, {1}),
         ({0, 1, 2, 3}, "apart", 2, {0, 1, 3}),
         ({0, 1}, "shared", 1, {1}),
