@@ -22,7 +22,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import signal
 import socket
 import statistics
 import sys
@@ -36,7 +35,7 @@ from flowsched import client
 from flowsched.agent import sdk_server
 from flowsched.protocol import sdk
 from flowsched.testbed.daemons import Daemon, spawn, wait_for
-from flowsched.testbed.sdk_flood import FLOOD_CONNECTIONS, flood, shareable_group
+from flowsched.testbed.sdk_flood import FLOOD_CONNECTIONS, flooding, shareable_group
 
 OPENS = 'flowsched_agent_sdk_requests_total{type="open"}'
 CLIENTS = "flowsched_agent_sdk_clients"
@@ -151,16 +150,10 @@ def services(tmp: Path, group: str) -> Iterator[tuple[Daemon, str]]:
 
 
 @contextlib.contextmanager
-def flooding(agent: Daemon, path: str, gid: int) -> Iterator[None]:
-    """Flood ``path`` from a forked child (nobody, in ``gid``) while the block runs; the block
-    starts once all the child's connections are in and its opens are refused at its flow cap."""
-    stop_read, stop_write = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - the child
-        os.close(stop_write)  # the parent's closing it is the signal to stop
-        flood(path, gid, stop_read)
-    os.close(stop_read)
-    try:
+def flood_served(agent: Daemon, path: str, gid: int) -> Iterator[None]:
+    """One user's flood of ``path`` (:func:`~flowsched.testbed.sdk_flood.flooding`) while the
+    block runs, from once all its connections are in and its opens are refused at its flow cap."""
+    with flooding(path, gid):
         base = agent.metrics().get(OPENS, 0)
         refused_from = base + 2 * sdk_server.MAX_FLOWS_PER_UID
         wait_for(
@@ -173,15 +166,6 @@ def flooding(agent: Daemon, path: str, gid: int) -> Iterator[None]:
             interval=0.1,
         )
         yield
-    finally:
-        os.close(stop_write)
-        for _ in range(100):
-            if os.waitpid(child, os.WNOHANG)[0] == child:
-                break
-            time.sleep(0.1)
-        else:
-            os.kill(child, signal.SIGKILL)
-            os.waitpid(child, 0)
 
 
 def measure(seconds: float, interval: float) -> list[Phase]:
@@ -196,7 +180,7 @@ def measure(seconds: float, interval: float) -> list[Phase]:
         tmp.chmod(0o755)
         with services(tmp, group.gr_name) as (agent, path):
             phases = [run_phase("idle agent (baseline)", agent, path, seconds, interval)]
-            with flooding(agent, path, group.gr_gid):
+            with flood_served(agent, path, group.gr_gid):
                 flooded = f"{FLOOD_CONNECTIONS} connections of nobody flooding"
                 phases.append(run_phase(flooded, agent, path, seconds, interval))
         return phases

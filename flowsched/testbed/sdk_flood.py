@@ -2,20 +2,25 @@
 another user's opens are still answered (docs/security.md, "The SDK socket: limits per user
 and per node").
 
-:func:`flood` runs in a forked child of a root process: it becomes ``nobody`` in a group that
-may use the socket, opens :data:`FLOOD_CONNECTIONS` connections and keeps each full of opens
-with a long job name (refused once the user holds its 4,096 flows), reading and dropping the
-answers so that it is never dropped for not reading, until a pipe says stop.
+:func:`flooding` forks a root process's child that runs :func:`flood` while a block runs: it
+becomes ``nobody`` in a group that may use the socket, opens :data:`FLOOD_CONNECTIONS`
+connections and keeps each full of opens with a long job name (refused once the user holds its
+4,096 flows), reading and dropping the answers so that it is never dropped for not reading,
+until a pipe says stop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
 import selectors
+import signal
 import socket
+from collections.abc import Iterator
 
 from flowsched.protocol import sdk
+from flowsched.testbed.daemons import wait_for
 
 #: the uid and gid the flooding child takes
 NOBODY = 65534
@@ -34,6 +39,33 @@ def shareable_group() -> grp.struct_group | None:
         except KeyError:
             continue
     return None
+
+
+@contextlib.contextmanager
+def flooding(path: str, group: int) -> Iterator[int]:
+    """Flood the SDK socket ``path`` from a forked child (nobody, in ``group``) while the block
+    runs; yields the child's pid. At the block's end the child is told to stop and reaped,
+    killed if it has not exited within 10 s."""
+    stop_read, stop_write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child
+        os.close(stop_write)  # the parent's closing it is the signal to stop
+        flood(path, group, stop_read)
+    os.close(stop_read)
+    try:
+        yield child
+    finally:
+        os.close(stop_write)
+        _reap(child)
+
+
+def _reap(child: int) -> None:
+    """Wait for ``child`` to exit; kill it if it has not within 10 s."""
+    with contextlib.suppress(AssertionError):
+        wait_for(lambda: os.waitpid(child, os.WNOHANG)[0] == child, 10, "the flood to stop")
+        return
+    os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
 
 
 def flood(path: str, group: int, stop: int, connections: int = FLOOD_CONNECTIONS) -> None:

@@ -11,7 +11,6 @@ import os
 import resource
 import select
 import shutil
-import signal
 import socket
 import tempfile
 import threading
@@ -31,7 +30,7 @@ from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.model import FlowClass
 from flowsched.protocol import PROTOCOL_VERSION, Welcome, sdk
-from flowsched.testbed.sdk_flood import FLOOD_CONNECTIONS, flood, shareable_group
+from flowsched.testbed.sdk_flood import FLOOD_CONNECTIONS, flooding, shareable_group
 
 UID = os.geteuid()
 
@@ -266,15 +265,6 @@ def test_all_the_connections_a_user_may_hold_get_in_at_once_while_the_agent_is_b
         sock.close()
 
 
-def _reap(child: int) -> None:
-    """Wait for ``child`` to exit; kill it if it has not within 10 s."""
-    with contextlib.suppress(AssertionError):
-        wait_until(lambda: os.waitpid(child, os.WNOHANG)[0] == child, timeout=10)
-        return
-    os.kill(child, signal.SIGKILL)
-    os.waitpid(child, 0)
-
-
 def _open_on_a_fresh_connection(path: str) -> client.FlowHandle:
     """``client.open_flow`` (which waits :data:`client.OPEN_TIMEOUT` at most for the answer,
     then runs on static defaults) on a new connection: its accept and first read wait for the
@@ -302,30 +292,20 @@ def test_another_users_opens_are_answered_while_one_user_floods_the_agent(
     config = agent_config(
         tmp_path, metrics_port=None, fallback_after=60.0, socket_path=path, group=group.gr_name
     )
-    stop_read, stop_write = os.pipe()
-    with AgentThread(config) as running:
+    with AgentThread(config) as running, flooding(path, group.gr_gid):
         server = _sdk(running)
-        child = os.fork()
-        if child == 0:  # pragma: no cover - the child
-            os.close(stop_write)  # the parent's closing it is the signal to stop
-            flood(path, group.gr_gid, stop_read)
-        try:
-            # the flood is on: every connection in, the user's flows at its cap, refusals going
-            flooding = 2 * sdk_server.MAX_FLOWS_PER_UID
-            wait_until(
-                lambda: server.clients >= FLOOD_CONNECTIONS and server.requests["open"] > flooding,
-                timeout=30,
-            )
-            before = server.requests["open"]
-            for _ in range(3):
-                handle = _open_on_a_fresh_connection(path)
-                assert handle.connected, f"root's open went unanswered for {client.OPEN_TIMEOUT} s"
-                handle.close()
-            assert server.requests["open"] > before  # the flood was served meanwhile
-        finally:
-            os.close(stop_write)
-            _reap(child)
-            os.close(stop_read)
+        # the flood is on: every connection in, the user's flows at its cap, refusals going
+        refused_from = 2 * sdk_server.MAX_FLOWS_PER_UID
+        wait_until(
+            lambda: server.clients >= FLOOD_CONNECTIONS and server.requests["open"] > refused_from,
+            timeout=30,
+        )
+        before = server.requests["open"]
+        for _ in range(3):
+            handle = _open_on_a_fresh_connection(path)
+            assert handle.connected, f"root's open went unanswered for {client.OPEN_TIMEOUT} s"
+            handle.close()
+        assert server.requests["open"] > before  # the flood was served meanwhile
 
 
 def test_the_agent_raises_its_open_file_limit(tmp_path: Path) -> None:
