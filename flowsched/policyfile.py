@@ -14,6 +14,7 @@ Validation collects every error, each naming its field path
 from __future__ import annotations
 
 import importlib.resources
+import json
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -505,6 +506,40 @@ def _construction_errors(name: str, args: dict[str, Any], num_levels: int) -> li
     return []
 
 
+def to_toml(document: Mapping[str, Any], prefix: str = "") -> str:
+    """TOML text of ``document``: scalars, lists of scalars, tables and arrays of tables."""
+    lines: list[str] = []
+    nested: list[tuple[str, Any]] = []
+    for key, value in document.items():
+        if isinstance(value, Mapping) or (
+            isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value)
+        ):
+            nested.append((key, value))
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    out = "\n".join(lines) + ("\n" if lines else "")
+    for key, value in nested:
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out += f"\n[{name}]\n" + to_toml(value, f"{name}.")
+        else:
+            for item in value:
+                out += f"\n[[{name}]]\n" + to_toml(item, f"{name}.")
+    return out
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
 __all__ = [
     "ClassRule",
     "LevelMarking",
@@ -517,4 +552,5 @@ __all__ = [
     "load",
     "loads",
     "shipped_files",
+    "to_toml",
 ]

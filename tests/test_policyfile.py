@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -364,3 +366,20 @@ def test_rl_disaggregated_keeps_a_deferred_sync_out_of_the_bulk_queue(mlu: float
     context = Context(now=0.0, link_bandwidth={"L": 25e9})
     sync_queue = cfg.level_queue[policy.admit(sync, context).level]
     assert sync_queue != cfg.level_queue[policy.admit(bulk, context).level]
+
+
+@pytest.mark.parametrize(
+    "document",
+    [
+        {"a": 1, "b": 2.5, "c": 'x"y', "d": [1, 2], "e": True},
+        {"top": 1, "t": {"x": 1, "u": {"y": "z"}}, "arr": [{"k": 1}, {"k": 2}]},
+        *(tomllib.loads(p.read_text(encoding="utf-8")) for p in SHIPPED),
+    ],
+)
+def test_to_toml_round_trips(document: dict[str, Any]) -> None:
+    assert tomllib.loads(policyfile.to_toml(document)) == document
+
+
+def test_to_toml_refuses_what_toml_cannot_hold() -> None:
+    with pytest.raises(TypeError, match="cannot write NoneType as TOML"):
+        policyfile.to_toml({"a": None})

@@ -44,7 +44,10 @@ def register(sub: Any) -> None:
     )
     contention.add_argument("--out", default="results/contention", help="output directory")
     contention.add_argument(
-        "--policies", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})"
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help="comma-separated, each with a file in bench/contention/policies/, those that take "
+        f"drop_late also as NAME+late (default {DEFAULT_POLICIES})",
     )
     contention.add_argument(
         "--sim-policies",
@@ -258,14 +261,15 @@ def _options(args: argparse.Namespace) -> BenchOptions:
 def _policy_names(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``--policies`` (each with its benchmark policy file) and ``--ablation-policies`` (a
     subset of them)."""
+    from flowsched.sim.run import LATE_SUFFIX
     from flowsched.testbed import bench
 
     policies = _names(args.policies, "--policies")
     ablation = _names(args.ablation_policies)
     if not policies:
         raise ValueError("--policies: no policy given")
-    for name in policies:
-        bench.policy_path(name)
+    for name in policies:  # NAME+late runs NAME's file with drop_late (_names checked it takes it)
+        bench.policy_path(name.removesuffix(LATE_SUFFIX))
     unknown = [name for name in ablation if name not in policies]
     if unknown:
         raise ValueError(

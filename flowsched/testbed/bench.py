@@ -6,6 +6,7 @@ import dataclasses
 import math
 import shlex
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -69,6 +70,22 @@ def policy_path(name: str) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"no benchmark policy file {path}")
     return path
+
+
+def testbed_policy_file(name: str, work: Path) -> Path:
+    """The policy file a testbed run of ``name`` loads: the benchmark's own file, or for
+    ``NAME+late`` NAME's file with ``drop_late = true``, written to ``work``."""
+    base = name.removesuffix(LATE_SUFFIX)
+    path = policy_path(base)
+    if base == name:
+        return path
+    document = tomllib.loads(path.read_text(encoding="utf-8"))
+    document["policy"].setdefault("args", {})["drop_late"] = True
+    document["description"] = f"{document.get('description', base)} ({name})"
+    work.mkdir(parents=True, exist_ok=True)
+    late = work / f"{name}.toml"
+    late.write_text(policyfile.to_toml(document), encoding="utf-8")
+    return late
 
 
 def policy_config(name: str) -> policyfile.PolicyConfig:
@@ -323,7 +340,7 @@ def _testbed_run(
 ) -> RunRecords:
     """One policy on one trace on the testbed: returns its records; the other measurements
     accumulate in ``result``."""
-    path = policy_path(result.policy)
+    path = testbed_policy_file(result.policy, work)
     measured = runner.run_policy(
         topo, trace, policyfile.load(path), path, work, control=options.control
     )
@@ -346,7 +363,7 @@ def _ablation_run(
     topo: netns.Topology, trace: Trace, result: report.PolicyResult, work: Path, control: str
 ) -> None:
     """The same policy on the same trace with the other control plane."""
-    path = policy_path(result.policy)
+    path = testbed_policy_file(result.policy, work)
     result.ablation_control = control
     try:
         measured = runner.run_policy(

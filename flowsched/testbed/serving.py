@@ -155,44 +155,10 @@ def policy_document(name: str) -> dict[str, Any]:
 
 def write_policy_file(name: str, path: Path) -> policyfile.PolicyConfig:
     """Write ``name``'s policy file to ``path`` and return it parsed (checked)."""
-    text = to_toml(policy_document(name))
+    text = policyfile.to_toml(policy_document(name))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return policyfile.load(path)
-
-
-def to_toml(document: Mapping[str, Any], prefix: str = "") -> str:
-    """TOML text of ``document``: scalars, lists of scalars, tables and arrays of tables."""
-    lines: list[str] = []
-    nested: list[tuple[str, Any]] = []
-    for key, value in document.items():
-        if isinstance(value, Mapping) or (
-            isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value)
-        ):
-            nested.append((key, value))
-        else:
-            lines.append(f"{key} = {_toml_value(value)}")
-    out = "\n".join(lines) + ("\n" if lines else "")
-    for key, value in nested:
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            out += f"\n[{name}]\n" + to_toml(value, f"{name}.")
-        else:
-            for item in value:
-                out += f"\n[[{name}]]\n" + to_toml(item, f"{name}.")
-    return out
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} as TOML")
 
 
 def sim_spec(name: str, work: Path) -> PolicySpec:

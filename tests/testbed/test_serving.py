@@ -65,18 +65,6 @@ def test_unknown_policy_is_refused() -> None:
         serving.policy_document("nope+late")
 
 
-@pytest.mark.parametrize(
-    "document",
-    [
-        {"a": 1, "b": 2.5, "c": 'x"y', "d": [1, 2], "e": True},
-        {"top": 1, "t": {"x": 1, "u": {"y": "z"}}, "arr": [{"k": 1}, {"k": 2}]},
-        DEFAULT,
-    ],
-)
-def test_to_toml_round_trips(document: dict[str, Any]) -> None:
-    assert tomllib.loads(serving.to_toml(document)) == document
-
-
 def test_scenario_is_pd_serving_at_the_time_scale() -> None:
     """The policy files' scale must be the scenario's: compute and timers x TIME_SCALE,
     layers / LAYER_GROUP, bytes / (TIME_SCALE / 10) on links 500x slower, one per server."""

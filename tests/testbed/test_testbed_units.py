@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from flowsched import policies
+from flowsched import policies, policyfile
 from flowsched.metrics import summarize
 from flowsched.testbed import bench, netns, replay, runner, sniff
 from flowsched.testbed.daemons import wait_for
@@ -424,6 +424,36 @@ def test_late_dropping_is_the_files_policy_with_drop_late(name: str) -> None:
     assert replace(late, args=plain.args, source=plain.source) == plain
     with pytest.raises(FileNotFoundError, match=f"no registered policy '{name}-late'"):
         bench.policy_config(name + "-late")
+
+
+@pytest.mark.parametrize("name", ["edf", "static"])
+def test_testbed_runs_late_dropping_from_the_files_policy_with_drop_late(
+    name: str, tmp_path: Path
+) -> None:
+    assert bench.testbed_policy_file(name, tmp_path) == bench.policy_path(name)
+    path = bench.testbed_policy_file(name + "+late", tmp_path)
+    assert path.parent == tmp_path
+    loaded, expected = policyfile.load(path), bench.policy_config(name + "+late")
+    assert loaded.description == f"{expected.description} ({name}+late)"
+    assert replace(loaded, source=expected.source, description=expected.description) == expected
+
+
+@pytest.mark.parametrize(
+    ("policies", "refusal"),
+    [
+        ("llf", "no benchmark policy file"),
+        ("llf+late", "no benchmark policy file"),
+        ("fair+late", "fair has no late-dropping variant"),
+        ("rmlq+late", "rmlq has no late-dropping variant"),
+    ],
+)
+def test_bench_cli_runs_on_the_testbed_only_policies_with_a_file(
+    policies: str, refusal: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flowsched.cli import main
+
+    assert main(["bench", "contention", "--policies", policies, "--simulate-only"]) == 2
+    assert refusal in capsys.readouterr().err
 
 
 def test_a_coordinator_that_fails_to_start_says_why(
