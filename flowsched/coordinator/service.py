@@ -783,12 +783,15 @@ def continues_resync(message: Message) -> bool:
 
 def check_nic_load(node: str, entries: tuple[NicLoadEntry, ...]) -> None:
     """Refuse a ``nic_load`` entry for a link other than ``node``'s own (:func:`node_links`):
-    an agent reports its own NIC only, and another node's capacity is not its to set.
+    an agent reports its own NIC only, and another node's capacity is not its to set. A link
+    named twice in one frame is refused too: each entry re-evaluates the link's flows, so
+    8,192 entries for one link would cost 8,192 times the node's flows.
 
     Raises:
         RemoteProtocolError: ``bad_field``, naming the entry.
     """
     own = node_links(node)
+    seen: set[str] = set()
     for index, entry in enumerate(entries):
         if entry.link not in own:
             raise RemoteProtocolError(
@@ -796,6 +799,13 @@ def check_nic_load(node: str, entries: tuple[NicLoadEntry, ...]) -> None:
                 f"{node!r} (an agent reports {own[0]!r} and {own[1]!r} only)",
                 code="bad_field",
             )
+        if entry.link in seen:
+            raise RemoteProtocolError(
+                f"nic_load.entries[{index}].link: {entry.link!r} is named twice (one entry "
+                "per link and frame)",
+                code="bad_field",
+            )
+        seen.add(entry.link)
 
 
 def check_flow_links(node: str, opens: tuple[FlowOpen, ...], path: str) -> None:

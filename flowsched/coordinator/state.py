@@ -459,6 +459,7 @@ class ClusterState:
         """Forget closed flows, recording whether each met its deadline."""
         table = self.by_node.get(node, {})
         ctx = self.context(now)
+        jobs: set[str] = set()
         for close in closes:
             self.stats.events["close"] += 1
             fid = table.pop(close.id, None)
@@ -467,7 +468,11 @@ class ClusterState:
                 flow.sent = max(flow.sent, close.sent)
                 self._record_completion(flow, close.closed_at)
                 if flow.job is not None:
-                    self.dirty.update(self.by_job.get(flow.job, ()))
+                    jobs.add(flow.job)
+        # each job's remaining flows once per frame, not once per close (k closes of a job of
+        # n flows would cost k * n)
+        for job in jobs:
+            self.dirty.update(self.by_job.get(job, ()))
 
     def job_progress(self, report: JobProgress) -> None:
         """Job ``report.job`` reached a step: its flows' RLI changes.
@@ -498,13 +503,16 @@ class ClusterState:
         A capacity below :data:`~flowsched.policies.common.MIN_BANDWIDTH` (1 byte/s; the
         protocol allows 0) is stored as that floor. Which node may report which link is the
         service's check (:func:`node_links`)."""
+        changed: set[str] = set()
         for entry in entries:
             self.stats.events["nic_load"] += 1
             old = self.link_load.get(entry.link)
             self.link_bandwidth[entry.link] = max(entry.bandwidth, MIN_BANDWIDTH)
             self.link_load[entry.link] = entry.load
             if old != entry.load:
-                self.dirty.update(self.by_link.get(entry.link, ()))
+                changed.add(entry.link)
+        for link in changed:  # a link's flows once, however many entries name it
+            self.dirty.update(self.by_link.get(link, ()))
 
     def resync(
         self, node: str, opens: tuple[FlowOpen, ...], now: float, *, defer: bool = False

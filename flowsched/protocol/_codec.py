@@ -906,11 +906,13 @@ def peek_type(body: bytes) -> str | None:
     Reads the map header and then keys and scalar values up to the ``"t"`` key (our encoder
     puts it first). Nothing is allocated for the other values, and any array or map before
     ``"t"`` ends the peek: the receiver checks the type against its state before it pays for
-    a decode (an unauthenticated peer may only send ``hello``, ``auth`` and ``error``).
+    a decode (an unauthenticated peer may only send ``hello``, ``auth`` and ``error``). At
+    most :data:`MAX_MAP` keys are read: a map header may claim 2**32 - 1 of them, and a legal
+    frame has no more.
     """
     view = memoryview(body)
     entries, pos = _map_header(view)
-    for _ in range(entries):
+    for _ in range(min(entries, MAX_MAP)):
         key, pos = _peek_str(view, pos)
         if key is None:
             return None

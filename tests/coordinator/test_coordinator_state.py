@@ -124,6 +124,38 @@ def test_nic_load_updates_rho_and_reevaluates_flows_on_the_link(
     assert policy.last_ctx is not None and policy.last_ctx.load("eth0") == 0.5
 
 
+class OfferCountingSet(set[int]):
+    """A dirty set that counts the flow ids offered to it, repeats included: the work a
+    frame costs the coordinator before the policy sees anything."""
+
+    offered = 0
+
+    def update(self, *others: Iterable[int]) -> None:
+        items = [i for other in others for i in other]
+        self.offered += len(items)
+        super().update(items)
+
+
+def test_closing_many_flows_of_a_job_re_evaluates_the_rest_once(state: ClusterState) -> None:
+    state.open_flows("a", [_open(i, job="j1") for i in range(1, 101)], now=1.0)
+    state.flush(1.0)
+    state.dirty = counting = OfferCountingSet()
+    state.close_flows("a", [FlowClose(i, 10, 2.0) for i in range(1, 51)], now=2.0)
+    assert {state.origin[fid][1] for fid in counting} == set(range(51, 101))
+    assert counting.offered == 50  # k closes of a job of n flows cost k * n before
+
+
+def test_a_link_named_many_times_in_one_report_re_evaluates_its_flows_once(
+    state: ClusterState,
+) -> None:
+    state.open_flows("a", [_open(i, links=("a:tx",)) for i in range(1, 11)], now=1.0)
+    state.flush(1.0)
+    state.dirty = counting = OfferCountingSet()
+    state.nic_load([NicLoadEntry("a:tx", 1e9, load) for load in (0.1, 0.2, 0.1, 0.3)])
+    assert len(counting) == counting.offered == 10
+    assert state.link_load["a:tx"] == 0.3
+
+
 def test_resync_rebuilds_the_node_and_sends_only_differences(state: ClusterState) -> None:
     state.open_flows("a", [_open(1), _open(2), _open(3)], now=1.0)
     state.flush(1.0)

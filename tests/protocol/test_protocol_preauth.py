@@ -27,6 +27,7 @@ from flowsched.protocol import (
     frame,
     peek_type,
 )
+from flowsched.protocol._codec import MAX_MAP
 
 MIB = 1 << 20
 
@@ -140,6 +141,17 @@ def test_peek_type_names_every_encoded_message(message: Message) -> None:
     ],
 )
 def test_peek_type_reads_scalars_only(body: bytes, expected: str | None) -> None:
+    assert peek_type(body) == expected
+
+
+@pytest.mark.parametrize(("keys_before", "expected"), [(MAX_MAP - 1, "hello"), (MAX_MAP, None)])
+def test_peek_type_reads_no_more_keys_than_a_frame_has(
+    keys_before: int, expected: str | None
+) -> None:
+    """A map header may claim 4 G entries: the peek stops where a legal frame would end, so a
+    refused frame costs the same whatever its header claims (it walked every key before)."""
+    pairs = b"".join(msgpack.packb(f"k{i}") + msgpack.packb(i) for i in range(keys_before))
+    body = b"\xdf\xff\xff\xff\xff" + pairs + msgpack.packb("t") + msgpack.packb("hello")
     assert peek_type(body) == expected
 
 
