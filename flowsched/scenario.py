@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from flowsched.data import data_path
+from flowsched.policies.argcheck import is_number
 
 #: directory of the bundled scenarios (package data; bench/scenarios links to it)
 SCENARIO_DIR = data_path("scenarios")
@@ -291,6 +292,9 @@ def _check_value(value: Any, hint: Any, path: str, errors: list[str]) -> Any:
     expected = _expected_type(hint)
     ok = isinstance(value, expected) and not isinstance(value, bool)
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        if not is_number(value):
+            errors.append(f"{path}: {value!r} is out of range (too large for a float)")
+            return None
         value, ok = float(value), True
     if not ok:
         errors.append(f"{path}: expected {expected.__name__}, got {value!r}")

@@ -258,6 +258,16 @@ BAD_FILES = [
         ["policy.args.urgent_ratio: expected a number in (1.0, 1024.0], got 1e+200"],
     ),
     (
+        "integer-past-a-floats-range",
+        MINIMAL
+        + "timer_period = 1"
+        + "0" * 400
+        + "\n[classes.kv]\ndeadline = 1"
+        + "0" * 400
+        + "\n",
+        ["policy.timer_period: expected a number", "classes.kv.deadline: expected a number"],
+    ),
+    (
         "karuna-threshold-count",
         '[policy]\nname = "karuna"\n[policy.args]\nthresholds = [1, 2, 3, 4, 5, 6, 7]\n',
         ["policy.args.thresholds: expected 6 thresholds for K=8 (level 0 holds the deadline"],

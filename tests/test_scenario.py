@@ -55,6 +55,11 @@ BAD_FILES = [
         "sim.payload_share: 0.0 is out of range (expected > 0 and <= 1)",
     ),
     ("nan-positive", MINIMAL + "gpu_tflops = nan\n", "serving.gpu_tflops: nan is out of range"),
+    (
+        "integer-past-a-floats-range",
+        MINIMAL + "gpu_tflops = 1" + "0" * 400 + "\n",
+        "serving.gpu_tflops: 1" + "0" * 400 + " is out of range (too large for a float)",
+    ),
     ("inf-fraction", MINIMAL + "reuse_mean = inf\n", "serving.reuse_mean: inf is out of range"),
     ("rl-key", '[scenario]\nname = "x"\n[rl]\nsteps_per_iteration = 0\n', "rl.steps_per_iteration"),
     ("not-a-table", '[scenario]\nname = "x"\nserving = 3\n', "scenario.serving: unknown key"),

@@ -18,8 +18,14 @@ Checker = Callable[[Any, str], list[str]]
 
 
 def is_number(value: object) -> bool:
-    """True for int/float values that are finite (bool is not a number here)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    """True for int/float values that are finite (bool is not a number here), an int past
+    a float's range (a TOML integer of 400 digits) not included."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def is_int(value: object) -> TypeGuard[int]:

@@ -85,7 +85,10 @@ def inter_scheduling(
         for demand in members:
             _add(load, demand.load, 1.0)
         due = loose_deadline(d.deadline for d in members)
-        while len(pruned) < budget:
+        left = len(members)
+        # once the batch judged here is gone, its deadline binds nothing: the batches walked
+        # before it passed their own checks
+        while len(pruned) < budget and left:
             link, busy = _bottleneck(walked, load, capacity)
             if now + compute.get(batch, 0.0) + busy <= due or link is None:
                 break
@@ -98,6 +101,7 @@ def inter_scheduling(
                 break
             pool.remove(victim)
             pruned.append(victim.request)
+            left -= victim.batch == batch
             _add(load if victim.batch == batch else walked, victim.load, -1.0)
         _add(walked, load, 1.0)
     return pruned

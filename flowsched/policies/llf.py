@@ -110,10 +110,9 @@ class LlfPolicy:
     def release(self, flow: Flow, ctx: Context) -> None:
         self._ranks.release(flow)
 
-    def next_change(self, flow: Flow, ctx: Context) -> float | None:
-        """When time alone changes ``flow``'s own decision: its deadline with ``drop_late``
-        (ranks also move when other flows change; the caller re-ranks every flow then)."""
-        return self._late.next_change(flow, ctx.now)
+    # No next_change: a flow's laxity moves as it and the others send, so the ranks change
+    # with time alone and the caller must sweep (the simulator re-ranked only at opens and
+    # closes, leaving a flow that had fallen behind below one that had gone ahead).
 
 
 def new(args: Mapping[str, Any], *, num_levels: int) -> LlfPolicy:

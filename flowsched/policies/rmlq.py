@@ -681,6 +681,7 @@ class RmlqPolicy:
         demands: dict[str, Demand] = {}
         compute: dict[str, float] = {}
         last_layer: dict[str, int] = {}
+        layer_bytes: dict[str, int] = {}
         depth: dict[str, int] = {}
         for flow in self._urgent.values():
             key = self._request_key(flow)
@@ -697,14 +698,15 @@ class RmlqPolicy:
             depth[key] = self._depth(flow)
             if flow.consumer_index is not None:
                 last_layer[key] = max(last_layer.get(key, -1), flow.consumer_index)
+                layer_bytes[key] = max(layer_bytes.get(key, 0), flow.size or remaining)
             if flow.job in ctx.job_index and flow.job in self._job_pace:
                 left = max(depth[key] - 1 - _layer_of(flow.job, ctx), 0)
                 compute[batch] = left * self._job_pace[flow.job]
         for key, demand in demands.items():  # the layers whose P2D has not opened yet
             if key in last_layer and demand.batch in compute:
-                more = max(depth[key] - 1 - last_layer[key], 0)
-                for link in demand.load:
-                    demand.load[link] *= 1 + more
+                more = max(depth[key] - 1 - last_layer[key], 0) * layer_bytes[key]
+                for link in demand.load:  # one layer's bytes each, however many are open
+                    demand.load[link] += more
         capacity = self._capacity(ctx)
         for key in inter_scheduling(
             demands.values(), capacity, ctx.now, self.args.drop_budget, compute
@@ -728,7 +730,10 @@ class RmlqPolicy:
     def _decide(self, flow: Flow, ctx: Context, found: _Urgency | None) -> int:
         if self.dropped(flow, ctx.now):
             return self.scavenger
-        tier = self._tier_of_request.get(flow.request, 0) if flow.request is not None else 0
+        # a request not ranked yet starts in the loosest RED tier: never demoted, it would keep
+        # the tightest one for good
+        loosest = self.args.red_tiers - 1
+        tier = self._tier_of_request.get(flow.request, loosest) if flow.request is not None else 0
         target = self.target_level(flow, ctx, found, tier)
         return target if flow.level < 0 else min(target, flow.level)
 
@@ -1013,7 +1018,9 @@ class RmlqPolicy:
         band = level - self.first_band
         if band == 0 or self._deferred_by_time:
             return self.top_threshold
-        return self.band_thresholds[min(band, len(self.band_thresholds)) - 1]
+        band_up = self.band_thresholds[min(band, len(self.band_thresholds)) - 1]
+        # a top_threshold below the next band's lifts the flow into the urgent tier first
+        return min(self.top_threshold, band_up)
 
     def _urgent_step(self, flow: Flow, found: _Urgency, ctx: Context) -> float | None:
         """Seconds until an urgent ``flow`` reaches the next urgent level (None: at the top,

@@ -266,8 +266,11 @@ class Simulator:
             self._request_reevaluate()
 
     def end_job(self, job: str) -> None:
-        """The job ended (a batch's prefill): policies no longer see it in the job index."""
-        self.job_index.pop(job, None)
+        """The job ended (a batch's prefill): policies no longer see it in the job index, and
+        its flows are re-evaluated, as the coordinator does on a ``done`` report."""
+        if self.job_index.pop(job, None) is not None:
+            self._touched.update(self._job_flows.get(job, ()))
+            self._request_reevaluate()
 
     def run(self, until: float = math.inf) -> None:
         """Process events until none are left or the clock would pass ``until``."""

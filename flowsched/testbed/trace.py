@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from flowsched.model import FlowClass
+from flowsched.policies.argcheck import is_number
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +158,7 @@ def params_from_mapping(table: Mapping[str, Any], source: str = "<scenario>") ->
         expected = type(getattr(defaults, key))
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"{source}: testbed.{key}: expected a number, got {value!r}")
-        if not math.isfinite(value) or value < 0 or (expected is int and value != int(value)):
+        if not is_number(value) or value < 0 or (expected is int and value != int(value)):
             raise ValueError(
                 f"{source}: testbed.{key}: expected a non-negative {expected.__name__}"
             )

@@ -378,14 +378,28 @@ def test_late_dropping_turns_on_at_the_deadline(name: str) -> None:
     policy = create(name, {"drop_late": True}, num_levels=8)
     flow.level = policy.admit(flow, ctx(0.5)).level
     assert flow.level < 7
-    assert policy.next_change(flow, ctx(0.5)) == 1.0  # type: ignore[attr-defined]
     assert policy.reevaluate([flow], ctx(1.0))[1].level == 7
     flow.level = 7
     assert policy.reevaluate([flow], ctx(1.5)) == {}  # stays dropped
+
+
+@pytest.mark.parametrize("name", ["static", "edf"])
+def test_late_dropping_sets_a_timer_for_the_deadline(name: str) -> None:
+    flow = build_flow(1, cls="kv", size=100, deadline=1.0)
+    policy = create(name, {"drop_late": True}, num_levels=8)
+    flow.level = policy.admit(flow, ctx(0.5)).level
+    assert policy.next_change(flow, ctx(0.5)) == 1.0  # type: ignore[attr-defined]
+    flow.level = 7
     # no further change by time alone: a past time would re-arm the coordinator's timer each tick
     assert policy.next_change(flow, ctx(1.5)) is None  # type: ignore[attr-defined]
     plain = create(name, {}, num_levels=8)
     assert plain.next_change(flow, ctx(0.5)) is None  # type: ignore[attr-defined]
+
+
+def test_llf_has_no_timers_since_its_ranks_move_as_bytes_flow() -> None:
+    """Laxity falls as a flow waits and stays as it sends: time alone re-ranks, so the
+    coordinator and the simulator sweep llf instead of waiting for timers."""
+    assert not hasattr(create("llf", {"drop_late": True}, num_levels=8), "next_change")
 
 
 @pytest.mark.parametrize("name", LATE_DROP_POLICIES)

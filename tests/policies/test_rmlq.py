@@ -412,6 +412,23 @@ def test_red_orders_equal_rli_flows_across_requests() -> None:
     assert {fid: d.level for fid, d in decisions.items()} == {1: 2, 2: 3, 3: 4, 4: 5, 5: 6, 6: 2}
 
 
+def test_a_new_request_starts_in_the_loosest_red_tier_and_is_promoted_if_tight() -> None:
+    # as above: admitted before any ranking, both RLI-1 fetches take the loose slot (5); the
+    # next evaluation ranks the requests and lifts the tight one's (4): a flow is never moved
+    # down, so one admitted in the tight tier stayed there however loose its request
+    pol = policy(12, early_levels=5, red_tiers=2, collectives_first=False)
+    index = {"j": 0}
+    flows = [
+        build_flow(1, cls="kv_reuse", request="r-tight", deadline=1.0, job="j", consumer_index=1),
+        build_flow(2, cls="kv_reuse", request="r-loose", deadline=2.0, job="j", consumer_index=1),
+    ]
+    for flow in flows:
+        flow.level = pol.admit(flow, ctx(job_index=index)).level
+    assert [flow.level for flow in flows] == [5, 5]
+    decisions = pol.reevaluate(flows, ctx(0.001, job_index=index))
+    assert {fid: d.level for fid, d in decisions.items()} == {1: 4}
+
+
 # -- Algorithm 1 ----------------------------------------------------------------------------
 
 
@@ -436,6 +453,14 @@ def demand(request: str, deadline: float, size: float, batch: str | None = None)
         ),
         # one batch, two requests: RED over 1.0 and 3.0; the loose deadline 3.0 is the check
         ([demand("r1", 1.0, 2e9, "J"), demand("r2", 3.0, 5e8, "J")], 1, {}, []),
+        # B (RED 0.06) cannot make it and goes; A (RED 0.055), walked before, met its own
+        # check (75 ms by its loose 0.1) and keeps its requests however large the budget
+        (
+            [demand("a1", 0.01, 5e6, "A"), demand("a2", 0.1, 7e7, "A"), demand("b1", 0.06, 2e8)],
+            2,
+            {},
+            ["b1"],
+        ),
     ],
     ids=[
         "all-fit",
@@ -446,6 +471,7 @@ def demand(request: str, deadline: float, size: float, batch: str | None = None)
         "compute-fits",
         "budget-two",
         "batch-judged-by-its-loose-deadline",
+        "stops-once-the-judged-batch-is-gone",
     ],
 )
 def test_algorithm_1(
@@ -494,6 +520,26 @@ def test_algorithm_1_counts_the_layers_not_opened_and_the_remaining_compute() ->
     flow = build_flow(1, cls="kv", size=int(2e8), deadline=0.4, request="r")
     flow.level = alone.admit(flow, ctx()).level
     assert alone.reevaluate([flow], ctx(0.1)) == {}
+
+
+def test_algorithm_1_counts_one_layers_bytes_per_layer_not_opened() -> None:
+    # an 8-layer job at layer 4, 1 ms per layer: 3 ms of compute left. Its request has layers
+    # 2-4 open (1e7 bytes each) and 5-7 to come: 6e7 bytes, 63 ms in all against a 90 ms
+    # deadline. Counted as the open bytes times the layers left (1.2e8) it looked lost.
+    pol = policy(mlu_scope="request", pace_layers=0, rho_source="none", alg1_interval=0.0)
+    _learn_depth(pol, 8)
+    flows = [
+        build_flow(
+            i, cls="kv", size=int(1e7), deadline=0.09, job="j", request="r", consumer_index=i
+        )
+        for i in (2, 3, 4)
+    ]
+    for flow in flows:
+        flow.level = pol.admit(flow, ctx(0.0, job_index={"j": 3})).level
+    pol.reevaluate(flows, ctx(0.0, job_index={"j": 3}))  # the job's pace starts here
+    pol._alg1_due = True  # as if another request arrived
+    assert all(d.level != 7 for d in pol.reevaluate(flows, ctx(0.001, job_index={"j": 4})).values())
+    assert "r" not in pol._pruned
 
 
 def test_late_requests_are_pruned_but_not_their_collectives_or_param_syncs() -> None:
@@ -856,6 +902,23 @@ def test_next_change_is_when_the_level_changes(
 ) -> None:
     """With no reports in between, the level holds until next_change and moves right after."""
     pol = policy(rho_source="none", feasibility=False, urgent_levels=urgent_levels)
+    assert_level_moves_at_next_change(pol, size, deadline)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.integers(1, 10**10),
+    deadline=st.floats(0.01, 10.0),
+    top_threshold=st.floats(0.01, 1.0),
+)
+def test_next_change_is_when_an_mlu_band_changes(
+    size: int, deadline: float, top_threshold: float
+) -> None:
+    """Deferred bands by MLU, the urgent tier's threshold anywhere in (0, 1], below the
+    bands' included: the level holds until next_change and moves right after."""
+    pol = policy(
+        rho_source="none", feasibility=False, deferred_order="mlu", top_threshold=top_threshold
+    )
     assert_level_moves_at_next_change(pol, size, deadline)
 
 

@@ -407,3 +407,49 @@ def test_an_earlier_deadline_re_ranks_the_open_flows_of_a_rank_policy(promotion:
     for at, deadline in ((0.0, 10.0), (0.5, 1.0)):
         sim.at(at, lambda d=deadline: sim.open_flow(FlowClass.KV, 100, ("l",), deadline=d))
     assert _finish_times(sim) == pytest.approx({1: 2.0, 2: 1.5})
+
+
+@pytest.mark.parametrize("promotion", ["timers", "sweep"])
+def test_llf_re_ranks_as_the_flows_send(promotion: str) -> None:
+    # 1 GB/s: A (100 MB due at 1.0) must start by 0.9, B (10 MB due at 0.95) by 0.94, so A
+    # goes first. Sending moves A's latest start later (0.9 + its bytes / 1 GB/s): at 0.04 it
+    # reaches B's, and from then on the two keep equal laxity, sharing the link, so B ends at
+    # 0.06 with 50 MB of A sent. Ranked only at their opening, B waited for A (0.11).
+    config = SimConfig(chunk_bytes=0, timer_period=1e-3, promotion=promotion)
+    sim = Simulator({"l": 1e9}, create("llf", num_levels=8), config)
+    for size, deadline in ((100_000_000, 1.0), (10_000_000, 0.95)):
+        sim.at(0.0, lambda s=size, d=deadline: sim.open_flow(FlowClass.KV, s, ("l",), deadline=d))
+    finish = _finish_times(sim)
+    assert finish[2] == pytest.approx(0.06, abs=1.5e-3)
+    assert finish[1] == pytest.approx(0.11, abs=1e-6)
+
+
+class HeldWhileInJob(FixedPolicy):
+    """Level 1 while the flow's job is in the job index, 0 after; per-flow, no timers."""
+
+    per_flow_decisions = True
+
+    def _decision(self, flow: Flow, now: float) -> Decision:
+        return Decision(1 if flow.job in self._jobs else 0)
+
+    def admit(self, flow: Flow, ctx: Context) -> Decision:
+        self._jobs = dict(ctx.job_index)
+        return super().admit(flow, ctx)
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        self._jobs = dict(ctx.job_index)
+        return super().reevaluate(flows, ctx)
+
+
+@pytest.mark.parametrize("promotion", ["timers", "sweep"])
+def test_a_job_that_ends_re_evaluates_its_flows(promotion: str) -> None:
+    # 100 B at 100 B/s, held below a level-0 flow of 100 B until its job ends at 0.5: it
+    # shares from then, so the other (opened at 0) ends at 1.5 and it at 2.0; left held, 1.0
+    # and 2.0 the other way round
+    config = SimConfig(chunk_bytes=0, timer_period=10.0, promotion=promotion)
+    sim = Simulator({"l": 100.0}, HeldWhileInJob(), config)  # type: ignore[arg-type]
+    sim.set_job_index("j", 0)
+    sim.at(0.0, lambda: sim.open_flow(FlowClass.KV, 100, ("l",), job="j"))
+    sim.at(0.0, lambda: sim.open_flow(FlowClass.KV, 100, ("l",)))
+    sim.at(0.5, lambda: sim.end_job("j"))
+    assert _finish_times(sim) == pytest.approx({1: 2.0, 2: 1.5})

@@ -128,8 +128,9 @@ def test_trace_is_seeded_and_round_trips() -> None:
         ({"load": "x"}, "testbed.load"),
         ({"hosts": 3}, "testbed.hosts"),
         ({"tp_layers": 1.5}, "testbed.tp_layers"),
+        ({"duration": 10**400}, "testbed.duration: expected a non-negative float"),
     ],
-    ids=["unknown", "type", "odd-hosts", "not-int"],
+    ids=["unknown", "type", "odd-hosts", "not-int", "past-a-floats-range"],
 )
 def test_params_validation_names_field(table: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
