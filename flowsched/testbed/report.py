@@ -519,16 +519,24 @@ def plot(
     return paths
 
 
+#: the baselines rmlq is scored against jointly (attainment and collective time), in order
+JOINT_BASELINES = ("edf", "edf+late")
+
+
 def headline(results: list[PolicyResult]) -> list[str]:
     """The joint score on each source: rmlq's KV SLO attainment and its collective and iteration
-    times next to edf's (a policy must not win attainment by starving TP), its share of KV flows
-    admitted at the top level, its ratio to the ideal bound; then rmlq against fair and static."""
+    times next to edf's, and edf+late's where it ran (a policy must not win attainment by
+    starving TP), its share of KV flows admitted at the top level, its ratio to the ideal
+    bound; then rmlq against fair and static."""
     by = {r.policy: r for r in results}
     lines = []
     for source in ("testbed", "sim"):
-        joint = _joint(by.get("rmlq"), by.get("edf"), source)
-        if joint:
-            lines.append(f"- {source}: {joint}")
+        joints = [
+            _joint(by.get("rmlq"), by.get(name), name, source, shares=not index)
+            for index, name in enumerate(JOINT_BASELINES)
+        ]
+        joint = joints[0]
+        lines += [f"- {source}: {line}" for line in joints if line]
         rm = _attainment(by.get("rmlq"), source)
         parts = [
             f"{rm / other:.2f}x {name}"
@@ -556,22 +564,30 @@ def headline(results: list[PolicyResult]) -> list[str]:
     return [*lines, ""] if lines else []
 
 
-def _joint(rmlq: PolicyResult | None, edf: PolicyResult | None, source: str) -> str:
-    """``rmlq A% vs edf B% attainment, CCT x vs y ms, ...: met/missed`` (empty if absent)."""
-    if rmlq is None or edf is None:
+def _joint(
+    rmlq: PolicyResult | None,
+    other: PolicyResult | None,
+    name: str,
+    source: str,
+    *,
+    shares: bool = True,
+) -> str:
+    """``rmlq A% vs NAME B% attainment, CCT x vs y ms, ...: met/missed`` (empty if absent);
+    with ``shares``, rmlq's shares of KV flows at the top level and above the collectives."""
+    if rmlq is None or other is None:
         return ""
     testbed = source == "testbed"
-    a, b = (rmlq.testbed, edf.testbed) if testbed else (rmlq.sim, edf.sim)
+    a, b = (rmlq.testbed, other.testbed) if testbed else (rmlq.sim, other.sim)
     if a is None or b is None or a.slo_attainment is None or b.slo_attainment is None:
         return ""
     if not a.cct_mean or not b.cct_mean:
         return ""
     records = rmlq.testbed_records if testbed else rmlq.sim_records
-    top = top_share(records) if records is not None else None
+    top = top_share(records) if records is not None and shares else None
     above = above_collectives_share(records, _tp_level(rmlq)) if records is not None else None
     met = a.slo_attainment >= b.slo_attainment and a.cct_mean <= b.cct_mean
     text = (
-        f"rmlq {a.slo_attainment * 100:.1f}% vs edf {b.slo_attainment * 100:.1f}% KV SLO "
+        f"rmlq {a.slo_attainment * 100:.1f}% vs {name} {b.slo_attainment * 100:.1f}% KV SLO "
         f"attainment, with mean collective time {a.cct_mean * 1e3:.1f} vs "
         f"{b.cct_mean * 1e3:.1f} ms"
     )
@@ -584,7 +600,7 @@ def _joint(rmlq: PolicyResult | None, edf: PolicyResult | None, source: str) -> 
         if above is not None:
             text += f" and {above:.0%} above the collectives"
     verdict = "both" if met else "not both"
-    return text + f". Attainment >= edf's and collective time <= edf's: {verdict}."
+    return text + f". Attainment >= {name}'s and collective time <= {name}'s: {verdict}."
 
 
 def _attainment(result: PolicyResult | None, source: str) -> float | None:

@@ -370,9 +370,10 @@ def test_report_scores_attainment_and_collectives_jointly() -> None:
         metrics = summarize(records)
         return report.PolicyResult(name, None, metrics, sim_records=records)
 
-    results = [result(n) for n in ("edf", "rmlq", "llf+late", "ideal")]
+    results = [result(n) for n in ("edf", "rmlq", "llf+late", "ideal", "edf+late")]
     rows = report.table_rows(results)
-    assert [r[0] for r in rows] == ["ideal (bound)", "edf", "rmlq", "llf+late (oracle)"]
+    names = ["ideal (bound)", "edf", "rmlq", "edf+late", "llf+late (oracle)"]
+    assert [r[0] for r in rows] == names
     assert rows[0][3] == "1.00"
     edf, rmlq = results[0].sim, results[1].sim
     assert edf.slo_attainment is not None and rmlq.slo_attainment is not None
@@ -387,6 +388,13 @@ def test_report_scores_attainment_and_collectives_jointly() -> None:
     above = report.above_collectives_share(results[1].sim_records)  # type: ignore[arg-type]
     assert top is not None and above is not None
     assert f"admits {top:.0%} of KV flows at the top level and {above:.0%} above the" in joint
+    late = results[4].sim
+    assert late is not None and late.slo_attainment is not None and late.cct_mean is not None
+    joint_late = next(line for line in lines if "vs edf+late" in line)
+    assert joint_late.startswith("- sim: ") and "admits" not in joint_late
+    assert f"vs edf+late {late.slo_attainment * 100:.1f}%" in joint_late
+    both = rmlq.slo_attainment >= late.slo_attainment and rmlq.cct_mean <= late.cct_mean
+    assert joint_late.endswith(f"<= edf+late's: {'both' if both else 'not both'}.")
 
 
 def test_report_names_the_source_of_the_ratio_line_without_edf() -> None:
