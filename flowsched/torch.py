@@ -92,6 +92,11 @@ def new_group(
     the plugin reads the variable per connection: the connections made during the barrier
     carry the class; those NCCL makes later for this group (another algorithm, p2p) carry
     the process's own ``FLOWSCHED_CLASS`` (unset: the policy's fallback class).
+    The variable is set and restored with ``os.environ`` (``setenv``), which is not
+    thread-safe against ``getenv`` on other threads: NCCL's own threads read the environment,
+    and with NCCL before 2.28 the plugin reads ``FLOWSCHED_CLASS`` at every connection setup.
+    Do not call this while another communicator is being created or connected on another
+    thread; keeping those apart is the caller's part.
     ``dist`` (default ``torch.distributed``) and ``kwargs`` go to ``new_group``.
     """
     flow_class = FlowClass.parse(cls) if isinstance(cls, str) else FlowClass(cls)

@@ -14,11 +14,24 @@ from flowsched.shm import layout
 from flowsched.shm.table import LevelMarking, TableConfig
 
 
+def _table_units(value: float | None, per_unit: int) -> int:
+    """``value`` in the table's integer unit (``per_unit`` of them in 1.0), GATE_UNSET for None.
+
+    A positive value is at least one unit: to the plugin 0 means "no age bound"
+    (``gate_max_defer_ms``) or "no share guard" (``gate_min_share``), the opposite of a small
+    bound, so rounding 0.0004 s down to 0 ms would switch the guard off.
+    """
+    if value is None:
+        return layout.GATE_UNSET
+    units = round(value * per_unit)
+    return max(units, 1) if value > 0 else units
+
+
 def gate_fields(gating: Any) -> dict[str, int]:
     """The table's ``gate_*`` words for a policy's :class:`flowsched.policyfile.Gating`."""
 
     def millis(seconds: float | None) -> int:
-        return layout.GATE_UNSET if seconds is None else round(seconds * 1000)
+        return _table_units(seconds, 1000)
 
     mode = {None: layout.GATE_MODE_TUNED, False: layout.GATE_MODE_OFF, True: layout.GATE_MODE_ON}
     given = any(v is not None for v in (gating.enabled, gating.min_share, gating.window))
@@ -26,7 +39,7 @@ def gate_fields(gating: Any) -> dict[str, int]:
     share = gating.min_share
     return {
         "gate_mode": mode[gating.enabled] if given else layout.GATE_MODE_DEFAULT,
-        "gate_min_share": layout.GATE_UNSET if share is None else round(share * 1000),
+        "gate_min_share": _table_units(share, 1000),  # per mille
         "gate_window_ms": millis(gating.window),
         "gate_max_defer_ms": millis(gating.max_deferral),
     }

@@ -207,7 +207,7 @@ ncclResult_t fs_api_isend(void* send_comm, void* data, size_t size, int tag, voi
   if (rc == 0 && req != NULL) {
     req->gate_level = gated ? (int32_t)level : -1;
     if (gated) {
-      fs_gate_started(comm->dev, level, size);
+      fs_gate_started(&comm->gate, comm->dev, level, size);
     }
   }
   *request = req;

@@ -75,17 +75,29 @@ void fs_global_release(void) {
   pthread_mutex_unlock(&fs_global.lock);
 }
 
-/* On dlclose: drop what the v10 API never finalizes, and anything leaked. */
+/* On dlclose (NCCL 2.27+ unloads the plugin after its last communicator): drop what the v10
+ * API never finalizes. The destructor also runs at exit(), and a process may exit with
+ * communicators alive, NCCL's proxy threads still inside isend/test: freeing the devices or
+ * unmapping the table under them would turn the exit into a SIGSEGV. So everything is
+ * released only when nothing uses it any more (no context but the v10 one, no connection, no
+ * listen comm: they all hold a reference); else it stays as it is and the kernel reclaims it
+ * with the process. */
 __attribute__((destructor)) static void fs_global_unload(void) {
   pthread_mutex_lock(&fs_global.lock);
-  if (fs_global.v10_ctx != NULL) {
-    pthread_mutex_destroy(&fs_global.v10_ctx->lock);
-    free(fs_global.v10_ctx);
-    fs_global.v10_ctx = NULL;
-  }
-  if (fs_global.refs > 0) {
-    fs_global.refs = 0;
-    global_teardown_locked();
+  struct fs_context* v10 = fs_global.v10_ctx;
+  int own = v10 != NULL; /* the v10 context's reference on the globals */
+  int live = fs_global.refs > own ||
+             (v10 != NULL && atomic_load_explicit(&v10->refs, memory_order_acquire) > 1);
+  if (!live) {
+    if (v10 != NULL) {
+      pthread_mutex_destroy(&v10->lock);
+      free(v10);
+      fs_global.v10_ctx = NULL;
+    }
+    if (fs_global.refs > 0) {
+      fs_global.refs = 0;
+      global_teardown_locked();
+    }
   }
   pthread_mutex_unlock(&fs_global.lock);
 }
@@ -255,7 +267,12 @@ uint16_t fs_class_resolve(const struct fs_context* ctx, int32_t traffic_class) {
   const struct fs_params* params = fs_global_params();
   /* v11+: FLOWSCHED_CLASS as it was at the communicator's init (also when it was unset then:
    * an earlier communicator's class is not inherited). v8-v10 have one context for the whole
-   * process, so the variable is read as each connection is made. */
+   * process, so the variable is read as each connection is made: that read is the documented
+   * way to give a communicator its class there (flowsched.torch.new_group sets the variable
+   * around the group's creation), so it stays, on NCCL's service thread at listen/connect/
+   * accept. Like NCCL's own getenv calls on its threads, it is safe only if no other thread
+   * changes the environment meanwhile: a caller that sets FLOWSCHED_CLASS while another
+   * communicator is being set up owns that race (flowsched.torch.new_group's docstring). */
   char now[sizeof(ctx->class_name)];
   const char* class_name = now;
   if (ctx != NULL && ctx != fs_global.v10_ctx) {

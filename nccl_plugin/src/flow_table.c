@@ -86,8 +86,26 @@ static struct fs_table_slot* table_slot(uint32_t index) {
                                  (size_t)index * FS_TABLE_SLOT_SIZE);
 }
 
-/* Why a mapped header cannot be used, or NULL when it is fine. */
-static const char* table_header_problem(const struct fs_table_header* hdr, size_t file_size) {
+/* The header's layout words, copied once out of the shared mapping. Another process may
+ * rewrite the header at any time (a writer that re-creates the file, a corrupt or hostile
+ * one): every check and every later use must see the same values, so they are read once, here,
+ * through a volatile view (the compiler may not read the mapping again for a later use). */
+struct table_layout {
+  uint32_t magic, version, header_size, slot_size, num_slots, num_levels;
+};
+
+static struct table_layout table_layout_copy(const void* base) {
+  const volatile struct fs_table_header* hdr = base;
+  return (struct table_layout){.magic = hdr->magic,
+                               .version = hdr->version,
+                               .header_size = hdr->header_size,
+                               .slot_size = hdr->slot_size,
+                               .num_slots = hdr->num_slots,
+                               .num_levels = hdr->num_levels};
+}
+
+/* Why a mapped header (its copied layout) cannot be used, or NULL when it is fine. */
+static const char* table_header_problem(const struct table_layout* hdr, size_t file_size) {
   if (hdr->magic != FS_TABLE_MAGIC) {
     return "bad magic";
   }
@@ -128,6 +146,7 @@ static const char* table_owner_problem(const struct stat* st) {
 struct table_mapping {
   uint8_t* base;
   size_t size;
+  uint32_t num_slots; /* validated against `size` (never re-read from the mapping) */
   dev_t dev;
   ino_t ino;
 };
@@ -165,15 +184,19 @@ static int table_map_file(const char* path, struct table_mapping* out) {
     FS_WARN_ONCE(fs_table.warned_corrupt, "cannot map flow table %s: using default levels", path);
     return -ENOMEM;
   }
-  const char* problem = table_header_problem(base, (size_t)st.st_size);
+  struct table_layout layout = table_layout_copy(base);
+  const char* problem = table_header_problem(&layout, (size_t)st.st_size);
   if (problem != NULL) {
     munmap(base, (size_t)st.st_size);
     FS_WARN_ONCE(fs_table.warned_corrupt, "flow table %s unusable (%s): using default levels",
                  path, problem);
     return -EPROTO;
   }
-  *out = (struct table_mapping){
-      .base = base, .size = (size_t)st.st_size, .dev = st.st_dev, .ino = st.st_ino};
+  *out = (struct table_mapping){.base = base,
+                                .size = (size_t)st.st_size,
+                                .num_slots = layout.num_slots,
+                                .dev = st.st_dev,
+                                .ino = st.st_ino};
   return 0;
 }
 
@@ -182,7 +205,7 @@ static void table_publish(const char* path, const struct table_mapping* m) {
   fs_table.size = m->size;
   fs_table.dev = m->dev;
   fs_table.ino = m->ino;
-  fs_table.num_slots = ((struct fs_table_header*)m->base)->num_slots;
+  fs_table.num_slots = m->num_slots; /* the value checked against the file size */
   atomic_store(&fs_table.claim_cursor, 0);
   fs_table.base = m->base; /* published to readers outside the lock */
   atomic_fetch_add(&fs_table_epoch, 1); /* open connections elsewhere move here (rebind) */

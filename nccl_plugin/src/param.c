@@ -2,6 +2,7 @@
 #include "param.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -107,9 +108,30 @@ void fs_table_default_path(unsigned euid, const char* xdg, const char* root_dir,
 }
 
 #ifndef FS_INNER_BUILD
-/* This process's default table path, as it is now (fs_table_default_path). */
+/* XDG_RUNTIME_DIR as it was at the last load (fs_params_load, at init). The default path is
+ * re-decided from it on NCCL's progress threads (fs_table_recheck, about once a second while
+ * no table is mapped), and getenv there could race with a setenv on another thread of the
+ * process (glibc's environment is not thread-safe): only the load reads the environment. */
+static struct {
+  pthread_mutex_t lock;
+  char* xdg; /* NULL: unset */
+} fs_default_env = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static void default_env_load(void) {
+  const char* xdg = getenv("XDG_RUNTIME_DIR");
+  char* copy = xdg != NULL ? strdup(xdg) : NULL; /* no memory: as if unset */
+  pthread_mutex_lock(&fs_default_env.lock);
+  free(fs_default_env.xdg);
+  fs_default_env.xdg = copy;
+  pthread_mutex_unlock(&fs_default_env.lock);
+}
+
+/* This process's default table path, as it is now (fs_table_default_path: which files exist
+ * is looked at again; the environment is the one of the last load). */
 static void table_default_path_now(char* out, size_t cap) {
-  fs_table_default_path((unsigned)geteuid(), getenv("XDG_RUNTIME_DIR"), FS_RUN_DIR, out, cap);
+  pthread_mutex_lock(&fs_default_env.lock);
+  fs_table_default_path((unsigned)geteuid(), fs_default_env.xdg, FS_RUN_DIR, out, cap);
+  pthread_mutex_unlock(&fs_default_env.lock);
 }
 #endif
 
@@ -117,6 +139,7 @@ void fs_params_load(struct fs_params* params) {
   FS_PARAMS(FS_PARAM_LOAD_INT, FS_PARAM_LOAD_STR)
 #ifndef FS_INNER_BUILD
   if (params->table_path[0] == '\0') {
+    default_env_load();
     table_default_path_now(params->table_path, sizeof(params->table_path));
     /* which file the default names depends on what exists: a non-root job that started
      * before a root agent resolved its own per-user path, so look again until one maps */

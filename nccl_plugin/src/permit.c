@@ -130,14 +130,12 @@ static void stat_max(_Atomic uint64_t* slot, uint64_t value) {
   }
 }
 
-static int permit_now(struct fs_gate_conn* conn, uint64_t now_ns, _Atomic uint64_t* guard) {
-  if (guard != NULL) {
-    atomic_fetch_add_explicit(guard, 1, memory_order_relaxed);
-  }
-  if (conn->deferred_since_ns != 0) {
-    stat_max(&fs_gate.max_wait_ns, now_ns - conn->deferred_since_ns);
-    conn->deferred_since_ns = 0;
-  }
+/* A guard lets a deferred send through. Its deferral is not over yet: the transport may still
+ * refuse the send (no request slot, an RDMA peer not clear to send yet), and the retry must
+ * keep the deferral's age, or each refusal would restart the age bound. fs_gate_started ends
+ * it once the send was accepted. */
+static int permit_guard(_Atomic uint64_t* guard) {
+  atomic_fetch_add_explicit(guard, 1, memory_order_relaxed);
   return 1;
 }
 
@@ -154,19 +152,18 @@ int fs_gate_permit(struct fs_gate_conn* conn, int dev, uint32_t level) {
   }
   struct gate_dev* d = &fs_gate.devs[dev];
   if (!more_urgent_in_flight(d, level)) {
-    /* the clock is read only on the contended path */
-    return conn->deferred_since_ns == 0 ? 1 : permit_now(conn, now_ns_monotonic(), NULL);
+    return 1; /* the clock is read only on the contended path */
   }
   uint64_t now_ns = now_ns_monotonic();
   window_decay(d, now_ns);
   if (below_share(d, level)) {
-    return permit_now(conn, now_ns, &fs_gate.guard_share);
+    return permit_guard(&fs_gate.guard_share);
   }
   uint64_t max_defer = atomic_load_explicit(&fs_gate.max_defer_ns, memory_order_relaxed);
   if (conn->deferred_since_ns == 0) {
     conn->deferred_since_ns = now_ns;
   } else if (max_defer > 0 && now_ns - conn->deferred_since_ns >= max_defer) {
-    return permit_now(conn, now_ns, &fs_gate.guard_age);
+    return permit_guard(&fs_gate.guard_age);
   }
   atomic_fetch_add_explicit(&fs_gate.deferrals, 1, memory_order_relaxed);
   return 0;
@@ -181,8 +178,12 @@ static void window_open(struct gate_dev* d) {
   }
 }
 
-void fs_gate_started(int dev, uint32_t level, size_t bytes) {
+void fs_gate_started(struct fs_gate_conn* conn, int dev, uint32_t level, size_t bytes) {
   atomic_fetch_add_explicit(&fs_gate.permits, 1, memory_order_relaxed);
+  if (conn != NULL && conn->deferred_since_ns != 0) { /* the deferral ends here, in a send */
+    stat_max(&fs_gate.max_wait_ns, now_ns_monotonic() - conn->deferred_since_ns);
+    conn->deferred_since_ns = 0;
+  }
   if (!in_range(dev, level)) {
     return;
   }

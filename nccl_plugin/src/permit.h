@@ -10,7 +10,8 @@
  * so a starvation guard bounds every deferral:
  *  - share: a level whose bytes on the device over the window (halved each window) are below
  *    min_share of all bytes may send anyway, so it keeps that share under contention;
- *  - age: a connection deferred for max_defer since its first deferral sends anyway.
+ *  - age: a connection deferred for max_defer since its first deferral sends anyway (the
+ *    deferral lasts until a send is accepted, whatever the transport refused meanwhile).
  * The decision is re-taken on every call, so a promotion lifts a deferral at the next retry.
  * State is per process (every comm's progress thread of the process shares it), lock-free.
  */
@@ -56,8 +57,10 @@ int fs_gate_enabled(void);
  * transport accepted it), 0 = defer (answer NCCL with a NULL request). */
 int fs_gate_permit(struct fs_gate_conn* conn, int dev, uint32_t level);
 /* A permitted send was accepted / completed (or failed, or its connection was closed with it
- * still in flight). Levels and devices out of range are ignored (never gated). */
-void fs_gate_started(int dev, uint32_t level, size_t bytes);
+ * still in flight). Levels and devices out of range are ignored (never gated). Acceptance ends
+ * `conn`'s deferral (NULL: none): a permitted send the transport refuses stays deferred since
+ * its first deferral, so that the age bound is not restarted by each refusal. */
+void fs_gate_started(struct fs_gate_conn* conn, int dev, uint32_t level, size_t bytes);
 void fs_gate_done(int dev, uint32_t level);
 void fs_gate_stats(struct fs_gate_stats* out);
 /* Forget in-flight counts and shares (last user gone, or a test). */

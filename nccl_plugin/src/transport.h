@@ -13,7 +13,11 @@
  *  - once the receiving process knows its own rank (the tag of its first isend on the same
  *    communicator), it writes an 8-byte rank note {u32 magic, i32 rank} once, in the other
  *    direction of the control socket, so the sender's slot can name its destination (the
- *    isend tag is the sender's own rank); v10 has no per-communicator context, no note;
+ *    isend tag is the sender's own rank); v10 has no per-communicator context, no note.
+ *    The note may come after the sender's last completion, so a send connection's close
+ *    reads what the control socket holds and waits (bounded) until every byte it queued was
+ *    acknowledged (fs_comm_close_drain): unread bytes, or a note landing on a closed socket,
+ *    would make Linux reset the connection and drop the tail of a completed send;
  *  - the rest of a larger payload is cut into chunks of max(min_chunk, rest / nsocks) bytes
  *    dealt round-robin over the data sockets, starting at socket (seq % nsocks); both sides
  *    derive the same placement from the size.
@@ -174,6 +178,10 @@ int fs_isend(struct fs_comm* comm, void* data, size_t size, int tag, struct fs_r
 int fs_irecv(struct fs_comm* comm, void* data, size_t capacity, int tag, struct fs_request** out);
 int fs_test(struct fs_request* req, int* done, size_t* size);
 int fs_close_comm(struct fs_comm* comm);
+/* Send side, before close(): read what the receiver wrote and wait (bounded) until the peer
+ * acknowledged every byte queued, so that the close cannot reset the connection and drop the
+ * tail of a completed send (transport_io.c). */
+void fs_comm_close_drain(struct fs_comm* comm);
 /* Start the connection's helper threads (a complete connection, before NCCL sees it); on
  * failure the connection moves its data on the progress thread instead. */
 void fs_comm_start_helpers(struct fs_comm* comm);

@@ -606,6 +606,7 @@ int fs_close_listen(struct fs_listen_comm* lcomm) {
 int fs_close_comm(struct fs_comm* comm) {
   fs_comm_stop_helpers(comm);
   fs_context_remove_comm(comm->ctx, comm);
+  fs_comm_close_drain(comm);
   comm_free(comm);
   return 0;
 }

@@ -7,10 +7,12 @@
  * starved rate. On TCP this does not add reordering that a message-boundary rule would avoid:
  * every message of a connection shares the same byte stream, so a DSCP change reorders (at
  * most) across the old and new switch queue whether or not it falls on a message boundary. */
+#include <linux/sockios.h>
 #include <poll.h>
 #include <stdatomic.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -645,4 +647,82 @@ int fs_test(struct fs_request* req, int* done, size_t* size) {
   req->in_use = 0;
   fs_flow_account(&comm->flow, req->size, fs_now_ns());
   return 0;
+}
+
+/* ---- closing ---------------------------------------------------------------------------- */
+
+/* How long a send connection's close waits for the receiver's kernel to acknowledge the
+ * bytes still queued (fs_comm_close_drain). Normally milliseconds: at NCCL's close the
+ * receiver is reading the tail of the last message it is still testing. */
+#define FS_CLOSE_DRAIN_NS 1000000000ull
+
+/* Read and drop what the control socket holds: 0 when it would block, -errno on EOF or error
+ * (the peer is gone: nothing left to protect). */
+static int close_drain_ctrl(int fd) {
+  uint8_t scratch[64];
+  for (;;) {
+    ssize_t n = io_recv(fd, scratch, sizeof(scratch));
+    if (n <= 0) {
+      return (int)n;
+    }
+  }
+}
+
+/* Bytes written on the connection's sockets that the peer's kernel has not acknowledged yet
+ * (0 when SIOCOUTQ is not available: nothing to wait for then). */
+static long close_unacked(const struct fs_comm* comm) {
+  long total = 0;
+  for (int i = 0; i <= comm->nsocks; i++) {
+    int n = 0;
+    if (comm->fds[i] >= 0 && ioctl(comm->fds[i], SIOCOUTQ, &n) == 0 && n > 0) {
+      total += n;
+    }
+  }
+  return total;
+}
+
+/* Send side, before its sockets are closed. A send is complete once its bytes are in the
+ * kernel's send queue, so a close() must not throw that queue away, and Linux does so twice:
+ * a close() with unread bytes in the receive queue sends RST instead of FIN and drops the send
+ * queue, and a segment arriving at a closed socket is answered with RST, which drops what the
+ * socket still had to send. The control socket is the one the receiver writes to: its rank
+ * note goes out whenever the receiving process learns its rank during a receive, which may be
+ * after this side's last completion. So: read whatever the control socket holds, and wait
+ * (bounded, reading the control socket meanwhile) until the receiver's kernel acknowledged
+ * every byte of every socket. After that a late note can reset only a connection whose bytes
+ * the receiver's kernel already holds, and those stay readable before the reset shows. No wait
+ * for a broken connection, or with sends still in flight (an abort: NCCL never saw them
+ * complete and the receiver may never read them). */
+void fs_comm_close_drain(struct fs_comm* comm) {
+  if (!comm->is_send || comm->error != 0 || comm->nsocks <= 0) {
+    return;
+  }
+  int ctrl = comm->fds[comm->nsocks];
+  if (ctrl < 0 || close_drain_ctrl(ctrl) < 0) {
+    return;
+  }
+  for (int i = 0; i < FS_MAX_REQUESTS; i++) {
+    if (comm->reqs[i].in_use) {
+      return;
+    }
+  }
+  uint64_t deadline = fs_now_ns() + FS_CLOSE_DRAIN_NS;
+  while (close_unacked(comm) > 0) {
+    if (fs_now_ns() >= deadline) {
+      static atomic_int warned;
+      FS_WARN_ONCE(warned, "close: the receiver did not acknowledge the last bytes of a send "
+                   "connection within %llu ms; closing anyway",
+                   (unsigned long long)(FS_CLOSE_DRAIN_NS / 1000000));
+      break;
+    }
+    /* No event says "acknowledged": wake on a note (or EOF) or after 1 ms to look again. */
+    struct pollfd pfd = {.fd = ctrl, .events = POLLIN};
+    if (poll(&pfd, 1, 1) < 0 && errno != EINTR) {
+      break;
+    }
+    if (close_drain_ctrl(ctrl) < 0) {
+      return;
+    }
+  }
+  close_drain_ctrl(ctrl); /* a note that came in the last millisecond */
 }

@@ -97,6 +97,7 @@ static struct {
   struct fs_inner inner;
   struct fs_params params;
   struct fs_wrap_ctx* legacy;
+  atomic_int live_ctxs; /* contexts allocated, the legacy one included (fs_wrap_unload) */
   atomic_int warned_class;
 } fs_wrap = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
@@ -144,11 +145,22 @@ const struct fs_inner* fs_wrap_inner(void) {
 static void wrap_ctx_free(struct fs_wrap_ctx* ctx);
 
 /* On dlclose (NCCL 2.27+ unloads after the last communicator): finalize what is left and
- * unload the inner. */
+ * unload the inner. The destructor also runs at exit(), possibly with communicators alive and
+ * NCCL's proxy threads still calling isend/test through us into the inner: unloading the
+ * inner or unmapping the table under them would crash the exit. Every connection, listen comm
+ * and connect in progress holds a reference on its context, so while a context other than an
+ * unused legacy one is alive, everything stays as it is (the kernel reclaims it). */
 __attribute__((destructor)) static void fs_wrap_unload(void) {
   pthread_mutex_lock(&fs_wrap.lock);
-  if (fs_wrap.legacy != NULL) {
-    wrap_ctx_free(fs_wrap.legacy);
+  struct fs_wrap_ctx* legacy = fs_wrap.legacy;
+  int live = atomic_load(&fs_wrap.live_ctxs) > (legacy != NULL) ||
+             (legacy != NULL && atomic_load_explicit(&legacy->refs, memory_order_acquire) > 1);
+  if (live) {
+    pthread_mutex_unlock(&fs_wrap.lock);
+    return;
+  }
+  if (legacy != NULL) {
+    wrap_ctx_free(legacy);
     fs_wrap.legacy = NULL;
   }
   if (fs_wrap.state == 1) {
@@ -178,7 +190,10 @@ static void table_attach(int connection) {
 }
 
 /* FLOWSCHED_CLASS for a connection being set up now on `ctx`: the value at the
- * communicator's init (v11/v12), or the current one for the process-wide legacy context. */
+ * communicator's init (v11/v12), or the current one for the process-wide legacy context. The
+ * legacy read (listen/connect, on NCCL's service thread) is the documented per-communicator
+ * class of v8-v10 and stays; as with NCCL's own getenv calls, a setenv on another thread
+ * meanwhile is the caller's race (see context.c, fs_class_resolve). */
 static void ctx_class_name(const struct fs_wrap_ctx* ctx, char* out, size_t cap) {
   if (ctx->legacy) {
     fs_param_peek("FLOWSCHED_CLASS", out, cap);
@@ -232,11 +247,13 @@ static struct fs_wrap_ctx* wrap_ctx_new(uint64_t comm_id, int32_t traffic_class,
     ctx->prof = prof;
     atomic_init(&ctx->refs, 1);
     pthread_mutex_init(&ctx->lock, NULL);
+    atomic_fetch_add(&fs_wrap.live_ctxs, 1);
   }
   return ctx;
 }
 
 static void wrap_ctx_free(struct fs_wrap_ctx* ctx) {
+  atomic_fetch_sub(&fs_wrap.live_ctxs, 1);
   for (int i = 0; i < ctx->ninner; i++) {
     if (fs_wrap.inner.ops.finalize != NULL) {
       fs_wrap.inner.ops.finalize(ctx->inner[i].ctx);
@@ -314,8 +331,7 @@ static ncclResult_t wrap_ctx_create(uint64_t comm_id, int32_t nccl_tc, ncclDebug
   res = fs_wrap.inner.ops.init(&ictx, comm_id, tc, ctx->logger, ctx->prof);
   if (res != ncclSuccess) {
     FS_WARN("inner net plugin %s: init failed (ncclResult %d)", fs_wrap.inner.name, (int)res);
-    pthread_mutex_destroy(&ctx->lock);
-    free(ctx);
+    wrap_ctx_free(ctx); /* no inner context yet: nothing to finalize */
     return res;
   }
   ctx->inner[0].traffic_class = tc;
@@ -740,7 +756,7 @@ ncclResult_t fs_wrap_isend(void* send_comm, void* data, size_t size, int tag, vo
     req_put(req);
     return res;
   }
-  fs_gate_started(comm->dev, comm->level, size);
+  fs_gate_started(&comm->gate, comm->dev, comm->level, size);
   req->inner = inner;
   req->kind = FS_REQ_SEND;
   req->bytes = size;

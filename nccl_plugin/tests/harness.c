@@ -41,6 +41,13 @@
  *                                         listener's half-built connections: a real
  *                                         connection still gets in (the stalest is evicted,
  *                                         its socket closed) and carries data
+ *   harness PLUGIN.so closenote VERSION   a send connection closed right after its last
+ *                                         completion, with the receiver's rank note unread
+ *                                         and most of the message still queued: the receiver
+ *                                         gets every byte (v11/v12, the transport only)
+ *   harness PLUGIN.so exitlive VERSION    a child exits with a pair connected, a flow table
+ *                                         mapped and a thread still sending: the plugin's
+ *                                         destructors leave all in place (no SIGSEGV at exit)
  *   harness PLUGIN.so bw SIZE COUNT [V]   benchmark: streaming throughput (JSON line)
  *   harness PLUGIN.so rtt COUNT [V]       benchmark: 8-byte round trip (JSON line)
  *
@@ -48,6 +55,7 @@
  */
 #include <dlfcn.h>
 #include <errno.h>
+#include <link.h>
 #include <fcntl.h>
 #include <linux/sockios.h>
 #include <netinet/in.h>
@@ -1399,6 +1407,225 @@ static int test_dead_peers(int version) {
   return 0;
 }
 
+/* ---- a send connection closed with the receiver's rank note unread -------------------- */
+
+struct closenote_recv {
+  struct net* n;
+  void* comm;
+  void* req; /* the first receive, posted already */
+  int sender_ctrl; /* the sender's control socket, its rank note unread */
+  uint8_t* buf;
+  size_t cap;
+  int done, size;
+  ncclResult_t res;
+};
+
+/* The receiver's progress thread: finish the first receive, then post and finish the second
+ * (until done or an error). */
+static void* closenote_receiver(void* arg) {
+  struct closenote_recv* r = arg;
+  double deadline = now_s() + TIMEOUT_S;
+  /* Read nothing until the sender's close began: it read the note, or closed the socket (then
+   * the fd is gone; nothing opens one meanwhile). Else the receiver could take the whole
+   * message before the close and the test would prove nothing. */
+  int unread = 8;
+  while (unread > 0 && ioctl(r->sender_ctrl, FIONREAD, &unread) == 0 && now_s() < deadline) {
+    sched_yield();
+  }
+  for (int i = 0; i < 2 && r->res == ncclSuccess; i++) {
+    if (i == 1) {
+      r->req = NULL;
+      void* data[1] = {r->buf};
+      size_t sizes[1] = {r->cap};
+      int tags[1] = {3};
+      while (r->req == NULL && r->res == ncclSuccess) {
+        r->res = CALL(r->n, irecv, r->comm, 1, data, sizes, tags, NULL, NULL, &r->req);
+      }
+    }
+    r->done = 0;
+    while (!r->done && r->res == ncclSuccess && now_s() < deadline) {
+      r->res = CALL(r->n, test, r->req, &r->done, &r->size);
+      sched_yield();
+    }
+  }
+  return NULL;
+}
+
+/* A send completes once its bytes are in the kernel's send queue. Here the sender's two sends
+ * (1 byte, then 1 MiB, all of it on the control socket) complete while most of the second is
+ * still queued, the receiver having read nothing; then the receiver posts its first receive,
+ * which writes its rank note (v11+: the context's rank is the tag of a send on it) and reads
+ * no further than its control buffer, and the sender closes with that note unread while the
+ * receiver waits on its own thread, to read once the close began. Linux answers a close() with unread bytes with RST and
+ * drops the send queue: the receiver must still get every byte. The transport only (the note
+ * is its wire); skipped where net.core.wmem_max keeps the message out of the send buffer. */
+static int test_closenote(int version) {
+  if (version <= 10 || getenv("FLOWSCHED_NET_INNER") != NULL ||
+      strcmp(plugin_name(), "flowsched") != 0) {
+    return 0; /* v10 sends no note; through the wrapper the comms are not the transport's */
+  }
+  struct knob knobs[] = {{.name = "FLOWSCHED_INLINE_SIZE", .value = "1048576"}};
+  size_t nknobs = sizeof(knobs) / sizeof(knobs[0]);
+  knobs_set(knobs, nknobs); /* whole messages on the control socket */
+  struct net n;
+  net_open(&n, version);
+  void* ctx = net_init(&n, 0xC105E, -1);
+  void *scomm, *rcomm;
+  connect_alternating(&n, ctx, &scomm, &rcomm);
+  struct fs_comm* sc = scomm;
+  int ctrl = sc->fds[sc->nsocks];
+  int sndbuf = 4 << 20;
+  socklen_t len = sizeof(sndbuf);
+  CHECK(setsockopt(ctrl, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof(sndbuf)) == 0 &&
+            getsockopt(ctrl, SOL_SOCKET, SO_SNDBUF, &sndbuf, &len) == 0, "SO_SNDBUF");
+  size_t size = 1 << 20;
+  int ok = (size_t)sndbuf >= 2 * size;
+  if (!ok) {
+    printf("skip closenote: SO_SNDBUF is capped at %d bytes (net.core.wmem_max)\n", sndbuf);
+  }
+  uint8_t* sbuf = malloc(size);
+  uint8_t* rbuf = malloc(size + SLACK);
+  CHECK(sbuf && rbuf, "malloc");
+  pattern_fill(sbuf, size, 0xC1);
+  void* sreq[2] = {NULL, NULL};
+  size_t ssize[2] = {1, size};
+  double deadline = now_s() + TIMEOUT_S;
+  for (int i = 0; i < 2 && ok; i++) {
+    while (sreq[i] == NULL) NCHECK(CALL(&n, isend, scomm, sbuf, ssize[i], 3, NULL, NULL, &sreq[i]));
+  }
+  for (int i = 0; i < 2 && ok; i++) {
+    int sdone = 0, sz = 0;
+    while (!sdone) {
+      NCHECK(CALL(&n, test, sreq[i], &sdone, &sz));
+      CHECK(now_s() < deadline, "setup: the send did not fit in the socket buffers");
+    }
+  }
+  struct closenote_recv r = {
+      .n = &n, .comm = rcomm, .sender_ctrl = ctrl, .buf = rbuf, .cap = size + SLACK};
+  if (ok) {
+    r.req = post_recv(&n, rcomm, rbuf, size + SLACK, NULL);
+  }
+  int pending = 0;
+  while (ok && pending < 8) { /* the note is in the sender's receive queue, unread */
+    CHECK(ioctl(ctrl, FIONREAD, &pending) == 0, "FIONREAD");
+    CHECK(now_s() < deadline, "setup: the receiver's rank note never reached the sender");
+    sched_yield();
+  }
+  if (ok) {
+    CHECK(unacked_bytes(ctrl) > (int)size / 2, "setup: the receiver's kernel took the message");
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, closenote_receiver, &r) == 0, "pthread_create");
+    NCHECK(CALL(&n, closeSend, scomm));
+    pthread_join(th, NULL);
+    CHECK(r.res == ncclSuccess && r.done, "the receive failed (ncclResult %d, done %d) after "
+          "the sender closed with the rank note unread", (int)r.res, r.done);
+    CHECK((size_t)r.size == size, "received %d bytes of %zu", r.size, size);
+    pattern_check(rbuf, size, 0xC1);
+  } else {
+    NCHECK(CALL(&n, closeSend, scomm));
+  }
+  NCHECK(CALL(&n, closeRecv, rcomm));
+  net_finalize(&n, ctx);
+  net_close(&n);
+  free(sbuf);
+  free(rbuf);
+  knobs_restore(knobs, nknobs);
+  return 0;
+}
+
+/* ---- exit() with connections alive -------------------------------------------------------- */
+
+/* Message pairs the exitlive child's spinner completed. */
+static _Atomic long g_exit_spins;
+
+struct exitlive {
+  struct net* n;
+  void *scomm, *rcomm;
+};
+
+/* NCCL's proxy thread: one small message after another, through exit() and beyond. */
+static void* exitlive_spin(void* arg) {
+  struct exitlive* e = arg;
+  static char sbuf[64], rbuf[64 + SLACK];
+  for (;;) {
+    void* rreq = post_recv(e->n, e->rcomm, rbuf, sizeof(rbuf), NULL);
+    wait_request(e->n, post_send(e->n, e->scomm, sbuf, sizeof(sbuf), NULL));
+    wait_request(e->n, rreq);
+    atomic_fetch_add(&g_exit_spins, 1);
+  }
+  return NULL;
+}
+
+/* What exit() does to the plugin, run here so that the test can go on after it: the library's
+ * destructors (its DT_FINI_ARRAY, last entry first; ld.so leaves that entry unrelocated). The
+ * executable's own destructors would run before a dlopen'ed library's, too early to look. */
+static void run_plugin_destructors(void* lib) {
+  struct link_map* lm = NULL;
+  CHECK(dlinfo(lib, RTLD_DI_LINKMAP, &lm) == 0 && lm != NULL, "dlinfo: %s", dlerror());
+  ElfW(Addr) array = 0;
+  size_t bytes = 0;
+  for (const ElfW(Dyn)* d = lm->l_ld; d->d_tag != DT_NULL; d++) {
+    if (d->d_tag == DT_FINI_ARRAY) array = d->d_un.d_ptr;
+    if (d->d_tag == DT_FINI_ARRAYSZ) bytes = d->d_un.d_val;
+  }
+  CHECK(array != 0 && bytes > 0, "the plugin has no destructors");
+  void (**fini)(void) = (void (**)(void))(lm->l_addr + array);
+  for (size_t i = bytes / sizeof(*fini); i-- > 0;) {
+    fini[i]();
+  }
+}
+
+/* A process may exit() while its communicators are alive and NCCL's proxy thread is still
+ * inside isend/test: the plugin's library destructors run then too, and must not pull the
+ * table mapping (or the inner plugin) out from under that thread. A child connects a pair with
+ * a flow table mapped, keeps a thread sending on it, runs the plugin's destructors as exit()
+ * would and waits for 1000 more messages; it must end with status 0, not a SIGSEGV. */
+static int test_exit_live(int version) {
+  char path[64];
+  snprintf(path, sizeof(path), "/dev/shm/flowsched-harness-exit-%d", (int)getpid());
+  unlink(path);
+  size_t size = 0;
+  struct fs_table_header* hdr = marking_table_create(path, &size);
+  fflush(NULL);
+  pid_t child = fork();
+  CHECK(child >= 0, "fork");
+  if (child == 0) {
+    setenv("FLOWSCHED_TABLE", path, 1); /* read by the init below */
+    static struct net n;
+    net_open(&n, version);
+    void* ctx = net_init(&n, 0xE817, -1);
+    static struct exitlive e;
+    e.n = &n;
+    connect_alternating(&n, ctx, &e.scomm, &e.rcomm);
+    atomic_store(&g_exit_spins, 0);
+    pthread_t th;
+    CHECK(pthread_create(&th, NULL, exitlive_spin, &e) == 0, "pthread_create");
+    double deadline = now_s() + TIMEOUT_S;
+    while (atomic_load(&g_exit_spins) < 10) {
+      CHECK(now_s() < deadline, "the spinner sent nothing");
+      sched_yield();
+    }
+    /* exit() with the connections open and the spinner running: the destructors, then the
+     * spinner must go on through the plugin (table mapped, connections intact) */
+    run_plugin_destructors(n.lib);
+    long from = atomic_load(&g_exit_spins);
+    deadline = now_s() + TIMEOUT_S;
+    while (atomic_load(&g_exit_spins) < from + 1000) {
+      CHECK(now_s() < deadline, "the spinner stopped after the plugin's destructors");
+      sched_yield();
+    }
+    _exit(0); /* the rest of exit() has nothing left to show */
+  }
+  int status = 0;
+  CHECK(waitpid(child, &status, 0) == child, "waitpid");
+  munmap(hdr, size);
+  unlink(path);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+        "exit with live connections: %s %d", WIFSIGNALED(status) ? "signal" : "status",
+        WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
+  return 0;
+}
+
 static int bench_rtt(int version, long count) {
   int sv[2];
   CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0, "socketpair");
@@ -1471,6 +1698,10 @@ static int run_one(const char* name, int version) {
     rc = test_stale(version);
   } else if (strcmp(name, "deadpeers") == 0) {
     rc = test_dead_peers(version);
+  } else if (strcmp(name, "closenote") == 0) {
+    rc = test_closenote(version);
+  } else if (strcmp(name, "exitlive") == 0) {
+    rc = test_exit_live(version);
   } else {
     fprintf(stderr, "unknown test %s\n", name);
     return 2;
@@ -1484,7 +1715,8 @@ int main(int argc, char** argv) {
   if (argc < 3) {
     fprintf(stderr,
             "usage: %s PLUGIN.so "
-            "all|transfer|alternate|contexts|cycles|errors|lifetime|gateleak|marking|stale|deadpeers "
+            "all|transfer|alternate|contexts|cycles|errors|lifetime|gateleak|marking|stale|deadpeers|"
+            "closenote|exitlive "
             "[VERSION]\n",
             argv[0]);
     return 2;
@@ -1501,7 +1733,8 @@ int main(int argc, char** argv) {
     return run_one(argv[2], argc > 3 ? atoi(argv[3]) : 11);
   }
   static const char* const tests[] = {"transfer", "alternate", "contexts", "cycles", "errors",
-                                      "lifetime", "gateleak", "marking", "stale", "deadpeers"};
+                                      "lifetime", "gateleak", "marking", "stale", "deadpeers",
+                                      "closenote", "exitlive"};
   for (int version = 8; version <= 12; version++) {
     for (size_t t = 0; t < sizeof(tests) / sizeof(tests[0]); t++) {
       if (run_one(tests[t], version) != 0) {

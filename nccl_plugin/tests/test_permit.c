@@ -8,6 +8,10 @@
  * `quiet_windows` windows (0: at once), a tp send in flight and a bulk send (level 7) that
  * asks for its permit. The only guard on is the share (50%); no age bound.
  *
+ * Then the age bound (test_age_survives_refusal): a send the age bound let through and the
+ * transport refused (a NULL request: no request slot, an RDMA peer not clear to send) is
+ * retried at once, not deferred for another max_defer.
+ *
  *   test_permit   exit status 0 when every case decides as the table says
  */
 #include <stdio.h>
@@ -47,20 +51,59 @@ static const struct {
     {"stale tp bytes", 1000, 1000000000, 200, 0},
 };
 
+#define AGE_NS 20000000ull /* 20 ms */
+
+/* Each step: what the bulk connection's permit must answer (1 = permitted). */
+static int age_expect(const char* what, int got, int want) {
+  if (got != want) {
+    fprintf(stderr, "FAIL age bound, %s: bulk %s, want %s\n", what, got ? "permitted" : "deferred",
+            want ? "permitted" : "deferred");
+    return 1;
+  }
+  return 0;
+}
+
+static int test_age_survives_refusal(void) {
+  fs_gate_reset();
+  struct fs_gate_params params = {.enabled = 1, .min_share_permille = 0,
+                                  .window_ns = 1000000000ull, .max_defer_ns = AGE_NS};
+  fs_gate_configure(&params);
+  fs_gate_started(NULL, DEV, TP, 100); /* a tp send in flight for the whole test */
+  struct fs_gate_conn bulk = {0};
+  int failures = age_expect("first try", fs_gate_permit(&bulk, DEV, BULK), 0);
+  uint64_t first = now_ns();
+  wait_past(first, AGE_NS);
+  failures += age_expect("after max_defer", fs_gate_permit(&bulk, DEV, BULK), 1);
+  /* the transport refused that send (no fs_gate_started): the retry keeps the deferral's age */
+  failures += age_expect("retry after a refusal", fs_gate_permit(&bulk, DEV, BULK), 1);
+  fs_gate_started(&bulk, DEV, BULK, 10); /* accepted: the deferral ends */
+  fs_gate_done(DEV, BULK);
+  failures += age_expect("next send after the accepted one", fs_gate_permit(&bulk, DEV, BULK), 0);
+  struct fs_gate_stats st;
+  fs_gate_stats(&st);
+  if (st.max_wait_ns < AGE_NS) {
+    fprintf(stderr, "FAIL age bound: longest wait %llu ns, want >= %llu\n",
+            (unsigned long long)st.max_wait_ns, (unsigned long long)AGE_NS);
+    failures++;
+  }
+  fs_gate_done(DEV, TP);
+  return failures;
+}
+
 int main(void) {
-  int failures = 0;
+  int failures = test_age_survives_refusal();
   for (size_t i = 0; i < sizeof(k_cases) / sizeof(k_cases[0]); i++) {
     fs_gate_reset();
     struct fs_gate_params params = {.enabled = 1, .min_share_permille = 500,
                                     .window_ns = k_cases[i].window_ns, .max_defer_ns = 0};
     fs_gate_configure(&params);
-    fs_gate_started(DEV, TP, k_cases[i].tp_history);
+    fs_gate_started(NULL, DEV, TP, k_cases[i].tp_history);
     fs_gate_done(DEV, TP);
     uint64_t sent_at = now_ns();
     if (k_cases[i].quiet_windows > 0) {
       wait_past(sent_at, k_cases[i].quiet_windows * k_cases[i].window_ns);
     }
-    fs_gate_started(DEV, TP, 100); /* a tp send in flight: bulk contends with it */
+    fs_gate_started(NULL, DEV, TP, 100); /* a tp send in flight: bulk contends with it */
     struct fs_gate_conn bulk = {0};
     int permitted = fs_gate_permit(&bulk, DEV, BULK);
     fs_gate_done(DEV, TP);
@@ -72,7 +115,7 @@ int main(void) {
     }
   }
   if (failures == 0) {
-    printf("test_permit: %zu cases ok\n", sizeof(k_cases) / sizeof(k_cases[0]));
+    printf("test_permit: %zu cases and the age bound ok\n", sizeof(k_cases) / sizeof(k_cases[0]));
   }
   return failures == 0 ? 0 : 1;
 }
