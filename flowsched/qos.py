@@ -268,6 +268,8 @@ def _tc(args: Sequence[str], *, stdin: str | None = None) -> str:
         raise QosError("tc not found (install iproute2)") from None
     except subprocess.TimeoutExpired:
         raise QosError(f"tc {' '.join(args)}: no answer within {TC_TIMEOUT:g} s") from None
+    except OSError as exc:  # out of processes or memory (EAGAIN, ENOMEM), say
+        raise QosError(f"tc {args[0]}: cannot run it: {exc}") from None
     if proc.returncode != 0:
         problem = " ".join(proc.stderr.split()) or f"exit status {proc.returncode}"
         if "Operation not permitted" in problem:
@@ -277,7 +279,18 @@ def _tc(args: Sequence[str], *, stdin: str | None = None) -> str:
 
 
 def observe(dev: str) -> Tree:
-    """The device's current root qdisc and, under an htb root, its classes and u32 filters."""
+    """The device's current root qdisc and, under an htb root, its classes and u32 filters.
+
+    Raises:
+        QosError: tc failed, or printed what this cannot read (another iproute2's JSON).
+    """
+    try:
+        return _observe(dev)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # JSONDecodeError too
+        raise QosError(f"tc on {dev}: unexpected output ({type(exc).__name__}: {exc})") from None
+
+
+def _observe(dev: str) -> Tree:
     roots = [
         q for q in json.loads(_tc(["-j", "qdisc", "show", "dev", dev]) or "[]") if q.get("root")
     ]

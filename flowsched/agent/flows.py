@@ -81,6 +81,8 @@ class SlotConn:
     #: it moved into the table already open (layout.SLOT_FLAG_MOVED): its bytes when first
     #: seen were carried before this agent saw it
     moved: bool = False
+    #: its owner's start (the slot's start_ticks; 0: unknown)
+    start_ticks: int = 0
 
 
 @dataclass(slots=True)
@@ -89,6 +91,9 @@ class SdkFlow:
 
     pid: int  # its client's process key, as SlotConn.pid
     peer: int | None
+    #: its client's start, as SlotConn.start_ticks (0: unknown): a later process given the
+    #: same pid (the client exited, its connection lived on) is not its client
+    start_ticks: int = 0
     app_sent: int = 0
     slot_bytes_done: int = 0  # bytes of linked slots that have closed or unlinked
     slot_bytes_live: int = 0  # bytes the linked slots moved since they were linked
@@ -182,10 +187,13 @@ class FlowRegistry:
         request: str | None = None,
         peer: int | None = None,
         dst_node: str | None = None,
+        start_ticks: int = 0,
     ) -> tuple[Flow, list[SlotKey]]:
         """Open an SDK flow; returns it and the slots it now carries (their level changes).
 
         ``dst_node`` (the receiving node) adds that node's ingress link to the flow's links.
+        ``start_ticks``: when the client process started (0: unknown); only slots of the
+        process that started then (or that do not say) are linked to the flow.
         """
         links = None if dst_node is None or dst_node == self.node else self._links_to(dst_node)
         if peer is not None and peer < 0:
@@ -203,7 +211,7 @@ class FlowRegistry:
             job=job,
             request=request,
         )
-        self.sdk[flow.flow_id] = SdkFlow(pid, peer)
+        self.sdk[flow.flow_id] = SdkFlow(pid, peer, start_ticks=start_ticks)
         if peer is not None:
             self._narrowed[pid] += 1
         linked = []
@@ -327,6 +335,7 @@ class FlowRegistry:
         pid = self._owner_key(snap)
         conn = SlotConn(snap.key, pid, cls, snap.peer_rank, snap.direction, snap.bytes, 0)
         conn.moved = bool(snap.flags & layout.SLOT_FLAG_MOVED)
+        conn.start_ticks = snap.start_ticks
         self.slots[snap.key] = conn
         if conn.direction != layout.DIR_SEND:
             return conn
@@ -372,6 +381,7 @@ class FlowRegistry:
         return (
             conn.direction == layout.DIR_SEND
             and conn.pid == info.pid
+            and _same_start(conn.start_ticks, info.start_ticks)
             and conn.cls == flow.cls
             and (info.peer is None or info.peer == conn.peer_rank)
         )
@@ -636,3 +646,9 @@ class JobTable:
             del owned[name]
             if not owned:
                 del self._by_owner[job.owner]
+
+
+def _same_start(slot: int, client: int) -> bool:
+    """Whether a slot's owner and an SDK client, of the same pid, are the same process: their
+    starts agree, or one of them is unknown (a plugin or an agent that could not tell)."""
+    return not slot or not client or slot == client

@@ -73,7 +73,10 @@ def default_interfaces(root: Path = SYSFS_NET) -> tuple[str, ...]:
     for name in names:
         if name == "lo":
             continue
-        state = (root / name / "operstate").read_text().strip() if (root / name).exists() else ""
+        try:
+            state = (root / name / "operstate").read_text().strip()
+        except OSError:  # gone since the listing (a container's veth, say), or no operstate
+            continue
         if state in ("up", "unknown"):
             found.append(name)
     return tuple(found) or ("lo",)

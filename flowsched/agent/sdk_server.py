@@ -33,10 +33,13 @@ import socket
 import stat
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from flowsched import rundir
+from flowsched.agent.closer import DescriptorCloser
 from flowsched.agent.flows import JobTable, SlotKey
+from flowsched.agent.sdk_conn import SCM_MAX_FD, ClientConnection
 from flowsched.agent.turns import UidTurns
 from flowsched.lograte import RepeatLog
 from flowsched.model import Flow, FlowClass
@@ -68,6 +71,13 @@ MAX_CONNECTIONS_PER_UID = 256
 MAX_CONNECTIONS = 4096
 #: descriptors left to the agent itself (table, coordinator link, metrics, NIC counters)
 FD_RESERVE = 128
+#: descriptors waiting for the closer thread (flowsched.agent.closer) at which the agent stops
+#: accepting connections until it catches up: a close can be held up for as long as the
+#: client that passed the descriptor likes
+MAX_UNCLOSED = 512
+#: descriptors of one uid waiting for the closer at which its new connections are refused and
+#: its connections are no longer read (a read may bring SCM_MAX_FD more)
+MAX_UNCLOSED_PER_UID = 256
 #: seconds a connection without open flows may stay silent before it is closed
 IDLE_TIMEOUT = 300.0
 #: seconds :meth:`SdkServer.close` waits for the aborted connections' handlers to end
@@ -97,14 +107,17 @@ class SdkServer:
 
     def __init__(self, agent: Agent, fd_limit: int | None = None) -> None:
         self.agent = agent
-        self._owner: dict[int, asyncio.StreamWriter] = {}
-        self._writers: set[asyncio.StreamWriter] = set()
+        self._owner: dict[int, ClientConnection] = {}
+        self._writers: set[ClientConnection] = set()
+        #: closes client sockets and the descriptors clients pass, off the loop's thread
+        self.closer = DescriptorCloser()
         self.clients_total = 0
         self.errors_total = 0
         self.refused_total = 0
         self.max_connections = MAX_CONNECTIONS
         if fd_limit is not None:
-            self.max_connections = max(min(MAX_CONNECTIONS, fd_limit - FD_RESERVE), 1)
+            spare = fd_limit - FD_RESERVE - MAX_UNCLOSED - SCM_MAX_FD
+            self.max_connections = max(min(MAX_CONNECTIONS, spare), 1)
         self.max_connections_per_uid = MAX_CONNECTIONS_PER_UID
         self.max_flows_per_uid = MAX_FLOWS_PER_UID
         self.max_flows = MAX_FLOWS
@@ -128,8 +141,10 @@ class SdkServer:
         self._answering: set[asyncio.Future[None]] = set()
         #: the handler task of each client connection (close() waits for them to end)
         self._connections: set[asyncio.Task[None]] = set()
+        #: each admitted client connection's pid and when that process started (0: unknown)
+        self._client_of: dict[ClientConnection, tuple[int, int]] = {}
         #: connections whose first bytes have not come yet
-        self._greeting: set[socket.socket] = set()
+        self._greeting: set[ClientConnection] = set()
         self._accepting: asyncio.Task[None] | None = None
         self._closing = False
 
@@ -179,17 +194,17 @@ class SdkServer:
                 await self._accepting
         for task in list(self._answering):
             task.cancel()
-        for sock in list(self._greeting):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)  # its first read ends at once
+        for conn in list(self._greeting):
+            conn.abort()  # its first read ends at once
         for writer in list(self._writers):
-            writer.transport.abort()
+            writer.abort()
         if self._connections:
             _, late = await asyncio.wait(set(self._connections), timeout=CLOSE_TIMEOUT)
             for task in late:
                 task.cancel()
             if late:
                 await asyncio.wait(late)
+        await asyncio.to_thread(self.closer.stop, CLOSE_TIMEOUT)
 
     def push_level(
         self,
@@ -210,10 +225,10 @@ class SdkServer:
         message = sdk.Level(flow_id, level, mark.dscp, mark.so_priority, decided_at, decided_ns)
         self._write(writer, message)
 
-    def _write(self, writer: asyncio.StreamWriter, message: sdk.SdkMessage) -> None:
+    def _write(self, writer: ClientConnection, message: sdk.SdkMessage) -> None:
         if writer.is_closing():
             return
-        if writer.transport.get_write_buffer_size() > MAX_CLIENT_BACKLOG:
+        if writer.get_write_buffer_size() > MAX_CLIENT_BACKLOG:
             self._repeat_log.log(
                 "not_reading", logging.WARNING,
                 "SDK client is not reading (over %d bytes queued); dropping it",
@@ -221,7 +236,7 @@ class SdkServer:
             )  # fmt: skip
             # aborted, not closed: a close waits for the client to read what is queued, and
             # one that never does would keep its socket and the queue for as long as it likes
-            writer.transport.abort()
+            writer.abort()
             return
         writer.write(sdk.encode(message))
 
@@ -230,8 +245,16 @@ class SdkServer:
         loop = asyncio.get_running_loop()
         try:
             while True:
+                if self.closer.waiting >= MAX_UNCLOSED:  # the clients wait in the backlog
+                    self._repeat_log.log(
+                        "closer", logging.WARNING,
+                        "%d descriptors SDK clients passed wait to be closed; not accepting "
+                        "connections until fewer do", self.closer.waiting,
+                    )  # fmt: skip
+                    await asyncio.sleep(ACCEPT_RETRY_DELAY)
+                    continue
                 try:
-                    conn, _ = await loop.sock_accept(listener)
+                    sock, _ = await loop.sock_accept(listener)
                 except OSError as exc:
                     self._repeat_log.log(
                         "accept", logging.WARNING, "cannot accept an SDK connection: %s", exc
@@ -239,50 +262,56 @@ class SdkServer:
                     if exc.errno != errno.ECONNABORTED:  # out of descriptors or memory, say
                         await asyncio.sleep(ACCEPT_RETRY_DELAY)  # the clients wait in the backlog
                     continue
-                task = asyncio.create_task(self._serve(conn))
+                task = asyncio.create_task(self._serve(sock))
                 self._connections.add(task)
                 task.add_done_callback(self._connections.discard)
         finally:
-            listener.close()
+            # closing the listener releases the connections in its backlog, and with them
+            # what their clients passed already
+            self.closer.close_later([listener.detach()], None)
 
-    async def _serve(self, conn: socket.socket) -> None:
-        pid, uid = _peer_cred(conn)
+    async def _serve(self, sock: socket.socket) -> None:
+        pid, uid = _peer_cred(sock)
+        # read at once: the connection may outlive its process (handed to a child, or passed
+        # on), and a later process may be given the same pid
+        started = self.agent.process_start(pid) if pid > 0 else 0
+        conn = ClientConnection(sock, self.closer, uid, lambda: self._may_read(uid))
         refusal = self._refusal(uid)
         if refusal is not None:
             self._refuse(conn, pid, uid, refusal)
             return
         self._connections_of[uid] += 1
         try:
-            await self._serve_admitted(conn, pid, uid)
+            await self._serve_admitted(conn, pid, uid, started)
         finally:
             self._connections_of[uid] -= 1
             if self._connections_of[uid] <= 0:
                 del self._connections_of[uid]
 
-    async def _serve_admitted(self, conn: socket.socket, pid: int, uid: int | None) -> None:
+    async def _serve_admitted(
+        self, conn: ClientConnection, pid: int, uid: int | None, started: int
+    ) -> None:
         self._greeting.add(conn)
         try:
-            first, shown_ns = await self._first_read(conn)
+            first, shown_ns = await self._first_read(conn, uid)
         except (TimeoutError, OSError, asyncio.CancelledError) as exc:
-            conn.close()
+            conn.abort()
             if isinstance(exc, asyncio.CancelledError) and not self._closing:
                 raise
             return
         finally:
             self._greeting.discard(conn)
         if not first or self._closing:
-            conn.close()
+            conn.abort()
             return
-        try:
-            reader, writer = await _streams(conn)
-        except OSError:
-            conn.close()  # it went away meanwhile
-            return
+        _refuse_passed_descriptors(conn.sock)
+        writer = conn
         # the registry names processes as the flow table's slots do (a job in a pid namespace
         # of its own writes its pids there: flowsched.shm.pidns); pid stays for the logs
         key = self.agent.process_key(pid, shown_ns)
         owned: set[int] = set()
         self._writers.add(writer)
+        self._client_of[writer] = (pid, started)
         self.clients_total += 1
         decoder = sdk.SdkDecoder("agent")
         try:
@@ -292,7 +321,7 @@ class SdkServer:
                 await self._handle_fed(decoder, (key, uid), writer, owned, pid)
                 if writer.is_closing():  # dropped (not reading): the rest is not served
                     break
-                data = await self._read(reader, idle=not owned)
+                data = await self._read(conn, uid, idle=not owned)
         except sdk.SdkProtocolError as exc:
             self.errors_total += 1
             # once per user, then at a falling rate: a client reconnecting to send bad frames
@@ -314,6 +343,7 @@ class SdkServer:
             # close() gave up waiting: end quietly (Python 3.11's stream server logs a
             # traceback for a connection task that ends cancelled)
         finally:
+            self._client_of.pop(writer, None)
             if self._closing:
                 self._writers.discard(writer)
             else:
@@ -323,7 +353,7 @@ class SdkServer:
         self,
         decoder: sdk.SdkDecoder,
         cred: tuple[int, int | None],
-        writer: asyncio.StreamWriter,
+        writer: ClientConnection,
         owned: set[int],
         pid: int,
     ) -> None:
@@ -345,32 +375,56 @@ class SdkServer:
             if writer.is_closing():
                 return
 
-    async def _first_read(self, conn: socket.socket) -> tuple[bytes, int]:
+    async def _first_read(self, conn: ClientConnection, uid: int | None) -> tuple[bytes, int]:
         """The client's first bytes (b"": it left) and the pid namespace it showed with them,
         a descriptor of its ``/proc/self/ns/pid`` (0: none). Waits :attr:`idle_timeout` at
         most (TimeoutError)."""
-        loop = asyncio.get_running_loop()
         async with asyncio.timeout(self.idle_timeout):
-            while True:
-                readable = loop.create_future()
-                loop.add_reader(conn.fileno(), _set_once, readable)
-                try:
-                    await readable
-                finally:
-                    loop.remove_reader(conn.fileno())
-                try:
-                    data, fds, _, _ = socket.recv_fds(
-                        conn, READ_SIZE, 1, socket.MSG_DONTWAIT | socket.MSG_CMSG_CLOEXEC
-                    )
-                except BlockingIOError:
-                    continue
-                return data, _shown_namespace(fds)
+            data, fds = await conn.read(READ_SIZE)
+        try:
+            return data, _shown_namespace(fds)
+        finally:
+            self.closer.close_later(fds, uid)
 
-    async def _read(self, reader: asyncio.StreamReader, *, idle: bool) -> bytes:
+    async def _read(self, conn: ClientConnection, uid: int | None, *, idle: bool) -> bytes:
         """The next bytes; a connection without open flows (``idle``) waits at most
-        :attr:`idle_timeout` (TimeoutError), one with flows as long as it likes."""
+        :attr:`idle_timeout` (TimeoutError), one with flows as long as it likes. Descriptors
+        may come with the first frame only: any passed later end the connection
+        (SdkProtocolError)."""
         async with asyncio.timeout(self.idle_timeout if idle else None):
-            return await reader.read(READ_SIZE)
+            data, fds = await conn.read(READ_SIZE)
+        if fds:
+            self.closer.close_later(fds, uid)
+            raise sdk.SdkProtocolError("descriptors may be passed with the first frame only")
+        return data
+
+    def close_exited(self, start_of: Callable[[int], int]) -> int:
+        """Close the connections whose process has exited (``start_of``: when a pid's process
+        started, 0 when gone or unknown), with their flows; return how many. A connection can
+        outlive its process (handed to a child, or passed on): its flows would otherwise stay
+        open in the name of a pid that a later process may be given."""
+        exited = [
+            conn
+            for conn, (pid, started) in self._client_of.items()
+            if started and start_of(pid) != started
+        ]
+        for conn in exited:
+            pid = self._client_of.pop(conn)[0]
+            log.debug("SDK client pid %d has exited; its connection and flows are closed", pid)
+            conn.abort()  # its handler reads the end and closes its flows
+        return len(exited)
+
+    def _may_read(self, uid: int | None) -> bool:
+        """Whether a connection of ``uid`` may be read (a read may bring SCM_MAX_FD more
+        descriptors): not while too many of the user's wait for the closer already."""
+        waiting = self.closer.waiting_of(uid)
+        if waiting < MAX_UNCLOSED_PER_UID:
+            return True
+        self._repeat_log.log(
+            f"unclosed:{uid}", logging.WARNING,
+            "%d descriptors of uid %s wait to be closed; closing its connections", waiting, uid,
+        )  # fmt: skip
+        return False
 
     def _refusal(self, uid: int | None) -> tuple[str, str] | None:
         """(the cap, why) when a new connection of ``uid`` is refused, else None. Connections
@@ -379,9 +433,13 @@ class SdkServer:
             return "all", f"the agent serves at most {self.max_connections} SDK connections"
         if self._connections_of[uid] >= self.max_connections_per_uid:
             return f"uid:{uid}", f"at most {self.max_connections_per_uid} SDK connections per user"
+        if self.closer.waiting_of(uid) >= MAX_UNCLOSED_PER_UID:
+            return f"unclosed:{uid}", "too many of this user's descriptors wait to be closed"
         return None
 
-    def _refuse(self, conn: socket.socket, pid: int, uid: int | None, cap: tuple[str, str]) -> None:
+    def _refuse(
+        self, conn: ClientConnection, pid: int, uid: int | None, cap: tuple[str, str]
+    ) -> None:
         """Tell the client why, close, and log it at a falling rate."""
         key, reason = cap
         self.refused_total += 1
@@ -389,12 +447,12 @@ class SdkServer:
             f"refused:{key}", logging.WARNING,
             "SDK connection of pid %d (uid %s) refused: %s", pid, uid, reason,
         )  # fmt: skip
-        with contextlib.suppress(OSError):  # a fresh socket's buffer takes one small frame
-            conn.send(sdk.encode(sdk.Error("too_many_connections", reason)), socket.MSG_DONTWAIT)
-        conn.close()
+        # a fresh socket's buffer takes one small frame: sent now, or not at all
+        conn.write(sdk.encode(sdk.Error("too_many_connections", reason)))
+        conn.abort()
 
     def _disconnect(
-        self, key: int, uid: int | None, writer: asyncio.StreamWriter, owned: set[int]
+        self, key: int, uid: int | None, writer: ClientConnection, owned: set[int]
     ) -> None:
         self._writers.discard(writer)
         registry = self.agent.registry
@@ -419,7 +477,7 @@ class SdkServer:
         self,
         message: sdk.SdkMessage,
         cred: tuple[int, int | None],
-        writer: asyncio.StreamWriter,
+        writer: ClientConnection,
         owned: set[int],
         pid: int,
     ) -> None:
@@ -540,7 +598,7 @@ class SdkServer:
         self,
         message: sdk.Open,
         cred: tuple[int, int | None],
-        writer: asyncio.StreamWriter,
+        writer: ClientConnection,
         owned: set[int],
         pid: int,
     ) -> None:
@@ -554,7 +612,7 @@ class SdkServer:
         if reason is not None:
             self._write(writer, sdk.Error("too_many_flows", reason, message.ref))
             return
-        flow, linked = self._register(message, *cred)
+        flow, linked = self._register(message, *cred, self._client_of.get(writer, (0, 0))[1])
         owned.add(flow.flow_id)
         self._opened[flow.flow_id] = (pid, uid, message)
         self._opened_of.setdefault(uid, {})[flow.flow_id] = None
@@ -574,13 +632,13 @@ class SdkServer:
         self._answer_open(message, flow, writer)
 
     async def _answer_after_first_level(
-        self, message: sdk.Open, flow: Flow, writer: asyncio.StreamWriter
+        self, message: sdk.Open, flow: Flow, writer: ClientConnection
     ) -> None:
         await self._await_first_level(flow.flow_id)
         if not writer.is_closing():  # else the client is gone, and its flows closed with it
             self._answer_open(message, flow, writer)
 
-    def _answer_open(self, message: sdk.Open, flow: Flow, writer: asyncio.StreamWriter) -> None:
+    def _answer_open(self, message: sdk.Open, flow: Flow, writer: ClientConnection) -> None:
         view = self.agent.view
         level = flow.level if flow.level >= 0 else view.default_level(flow.cls)
         mark = view.marking(level)
@@ -594,7 +652,9 @@ class SdkServer:
         if not writer.is_closing() and flow.flow_id in self._opened:
             self._owner[flow.flow_id] = writer
 
-    def _register(self, message: sdk.Open, key: int, uid: int | None) -> tuple[Flow, list[SlotKey]]:
+    def _register(
+        self, message: sdk.Open, key: int, uid: int | None, started: int
+    ) -> tuple[Flow, list[SlotKey]]:
         registry = self.agent.registry
         assert registry is not None
         return registry.open_sdk(
@@ -610,6 +670,7 @@ class SdkServer:
             request=None if message.request is None else JobTable.scoped(uid, message.request),
             peer=message.peer,
             dst_node=message.dst_node,
+            start_ticks=started,
         )
 
     async def _await_first_level(self, flow_id: int) -> None:
@@ -651,17 +712,12 @@ def _cut(text: str, limit: int = LOGGED_TEXT) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-def _close_soon(writer: asyncio.StreamWriter) -> None:
+def _close_soon(writer: ClientConnection) -> None:
     """Close a client's connection, letting it take what is queued for it for
     :data:`LINGER_TIMEOUT` seconds at most, then abort: the connection no longer counts
     toward any cap, so a client that never reads must not keep its socket and its queued
     answers."""
-    transport = writer.transport
-    if transport.is_closing():
-        return
-    writer.close()
-    if transport.get_write_buffer_size():  # else closed at once
-        asyncio.get_running_loop().call_later(LINGER_TIMEOUT, transport.abort)
+    writer.close(linger=LINGER_TIMEOUT)
 
 
 def _peer_cred(conn: socket.socket) -> tuple[int, int | None]:
@@ -670,32 +726,25 @@ def _peer_cred(conn: socket.socket) -> tuple[int, int | None]:
     return (0, None) if credentials is None else credentials
 
 
-def _set_once(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 def _shown_namespace(fds: list[int]) -> int:
     """The inode of the pid namespace a client passed a descriptor of (0: none, or not a pid
-    namespace); every descriptor it passed is closed."""
-    shown = 0
+    namespace). The descriptors stay open: the caller hands them to the closer."""
     for fd in fds:
-        try:
-            shown = shown or namespace_inode(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return shown
+        with contextlib.suppress(OSError):
+            shown = namespace_inode(os.readlink(f"/proc/self/fd/{fd}"))
+            if shown:
+                return shown
+    return 0
 
 
-async def _streams(conn: socket.socket) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Streams over an accepted connection (the reader has what arrives from now on)."""
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    protocol = asyncio.StreamReaderProtocol(reader)
-    transport, _ = await loop.connect_accepted_socket(lambda: protocol, conn)
-    return reader, asyncio.StreamWriter(transport, protocol, reader, loop)
+def _refuse_passed_descriptors(sock: socket.socket) -> None:
+    """Where the kernel can (``SO_PASSRIGHTS``, Linux 6.16, when Python knows the constant),
+    make the client's sends with descriptors fail after its first frame, the one that may
+    carry them. Only a shortcut: a read that brings descriptors ends the connection anyway."""
+    option = getattr(socket, "SO_PASSRIGHTS", None)
+    if option is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, option, 0)
 
 
 def _prepare_path(path: str, gid: int | None) -> None:

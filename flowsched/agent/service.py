@@ -327,6 +327,8 @@ class Agent:
 
     def _reap(self) -> None:
         assert self.table is not None
+        if self.sdk is not None:
+            self.sdk.close_exited(self.process_start)
         reaped = self.table.reap_dead()
         if reaped:
             self.stats["reaped"] += len(reaped)
@@ -390,6 +392,11 @@ class Agent:
                 "older than the agent): its flows are not linked to its NCCL connections", pid,
             )  # fmt: skip
         return key
+
+    def process_start(self, pid: int) -> int:
+        """When our process ``pid`` started, as the table's slots say it (``start_ticks``);
+        0 when gone or unknown."""
+        return 0 if self.table is None else self.table.pid_namespaces.start_of(pid)
 
     def write_slot(self, key: SlotKey) -> None:
         """Write the level the slot's flow (or its SDK flow) has into the slot."""
@@ -733,7 +740,15 @@ class Agent:
             try:  # a few tc calls (~10 ms), off the loop
                 changed = await asyncio.to_thread(self._apply_qos, self.view.cfg)
             except (qos.QosError, qos.QosInputError) as exc:
-                log.error("host QoS on %s not in place: %s", dev, exc)
+                self._repeat_log.log(
+                    "qos", logging.ERROR, "host QoS on %s not in place: %s", dev, exc
+                )
+                continue
+            except Exception as exc:  # a bug here must never end the repairs for good
+                self._repeat_log.log(
+                    "qos:bug", logging.ERROR, "host QoS on %s: the check failed", dev,
+                    exc_info=exc,
+                )  # fmt: skip
                 continue
             if policy_changed:
                 log.info("host QoS on %s for the new policy: %d changes", dev, len(changed))

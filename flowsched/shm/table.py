@@ -304,6 +304,8 @@ class FlowTable:
         self._u32 = memoryview(mm).cast("I")
         self._u64 = memoryview(mm).cast("Q")
         self.num_slots = self._get("num_slots")
+        #: the ``config_seq`` this mapping's last :meth:`write_config` left (None: none yet)
+        self.written_config_seq: int | None = None
         #: CLAIMED slots with a dead pid at the last reap_dead: index -> (pid, claim_seq)
         self._claimed_seen: dict[int, tuple[int, int]] = {}
         #: what the last reap_dead pass found besides the slots it freed
@@ -490,11 +492,20 @@ class FlowTable:
         self._u32[seq_index] = odd  # odd: being written
         self._mm[_CONFIG_START:_CONFIG_END] = area
         self._put("num_levels", cfg.num_levels)
-        self._u32[seq_index] = (odd + 1) % _U32  # even again: stable
+        self.written_config_seq = (odd + 1) % _U32
+        self._u32[seq_index] = self.written_config_seq  # even again: stable
 
     def config_matches(self, cfg: TableConfig) -> bool:
         """Whether the config area holds exactly what :meth:`write_config` would write for
-        ``cfg`` (compared as packed bytes: the agent checks for tampering this way)."""
+        ``cfg`` (compared as packed bytes: the agent checks for tampering this way), under the
+        ``config_seq`` this mapping's last write left there. The word counts too: a plugin
+        keeps the copy it read for as long as ``config_seq`` stays what it was then, so bad
+        markings written under a proper seqlock and the bytes put back without moving the word
+        would stay in force there; an odd word (a write never finished) has every reader
+        retrying or on an older copy."""
+        seq = self._u32[_H32["config_seq"]]
+        if seq & 1 or (self.written_config_seq is not None and seq != self.written_config_seq):
+            return False
         area = bytes(self._mm[_CONFIG_START:_CONFIG_END])
         return area == _pack_config(cfg) and self._get("num_levels") == cfg.num_levels
 

@@ -352,3 +352,48 @@ def test_a_tampered_slot_level_and_marking_table_are_repaired(tmp_path: Path) ->
             wait_until(lambda: table.read_config() == config, timeout=3)
             assert agent.stats["tampered_repaired"] >= 2
             slot.close()
+
+
+def _markings_swapped_and_put_back(table: FlowTable) -> None:
+    """Bad markings written under the seqlock (plugins take them: config_seq moved), then the
+    bytes put back without moving config_seq: the plugins keep the bad ones."""
+    from flowsched.shm import table as table_module
+
+    area = slice(table_module._CONFIG_START, table_module._CONFIG_END)
+    good, config = bytes(table._mm[area]), table.read_config()
+    bad = (config.markings[0],) * config.num_levels
+    table.write_config(type(config)(config.num_levels, bad, config.class_map,
+                                    config.fallback_class, config.default_levels))  # fmt: skip
+    table._mm[area] = good
+
+
+def _config_seq_left_odd(table: FlowTable) -> None:
+    """A write that never finished: every reader retries, or keeps an older copy."""
+    from flowsched.shm import table as table_module
+
+    table._u32[table_module._H32["config_seq"]] |= 1
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [_markings_swapped_and_put_back, _config_seq_left_odd],
+    ids=["bytes-put-back", "seq-left-odd"],
+)
+def test_a_marking_table_whose_seqlock_word_was_moved_is_rewritten(
+    tmp_path: Path, tamper: Callable[[FlowTable], None]
+) -> None:
+    """The word counts, not only the bytes: a plugin keeps its copy of the marking table for as
+    long as config_seq stays what it was when it read it."""
+    with AgentThread(_config(tmp_path, tmp_path / "flowsched")) as running:
+        agent = running.agent
+        with FlowTable.open(agent.config.table_path, writable=True) as table:
+            config = table.read_config()
+            assert running.run(agent.reassert_levels) == 0
+            tamper(table)
+            tampered = table.header()["config_seq"]
+            assert running.run(agent.reassert_levels) == 1
+            seq = table.header()["config_seq"]
+            # moved on (every plugin reads the table again) and even (stable)
+            assert seq != tampered and seq % 2 == 0
+            assert table.read_config() == config
+            assert running.run(agent.reassert_levels) == 0  # and then left alone

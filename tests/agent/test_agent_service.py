@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import stat
+import subprocess
 import sys
 import time
 import urllib.request
@@ -19,7 +20,7 @@ import pytest
 from agent_helpers import agent_config, wait_until
 from pid_namespace import unshared
 
-from flowsched import client
+from flowsched import client, qos
 from flowsched.agent import AgentConfig, sdk_server, serve
 from flowsched.agent.flows import MAX_JOBS
 from flowsched.agent.threaded import AgentThread
@@ -100,6 +101,46 @@ def test_metrics_endpoint_reports_flows(agent: AgentThread) -> None:
         body = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
     assert 'flowsched_agent_active_flows{class="experience"' in body
     assert 'source="sdk"' in body and "flowsched_agent_fallback_active" in body
+
+
+def test_the_sdk_flows_of_a_client_that_exited_are_closed_with_its_connection(
+    agent: AgentThread,
+) -> None:
+    """A connection can outlive its process (handed to a child): its flows, open in the name
+    of a pid that a later process may be given, close once the reaper sees it exited."""
+    registry = agent.agent.registry
+    assert registry is not None
+    ready, release = os.pipe()
+    opener = os.fork()
+    if opener == 0:  # connect and open, leave the socket to a child that lives on, exit
+        code = 1
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(agent.ready.socket)  # type: ignore[union-attr]
+            sock.sendall(sdk.encode(sdk.Open(1, "bulk")))
+            decoder = sdk.SdkDecoder("client")
+            while decoder.next_message() is None:
+                decoder.feed(sock.recv(65536))
+            if os.fork() == 0:
+                os.close(release)
+                os.read(ready, 1)  # holds the socket until the test ends
+                os._exit(0)
+            code = 0
+        finally:
+            os._exit(code)
+    try:
+        assert os.waitpid(opener, 0)[1] == 0
+        assert [info.pid for info in registry.sdk.values()] == [opener]
+        wait_until(lambda: not registry.sdk, timeout=5)  # the reaper runs once a second
+        assert _sdk_clients(agent) == 0
+    finally:
+        os.close(ready)
+        os.close(release)  # the holder reads end-of-file and exits
+
+
+def _sdk_clients(agent: AgentThread) -> int:
+    assert agent.agent.sdk is not None
+    return agent.agent.sdk.clients
 
 
 def test_a_bad_sdk_client_does_not_harm_others(agent: AgentThread) -> None:
@@ -560,3 +601,55 @@ def test_job_ends_no_coordinator_will_read_are_bounded(
             wait_until(lambda: running.run(lambda: requests["job_progress"]) == ends)
         kept = running.run(lambda: len(running.agent._job_updates))
         assert kept <= (0 if coordinator == "none" else 2 * MAX_JOBS)
+
+
+# -- --qos-dev ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        BlockingIOError(11, "Resource temporarily unavailable"),  # fork failed
+        KeyError("kind"),  # a bug, or tc output this cannot read
+        qos.QosError("tc qdisc: RTNETLINK answers: Operation not permitted"),
+    ],
+    ids=["os-error", "bug", "qos-error"],
+)
+def test_the_qos_repair_loop_goes_on_after_a_failed_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: Exception
+) -> None:
+    """docs/qos.md: errors are logged and the agent carries on checking the device."""
+    calls: list[int] = []
+
+    def apply(agent: object, cfg: object) -> list[str]:
+        calls.append(len(calls))
+        if len(calls) == 2:  # the first check after the start's (a failure there is fatal)
+            raise failure
+        return []
+
+    monkeypatch.setattr("flowsched.agent.service.Agent._apply_qos", apply)
+    config = agent_config(tmp_path, qos_dev="lo", qos_check_interval=0.05)
+    with AgentThread(config):
+        wait_until(lambda: len(calls) >= 4)
+
+
+@pytest.mark.parametrize(
+    "run,output",
+    [
+        (OSError(11, "Resource temporarily unavailable"), None),
+        (None, "not json"),
+        (None, '[{"root": true}]'),  # no "kind"
+    ],
+    ids=["cannot-run", "not-json", "no-kind"],
+)
+def test_what_tc_does_wrong_is_a_qos_error(
+    monkeypatch: pytest.MonkeyPatch, run: OSError | None, output: str | None
+) -> None:
+    def fake_run(*args: object, **kwargs: object) -> subprocess.CompletedProcess[str]:
+        if run is not None:
+            raise run
+        return subprocess.CompletedProcess([], 0, output, "")
+
+    monkeypatch.setattr(qos.subprocess, "run", fake_run)
+    with pytest.raises(qos.QosError):
+        qos.observe("lo")

@@ -212,6 +212,32 @@ def test_new_connection_during_sdk_flow_is_linked(reg: FlowRegistry) -> None:
 
 
 @pytest.mark.parametrize(
+    "client_start,slot_start,linked",
+    [
+        (100, 100, True),  # the client's own connection
+        (100, 200, False),  # a later process given the client's pid
+        (100, 0, True),  # a plugin that does not say when its process started
+        (0, 200, True),  # an agent that could not tell when the client started
+    ],
+    ids=["same-process", "pid-reused", "slot-unknown", "client-unknown"],
+)
+def test_only_the_clients_own_process_is_linked_to_its_sdk_flow(
+    reg: FlowRegistry, client_start: int, slot_start: int, linked: bool
+) -> None:
+    """A pid names a process only together with its start: the SDK client's connection may
+    outlive it, and a later process given its pid is not its client."""
+    sdk_flow, _ = reg.open_sdk(PID, FlowClass.KV, 1.0, start_ticks=client_start)
+    snap = dataclasses.replace(slot(5, cls=FlowClass.KV), start_ticks=slot_start)
+    reg.observe([snap], 1.5, 0)
+    assert (reg.slots[5, 1].linked_to == sdk_flow.flow_id) is linked
+    # and the other way round: a flow opened after the slot appeared
+    other = FlowRegistry(node="n1", links=("n1/eth0",), id_prefix=4)
+    other.observe([snap], 1.0, 0)
+    _, got = other.open_sdk(PID, FlowClass.KV, 1.5, start_ticks=client_start)
+    assert bool(got) is linked
+
+
+@pytest.mark.parametrize(
     "flags,counted", [(0, 64), (layout.SLOT_FLAG_MOVED, 0)], ids=["new", "moved"]
 )
 def test_a_connection_that_moved_into_the_table_counts_from_its_arrival(

@@ -102,3 +102,11 @@ def test_capacity_override_beats_sysfs_speed(tmp_path: Path) -> None:
     _nic(tmp_path, "veth0", tx=12_500_000, speed="10000")
     (sample,) = mon.sample(now=2.0)
     assert sample.bandwidth == 25e6 and sample.load == 0.5
+
+
+def test_an_interface_gone_since_the_listing_is_left_out(tmp_path: Path) -> None:
+    for name, state in (("eth0", "up"), ("veth1", None)):  # veth1: its operstate is gone
+        (tmp_path / name).mkdir()
+        if state is not None:
+            (tmp_path / name / "operstate").write_text(state + "\n")
+    assert default_interfaces(tmp_path) == ("eth0",)
