@@ -891,33 +891,23 @@ def assert_level_moves_at_next_change(pol: rmlq.RmlqPolicy, size: int, deadline:
         flow.level, now = moved[flow.flow_id].level, after
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=90, deadline=None)
 @given(
     size=st.integers(1, 10**10),
     deadline=st.floats(0.01, 10.0),
     urgent_levels=st.integers(1, 3),
-)
-def test_next_change_is_when_the_level_changes(
-    size: int, deadline: float, urgent_levels: int
-) -> None:
-    """With no reports in between, the level holds until next_change and moves right after."""
-    pol = policy(rho_source="none", feasibility=False, urgent_levels=urgent_levels)
-    assert_level_moves_at_next_change(pol, size, deadline)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    size=st.integers(1, 10**10),
-    deadline=st.floats(0.01, 10.0),
     top_threshold=st.floats(0.01, 1.0),
 )
-def test_next_change_is_when_an_mlu_band_changes(
-    size: int, deadline: float, top_threshold: float
+def test_next_change_is_when_the_level_changes(
+    size: int, deadline: float, urgent_levels: int, top_threshold: float
 ) -> None:
-    """Deferred bands by MLU, the urgent tier's threshold anywhere in (0, 1], below the
-    bands' included: the level holds until next_change and moves right after."""
+    """With no reports in between, the level holds until next_change and moves right after,
+    the urgent tier's threshold anywhere in (0, 1] (below the MLU bands' included)."""
     pol = policy(
-        rho_source="none", feasibility=False, deferred_order="mlu", top_threshold=top_threshold
+        rho_source="none",
+        feasibility=False,
+        urgent_levels=urgent_levels,
+        top_threshold=top_threshold,
     )
     assert_level_moves_at_next_change(pol, size, deadline)
 
