@@ -32,19 +32,21 @@ class DescriptorCloser:
         self._queue: deque[tuple[int, int | None]] = deque()
         self._ready = threading.Condition()
         self._waiting: Counter[int | None] = Counter()
+        self._total = 0
         self._thread: threading.Thread | None = None
         self._stopping = False
 
+    # The two reads below take no lock: the SDK server asks them before every read and every
+    # accept, and a single int or dict lookup is atomic under the GIL (the counts are only
+    # written under the lock).
     @property
     def waiting(self) -> int:
         """Descriptors handed over and not closed yet, every owner's together."""
-        with self._ready:
-            return sum(self._waiting.values())
+        return self._total
 
     def waiting_of(self, owner: int | None) -> int:
         """Descriptors of ``owner`` handed over and not closed yet."""
-        with self._ready:
-            return self._waiting[owner]
+        return self._waiting.get(owner, 0)
 
     def close_later(self, fds: list[int] | tuple[int, ...], owner: int | None) -> None:
         """Close ``fds``: they are the closer's from now on (never blocks)."""
@@ -53,6 +55,7 @@ class DescriptorCloser:
         with self._ready:
             self._queue.extend((fd, owner) for fd in fds)
             self._waiting[owner] += len(fds)
+            self._total += len(fds)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="flowsched-closer", daemon=True
@@ -85,6 +88,7 @@ class DescriptorCloser:
             except OSError as exc:
                 log.debug("closing descriptor %d: %s", fd, exc)
             with self._ready:
+                self._total -= 1
                 self._waiting[owner] -= 1
                 if self._waiting[owner] <= 0:
                     del self._waiting[owner]
