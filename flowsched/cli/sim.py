@@ -26,6 +26,7 @@ from flowsched.sim.run import (
     late_problem,
     late_variants,
     run,
+    variant,
 )
 
 DEFAULT_POLICIES = "ideal,rmlq,fair,static,static+late,edf,edf+late,sjf,pias,karuna,llf,llf+late"
@@ -36,8 +37,6 @@ PAPER = {
     "loads": "0.5,0.6,0.7",
     "seeds": 3,
 }
-#: the arguments a NAME+late baseline adds
-LATE_ARGS = {"drop_late": True}
 #: hardware queues a fabric offers when no policy file says (switches have 8 at best)
 DEFAULT_HW_QUEUES = 8
 
@@ -139,10 +138,7 @@ def specs(names: list[str], policy_file: Path | None, default_levels: int) -> li
         if name == IDEAL:
             built.append(ideal_spec(levels))
             continue
-        base = name.removesuffix(LATE_SUFFIX)
-        args = dict(file_args) if base == file_policy else {}
-        if name.endswith(LATE_SUFFIX):
-            args.update(LATE_ARGS)
+        base, args = variant(name, file_policy, file_args)
         built.append(PolicySpec(base, args, levels, timer, label=name, level_queue=queues))
     for spec in built:  # e.g. rmlq needs K >= early_levels + 3: say so before any run
         try:

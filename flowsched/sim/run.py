@@ -54,6 +54,19 @@ def late_problem(name: str) -> str | None:
     )
 
 
+def variant(
+    name: str, file_policy: str | None, file_args: Mapping[str, Any]
+) -> tuple[str, dict[str, Any]]:
+    """The registered policy and the arguments that run ``name`` from a policy file whose
+    policy is ``file_policy`` with ``file_args``: the file's arguments when it names the same
+    policy (none otherwise), plus ``drop_late = true`` for ``NAME+late``."""
+    base = name.removesuffix(LATE_SUFFIX)
+    args = dict(file_args) if base == file_policy else {}
+    if base != name:
+        args["drop_late"] = True
+    return base, args
+
+
 @dataclass(frozen=True, slots=True)
 class PolicySpec:
     """How to build a policy for a run: registry name, arguments, levels, timer, hw queues.

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import shlex
 import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from flowsched import policies, policyfile
 from flowsched import report as shared_report
 from flowsched.data import data_path
 from flowsched.metrics import RunMetrics, RunRecords
-from flowsched.sim.run import IDEAL, IDEAL_PRIVATE, LATE_SUFFIX
+from flowsched.sim.run import IDEAL, IDEAL_PRIVATE, LATE_SUFFIX, variant
 from flowsched.testbed import netns, replay, report, runner
 from flowsched.testbed.procstat import cpu_times, steal_share
 from flowsched.testbed.trace import ScenarioParams, Trace, Transfer, generate
@@ -72,41 +71,49 @@ def policy_path(name: str) -> Path:
     return path
 
 
-def testbed_policy_file(name: str, work: Path) -> Path:
-    """The policy file a testbed run of ``name`` loads: the benchmark's own file, or for
-    ``NAME+late`` NAME's file with ``drop_late = true``, written to ``work``."""
+def policy_document(name: str) -> tuple[dict[str, Any], Path]:
+    """``name``'s benchmark policy file as a TOML document, and the file it is made from.
+
+    A name with its own file (``bench/contention/policies/NAME.toml``) is that file;
+    ``NAME+late`` is NAME's file with ``drop_late = true`` (late-dropping: a KV transfer past
+    its deadline goes to the scavenger level); a registered policy without a file (e.g.
+    ``llf``) takes static's file (the K, hardware queues, marking and timer every benchmark
+    file shares) with the policy swapped in. FileNotFoundError when there is neither."""
+    own = BENCH_DIR / "policies" / f"{name}.toml"
     base = name.removesuffix(LATE_SUFFIX)
-    path = policy_path(base)
-    if base == name:
-        return path
+    path = own if own.exists() else BENCH_DIR / "policies" / f"{base}.toml"
+    if not path.exists():
+        if base not in policies.names():
+            raise FileNotFoundError(
+                f"no benchmark policy file {own} and no registered policy {base!r}"
+            )
+        path = policy_path("static")
     document = tomllib.loads(path.read_text(encoding="utf-8"))
-    document["policy"].setdefault("args", {})["drop_late"] = True
-    document["description"] = f"{document.get('description', base)} ({name})"
-    work.mkdir(parents=True, exist_ok=True)
-    late = work / f"{name}.toml"
-    late.write_text(policyfile.to_toml(document), encoding="utf-8")
-    return late
+    if path != own:
+        section = document["policy"]
+        section["name"], section["args"] = variant(name, section["name"], section.get("args", {}))
+        document["description"] = f"{document.get('description', base)} ({name})"
+    return document, path
 
 
 def policy_config(name: str) -> policyfile.PolicyConfig:
-    """``name``'s benchmark policy file. ``NAME+late`` is ``NAME``'s with ``drop_late = true``
-    (late-dropping: a KV transfer past its deadline goes to the scavenger level); a registered
-    policy without a file (e.g. ``llf``) takes static's file (the K, hardware queues, marking
-    and timer every benchmark file shares) with the policy swapped in."""
-    path = BENCH_DIR / "policies" / f"{name}.toml"
-    if path.exists():
-        return policyfile.load(path)
-    base = name.removesuffix(LATE_SUFFIX)
-    if base != name:
-        cfg = policy_config(base)
-        args = {**cfg.args, "drop_late": True}
-        return dataclasses.replace(cfg, args=args, source=f"{cfg.source} ({name})")
-    if base not in policies.names():
-        raise FileNotFoundError(
-            f"no benchmark policy file {path} and no registered policy {base!r}"
-        )
-    shared = policyfile.load(policy_path("static"))
-    return dataclasses.replace(shared, policy=base, args={}, source=f"{shared.source} ({name})")
+    """``name``'s benchmark policy, parsed and checked (:func:`policy_document` says which);
+    :class:`~flowsched.policyfile.PolicyFileError` for a ``NAME+late`` NAME does not take."""
+    document, path = policy_document(name)
+    source = str(path) if path.stem == name else f"{path} ({name})"
+    return policyfile.from_mapping(document, source=source)
+
+
+def testbed_policy_file(name: str, work: Path) -> Path:
+    """The policy file a testbed run of ``name`` loads: the benchmark's own file, or the
+    document :func:`policy_document` makes, written to ``work``."""
+    document, path = policy_document(name)
+    if path.stem == name:
+        return path
+    work.mkdir(parents=True, exist_ok=True)
+    made = work / f"{name}.toml"
+    made.write_text(policyfile.to_toml(document), encoding="utf-8")
+    return made
 
 
 class Progress:

@@ -44,6 +44,7 @@ from flowsched.sim.run import (
     PolicySpec,
     build_topology,
     ideal_spec,
+    variant,
 )
 from flowsched.sim.run import run as simulate
 from flowsched.sim.serving import ServingWorkload
@@ -131,11 +132,8 @@ def policy_document(name: str) -> dict[str, Any]:
     base = name.removesuffix(LATE_SUFFIX)
     if base not in policies.names():
         raise ValueError(f"unknown policy {base!r} (known: {', '.join(policies.names())})")
-    if base != section["name"]:
-        section["name"], section["args"] = base, {}
-    args = section.setdefault("args", {})
-    if name.endswith(LATE_SUFFIX):
-        args["drop_late"] = True
+    section["name"], args = variant(name, section["name"], section.get("args", {}))
+    section["args"] = args
     if base == "rmlq":  # the code defaults in seconds or layers that the file leaves out
         from flowsched.policies.rmlq import Args
 

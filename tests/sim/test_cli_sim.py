@@ -9,7 +9,7 @@ import pytest
 
 import flowsched.cli.sim as sim_cli
 from flowsched.cli import main
-from flowsched.sim.run import late_variants
+from flowsched.sim.run import late_variants, variant
 
 TINY = """
 [scenario]
@@ -94,6 +94,24 @@ def test_only_the_policies_that_take_drop_late_have_a_late_variant(
         sim_cli.specs(names.split(","), None, 8)
     assert str(refused.value).startswith(f"flowsched sim: --policies: {refusal}")
     assert late_variants() == ["static", "edf", "llf"]
+
+
+@pytest.mark.parametrize(
+    ("name", "file_policy", "expected"),
+    [
+        ("edf", "edf", ("edf", {"x": 1})),
+        ("edf+late", "edf", ("edf", {"x": 1, "drop_late": True})),
+        ("llf+late", "static", ("llf", {"drop_late": True})),
+        ("llf", "static", ("llf", {})),
+        ("static+late", None, ("static", {"drop_late": True})),
+    ],
+)
+def test_a_variant_keeps_the_files_arguments_only_for_the_files_policy(
+    name: str, file_policy: str | None, expected: tuple[str, dict[str, object]]
+) -> None:
+    file_args = {"x": 1}
+    assert variant(name, file_policy, file_args) == expected
+    assert file_args == {"x": 1}
 
 
 def test_sim_pools_several_seeds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

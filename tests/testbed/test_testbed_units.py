@@ -426,13 +426,22 @@ def test_policies_without_a_benchmark_file_share_statics_settings() -> None:
         bench.policy_config("nope")
 
 
-@pytest.mark.parametrize("name", ["edf", "static", "rmlq"])
+@pytest.mark.parametrize("name", ["edf", "static"])
 def test_late_dropping_is_the_files_policy_with_drop_late(name: str) -> None:
     plain, late = bench.policy_config(name), bench.policy_config(name + "+late")
     assert late.args == {**plain.args, "drop_late": True}
-    assert replace(late, args=plain.args, source=plain.source) == plain
+    assert late.source == f"{plain.source} ({name}+late)"
+    assert late.description == f"{plain.description} ({name}+late)"
+    assert replace(late, args=plain.args, source=plain.source, description=plain.description) == (
+        plain
+    )
     with pytest.raises(FileNotFoundError, match=f"no registered policy '{name}-late'"):
         bench.policy_config(name + "-late")
+
+
+def test_late_dropping_of_a_policy_without_the_rule_is_refused() -> None:
+    with pytest.raises(policyfile.PolicyFileError, match="drop_late"):
+        bench.policy_config("rmlq+late")
 
 
 @pytest.mark.parametrize("name", ["edf", "static"])
@@ -443,8 +452,15 @@ def test_testbed_runs_late_dropping_from_the_files_policy_with_drop_late(
     path = bench.testbed_policy_file(name + "+late", tmp_path)
     assert path.parent == tmp_path
     loaded, expected = policyfile.load(path), bench.policy_config(name + "+late")
-    assert loaded.description == f"{expected.description} ({name}+late)"
-    assert replace(loaded, source=expected.source, description=expected.description) == expected
+    assert replace(loaded, source=expected.source) == expected
+
+
+def test_testbed_runs_a_policy_without_a_file_on_statics_settings(tmp_path: Path) -> None:
+    path = bench.testbed_policy_file("llf+late", tmp_path)
+    assert path.parent == tmp_path
+    loaded, expected = policyfile.load(path), bench.policy_config("llf+late")
+    assert (loaded.policy, loaded.args) == ("llf", {"drop_late": True})
+    assert replace(loaded, source=expected.source) == expected
 
 
 @pytest.mark.parametrize(
