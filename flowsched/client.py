@@ -253,9 +253,10 @@ class _Sender:
         self._namespace_fd = namespace_fd
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
-        #: frames, or a flow id whose latest progress is in ``_progress``
-        self._queue: deque[bytes | int] = deque()
-        self._queued = 0  # bytes of the frames in ``_queue``
+        #: frames, or (a flow id whose latest progress is in ``_progress``, the bytes counted
+        #: for it in ``_queued``)
+        self._queue: deque[bytes | tuple[int, int]] = deque()
+        self._queued = 0  # bytes of the entries in ``_queue``, as counted when queued
         self._progress: dict[int, int] = {}
         self._writing = False  # the writer thread is sending a frame it took off the queue
         self._stopped = False
@@ -290,7 +291,7 @@ class _Sender:
                 self._queued += len(data) - sent
             elif isinstance(message, sdk.Progress):
                 self._progress[message.id] = message.sent
-                self._queue.append(message.id)
+                self._queue.append((message.id, len(data)))
                 self._queued += len(data)
             else:
                 self._queue.append(data)
@@ -351,14 +352,16 @@ class _Sender:
                 if self._stopped:
                     return None
                 entry = self._queue.popleft()
-                if isinstance(entry, int):
-                    sent = self._progress.pop(entry, None)
+                if isinstance(entry, tuple):
+                    flow_id, counted = entry
+                    self._queued -= counted  # also when skipped: it leaves the queue
+                    sent = self._progress.pop(flow_id, None)
                     if sent is None:  # closed since: its close carried the count
                         continue
-                    data = sdk.encode(sdk.Progress(entry, sent))
+                    data = sdk.encode(sdk.Progress(flow_id, sent))
                 else:
                     data = entry
-                self._queued = max(self._queued - len(data), 0)
+                    self._queued -= len(data)
                 self._writing = True
                 return data
 

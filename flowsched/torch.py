@@ -52,6 +52,11 @@ def nccl_options_with_traffic_class(traffic_class: int, dist: Any = None) -> Any
         options = pg_nccl.Options()
     except Exception:  # built without NCCL, or a constructor we do not know
         return None
+    return _set_traffic_class(options, traffic_class)
+
+
+def _set_traffic_class(options: Any, traffic_class: int) -> Any | None:
+    """``options`` with ``config.traffic_class`` set, or None when it has no such field."""
     config = getattr(options, "config", None)
     if config is None or not hasattr(config, "traffic_class"):
         return None
@@ -97,14 +102,24 @@ def new_group(
     and with NCCL before 2.28 the plugin reads ``FLOWSCHED_CLASS`` at every connection setup.
     Do not call this while another communicator is being created or connected on another
     thread; keeping those apart is the caller's part.
-    ``dist`` (default ``torch.distributed``) and ``kwargs`` go to ``new_group``.
+    ``dist`` (default ``torch.distributed``) and ``kwargs`` go to ``new_group``; a
+    ``pg_options`` among them is the one given to the group, with its
+    ``config.traffic_class`` set (where it has one).
     """
     flow_class = FlowClass.parse(cls) if isinstance(cls, str) else FlowClass(cls)
     if dist is None:
         dist = _torch_distributed()
     tc = traffic_class if traffic_class is not None else traffic_class_for(flow_class)
-    options = nccl_options_with_traffic_class(tc, dist) if tc is not None else None
-    if options is not None and backend == "nccl":
+    options = None
+    if tc is not None and backend == "nccl":
+        given = kwargs.pop("pg_options", None)  # the caller's own options carry the class
+        if given is not None:
+            options = _set_traffic_class(given, tc)
+            if options is None:
+                kwargs["pg_options"] = given  # passed on unchanged to the fallback
+        else:
+            options = nccl_options_with_traffic_class(tc, dist)
+    if options is not None:
         group = dist.new_group(ranks=ranks, backend=backend, pg_options=options, **kwargs)
         detail = f"NCCL communicator trafficClass={tc} (class {flow_class.label})"
         result = GroupResult(group, METHOD_NCCL_CONFIG, detail)

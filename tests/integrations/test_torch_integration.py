@@ -67,6 +67,27 @@ def test_traffic_class_is_set_when_torch_supports_it(monkeypatch: pytest.MonkeyP
     assert "FLOWSCHED_CLASS" not in os.environ
 
 
+def test_the_callers_pg_options_carry_the_traffic_class(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FLOWSCHED_CLASS", raising=False)
+    dist = _fake_dist(_OptionsWithConfig)
+    mine = _OptionsWithConfig()
+    result = fs_torch.new_group("kv", ranks=[0, 1], traffic_class=7, dist=dist, pg_options=mine)
+    assert result.method == fs_torch.METHOD_NCCL_CONFIG
+    assert dist.calls[0]["pg_options"] is mine and mine.config.traffic_class == 7
+
+
+def test_the_callers_pg_options_without_the_field_go_on_unchanged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("FLOWSCHED_CLASS", raising=False)
+    dist = _fake_dist(_OptionsWithConfig)
+    mine = _OptionsWithoutTc()
+    result = fs_torch.new_group("kv", traffic_class=7, dist=dist, pg_options=mine)
+    assert result.method == fs_torch.METHOD_ENV
+    assert dist.calls[0]["pg_options"] is mine
+    assert dist.env_at == {"new_group": "kv", "barrier": "kv"}
+
+
 @pytest.mark.parametrize("options", [None, _OptionsWithoutTc], ids=["no-pg-nccl", "no-tc-field"])
 @pytest.mark.parametrize("before", [None, "kv"], ids=["unset-before", "set-before"])
 def test_fallback_sets_flowsched_class_while_the_communicator_is_created(

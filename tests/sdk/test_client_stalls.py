@@ -226,3 +226,28 @@ def test_a_forked_child_uses_its_own_connection(agent: AgentThread) -> None:
     parent.progress(400)  # the parent's connection is intact
     _wait(lambda: registry.flows[parent.id].sent == 400, "the parent's progress")  # type: ignore[index]
     parent.close()
+
+
+def test_progress_dropped_for_a_close_leaves_no_queued_bytes_counted() -> None:
+    # a progress queued behind a slow agent and then made moot by its flow's close is never
+    # sent: the bytes counted for it must leave the count too, or a healthy connection's
+    # count grows with every such flow until it is given up as stalled
+    ours, agents = socket.socketpair()
+    with ours, agents:
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        sender = client._Sender(ours)
+        while not sender.backed_up:
+            assert sender.send(sdk.JobProgress("j" * 100, 1, None))
+        for flow_id in range(1000, 1200):
+            assert sender.send(sdk.Progress(flow_id, 5))
+            assert sender.send(sdk.Close(flow_id, 5))
+        agents.setblocking(False)
+
+        def drained() -> bool:
+            with contextlib.suppress(BlockingIOError):
+                agents.recv(1 << 16)
+            return not sender.backed_up
+
+        _wait(drained, "the agent read every queued frame")
+        assert sender._queued == 0
+        sender.stop()
