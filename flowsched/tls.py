@@ -77,6 +77,9 @@ def server_context(cert: str, key: str, client_ca: str | None = None) -> ssl.SSL
     # not create_default_context: it would trust the system's CAs for client certificates too
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = MINIMUM_VERSION
+    # a TLS 1.2 peer's renegotiation would be a handshake outside the coordinator's pacing
+    # (OpenSSL 3 refuses client-started ones already; older builds did not)
+    context.options |= ssl.OP_NO_RENEGOTIATION
     _load_chain(context, cert, key, "tls")
     if client_ca is not None:
         _load_ca(context, client_ca, "tls_client_ca")

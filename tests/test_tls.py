@@ -182,3 +182,9 @@ def test_the_coordinator_trusts_the_client_ca_alone(tls_files: Any) -> None:
     assert tls.server_context(
         str(tls_files.server_cert), str(tls_files.server_key)
     ).verify_mode == (ssl.CERT_NONE)
+
+
+def test_the_coordinator_refuses_renegotiation(tls_files: Any) -> None:
+    # a TLS 1.2 peer's renegotiation would be a handshake outside the coordinator's pacing
+    context = tls.server_context(str(tls_files.server_cert), str(tls_files.server_key))
+    assert context.options & ssl.OP_NO_RENEGOTIATION

@@ -61,7 +61,8 @@ HANDSHAKE_CHUNK = HANDSHAKE_MAX_FRAME_SIZE + 4
 #: bytes per receive once authenticated (the StreamReader pauses the socket at twice this)
 ESTABLISHED_CHUNK = 4 * READ_SIZE
 #: bytes a TLS peer may send before the coordinator starts its handshake (a TLS hello is one
-#: record of at most 16 KiB plus its header)
+#: record of at most 16 KiB plus its header; a peer that splits it over more records pays
+#: their headers out of the margin)
 TLS_EARLY_LIMIT = (16 << 10) + 512
 #: encrypted bytes the TLS layer may hold for a connection before it authenticates (asyncio's
 #: default is 256 KiB per connection: a flood's cost, not an agent's need)
@@ -146,9 +147,10 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
         self._decrypted = bytearray()  # the peer's first frames, decrypted before secured()
         #: the connection ended before the TLS handshake took it over
         self.lost_early = False
-        #: done once ``early`` holds the peer's whole first TLS record (its client hello), or
-        #: the peer stopped sending or closed: the handshake may start (TLS only)
+        #: done once ``early`` holds the peer's whole client hello (however many TLS records
+        #: carry it), or the peer stopped sending or closed: the handshake may start (TLS only)
         self.hello_ready: asyncio.Future[None] | None = None
+        self._hello = ClientHelloWatch()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._start_tls is not None:  # (uvloop's transports do not subclass Transport)
@@ -211,7 +213,7 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
             self._stash(self._decrypted, nbytes, 2 * self.reader.chunk)  # past it: not an agent
         else:  # the client hello, before the handshake starts (see tls_accept)
             self._stash(self.early, nbytes, TLS_EARLY_LIMIT)
-            if first_record_complete(self.early):
+            if self._hello.complete(self.early):
                 self._hello_done()
 
     def _stash(self, buffer: bytearray, nbytes: int, limit: int) -> None:
@@ -227,19 +229,60 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
             self.hello_ready.set_result(None)
 
 
-#: the TLS record type of handshake messages (a client hello comes in one)
+#: the TLS record type of handshake messages (a client hello comes in one or more)
 _TLS_HANDSHAKE_RECORD = 0x16
+#: the handshake message type of a client hello
+_TLS_CLIENT_HELLO = 1
 
 
-def first_record_complete(data: bytes | bytearray) -> bool:
-    """Whether ``data`` starts with a whole TLS record (type, version, 16-bit length, body),
-    or cannot be a TLS handshake at all, so that waiting for more would only delay the
-    handshake's own error."""
-    if not data:
-        return False
-    if data[0] != _TLS_HANDSHAKE_RECORD:
-        return True
-    return len(data) >= 5 and len(data) >= 5 + int.from_bytes(data[3:5], "big")
+class ClientHelloWatch:
+    """Tells when the bytes a TLS peer sent first hold its whole client hello.
+
+    A hello may be split over several handshake records (TLS allows any fragmentation): a
+    peer whose first record holds a few bytes of it would otherwise get a handshake turn for
+    nothing, and send the rest later, when it chooses, together with as many such peers as it
+    holds: the TLS layer then answers all of them in one loop turn (1,500 peers held the
+    coordinator's loop for 1.5 s). :meth:`complete` is called with the same growing buffer
+    each time and looks at each record once.
+    """
+
+    __slots__ = ("_got", "_header", "_need", "_pos")
+
+    def __init__(self) -> None:
+        self._pos = 0  # where the next record starts in the buffer
+        self._header = bytearray()  # the hello's 4-byte handshake header, as it arrives
+        self._need: int | None = None  # the hello's size with its header, once known
+        self._got = 0  # handshake bytes in the whole records so far
+
+    def complete(self, data: bytes | bytearray) -> bool:
+        """Whether ``data`` (everything received so far) holds the whole client hello, or
+        cannot be one at all (another record type or handshake message first), so that
+        waiting for more would only delay the handshake's own error."""
+        if not data:
+            return False
+        while len(data) >= self._pos + 5:
+            if data[self._pos] != _TLS_HANDSHAKE_RECORD:
+                return True
+            size = int.from_bytes(data[self._pos + 3 : self._pos + 5], "big")
+            end = self._pos + 5 + size
+            if len(data) < end:
+                return False  # the TLS layer reads whole records only
+            if self._need is None:
+                self._header += data[self._pos + 5 : min(end, self._pos + 9 - len(self._header))]
+                if len(self._header) == 4:
+                    if self._header[0] != _TLS_CLIENT_HELLO:
+                        return True
+                    self._need = 4 + int.from_bytes(self._header[1:4], "big")
+            self._got += size
+            self._pos = end
+            if self._need is not None and self._got >= self._need:
+                return True
+        return data[0] != _TLS_HANDSHAKE_RECORD
+
+
+def client_hello_complete(data: bytes | bytearray) -> bool:
+    """:meth:`ClientHelloWatch.complete` of ``data`` received at once."""
+    return ClientHelloWatch().complete(data)
 
 
 def set_tls_read_limit(transport: asyncio.BaseTransport, high: int | None) -> None:

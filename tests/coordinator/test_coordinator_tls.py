@@ -19,7 +19,11 @@ from coordinator_helpers import TOKEN, running_coordinator, wait_until
 
 from flowsched import tls
 from flowsched.coordinator import Coordinator, CoordinatorConfig, tls_accept
-from flowsched.coordinator.connection import TLS_EARLY_LIMIT, first_record_complete
+from flowsched.coordinator.connection import (
+    TLS_EARLY_LIMIT,
+    ClientHelloWatch,
+    client_hello_complete,
+)
 from flowsched.model import FlowClass
 from flowsched.protocol import FlowOpen, Flows, Levels, LevelUpdate, Message, Resync
 from flowsched.protocol.aio import AgentLink, HandshakeError, connect_agent
@@ -347,13 +351,54 @@ def _client_hello() -> bytes:
     ids=["empty", "type-only", "short-header", "short-body", "whole", "more", "http", "sslv2"],
 )
 def test_a_hello_is_complete_with_its_whole_first_record(data: bytes, complete: bool) -> None:
-    assert first_record_complete(data) is complete
+    assert client_hello_complete(data) is complete
 
 
 def test_a_real_client_hello_is_one_complete_record() -> None:
     hello = _client_hello()
-    assert first_record_complete(hello)
-    assert not first_record_complete(hello[:-1])
+    assert client_hello_complete(hello)
+    assert not client_hello_complete(hello[:-1])
+
+
+def _split_hello(hello: bytes, *sizes: int) -> list[bytes]:
+    """``hello`` (one record) as records of ``sizes`` bytes of its handshake message, then
+    one record of the rest: as TLS allows any handshake message to be fragmented."""
+    body, records = hello[5:], []
+    for size in (*sizes, len(hello)):
+        part, body = body[:size], body[size:]
+        records.append(hello[:3] + struct.pack(">H", len(part)) + part)
+        if not body:
+            break
+    return records
+
+
+@pytest.mark.parametrize("sizes", [(20,), (2,), (1, 1, 1), (0, 3, 0, 40)])
+def test_a_hello_split_over_records_is_complete_only_with_its_last(
+    sizes: tuple[int, ...],
+) -> None:
+    """A peer whose first record held a few bytes of its hello got a handshake turn for them,
+    then sent the rest when it chose, with every other such peer: the TLS layer answered them
+    all in one loop turn (1,500 of them held the coordinator's loop 1.5 s)."""
+    records = _split_hello(_client_hello(), *sizes)
+    assert len(records) == len(sizes) + 1
+    watch, received = ClientHelloWatch(), b""
+    for record in records[:-1]:
+        for byte in range(len(record)):  # as it arrives, a byte at a time
+            received += record[byte : byte + 1]
+            assert not watch.complete(received)
+    received += records[-1]
+    assert watch.complete(received)
+    assert client_hello_complete(received)
+    assert not client_hello_complete(received[:-1])
+
+
+def test_a_first_record_that_is_no_hello_is_complete_at_once() -> None:
+    # a handshake message of another type, or an alert record after half a hello: the TLS
+    # layer refuses either at once, so the handshake may start
+    assert client_hello_complete(b"\x16\x03\x01\x00\x04\x02\x00\x00\x00")
+    first = _split_hello(_client_hello(), 20)[0]
+    assert not client_hello_complete(first)
+    assert client_hello_complete(first + b"\x15\x03\x03\x00\x02\x02\x28")
 
 
 def test_the_pace_lets_at_most_per_turn_callers_through_each_turn() -> None:
@@ -446,6 +491,44 @@ def test_a_flood_of_hellos_is_answered_a_few_per_turn_and_half_hellos_wait(
         for turn in started:
             per_turn[turn] = per_turn.get(turn, 0) + 1
         assert max(per_turn.values()) <= 3, per_turn
+
+    run(scenario())
+
+
+def test_a_hello_split_over_records_gets_a_handshake_turn_only_once_whole(
+    run: Runner, tls_files: TlsFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hello's first record alone (a few bytes of the hello) took a handshake turn: the
+    peers' later records were then answered, key exchange and signature, all in one loop turn."""
+    started: list[int] = []
+    real_handshake = tls_accept.handshake
+
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        started.append(1)
+        return await real_handshake(*args, **kwargs)
+
+    monkeypatch.setattr(tls_accept, "handshake", recording)
+
+    async def scenario() -> None:
+        overrides = {**_server(tls_files), "handshake_timeout": 30}
+        async with running_coordinator(**overrides) as coordinator:
+            assert coordinator.addresses is not None
+            address = coordinator.addresses.host, coordinator.addresses.port
+            first, rest = _split_hello(_client_hello(), 20)
+            peers = [await asyncio.open_connection(*address) for _ in range(5)]
+            for _, writer in peers:
+                writer.write(first)
+            await wait_until(lambda: len(coordinator._tls_pending) == 5, 5, "5 peers pending")
+            good = await _connect(coordinator, tls.client_context(str(tls_files.ca)))
+            await good.close()
+            assert len(started) == 1  # the agent's; none for a hello not yet whole
+            for _, writer in peers:
+                writer.write(rest)
+            answers = await asyncio.gather(*(reader.read(5) for reader, _ in peers))
+            assert all(answer[:1] == b"\x16" for answer in answers)  # the server's flight
+            assert len(started) == 6
+            for _, writer in peers:
+                writer.close()
 
     run(scenario())
 
