@@ -460,8 +460,9 @@ class Agent:
     async def _connect_and_serve(self) -> float | None:
         """One connection attempt and, when the handshake succeeds, one session. Returns the
         least pause before the next attempt, or None when nothing answered (no coordinator
-        listening, or only standbys): sessions that end, and refused handshakes, back off;
-        absence does not."""
+        listening, or only standbys naming a leader that did not answer either): sessions
+        that end, refused handshakes, and standbys that know no leader back off; absence
+        does not."""
         link, pause = await self._connect_leader()
         if link is None:
             return pause
@@ -503,6 +504,8 @@ class Agent:
                     pause = REFUSED_PAUSE
                 elif redirect is not None:
                     queue.insert(0, redirect)
+                elif pause is None:  # it knows no leader (etcd unreachable from it, or it
+                    pause = 0.0  # just started): nothing to chase, so back off
                 continue
             except (OSError, TimeoutError) as exc:
                 self._log_unreachable(address, exc)

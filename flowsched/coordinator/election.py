@@ -349,6 +349,21 @@ def _stop_watch(stream: Response) -> None:
     stream.close()
 
 
+#: characters of etcd's answer quoted in a log line at most
+ETCD_ERROR_LIMIT = 200
+
+
+def _etcd_error(detail: object) -> str:
+    """What etcd said in a failed request's answer body (etcd3gw's ``detail_text``): the
+    gateway's ``{"error": ..., "code": N}`` message, or the text as it came, on one line and
+    cut."""
+    text = str(detail).strip()
+    with contextlib.suppress(ValueError, AttributeError):
+        text = str(json.loads(text).get("error") or text)
+    text = " ".join(text.split())
+    return text if len(text) <= ETCD_ERROR_LIMIT else f"{text[:ETCD_ERROR_LIMIT]}..."
+
+
 def _retrieve(future: asyncio.Future[Any]) -> None:
     """Mark ``future``'s exception retrieved (a watch thread that ended after its waiter)."""
     if not future.cancelled():
@@ -511,14 +526,17 @@ class EtcdElection:
 
     def explain(self, exc: BaseException) -> str:
         """What a failed etcd request says, naming the TLS cause and the flag that fixes it
-        (etcd3gw's exceptions keep their text in ``detail_text``: ``str()`` is empty)."""
+        (etcd3gw's exceptions keep the text in ``detail_text``: ``str()`` is empty, or only
+        the HTTP status's reason when etcd answered, its own words in the body)."""
         ssl_error = _ssl_cause(exc)
         if isinstance(ssl_error, ssl.SSLCertVerificationError):
             return self._explain_verification(ssl_error)
         if ssl_error is not None:
             return self._explain_handshake(ssl_error)
-        detail = getattr(exc, "detail_text", None)
-        return str(exc) or (str(detail) if detail else "") or type(exc).__name__
+        text, detail = str(exc), getattr(exc, "detail_text", None)
+        if text and detail:  # an HTTP answer: its status, then etcd's words
+            return f"{text}: {_etcd_error(detail)}"
+        return text or (str(detail) if detail else "") or type(exc).__name__
 
     def _explain_verification(self, error: ssl.SSLCertVerificationError) -> str:
         trust = f"--etcd-cacert {self.cacert}" if self.cacert else "the system trust store"

@@ -16,6 +16,7 @@ from ha_helpers import etcd_call, need_etcd
 
 from flowsched.coordinator.config import CoordinatorConfig
 from flowsched.coordinator.election import (
+    ETCD_ERROR_LIMIT,
     Candidacy,
     ElectionError,
     EtcdElection,
@@ -435,6 +436,31 @@ async def test_without_etcd_a_candidate_keeps_trying_and_never_leads() -> None:
         await asyncio.wait_for(running, 5)
 
 
+@pytest.mark.asyncio
+async def test_a_campaign_etcd_refuses_is_logged_with_etcds_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """etcd answers a refused request with an HTTP status and its reason in the body: the log
+    gives both (here etcd's authentication, which the coordinator cannot log in to), not the
+    status alone."""
+    need_etcd()
+    with local_etcd(tmp_path / "etcd.log") as url:
+        for path, body in [
+            ("auth/user/add", {"name": "root", "password": "root-pw"}),
+            ("auth/user/grant", {"user": "root", "role": "root"}),
+            ("auth/enable", {}),
+        ]:
+            etcd_call(url, path, body)
+        election = EtcdElection(url, "t", "127.0.0.1:1")
+        campaign = asyncio.ensure_future(election.campaign())
+        try:
+            await wait_until(lambda: "campaign failed" in caplog.text, 10, "a failed campaign")
+        finally:
+            campaign.cancel()
+            await election.withdraw()
+    assert "campaign failed: Bad Request: etcdserver: user name is empty" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -522,6 +548,22 @@ def test_an_answer_that_faults_the_request_is_no_failure_of_the_member() -> None
         election._revoke(7)  # a 503 is the member's: the next one is asked
         assert tried == [0, 0, 1] and election.url == "http://b:2"
         assert election.failures == {"http://a:1": 1, "http://b:2": 0}
+
+
+def test_a_failed_request_is_explained_with_etcds_words() -> None:
+    pytest.importorskip("etcd3gw", reason="the etcd3gw client is not installed")
+    from etcd3gw.exceptions import ConnectionFailedError, Etcd3Exception
+
+    explain = EtcdElection("http://a:1", "t", "x:1").explain
+    no_leader = ConnectionFailedError(
+        '{"error":"etcdserver: no leader","code":14}\n', "Service Unavailable"
+    )
+    assert explain(no_leader) == "Service Unavailable: etcdserver: no leader"
+    long = explain(Etcd3Exception("proxy\n said\tno " * 40, "Bad Gateway"))  # one line, cut
+    assert long.startswith("Bad Gateway: proxy said no proxy") and long.endswith("...")
+    assert len(long) == len("Bad Gateway: ") + ETCD_ERROR_LIMIT + 3 and "\n" not in long
+    refused = "HTTPConnectionPool(host='a', port=1): ... [Errno 111] Connection refused'))"
+    assert explain(ConnectionFailedError(refused)) == refused  # (no status: the text as it came)
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from flowsched.agent import AgentConfig
-from flowsched.agent.service import _redirect
+from flowsched.agent.service import Agent, _redirect
 from flowsched.agent.threaded import AgentThread
 from flowsched.cli.agent import host_ports
 from flowsched.coordinator import Coordinator, CoordinatorConfig
@@ -23,6 +23,7 @@ from flowsched.model import FlowClass
 from flowsched.protocol import write_token
 from flowsched.protocol.aio import HandshakeError
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
+from flowsched.testbed.daemons import closed_port
 
 CLUSTER = 4242
 
@@ -107,23 +108,25 @@ def started() -> Iterator[list[Any]]:
             item.stop()
 
 
-def _agent(tmp_path: Path, token_file: Path, ports: list[int]) -> AgentThread:
+def _agent_config(tmp_path: Path, token_file: Path, ports: list[int]) -> AgentConfig:
     addresses = [("127.0.0.1", port) for port in ports]
-    return AgentThread(
-        AgentConfig(
-            node="n1",
-            socket_path=str(tmp_path / "agent.sock"),
-            table_path=str(tmp_path / "table"),
-            coordinator=addresses[0],
-            coordinators=tuple(addresses[1:]),
-            token_file=str(token_file),
-            num_slots=16,
-            metrics_port=None,
-            interfaces=("lo",),
-            reconnect_interval=0.05,
-            connect_timeout=1.0,
-        )
+    return AgentConfig(
+        node="n1",
+        socket_path=str(tmp_path / "agent.sock"),
+        table_path=str(tmp_path / "table"),
+        coordinator=addresses[0],
+        coordinators=tuple(addresses[1:]),
+        token_file=str(token_file),
+        num_slots=16,
+        metrics_port=None,
+        interfaces=("lo",),
+        reconnect_interval=0.05,
+        connect_timeout=1.0,
     )
+
+
+def _agent(tmp_path: Path, token_file: Path, ports: list[int]) -> AgentThread:
+    return AgentThread(_agent_config(tmp_path, token_file, ports))
 
 
 @pytest.mark.parametrize(
@@ -163,6 +166,32 @@ def test_a_standby_redirects_the_agent_to_the_leader(
     assert standby.agents() == 0
     assert agent.agent.leader_epoch == (CLUSTER, 7)
     assert standby.call(lambda: dict(standby.coordinator.live.rejected or {})).get("not_leader")
+
+
+@pytest.mark.parametrize("knows_leader", [False, True])
+def test_an_agent_backs_off_from_standbys_that_know_no_leader(
+    tmp_path: Path, token: tuple[bytes, Path], started: list[Any], knows_leader: bool
+) -> None:
+    """Coordinators that cannot reach etcd all answer "no leader elected yet": a round of them
+    asks for a pause (the uplink then backs off to one round a second), not the plain 100 ms
+    retry, which made every agent handshake with every standby about ten times a second for
+    as long as etcd was away. Standbys that name a leader which did not answer (it died, a
+    takeover under way) still get the plain retry: its knocks make a standby depose it."""
+    with closed_port() as dead:
+        redirect = f"leader=127.0.0.1:{dead} epoch=7" if knows_leader else None
+        ports = []
+        for _ in range(2):
+            standby = CoordinatorThread(token[0], SetLeadership(None, redirect))
+            started.append(standby)
+            ports.append(standby.start())
+        agent = Agent(_agent_config(tmp_path, token[1], ports))
+        link, pause = asyncio.run(agent._connect_leader())
+    assert link is None
+    assert (pause is None) is knows_leader, pause
+    for standby in started:
+        assert standby.call(lambda s=standby: dict(s.coordinator.live.rejected or {})).get(
+            "not_leader"
+        )
 
 
 def test_a_deposed_leader_is_refused_and_its_stale_levels_dropped(
