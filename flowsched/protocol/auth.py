@@ -124,7 +124,9 @@ def write_token(path: str | os.PathLike[str], token: bytes | None = None) -> byt
     file = Path(path).expanduser()
     file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     token = token if token is not None else os.urandom(32).hex().encode()
-    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # O_NOFOLLOW: a dangling link planted at the path would have the token written where
+    # it points (Path.exists() is False for it, so callers create the token there)
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as handle:
         os.fchmod(handle.fileno(), 0o600)
         handle.write(token + b"\n")

@@ -411,7 +411,10 @@ class FlowTable:
         anyone but root or this user, or writable by others: a table another user created
         first would let them feed this process levels and read its flows.
         """
-        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC
+        # O_NONBLOCK: a FIFO another user put at the path would block a read-only open for
+        # good (a regular file ignores the flag); fstat below refuses it
+        flags = os.O_RDWR if writable else os.O_RDONLY
+        flags |= os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
         try:
             fd = os.open(path, flags)
         except OSError as exc:

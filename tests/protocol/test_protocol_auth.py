@@ -18,6 +18,15 @@ def test_write_then_load_round_trip(tmp_path: Path) -> None:
     assert path.stat().st_mode & 0o777 == 0o600
 
 
+def test_a_token_is_not_written_through_a_dangling_link(tmp_path: Path) -> None:
+    # a link planted at a token path in a shared directory: Path.exists() is False for it
+    target, path = tmp_path / "theirs", tmp_path / "token"
+    path.symlink_to(target)
+    with pytest.raises(OSError, match="symbolic links"):
+        write_token(path)
+    assert not target.exists()
+
+
 @pytest.mark.parametrize("mode", [0o640, 0o604, 0o660, 0o644, 0o606], ids=oct)
 def test_group_or_other_accessible_token_is_refused(tmp_path: Path, mode: int) -> None:
     path = tmp_path / "token"

@@ -261,6 +261,29 @@ def test_symlink_is_refused(tmp_path: Path) -> None:
         FlowTable.create_or_attach(str(link))
 
 
+def test_a_fifo_at_the_path_is_refused_without_blocking(tmp_path: Path) -> None:
+    # another user's FIFO at a table path in a shared directory: a read-only open without
+    # O_NONBLOCK waits for a writer for good (``flowsched flows`` hung)
+    path = tmp_path / "table"
+    os.mkfifo(path)
+    outcome: list[BaseException] = []
+
+    def open_it() -> None:
+        try:
+            FlowTable.open(str(path)).close()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    opener = threading.Thread(target=open_it, daemon=True)
+    opener.start()
+    opener.join(10)
+    if opener.is_alive():  # let the thread end: a writer side releases the blocked open
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("FlowTable.open blocked on a FIFO")
+    assert len(outcome) == 1 and isinstance(outcome[0], TableError), outcome
+    assert "not a regular file" in str(outcome[0])
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a file of another user")
 def test_file_of_another_user_is_refused(table_path: str) -> None:
     Path(table_path).write_bytes(b"")
