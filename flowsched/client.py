@@ -22,7 +22,9 @@ write, or one served by a process running as neither root, this user nor
 ``$FLOWSCHED_AGENT_UID`` (docs/security.md).
 Open flows are re-opened (with new ids) when the agent restarts, or adopted when an agent
 first appears (at the default path found anew at each try, so also a root agent that starts
-after a user's process); a flow is closed at the agent when its process disconnects.
+after a user's process); a flow is closed at the agent when its process disconnects. The last
+:func:`job_progress` of each job not yet done (the :data:`REMEMBERED_JOBS` latest jobs) is sent
+again on every new connection, before the flows are re-opened.
 
 No call waits on a slow agent for long: ``open`` waits at most :data:`OPEN_TIMEOUT` for its
 answer (an answer that comes later is still taken, or its flow closed), and messages go
@@ -63,6 +65,8 @@ RECONNECT_INTERVAL = 1.0
 SEND_QUEUE_LIMIT = 1 << 20
 #: opens whose answer came too late that are still remembered (their flows adopted or closed)
 LATE_OPENS = 1024
+#: jobs whose last progress a connection sends again to a new agent connection (the latest)
+REMEMBERED_JOBS = 64
 
 
 def default_socket_path() -> str:
@@ -397,6 +401,8 @@ class AgentConnection:
         self._last_attempt = -RECONNECT_INTERVAL
         #: (path, problem) pairs already logged: each is logged once
         self._warned: set[tuple[str, str]] = set()
+        #: the last progress of each job not yet done, least recently reported first
+        self._jobs: dict[str, sdk.JobProgress] = {}
         self._closed = False
         self._reconnecting = False
         self._refusal: str | None = None
@@ -425,10 +431,13 @@ class AgentConnection:
                 return False
             self.path = path
             self._sock = sock
-            self._sender = _Sender(sock, _own_pid_namespace())
+            sender = self._sender = _Sender(sock, _own_pid_namespace())
+            jobs = list(self._jobs.values())
         threading.Thread(
             target=self._reader, args=(sock,), name="flowsched-sdk", daemon=True
         ).start()
+        for message in jobs:  # a restarted agent knows no job's step until the next report
+            sender.send(message)
         return True
 
     def _connect(self, path: str) -> socket.socket | None:
@@ -451,6 +460,18 @@ class AgentConnection:
         connection is being given up (see :class:`_Sender`)."""
         sender = self._sender
         return sender is not None and sender.send(message)
+
+    def report_job(self, message: sdk.JobProgress) -> bool:
+        """Send ``message`` (connecting first if need be) and keep it, until its job is done,
+        for the next connection; False when no agent got it."""
+        sent = self.ensure_connected() and self.send(message)
+        with self._state_lock:
+            self._jobs.pop(message.job, None)
+            if not message.done:
+                self._jobs[message.job] = message
+                if len(self._jobs) > REMEMBERED_JOBS:
+                    del self._jobs[next(iter(self._jobs))]
+        return sent
 
     def open(self, request: sdk.Open, handle: FlowHandle) -> sdk.Opened | None:
         """Send ``open`` and wait (at most :data:`OPEN_TIMEOUT`) for ``opened``; None on error
@@ -1013,8 +1034,7 @@ def job_progress(
     _last_job = job
     conn = connection(socket_path)
     try:
-        message = sdk.JobProgress(job, step, layer, True if done else None)
-        return conn.ensure_connected() and conn.send(message)
+        return conn.report_job(sdk.JobProgress(job, step, layer, True if done else None))
     except Exception:
         log.exception("flowsched: job_progress failed")
         return False

@@ -256,6 +256,55 @@ def test_open_flows_are_reopened_at_a_restarted_agent(tmp_path: Path) -> None:
         client._connections.pop(config.socket_path, None)
 
 
+def test_a_restarted_agent_learns_each_running_jobs_last_step(tmp_path: Path) -> None:
+    """A trainer reports once per (long) step: a restarted agent knew no job's step until the
+    next report. The connection sends the last step of every job not yet done again, before
+    it re-opens the flows."""
+    config = _restartable_agent(tmp_path)
+    first = AgentThread(config)
+    first.start()
+    try:
+        handle = client.open_flow("param_sync", bytes=100, socket_path=config.socket_path)
+        path, uid = config.socket_path, os.geteuid()
+        assert client.job_progress("train-1", 12, layer=3, socket_path=path)
+        assert client.job_progress("serve-2", 4, socket_path=path)
+        assert client.job_progress("serve-2", 5, done=True, socket_path=path)
+        registry = first.agent.registry
+        assert registry is not None
+        _wait(
+            lambda: (
+                f"{uid}/serve-2" not in registry.job_index
+                and f"{uid}/train-1" in registry.job_index
+            )
+        )
+        first.stop()
+        _wait(lambda: handle.id is None)
+        second = AgentThread(config)
+        second.start()
+        try:
+            _wait(lambda: handle.id is not None)
+            again = second.agent.registry
+            assert again is not None
+            _wait(lambda: again.job_index.get(f"{uid}/train-1") == 12)
+            assert f"{uid}/serve-2" not in again.job_index  # done: not sent again
+            handle.close()
+        finally:
+            second.stop()
+    finally:
+        client._connections.pop(config.socket_path, None)
+
+
+def test_a_connection_remembers_only_the_latest_jobs() -> None:
+    conn = client.AgentConnection("/nonexistent/agent.sock")
+    for job in range(client.REMEMBERED_JOBS + 5):
+        assert not conn.report_job(sdk.JobProgress(f"j{job}", 1))
+    assert not conn.report_job(sdk.JobProgress("j7", 2))  # reported again: the latest
+    assert len(conn._jobs) == client.REMEMBERED_JOBS
+    kept = [f"j{job}" for job in range(5, client.REMEMBERED_JOBS + 5) if job != 7]
+    assert list(conn._jobs) == [*kept, "j7"]
+    assert conn._jobs["j7"].step == 2
+
+
 def test_flow_opened_before_the_agent_starts_is_adopted(tmp_path: Path) -> None:
     config = AgentConfig(
         node="n1",
