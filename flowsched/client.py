@@ -133,7 +133,9 @@ class FlowHandle:
     # ------------------------------------------------------------ marking
     @property
     def connected(self) -> bool:
-        """True when the agent acknowledged the flow (False: static default marking)."""
+        """True while the flow is open at an agent. False before any agent acknowledged it
+        (the class's static default marking) and after its connection was lost (the last
+        marking the agent gave, until the flow is re-opened)."""
         return self.id is not None
 
     @property
