@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -26,6 +25,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import wheel_helpers
 
 from flowsched.compiled import GROUP, MODULES, module_names
 
@@ -33,40 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "flowsched" / "data"
 
 
-def _copy_checkout(dest: Path) -> None:
-    listing = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
-        cwd=ROOT, capture_output=True, check=True,
-    ).stdout.decode().split("\0")  # fmt: skip
-    for name in filter(None, listing):
-        source = ROOT / name
-        if not source.exists() and not source.is_symlink():
-            continue  # deleted in the working tree
-        target = dest / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if source.is_symlink():
-            target.symlink_to(os.readlink(source))
-        elif source.is_file():
-            shutil.copy2(source, target)
-
-
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("needs a git checkout to list the source files")
-    pytest.importorskip("setuptools", reason="building the wheel needs setuptools")
-    src, dist = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
-    _copy_checkout(src)
-    build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-         "--no-index", "-w", str(dist), str(src)],
-        capture_output=True, text=True, timeout=600,
-        env={**os.environ, "FLOWSCHED_SKIP_PLUGIN": "1", "FLOWSCHED_COMPILE": "auto"},
-    )  # fmt: skip
-    assert build.returncode == 0, build.stdout + build.stderr
-    assert "Warning" not in build.stderr, build.stderr  # setuptools' deprecation warnings
-    (built,) = dist.glob("flowsched-*.whl")
-    return built
+def wheel(request: pytest.FixtureRequest) -> Path:
+    return wheel_helpers.wheel(request.config)
 
 
 @pytest.fixture(scope="module")
