@@ -19,8 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import sysconfig
-import venv
 import zipfile
 from pathlib import Path
 
@@ -39,22 +37,8 @@ def wheel(request: pytest.FixtureRequest) -> Path:
 
 
 @pytest.fixture(scope="module")
-def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    env_dir = tmp_path_factory.mktemp("venv")
-    venv.create(env_dir, with_pip=False)
-    purelib = Path(
-        sysconfig.get_paths(vars={"base": str(env_dir), "platbase": str(env_dir)})["purelib"]
-    )
-    # dependencies from the running interpreter (a .pth line adds a path; the .pth files there,
-    # such as this checkout's editable install, are not processed)
-    (purelib / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    install = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install",
-         "--no-deps", "--no-index", str(wheel)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert install.returncode == 0, install.stdout + install.stderr
-    return env_dir
+def installed(request: pytest.FixtureRequest) -> Path:
+    return wheel_helpers.installed(request.config)
 
 
 def test_the_wheel_carries_every_shipped_data_file(wheel: Path) -> None:
@@ -105,19 +89,14 @@ def test_the_installed_wheel_runs_the_compiled_modules(installed: Path, tmp_path
 
 
 def test_the_compiled_modules_pass_the_policy_flow_table_protocol_and_simulator_tests(
-    installed: Path,
+    request: pytest.FixtureRequest,
 ) -> None:
     """The same tests as the checkout's, on the wheel's compiled modules (mypyc checks types
-    at run time and forbids patching or subclassing its classes: these tests would show it)."""
-    run = _installed_python(installed, ROOT, "-c", (
-        "import sys, pytest\n"
-        "from flowsched.compiled import is_compiled\n"
-        "assert is_compiled(), 'not the compiled build'\n"
-        "sys.exit(pytest.main(['-q', '-x', '-p', 'no:cacheprovider', 'tests/policies',"
-        " 'tests/coordinator/test_coordinator_state.py', 'tests/protocol', 'tests/sim']))"
-    ))  # fmt: skip
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout.splitlines()[-1], run.stdout[-2000:]
+    at run time and forbids patching or subclassing its classes: these tests would show it);
+    they run in the background from the install on (:mod:`wheel_helpers`)."""
+    code, out, err = wheel_helpers.compiled_tests(request.config)
+    assert code == 0, out[-4000:] + err[-2000:]
+    assert " passed" in out.splitlines()[-1], out[-2000:]
 
 
 def test_the_compiled_and_interpreted_builds_decide_the_same(
