@@ -229,6 +229,17 @@ def _restartable_agent(tmp_path: Path) -> AgentConfig:
     )
 
 
+def _restart(first: AgentThread, config: AgentConfig, handle: client.FlowHandle) -> AgentThread:
+    """Stop ``first``, wait until ``handle`` lost it, start a second agent at the same socket
+    and wait until ``handle`` is re-opened there (the caller stops the second)."""
+    first.stop()
+    _wait(lambda: handle.id is None)
+    second = AgentThread(config)
+    second.start()
+    _wait(lambda: handle.id is not None)
+    return second
+
+
 def test_open_flows_are_reopened_at_a_restarted_agent(tmp_path: Path) -> None:
     config = _restartable_agent(tmp_path)
     first = AgentThread(config)
@@ -238,12 +249,8 @@ def test_open_flows_are_reopened_at_a_restarted_agent(tmp_path: Path) -> None:
         handle.progress(40)
         old_id = handle.id
         assert old_id is not None
-        first.stop()
-        _wait(lambda: handle.id is None)
-        second = AgentThread(config)
-        second.start()
+        second = _restart(first, config, handle)
         try:
-            _wait(lambda: handle.id is not None)
             registry = second.agent.registry
             assert registry is not None
             _wait(lambda: handle.id in registry.flows and registry.flows[handle.id].sent == 40)
@@ -277,12 +284,8 @@ def test_a_restarted_agent_learns_each_running_jobs_last_step(tmp_path: Path) ->
                 and f"{uid}/train-1" in registry.job_index
             )
         )
-        first.stop()
-        _wait(lambda: handle.id is None)
-        second = AgentThread(config)
-        second.start()
+        second = _restart(first, config, handle)
         try:
-            _wait(lambda: handle.id is not None)
             again = second.agent.registry
             assert again is not None
             _wait(lambda: again.job_index.get(f"{uid}/train-1") == 12)
