@@ -504,8 +504,10 @@ class Agent:
                     pause = REFUSED_PAUSE
                 elif redirect is not None:
                     queue.insert(0, redirect)
-                elif pause is None:  # it knows no leader (etcd unreachable from it, or it
-                    pause = 0.0  # just started): nothing to chase, so back off
+                elif pause is None:
+                    # it knows no leader (etcd unreachable from it, or it just started):
+                    # nothing to chase, so back off
+                    pause = 0.0
                 continue
             except (OSError, TimeoutError) as exc:
                 self._log_unreachable(address, exc)

@@ -280,11 +280,6 @@ class ClientHelloWatch:
         return data[0] != _TLS_HANDSHAKE_RECORD
 
 
-def client_hello_complete(data: bytes | bytearray) -> bool:
-    """:meth:`ClientHelloWatch.complete` of ``data`` received at once."""
-    return ClientHelloWatch().complete(data)
-
-
 def set_tls_read_limit(transport: asyncio.BaseTransport, high: int | None) -> None:
     """Bound the encrypted bytes a TLS transport holds for its protocol (None: its default).
     asyncio's and uvloop's TLS transports both have the method; a plain one has not."""

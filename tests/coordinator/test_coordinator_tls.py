@@ -19,11 +19,7 @@ from coordinator_helpers import TOKEN, running_coordinator, wait_until
 
 from flowsched import tls
 from flowsched.coordinator import Coordinator, CoordinatorConfig, tls_accept
-from flowsched.coordinator.connection import (
-    TLS_EARLY_LIMIT,
-    ClientHelloWatch,
-    client_hello_complete,
-)
+from flowsched.coordinator.connection import TLS_EARLY_LIMIT, ClientHelloWatch
 from flowsched.model import FlowClass
 from flowsched.protocol import FlowOpen, Flows, Levels, LevelUpdate, Message, Resync
 from flowsched.protocol.aio import AgentLink, HandshakeError, connect_agent
@@ -323,6 +319,11 @@ def test_pending_tls_handshakes_count_against_the_unauthenticated_cap(
                     writer.close()
 
     run(scenario())
+
+
+def client_hello_complete(data: bytes) -> bool:
+    """Whether ``data``, received at once, holds a whole client hello."""
+    return ClientHelloWatch().complete(data)
 
 
 def _client_hello() -> bytes:

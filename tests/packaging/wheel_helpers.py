@@ -103,7 +103,7 @@ def installed(config: pytest.Config) -> Path:
 def compiled_tests(config: pytest.Config) -> tuple[int, str, str]:
     """The exit status, standard output and error of :data:`COMPILED_TESTS`, waiting for them."""
     installed(config)
-    build = _started(config)
+    build = config.stash[KEY]
     assert build.tests is not None, build.failure
     try:
         code = build.tests.wait(timeout=STEP_TIMEOUT)
