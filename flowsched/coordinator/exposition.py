@@ -3,7 +3,8 @@
 ``GET /metrics`` (also ``/``): the registry in the text format. ``GET /healthz`` (alias
 ``/livez``): 200 whenever the event loop answers; it never depends on a peer, so an outage of
 the coordinator or etcd never restarts every pod. ``GET /readyz``: 200 when the daemon's
-``ready()`` callback returns None, else 503 with the reason it returned.
+``ready()`` callback returns None, else 503 with the reason it returned. ``HEAD`` gets what
+``GET`` would, without the body; other methods get 405.
 
 Served on the daemon's own event loop, so a scrape reads the flow table between two events
 and never races with it (a scrape thread would).
@@ -29,6 +30,7 @@ REQUEST_TIMEOUT = 5.0
 #: descriptors the daemon keeps for its agents)
 MAX_CONNECTIONS = 32
 _MAX_REQUEST = 16 * 1024
+_METHODS = (b"GET", b"HEAD")
 _HTTP_ERRORS = (
     TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, OSError,
 )  # fmt: skip
@@ -58,9 +60,8 @@ def make_handler(
             async with asyncio.timeout(REQUEST_TIMEOUT):
                 head = await reader.readuntil(b"\r\n\r\n")
             waiting.pop(writer, None)
-            status, body, ctype = _respond(head, registry, ready)
             writer.transport.set_write_buffer_limits(0)  # drain(): until all is in the kernel
-            writer.write(_response(status, body, ctype))
+            writer.write(_answer(head, registry, ready))
             async with asyncio.timeout(REQUEST_TIMEOUT):
                 await writer.drain()
         except _HTTP_ERRORS as exc:
@@ -86,16 +87,24 @@ def _close(writer: asyncio.StreamWriter) -> None:
         writer.close()
 
 
-def _respond(
-    head: bytes, registry: CollectorRegistry, ready: Readiness | None
-) -> tuple[str, bytes, str]:
+def _answer(head: bytes, registry: CollectorRegistry, ready: Readiness | None) -> bytes:
+    """The whole response to the request whose head is ``head``. A HEAD request gets the head
+    a GET would (its Content-Length included: RFC 9110, 9.3.2) and no body."""
     parts = head.split(b"\r\n", 1)[0].split()
-    if len(parts) != 3 or parts[0] not in (b"GET", b"HEAD"):
-        return "405 Method Not Allowed", b"only GET\n", "text/plain"
-    path = parts[1].split(b"?")[0]
+    if len(parts) != 3 or parts[0] not in _METHODS:
+        allow = ", ".join(m.decode() for m in _METHODS)
+        body = f"only {allow}\n".encode()
+        return _response("405 Method Not Allowed", body, "text/plain", f"Allow: {allow}\r\n")
+    status, body, ctype = _respond(parts[1].split(b"?")[0], registry, ready)
+    response = _response(status, body, ctype)
+    return response if parts[0] == b"GET" else response[: len(response) - len(body)]
+
+
+def _respond(
+    path: bytes, registry: CollectorRegistry, ready: Readiness | None
+) -> tuple[str, bytes, str]:
     if path in (b"/metrics", b"/"):
-        body = b"" if parts[0] == b"HEAD" else generate_latest(registry)
-        return "200 OK", body, CONTENT_TYPE_LATEST
+        return "200 OK", generate_latest(registry), CONTENT_TYPE_LATEST
     if path in (b"/healthz", b"/livez"):
         return "200 OK", b"ok\n", "text/plain"
     if path == b"/readyz":
@@ -106,9 +115,9 @@ def _respond(
     return "404 Not Found", b"try /metrics, /healthz or /readyz\n", "text/plain"
 
 
-def _response(status: str, body: bytes, content_type: str) -> bytes:
+def _response(status: str, body: bytes, content_type: str, extra_headers: str = "") -> bytes:
     head = (
-        f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+        f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n{extra_headers}"
         f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + body

@@ -20,13 +20,19 @@ from flowsched.coordinator.metrics import register_standard_collectors
 from flowsched.model import SLACK_CAP
 
 
-async def _get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
+async def _exchange(port: int, path: str, method: str = "GET") -> tuple[bytes, bytes]:
+    """The response's head and body."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     await writer.drain()
     response = await asyncio.wait_for(reader.read(), 5)
     writer.close()
     head, _, body = response.partition(b"\r\n\r\n")
+    return head, body
+
+
+async def _get(port: int, path: str, method: str = "GET") -> tuple[int, bytes]:
+    head, body = await _exchange(port, path, method)
     return int(head.split()[1]), body
 
 
@@ -57,6 +63,43 @@ async def test_endpoint_paths(
         server.close()
     assert got_status == status
     assert body_has in body
+
+
+class _FixedCollector:
+    """One gauge whose value never changes, so that two scrapes read the same bytes."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("fixed", "A constant.", value=1.0)
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/healthz", "/readyz", "/nope"])
+@pytest.mark.asyncio
+async def test_head_gets_the_head_a_get_would_and_no_body(path: str) -> None:
+    registry = CollectorRegistry()
+    registry.register(_FixedCollector())
+    server = await start_metrics_server(registry, "127.0.0.1", 0, ready=lambda: "starting")
+    port = server.sockets[0].getsockname()[1]
+    try:
+        get_head, get_body = await _exchange(port, path, "GET")
+        head_head, head_body = await _exchange(port, path, "HEAD")
+    finally:
+        server.close()
+    assert get_body
+    assert head_head == get_head  # Content-Length included: the GET body's length
+    assert f"Content-Length: {len(get_body)}".encode() in head_head
+    assert head_body == b""
+
+
+@pytest.mark.asyncio
+async def test_a_method_not_allowed_names_the_allowed_ones() -> None:
+    server = await start_metrics_server(CollectorRegistry(), "127.0.0.1", 0)
+    try:
+        head, body = await _exchange(server.sockets[0].getsockname()[1], "/metrics", "DELETE")
+    finally:
+        server.close()
+    assert head.startswith(b"HTTP/1.1 405 ")
+    assert b"\r\nAllow: GET, HEAD\r\n" in head
+    assert body == b"only GET, HEAD\n"
 
 
 @pytest.mark.parametrize(
