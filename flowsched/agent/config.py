@@ -153,6 +153,13 @@ class AgentConfig:
     qos_check_interval: float = 30.0
     on_ready: Callable[[ReadyInfo], None] | None = None
 
+    @property
+    def coordinator_addresses(self) -> tuple[tuple[str, int], ...]:
+        """Every coordinator address given, ``coordinator`` first; () for a standalone node."""
+        if self.coordinator is None:
+            return ()
+        return (self.coordinator, *self.coordinators)
+
     def __post_init__(self) -> None:
         """Refuse values that would fail later, far from their cause.
 

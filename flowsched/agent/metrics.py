@@ -42,6 +42,11 @@ class AgentCollector(Collector):
         yield _gauge(
             "fallback_active", "1 while the local policy runs.", agent.fallback is not None
         )
+        yield _gauge(
+            "coordinators_configured",
+            "Coordinator addresses the agent was given (0: standalone, the local policy only).",
+            len(agent.config.coordinator_addresses),
+        )
         if agent.stats["fallback_switches"]:  # absent until the first switch
             yield _gauge(
                 "last_fallback_switch_seconds",

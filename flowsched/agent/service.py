@@ -483,8 +483,8 @@ class Agent:
         coordinator whose epoch is below one this agent already followed (a deposed leader)
         is refused: its decisions would race its successor's. Returns (link, None) or (None,
         the pause for :meth:`_connect_and_serve`)."""
-        assert self.config.coordinator is not None
-        addresses = [self.config.coordinator, *self.config.coordinators]
+        addresses = list(self.config.coordinator_addresses)
+        assert addresses
         start = self._leader_index % len(addresses)
         queue = addresses[start:] + addresses[:start]
         tried: set[tuple[str, int]] = set()

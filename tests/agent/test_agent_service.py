@@ -100,7 +100,8 @@ def test_metrics_endpoint_reports_flows(agent: AgentThread) -> None:
         host, port = agent.ready.metrics
         body = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
     assert 'flowsched_agent_active_flows{class="experience"' in body
-    assert 'source="sdk"' in body and "flowsched_agent_fallback_active" in body
+    assert 'source="sdk"' in body and "flowsched_agent_fallback_active 1.0" in body
+    assert "flowsched_agent_coordinators_configured 0.0" in body  # standalone: not an outage
 
 
 def test_the_sdk_flows_of_a_client_that_exited_are_closed_with_its_connection(

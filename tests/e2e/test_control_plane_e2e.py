@@ -187,6 +187,7 @@ def test_coordinator_kill_fallback_and_rebuild(tmp_path: Path, token: Path) -> N
         )
         agent_metrics = scrape(agent.fields["mport"])
         assert total(agent_metrics, "flowsched_agent_fallback_active") == 1
+        assert total(agent_metrics, "flowsched_agent_coordinators_configured") == 1
         local_calls = "flowsched_agent_local_decision_latency_seconds_bucket"
         assert total(agent_metrics, local_calls, le="+Inf") >= 1  # the local policy ran
         assert switch < 1.0, f"switch to the local policy took {switch:.3f} s"
