@@ -1,8 +1,13 @@
 """RDMA (RoCE / InfiniBand) queue-pair attributes for a flowsched level.
 
 A level's marking becomes the GRH ``traffic_class`` of a RoCE QP (the IP TOS byte: DSCP << 2,
-ECN bits zero) and, for InfiniBand, a service level (SL, 0..15). The mapping is pure and
-tested; building real ``pyverbs`` objects needs rdma-core's Python bindings and an RDMA device.
+ECN bits zero) and a service level (SL, 0..15). By default the SL is the DSCP's class
+selector (DSCP >> 3): a RoCE NIC that trusts PCP sends the SL's low three bits as the frame's
+priority, and one that trusts DSCP maps DSCP to priority by that same rule unless configured
+otherwise, so both put the level in one priority, and the policy file's default DSCPs keep
+clear of the priorities RoCE fabrics reserve (3: lossless, 6: CNP). On InfiniBand the subnet
+manager's SL -> VL map decides what an SL means. The mapping is pure and tested; building real
+``pyverbs`` objects needs rdma-core's Python bindings and an RDMA device.
 
 UNVERIFIED ON HARDWARE: the development machine has no RDMA support in its kernel (no rxe, siw
 or /dev/infiniband), so no QP was ever created. :func:`build_qp_attr` is tested against
@@ -44,9 +49,9 @@ def qp_marking(
 ) -> QpMarking:
     """The QP marking of ``level`` given the policy's per-level DSCPs.
 
-    ``service_levels`` optionally gives the SL of each level (the fabric's SL -> VL map decides
-    what an SL means); without it, level ``l`` uses SL ``min(l, 15)`` so that distinct levels
-    stay distinct on fabrics with up to 16 SLs.
+    ``service_levels`` optionally gives the SL of each level; without it, a level's SL is its
+    DSCP's class selector (``dscp >> 3``), the priority its DSCP gets on a RoCE fabric
+    (module docstring). Levels in one hardware queue share a DSCP, hence an SL.
     """
     if not dscps:
         raise ValueError("dscps must name at least one level")
@@ -60,7 +65,7 @@ def qp_marking(
             raise ValueError("service_levels must have one entry per level")
         sl = service_levels[level]
     else:
-        sl = min(level, MAX_SL)
+        sl = dscp >> 3
     if not 0 <= sl <= MAX_SL:
         raise ValueError(f"service level {sl} not in 0..{MAX_SL}")
     return QpMarking(level, dscp << 2, sl)

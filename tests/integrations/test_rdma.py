@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from flowsched import rdma
+from flowsched.policyfile import MAX_HW_QUEUES, default_queue_markings
 
 DSCPS = (46, 34, 26, 0)
 
@@ -20,8 +21,9 @@ DSCPS = (46, 34, 26, 0)
 @pytest.mark.parametrize(
     ("level", "service_levels", "expected"),
     [
-        pytest.param(0, None, rdma.QpMarking(0, 46 << 2, 0), id="top-level"),
-        pytest.param(3, None, rdma.QpMarking(3, 0, 3), id="bottom-level"),
+        pytest.param(0, None, rdma.QpMarking(0, 46 << 2, 5), id="top-level"),
+        pytest.param(2, None, rdma.QpMarking(2, 26 << 2, 3), id="lossless-dscp"),
+        pytest.param(3, None, rdma.QpMarking(3, 0, 0), id="bottom-level"),
         pytest.param(1, (7, 5, 3, 0), rdma.QpMarking(1, 34 << 2, 5), id="explicit-sl"),
     ],
 )
@@ -31,9 +33,16 @@ def test_qp_marking(
     assert rdma.qp_marking(level, DSCPS, service_levels=service_levels) == expected
 
 
-def test_default_service_level_saturates_at_15() -> None:
-    dscps = tuple(range(20))
-    assert rdma.qp_marking(19, dscps).service_level == 15
+@pytest.mark.parametrize("hw_queues", range(1, MAX_HW_QUEUES + 1))
+def test_default_markings_stay_off_the_lossless_and_cnp_priorities(hw_queues: int) -> None:
+    """A RoCE NIC trusting PCP sends SL & 7 as the priority: the policy file's default DSCPs
+    must not put a level in priority 3 (lossless) or 6 (CNP), nor differ from the priority
+    DSCP >> 3 gives the same packet on a NIC trusting DSCP."""
+    dscps = [m.dscp for m in default_queue_markings(hw_queues)]
+    for level, dscp in enumerate(dscps):
+        sl = rdma.qp_marking(level, dscps).service_level
+        assert sl == dscp >> 3
+        assert sl & 7 not in (3, 6), (hw_queues, level, dscp)
 
 
 @pytest.mark.parametrize(
@@ -98,7 +107,7 @@ def test_build_qp_attr_fills_the_address_vector() -> None:
     assert made["GID"]["args"] == ("fe80:0000:0000:0000:0000:0000:0000:0002",)
     assert made["GlobalRoute"]["traffic_class"] == 34 << 2
     assert made["GlobalRoute"]["sgid_index"] == 3
-    assert made["AHAttr"]["sl"] == 1 and made["AHAttr"]["is_global"] == 1
+    assert made["AHAttr"]["sl"] == 34 >> 3 and made["AHAttr"]["is_global"] == 1
     assert made["AHAttr"]["port_num"] == 2 and attr.ah_attr.name == "AHAttr"
 
 
@@ -127,6 +136,7 @@ SYSTEM_PYVERBS = Path("/usr/lib/python3/dist-packages/pyverbs")
 REAL_PYVERBS_SCRIPT = """
 import json
 from flowsched import rdma
+from flowsched.policyfile import MAX_HW_QUEUES, default_queue_markings
 attr = rdma.build_qp_attr(rdma.qp_marking(1, {dscps}), "fe80::2", gid_index=3, port_num=2)
 ah = attr.ah_attr
 print(json.dumps([ah.traffic_class, ah.sl, ah.sgid_index, ah.port_num, str(ah.dgid),
@@ -147,5 +157,5 @@ def test_build_qp_attr_with_the_real_pyverbs() -> None:
         pytest.skip(f"the system's pyverbs does not load in this Python: {done.stderr[-300:]}")
     assert done.returncode == 0, done.stderr
     found = json.loads(done.stdout)
-    assert found[:7] == [34 << 2, 1, 3, 2, "fe80:0000:0000:0000:0000:0000:0000:0002", 1, 64]
+    assert found[:7] == [34 << 2, 34 >> 3, 3, 2, "fe80:0000:0000:0000:0000:0000:0000:0002", 1, 64]
     assert found[7] == []  # no RDMA device on a host without one
