@@ -327,12 +327,22 @@ def _answered(exc: BaseException) -> bool:
 def _next_deletion(stream: Response) -> bool:
     """Block until the watch ``stream`` reports an event (its filter leaves deletions only):
     True; False when the stream ends first (its member died or closed it). Not etcd3gw's
-    watch: its iterator waits forever once the stream has ended."""
+    watch: its iterator waits forever once the stream has ended.
+
+    True also when etcd cancels the watch because its start revision was compacted before the
+    watch began (a compaction between the campaign's read and the watch): the member works,
+    and a deletion may be among the revisions compacted away, so the caller campaigns again at
+    once, as after one, and reads the key at the current revision."""
     for line in stream.iter_lines():
         if not line.strip():
             continue
         result = json.loads(line).get("result", {})
         if result.get("events"):
+            return True
+        compacted = int(result.get("compact_revision", 0))  # (with ``canceled``)
+        if compacted:
+            log.info("standby: etcd compacted the watch's start revision (history kept from "
+                     "%d on): reading the leader key again", compacted)  # fmt: skip
             return True
         if result.get("canceled"):
             return False
@@ -873,17 +883,31 @@ class EtcdElection:
         won_here = leadership.lease == self.won_lease
         last_good = self.won_lease_sent if won_here else time.monotonic()
         failed = 0
+        # one renewal at a time: a wait that times out cannot stop the renewal's thread, so it
+        # is waited on again (its answer counts from when it was sent), never joined by a
+        # second renewal beside it whose answers could come back in either order
+        renewal: asyncio.Future[int] | None = None
         while True:
-            sent = time.monotonic()
+            if renewal is None:
+                sent = time.monotonic()
+                renewal = asyncio.ensure_future(asyncio.to_thread(self._renew, leadership))
+                renewal.add_done_callback(_retrieve)
             # bounded by the give-up time too, so that leadership ends in time even when etcd
             # stops answering in the middle of a request
-            left = max(0.0, last_good + give_up_after - sent)
+            left = max(0.0, last_good + give_up_after - time.monotonic())
+            wait = asyncio.timeout(min(self.call_timeout, left))
             try:
-                async with asyncio.timeout(min(self.call_timeout, left)):
-                    ttl = await asyncio.to_thread(self._renew, leadership)
+                async with wait:
+                    ttl = await asyncio.shield(renewal)
             except Exception as exc:
                 ttl, failed = None, failed + 1
-                log.warning("etcd %s: keepalive failed: %s", self.failed_url, self.explain(exc))
+                if wait.expired():
+                    log.warning("etcd %s: keepalive unanswered after %.2f s: waiting on it",
+                                self.url, time.monotonic() - sent)  # fmt: skip
+                else:
+                    log.warning("etcd %s: keepalive failed: %s", self.failed_url, self.explain(exc))
+            if not wait.expired():
+                renewal = None  # answered: the next keepalive is a new renewal
             if ttl is not None and ttl <= 0:
                 why = "the lease is gone" if ttl < 0 else "its key was deleted or replaced"
                 log.error("lost leadership (epoch %d): %s", leadership.epoch, why)

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from unittest import mock
 
 import pytest
@@ -181,6 +181,52 @@ async def test_a_silent_leader_is_replaced_once_its_lease_expires(etcd_url: str)
     print(f"\ntakeover by lease expiry at TTL 2: {elapsed:.2f} s")
 
 
+@pytest.mark.asyncio
+async def test_a_watch_whose_start_revision_was_compacted_is_no_failure_of_its_member(
+    etcd_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # etcd cancels a watch whose start revision it compacted before the watch began (here:
+    # the key rewritten and the history compacted between the standby's read and its watch).
+    # The member works: the standby reads the key again and watches from there, neither
+    # counting a failure of the member (its alert) nor moving on to the next one.
+    leader = EtcdElection(etcd_url, "t", "leader:1", lease_ttl=4)
+    won = await leader.campaign()
+    holding = asyncio.ensure_future(leader.hold(won))
+    standby = EtcdElection(etcd_url, "t", "standby:1", lease_ttl=4)
+    open_watch, starts, compacted = standby._open_watch, [], []
+
+    def compact_first(revision: int, member: int) -> Any:
+        if not compacted:
+            put = {"key": _b64(standby.key), "value": _b64("leader:1"), "lease": won.lease}
+            for _ in range(3):  # (on the same lease: the same leader and epoch)
+                written = int(etcd_call(etcd_url, "kv/put", put)["header"]["revision"])
+            etcd_call(etcd_url, "kv/compaction", {"revision": written})
+            compacted.append(written)
+        starts.append(revision + 1)
+        return open_watch(revision, member)
+
+    waiting: asyncio.Future[Leadership] | None = None
+    try:
+        with (
+            mock.patch.object(standby, "_open_watch", compact_first),
+            caplog.at_level("INFO", "flowsched.coordinator.election"),
+        ):
+            waiting = asyncio.ensure_future(standby.campaign())
+            await wait_until(lambda: len(starts) == 2 and standby.watching, 5, "a second watch")
+        assert starts[0] <= compacted[0] < starts[1], (starts, compacted)
+        assert standby.failures == {etcd_url: 0}, caplog.text
+        assert "watch ended" not in caplog.text
+        holding.cancel()
+        await leader.resign(won)
+        taken = await asyncio.wait_for(waiting, 5)  # it still sees the leader go
+        assert taken.epoch > won.epoch
+        await standby.resign(taken)
+    finally:
+        holding.cancel()
+        if waiting is not None:
+            waiting.cancel()
+
+
 def _lease_ttl_left(url: str, lease: int) -> int:
     """Whole seconds etcd gives ``lease`` before it expires; -1 once it is gone."""
     return int(etcd_call(url, "kv/lease/timetolive", {"ID": lease}).get("TTL", -1))
@@ -215,6 +261,112 @@ async def test_a_leader_steps_down_before_a_lease_granted_by_a_slow_campaign_exp
     with mock.patch.object(election, "_keepalive", unreachable):
         await asyncio.wait_for(election.hold(won), 2 * ttl)
     assert _lease_ttl_left(etcd_url, won.lease) >= 0, "led on after its lease expired"
+
+
+class _StallingProxy:
+    """A TCP proxy to etcd, on the test's event loop, that can stall one answer: that of the
+    next request naming ``path`` trickles in a byte every 0.1 s for ``seconds`` (within the
+    client's read timeout: the request neither fails nor ends). It notes each request that
+    starts while a stalled answer is unfinished."""
+
+    #: seconds between the trickled bytes
+    TRICKLE = 0.1
+
+    def __init__(self, upstream: str) -> None:
+        self._upstream = split_address(upstream.removeprefix("http://"))
+        self.url = ""
+        self._path: bytes | None = None
+        self._seconds = 0.0
+        #: stalled answers unfinished, and finished
+        self.stalling = self.stalled = 0
+        #: the first lines of the requests that started while an answer was stalled
+        self.overlapping: list[bytes] = []
+        self._writers: list[asyncio.StreamWriter] = []
+        self._connections: list[asyncio.Task[Any]] = []
+
+    def stall(self, path: bytes, seconds: float) -> None:
+        """Stall the answer to the next request for ``path`` for ``seconds``."""
+        self._path, self._seconds = path, seconds
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        assert self._upstream is not None
+        self._connections.append(cast(asyncio.Task[Any], asyncio.current_task()))
+        up_reader, up_writer = await asyncio.open_connection(*self._upstream)
+        self._writers += [writer, up_writer]
+        stall_until: list[float] = []  # this connection's answer to stall, until then
+        requests = asyncio.ensure_future(self._forward_requests(reader, up_writer, stall_until))
+        try:
+            while data := await up_reader.read(65536):
+                while stall_until and data and time.monotonic() < stall_until[0]:
+                    writer.write(data[:1])
+                    data = data[1:]
+                    await asyncio.sleep(self.TRICKLE)
+                writer.write(data)
+                if stall_until and time.monotonic() >= stall_until[0]:
+                    stall_until.clear()
+                    self.stalling, self.stalled = self.stalling - 1, self.stalled + 1
+        except ConnectionError:
+            pass
+        finally:
+            requests.cancel()
+            writer.close()
+            up_writer.close()
+
+    async def _forward_requests(
+        self, reader: asyncio.StreamReader, up_writer: asyncio.StreamWriter, stall: list[float]
+    ) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                if data.startswith(b"POST "):
+                    if self.stalling:
+                        self.overlapping.append(data.split(b"\r\n", 1)[0])
+                    if self._path is not None and self._path in data.split(b"\r\n", 1)[0]:
+                        self._path, self.stalling = None, self.stalling + 1
+                        stall.append(time.monotonic() + self._seconds)
+                up_writer.write(data)
+        up_writer.close()
+
+
+@contextlib.asynccontextmanager
+async def _stalling_proxy(upstream: str) -> AsyncIterator[_StallingProxy]:
+    """A :class:`_StallingProxy` to ``upstream`` on a free loopback port, closed at the end."""
+    proxy = _StallingProxy(upstream)
+    server = await asyncio.start_server(proxy._serve, "127.0.0.1", 0)
+    proxy.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        yield proxy
+    finally:
+        server.close()
+        for writer in proxy._writers:
+            writer.close()
+        await asyncio.gather(*proxy._connections)  # (their sockets closed: they end)
+        await server.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_a_renewal_that_outlives_its_wait_is_waited_on_again_never_doubled(
+    etcd_url: str,
+) -> None:
+    # A renewal (keepalive, then a read of the key) runs in a thread that the keepalive loop's
+    # timeout cannot stop. Here etcd's answer to its read trickles in past that timeout: a
+    # second renewal started meanwhile would run beside it (two requests in flight, answers
+    # out of order); the loop must wait on the first again instead, and keep the leadership.
+    async with _stalling_proxy(etcd_url) as proxy:
+        leader = EtcdElection(proxy.url, "t", "leader:1", lease_ttl=4)
+        won = await leader.campaign()
+        holding = asyncio.ensure_future(leader.hold(won))
+        try:
+            await wait_until(lambda: leader.renewed_at > 0, 5, "a first keepalive")
+            # longer than the loop waits for a renewal, shorter than it waits for a success
+            proxy.stall(b"/v3/kv/range", 1.5 * leader.call_timeout)
+            await wait_until(lambda: proxy.stalled == 1, 10, "the stalled answer's end")
+            renewed = leader.renewed_at
+            await wait_until(lambda: leader.renewed_at > renewed, 5, "a keepalive after it")
+            assert proxy.overlapping == [], "requests sent while a renewal was in flight"
+            assert not holding.done()
+        finally:
+            holding.cancel()
+            await leader.resign(won)
 
 
 def test_a_campaign_whose_answer_is_lost_does_not_keep_the_key_on_its_lease(
