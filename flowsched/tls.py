@@ -45,13 +45,17 @@ class TlsConfigError(ValueError):
 
 def certificate_names(peer: Mapping[str, Any] | None) -> tuple[str, ...]:
     """The names a verified peer certificate (``SSLSocket.getpeercert()``) vouches for: its
-    subjectAltName DNS entries, then its subject's common names; () for no certificate."""
+    subjectAltName DNS entries, or, only when it has none, its subject's common names (RFC
+    6125, 6.4.4: a CA that fills in the SAN may have put anything in the CN); () for no
+    certificate."""
     if not peer:
         return ()
     names = [value for kind, value in peer.get("subjectAltName", ()) if kind == "DNS"]
-    for rdn in peer.get("subject", ()):
-        names += [value for key, value in rdn if key == "commonName"]
-    return tuple(names)
+    if names:
+        return tuple(names)
+    return tuple(
+        value for rdn in peer.get("subject", ()) for key, value in rdn if key == "commonName"
+    )
 
 
 def check_pair(cert: str | None, key: str | None, prefix: str = "tls") -> None:

@@ -56,13 +56,13 @@ def _make_leaf(folder: Path, name: str, ca: tuple[Path, Path], usage: str) -> tu
         "basicConstraints=critical,CA:FALSE\n"
         "keyUsage=critical,digitalSignature\n"
         f"extendedKeyUsage={usage}\n"
-        f"subjectAltName={SERVER_NAMES}\n"
+        f"subjectAltName=DNS:{name},{SERVER_NAMES}\n"
         "subjectKeyIdentifier=hash\n"
         "authorityKeyIdentifier=keyid\n"
     )
     _openssl(
         "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", key, "-out", request, "-subj", f"/CN={name}",
+        "-keyout", key, "-out", request, "-subj", f"/CN={name}-cn",
         cwd=folder,
     )  # fmt: skip
     _openssl(

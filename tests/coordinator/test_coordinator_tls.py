@@ -162,10 +162,11 @@ def test_mutual_tls_refuses_agents_without_a_trusted_certificate_and_logs_the_pe
 
 
 #: (node the agent logs in as, tls_client_names) -> admitted; the client certificate has CN
-#: "client" and subjectAltName DNS:localhost, IP:127.0.0.1
+#: "client-cn" and subjectAltName DNS:client, DNS:localhost, IP:127.0.0.1
 NODE_NAMES = [
-    ("client", "node", True),  # the subject's CN
-    ("localhost", "node", True),  # a DNS subjectAltName
+    ("client", "node", True),  # a DNS subjectAltName
+    ("localhost", "node", True),
+    ("client-cn", "node", False),  # the subject's CN does not count next to DNS alt names
     ("127.0.0.1", "node", False),  # an IP subjectAltName names an address, not a node
     ("n2", "node", False),
     ("Client", "node", False),  # names compare exactly
@@ -205,14 +206,38 @@ def test_mutual_tls_admits_an_agent_only_as_a_node_its_certificate_names(
     run(scenario())
 
 
-def test_certificate_names_are_the_dns_alt_names_then_the_common_names() -> None:
-    peer = {
-        "subject": ((("organizationName", "acme"),), (("commonName", "gpu-1"),)),
-        "subjectAltName": (("DNS", "gpu-1.example"), ("IP Address", "10.0.0.1"), ("DNS", "g1")),
-    }
-    assert tls.certificate_names(peer) == ("gpu-1.example", "g1", "gpu-1")
-    assert tls.certificate_names({}) == ()
-    assert tls.certificate_names(None) == ()
+_SUBJECT = ((("organizationName", "acme"),), (("commonName", "gpu-1"),))
+
+
+@pytest.mark.parametrize(
+    ("peer", "names"),
+    [
+        pytest.param(
+            {
+                "subject": _SUBJECT,
+                "subjectAltName": (
+                    ("DNS", "gpu-1.example"),
+                    ("IP Address", "10.0.0.1"),
+                    ("DNS", "g1"),
+                ),
+            },
+            ("gpu-1.example", "g1"),
+            id="alt-names-only-the-common-name-ignored",
+        ),
+        pytest.param(
+            {"subject": _SUBJECT, "subjectAltName": (("IP Address", "10.0.0.1"),)},
+            ("gpu-1",),
+            id="no-dns-alt-name-the-common-name",
+        ),
+        pytest.param({"subject": _SUBJECT}, ("gpu-1",), id="no-alt-names-the-common-name"),
+        pytest.param({}, (), id="empty"),
+        pytest.param(None, (), id="no-certificate"),
+    ],
+)
+def test_certificate_names_are_the_dns_alt_names_else_the_common_names(
+    peer: dict[str, object] | None, names: tuple[str, ...]
+) -> None:
+    assert tls.certificate_names(peer) == names
 
 
 def test_config_refuses_an_unknown_client_names_rule() -> None:

@@ -36,7 +36,7 @@ def test_mutual_tls_admits_the_agent_its_certificate_names_and_names_the_others(
         port = int(coordinator.fields["port"])
         trusted = ("--tls-ca", str(tls_files.ca), "--tls-cert", str(tls_files.client_cert),
                    "--tls-key", str(tls_files.client_key))  # fmt: skip
-        # the certificate's CN is "client": the node it may log in as (--tls-client-names node)
+        # "client" is a DNS alt name of its certificate: it may log in as that node
         admitted = start_agent(tmp_path, token, port, node="client", extra=trusted)
         started.append(admitted)
         # no client certificate: TLS (it verifies the coordinator) but refused by it
