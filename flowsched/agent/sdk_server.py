@@ -71,9 +71,10 @@ MAX_CONNECTIONS_PER_UID = 256
 MAX_CONNECTIONS = 4096
 #: descriptors left to the agent itself (table, coordinator link, metrics, NIC counters)
 FD_RESERVE = 128
-#: descriptors waiting for the closer thread (flowsched.agent.closer) at which the agent stops
+#: descriptors waiting for the closer (flowsched.agent.closer) at which the agent stops
 #: accepting connections until it catches up: a close can be held up for as long as the
-#: client that passed the descriptor likes
+#: client that passed the descriptor likes. It bounds the closer's threads too (one per uid
+#: with descriptors waiting: see there)
 MAX_UNCLOSED = 512
 #: descriptors of one uid waiting for the closer at which its new connections are refused and
 #: its connections are no longer read (a read may bring SCM_MAX_FD more)

@@ -12,8 +12,8 @@ import os
 import resource
 import select
 import shutil
+import signal
 import socket
-import struct
 import tempfile
 import threading
 import time
@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import msgpack
 import pytest
-from agent_helpers import agent_config, wait_until
+from agent_helpers import agent_config, lingering_tcp_socket, wait_until
 
 from flowsched import client, fdlimit
 from flowsched.agent import sdk_server
@@ -32,7 +32,7 @@ from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
 from flowsched.model import FlowClass
 from flowsched.protocol import PROTOCOL_VERSION, Welcome, sdk
-from flowsched.testbed.sdk_flood import FLOOD_CONNECTIONS, flooding, shareable_group
+from flowsched.testbed.sdk_flood import FLOOD_CONNECTIONS, NOBODY, flooding, shareable_group
 
 UID = os.geteuid()
 
@@ -396,22 +396,6 @@ def test_what_a_client_passes_as_its_namespace_is_checked(tmp_path: Path) -> Non
             os.close(fd)
 
 
-def _lingering_tcp_socket(linger: int) -> tuple[socket.socket, socket.socket]:
-    """A TCP socket whose last close blocks for ``linger`` seconds: SO_LINGER set, unsent data,
-    and a peer (returned too: keep it open) whose receive window is full."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        sender = socket.socket()
-        sender.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sender.connect(listener.getsockname())
-        peer, _ = listener.accept()  # never reads
-    sender.setblocking(False)
-    with contextlib.suppress(BlockingIOError):
-        while True:
-            sender.send(b"x" * 65536)
-    sender.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, linger))
-    return sender, peer
-
-
 LINGER = 3  # seconds a close of the passed socket blocks the thread that makes it
 
 
@@ -442,7 +426,7 @@ def test_a_lingering_socket_a_client_passes_does_not_hold_up_the_agent(
         # the loop reads the frame only once the test's copy is closed: an agent that read it
         # and closed its copy first would leave the last reference, and the linger, to the test
         agent._loop.call_soon_threadsafe(held.wait, 10)
-    lingering, peer = _lingering_tcp_socket(LINGER)
+    lingering, peer = lingering_tcp_socket(LINGER)
     rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [lingering.fileno()]))]
     started = time.monotonic()
     passing.sendmsg([sdk.encode(sdk.ListFlows())], rights)
@@ -458,6 +442,110 @@ def test_a_lingering_socket_a_client_passes_does_not_hold_up_the_agent(
     assert server.closer.waiting > 0
     wait_until(lambda: server.closer.waiting == 0, timeout=LINGER + 5)
     peer.close()
+
+
+#: seconds root's passed socket would hold up its close in the next test: far longer than the
+#: test waits for nobody's descriptor (the test ends the close early by closing the peer)
+LONG_LINGER = 60
+
+
+@pytest.mark.skipif(UID != 0, reason="the other user's client runs as nobody: needs root")
+def test_one_users_lingering_close_does_not_hold_up_closing_another_users_descriptors(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A single closer thread closed every user's descriptors in turn: while a socket root
+    passed lingered, a descriptor nobody passed waited behind it, counted against nobody and
+    the agent's total. Each owner's descriptors are closed in a thread of its own."""
+    group = shareable_group()
+    if group is None:
+        pytest.skip("no group among users/nogroup/daemon/staff to give the other user")
+    reachable = Path(tempfile.mkdtemp(prefix="flowsched-closer-test-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(reachable, ignore_errors=True))
+    reachable.chmod(0o755)  # pytest's tmp_path is under a 0700 directory nobody cannot traverse
+    path = str(reachable / "run" / "agent.sock")
+    config = agent_config(
+        tmp_path, metrics_port=None, fallback_after=60.0, socket_path=path, group=group.gr_name
+    )
+    # nobody passes the pipe's write end: the read end sees the end once the agent closed it
+    closed, passed = os.pipe()
+    go, told = os.pipe()
+    with AgentThread(config) as running:
+        server = _sdk(running)
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child
+            _pass_when_told(path, group.gr_gid, passed, go, told)
+        os.close(passed)
+        os.close(go)
+        exit_code: int | None = None
+        # made after the fork: the child holds no copy of the lingering socket
+        lingering, peer = lingering_tcp_socket(LONG_LINGER)
+        try:
+            with _raw(running) as passing:
+                held = threading.Event()  # the agent reads the frame once the test's copy is shut
+                running._loop.call_soon_threadsafe(held.wait, 10)
+                rights = [
+                    (socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [lingering.fileno()]))
+                ]
+                passing.sendmsg([sdk.encode(sdk.ListFlows())], rights)
+                lingering.close()  # the agent holds the last reference now
+                held.set()
+                assert isinstance(_next(passing), sdk.FlowList)  # read: its close is under way
+                assert server.closer.waiting_of(UID) == 1
+                os.write(told, b"x")
+                shut, _, _ = select.select([closed], [], [], 10)
+                assert shut, "nobody's descriptor waited behind root's lingering close"
+                assert os.read(closed, 1) == b""
+                assert server.closer.waiting_of(UID) == 1  # root's close is held up still
+                exit_code = _exit_code(child)
+                assert exit_code == 0, "nobody's listing was not answered"
+        finally:
+            peer.close()  # root's close returns at once
+            for fd in (closed, told):
+                os.close(fd)  # a child not told yet reads the end and exits
+            if exit_code is None:
+                _exit_code(child)
+        wait_until(lambda: server.closer.waiting == 0)
+
+
+def _pass_when_told(path: str, group: int, passed: int, go: int, told: int) -> None:
+    """In a forked child of the root test process: as nobody, in ``group``, once the parent
+    writes to ``told`` (read from ``go``: the child closes its copy of ``told``), pass
+    descriptor ``passed`` to the agent at ``path`` with a first frame (a listing), close it,
+    and wait for the answer; exit 0 once answered."""
+    code = 1
+    try:
+        os.close(told)
+        os.setgroups([group])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+        if os.read(go, 1):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(10)
+                sock.connect(path)
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [passed]))]
+                sock.sendmsg([sdk.encode(sdk.ListFlows())], rights)
+                os.close(passed)
+                code = 0 if isinstance(_next(sock), sdk.FlowList) else 1
+    finally:
+        os._exit(code)
+
+
+def _exit_code(child: int) -> int:
+    """``child``'s exit code once it has exited (killed if it has not within 10 s)."""
+    statuses: list[int] = []
+
+    def exited() -> bool:
+        pid, status = os.waitpid(child, os.WNOHANG)
+        if pid == child:
+            statuses.append(status)
+        return bool(statuses)
+
+    with contextlib.suppress(AssertionError):
+        wait_until(exited, timeout=10)
+    if not statuses:
+        os.kill(child, signal.SIGKILL)
+        statuses.append(os.waitpid(child, 0)[1])
+    return os.waitstatus_to_exitcode(statuses[0])
 
 
 def test_flow_listings_of_a_user_are_rate_limited_but_not_roots(
