@@ -2,7 +2,8 @@
 for its ready line, scrape its metrics, stop it (SIGTERM, then SIGKILL) or kill -9 it;
 :func:`agent_in_session`, whether an agent holds a coordinator session; :func:`wait_for`,
 polling a condition with a deadline; :func:`free_ports` for servers that cannot listen on port
-0 (etcd's peer URLs, Prometheus); :func:`closed_port` for a port that refuses connections."""
+0 (etcd's peer URLs, Prometheus); :func:`closed_port` for a port that refuses connections;
+:func:`reap`, the end of any process a test started with pipes."""
 
 from __future__ import annotations
 
@@ -214,3 +215,13 @@ def wait_for(
         if time.monotonic() - start > timeout:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def reap(proc: subprocess.Popen[bytes]) -> None:
+    """Kill ``proc`` (if still running), wait for it and close its pipes."""
+    proc.kill()
+    proc.wait(timeout=30)
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            with contextlib.suppress(BrokenPipeError):  # (a stdin whose reader is gone)
+                pipe.close()

@@ -11,8 +11,11 @@ per line, worker -> controller ``{"t": "open"|"progress"|"close"|"job", ...}``, 
 worker ``{"t": "level", "id", "level", "ns"}`` where ``ns`` is CLOCK_MONOTONIC at the decision
 (the promotion-latency measurement starts there).
 
-Times given to the policy are seconds since the run's start (``--t0-ns`` on CLOCK_MONOTONIC,
-which every namespace shares), the same clock the trace and the simulator replay use.
+Times given to the policy are seconds since the run's time zero (on CLOCK_MONOTONIC, which
+every namespace shares), the same clock the trace and the simulator replay use. The runner sends
+time zero on stdin once the workers are ready (:mod:`flowsched.testbed.timezero`); the workers
+connect before that (the listen backlog holds them) and are served only after it, so no message
+is ever handled before time zero is known.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 from flowsched import policyfile
 from flowsched.model import Context, Decision, Flow, FlowClass
 from flowsched.policies.base import Policy
+from flowsched.testbed import timezero
 
 MAX_LINE = 1 << 16
 #: time constant of the link-load EWMA (the simulator replay uses the same)
@@ -182,22 +186,27 @@ def _serve_conn(ctl: Controller, conn: socket.socket) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m flowsched.testbed.minictl --policy F --listen H:P --t0-ns N``."""
+    """Entry point: ``python -m flowsched.testbed.minictl --policy F --listen H:P ...``, then
+    time zero on stdin; 1 when none comes (stderr says why)."""
     parser = argparse.ArgumentParser(prog="flowsched.testbed.minictl")
     parser.add_argument("--policy", required=True)
     parser.add_argument("--listen", required=True)
-    parser.add_argument("--t0-ns", type=int, required=True)
     parser.add_argument("--bandwidth", type=float, required=True)
     parser.add_argument("--ports", default="{}", help="JSON host -> switch port device")
     args = parser.parse_args(argv)
     cfg = policyfile.load(args.policy)
     meter = LinkMeter(json.loads(args.ports), args.bandwidth)
-    ctl = Controller(cfg.make_policy(), args.t0_ns, args.bandwidth, cfg.timer_period, meter)
     host, port = args.listen.rsplit(":", 1)
     server = socket.create_server((host, int(port)), backlog=64)
+    print(f"minictl listening on {host}:{server.getsockname()[1]}", flush=True)
+    try:
+        zero = timezero.wait()
+    except timezero.NoTimeZero as exc:
+        print(f"minictl: {exc}", file=sys.stderr, flush=True)
+        return 1
+    ctl = Controller(cfg.make_policy(), zero.ns, args.bandwidth, cfg.timer_period, meter)
     stop = threading.Event()
     threading.Thread(target=ctl.timer, args=(stop,), daemon=True).start()
-    print(f"minictl listening on {host}:{server.getsockname()[1]}", flush=True)
     while True:
         conn, _ = server.accept()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

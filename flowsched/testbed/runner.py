@@ -32,14 +32,20 @@ from typing import Any
 
 from flowsched.metrics import FlowRecord, RunRecords
 from flowsched.policyfile import PolicyConfig
+from flowsched.testbed import timezero
 from flowsched.testbed.netns import Topology
 from flowsched.testbed.procstat import cpu_seconds
 from flowsched.testbed.records import RecordBuilder
 from flowsched.testbed.trace import Trace
 
 CTL_PORT = 7200
-#: seconds between starting the workers and the trace's time zero
-START_MARGIN = 3.0
+#: seconds between sending time zero, once every worker is ready, and time zero: the workers
+#: (and the minimal controller) must read it and wake their flows' threads, which then sleep
+#: until their own start, before the trace's first transfers at 0.0 s. Measured on the 2-core
+#: machine (rmlq, default scenario): a worker read it 0.1-1.5 ms after it was sent, and the last
+#: of a prefill host's 192 threads (20 s trace) was awake 7.4 ms after; 50 ms leaves a loaded
+#: machine 6x that, and idles each run 50 ms, where the fixed margin before idled ~2.3 s
+START_MARGIN = 0.05
 #: the agents' NIC sampling period on the testbed (their link loads are at most this old; the
 #: minimal controller samples the switch ports every policy tick). Not shorter: every changed
 #: load re-evaluates the flows on that link, and the benchmark's policies take rho from the
@@ -139,31 +145,16 @@ def run_policy(
     started = time.monotonic()
     before = topo.class_bytes()
     with private_token() as token, processes() as procs:  # (the daemons stop first)
-        if control == "agent":  # agents take a while to start: the trace starts after them
-            ctl = _start_control(
-                topo, procs, policy_path, 0, trace.rate_bytes, control, workdir, token
-            )
-        t0_ns = time.monotonic_ns() + int(START_MARGIN * 1e9)
-        t0_wall = time.time() + START_MARGIN
-        if control != "agent":
-            ctl = _start_control(
-                topo, procs, policy_path, t0_ns, trace.rate_bytes, control, workdir, token
-            )
+        ctl, controller = _start_control(
+            topo, procs, policy_path, trace.rate_bytes, control, workdir, token
+        )
         sniff_out = workdir / "sniff.json"
         sniffer = _start_sniffer(topo, procs, sniff_out)
         workers = _start_workers(
-            topo,
-            procs,
-            trace_path,
-            policy_path,
-            workdir,
-            t0_ns,
-            t0_wall,
-            ctl,
-            control,
-            trace.duration,
+            topo, procs, trace_path, policy_path, workdir, ctl, control, trace.duration
         )
-        errors = wait_workers(workers, trace.duration * 3 + 30)
+        send_time_zero([*controller, *workers], timezero.TimeZero.after(START_MARGIN))
+        errors = wait_workers(workers, trace.duration * 3 + 30, _worker_logs(topo, workdir))
         errors += ended_early(p for p in procs if p not in workers and p is not sniffer)
         cpu = {_label(p): cpu_seconds(p.pid) for p in procs if p not in workers}
         errors += stop_sniffer(sniffer, sniff_out)
@@ -183,16 +174,16 @@ def _start_control(
     topo: Topology,
     procs: list[subprocess.Popen[bytes]],
     policy: Path,
-    t0_ns: int,
     bandwidth: float,
     control: str,
     workdir: Path,
     token: Path,
-) -> str:
-    """Start the control plane; return the address the workers use (mini) or ""."""
+) -> tuple[str, list[subprocess.Popen[bytes]]]:
+    """Start the control plane; return the address the workers use (mini) or "", and the
+    processes of it that wait for time zero (the minimal controller)."""
     if control == "agent":
         start_agents(topo, procs, policy, bandwidth, workdir, token=token)
-        return ""
+        return "", []
     address = f"{topo.switch_mgmt_ip}:{CTL_PORT}"
     argv = _python(
         "flowsched.testbed.minictl",
@@ -200,17 +191,17 @@ def _start_control(
         str(policy),
         "--listen",
         address,
-        "--t0-ns",
-        str(t0_ns),
         "--bandwidth",
         str(bandwidth),
         "--ports",
         json.dumps({h.name: h.switch_port for h in topo.hosts}),
     )
-    proc = subprocess.Popen(topo.ns_command(topo.switch_ns, argv), stdout=subprocess.PIPE)
+    proc = subprocess.Popen(
+        topo.ns_command(topo.switch_ns, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
     procs.append(proc)
     _expect_line(proc, b"listening", "the testbed controller")
-    return address
+    return address, [proc]
 
 
 def _expect_line(
@@ -224,23 +215,69 @@ def _expect_line(
     """The first stdout line of ``proc``; RuntimeError when it lacks ``marker``, or when no
     whole line comes within ``timeout`` s (``proc`` is then killed), with the exit status and
     the end of ``log`` (where the daemon's stderr, and so its reason, went)."""
-    line = _first_line(proc, timeout)
-    if line is not None and marker in line:
-        return line
-    if line is None:  # hung: it must not outlive the failed start
-        proc.kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=STOP_GRACE)
-        detail = f"no line with {marker.decode()!r} within {timeout:g} s; killed"
-    elif not line:  # end of output: it exited
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=STOP_GRACE)
-        detail = f"exited with status {proc.returncode} before its ready line"
-    else:
-        detail = repr(line)
-    if log is not None:
-        detail += _log_tail(log)
-    raise RuntimeError(f"{what} did not start: {detail}")
+    return _expect_lines([(proc, what, log)], marker, timeout=timeout)[0]
+
+
+#: a process started here, what it is ("the worker of h0") and its log (its stderr), if any
+Started = tuple[subprocess.Popen[bytes], str, Path | None]
+
+
+def _expect_lines(
+    started: list[Started], marker: bytes, *, timeout: float = READY_TIMEOUT
+) -> list[bytes]:
+    """The first stdout line of each of ``started``, read side by side; RuntimeError at the
+    first that exits or prints a line without ``marker`` (naming it, with its exit status or
+    line and its log's end), or, when lines are missing after ``timeout`` s, naming each
+    process still silent (each is then killed: it must not outlive the failed start)."""
+    lines = {proc: b"" for proc, _, _ in started}
+    deadline = time.monotonic() + timeout
+    while silent := [s for s in started if b"\n" not in lines[s[0]]]:
+        readable = _readable([proc for proc, _, _ in silent], deadline)
+        if not readable:
+            for proc, _, _ in silent:
+                _kill(proc)
+            detail = f"no line with {marker.decode()!r} within {timeout:g} s; killed"
+            raise RuntimeError("\n".join(_not_started(s, detail) for s in silent))
+        for proc, what, log in silent:
+            if proc not in readable:
+                continue
+            assert proc.stdout is not None
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            lines[proc] += chunk
+            line = lines[proc].split(b"\n", 1)[0] + b"\n"
+            if not chunk:  # end of output: it exited
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=STOP_GRACE)
+                detail = f"exited with status {proc.returncode} before its ready line"
+                raise RuntimeError(_not_started((proc, what, log), detail))
+            if b"\n" in lines[proc] and marker not in line:
+                raise RuntimeError(_not_started((proc, what, log), repr(line)))
+    return [lines[proc].split(b"\n", 1)[0] + b"\n" for proc, _, _ in started]
+
+
+def _readable(
+    procs: list[subprocess.Popen[bytes]], deadline: float
+) -> list[subprocess.Popen[bytes]]:
+    """Those of ``procs`` with stdout to read (output or its end), waiting until ``deadline``
+    at most; [] when none has by then."""
+    by_fd = {proc.stdout.fileno(): proc for proc in procs if proc.stdout is not None}
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return []
+    return [by_fd[fd] for fd in select.select(list(by_fd), [], [], remaining)[0]]
+
+
+def _not_started(started: Started, detail: str) -> str:
+    """``started`` did not start, with ``detail`` and the end of its log."""
+    _, what, log = started
+    return f"{what} did not start: {detail}" + ("" if log is None else _log_tail(log))
+
+
+def _kill(proc: subprocess.Popen[bytes]) -> None:
+    """Kill ``proc`` and reap it (a process that does not die within STOP_GRACE is left)."""
+    proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_GRACE)
 
 
 def _log_tail(log: Path) -> str:
@@ -298,31 +335,10 @@ def _wait_until(
         if proc.poll() is not None:
             return f"exited with status {proc.returncode} before its {goal}"
         if time.monotonic() >= deadline:
-            proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=STOP_GRACE)
+            _kill(proc)
             return f"no {goal} within {timeout:g} s; killed"
         time.sleep(SESSION_POLL)
     return None
-
-
-def _first_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes | None:
-    """``proc``'s first stdout line (b"" at end of output), or None when no whole line comes
-    within ``timeout`` s. Reads the pipe itself, not through ``proc.stdout``'s buffer: a
-    partial line must not block past the deadline."""
-    if proc.stdout is None:
-        return b""
-    fd, line = proc.stdout.fileno(), b""
-    deadline = time.monotonic() + timeout
-    while not line.endswith(b"\n"):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-            return None
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            return line
-        line += chunk
-    return line.split(b"\n", 1)[0] + b"\n"
 
 
 def table_path(topo: Topology, host: str) -> Path:
@@ -472,15 +488,17 @@ def _start_workers(
     trace: Path,
     policy: Path,
     workdir: Path,
-    t0_ns: int,
-    t0_wall: float,
     ctl: str,
     control: str,
     duration: float,
 ) -> list[subprocess.Popen[bytes]]:
+    """Start one worker per host (its stderr to ``worker-<host>.log`` in ``workdir``) and wait
+    until every one is ready for time zero (:func:`_expect_lines`: RuntimeError naming those
+    that are not within :data:`READY_TIMEOUT` s)."""
     ips = json.dumps({h.name: h.data_ip for h in topo.hosts})
-    workers = []
-    for host in topo.hosts:
+    logs = _worker_logs(topo, workdir)
+    started: list[Started] = []
+    for host, log in zip(topo.hosts, logs, strict=True):
         argv = _python(
             "flowsched.testbed.worker",
             "--trace",
@@ -489,10 +507,6 @@ def _start_workers(
             host.name,
             "--ips",
             ips,
-            "--t0-ns",
-            str(t0_ns),
-            "--t0-wall",
-            repr(t0_wall),
             "--policy",
             str(policy),
             "--control",
@@ -508,10 +522,38 @@ def _start_workers(
         if control == "agent":
             env["FLOWSCHED_SOCKET"] = str(workdir / f"{host.name}.sock")
             env["FLOWSCHED_TABLE"] = str(table_path(topo, host.name))
-        proc = subprocess.Popen(topo.ns_command(host.netns, argv), env=env)
+        with log.open("ab") as sink:
+            proc = subprocess.Popen(
+                topo.ns_command(host.netns, argv),
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=sink,
+            )
         procs.append(proc)
-        workers.append(proc)
-    return workers
+        started.append((proc, f"the worker of {host.name}", log))
+    _expect_lines(started, timezero.READY, timeout=READY_TIMEOUT)
+    return [proc for proc, _, _ in started]
+
+
+def _worker_logs(topo: Topology, workdir: Path) -> list[Path]:
+    """Where each host's worker logs (its stderr), in the order of the hosts."""
+    return [workdir / f"worker-{host.name}.log" for host in topo.hosts]
+
+
+def send_time_zero(procs: Iterable[subprocess.Popen[bytes]], zero: timezero.TimeZero) -> None:
+    """Give each of ``procs`` (ready, waiting on stdin) time zero, and close its stdin. One that
+    has exited meanwhile is skipped: the run reports its exit (:func:`wait_workers`,
+    :func:`ended_early`)."""
+    line = zero.line()
+    for proc in procs:
+        if proc.stdin is None:
+            continue
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.write(line)
+            proc.stdin.flush()
+        with contextlib.suppress(BrokenPipeError):  # (what a failed flush left is dropped)
+            proc.stdin.close()
 
 
 def _label(proc: subprocess.Popen[bytes]) -> str:
@@ -524,18 +566,22 @@ def _label(proc: subprocess.Popen[bytes]) -> str:
     )
 
 
-def wait_workers(workers: list[subprocess.Popen[bytes]], timeout: float) -> list[str]:
-    """Wait for every worker to exit (killing those still running at ``timeout``); the errors."""
+def wait_workers(
+    workers: list[subprocess.Popen[bytes]], timeout: float, logs: list[Path] | None = None
+) -> list[str]:
+    """Wait for every worker to exit (killing those still running at ``timeout``); the errors,
+    each naming the worker's log if ``logs`` (one per worker) says where it is."""
     deadline, errors = time.monotonic() + timeout, []
     for i, proc in enumerate(workers):
+        see = "" if logs is None else f" (its log: {logs[i]})"
         try:
             code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
             proc.kill()
-            errors.append(f"worker h{i} did not finish within {timeout:.0f} s")
+            errors.append(f"worker h{i} did not finish within {timeout:.0f} s{see}")
             continue
         if code != 0:
-            errors.append(f"worker h{i} exited with status {code}")
+            errors.append(f"worker h{i} exited with status {code}{see}")
     return errors
 
 

@@ -5,6 +5,10 @@ own transfers at their trace times with ``flowsched.transfer.send_flow`` (the so
 the flow's level), and runs its rank of the TP jobs: compute, then a two-way exchange with the
 peer rank, layer after layer; an iteration waits for the experience batch it consumes.
 
+Before the trace's time zero it sets up all that would delay the first transfers (listeners,
+the control plane's connection, the TP ranks' connections), prints its ready line and waits for
+time zero from the runner (:mod:`flowsched.testbed.timezero`).
+
 Levels come from a control plane reached through :class:`LevelClient`: the real agent through
 ``flowsched.client`` (``--control agent``, the default; flows name their receiving host as
 ``dst_node``, TP ranks use the NCCL plugin), or the testbed's minimal controller
@@ -20,6 +24,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +33,7 @@ from typing import Any
 
 from flowsched import policyfile, transfer
 from flowsched.model import FlowClass
+from flowsched.testbed import timezero
 from flowsched.testbed.trace import TpJob, Trace, Transfer
 
 TRANSFER_PORT = 7000
@@ -40,18 +46,37 @@ EXPERIENCE_WAIT = 60.0
 #: seconds a flow waits for its first level from the minimal controller before it is sent at
 #: level 0 without it (an error of the run)
 FIRST_LEVEL_WAIT = 1.0
+#: seconds the TP ranks get to connect to their peers (the peer's worker starts at the same
+#: time: all four were ready 0.4-0.7 s after they were started) before the worker gives up
+#: without its ready line. Shorter than the runner's wait for that line
+#: (``runner.READY_TIMEOUT``), so that the worker says why itself
+SETUP_WAIT = 20.0
 
 
 class Clock:
-    """Seconds since the run's start on CLOCK_MONOTONIC (shared by every namespace)."""
+    """Seconds since the run's time zero on CLOCK_MONOTONIC (shared by every namespace).
 
-    def __init__(self, t0_ns: int) -> None:
-        self.t0_ns = t0_ns
+    Without ``t0_ns`` time zero is not known yet: it comes from the runner once every worker
+    is ready (:meth:`start`), and :meth:`sleep_until` waits for it first.
+    """
+
+    def __init__(self, t0_ns: int | None = None) -> None:
+        self.t0_ns, self.t0_wall = 0, 0.0
+        self._started = threading.Event()
+        if t0_ns is not None:
+            self.start(timezero.TimeZero(t0_ns, time.time() + (t0_ns - time.monotonic_ns()) / 1e9))
+
+    def start(self, zero: timezero.TimeZero) -> None:
+        """Set time zero; the threads waiting in :meth:`sleep_until` go on."""
+        self.t0_ns, self.t0_wall = zero.ns, zero.wall
+        self._started.set()
 
     def now(self) -> float:
         return (time.monotonic_ns() - self.t0_ns) / 1e9
 
     def sleep_until(self, t: float) -> None:
+        """Return at ``t`` seconds after time zero (at once if that has passed)."""
+        self._started.wait()
         delay = t - self.now()
         if delay > 0:
             time.sleep(delay)
@@ -200,19 +225,27 @@ class MiniClient:
 
 
 class AgentClient:
-    """The real control plane: ``flowsched.client`` talking to this host's agent."""
+    """The real control plane: ``flowsched.client`` talking to this host's agent.
 
-    def __init__(self, t0_wall: float, journal: Journal) -> None:
+    It connects at once (the SDK would on the first flow): the first transfer's admission
+    must be the open round trip, not also the connection to the agent. RuntimeError naming
+    the socket when the agent cannot be reached (the SDK has logged why).
+    """
+
+    def __init__(self, clock: Clock, journal: Journal) -> None:
         from flowsched import client
 
-        self._client, self.t0_wall, self.journal = client, t0_wall, journal
+        self._client, self.clock, self.journal = client, clock, journal
+        connection = client.connection()
+        if not connection.ensure_connected():
+            raise RuntimeError(f"no connection to the agent at {connection.path}")
 
     @contextlib.contextmanager
     def flow(self, t: Transfer | None, **fields: Any) -> Iterator[Any]:
         if t is None:
             ctx = self._client.flow(fields["cls"])
         else:
-            deadline = None if t.deadline is None else self.t0_wall + t.deadline
+            deadline = None if t.deadline is None else self.clock.t0_wall + t.deadline
             ctx = self._client.flow(
                 t.cls,
                 bytes=t.size,
@@ -263,9 +296,29 @@ class Worker:
         self.done: dict[int, float] = {}
         self._done_cv = threading.Condition()
 
-    def run(self, timeout: float) -> None:
+    def run(self, timeout: float, at_ready: Callable[[], None] | None = None) -> None:
+        """Run this host's share of the trace.
+
+        First all that must not delay the first transfers: listen for transfers and for the
+        peers of its TP ranks, connect the ranks (through the plugin too), start every flow's
+        thread (each waits for the clock's time zero); then ``at_ready()`` (the process says
+        ready and starts the clock at the time zero it is given), then wait at most ``timeout``
+        s for this host's flows and TP ranks to end and every transfer to it to arrive.
+        TimeoutError naming the TP ranks not connected within :data:`SETUP_WAIT` s.
+        """
         receiver = transfer.Receiver((self.ips[self.host], TRANSFER_PORT), timeout=timeout)
         receiver.start()
+        try:
+            threads = self._prepare(receiver)
+            if at_ready is not None:
+                at_ready()
+            self._finish(threads, timeout)
+        finally:
+            receiver.stop()
+
+    def _prepare(self, receiver: transfer.Receiver) -> list[threading.Thread]:
+        """Start the receiver's, the flows' and the TP ranks' threads; return the flows' and
+        the ranks' once every rank is connected (or failed: its error is in the journal)."""
         self._thread(f"receiver on {self.host}", self._drain, receiver).start()
         tp_servers = {
             j.job: self._tp_listener(j) for j in self.trace.tp_jobs if j.hosts[1] == self.host
@@ -273,15 +326,33 @@ class Worker:
         threads = [
             self._thread(f"flow {t.flow_id}", self._send, t) for t in self.trace.for_host(self.host)
         ]
-        threads += [
-            self._thread(
-                f"TP job {j.job}, rank on {self.host}", self._tp_rank, j, tp_servers.get(j.job)
-            )
-            for j in self.trace.tp_jobs
-            if self.host in j.hosts
-        ]
+        connected: dict[str, threading.Event] = {}
+        for job in self.trace.tp_jobs:
+            if self.host in job.hosts:
+                what = f"TP job {job.job}, rank on {self.host}"
+                connected[what] = threading.Event()
+                # set by the rank once connected, or by the thread's end if it failed first
+                threads.append(
+                    self._thread(
+                        what,
+                        self._tp_rank,
+                        job,
+                        tp_servers.get(job.job),
+                        connected[what],
+                        ended=connected[what],
+                    )
+                )
         for thread in threads:
             thread.start()
+        deadline = time.monotonic() + SETUP_WAIT
+        late = [w for w, e in connected.items() if not e.wait(max(deadline - time.monotonic(), 0))]
+        if late:
+            raise TimeoutError(f"{'; '.join(late)}: not connected within {SETUP_WAIT:g} s")
+        return threads
+
+    def _finish(self, threads: list[threading.Thread], timeout: float) -> None:
+        """Wait at most ``timeout`` s for ``threads`` and this host's receives; an error for
+        each that did not end."""
         deadline = time.monotonic() + timeout
         for thread in threads:
             thread.join(max(deadline - time.monotonic(), 0.1))
@@ -291,17 +362,26 @@ class Worker:
                     "error", what=thread.name, error=f"still running after {timeout:g} s"
                 )
         self._wait_receives(deadline, timeout)
-        receiver.stop()
 
-    def _thread(self, what: str, target: Callable[..., None], *args: Any) -> threading.Thread:
+    def _thread(
+        self,
+        what: str,
+        target: Callable[..., None],
+        *args: Any,
+        ended: threading.Event | None = None,
+    ) -> threading.Thread:
         """A daemon thread running ``target(*args)`` whose exception becomes an ``error`` event
-        (the run's errors), so a failed thread never leaves the report silently short."""
+        (the run's errors), so a failed thread never leaves the report silently short; it sets
+        ``ended`` when it ends."""
 
         def guarded() -> None:
             try:
                 target(*args)
             except Exception as exc:  # any failure of the thread must reach the journal
                 self.journal.add("error", what=what, error=f"{type(exc).__name__}: {exc}")
+            finally:
+                if ended is not None:
+                    ended.set()
 
         return threading.Thread(target=guarded, name=what, daemon=True)
 
@@ -386,11 +466,16 @@ class Worker:
         conn, _ = server.accept()
         return conn, conn
 
-    def _tp_rank(self, job: TpJob, server: socket.socket | None) -> None:
+    def _tp_rank(
+        self, job: TpJob, server: socket.socket | None, connected: threading.Event
+    ) -> None:
+        """The rank of ``job`` on this host: it connects to its peer, sets ``connected``, and
+        from the job's start on runs its iterations."""
         sock, _ = self._tp_connect(job, server)
         if isinstance(self.control, AgentClient):
-            self._tp_rank_plugin(job, sock)
+            self._tp_rank_plugin(job, sock, connected)
             return
+        connected.set()
         base_id = 1_000_000_000 + 1000 * self.trace.tp_jobs.index(job)
         flow_id = base_id + job.hosts.index(self.host)
         self.clock.sleep_until(job.start)
@@ -424,7 +509,7 @@ class Worker:
                     "span", span="iteration", job=job.job, start=started, end=self.clock.now()
                 )
 
-    def _tp_rank_plugin(self, job: TpJob, oob: socket.socket) -> None:
+    def _tp_rank_plugin(self, job: TpJob, oob: socket.socket, connected: threading.Event) -> None:
         """The TP rank through the real NCCL net plugin, driven as NCCL drives it.
 
         The plugin finds the host's flow table through ``FLOWSCHED_TABLE`` and its class
@@ -439,6 +524,7 @@ class Worker:
             ctx = plugin.init(comm_id=0xF5E0 + self.trace.tp_jobs.index(job), traffic_class=-1)
             send, recv = _plugin_pair(ctx, oob)
             send_buf, recv_buf = send.register(job.message_bytes), recv.register(job.message_bytes)
+            connected.set()
             self.clock.sleep_until(job.start)
             self._tp_iterations(
                 job,
@@ -633,13 +719,14 @@ def _recv_message(sock: socket.socket) -> transfer.ReceiveStats:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point (``python -m flowsched.testbed.worker ...``), started by the runner."""
+    """Entry point (``python -m flowsched.testbed.worker ...``), started by the runner: once
+    set up it prints its ready line and waits for time zero on stdin
+    (:mod:`flowsched.testbed.timezero`); 1 when it cannot take part (no agent or controller,
+    a TP peer that never came, no time zero), saying why on stderr."""
     parser = argparse.ArgumentParser(prog="flowsched.testbed.worker")
     parser.add_argument("--trace", required=True)
     parser.add_argument("--host", required=True)
     parser.add_argument("--ips", required=True, help="JSON host -> data IP")
-    parser.add_argument("--t0-ns", type=int, required=True)
-    parser.add_argument("--t0-wall", type=float, required=True)
     parser.add_argument("--policy", required=True)
     parser.add_argument("--control", choices=("agent", "mini"), default="agent")
     parser.add_argument("--ctl", default="")
@@ -647,20 +734,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     trace = Trace.from_json(Path(args.trace).read_text(encoding="utf-8"))
-    journal, clock = Journal(), Clock(args.t0_ns)
+    journal, clock = Journal(), Clock()
     cfg = policyfile.load(args.policy)
-    control: LevelClient
-    if args.control == "mini":
-        host, port = args.ctl.rsplit(":", 1)
-        control = MiniClient((host, int(port)), cfg.levels, journal)
-    else:
-        control = AgentClient(args.t0_wall, journal)
-    worker = Worker(trace, args.host, json.loads(args.ips), clock, control, journal)
     try:
-        worker.run(args.timeout)
+        control: LevelClient
+        if args.control == "mini":
+            host, port = args.ctl.rsplit(":", 1)
+            control = MiniClient((host, int(port)), cfg.levels, journal)
+        else:
+            control = AgentClient(clock, journal)
+        worker = Worker(trace, args.host, json.loads(args.ips), clock, control, journal)
+        worker.run(args.timeout, lambda: _start_at_time_zero(clock))
+    except (OSError, RuntimeError) as exc:  # TimeoutError, NoTimeZero, no agent, no controller
+        print(f"worker on {args.host}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         journal.write(args.out, "worker", args.host)
     return 0
+
+
+def _start_at_time_zero(clock: Clock) -> None:
+    """Say ready, wait for the runner's time zero and start ``clock`` at it."""
+    timezero.announce_ready()
+    clock.start(timezero.wait())
 
 
 if __name__ == "__main__":

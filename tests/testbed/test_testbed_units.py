@@ -16,7 +16,7 @@ import pytest
 
 from flowsched import policies, policyfile
 from flowsched.metrics import summarize
-from flowsched.testbed import bench, netns, replay, runner, sniff
+from flowsched.testbed import bench, netns, replay, runner, sniff, timezero
 from flowsched.testbed.daemons import wait_for
 from flowsched.testbed.trace import ScenarioParams, Trace, generate, params_from_mapping
 
@@ -615,8 +615,43 @@ _SNIFFERS = {
     "exits-at-start": "import sys; print('PermissionError: [Errno 1] Operation not permitted',"
     " file=sys.stderr, flush=True); sys.exit(1)",
 }
-#: a control-plane daemon that runs until stopped, and one that dies during the run
-_CONTROL = {"runs": "import time; time.sleep(60)", "dies": "import sys; sys.exit(7)"}
+#: how a fake that waits for time zero says ready (``ready(who, line)``): it prints ``line``,
+#: reads its stdin's line and, with $FAKE_ZERO_SEEN set, appends there as JSON who it is, that
+#: line, and when it said ready and when it got the line
+_TAKE_TIME_ZERO = (
+    "import json, os, sys, time\n"
+    "def ready(who, line):\n"
+    "    ready_ns = time.monotonic_ns()\n"
+    "    print(line, flush=True)\n"
+    "    line = sys.stdin.readline()\n"
+    "    got = {'who': who, 'line': line, 'ready_ns': ready_ns,\n"
+    "           'received_ns': time.monotonic_ns()}\n"
+    "    if os.environ.get('FAKE_ZERO_SEEN'):\n"
+    "        with open(os.environ['FAKE_ZERO_SEEN'], 'a') as out:\n"
+    "            out.write(json.dumps(got) + '\\n')\n"
+)
+#: fake minimal controllers (``python -c CODE --policy ...``), after their ready line: one
+#: takes time zero and runs until stopped, one dies before time zero
+_CONTROL = {
+    "runs": _TAKE_TIME_ZERO + "ready('minictl', 'minictl listening on 127.0.0.1:7200')\n"
+    "time.sleep(60)\n",
+    "dies": "import sys; print('minictl listening on 127.0.0.1:7200', flush=True); sys.exit(7)",
+}
+#: a fake worker (``python -c CODE --trace T --host H ...``): it does what $FAKE_WORKERS (JSON,
+#: host -> "exits", "hangs" or "slow": ready after 1 s) says, else it says ready, takes time
+#: zero and exits
+_WORKER = _TAKE_TIME_ZERO + (
+    "host = sys.argv[sys.argv.index('--host') + 1]\n"
+    "does = json.loads(os.environ.get('FAKE_WORKERS', '{}')).get(host)\n"
+    "if does == 'exits':\n"
+    "    sys.exit('ModuleNotFoundError: No module named flowsched')\n"
+    "if does == 'hangs':\n"
+    "    print('connecting to the TP peer', file=sys.stderr, flush=True)\n"
+    "    time.sleep(60)\n"
+    "if does == 'slow':\n"
+    "    time.sleep(1)\n"
+    "ready(host, 'ready')\n"
+)
 
 
 #: a fake coordinator or agent (``python -c CODE coordinator|agent ARGS...``): it appends
@@ -643,10 +678,14 @@ _DAEMON = (
 )
 
 
-def _fake_testbed(monkeypatch: pytest.MonkeyPatch, sniffer: str) -> None:
-    """run_policy outside namespaces and tc: the sniffer is the fake named, the workers exit
-    at once, and the coordinator and agents are :data:`_DAEMON`."""
-    codes = {"flowsched.testbed.sniff": _SNIFFERS[sniffer], "flowsched.testbed.worker": "pass"}
+def _fake_testbed(monkeypatch: pytest.MonkeyPatch, sniffer: str, control: str = "runs") -> None:
+    """run_policy outside namespaces and tc: the sniffer and the minimal controller are the
+    fakes named, the workers :data:`_WORKER`, and the coordinator and agents :data:`_DAEMON`."""
+    codes = {
+        "flowsched.testbed.sniff": _SNIFFERS[sniffer],
+        "flowsched.testbed.minictl": _CONTROL[control],
+        "flowsched.testbed.worker": _WORKER,
+    }
     monkeypatch.setattr(
         runner, "_python", lambda module, *args: [sys.executable, "-c", codes[module], *args]
     )
@@ -665,18 +704,9 @@ def _fake_testbed(monkeypatch: pytest.MonkeyPatch, sniffer: str) -> None:
 def _fake_run(
     monkeypatch: pytest.MonkeyPatch, work: Path, sniffer: str, control: str = "runs"
 ) -> runner.TestbedRun:
-    """run_policy outside namespaces and tc (:func:`_fake_testbed`), the control plane the
-    fake named; the dying control plane has exited before the workers start."""
-    _fake_testbed(monkeypatch, sniffer)
-
-    def start_control(topo: object, procs: list[Any], *args: object) -> str:
-        proc = subprocess.Popen([sys.executable, "-c", _CONTROL[control]])
-        procs.append(proc)
-        if control == "dies":
-            proc.wait(timeout=30)
-        return ""
-
-    monkeypatch.setattr(runner, "_start_control", start_control)
+    """run_policy with the minimal controller outside namespaces and tc (:func:`_fake_testbed`),
+    the controller the fake named."""
+    _fake_testbed(monkeypatch, sniffer, control)
     topo = netns.plan(netns.TopologySpec(prefix="fsU-", hosts=2))
     trace = Trace(0, 2, 25e6, 0.1, 0.0, [], [])
     path = bench.policy_path("fair")
@@ -744,6 +774,53 @@ def test_a_control_plane_daemon_that_dies_during_the_run_is_a_run_error(
     stale levels and no error of their own: the run must say so."""
     run = _fake_run(monkeypatch, tmp_path, "clean", control="dies")
     assert len(run.errors) == 1 and run.errors[0].endswith("exited with status 7 during the run")
+
+
+def test_the_workers_and_the_controller_get_one_time_zero_once_every_worker_is_ready(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Time zero is START_MARGIN after the last worker said ready (it was a fixed margin after
+    the control plane started: a worker slower than that lost the trace's start, and a fast one
+    idled), and every process that keeps the run's clock gets the same one."""
+    seen = tmp_path / "zero.jsonl"
+    monkeypatch.setenv("FAKE_ZERO_SEEN", str(seen))
+    monkeypatch.setenv("FAKE_WORKERS", json.dumps({"h1": "slow"}))
+    monkeypatch.setattr(runner, "START_MARGIN", 0.2)
+    run = _fake_run(monkeypatch, tmp_path / "work", "clean")
+    assert run.errors == []
+    got = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert sorted(g["who"] for g in got) == ["h0", "h1", "minictl"]
+    assert len({g["line"] for g in got}) == 1
+    zero = timezero.TimeZero.parse(got[0]["line"].encode())
+    assert zero.ns - max(g["ready_ns"] for g in got) >= 0.2e9
+    for g in got:  # sent START_MARGIN ahead of time zero, so received at most that far ahead
+        assert zero.ns - g["received_ns"] <= 0.2e9, g["who"]
+
+
+@pytest.mark.parametrize(
+    ("does", "problem", "said"),
+    [
+        ("exits", "exited with status 1 before its ready line",
+         "ModuleNotFoundError: No module named flowsched"),
+        ("hangs", "no line with 'ready' within 2 s; killed", "connecting to the TP peer"),
+    ],
+    ids=["exits", "hangs"],
+)  # fmt: skip
+def test_a_worker_that_never_gets_ready_fails_the_run_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, does: str, problem: str, said: str
+) -> None:
+    """No time zero without every worker: the run fails, naming the worker that did not get
+    ready (not the one that did), with its exit status or the wait it ran out of, and its log."""
+    monkeypatch.setenv("FAKE_WORKERS", json.dumps({"h1": does}))
+    monkeypatch.setattr(runner, "READY_TIMEOUT", 2.0)
+    work = tmp_path / "work"
+    with pytest.raises(RuntimeError) as raised:
+        _fake_run(monkeypatch, work, "clean")
+    log = work / "worker-h1.log"
+    assert (
+        str(raised.value)
+        == f"the worker of h1 did not start: {problem}; its log {log} ends:\n{said}"
+    )
 
 
 @pytest.mark.usefixtures("lock_dir")

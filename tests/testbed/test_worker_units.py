@@ -6,9 +6,12 @@ from __future__ import annotations
 import contextlib
 import queue
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -16,8 +19,8 @@ import pytest
 
 from flowsched import nccl, transfer
 from flowsched.nccl import harness
-from flowsched.testbed import worker
-from flowsched.testbed.daemons import free_ports, wait_for
+from flowsched.testbed import bench, timezero, worker
+from flowsched.testbed.daemons import free_ports, reap, wait_for
 from flowsched.testbed.runner import collect
 from flowsched.testbed.trace import TpJob, Trace, Transfer
 
@@ -37,7 +40,16 @@ class MiniControl:
 
     @contextlib.contextmanager
     def flow(self, t: Transfer | None, **fields: Any) -> Iterator[Any]:
-        yield SimpleNamespace(level=0, dscp=0, so_priority=0)
+        ignore = lambda *args: None  # noqa: E731
+        yield SimpleNamespace(
+            id=None if t is None else t.flow_id,
+            level=0,
+            dscp=0,
+            so_priority=0,
+            add_listener=ignore,
+            remove_listener=ignore,
+            progress=ignore,
+        )
 
     def job_progress(self, job: str, step: int) -> None:
         self.steps.append(step)
@@ -253,8 +265,33 @@ def test_a_transfer_that_never_arrives_is_an_error() -> None:
 def test_a_thread_still_running_at_the_deadline_is_an_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A TP rank whose peer never comes: the worker ends at its deadline without the job's
-    spans, and says so."""
+    """A TP rank whose collective never completes: the worker ends at its deadline without the
+    job's spans, and says so."""
+    release = threading.Event()
+
+    def exchange(sock: socket.socket, size: int, handle: Any) -> None:
+        release.wait(30)
+        raise OSError("released by the test")
+
+    ours, peer = socket.socketpair()
+    monkeypatch.setattr(worker.Worker, "_tp_connect", lambda self, job, server: (ours, ours))
+    monkeypatch.setattr(worker.Worker, "_tp_listener", lambda self, job: None)
+    monkeypatch.setattr(worker, "_exchange", exchange)
+    trace = _trace()
+    try:
+        journal = _run_ranks(trace, {"h1": MiniControl()}, timeout=0.3)
+    finally:
+        release.set()
+        peer.close()
+    assert "TP job tp0, rank on h1: still running after 0.3 s" in _errors(trace, journal)
+
+
+def test_a_tp_rank_whose_peer_never_comes_stops_the_worker_before_it_is_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ranks connect before the worker says ready (the job starts at time zero): a rank
+    that cannot is a TimeoutError naming it, and the worker never says ready."""
+    monkeypatch.setattr(worker, "SETUP_WAIT", 0.3)
     release = threading.Event()
 
     def connect(self: worker.Worker, job: TpJob, server: object) -> Any:
@@ -262,12 +299,107 @@ def test_a_thread_still_running_at_the_deadline_is_an_error(
         raise OSError("released by the test")
 
     monkeypatch.setattr(worker.Worker, "_tp_connect", connect)
-    trace = _trace()
+    said_ready: list[bool] = []
+    rank = worker.Worker(_trace(), "h1", IPS, worker.Clock(), MiniControl(), worker.Journal())
     try:
-        journal = _run_ranks(trace, {"h1": MiniControl()}, timeout=0.3)
+        with pytest.raises(TimeoutError) as raised:
+            rank.run(5.0, lambda: said_ready.append(True))
     finally:
         release.set()
-    assert "TP job tp0, rank on h1: still running after 0.3 s" in _errors(trace, journal)
+    assert str(raised.value) == "TP job tp0, rank on h1: not connected within 0.3 s"
+    assert said_ready == []
+
+
+def test_flows_wait_for_time_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker's threads are started when it says ready, but none sends before the time
+    zero it is given afterwards."""
+    port = free_ports(1)[0]
+    monkeypatch.setattr(worker, "TRANSFER_PORT", port)
+    ips = {"h0": "127.0.0.1", "h1": "127.0.0.2"}
+    first = Transfer(1, "kv", "h0", "h1", 0.0, 1000)
+    trace = Trace(1, 2, 25e6, 1.0, 0.5, [], [first])
+    clock, journal = worker.Clock(), worker.Journal()
+    sender = worker.Worker(trace, "h0", ips, clock, MiniControl(), journal)
+    ready, go = threading.Event(), threading.Event()
+
+    def at_ready() -> None:
+        ready.set()
+        go.wait(30)
+
+    with transfer.Receiver((ips["h1"], port)) as receiver:
+        thread = threading.Thread(target=sender.run, args=(10.0, at_ready), daemon=True)
+        thread.start()
+        assert ready.wait(30)
+        zero = timezero.TimeZero.after(0.2)
+        clock.start(zero)
+        go.set()
+        stats = receiver.results.get(timeout=30)
+        thread.join(30)
+    assert stats.ok and stats.flow_id == 1
+    assert stats.started * 1e9 >= zero.ns, "the flow was sent before time zero"
+    assert [e["kind"] for e in journal.events if e["kind"] in ("open", "error")] == ["open"]
+
+
+#: the worker as the runner starts it, on loopback with a receiver on an ephemeral port and a
+#: short wait for time zero
+_WORKER = (
+    "import sys\n"
+    "from flowsched.testbed import timezero, worker\n"
+    "worker.TRANSFER_PORT = 0\n"
+    "timezero.START_WAIT = 0.3\n"
+    "raise SystemExit(worker.main(sys.argv[1:]))\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("stdin", "status", "problem"),
+    [
+        ("time zero", 0, None),
+        ("nothing", 1, "NoTimeZero: no time zero within 0.3 s"),
+        ("closed", 1, "NoTimeZero: stdin ended before time zero came (the runner is gone)"),
+        ("garbage", 1, "NoTimeZero: time zero: t0_ns: expected an integer, got None"),
+    ],
+)
+def test_the_worker_says_ready_then_waits_for_time_zero(
+    tmp_path: Path,
+    silent_controller: tuple[tuple[str, int], queue.Queue[socket.socket]],
+    stdin: str,
+    status: int,
+    problem: str | None,
+) -> None:
+    """Its first stdout line is its ready line; then it runs from the time zero on its stdin,
+    or, without one, gives up on its own with status 1, saying why."""
+    (address, port), _ = silent_controller
+    trace_path = tmp_path / "trace.json"
+    trace_path.write_text(_trace().to_json(), encoding="utf-8")
+    out = tmp_path / "h2.json"
+    argv = [
+        "--trace", str(trace_path), "--host", "h2", "--ips", '{"h2": "127.0.0.1"}',
+        "--policy", str(bench.policy_path("fair")), "--control", "mini",
+        "--ctl", f"{address}:{port}", "--timeout", "5", "--out", str(out),
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WORKER, *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        if stdin == "time zero":
+            proc.stdin.write(timezero.TimeZero.after(0.05).line())
+        elif stdin == "garbage":
+            proc.stdin.write(b'{"t0_wall": 1.0}\n')
+        if stdin != "nothing":
+            proc.stdin.close()
+        code = proc.wait(timeout=30)
+        stderr = proc.stderr.read().decode()
+    finally:
+        reap(proc)
+    assert code == status, stderr
+    assert (problem is None and stderr == "") or stderr == f"worker on h2: {problem}\n"
+    assert out.exists()  # the journal, written in every case
 
 
 def test_an_iteration_whose_experience_never_arrives_goes_on_with_an_error(
@@ -330,3 +462,32 @@ def test_a_controller_that_closes_its_connection_is_an_error(
     assert _errors(_trace(), journal) == [
         "the testbed controller's connection: closed by the controller during the run"
     ]
+
+
+@pytest.mark.usefixtures("fresh_sdk_connections")
+def test_the_agent_client_connects_before_the_first_flow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SDK would connect on the first flow: the first transfer's admission would then
+    include the connection to the agent. The worker's client connects when it is made."""
+    path = tmp_path / "agent.sock"
+    monkeypatch.setenv("FLOWSCHED_SOCKET", str(path))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as agent:
+        agent.bind(str(path))
+        agent.listen(1)
+        agent.settimeout(10)
+        worker.AgentClient(worker.Clock(), worker.Journal())
+        connection, _ = agent.accept()
+        connection.close()
+
+
+@pytest.mark.usefixtures("fresh_sdk_connections")
+def test_a_worker_without_its_agent_fails_naming_the_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No agent: the SDK would run every flow at its static default; the worker refuses."""
+    path = tmp_path / "agent.sock"
+    monkeypatch.setenv("FLOWSCHED_SOCKET", str(path))
+    with pytest.raises(RuntimeError) as raised:
+        worker.AgentClient(worker.Clock(), worker.Journal())
+    assert str(raised.value) == f"no connection to the agent at {path}"
