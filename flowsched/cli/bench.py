@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 #: edf+late, the strongest baseline in the simulator, runs on the testbed too
 DEFAULT_POLICIES = "fair,static,edf,edf+late,rmlq"
 #: simulator-only rows: the ideal-network bound (the ceiling), the other late-dropping baseline
-#: and the oracle; replays cost seconds, testbed runs ~35 s each (make demo stays under 10 min)
+#: and the oracle; replays cost seconds, testbed runs ~28 s each (make demo stays under 10 min)
 DEFAULT_SIM_POLICIES = "ideal,static+late,llf,llf+late"
 #: traces per benchmark: one run on this 2-core testbed varies by several percent of SLO
 #: attainment from run to run (fair most), so the default pools three seeds
