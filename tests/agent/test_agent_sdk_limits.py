@@ -7,6 +7,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import grp
 import logging
 import os
 import resource
@@ -27,6 +28,7 @@ from agent_helpers import agent_config, lingering_tcp_socket, wait_until
 
 from flowsched import client, fdlimit
 from flowsched.agent import sdk_server
+from flowsched.agent.config import AgentConfig
 from flowsched.agent.flows import FlowRegistry
 from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
@@ -279,6 +281,24 @@ def _open_on_a_fresh_connection(path: str) -> client.FlowHandle:
     return client.open_flow("kv", bytes=1000, deadline=time.time() + 60, socket_path=path)
 
 
+def _config_nobody_reaches(
+    tmp_path: Path, request: pytest.FixtureRequest, who: str
+) -> tuple[AgentConfig, str, grp.struct_group]:
+    """An agent config whose SDK socket ``nobody`` can reach through a shared group (skips
+    when there is none), the socket's path and the group; ``who``: the part nobody plays."""
+    group = shareable_group()
+    if group is None:
+        pytest.skip(f"no group among users/nogroup/daemon/staff to give the {who}")
+    reachable = Path(tempfile.mkdtemp(prefix="flowsched-sdk-test-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(reachable, ignore_errors=True))
+    reachable.chmod(0o755)  # pytest's tmp_path is under a 0700 directory nobody cannot traverse
+    path = str(reachable / "run" / "agent.sock")
+    config = agent_config(
+        tmp_path, metrics_port=None, fallback_after=60.0, socket_path=path, group=group.gr_name
+    )
+    return config, path, group
+
+
 @pytest.mark.skipif(UID != 0, reason="the flood comes from another uid: switching users needs root")
 def test_another_users_opens_are_answered_while_one_user_floods_the_agent(
     tmp_path: Path, request: pytest.FixtureRequest, fresh_sdk_connections: None
@@ -287,16 +307,7 @@ def test_another_users_opens_are_answered_while_one_user_floods_the_agent(
     the agent's loop for seconds a turn: another user's client never got an answer within the
     SDK's timeout (and the agent lost its coordinator). Each user now has its share of every
     loop turn (flowsched.agent.turns); the flood is still served, not refused."""
-    group = shareable_group()
-    if group is None:
-        pytest.skip("no group among users/nogroup/daemon/staff to give the flooding user")
-    reachable = Path(tempfile.mkdtemp(prefix="flowsched-flood-test-", dir="/tmp"))
-    request.addfinalizer(lambda: shutil.rmtree(reachable, ignore_errors=True))
-    reachable.chmod(0o755)  # pytest's tmp_path is under a 0700 directory nobody cannot traverse
-    path = str(reachable / "run" / "agent.sock")
-    config = agent_config(
-        tmp_path, metrics_port=None, fallback_after=60.0, socket_path=path, group=group.gr_name
-    )
+    config, path, group = _config_nobody_reaches(tmp_path, request, "flooding user")
     with AgentThread(config) as running, flooding(path, group.gr_gid):
         server = _sdk(running)
         # the flood is on: every connection in, the user's flows at its cap, refusals going
@@ -456,16 +467,7 @@ def test_one_users_lingering_close_does_not_hold_up_closing_another_users_descri
     """A single closer thread closed every user's descriptors in turn: while a socket root
     passed lingered, a descriptor nobody passed waited behind it, counted against nobody and
     the agent's total. Each owner's descriptors are closed in a thread of its own."""
-    group = shareable_group()
-    if group is None:
-        pytest.skip("no group among users/nogroup/daemon/staff to give the other user")
-    reachable = Path(tempfile.mkdtemp(prefix="flowsched-closer-test-", dir="/tmp"))
-    request.addfinalizer(lambda: shutil.rmtree(reachable, ignore_errors=True))
-    reachable.chmod(0o755)  # pytest's tmp_path is under a 0700 directory nobody cannot traverse
-    path = str(reachable / "run" / "agent.sock")
-    config = agent_config(
-        tmp_path, metrics_port=None, fallback_after=60.0, socket_path=path, group=group.gr_name
-    )
+    config, path, group = _config_nobody_reaches(tmp_path, request, "other user")
     # nobody passes the pipe's write end: the read end sees the end once the agent closed it
     closed, passed = os.pipe()
     go, told = os.pipe()
