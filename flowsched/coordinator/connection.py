@@ -152,6 +152,14 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
         self.hello_ready: asyncio.Future[None] | None = None
         self._hello = ClientHelloWatch()
 
+    def take_early(self) -> tuple[bytes, bytes]:
+        """Empty ``early``: the records that carry the client hello (all of them, when no
+        hello began there), and the bytes that came after them."""
+        end = self._hello.records_end if self._hello.hello_seen else len(self.early)
+        hello, after = bytes(self.early[:end]), bytes(self.early[end:])
+        self.early.clear()
+        return hello, after
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if self._start_tls is not None:  # (uvloop's transports do not subclass Transport)
             self._raw = cast(asyncio.Transport, transport)
@@ -231,6 +239,8 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
 
 #: the TLS record type of handshake messages (a client hello comes in one or more)
 _TLS_HANDSHAKE_RECORD = 0x16
+#: the TLS record type of a change cipher spec (TLS 1.3 sends one for middleboxes only)
+_TLS_CHANGE_CIPHER_SPEC_RECORD = 0x14
 #: the handshake message type of a client hello
 _TLS_CLIENT_HELLO = 1
 
@@ -243,12 +253,15 @@ class ClientHelloWatch:
     nothing, and send the rest later, when it chooses, together with as many such peers as it
     holds: the TLS layer then answers all of them in one loop turn (1,500 peers held the
     coordinator's loop for 1.5 s). :meth:`complete` is called with the same growing buffer
-    each time and looks at each record once.
+    each time and looks at each record once. With ``after_retry`` it watches the bytes that
+    follow a first hello (see flowsched.coordinator.tls_accept): change cipher spec records
+    before the hello are skipped (a TLS 1.3 client sends one before its second hello).
     """
 
-    __slots__ = ("_got", "_header", "_need", "_pos")
+    __slots__ = ("_after_retry", "_got", "_header", "_need", "_pos")
 
-    def __init__(self) -> None:
+    def __init__(self, after_retry: bool = False) -> None:
+        self._after_retry = after_retry
         self._pos = 0  # where the next record starts in the buffer
         self._header = bytearray()  # the hello's 4-byte handshake header, as it arrives
         self._need: int | None = None  # the hello's size with its header, once known
@@ -260,13 +273,18 @@ class ClientHelloWatch:
         waiting for more would only delay the handshake's own error."""
         if not data:
             return False
+        if self._need is not None and self._got >= self._need:
+            return True  # (records after the hello are the next reader's: see records_end)
         while len(data) >= self._pos + 5:
-            if data[self._pos] != _TLS_HANDSHAKE_RECORD:
+            if not self._may_come(data[self._pos]):
                 return True
             size = int.from_bytes(data[self._pos + 3 : self._pos + 5], "big")
             end = self._pos + 5 + size
             if len(data) < end:
                 return False  # the TLS layer reads whole records only
+            if data[self._pos] == _TLS_CHANGE_CIPHER_SPEC_RECORD:
+                self._pos = end
+                continue
             if self._need is None:
                 self._header += data[self._pos + 5 : min(end, self._pos + 9 - len(self._header))]
                 if len(self._header) == 4:
@@ -277,7 +295,24 @@ class ClientHelloWatch:
             self._pos = end
             if self._need is not None and self._got >= self._need:
                 return True
-        return data[0] != _TLS_HANDSHAKE_RECORD
+        return len(data) > self._pos and not self._may_come(data[self._pos])
+
+    @property
+    def hello_seen(self) -> bool:
+        """Whether the records so far began a client hello (else they are something else)."""
+        return self._need is not None
+
+    @property
+    def records_end(self) -> int:
+        """Where the whole records looked at so far end in the buffer."""
+        return self._pos
+
+    def _may_come(self, record_type: int) -> bool:
+        """Whether a record of ``record_type`` may come next in a client hello's records."""
+        if record_type == _TLS_HANDSHAKE_RECORD:
+            return True
+        before_hello = self._after_retry and not self._header
+        return before_hello and record_type == _TLS_CHANGE_CIPHER_SPEC_RECORD
 
 
 def set_tls_read_limit(transport: asyncio.BaseTransport, high: int | None) -> None:

@@ -329,8 +329,9 @@ class Coordinator:
             # timeout would: that one aborts it, which reads as the peer's doing
             async with asyncio.timeout_at(deadline):
                 secure = await tls_accept.handshake(
-                    raw, protocol, self._tls.current(), timeout + TLS_TIMEOUT_MARGIN
-                )
+                    raw, protocol, self._tls.current(), timeout + TLS_TIMEOUT_MARGIN,
+                    self._handshake_pace,
+                )  # fmt: skip
         except asyncio.CancelledError:
             raw.abort()
             raise
