@@ -42,6 +42,7 @@ from typing import Any
 from flowsched.metrics import FlowRecord, RunRecords
 from flowsched.model import Flow, FlowClass
 from flowsched.sim.engine import DoneCallback
+from flowsched.testbed.timezero import TimeZero
 
 #: bytes of one JSON line the engine accepts from a host (a ``done`` report is ~100)
 MAX_LINE = 64 * 1024
@@ -165,8 +166,8 @@ class LiveEngine:
 
     def start(self, delay: float) -> None:
         """Set time zero ``delay`` seconds from now and tell every connected host."""
-        self.t0_ns = time.monotonic_ns() + int(delay * 1e9)
-        self.t0_wall = time.time() + delay
+        zero = TimeZero.after(delay)
+        self.t0_ns, self.t0_wall = zero.ns, zero.wall
         for host in list(self._hosts):
             self._send(host, {"t": "start", "t0_ns": self.t0_ns, "t0_wall": self.t0_wall})
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from flowsched import client, transfer
 from flowsched.testbed.live import MAX_LINE
+from flowsched.testbed.timezero import TimeZero
 from flowsched.testbed.worker import (
     CHUNK,
     REPORT_EVERY,
@@ -68,7 +69,7 @@ class ServingHost:
     def __init__(self, host: str, ips: dict[str, str], journal: Journal) -> None:
         self.host, self.ips, self.journal = host, ips, journal
         #: the run's time zero, from the engine's ``start`` (no flow comes before it)
-        self.clock, self.t0_wall = Clock(time.monotonic_ns()), time.time()
+        self.clock = Clock(TimeZero.after(0.0))
         self._engine: socket.socket | None = None
         self._send_lock = threading.Lock()
         self._channels: dict[str, _Channel] = {}
@@ -103,7 +104,7 @@ class ServingHost:
     def _command(self, message: dict[str, Any]) -> bool:
         kind = message.get("t")
         if kind == "start":
-            self.clock, self.t0_wall = Clock(int(message["t0_ns"])), float(message["t0_wall"])
+            self.clock = Clock(TimeZero(int(message["t0_ns"]), float(message["t0_wall"])))
             threading.Thread(target=self._drain, args=(self._receiver,), daemon=True).start()
         elif kind == "open" and message.get("cls") == "tp":
             threading.Thread(target=self._send_collective, args=(message,), daemon=True).start()
@@ -136,7 +137,7 @@ class ServingHost:
             with client.flow(
                 message["cls"],
                 bytes=int(message["size"]),
-                deadline=None if deadline is None else self.t0_wall + float(deadline),
+                deadline=None if deadline is None else self.clock.t0_wall + float(deadline),
                 consumer_step=message.get("step"),
                 request=message.get("request"),
                 job=message.get("job"),

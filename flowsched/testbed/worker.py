@@ -56,15 +56,15 @@ SETUP_WAIT = 20.0
 class Clock:
     """Seconds since the run's time zero on CLOCK_MONOTONIC (shared by every namespace).
 
-    Without ``t0_ns`` time zero is not known yet: it comes from the runner once every worker
+    Without ``zero`` time zero is not known yet: it comes from the runner once every worker
     is ready (:meth:`start`), and :meth:`sleep_until` waits for it first.
     """
 
-    def __init__(self, t0_ns: int | None = None) -> None:
+    def __init__(self, zero: timezero.TimeZero | None = None) -> None:
         self.t0_ns, self.t0_wall = 0, 0.0
         self._started = threading.Event()
-        if t0_ns is not None:
-            self.start(timezero.TimeZero(t0_ns, time.time() + (t0_ns - time.monotonic_ns()) / 1e9))
+        if zero is not None:
+            self.start(zero)
 
     def start(self, zero: timezero.TimeZero) -> None:
         """Set time zero; the threads waiting in :meth:`sleep_until` go on."""

@@ -74,7 +74,7 @@ def _free_ports(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _run_ranks(trace: Trace, controls: dict[str, Any], timeout: float = 10.0) -> worker.Journal:
     """Both hosts' workers, each in a thread, sharing one journal (as collect() pools them)."""
-    journal, clock = worker.Journal(), worker.Clock(time.monotonic_ns())
+    journal, clock = worker.Journal(), worker.Clock(timezero.TimeZero.after(0.0))
     threads = [
         threading.Thread(
             target=worker.Worker(trace, host, IPS, clock, control, journal).run, args=(timeout,)
@@ -197,7 +197,7 @@ def test_failed_receive_is_an_error_but_the_iteration_goes_on() -> None:
     """A transfer that arrived broken still releases the iteration waiting for it."""
     experience = Transfer(7, "experience", "h0", "h1", 0.0, 1000, job="tp0", consumer_step=0)
     trace = _trace(transfers=[experience])
-    journal, clock = worker.Journal(), worker.Clock(time.monotonic_ns())
+    journal, clock = worker.Journal(), worker.Clock(timezero.TimeZero.after(0.0))
     rank = worker.Worker(trace, "h1", IPS, clock, MiniControl(), journal)
     now = time.monotonic()
     broken = transfer.ReceiveStats(7, 600, 1000, False, "", now, now, now, 0.0, "", "reset")
@@ -256,7 +256,7 @@ def test_a_transfer_that_never_arrives_is_an_error() -> None:
     trace = Trace(1, 2, 25e6, 1.0, 0.5, [], [lost])
     journal = worker.Journal()
     receiver_only = worker.Worker(
-        trace, "h1", IPS, worker.Clock(time.monotonic_ns()), MiniControl(), journal
+        trace, "h1", IPS, worker.Clock(timezero.TimeZero.after(0.0)), MiniControl(), journal
     )
     receiver_only.run(0.3)
     assert _errors(trace, journal) == ["receiver on h1: flows 7 did not arrive within 0.3 s"]
@@ -410,7 +410,7 @@ def test_an_iteration_whose_experience_never_arrives_goes_on_with_an_error(
     trace = _trace(transfers=[experience])
     journal = worker.Journal()
     rank = worker.Worker(
-        trace, "h1", IPS, worker.Clock(time.monotonic_ns()), MiniControl(), journal
+        trace, "h1", IPS, worker.Clock(timezero.TimeZero.after(0.0)), MiniControl(), journal
     )
     rank._wait_experience(trace.tp_jobs[0], 0)
     assert _errors(trace, journal) == [
