@@ -47,8 +47,8 @@ def register(sub: Any) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--handshake-timeout", type=float, default=5.0, metavar="S",
-        help="seconds a new connection has for its whole handshake (with TLS, as long again"
-        " for the TLS handshake before it)",
+        help="seconds a new connection has for its whole handshake (with TLS, the TLS"
+        " handshake included)",
     )  # fmt: skip
     parser.add_argument(
         "--min-agent-version", type=int, default=MIN_PROTOCOL_VERSION, metavar="V",

@@ -126,6 +126,9 @@ class BoundedReaderProtocol(asyncio.BufferedProtocol):
     sink: Callable[[memoryview], None] | None = None
     #: called once when the stream ends: None for the peer's EOF, else the transport's error
     sink_closed: Callable[[Exception | None], None] | None = None
+    #: the loop time by which the peer must have authenticated, set when the TLS handshake
+    #: starts the clock at the connection's accept; None: from when the connection is served
+    handshake_deadline: float | None = None
 
     def __init__(
         self,
@@ -386,9 +389,12 @@ class AgentConnection:
         """Handshake, then handle messages until the connection ends; never raises."""
         established = False
         try:
-            # one deadline for the whole handshake: a peer dripping a byte now and then
-            # cannot keep an unauthenticated connection open past it
-            async with asyncio.timeout(self._config.handshake_timeout):
+            # one deadline for the whole handshake, the TLS one included: a peer dripping a
+            # byte now and then cannot keep an unauthenticated connection open past it
+            deadline = self._protocol.handshake_deadline
+            if deadline is None:
+                deadline = asyncio.get_running_loop().time() + self._config.handshake_timeout
+            async with asyncio.timeout_at(deadline):
                 await self._handshake()
             established = True
             self._reader.authenticated()

@@ -20,9 +20,9 @@ makes room for the new one (a real agent authenticates within one round trip; a 
 holds a connection without authenticating is the one that goes). Only established agents
 filling the whole budget make a new connection be refused.
 
-With ``tls_cert`` the listener speaks TLS (:mod:`flowsched.tls`): a peer's TLS handshake must
-finish within ``handshake_timeout`` too, and the caps above count a connection from the end of
-it on.
+With ``tls_cert`` the listener speaks TLS (:mod:`flowsched.tls`): ``handshake_timeout`` then
+counts from the accept and covers the TLS handshake and the agent's, and the caps above count
+a connection from the end of the TLS handshake on.
 """
 
 from __future__ import annotations
@@ -314,6 +314,7 @@ class Coordinator:
         try:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.config.handshake_timeout
+            protocol.handshake_deadline = deadline  # the agent's hello must come by then too
             async with asyncio.timeout_at(deadline):  # the hello, then a turn with room
                 assert protocol.hello_ready is not None
                 await protocol.hello_ready

@@ -277,6 +277,39 @@ def test_a_tls_handshake_not_finished_in_time_is_turned_away(
     run(scenario())
 
 
+def test_the_handshake_deadline_counts_from_the_accept_over_tls_too(
+    run: Runner, tls_files: TlsFiles
+) -> None:
+    """A peer that sends its client hello late, completes TLS and then stays silent is cut off
+    ``handshake_timeout`` after it connected: the TLS handshake does not start a second
+    ``handshake_timeout`` for the agent's hello (an unauthenticated peer held its connection
+    for up to twice as long)."""
+    timeout, late = 2.0, 1.4
+
+    async def scenario() -> None:
+        settings = {**_server(tls_files), "handshake_timeout": timeout}
+        async with running_coordinator(**settings) as coordinator:
+            assert coordinator.addresses is not None
+            loop = asyncio.get_running_loop()
+            reader, writer = await asyncio.open_connection(
+                coordinator.addresses.host, coordinator.addresses.port
+            )
+            connected = loop.time()
+            await asyncio.sleep(late)  # the slow peer: its hello comes this late
+            await writer.start_tls(
+                tls.client_context(str(tls_files.ca)), server_hostname="localhost"
+            )
+            async with asyncio.timeout(3 * timeout):
+                while await reader.read(1 << 16):  # silent: until the coordinator ends it
+                    pass
+            ended = loop.time() - connected
+            writer.close()
+            assert ended < timeout + (timeout - late) / 2, f"cut off after {ended:.2f} s"
+            await wait_until(lambda: coordinator.live.rejected.get("timeout"), 5, "the timeout")
+
+    run(scenario())
+
+
 def test_a_port_probe_is_not_a_failed_handshake(
     run: Runner, tls_files: TlsFiles, caplog: pytest.LogCaptureFixture
 ) -> None:
