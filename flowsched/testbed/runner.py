@@ -154,7 +154,12 @@ def run_policy(
             topo, procs, trace_path, policy_path, workdir, ctl, control, trace.duration
         )
         send_time_zero([*controller, *workers], timezero.TimeZero.after(START_MARGIN))
-        errors = wait_workers(workers, trace.duration * 3 + 30, _worker_logs(topo, workdir))
+        errors = wait_workers(
+            workers,
+            trace.duration * 3 + 30,
+            [h.name for h in topo.hosts],
+            _worker_logs(topo, workdir),
+        )
         errors += ended_early(p for p in procs if p not in workers and p is not sniffer)
         cpu = {_label(p): cpu_seconds(p.pid) for p in procs if p not in workers}
         errors += stop_sniffer(sniffer, sniff_out)
@@ -196,11 +201,10 @@ def _start_control(
         "--ports",
         json.dumps({h.name: h.switch_port for h in topo.hosts}),
     )
-    proc = subprocess.Popen(
-        topo.ns_command(topo.switch_ns, argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE
-    )
+    log = workdir / "minictl.log"
+    proc = _spawn_daemon(topo.ns_command(topo.switch_ns, argv), log, stdin=subprocess.PIPE)
     procs.append(proc)
-    _expect_line(proc, b"listening", "the testbed controller")
+    _expect_line(proc, b"listening", "the testbed controller", log)
     return address, [proc]
 
 
@@ -346,11 +350,13 @@ def table_path(topo: Topology, host: str) -> Path:
     return Path(f"/dev/shm/{topo.spec.prefix}{host}-table")
 
 
-def _spawn_daemon(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+def _spawn_daemon(
+    command: list[str], log: Path, *, stdin: int | None = None
+) -> subprocess.Popen[bytes]:
     """Start a daemon whose ready line we read from stdout and whose log goes to ``log``
-    (kept with the run's journals, off the user's terminal)."""
+    (kept with the run's journals, off the user's terminal); ``stdin``: as for Popen."""
     with log.open("ab") as sink:
-        return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=sink)
+        return subprocess.Popen(command, stdin=stdin, stdout=subprocess.PIPE, stderr=sink)
 
 
 def start_agents(
@@ -567,10 +573,14 @@ def _label(proc: subprocess.Popen[bytes]) -> str:
 
 
 def wait_workers(
-    workers: list[subprocess.Popen[bytes]], timeout: float, logs: list[Path] | None = None
+    workers: list[subprocess.Popen[bytes]],
+    timeout: float,
+    hosts: list[str],
+    logs: list[Path] | None = None,
 ) -> list[str]:
     """Wait for every worker to exit (killing those still running at ``timeout``); the errors,
-    each naming the worker's log if ``logs`` (one per worker) says where it is."""
+    each naming the worker's host (``hosts``, one per worker) and its log if ``logs`` (one per
+    worker) says where it is."""
     deadline, errors = time.monotonic() + timeout, []
     for i, proc in enumerate(workers):
         see = "" if logs is None else f" (its log: {logs[i]})"
@@ -578,10 +588,10 @@ def wait_workers(
             code = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
             proc.kill()
-            errors.append(f"worker h{i} did not finish within {timeout:.0f} s{see}")
+            errors.append(f"worker {hosts[i]} did not finish within {timeout:.0f} s{see}")
             continue
         if code != 0:
-            errors.append(f"worker h{i} exited with status {code}{see}")
+            errors.append(f"worker {hosts[i]} exited with status {code}{see}")
     return errors
 
 

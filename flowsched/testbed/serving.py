@@ -237,7 +237,8 @@ def run_live(
             private_rate=topo.spec.rate_bytes * netns.TCP_PAYLOAD_SHARE,
         )
         try:  # the engine's socket and thread must not outlive a start that fails
-            workers = _start_hosts(topo, procs, sorted(set(hosts.values())), workdir)
+            names = sorted(set(hosts.values()))
+            workers = _start_hosts(topo, procs, names, workdir)
             workload = ServingWorkload(engine, build_topology(scen), serving, trace)
             try:
                 engine.wait_for_hosts(set(hosts.values()), 30.0)
@@ -250,7 +251,7 @@ def run_live(
             engine.stop()
         workload.finish()
         unfinish_failed(engine.records, engine.failed)
-        errors += runner.wait_workers(workers, 30.0)
+        errors += runner.wait_workers(workers, 30.0, names, [_host_log(workdir, n) for n in names])
         errors += runner.ended_early(p for p in procs if p not in workers)
     errors += engine.errors + journal_errors(workdir, engine.failed)
     return LiveRun(
@@ -318,10 +319,16 @@ def _start_hosts(
             str(workdir / f"host-{name}.json"),
         ]
         env = dict(os.environ, FLOWSCHED_SOCKET=str(workdir / f"{name}.sock"))
-        proc = subprocess.Popen(topo.ns_command(by_name[name].netns, argv), env=env)
+        with _host_log(workdir, name).open("ab") as log:  # off the user's terminal
+            proc = subprocess.Popen(topo.ns_command(by_name[name].netns, argv), env=env, stderr=log)
         procs.append(proc)
         started.append(proc)
     return started
+
+
+def _host_log(workdir: Path, name: str) -> Path:
+    """Where the serving host ``name`` logs (its stderr)."""
+    return workdir / f"host-{name}.log"
 
 
 # ----------------------------------------------------------------------------- the benchmark

@@ -635,7 +635,9 @@ _TAKE_TIME_ZERO = (
 _CONTROL = {
     "runs": _TAKE_TIME_ZERO + "ready('minictl', 'minictl listening on 127.0.0.1:7200')\n"
     "time.sleep(60)\n",
-    "dies": "import sys; print('minictl listening on 127.0.0.1:7200', flush=True); sys.exit(7)",
+    "dies": "import sys; print('minictl listening on 127.0.0.1:7200', flush=True);"
+    " sys.exit('minictl: policy file changed under the run')",
+    "fails-to-start": "import sys; sys.exit('minictl: cannot bind 10.9.0.1:7200')",
 }
 #: a fake worker (``python -c CODE --trace T --host H ...``): it does what $FAKE_WORKERS (JSON,
 #: host -> "exits", "hangs" or "slow": ready after 1 s) says, else it says ready, takes time
@@ -773,7 +775,52 @@ def test_a_control_plane_daemon_that_dies_during_the_run_is_a_run_error(
     """A coordinator, agent or minimal controller that exits mid-run leaves the workers with
     stale levels and no error of their own: the run must say so."""
     run = _fake_run(monkeypatch, tmp_path, "clean", control="dies")
-    assert len(run.errors) == 1 and run.errors[0].endswith("exited with status 7 during the run")
+    assert len(run.errors) == 1 and run.errors[0].endswith("exited with status 1 during the run")
+
+
+def test_the_minimal_controllers_log_is_kept_with_the_run_and_named_when_it_fails_to_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The minimal controller's stderr goes to minictl.log in the run's folder, as the
+    daemons' logs do, not to the user's terminal; a controller that fails to start is named
+    with its exit status and its log's end."""
+    run = _fake_run(monkeypatch, tmp_path / "ran", "clean", control="dies")
+    assert run.errors and "policy file changed" not in capfd.readouterr().err
+    assert (tmp_path / "ran" / "minictl.log").read_text() == (
+        "minictl: policy file changed under the run\n"
+    )
+    with pytest.raises(RuntimeError) as raised:
+        _fake_run(monkeypatch, tmp_path / "failed", "clean", control="fails-to-start")
+    log = tmp_path / "failed" / "minictl.log"
+    assert str(raised.value) == (
+        "the testbed controller did not start: exited with status 1 before its ready line; "
+        f"its log {log} ends:\nminictl: cannot bind 10.9.0.1:7200"
+    )
+
+
+@pytest.mark.parametrize(
+    ("code", "expected"),
+    [
+        ("sys.exit(0)", []),
+        ("sys.exit(3)", ["worker kv exited with status 3 (its log: {log})"]),
+        ("time.sleep(30)", ["worker kv did not finish within 1 s (its log: {log})"]),
+    ],
+    ids=["clean", "fails", "hangs"],
+)  # fmt: skip
+def test_waiting_for_the_workers_names_each_by_its_host(
+    tmp_path: Path, code: str, expected: list[str]
+) -> None:
+    """An error names the worker's host and log, whatever the worker's place in the list (the
+    serving testbed's hosts are not h0, h1, ...)."""
+    fine = subprocess.Popen([sys.executable, "-c", "pass"])
+    tested = subprocess.Popen([sys.executable, "-c", f"import sys, time; {code}"])
+    logs = [tmp_path / "host-d0.log", tmp_path / "host-kv.log"]
+    try:
+        errors = runner.wait_workers([fine, tested], 1.0, ["d0", "kv"], logs)
+    finally:
+        tested.kill()
+        tested.wait()
+    assert errors == [e.format(log=logs[1]) for e in expected]
 
 
 def test_the_workers_and_the_controller_get_one_time_zero_once_every_worker_is_ready(
