@@ -98,7 +98,9 @@ class Marking:
 def static_marking(cls: FlowClass) -> Marking:
     """The class's static default level and marking from the embedded default policy.
 
-    Cached: parsing the policy file takes a few ms with the GIL held, on every flow open.
+    A flow shows it until the agent answers its open, or for good without an agent. Cached,
+    and read only then: parsing the policy file takes tens of ms the first time in a process
+    (its imports) and about a millisecond after that, with the GIL held.
     """
     try:
         from flowsched import policyfile
@@ -119,10 +121,12 @@ Listener = Callable[["FlowHandle"], None]
 class FlowHandle:
     """One open SDK flow (yielded by :func:`flow`). Thread-safe."""
 
-    def __init__(self, cls: FlowClass, marking: Marking, conn: AgentConnection | None) -> None:
+    def __init__(self, cls: FlowClass, conn: AgentConnection | None) -> None:
         self.cls = cls
         self.id: int | None = None
-        self._marking = marking
+        #: the agent's marking; None until it answers (the class's static default stands in:
+        #: :attr:`marking`), so that an open the agent answers never parses the policy file
+        self._marking: Marking | None = None
         self._conn = conn
         self._sent = 0
         self._closed = False
@@ -140,44 +144,46 @@ class FlowHandle:
 
     @property
     def marking(self) -> Marking:
-        """The current level and marking."""
-        return self._marking
+        """The current level and marking (the class's static default until the agent gave
+        one)."""
+        marking = self._marking
+        return static_marking(self.cls) if marking is None else marking
 
     @property
     def level(self) -> int:
         """Current level (0 = most urgent)."""
-        return self._marking.level
+        return self.marking.level
 
     @property
     def dscp(self) -> int:
         """DSCP code point (0..63) to put on this flow's packets now."""
-        return self._marking.dscp
+        return self.marking.dscp
 
     @property
     def tos(self) -> int:
         """IP TOS / IPv6 traffic class / RoCE GRH traffic class byte: DSCP << 2."""
-        return self._marking.dscp << 2
+        return self.marking.dscp << 2
 
     @property
     def so_priority(self) -> int:
         """SO_PRIORITY to set (after IP_TOS, which overwrites it on Linux)."""
-        return self._marking.so_priority
+        return self.marking.so_priority
 
     @property
     def nccl_traffic_class(self) -> int | None:
         """The NCCL trafficClass the policy maps to this flow's class, if any."""
-        return self._marking.nccl_traffic_class
+        return self.marking.nccl_traffic_class
 
     @property
     def decided_ns(self) -> int | None:
         """CLOCK_MONOTONIC ns at which the coordinator decided the current level (None when
         unknown). Comparable only with monotonic times of the coordinator's machine."""
-        return self._marking.decided_ns
+        return self.marking.decided_ns
 
     @property
     def decided_at(self) -> float | None:
         """Wall-clock seconds at which the coordinator decided the current level, or None."""
-        return self._marking.decided_at
+        return self.marking.decided_at
 
     def add_listener(self, callback: Listener) -> None:
         """Call ``callback(handle)`` on every marking change (from the SDK's reader thread)."""
@@ -192,10 +198,13 @@ class FlowHandle:
 
     def _set_marking(self, marking: Marking) -> None:
         with self._lock:
-            changed = marking != self._marking
+            previous = self._marking
             self._marking = marking
             listeners = list(self._listeners)
-        if changed:
+        if not listeners:
+            return
+        shown = static_marking(self.cls) if previous is None else previous  # until now
+        if marking != shown:
             for callback in listeners:
                 try:
                     callback(self)
@@ -951,7 +960,7 @@ def open_flow(
     if job is None and consumer_step is not None:
         job = _last_job  # the job this process last reported with job_progress()
     conn = connection(socket_path)
-    handle = FlowHandle(flow_class, static_marking(flow_class), conn)
+    handle = FlowHandle(flow_class, conn)
     try:
         handle._request = dataclasses.replace(request_template, job=job)
         if conn.ensure_connected():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -182,6 +183,38 @@ def test_static_default_reads_the_policy_file_once(
         client._connections.pop(path, None)
         client.static_marking.cache_clear()
     assert len(reads) == 1
+
+
+def test_an_open_the_agent_answers_never_reads_the_policy_file(
+    agent: AgentThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The static default stands in only until the agent answers: reading it on every first
+    open of a class cost the application 10-50 ms in the first open of a process (the policy
+    file's imports and parse) and about 1 ms for each further class."""
+    from flowsched import policyfile
+
+    reads: list[int] = []
+    embedded = policyfile.embedded_default
+
+    def counting() -> policyfile.PolicyConfig:
+        reads.append(1)
+        return embedded()
+
+    monkeypatch.setattr(policyfile, "embedded_default", counting)
+    client.static_marking.cache_clear()
+    seen: list[int] = []
+    try:
+        for cls in ("kv", "tp", "bulk"):
+            with client.flow(cls, socket_path=agent.ready.socket) as handle:  # type: ignore[union-attr]
+                assert handle.connected
+                assert handle.marking.dscp == agent.agent.view.marking(handle.level).dscp
+                handle.add_listener(lambda h: seen.append(h.level))
+                target = 1 if handle.level == 0 else 0  # a change: the listener is called
+                agent.run(functools.partial(agent.agent.apply_levels, [(handle.id, target)]))
+                _wait(lambda target=target: seen[-1:] == [target])
+        assert reads == []
+    finally:
+        client.static_marking.cache_clear()
 
 
 @pytest.mark.parametrize(

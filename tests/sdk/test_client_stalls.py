@@ -156,9 +156,7 @@ def test_an_opened_for_a_closed_handle_or_nobody_closes_its_flow(
 
 
 def test_add_bytes_counts_every_call_of_every_thread() -> None:
-    handle = client.FlowHandle(
-        client.FlowClass.BULK, client.static_marking(client.FlowClass.BULK), None
-    )
+    handle = client.FlowHandle(client.FlowClass.BULK, None)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show
     try:
