@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -158,11 +159,10 @@ def test_static_default_follows_the_embedded_policy() -> None:
     assert mark.dscp == cfg.levels[mark.level].dscp
 
 
-def test_static_default_reads_the_policy_file_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # every flow starts at its class's static level: parsing the policy file per open cost
-    # milliseconds of the application's time with the GIL held
+@pytest.fixture
+def policy_reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Counts the SDK's reads of the embedded policy file (its static defaults' cache is
+    emptied before and after)."""
     from flowsched import policyfile
 
     reads: list[int] = []
@@ -174,6 +174,13 @@ def test_static_default_reads_the_policy_file_once(
 
     monkeypatch.setattr(policyfile, "embedded_default", counting)
     client.static_marking.cache_clear()
+    yield reads
+    client.static_marking.cache_clear()
+
+
+def test_static_default_reads_the_policy_file_once(tmp_path: Path, policy_reads: list[int]) -> None:
+    # every flow starts at its class's static level: parsing the policy file per open cost
+    # milliseconds of the application's time with the GIL held
     path = str(tmp_path / "nobody.sock")
     try:
         for _ in range(3):
@@ -181,40 +188,25 @@ def test_static_default_reads_the_policy_file_once(
                 assert handle.marking == client.static_marking(FlowClass.KV)
     finally:
         client._connections.pop(path, None)
-        client.static_marking.cache_clear()
-    assert len(reads) == 1
+    assert len(policy_reads) == 1
 
 
 def test_an_open_the_agent_answers_never_reads_the_policy_file(
-    agent: AgentThread, monkeypatch: pytest.MonkeyPatch
+    agent: AgentThread, policy_reads: list[int]
 ) -> None:
     """The static default stands in only until the agent answers: reading it on every first
     open of a class cost the application 10-50 ms in the first open of a process (the policy
     file's imports and parse) and about 1 ms for each further class."""
-    from flowsched import policyfile
-
-    reads: list[int] = []
-    embedded = policyfile.embedded_default
-
-    def counting() -> policyfile.PolicyConfig:
-        reads.append(1)
-        return embedded()
-
-    monkeypatch.setattr(policyfile, "embedded_default", counting)
-    client.static_marking.cache_clear()
     seen: list[int] = []
-    try:
-        for cls in ("kv", "tp", "bulk"):
-            with client.flow(cls, socket_path=agent.ready.socket) as handle:  # type: ignore[union-attr]
-                assert handle.connected
-                assert handle.marking.dscp == agent.agent.view.marking(handle.level).dscp
-                handle.add_listener(lambda h: seen.append(h.level))
-                target = 1 if handle.level == 0 else 0  # a change: the listener is called
-                agent.run(functools.partial(agent.agent.apply_levels, [(handle.id, target)]))
-                _wait(lambda target=target: seen[-1:] == [target])
-        assert reads == []
-    finally:
-        client.static_marking.cache_clear()
+    for cls in ("kv", "tp", "bulk"):
+        with client.flow(cls, socket_path=agent.ready.socket) as handle:  # type: ignore[union-attr]
+            assert handle.connected
+            assert handle.marking.dscp == agent.agent.view.marking(handle.level).dscp
+            handle.add_listener(lambda h: seen.append(h.level))
+            target = 1 if handle.level == 0 else 0  # a change: the listener is called
+            agent.run(functools.partial(agent.agent.apply_levels, [(handle.id, target)]))
+            _wait(lambda target=target: seen[-1:] == [target])
+    assert policy_reads == []
 
 
 @pytest.mark.parametrize(
