@@ -15,7 +15,8 @@ that this table assigns. Which flows an event makes "dirty" (re-evaluated at the
   ``observe_progress`` (more bytes sent never brings its next change earlier), only the
   policy's measurements follow the bytes (``observe_progress``), and the flow is decided when
   its timer comes;
-* flow close: the remaining flows of the same job;
+* flow close: the flows the policy's optional ``released_affects`` names (with per-flow
+  decisions), else the remaining flows of the same job;
 * job progress: the flows of that job;
 * NIC load: the flows crossing the reported links;
 * the periodic timer tick (:meth:`ClusterState.start_sweep`), for the flows whose urgency
@@ -256,6 +257,11 @@ class ClusterState:
         )
         #: the policy's linked_flows (flows another flow's opening may promote), or None
         self._linked: Callable[[Flow], Iterable[int]] | None = getattr(policy, "linked_flows", None)
+        #: the policy's released_affects (flows a flow's close may change), used with per-flow
+        #: decisions (otherwise every flow is evaluated anyway), or None: the rest of the job
+        self._released_affects: Callable[[Flow], Iterable[int] | None] | None = (
+            getattr(policy, "released_affects", None) if per_flow else None
+        )
         #: promotion timers: a heap of (due time, flow id); _due_at holds each flow's live entry
         #: (entries that no longer match it are skipped when they surface)
         self._timers: list[tuple[float, int]] = []
@@ -275,6 +281,10 @@ class ClusterState:
         self.default_bandwidth = default_bandwidth
         self._context: Context | None = None  # the last context(), for its instant
         self.dirty: set[int] = set()
+        #: a close named its flows through released_affects since the last flush: the next
+        #: flush calls the policy even without a dirty flow, so that what a release decides
+        #: unasked (Algorithm 1 pruning another request) is not held until the next event
+        self._released = False
         #: flows with progress reports since the last flush (see ``_observe``)
         self.progressed: set[int] = set()
         #: resynced flows whose re-evaluation waits for settle_resyncs()
@@ -456,7 +466,8 @@ class ClusterState:
         self.stats.events["progress"] += len(ids)
 
     def close_flows(self, node: str, closes: Iterable[FlowClose], now: float) -> None:
-        """Forget closed flows, recording whether each met its deadline."""
+        """Forget closed flows, recording whether each met its deadline; the flows each close
+        may change become dirty (the policy's ``released_affects``, else the rest of its job)."""
         table = self.by_node.get(node, {})
         ctx = self.context(now)
         jobs: set[str] = set()
@@ -467,12 +478,32 @@ class ClusterState:
                 flow = self._remove(fid, ctx)
                 flow.sent = max(flow.sent, close.sent)
                 self._record_completion(flow, close.closed_at)
-                if flow.job is not None:
+                affected = self._affected_by_release(flow)
+                if affected is not None:
+                    self.dirty.update(other for other in affected if other in self.flows)
+                    self._released = True
+                elif flow.job is not None:
                     jobs.add(flow.job)
         # each job's remaining flows once per frame, not once per close (k closes of a job of
         # n flows would cost k * n)
         for job in jobs:
             self.dirty.update(self.by_job.get(job, ()))
+
+    def _affected_by_release(self, flow: Flow) -> Iterable[int] | None:
+        """The policy's ``released_affects`` for ``flow`` (released already); None: the rest
+        of its job (no such hook, or it raised: counted and logged like any policy error)."""
+        if self._released_affects is None:
+            return None
+        try:
+            return self._released_affects(flow)
+        except Exception as exc:
+            self.stats.policy_errors += 1
+            self._repeat_log.log(
+                "policy_error", logging.ERROR, "policy released_affects raised on flow %d of "
+                "node %s: the rest of its job is re-evaluated", flow.flow_id, flow.node,
+                exc_info=exc,
+            )  # fmt: skip
+            return None
 
     def job_progress(self, report: JobProgress) -> None:
         """Job ``report.job`` reached a step: its flows' RLI changes.
@@ -702,8 +733,9 @@ class ClusterState:
 
     @property
     def pending(self) -> bool:
-        """Whether a flush has work: dirty or progressed flows, an unfinished timer sweep."""
-        return bool(self.dirty or self.progressed or self._sweep)
+        """Whether a flush has work: dirty or progressed flows, an unfinished timer sweep, a
+        close since the last flush (see ``_released``)."""
+        return bool(self.dirty or self.progressed or self._sweep or self._released)
 
     # -- decisions ---------------------------------------------------------------------------
 
@@ -730,9 +762,10 @@ class ClusterState:
                 self._sweep = set()
                 self._evaluate(self.flows.keys(), now)
         else:
-            if batch:
+            if batch or self._released:
                 self._sweep -= batch  # evaluated now anyway: the sweep need not visit them
                 self._evaluate(batch, now)
+            self._released = False
             if self._sweep and sweep_budget != 0:
                 self._advance_sweep(now, sweep_budget)
         outbox, self.outbox = self.outbox, {}

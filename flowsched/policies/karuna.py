@@ -142,6 +142,10 @@ class KarunaPolicy:
     def release(self, flow: Flow, ctx: Context) -> None:
         self._rate.pop(flow.flow_id, None)
 
+    def released_affects(self, flow: Flow) -> tuple[int, ...]:
+        """No other flow: a decision reads only its flow and the Context (policies.base)."""
+        return ()
+
 
 def new(args: Mapping[str, Any], *, num_levels: int) -> KarunaPolicy:
     """Build a :class:`KarunaPolicy` from validated ``args``."""

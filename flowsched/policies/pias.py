@@ -247,6 +247,10 @@ class PiasPolicy:
     def release(self, flow: Flow, ctx: Context) -> None:
         return None
 
+    def released_affects(self, flow: Flow) -> tuple[int, ...]:
+        """No other flow: a decision reads only its flow and the Context (policies.base)."""
+        return ()
+
 
 def new(args: Mapping[str, Any], *, num_levels: int) -> PiasPolicy:
     """Build a :class:`PiasPolicy` from validated ``args``."""

@@ -347,6 +347,21 @@ class RmlqPolicy:
         fid = flow.flow_id
         return tuple(other for other in group if other != fid)
 
+    def released_affects(self, flow: Flow) -> tuple[int, ...] | None:
+        """The flows whose decision or ``next_change`` the release of ``flow`` (just done)
+        may change (the Policy contract's ``released_affects``; docs/rmlq.md, "Closes"): with
+        ``mlu_scope = "request"`` its request's open flows (their MLU counted its bytes, and
+        its layer index may have been the request's deepest, which sets the layers still to
+        come on every path). Nothing else reads another flow: the hold below the collectives
+        reads the job index, the pruned set only grows, and what Algorithm 1 prunes after a
+        request left it returns unasked. None (the whole job) unless decisions are per flow,
+        and with ``volume_check`` (off by default), whose verdicts a close moved beyond the
+        closed flow's request in the coordinator's replays (tests/coordinator)."""
+        if not self.per_flow_decisions or self._volume_check:
+            return None
+        siblings = self._siblings.get(flow.request or "") if self._request_scope else None
+        return () if siblings is None else tuple(siblings.path_of)
+
     def describe_levels(self) -> list[str]:
         """What each level 0..K-1 holds (for ``flowsched policy show``)."""
         names = []

@@ -666,6 +666,69 @@ def test_promotion_timers_decide_as_sweeping_every_flow(seed: int, scope: str) -
     assert _replay(timers, seed) == _replay(swept, seed)
 
 
+class CountingReevaluations(CountingCalls):
+    """:class:`CountingCalls`, also counting the calls of ``reevaluate`` (with no flow too)."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.reevaluations = 0
+
+    def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
+        self.reevaluations += 1
+        return super().reevaluate(flows, ctx)
+
+
+class HiddenRelease:
+    """A policy without its ``released_affects``: a close re-evaluates the rest of the job."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        if name == "released_affects":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), scope=st.sampled_from(["flow", "request"]))
+def test_a_close_decides_as_reevaluating_the_rest_of_its_job(seed: int, scope: str) -> None:
+    """rmlq's released_affects, with exact timers (as above): re-evaluating only the flows a
+    close names gives the same level changes at the same flushes as re-evaluating the rest of
+    the job. (With the measured rho or the feasibility checks on, a change that time alone
+    brings comes at the first evaluation after it: re-evaluating the job at a sibling's close
+    caught some before the flow's timer or Algorithm 1's next run, which bring them with the
+    hook, as in a job that sees no close.)"""
+    args = {"rho_source": "none", "feasibility": False, "mlu_scope": scope}
+    named = ClusterState(create("rmlq", args, num_levels=8), default_bandwidth=1e9)
+    whole = ClusterState(
+        HiddenRelease(create("rmlq", args, num_levels=8)),  # type: ignore[arg-type]
+        default_bandwidth=1e9,
+        per_flow=True,
+    )
+    assert named._released_affects is not None and whole._released_affects is None
+    assert _replay(named, seed, steps=120) == _replay(whole, seed, steps=120)
+
+
+def test_a_close_marks_only_the_flows_the_policy_names() -> None:
+    """A close of one flow of a large job makes no other flow dirty when the policy names
+    none (the whole job cost the coordinator's loop about 0.3 s per close frame at 65,536
+    flows: bench/job_close.py), and the next flush still calls the policy."""
+    policy = CountingReevaluations(create("rmlq", num_levels=8))
+    state = ClusterState(policy, default_bandwidth=1e9)  # type: ignore[arg-type]
+    now = 100.0
+    opens = [_open(w, size=10**6, deadline=now + 1, job="j") for w in range(50)]
+    state.open_flows("a", opens, now)
+    state.flush(now)
+    policy.calls.clear()
+    policy.reevaluations = 0
+    state.close_flows("a", [FlowClose(7, 10**6, now + 0.001)], now + 0.001)
+    assert not state.dirty and state.pending
+    state.flush(now + 0.001)
+    assert policy.calls == [] and policy.reevaluations == 1
+    assert not state.pending
+
+
 def test_progress_feeds_the_policy_without_deciding_and_the_timer_promotes() -> None:
     """A deferred rmlq flow's progress reports reach observe_progress, not reevaluate; its
     promotion comes from its timer, with no sweep."""
