@@ -16,7 +16,8 @@ that this table assigns. Which flows an event makes "dirty" (re-evaluated at the
   policy's measurements follow the bytes (``observe_progress``), and the flow is decided when
   its timer comes;
 * flow close: the flows the policy's optional ``released_affects`` names (with per-flow
-  decisions), else the remaining flows of the same job;
+  decisions), else the remaining flows of the same job; the next flush calls the policy even
+  when none is left;
 * job progress: the flows of that job;
 * NIC load: the flows crossing the reported links;
 * the periodic timer tick (:meth:`ClusterState.start_sweep`), for the flows whose urgency
@@ -26,8 +27,9 @@ that this table assigns. Which flows an event makes "dirty" (re-evaluated at the
 
 Policies whose decisions depend on other flows (rank-based ones such as EDF) must see every
 flow at once: unless the policy sets ``per_flow_decisions = True``, a flush re-evaluates all
-flows whenever anything is dirty. A per-flow policy may also return decisions for flows it was
-not passed (rmlq pruning a request moves its other flows): they are applied, timers included.
+flows whenever anything is dirty or a flow closed. A per-flow policy may also return decisions
+for flows it was not passed (rmlq pruning a request moves its other flows): they are applied,
+timers included.
 
 A policy that raises on a flow does not take the others down with it: the flow is quarantined
 (logged with its node and wire id, counted in ``Stats.policy_errors``, kept at its level) and
@@ -281,10 +283,11 @@ class ClusterState:
         self.default_bandwidth = default_bandwidth
         self._context: Context | None = None  # the last context(), for its instant
         self.dirty: set[int] = set()
-        #: a close named its flows through released_affects since the last flush: the next
-        #: flush calls the policy even without a dirty flow, so that what a release decides
-        #: unasked (Algorithm 1 pruning another request) is not held until the next event
-        self._released = False
+        #: a flow closed since the last flush: the next flush calls the policy even without a
+        #: dirty flow, so that what a release decides unasked (rmlq's Algorithm 1 pruning
+        #: another request) is not held until the next event, and a policy that ranks every
+        #: flow (edf, llf) ranks them again without the closed one
+        self._closed_since_flush = False
         #: flows with progress reports since the last flush (see ``_observe``)
         self.progressed: set[int] = set()
         #: resynced flows whose re-evaluation waits for settle_resyncs()
@@ -478,10 +481,10 @@ class ClusterState:
                 flow = self._remove(fid, ctx)
                 flow.sent = max(flow.sent, close.sent)
                 self._record_completion(flow, close.closed_at)
+                self._closed_since_flush = True
                 affected = self._affected_by_release(flow)
                 if affected is not None:
                     self.dirty.update(other for other in affected if other in self.flows)
-                    self._released = True
                 elif flow.job is not None:
                     jobs.add(flow.job)
         # each job's remaining flows once per frame, not once per close (k closes of a job of
@@ -734,8 +737,8 @@ class ClusterState:
     @property
     def pending(self) -> bool:
         """Whether a flush has work: dirty or progressed flows, an unfinished timer sweep, a
-        close since the last flush (see ``_released``)."""
-        return bool(self.dirty or self.progressed or self._sweep or self._released)
+        close since the last flush (see ``_closed_since_flush``)."""
+        return bool(self.dirty or self.progressed or self._sweep or self._closed_since_flush)
 
     # -- decisions ---------------------------------------------------------------------------
 
@@ -758,14 +761,15 @@ class ClusterState:
         if self.progressed:
             self._observe_progress(batch, now)
         if not self.per_flow:
-            if batch or self._sweep:
+            if batch or self._sweep or self._closed_since_flush:
                 self._sweep = set()
                 self._evaluate(self.flows.keys(), now)
+            self._closed_since_flush = False
         else:
-            if batch or self._released:
+            if batch or self._closed_since_flush:
                 self._sweep -= batch  # evaluated now anyway: the sweep need not visit them
                 self._evaluate(batch, now)
-            self._released = False
+            self._closed_since_flush = False
             if self._sweep and sweep_budget != 0:
                 self._advance_sweep(now, sweep_budget)
         outbox, self.outbox = self.outbox, {}

@@ -388,6 +388,23 @@ def test_rank_based_policies_always_see_every_flow() -> None:
     assert levels[3] < levels[0]  # the earliest deadline ranks first
 
 
+@pytest.mark.parametrize("job", [None, "j"], ids=["no-job", "the-jobs-last-flow"])
+def test_rank_based_policies_rank_again_after_any_close(job: str | None) -> None:
+    """A close changes every rank behind the closed flow: the flows move up at the next flush,
+    also when the closed flow had no job, or was its job's last (before, a close re-evaluated
+    only the rest of its job, and these ranks stayed until some other event)."""
+    state = ClusterState(create("edf", num_levels=4))
+    opens = [_open(0, deadline=50.0, job=job)] + [
+        _open(i, deadline=100.0 - i, job=f"other{i}") for i in range(1, 6)
+    ]  # six deadlines over the three top levels: two a level, then fewer behind the closed
+    state.open_flows("a", opens, now=1.0)
+    before = {update.id: update.level for update in state.flush(1.0)["a"].values()}
+    state.close_flows("a", [FlowClose(0, 0, 2.0)], 2.0)
+    assert state.pending
+    after = {update.id: update.level for update in state.flush(2.0).get("a", {}).values()}
+    assert after and all(after[wire] < before[wire] for wire in after), (before, after)
+
+
 def test_active_flows_by_class_and_level(state: ClusterState) -> None:
     state.open_flows("a", [_open(1), _open(2, sent=100)], now=1.0)
     state.open_flows("a", [FlowOpen(3, FlowClass.TP, 0.0)], now=1.0)
