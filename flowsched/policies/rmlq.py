@@ -355,8 +355,8 @@ class RmlqPolicy:
         come on every path). Nothing else reads another flow: the hold below the collectives
         reads the job index, the pruned set only grows, and what Algorithm 1 prunes after a
         request left it returns unasked. None (the whole job) unless decisions are per flow,
-        and with ``volume_check`` (off by default), whose verdicts a close moved beyond the
-        closed flow's request in the coordinator's replays (tests/coordinator)."""
+        and with ``volume_check`` (off by default): naming the request's flows, the
+        coordinator's replays pruned at other flushes than with the whole job."""
         if not self.per_flow_decisions or self._volume_check:
             return None
         siblings = self._siblings.get(flow.request or "") if self._request_scope else None
