@@ -546,14 +546,17 @@ def test_rmlq_pruned_request_moves_its_untouched_flows_in_the_same_flush() -> No
 # -- progress with promotion timers ---------------------------------------------------------
 
 
-class ReevaluateOnProgress:
-    """The policy it wraps, minus ``observe_progress``: every progress report re-evaluates."""
+class Hiding:
+    """The policy it wraps, minus the optional hooks named (a caller then takes its baseline
+    path: ``observe_progress`` hidden, every progress report re-evaluates; ``released_affects``
+    hidden, a close re-evaluates the rest of its job)."""
 
-    def __init__(self, inner: object) -> None:
+    def __init__(self, inner: object, *hidden: str) -> None:
         self._inner = inner
+        self._hidden = hidden
 
     def __getattr__(self, name: str) -> object:
-        if name == "observe_progress":
+        if name in self._hidden:
             raise AttributeError(name)
         return getattr(self._inner, name)
 
@@ -646,27 +649,6 @@ def _replay(state: ClusterState, seed: int, steps: int = 60) -> list[dict[tuple[
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1))
-def test_progress_with_timers_decides_as_reevaluating_every_report(seed: int) -> None:
-    """rmlq with exact timers (rho from the link capacity alone): feeding progress reports to
-    observe_progress only, and deciding each flow when its timer comes, gives the same level
-    changes at the same flushes as re-evaluating every reported flow. With the measured rho
-    the timers assume its fastest rise under physical byte counts and step near a crossing,
-    so a decision can come a timer later than a report would have brought it (as in the
-    simulator, which never re-evaluates on bytes). Algorithm 1 is off: it runs at the first
-    policy call once due, and the two paths make different calls."""
-    args = {"rho_source": "none", "feasibility": False}
-    observed = ClusterState(create("rmlq", args, num_levels=8), default_bandwidth=1e9)
-    reevaluated = ClusterState(
-        ReevaluateOnProgress(create("rmlq", args, num_levels=8)),  # type: ignore[arg-type]
-        default_bandwidth=1e9,
-        per_flow=True,
-    )
-    assert observed._observe is not None and reevaluated._observe is None
-    assert _replay(observed, seed) == _replay(reevaluated, seed)
-
-
-@settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), scope=st.sampled_from(["flow", "request"]))
 def test_promotion_timers_decide_as_sweeping_every_flow(seed: int, scope: str) -> None:
     """rmlq with exact timers (rho from the link capacity alone): deciding each flow when its
@@ -695,36 +677,36 @@ class CountingReevaluations(CountingCalls):
         return super().reevaluate(flows, ctx)
 
 
-class HiddenRelease:
-    """A policy without its ``released_affects``: a close re-evaluates the rest of the job."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> object:
-        if name == "released_affects":
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
-
+@pytest.mark.parametrize("hook", ["observe_progress", "released_affects"])
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), scope=st.sampled_from(["flow", "request"]))
-def test_a_close_decides_as_reevaluating_the_rest_of_its_job(seed: int, scope: str) -> None:
-    """rmlq's released_affects, with exact timers (as above): re-evaluating only the flows a
-    close names gives the same level changes at the same flushes as re-evaluating the rest of
-    the job. (With the measured rho or the feasibility checks on, a change that time alone
-    brings comes at the first evaluation after it: re-evaluating the job at a sibling's close
-    caught some before the flow's timer or Algorithm 1's next run, which bring them with the
-    hook, as in a job that sees no close.)"""
+def test_rmlqs_optional_hooks_decide_as_the_paths_they_shortcut(
+    hook: str, seed: int, scope: str
+) -> None:
+    """rmlq with exact timers (rho from the link capacity alone, Algorithm 1 off: it runs at
+    the first policy call once due, and the two paths make different calls) gives the same
+    level changes at the same flushes with each optional hook as without it:
+
+    * ``observe_progress``: progress reports only feed the policy and each flow is decided
+      when its timer comes, against re-evaluating every reported flow. With the measured rho
+      the timers assume its fastest rise under physical byte counts and step near a crossing,
+      so a decision can come a timer later than a report would have brought it (as in the
+      simulator, which never re-evaluates on bytes).
+    * ``released_affects``: a close re-evaluates only the flows the policy names, against the
+      rest of the job. With the measured rho or the feasibility checks on, a change that time
+      alone brings comes at the first evaluation after it: re-evaluating the job at a
+      sibling's close caught some before the flow's timer or Algorithm 1's next run, which
+      bring them with the hook, as in a job that sees no close.
+    """
     args = {"rho_source": "none", "feasibility": False, "mlu_scope": scope}
-    named = ClusterState(create("rmlq", args, num_levels=8), default_bandwidth=1e9)
-    whole = ClusterState(
-        HiddenRelease(create("rmlq", args, num_levels=8)),  # type: ignore[arg-type]
+    hooked = ClusterState(create("rmlq", args, num_levels=8), default_bandwidth=1e9)
+    baseline = ClusterState(
+        Hiding(create("rmlq", args, num_levels=8), hook),  # type: ignore[arg-type]
         default_bandwidth=1e9,
         per_flow=True,
     )
-    assert named._released_affects is not None and whole._released_affects is None
-    assert _replay(named, seed, steps=120) == _replay(whole, seed, steps=120)
+    assert getattr(hooked.policy, hook) and not hasattr(baseline.policy, hook)
+    assert _replay(hooked, seed, steps=120) == _replay(baseline, seed, steps=120)
 
 
 def test_a_close_marks_only_the_flows_the_policy_names() -> None:
