@@ -23,6 +23,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -217,7 +218,7 @@ def wait_for(
         time.sleep(interval)
 
 
-def reap(proc: subprocess.Popen[bytes]) -> None:
+def reap(proc: subprocess.Popen[Any]) -> None:
     """Kill ``proc`` (if still running), wait for it and close its pipes."""
     proc.kill()
     proc.wait(timeout=30)

@@ -351,12 +351,17 @@ def table_path(topo: Topology, host: str) -> Path:
 
 
 def _spawn_daemon(
-    command: list[str], log: Path, *, stdin: int | None = None
+    command: list[str],
+    log: Path,
+    *,
+    stdin: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start a daemon whose ready line we read from stdout and whose log goes to ``log``
-    (kept with the run's journals, off the user's terminal); ``stdin``: as for Popen."""
+    (kept with the run's journals, off the user's terminal); ``stdin``, ``env``: as for
+    Popen."""
     with log.open("ab") as sink:
-        return subprocess.Popen(command, stdin=stdin, stdout=subprocess.PIPE, stderr=sink)
+        return subprocess.Popen(command, stdin=stdin, stdout=subprocess.PIPE, stderr=sink, env=env)
 
 
 def start_agents(
@@ -528,14 +533,7 @@ def _start_workers(
         if control == "agent":
             env["FLOWSCHED_SOCKET"] = str(workdir / f"{host.name}.sock")
             env["FLOWSCHED_TABLE"] = str(table_path(topo, host.name))
-        with log.open("ab") as sink:
-            proc = subprocess.Popen(
-                topo.ns_command(host.netns, argv),
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=sink,
-            )
+        proc = _spawn_daemon(topo.ns_command(host.netns, argv), log, stdin=subprocess.PIPE, env=env)
         procs.append(proc)
         started.append((proc, f"the worker of {host.name}", log))
     _expect_lines(started, timezero.READY, timeout=READY_TIMEOUT)

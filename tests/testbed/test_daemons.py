@@ -103,14 +103,6 @@ def _started(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen[str]]:
     return started
 
 
-def _reap(started: list[subprocess.Popen[str]]) -> None:
-    for proc in started:
-        proc.kill()
-        proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
 def test_a_daemon_that_never_gets_ready_is_killed_and_reaped(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -122,7 +114,8 @@ def test_a_daemon_that_never_gets_ready_is_killed_and_reaped(
         assert started[0].returncode is not None, "killed but left a zombie"
         assert started[0].stdout is not None and started[0].stdout.closed
     finally:
-        _reap(started)
+        for proc in started:
+            daemons.reap(proc)
 
 
 def test_an_interrupted_wait_for_the_ready_line_kills_the_daemon(
@@ -141,4 +134,5 @@ def test_an_interrupted_wait_for_the_ready_line_kills_the_daemon(
         assert len(started) == 1
         assert started[0].returncode is not None, "the daemon was left running"
     finally:
-        _reap(started)
+        for proc in started:
+            daemons.reap(proc)
