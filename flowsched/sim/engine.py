@@ -12,13 +12,15 @@ Model
 * The policy is called on the coordinator's hooks (:mod:`flowsched.coordinator.state`):
   ``admit`` when a flow opens, ``reevaluate`` (coalesced per instant) on job progress, flow
   completion and time, ``release`` when a flow closes. A policy with ``per_flow_decisions``
-  sees only the flows an event touched (job progress: that job's flows; a completion: the rest
-  of its job; time: the flows whose time came; plus any flow it decides unasked, such as a
-  pruned request's others), others see every active flow, also after each opening. Time: a
-  policy with ``next_change`` gets each flow re-evaluated when its promotion time comes (the
+  sees only the flows an event touched (job progress: that job's flows; a completion: the flows
+  its ``released_affects`` names, else the rest of its job, and the policy is called even with
+  none; time: the flows whose time came; plus any flow it decides unasked, such as a pruned
+  request's others), others see every active flow, also after each opening. Time: a policy
+  with ``next_change`` gets each flow re-evaluated when its promotion time comes (the
   coordinator's promotion timers), and again when a flow its ``linked_flows`` names for a new
   flow opens; the others are swept every ``timer_period``. A decision waiting for its message
-  boundary is the flow's level for the policy (the coordinator's table holds what it sent).
+  boundary is the flow's level for the policy, its timer included (the coordinator's table
+  holds what it sent, and the sender applies it at the boundary).
 * Message boundaries: a decision change takes effect when the flow's sent bytes reach the next
   multiple of ``chunk_bytes`` (one message never spans two levels). ``chunk_bytes = 0`` models
   infinitesimal messages (changes apply at once).
@@ -168,6 +170,8 @@ class Simulator:
         timers = self.config.promotion == "timers"
         self._per_flow = timers and bool(getattr(policy, "per_flow_decisions", False))
         self._touched: set[int] = set()
+        #: a flow closed since the last re-evaluation: the next one calls the policy
+        self._closed_since = False
         self._job_flows: dict[str, set[int]] = {}
         self._next_change: Callable[[Flow, Context], float | None] | None = (
             getattr(policy, "next_change", None) if timers else None
@@ -175,6 +179,11 @@ class Simulator:
         #: the policy's linked_flows (flows another flow's opening may promote), with timers
         self._linked: Callable[[Flow], Iterable[int]] | None = (
             getattr(policy, "linked_flows", None) if self._next_change is not None else None
+        )
+        #: the policy's released_affects (flows a flow's close may change), with per-flow
+        #: decisions (otherwise every flow is evaluated anyway), or None: the rest of the job
+        self._released_affects: Callable[[Flow], Iterable[int] | None] | None = (
+            getattr(policy, "released_affects", None) if self._per_flow else None
         )
         self.events_processed = 0
         self.observer: Callable[[Simulator], None] | None = None
@@ -337,18 +346,31 @@ class Simulator:
         del self.active[state.flow.flow_id]
         for link in state.links:
             del self._on_link[link][state.flow.flow_id]
-        job = state.flow.job
-        if job is not None:
-            siblings = self._job_flows.get(job)
-            if siblings is not None:
-                siblings.discard(state.flow.flow_id)
-                self._touched.update(siblings)
-                if not siblings:
-                    del self._job_flows[job]
+        siblings = self._leave_job(state.flow)
         self._touch(state.links, state.queue)
         state.rate = 0.0
         self._finish(state)
+        affected = self._released_affects(state.flow) if self._released_affects else None
+        if affected is not None:
+            self._touched.update(fid for fid in affected if fid in self.active)
+        else:
+            self._touched.update(siblings)
+        # the policy is called even with no flow named, as the coordinator's next flush is:
+        # what a release decides unasked (rmlq pruning another request) comes then
+        self._closed_since = True
         self._request_reevaluate()
+
+    def _leave_job(self, flow: Flow) -> set[int]:
+        """Remove ``flow`` from its job's open flows; return the job's remaining ones."""
+        if flow.job is None:
+            return set()
+        siblings = self._job_flows.get(flow.job)
+        if siblings is None:
+            return set()
+        siblings.discard(flow.flow_id)
+        if not siblings:
+            del self._job_flows[flow.job]
+        return siblings
 
     def _finish(self, state: ActiveFlow) -> None:
         flow = state.flow
@@ -395,12 +417,9 @@ class Simulator:
             self._push(self.now + max(period, _MIN_DUE), _TIMER, None, 0)
 
     def _arm_due(self, state: ActiveFlow, ctx: Context) -> None:
-        """Schedule ``state``'s promotion timer from the policy's ``next_change`` (none while a
-        decision waits for its message boundary: applying it re-arms the timer)."""
+        """Schedule ``state``'s promotion timer from the policy's ``next_change``."""
         assert self._next_change is not None
         state.due_version += 1
-        if state.pending is not None:
-            return
         when = self._next_change(state.flow, ctx)
         if when is None or not math.isfinite(when):
             return
@@ -412,12 +431,13 @@ class Simulator:
 
     def _reevaluate(self) -> None:
         touched, self._touched = self._touched, set()
+        closed, self._closed_since = self._closed_since, False
         if not self.active:
             return
         now = self.now
         if self._per_flow:
             states = [s for fid in touched if (s := self.active.get(fid)) is not None]
-            if not states:
+            if not states and not closed:
                 return
         else:
             states = list(self.active.values())

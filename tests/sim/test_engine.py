@@ -267,8 +267,8 @@ class TimedPolicy(FixedPolicy):
 
     per_flow_decisions = True
 
-    def __init__(self) -> None:
-        super().__init__(promote={1: [(0.1, 0)], 2: [(0.2, 0)]})
+    def __init__(self, promote: Mapping[int, list[tuple[float, int]]] | None = None) -> None:
+        super().__init__(promote={1: [(0.1, 0)], 2: [(0.2, 0)]} if promote is None else promote)
         self.seen: list[tuple[float, list[int]]] = []
 
     def reevaluate(self, flows: Iterable[Flow], ctx: Context) -> Mapping[int, Decision]:
@@ -294,6 +294,56 @@ def test_promotion_timers_replace_the_sweep_and_touch_only_their_flow() -> None:
     assert (0.1, [1]) in timed and (0.2, [2]) in timed
     assert len(policy.seen) <= 4, "no 1 ms sweep: only the two timers (and completions)"
     assert all(len(ids) <= 1 for _, ids in policy.seen)
+
+
+def test_a_promotion_due_while_a_decision_waits_for_its_boundary_is_not_lost() -> None:
+    """Flows 1 and 2 share a 100 B/s link at level 2 (40-byte messages). Flow 1 is promoted to
+    level 1 at 0.5 (25 B sent: applies at 40 B, t=0.8) and is due for level 0 at 0.7. Its timer
+    runs while the first decision waits, as the coordinator's does (it holds what it sent), so
+    the boundary at 0.8 applies level 0, and flow 3 (level 1, at 0.9) waits behind it: 1 ends at
+    1.4, 3 at 1.7, 2 at 2.3. Without that timer the boundary applied level 1, and the promotion
+    to 0 never came: 1 shared with 3 and ended at 1.7, 3 at 1.5."""
+    policy = TimedPolicy(promote={1: [(0.5, 1), (0.7, 0)]})
+    sim = Simulator({"l": 100.0}, policy, SimConfig(chunk_bytes=40, timer_period=1e-3))
+    _open(sim, 0, 100, ("l",), 2)
+    _open(sim, 0, 100, ("l",), 2)
+    _open(sim, 0.9, 30, ("l",), 1)
+    assert _finish_times(sim) == pytest.approx({1: 1.4, 2: 2.3, 3: 1.7})
+    assert (0.7, [1]) in [(round(t, 9), ids) for t, ids in policy.seen]
+
+
+class NamingPolicy(TimedPolicy):
+    """A per-flow policy whose released_affects answers ``named``."""
+
+    def __init__(self, named: tuple[int, ...] | None) -> None:
+        super().__init__(promote={})
+        self.named = named
+
+    def released_affects(self, flow: Flow) -> tuple[int, ...] | None:
+        return self.named
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        (TimedPolicy(promote={}), [2]),
+        (NamingPolicy(None), [2]),
+        (NamingPolicy(()), []),
+        (NamingPolicy((3, 99)), [3]),
+    ],
+    ids=["no-hook", "hook-answers-none", "hook-names-none", "hook-names-another-job"],
+)
+def test_a_close_re_evaluates_what_released_affects_names(
+    policy: TimedPolicy, expected: list[int]
+) -> None:
+    """As the coordinator: a close re-evaluates the open flows the per-flow policy's
+    ``released_affects`` names (99 is not open), else the rest of the closed flow's job."""
+    sim = Simulator({"a": 100.0, "b": 100.0, "c": 100.0}, policy, SimConfig(chunk_bytes=0))
+    sim.open_flow(FlowClass.BULK, 10, ("a",), job="j")
+    sim.open_flow(FlowClass.BULK, 100, ("b",), job="j")
+    sim.open_flow(FlowClass.BULK, 100, ("c",))
+    sim.run()
+    assert [ids for t, ids in policy.seen if round(t, 9) == 0.1] == [expected]
 
 
 class PastDuePolicy(TimedPolicy):
