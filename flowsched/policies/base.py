@@ -37,9 +37,9 @@ flows an event touched re-evaluates those too, and derives their timers again.
 Likewise a per-flow policy may define ``released_affects(flow) -> Iterable[int] | None``
 (optional): the known flows whose decision or ``next_change`` the ``release`` of ``flow`` may
 change (exact or a superset; decisions the policy returns unasked, such as rmlq's pruning, are
-not listed). The coordinator re-evaluates those at a close, in a call the policy gets even
-when it names none, instead of the rest of the closed flow's job; None, or no such method,
-means the whole job, which the simulator keeps (docs/rmlq.md, "Closes").
+not listed). The coordinator and the simulator re-evaluate those at a close, in a call the
+policy gets even when it names none, instead of the rest of the closed flow's job; None, or no
+such method, means the whole job (docs/rmlq.md, "Closes").
 
 A per-flow policy with ``next_change`` may also define ``observe_progress(flows, ctx) ->
 Mapping[int, Decision]`` (optional): a caller with promotion timers calls it instead of
