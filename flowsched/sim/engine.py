@@ -349,12 +349,15 @@ class Simulator:
         siblings = self._leave_job(state.flow)
         self._touch(state.links, state.queue)
         state.rate = 0.0
-        self._finish(state)
-        affected = self._released_affects(state.flow) if self._released_affects else None
-        if affected is not None:
-            self._touched.update(fid for fid in affected if fid in self.active)
-        else:
+        if self._released_affects is None:
             self._touched.update(siblings)
+        self._finish(state)
+        if self._released_affects is not None:
+            # asked after the release, as the coordinator does; None: the rest of the job
+            affected = self._released_affects(state.flow)
+            if affected is None:
+                affected = siblings
+            self._touched.update(fid for fid in affected if fid in self.active)
         # the policy is called even with no flow named, as the coordinator's next flush is:
         # what a release decides unasked (rmlq pruning another request) comes then
         self._closed_since = True
