@@ -82,3 +82,14 @@ class Policy(Protocol):
     def release(self, flow: Flow, ctx: Context) -> None:
         """Forget a closed flow."""
         ...
+
+
+class FlowLocalDecisions:
+    """Base of the per-flow policies whose decision for a flow reads only that flow and the
+    Context, so that a flow's release changes no other flow's decision or timer. (Here, not in
+    policies.common: mypyc compiles that module, and an interpreted class cannot subclass a
+    compiled one.)"""
+
+    def released_affects(self, flow: Flow) -> tuple[int, ...]:
+        """No other flow (the contract's ``released_affects``, above)."""
+        return ()

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from flowsched.model import Context, Decision, Flow
 from flowsched.policies.argcheck import check_fields, integer, optional
+from flowsched.policies.base import FlowLocalDecisions
 
 NAME = "fair"
 
@@ -31,7 +32,7 @@ def validate(args: Mapping[str, Any], path: str) -> list[str]:
     return check_fields(args, path, {"level": optional(integer(0))})
 
 
-class FairPolicy:
+class FairPolicy(FlowLocalDecisions):
     """One level for everything; decisions never change."""
 
     name: ClassVar[str] = NAME
@@ -58,10 +59,6 @@ class FairPolicy:
 
     def release(self, flow: Flow, ctx: Context) -> None:
         return None
-
-    def released_affects(self, flow: Flow) -> tuple[int, ...]:
-        """No other flow: a decision reads only its flow and the Context (policies.base)."""
-        return ()
 
 
 def new(args: Mapping[str, Any], *, num_levels: int) -> FairPolicy:

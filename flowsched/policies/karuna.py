@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 from flowsched.model import EXPLICIT_DEADLINE, Context, Decision, Flow
 from flowsched.policies import pias
 from flowsched.policies.argcheck import check_fields, number
+from flowsched.policies.base import FlowLocalDecisions
 
 NAME = "karuna"
 
@@ -70,7 +71,7 @@ def is_deadline_flow(flow: Flow) -> bool:
     return flow.cls in EXPLICIT_DEADLINE and flow.deadline is not None and flow.size is not None
 
 
-class KarunaPolicy:
+class KarunaPolicy(FlowLocalDecisions):
     """Paced deadline flows on top; SJF (known size) / PIAS (unknown size) below."""
 
     name: ClassVar[str] = NAME
@@ -141,10 +142,6 @@ class KarunaPolicy:
 
     def release(self, flow: Flow, ctx: Context) -> None:
         self._rate.pop(flow.flow_id, None)
-
-    def released_affects(self, flow: Flow) -> tuple[int, ...]:
-        """No other flow: a decision reads only its flow and the Context (policies.base)."""
-        return ()
 
 
 def new(args: Mapping[str, Any], *, num_levels: int) -> KarunaPolicy:

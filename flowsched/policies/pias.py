@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 
 from flowsched.model import Context, Decision, Flow
 from flowsched.policies.argcheck import check_fields, is_number, list_of, number, optional
+from flowsched.policies.base import FlowLocalDecisions
 from flowsched.policies.common import level_changes
 
 NAME = "pias"
@@ -219,7 +220,7 @@ def sent_level(sent: int, thresholds: Sequence[float]) -> int:
     return bisect.bisect_right(thresholds, sent)
 
 
-class PiasPolicy:
+class PiasPolicy(FlowLocalDecisions):
     """Demote by bytes sent across the derived thresholds."""
 
     name: ClassVar[str] = NAME
@@ -246,10 +247,6 @@ class PiasPolicy:
 
     def release(self, flow: Flow, ctx: Context) -> None:
         return None
-
-    def released_affects(self, flow: Flow) -> tuple[int, ...]:
-        """No other flow: a decision reads only its flow and the Context (policies.base)."""
-        return ()
 
 
 def new(args: Mapping[str, Any], *, num_levels: int) -> PiasPolicy:

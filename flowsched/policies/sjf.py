@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 from flowsched.model import Context, Decision, Flow
 from flowsched.policies.argcheck import check_fields, number
+from flowsched.policies.base import FlowLocalDecisions
 from flowsched.policies.common import level_changes
 
 NAME = "sjf"
@@ -60,7 +61,7 @@ def band_bounds(args: Args, levels: int) -> list[float]:
         ) from None
 
 
-class SjfPolicy:
+class SjfPolicy(FlowLocalDecisions):
     """Shortest remaining size first, banded into K levels."""
 
     name: ClassVar[str] = NAME
@@ -94,10 +95,6 @@ class SjfPolicy:
 
     def release(self, flow: Flow, ctx: Context) -> None:
         return None
-
-    def released_affects(self, flow: Flow) -> tuple[int, ...]:
-        """No other flow: a decision reads only its flow and the Context (policies.base)."""
-        return ()
 
 
 def new(args: Mapping[str, Any], *, num_levels: int) -> SjfPolicy:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from flowsched.model import Context, Decision, Flow, FlowClass
 from flowsched.policies.argcheck import check_fields, class_map, integer
+from flowsched.policies.base import FlowLocalDecisions
 from flowsched.policies.common import (
     DROP_CLASSES,
     LATE_DROP_FIELDS,
@@ -62,7 +63,7 @@ def validate(args: Mapping[str, Any], path: str) -> list[str]:
     return check_fields(args, path, {"levels": class_map(integer(0)), **LATE_DROP_FIELDS})
 
 
-class StaticPolicy:
+class StaticPolicy(FlowLocalDecisions):
     """Each class at its configured level (late flows on K-1 with ``drop_late``)."""
 
     name: ClassVar[str] = NAME
@@ -111,10 +112,6 @@ class StaticPolicy:
 
     def release(self, flow: Flow, ctx: Context) -> None:
         return None
-
-    def released_affects(self, flow: Flow) -> tuple[int, ...]:
-        """No other flow: a decision reads only its flow and the Context (policies.base)."""
-        return ()
 
 
 def new(args: Mapping[str, Any], *, num_levels: int) -> StaticPolicy:
