@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from flowsched import policies, policyfile
-from flowsched.metrics import summarize
+from flowsched.metrics import RunRecords, summarize
 from flowsched.testbed import bench, netns, replay, runner, sniff, timezero
 from flowsched.testbed.daemons import wait_for
 from flowsched.testbed.trace import ScenarioParams, Trace, generate, params_from_mapping
@@ -958,3 +958,27 @@ def test_the_token_stays_out_of_the_runs_folder(
         (str(token), 0o600, 0o700)
     }
     assert not token.parent.exists()
+
+
+def test_deferring_rmlq_file_defers_kv_transfers_and_shortens_collectives() -> None:
+    """bench/contention/policies/rmlq-defer.toml does what its comment says on the benchmark's
+    trace: far fewer KV transfers start above the collectives than with rmlq.toml (whose rho
+    from the urgent tier makes nearly every one urgent), and the collectives finish sooner."""
+    from flowsched.testbed import report
+
+    trace = generate(ScenarioParams(duration=4.0), 25e6, 1)
+
+    def replayed(name: str) -> RunRecords:
+        cfg = bench.policy_config(name)
+        return replay.replay(
+            trace, cfg.make_policy(), timer_period=cfg.timer_period, level_queue=cfg.level_queue
+        )
+
+    default, deferring = replayed("rmlq"), replayed("rmlq-defer")
+    default_share = report.above_collectives_share(default)
+    deferring_share = report.above_collectives_share(deferring)
+    assert default_share is not None and deferring_share is not None
+    assert deferring_share < 0.5 < default_share
+    default_cct, deferring_cct = summarize(default).cct_mean, summarize(deferring).cct_mean
+    assert default_cct is not None and deferring_cct is not None
+    assert deferring_cct < default_cct
