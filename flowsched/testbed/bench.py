@@ -243,22 +243,26 @@ def report_errors(results: list[report.PolicyResult], stream: TextIO | None = No
     return len(errors)
 
 
-def _simulate(trace: Trace, name: str, progress: Progress) -> RunRecords:
+def simulate(trace: Trace, name: str) -> RunRecords:
+    """``trace`` replayed in the simulator under the benchmark's policy ``name``
+    (:func:`policy_config`), or under :data:`IDEAL`, the ideal-network bound."""
     if name == IDEAL:  # the ceiling: transfers on private full-rate paths, TP alone on the links
         cfg = policy_config("static")
-        records = replay.replay(
+        return replay.replay(
             trace,
             cfg.make_policy(),
             timer_period=cfg.timer_period,
             level_queue=cfg.level_queue,
             private_classes=IDEAL_PRIVATE,
         )
-        progress.step(f"{name}: simulator, seed {trace.seed}")
-        return records
     cfg = policy_config(name)
-    records = replay.replay(
+    return replay.replay(
         trace, cfg.make_policy(), timer_period=cfg.timer_period, level_queue=cfg.level_queue
     )
+
+
+def _simulate(trace: Trace, name: str, progress: Progress) -> RunRecords:
+    records = simulate(trace, name)
     progress.step(f"{name}: simulator, seed {trace.seed}")
     return records
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from flowsched import policies, policyfile
-from flowsched.metrics import RunRecords, summarize
+from flowsched.metrics import summarize
 from flowsched.testbed import bench, netns, replay, runner, sniff, timezero
 from flowsched.testbed.daemons import wait_for
 from flowsched.testbed.trace import ScenarioParams, Trace, generate, params_from_mapping
@@ -967,14 +967,7 @@ def test_deferring_rmlq_file_defers_kv_transfers_and_shortens_collectives() -> N
     from flowsched.testbed import report
 
     trace = generate(ScenarioParams(duration=4.0), 25e6, 1)
-
-    def replayed(name: str) -> RunRecords:
-        cfg = bench.policy_config(name)
-        return replay.replay(
-            trace, cfg.make_policy(), timer_period=cfg.timer_period, level_queue=cfg.level_queue
-        )
-
-    default, deferring = replayed("rmlq"), replayed("rmlq-defer")
+    default, deferring = bench.simulate(trace, "rmlq"), bench.simulate(trace, "rmlq-defer")
     default_share = report.above_collectives_share(default)
     deferring_share = report.above_collectives_share(deferring)
     assert default_share is not None and deferring_share is not None
