@@ -17,8 +17,10 @@ against a host without devices; the mapping functions are fully tested.
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,8 +79,25 @@ def _pyverbs() -> Any:
         import pyverbs.device
         import pyverbs.qp
     except ImportError as exc:
-        raise RdmaUnavailable(f"pyverbs is not installed ({exc})") from None
+        raise RdmaUnavailable(_why_no_pyverbs(exc)) from None
     return pyverbs
+
+
+def _why_no_pyverbs(exc: ImportError) -> str:
+    """Absent, or present and not loading: rdma-core's bindings are compiled modules built for
+    one Python (a distribution's, say), which another interpreter finds and cannot load."""
+    try:
+        spec = importlib.util.find_spec("pyverbs")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return f"pyverbs is not installed ({exc})"
+    where = ", ".join(spec.submodule_search_locations or ()) or spec.origin or "?"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return (
+        f"pyverbs at {where} does not load in this Python ({version}): {exc}; install "
+        "rdma-core's bindings built for it"
+    )
 
 
 def build_qp_attr(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -76,6 +77,29 @@ def test_build_qp_attr_without_pyverbs_says_so() -> None:
         rdma.build_qp_attr(rdma.qp_marking(0, DSCPS), "fe80::1")
 
 
+def test_a_pyverbs_that_does_not_load_here_is_named_with_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # what another Python finds on Debian's path: the package, and compiled modules built
+    # for the distribution's python3 only (here: none at all)
+    (tmp_path / "pyverbs").mkdir()
+    (tmp_path / "pyverbs" / "__init__.py").write_text("")
+    before = set(sys.modules)
+    for name in [name for name in before if name.split(".")[0] == "pyverbs"]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(rdma.RdmaUnavailable) as caught:
+            rdma.build_qp_attr(rdma.qp_marking(0, DSCPS), "fe80::1")
+    finally:
+        for name in set(sys.modules) - before:
+            if name.split(".")[0] == "pyverbs":
+                del sys.modules[name]
+    message = str(caught.value)
+    assert f"pyverbs at {tmp_path / 'pyverbs'} does not load in this Python" in message
+    assert "No module named 'pyverbs.addr'" in message
+
+
 @pytest.mark.skip(
     reason="needs an RDMA device: this kernel has no InfiniBand/RoCE support "
     "(no rxe, siw or /dev/infiniband), so QP creation cannot run here"
@@ -144,10 +168,21 @@ print(json.dumps([ah.traffic_class, ah.sl, ah.sgid_index, ah.port_num, str(ah.dg
 """
 
 
+def _built_for_this_python(package: Path) -> bool:
+    """True when ``package``'s ``addr`` module is compiled for this interpreter."""
+    suffixes = importlib.machinery.EXTENSION_SUFFIXES
+    return any((package / f"addr{suffix}").exists() for suffix in suffixes)
+
+
 def test_build_qp_attr_with_the_real_pyverbs() -> None:
     """Against rdma-core's own bindings (no device needed to build attributes)."""
     if not SYSTEM_PYVERBS.is_dir():
         pytest.skip("python3-pyverbs is not installed (scripts/setup.sh installs it as root)")
+    if not _built_for_this_python(SYSTEM_PYVERBS):
+        pytest.skip(
+            f"{SYSTEM_PYVERBS} holds no compiled modules for Python "
+            f"{sys.version_info.major}.{sys.version_info.minor} (Debian builds it for its python3)"
+        )
     env = {**os.environ, "PYTHONPATH": str(SYSTEM_PYVERBS.parent)}
     done = subprocess.run(
         [sys.executable, "-c", REAL_PYVERBS_SCRIPT.format(dscps=tuple(DSCPS))],
