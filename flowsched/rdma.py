@@ -151,7 +151,10 @@ def full_gid(text: str) -> str:
         raise ValueError(f"dgid: a GID has no zone (%...), got {text!r}")
     if isinstance(address, ipaddress.IPv4Address):
         address = ipaddress.IPv6Address(f"::ffff:{address}")
-    return address.exploded
+    # from the bytes, not ``exploded``: Python 3.13 writes a v4-mapped address's last 32 bits
+    # as a dotted quad there ("...:ffff:10.0.0.2"), which is no GID
+    packed = address.packed
+    return ":".join(packed[i : i + 2].hex() for i in range(0, 16, 2))
 
 
 @dataclass(frozen=True, slots=True)
