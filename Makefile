@@ -1,4 +1,5 @@
 # flowsched: `make demo` (set up + contention benchmark) and `make test` (set up + all checks).
+# another interpreter: `make PYTHON=python3.13 VENV=.venv-3.13 test` (a venv of its own)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -10,13 +11,13 @@ SETUP_INPUTS := pyproject.toml scripts/setup.sh scripts/constraints.txt $(wildca
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: $(SETUP_INPUTS)
-	bash scripts/setup.sh $(VENV)
+	PYTHON="$(PYTHON)" bash scripts/setup.sh $(VENV)
 	touch $@
 
 # What the benchmark needs, without torch and the test tools (a fresh clone's setup: 1.5 min
 # against 2.3); a full `make setup` also satisfies it.
 $(VENV)/.installed-demo: $(SETUP_INPUTS)
-	bash scripts/setup.sh $(VENV) plot
+	PYTHON="$(PYTHON)" bash scripts/setup.sh $(VENV) plot
 	touch $@
 
 # The main job: the contention benchmark on the embedded local testbed (falls back to the

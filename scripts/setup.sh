@@ -2,12 +2,14 @@
 # Sets up everything flowsched needs on a fresh Debian machine: system packages (only when
 # missing and when we are root), a virtual environment, the package with its C plugin.
 # Usage: setup.sh [VENV] [EXTRAS]. EXTRAS defaults to everything the tests need; `make demo`
-# passes "plot" (the benchmark and its plots need neither torch nor the test tools).
+# passes "plot" (the benchmark and its plots need neither torch nor the test tools). PYTHON
+# names the interpreter a new venv is made with (default python3; `make PYTHON=...` passes it).
 # Fails when the C plugin does not build, unless FLOWSCHED_SKIP_PLUGIN=1 (or gcc/make are
 # missing and we are not root to install them: then it warns that what needs it is skipped).
 set -euo pipefail
 venv=${1:-.venv}
 extras=${2:-dev,torch,plot}
+python=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 
 need_apt=()
@@ -31,11 +33,14 @@ case ",$extras," in
   *,dev,*) [ -d /usr/lib/python3/dist-packages/pyverbs ] || need python3-pyverbs ;;
 esac
 # A venv without pip (what `python3 -m venv` leaves where python3-venv is missing) is made
-# again; Debian's python3 needs python3-venv (ensurepip) for that.
+# again; Debian's python3 needs python3-venv (ensurepip) for that. Another PYTHON without
+# ensurepip stops at `-m venv`, with that interpreter's own error.
 make_venv=0
 if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
   make_venv=1
-  python3 -c 'import ensurepip' >/dev/null 2>&1 || need python3-venv
+  if [ "$python" = python3 ]; then
+    python3 -c 'import ensurepip' >/dev/null 2>&1 || need python3-venv
+  fi
 fi
 
 policy_rc=/usr/sbin/policy-rc.d
@@ -67,9 +72,9 @@ fi
 if [ "$make_venv" = 1 ]; then
   if [ -x "$venv/bin/python" ]; then
     echo "setup: $venv has no pip; making it again"
-    python3 -m venv --clear "$venv"
+    "$python" -m venv --clear "$venv"
   else
-    python3 -m venv "$venv"
+    "$python" -m venv "$venv"
   fi
 fi
 "$venv/bin/python" -m pip install -q --upgrade pip

@@ -46,9 +46,10 @@ case "$1" in
     esac ;;
 esac
 """
+#: an interpreter on PATH (python3, or the one PYTHON names): it logs under its own name
 _PYTHON3 = """\
 #!/bin/bash
-echo "python3 $*" >> "$LOG"
+echo "${0##*/} $*" >> "$LOG"
 if [ "$1" = -c ]; then [ "${ENSUREPIP:-1}" = 1 ]; exit; fi
 if [ "$1 $2" = "-m venv" ]; then
   venv="${!#}"; /bin/mkdir -p "$venv/bin"; /bin/cp "$STUB_PYTHON" "$venv/bin/python"; exit 0
@@ -95,6 +96,7 @@ def _run_setup(
     venv_ready: bool = True,
     hide_pyverbs: bool = False,
     extras: str = "plot",
+    pythons: tuple[str, ...] = ("python3",),
 ) -> Setup:
     """Run a copy of scripts/setup.sh as described in the module docstring."""
     repo, bin_dir, sbin = tmp_path / "repo", tmp_path / "bin", tmp_path / "sbin"
@@ -104,7 +106,8 @@ def _run_setup(
     stub = tmp_path / "venv-python"
     _script(stub, _VENV_PYTHON)
     _script(bin_dir / "apt-get", _APT)
-    _script(bin_dir / "python3", _PYTHON3)
+    for python in pythons:
+        _script(bin_dir / python, _PYTHON3)
     _script(bin_dir / "make", _MAKE)
     for tool in TOOLS:
         if tool not in missing:
@@ -204,6 +207,23 @@ def test_python3_venv_is_installed_when_ensurepip_is_missing(tmp_path: Path) -> 
     assert setup.returncode == 0, setup.output
     assert _installed(setup) == ["python3-venv"]
     assert f"python3 -m venv {tmp_path / 'venv'}" in setup.log
+
+
+@pytest.mark.parametrize("venv_ready", [False, True])
+def test_the_venv_is_made_with_the_interpreter_python_names(
+    tmp_path: Path, venv_ready: bool
+) -> None:
+    """`make PYTHON=python3.13 VENV=... test`: a new venv, or one made again, is that
+    interpreter's; Debian's python3-venv is not asked for on its behalf."""
+    venv_python = tmp_path / "venv" / "bin" / "python"
+    env = {"PYTHON": "python3.13", "ENSUREPIP": "0", "NO_PIP": str(venv_python)}
+    setup = _run_setup(tmp_path, env, venv_ready=venv_ready, pythons=("python3", "python3.13"))
+    assert setup.returncode == 0, setup.output
+    made = [line for line in setup.log if " -m venv " in line]
+    clear = "--clear " if venv_ready else ""
+    assert made == [f"python3.13 -m venv {clear}{tmp_path / 'venv'}"]
+    assert not any(line.startswith("python3 ") for line in setup.log)
+    assert _installed(setup) == []
 
 
 def test_a_plugin_that_did_not_build_fails_the_setup(tmp_path: Path) -> None:
