@@ -37,10 +37,10 @@ typecheck: setup
 	$(BIN)/mypy
 
 plugin: setup
-	$(MAKE) -C nccl_plugin
+	$(MAKE) -C nccl_plugin PYTHON=$(abspath $(BIN))/python
 
 plugin-test: setup
-	$(MAKE) -C nccl_plugin check
+	$(MAKE) -C nccl_plugin check PYTHON=$(abspath $(BIN))/python
 
 # pytest exits 5 when it collected no test; make treats every non-zero status as a failure.
 pytest: setup
