@@ -246,18 +246,15 @@ def report_errors(results: list[report.PolicyResult], stream: TextIO | None = No
 def simulate(trace: Trace, name: str) -> RunRecords:
     """``trace`` replayed in the simulator under the benchmark's policy ``name``
     (:func:`policy_config`), or under :data:`IDEAL`, the ideal-network bound."""
-    if name == IDEAL:  # the ceiling: transfers on private full-rate paths, TP alone on the links
-        cfg = policy_config("static")
-        return replay.replay(
-            trace,
-            cfg.make_policy(),
-            timer_period=cfg.timer_period,
-            level_queue=cfg.level_queue,
-            private_classes=IDEAL_PRIVATE,
-        )
-    cfg = policy_config(name)
+    # the ceiling: transfers on private full-rate paths, TP alone on the links
+    ideal = name == IDEAL
+    cfg = policy_config("static" if ideal else name)
     return replay.replay(
-        trace, cfg.make_policy(), timer_period=cfg.timer_period, level_queue=cfg.level_queue
+        trace,
+        cfg.make_policy(),
+        timer_period=cfg.timer_period,
+        level_queue=cfg.level_queue,
+        private_classes=IDEAL_PRIVATE if ideal else frozenset(),
     )
 
 

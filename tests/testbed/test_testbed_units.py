@@ -16,7 +16,7 @@ import pytest
 
 from flowsched import policies, policyfile
 from flowsched.metrics import summarize
-from flowsched.testbed import bench, netns, replay, runner, sniff, timezero
+from flowsched.testbed import bench, netns, replay, report, runner, sniff, timezero
 from flowsched.testbed.daemons import wait_for
 from flowsched.testbed.trace import ScenarioParams, Trace, generate, params_from_mapping
 
@@ -241,7 +241,6 @@ def test_promotion_latency_skips_levels_without_a_decision_stamp() -> None:
 
 
 def test_table_labels_the_control_plane_of_each_row() -> None:
-    from flowsched.testbed import report
 
     trace = generate(ScenarioParams(duration=2.0, load=0.3), 25e6, 3)
     metrics = summarize(replay.replay(trace, policies.create("fair", num_levels=8)))
@@ -355,7 +354,6 @@ def test_the_machine_cpu_times_include_a_steal_column() -> None:
 def test_report_scores_attainment_and_collectives_jointly() -> None:
     """The bound first, oracles last; rmlq's attainment, collective time and top-level share
     are stated next to edf's, and 'both' only when rmlq wins attainment without slower TP."""
-    from flowsched.testbed import report
 
     trace = generate(ScenarioParams(duration=2.0, load=0.5), 25e6, 3)
 
@@ -399,7 +397,6 @@ def test_report_scores_attainment_and_collectives_jointly() -> None:
 
 def test_report_names_the_source_of_the_ratio_line_without_edf() -> None:
     """Without edf there is no joint line: rmlq's ratio to static says which source it is."""
-    from flowsched.testbed import report
 
     trace = generate(ScenarioParams(duration=2.0, load=0.5), 25e6, 3)
     results = []
@@ -964,8 +961,6 @@ def test_deferring_rmlq_file_defers_kv_transfers_and_shortens_collectives() -> N
     """bench/contention/policies/rmlq-defer.toml does what its comment says on the benchmark's
     trace: far fewer KV transfers start above the collectives than with rmlq.toml (whose rho
     from the urgent tier makes nearly every one urgent), and the collectives finish sooner."""
-    from flowsched.testbed import report
-
     trace = generate(ScenarioParams(duration=4.0), 25e6, 1)
     default, deferring = bench.simulate(trace, "rmlq"), bench.simulate(trace, "rmlq-defer")
     default_share = report.above_collectives_share(default)
