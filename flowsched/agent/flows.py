@@ -127,6 +127,10 @@ class FlowRegistry:
         self.flows: dict[int, Flow] = {}
         self.slots: dict[SlotKey, SlotConn] = {}
         self.sdk: dict[int, SdkFlow] = {}
+        #: the open SDK flows by what a connection must share with one to carry it (its
+        #: process, class and peer, None: not narrowed), oldest first: finding a connection's
+        #: carrier looks at those alone, not at every SDK flow of the node
+        self._sdk_for: dict[tuple[int, FlowClass, int | None], dict[int, None]] = {}
         #: pid -> its open SDK flows narrowed to a peer (kept as they open and close: the
         #: scan asks it every pass, for every send connection whose peer is still unknown)
         self._narrowed: Counter[int] = Counter()
@@ -212,6 +216,7 @@ class FlowRegistry:
             request=request,
         )
         self.sdk[flow.flow_id] = SdkFlow(pid, peer, start_ticks=start_ticks)
+        self._sdk_for.setdefault((pid, cls, peer), {})[flow.flow_id] = None
         if peer is not None:
             self._narrowed[pid] += 1
         linked = []
@@ -238,6 +243,11 @@ class FlowRegistry:
             info.app_sent = max(info.app_sent, sent)
         self._refresh_sdk(flow_id)
         del self.sdk[flow_id]
+        match = (pid, self.flows[flow_id].cls, info.peer)
+        alike = self._sdk_for[match]
+        del alike[flow_id]
+        if not alike:
+            del self._sdk_for[match]
         if info.peer is not None:
             self._narrowed[pid] -= 1
             if self._narrowed[pid] <= 0:
@@ -372,8 +382,19 @@ class FlowRegistry:
         return True
 
     def _carrier(self, conn: SlotConn) -> int | None:
-        """The oldest open SDK flow that ``conn`` should carry (None: none matches)."""
-        return next((sdk_id for sdk_id in self.sdk if self._matches(conn, sdk_id)), None)
+        """The oldest open SDK flow that ``conn`` should carry (None: none matches): the
+        oldest of its process and class, not narrowed or narrowed to its peer, whose client
+        is its process (:func:`_same_start`). Ids grow with opening order."""
+        if conn.direction != layout.DIR_SEND:
+            return None
+        found: int | None = None
+        for peer in (None, conn.peer_rank) if conn.peer_rank >= 0 else (None,):
+            for sdk_id in self._sdk_for.get((conn.pid, conn.cls, peer), ()):
+                if _same_start(conn.start_ticks, self.sdk[sdk_id].start_ticks):
+                    if found is None or sdk_id < found:
+                        found = sdk_id
+                    break
+        return found
 
     def _matches(self, conn: SlotConn, sdk_id: int) -> bool:
         info = self.sdk[sdk_id]

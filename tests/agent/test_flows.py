@@ -11,6 +11,7 @@ from flowsched.agent.flows import (
     MAX_ENTRIES_PER_FRAME,
     MAX_OPENS_PER_FRAME,
     FlowRegistry,
+    SdkFlow,
     resync_frames,
     split_batch,
 )
@@ -573,3 +574,40 @@ def test_the_flow_a_released_connection_carries_next(
         assert conn.linked_to is None and conn.flow_id is not None
     else:
         assert conn.linked_to == opened[carrier].flow_id and conn.flow_id is None
+
+
+class LookupCountingDict(dict[int, SdkFlow]):
+    """The registry's SDK flows, counting how often one is looked up: the work a close does."""
+
+    lookups = 0
+
+    def __getitem__(self, key: int) -> SdkFlow:
+        self.lookups += 1
+        return super().__getitem__(key)
+
+
+@pytest.mark.parametrize(
+    ("pid", "cls", "peer"),
+    [
+        pytest.param(PID, FlowClass.KV, None, id="another-class"),
+        pytest.param(PID, FlowClass.PARAM_SYNC, 9, id="narrowed-to-another-peer"),
+        pytest.param(PID + 1, FlowClass.PARAM_SYNC, None, id="another-process"),
+    ],
+)
+def test_a_released_connection_looks_only_at_the_flows_it_could_carry(
+    reg: FlowRegistry, pid: int, cls: FlowClass, peer: int | None
+) -> None:
+    """Each connection a closed SDK flow released looked at every open SDK flow of the node
+    for its next carrier: a user with 4,096 flows of another class open, closing one that
+    carried 64 NCCL connections, held the agent's loop for 64 ms per close (every user's
+    opens and the coordinator link waited)."""
+    connections, others = 8, 64
+    reg.observe([slot(i, cls=FlowClass.PARAM_SYNC, peer=4) for i in range(connections)], 1.0, 0)
+    for _ in range(others):  # none of them can carry those connections
+        reg.open_sdk(pid, cls, 2.0, peer=peer)
+    closing, linked = reg.open_sdk(PID, FlowClass.PARAM_SYNC, 3.0)
+    assert len(linked) == connections
+    reg.sdk = counting = LookupCountingDict(reg.sdk)
+    assert len(reg.close_sdk(closing.flow_id, PID, None, 4.0)) == connections
+    assert all(reg.slots[i, 1].flow_id is not None for i in range(connections))  # standalone
+    assert counting.lookups <= 4 * connections, f"{counting.lookups} lookups"
