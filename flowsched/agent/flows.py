@@ -413,8 +413,12 @@ class FlowRegistry:
             conn.flow_id = None
         conn.base = conn.bytes if base is None else base
         conn.linked_to = sdk_id
-        self.sdk[sdk_id].slots.add(conn.key)
-        self._refresh_sdk(sdk_id)
+        info = self.sdk[sdk_id]
+        info.slots.add(conn.key)
+        # added, not re-summed: an open (or a close's handover) links every connection of a
+        # process at once, and a re-sum per link cost the square of their number
+        info.slot_bytes_live += conn.bytes - conn.base
+        self.flows[sdk_id].sent = info.sent()
 
     def _update_bytes(self, conn: SlotConn, nbytes: int) -> None:
         if nbytes == conn.bytes:
