@@ -906,7 +906,10 @@ def _byte_count(value: int, name: str) -> int:
     Raises:
         ValueError: naming ``name``.
     """
-    count = int(value)
+    try:
+        count = int(value)
+    except (TypeError, ValueError, OverflowError):  # None, NaN, an infinity: say which argument
+        count = -1
     if not 0 <= count <= U64_MAX:
         raise ValueError(f"{name} must be a byte count in 0..2**64-1, got {value!r}")
     return count

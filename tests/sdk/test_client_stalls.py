@@ -177,7 +177,12 @@ def test_add_bytes_counts_every_call_of_every_thread() -> None:
         (lambda h: h.progress(-1), "sent must be a byte count"),
         (lambda h: h.add_bytes(-5), "nbytes must be a byte count"),
         (lambda h: (h.progress(2**64 - 1), h.add_bytes(1)), "the total of add_bytes"),
+        (lambda h: h.progress(float("inf")), "sent must be a byte count"),
+        (lambda h: h.progress(float("nan")), "sent must be a byte count"),
+        (lambda h: h.add_bytes(float("-inf")), "nbytes must be a byte count"),
+        (lambda h: h.progress(None), "sent must be a byte count"),
     ],
+    ids=["beyond-u64", "negative", "negative-add", "total", "inf", "nan", "-inf-add", "none"],
 )
 def test_byte_counts_out_of_range_raise_and_leave_the_flow_closable(
     scripted: ScriptedAgent, call: Callable[[client.FlowHandle], object], words: str
