@@ -112,6 +112,8 @@ class Agent:
         #: until the coordinator's first message): those it moves meanwhile are reported again
         self._resynced: dict[int, int] | None = None
         self.fallback: Policy | None = None
+        #: a run of the local policy is queued for the loop's next turn (_reevaluate_soon)
+        self._reevaluation_due = False
         self._admitted: set[int] = set()
         #: the local copy of the policy that gives SDK flows their first level while the
         #: coordinator is connected (``first_level_wait`` 0), and the flows it admitted
@@ -789,7 +791,24 @@ class Agent:
         if self.config.coordinator is not None:  # else nobody takes them
             self._queue_job_update(update)
         if self.fallback is not None:
+            self._reevaluate_soon()
+
+    def _reevaluate_soon(self) -> None:
+        """Run the local policy over the node's flows once the reports of this loop turn are
+        handled: one pass for all of them, not one per report (a user's share of a turn, 64
+        reports, cost 64 passes over every user's flows)."""
+        if not self._reevaluation_due:
+            self._reevaluation_due = True
+            asyncio.get_running_loop().call_soon(self._reevaluate_due)
+
+    def _reevaluate_due(self) -> None:
+        self._reevaluation_due = False
+        if self.fallback is None:  # the coordinator came back meanwhile: its levels stand
+            return
+        try:
             self._reevaluate()
+        except Exception:  # as in _fallback_watch: the next step tries again
+            log.exception("local policy step failed")
 
     def _queue_job_update(self, update: JobProgress) -> None:
         """Queue ``update`` for the coordinator. Progress is queued for the jobs the job table

@@ -32,6 +32,7 @@ from flowsched.agent.config import AgentConfig
 from flowsched.agent.flows import FlowRegistry
 from flowsched.agent.service import Agent
 from flowsched.agent.threaded import AgentThread
+from flowsched.agent.turns import MESSAGES_PER_TURN
 from flowsched.model import FlowClass
 from flowsched.protocol import PROTOCOL_VERSION, Welcome, sdk
 from flowsched.testbed.sdk_flood import FLOOD_CONNECTIONS, NOBODY, flooding, shareable_group
@@ -322,6 +323,42 @@ def test_another_users_opens_are_answered_while_one_user_floods_the_agent(
             assert handle.connected, f"root's open went unanswered for {client.OPEN_TIMEOUT} s"
             handle.close()
         assert server.requests["open"] > before  # the flood was served meanwhile
+
+
+def test_job_reports_of_one_loop_turn_cost_the_local_policy_one_pass(tmp_path: Path) -> None:
+    """With the local policy running (no coordinator configured, or none reachable), each
+    ``job_progress`` a client sent re-evaluated every flow of the node at once: a user's share
+    of one loop turn (64 reports) cost 64 passes, 1.1 s of the loop over 4,096 rmlq flows,
+    while every other user's client waited. The reports of one turn now share one pass."""
+    agent = Agent(agent_config(tmp_path, metrics_port=None))
+    agent._attach_table()
+    assert agent.registry is not None
+    passes: list[int] = []
+    try:
+        for _ in range(10):
+            agent.registry.open_sdk(1, FlowClass.BULK, 0.0)
+
+        async def one_turn_of_reports() -> None:
+            agent._enter_fallback(None)
+            reevaluate = agent._reevaluate
+
+            def counted() -> None:
+                passes.append(len(agent._admitted))
+                reevaluate()
+
+            agent._reevaluate = counted  # type: ignore[method-assign]
+            for step in range(MESSAGES_PER_TURN):
+                agent.job_progress("j", step, None, owner=UID)
+            for _ in range(3):  # the loop's next turns
+                await asyncio.sleep(0)
+
+        asyncio.run(one_turn_of_reports())
+        assert passes == [10]
+        assert agent.registry.job_index[f"{UID}/j"] == MESSAGES_PER_TURN - 1
+    finally:
+        assert agent.table is not None
+        agent.table.detach()
+        agent.table.close()
 
 
 def test_the_agent_raises_its_open_file_limit(tmp_path: Path) -> None:
