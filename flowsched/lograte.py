@@ -4,7 +4,9 @@ A peer that keeps failing the same way (a wrong token retried every second, a fl
 unauthenticated connections) must not fill the log, and must not vanish from it either.
 :class:`RepeatLog` logs the first occurrence of a key, then at most once per interval, the
 interval doubling after each message up to a ceiling; each message says how many occurrences
-it stands for. :meth:`RepeatLog.clear` (the condition ended) starts the key afresh.
+it stands for. :meth:`RepeatLog.clear` (the condition ended) starts the key afresh. At most
+:data:`MAX_KEYS` keys are kept (the least recently logged goes first): keys may carry what a
+peer chose (an address it redirects to), and must not grow the process without bound.
 :func:`quoted` makes a peer's text safe for a log line.
 """
 
@@ -14,6 +16,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+#: keys a :class:`RepeatLog` keeps at most; beyond, the one logged least recently is forgotten
+#: (its next occurrence is logged at once, as a first one)
+MAX_KEYS = 1024
 
 
 @dataclass(slots=True)
@@ -31,6 +37,7 @@ class RepeatLog:
         first_interval: seconds between the first and the second message of a key.
         max_interval: the interval stops doubling here.
         clock: monotonic seconds (injected by tests).
+        max_keys: keys kept at most (see :data:`MAX_KEYS`).
     """
 
     def __init__(
@@ -40,11 +47,14 @@ class RepeatLog:
         first_interval: float = 1.0,
         max_interval: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        max_keys: int = MAX_KEYS,
     ) -> None:
         self._log = logger
         self._first = first_interval
         self._max = max_interval
         self._clock = clock
+        self._max_keys = max_keys
+        #: least recently logged first (a key moves to the end each time it is logged)
         self._keys: dict[str, _Key] = {}
 
     def log(
@@ -58,12 +68,15 @@ class RepeatLog:
         now = self._clock()
         state = self._keys.get(key)
         if state is None:
+            while len(self._keys) >= self._max_keys:
+                del self._keys[next(iter(self._keys))]
             self._keys[key] = _Key(now + self._first, self._first)
             self._log.log(level, msg, *args, exc_info=exc_info)
             return True
         if now < state.next_at:
             state.suppressed += 1
             return False
+        self._keys[key] = self._keys.pop(key)  # logged now: the last to be forgotten
         suppressed, state.suppressed = state.suppressed, 0
         state.interval = min(state.interval * 2, self._max)
         state.next_at = now + state.interval

@@ -18,51 +18,8 @@ from test_agent_uplink import CoordinatorThread
 from flowsched.agent import AgentConfig, service
 from flowsched.agent.service import RECONNECT_JITTER, Agent
 from flowsched.agent.threaded import AgentThread
-from flowsched.lograte import RepeatLog
 from flowsched.protocol import Error, encode_frame, write_token
 from flowsched.testbed.daemons import closed_port
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.mark.parametrize(
-    ("times", "logged"),
-    [
-        ([0.0], [0.0]),
-        ([0.0, 0.5, 0.9], [0.0]),  # within the first second: once
-        ([0.0, 0.5, 1.0, 1.5, 2.9, 3.0], [0.0, 1.0, 3.0]),  # then after 1 s, 2 s, ...
-        ([0.0] + [0.1 * i for i in range(1, 100)], [0.0, 1.0, 3.0, 7.0]),
-    ],
-)
-def test_repeat_log_falls_in_rate(
-    times: list[float], logged: list[float], caplog: pytest.LogCaptureFixture
-) -> None:
-    clock = FakeClock()
-    repeat = RepeatLog(logging.getLogger("test.repeat"), clock=clock)
-    caplog.set_level(logging.INFO, logger="test.repeat")
-    seen = []
-    for when in times:
-        clock.now = when
-        if repeat.log("key", logging.WARNING, "refused at %.1f", when):
-            seen.append(when)
-    assert [pytest.approx(t) for t in logged] == seen
-    if len(seen) > 1:
-        assert "more since the last message" in caplog.records[-1].getMessage()
-
-
-def test_repeat_log_starts_afresh_after_clear() -> None:
-    clock = FakeClock()
-    repeat = RepeatLog(logging.getLogger("test.repeat"), clock=clock)
-    assert repeat.log("a:1", logging.INFO, "x")
-    assert not repeat.log("a:1", logging.INFO, "x")
-    repeat.clear_matching("a:")
-    assert repeat.log("a:1", logging.INFO, "x")
 
 
 def test_jitter_spreads_pauses_around_their_value() -> None:
