@@ -94,7 +94,8 @@ class AgentConfig:
 
     ``coordinator`` None runs the local policy from the start (standalone node).
     ``policy_text`` is the policy used until the coordinator's welcome names one (None: the
-    embedded default). ``interfaces`` empty = every interface that is up, loopback excluded.
+    embedded default). ``interfaces`` empty = the hardware NICs that are up
+    (:func:`flowsched.agent.nic.default_interfaces`).
     """
 
     node: str

@@ -6,10 +6,12 @@ interfaces:
 * ``<node>:tx`` (egress): bytes transmitted (``tx_bytes``) summed over the interfaces;
 * ``<node>:rx`` (ingress): bytes received (``rx_bytes``) summed over the interfaces.
 
-Capacity of either = the sum of the interfaces' capacities: a configured override when given
-(``capacity``: links shaped below their line rate, e.g. by htb, or veth pairs, which report
-10 Gbit/s whatever shapes them), else ``/sys/class/net/IF/speed`` (Mbit/s) when the driver
-reports one, else the configured default (loopback reports none).
+Without ``--interface`` the agent monitors the hardware NICs that are up
+(:func:`default_interfaces`). Capacity of either = the sum of the interfaces' capacities: a
+configured override when given (``capacity``: links shaped below their line rate, e.g. by htb,
+or veth pairs, which report 10 Gbit/s whatever shapes them), else
+``/sys/class/net/IF/speed`` (Mbit/s) when the driver reports one, else the configured default
+(loopback reports none).
 Load = bytes per second over the sampling interval / capacity, clamped to [0, 1].
 
 Node-level ids let an agent name the ingress link of ANOTHER node (a flow's destination) without
@@ -64,8 +66,17 @@ def _read_int(path: Path) -> int | None:
 
 
 def default_interfaces(root: Path = SYSFS_NET) -> tuple[str, ...]:
-    """Interfaces that are up, loopback excluded (sorted); ``("lo",)`` if there is none."""
-    found = []
+    """The hardware NICs that are up (sorted); without any, every interface that is up but
+    loopback; ``("lo",)`` if there is none.
+
+    A hardware NIC (PCI, virtio, ...) has a ``device`` link in sysfs; virtual interfaces
+    (veth, bridge, vxlan, bond, dummy) have none. In the host's network namespace, where the
+    DaemonSet runs the agent, every pod adds a veth and the CNI a bridge or tunnels: they
+    carry pod traffic the NIC carries too, and their speeds (or the default capacity) would
+    swell the node's capacity, so the NIC's load would read a fraction of what it is. A
+    bond's ports carry its bytes. In a pod's or a testbed's namespace there are only veths.
+    """
+    up, hardware = [], []
     try:
         names = sorted(os.listdir(root))
     except OSError:
@@ -78,8 +89,10 @@ def default_interfaces(root: Path = SYSFS_NET) -> tuple[str, ...]:
         except OSError:  # gone since the listing (a container's veth, say), or no operstate
             continue
         if state in ("up", "unknown"):
-            found.append(name)
-    return tuple(found) or ("lo",)
+            up.append(name)
+            if (root / name / "device").exists():
+                hardware.append(name)
+    return tuple(hardware or up) or ("lo",)
 
 
 class NicMonitor:

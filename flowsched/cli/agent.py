@@ -107,7 +107,8 @@ def register(sub: Any) -> None:
         action="append",
         default=[],
         metavar="IF",
-        help="NIC to monitor (repeatable; default: every interface that is up, loopback excluded)",
+        help="NIC to monitor (repeatable; default: the hardware NICs that are up, so not pods' "
+        "veths nor CNI bridges; where there is none, every interface that is up but loopback)",
     )
     parser.add_argument(
         "--link-bandwidth",

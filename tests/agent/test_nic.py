@@ -9,11 +9,17 @@ import pytest
 from flowsched.agent.nic import NicMonitor, default_interfaces
 
 
-def _nic(root: Path, name: str, *, tx: int, speed: str = "1000", state: str = "up") -> None:
+def _nic(
+    root: Path, name: str, *, tx: int, speed: str = "1000", state: str = "up", device: bool = False
+) -> None:
+    """A fake /sys/class/net entry; ``device``: a hardware NIC's (PCI, virtio), which sysfs
+    links to its bus device; virtual ones (veth, bridge, vxlan, bond) have no such link."""
     (root / name / "statistics").mkdir(parents=True, exist_ok=True)
     (root / name / "statistics" / "tx_bytes").write_text(f"{tx}\n")
     (root / name / "speed").write_text(speed)
     (root / name / "operstate").write_text(state)
+    if device:
+        (root / name / "device").mkdir(exist_ok=True)
 
 
 @pytest.mark.parametrize(
@@ -45,6 +51,56 @@ def test_default_interfaces_skip_loopback_and_down(tmp_path: Path) -> None:
     _nic(tmp_path, "eth1", tx=0, state="down")
     assert default_interfaces(tmp_path) == ("eth0",)
     assert default_interfaces(tmp_path / "none") == ("lo",)
+
+
+#: (name, operstate, has a bus device) of each interface of a node's /sys/class/net
+_NODES = {
+    # a Kubernetes node with flannel: the CNI bridge, the overlay and one veth per pod
+    "flannel": [("eth0", "up", True), ("cni0", "up", False), ("flannel.1", "unknown", False),
+                ("veth1a2b3c", "up", False), ("veth4d5e6f", "up", False)],
+    # calico with two data NICs: a veth per pod (cali*), its tunnels, kube-proxy's dummy
+    "calico": [("ens1f0", "up", True), ("ens1f1", "up", True), ("cali0a1b2c", "up", False),
+               ("tunl0", "unknown", False), ("vxlan.calico", "unknown", False),
+               ("nodelocaldns", "unknown", False)],
+    # a bond over two ports: the ports carry the bond's bytes
+    "bond": [("bond0", "up", False), ("eth0", "up", True), ("eth1", "up", True)],
+    # a pod's or a testbed's network namespace: veths only, so those are the node's
+    "netns": [("eth0", "up", False), ("veth1", "up", False)],
+    # the hardware NIC is down: what is up is all there is
+    "nic-down": [("eth0", "down", True), ("docker0", "up", False)],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("node", "want"),
+    [
+        pytest.param("flannel", ("eth0",), id="kubernetes-flannel"),
+        pytest.param("calico", ("ens1f0", "ens1f1"), id="kubernetes-calico"),
+        pytest.param("bond", ("eth0", "eth1"), id="bond-ports"),
+        pytest.param("netns", ("eth0", "veth1"), id="virtual-only"),
+        pytest.param("nic-down", ("docker0",), id="hardware-down"),
+    ],
+)
+def test_default_interfaces_are_the_hardware_nics_when_any_is_up(
+    tmp_path: Path, node: str, want: tuple[str, ...]
+) -> None:
+    # the DaemonSet runs the agent in the host's network namespace without --interface: pods'
+    # veths, CNI bridges and tunnels are up there too, and carry pod traffic the NIC carries
+    for name, state, device in _NODES[node]:
+        _nic(tmp_path, name, tx=0, state=state, device=device)
+    assert default_interfaces(tmp_path) == want
+
+
+def test_pod_interfaces_do_not_dilute_the_node_nics_load(tmp_path: Path) -> None:
+    # a 100 Gbit/s NIC sending at line rate on a flannel node is a full egress link
+    for name, state, device in _NODES["flannel"]:
+        speed = "100000" if device else "10000"
+        _nic(tmp_path, name, tx=0, speed=speed, state=state, device=device)
+    mon = NicMonitor("n1", default_interfaces(tmp_path), default_bandwidth=25e9, root=tmp_path)
+    mon.sample(now=1.0)
+    _nic(tmp_path, "eth0", tx=12_500_000_000, speed="100000", device=True)
+    (sample,) = mon.sample(now=2.0)
+    assert (sample.bandwidth, sample.load) == (12.5e9, 1.0)
 
 
 def _rx(root: Path, name: str, rx: int) -> None:
