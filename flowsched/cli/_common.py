@@ -47,6 +47,11 @@ class UsageError(ValueError):
     """Bad input: the message names the flag and the problem (exit status 2)."""
 
 
+class ResolverUnavailable(UsageError):
+    """A host name could not be resolved because no DNS server answered (``EAI_AGAIN``), not
+    because it does not exist: the name may well be right."""
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``flowsched agent: --slots: ... (see --help)``."""
 
@@ -121,14 +126,17 @@ def unbracketed(host: str, text: str) -> str:
 
 
 def resolve(flag: str, host: str) -> list[tuple[int, str]]:
-    """(family, address) of every address ``host`` resolves to; UsageError if none."""
+    """(family, address) of every address ``host`` resolves to; UsageError if none
+    (ResolverUnavailable when the resolver could not answer)."""
     try:
         infos = socket.getaddrinfo(
             host or None, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except (socket.gaierror, UnicodeError) as exc:
         reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
-        raise UsageError(f"{flag}: cannot resolve host {host!r} ({reason})") from None
+        again = isinstance(exc, socket.gaierror) and exc.errno == socket.EAI_AGAIN
+        error = ResolverUnavailable if again else UsageError
+        raise error(f"{flag}: cannot resolve host {host!r} ({reason})") from None
     return list(dict.fromkeys((family, str(addr[0])) for family, _, _, _, addr in infos))
 
 

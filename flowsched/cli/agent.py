@@ -15,6 +15,7 @@ from flowsched.agent.sdk_server import SocketPathError
 from flowsched.cli._common import (
     AGENT_METRICS_PORT,
     EXIT_FAILURE,
+    ResolverUnavailable,
     UsageError,
     add_metrics_flags,
     check_bindable,
@@ -221,17 +222,24 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
 def check_coordinators_resolve(hosts: list[str]) -> None:
     """UsageError when no coordinator name resolves; a warning on stderr for each of several
     that does not (a replica's name exists only while its pod does, e.g. during a rollout:
-    the agent connects to the others and retries it)."""
-    unresolved = []
+    the agent connects to the others and retries it). A name the resolver could not answer
+    for (no DNS server reachable: a node's boot, a cluster's cold start before its DNS pods
+    run) is a warning too: the agent starts, runs the local policy and retries it, as it
+    does when DNS fails later."""
+    unresolved, unanswered = [], []
     for host in hosts:
         try:
             resolve("--coordinator", host)
+        except ResolverUnavailable as exc:
+            unanswered.append(str(exc))
         except UsageError as exc:
-            if len(hosts) == 1:
-                raise
             unresolved.append(str(exc))
     if len(unresolved) == len(hosts):
+        if len(hosts) == 1:
+            raise UsageError(unresolved[0])
         raise UsageError(f"{unresolved[0]}; no other --coordinator resolves either")
+    for problem in unanswered:
+        print(f"{PROG}: warning: {problem}; starting, and retrying it", file=sys.stderr)
     for problem in unresolved:
         print(f"{PROG}: warning: {problem}; trying the others", file=sys.stderr)
 

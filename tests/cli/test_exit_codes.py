@@ -227,3 +227,38 @@ def test_an_unresolvable_replica_among_several_coordinators_is_a_warning(
     check_coordinators_resolve(["127.0.0.1", "gone.no-such-host.invalid"])
     err = capsys.readouterr().err
     assert "warning: --coordinator: cannot resolve host 'gone.no-such-host.invalid'" in err
+
+
+@pytest.mark.parametrize(
+    ("hosts", "error", "starts"),
+    [
+        # no DNS server answers (a node's boot, a cluster's cold start before its DNS pods):
+        # the name may well be right, and the agent's uplink retries it
+        pytest.param(["coord.example"], socket.EAI_AGAIN, True, id="one-dns-down"),
+        pytest.param(["a.example", "b.example"], socket.EAI_AGAIN, True, id="several-dns-down"),
+        # the DNS answered that the name does not exist: a typo
+        pytest.param(["coord.example"], socket.EAI_NONAME, False, id="one-no-such-name"),
+        pytest.param(["a.example", "b.example"], socket.EAI_NONAME, False, id="none-exists"),
+    ],
+)
+def test_an_agent_starts_while_dns_cannot_answer(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    hosts: list[str],
+    error: int,
+    starts: bool,
+) -> None:
+    from flowsched.cli._common import UsageError
+    from flowsched.cli.agent import check_coordinators_resolve
+
+    def getaddrinfo(*args: object, **kwargs: object) -> list[object]:
+        raise socket.gaierror(error, "resolver says no")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    if starts:
+        check_coordinators_resolve(hosts)
+        err = capsys.readouterr().err
+        assert all(f"warning: --coordinator: cannot resolve host '{h}'" in err for h in hosts)
+    else:
+        with pytest.raises(UsageError, match="--coordinator: cannot resolve host"):
+            check_coordinators_resolve(hosts)
