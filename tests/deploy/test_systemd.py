@@ -117,3 +117,28 @@ def test_units_that_change_qdiscs_can_write_the_qos_locks() -> None:
         assert f"RuntimeDirectory={LOCK_DIR.name}" in lines, unit.name
         assert "RuntimeDirectoryPreserve=yes" in lines, unit.name  # another may hold a lock
     assert changing == 2
+
+
+def _instantiate(command: str, instance: str) -> list[str]:
+    """``command`` of a template unit as systemd runs it for ``instance`` (man systemd.unit:
+    ``%i`` is the instance as written after the ``@``, ``%I`` the same with its escaping undone,
+    which systemd-escape --unescape does: ``-`` becomes ``/``, ``\\xNN`` the character)."""
+    escape = need("systemd-escape")
+    unescaped = subprocess.run(
+        [escape, "--unescape", instance], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    return shlex.split(command.replace("%I", unescaped).replace("%i", instance))
+
+
+@pytest.mark.parametrize("interface", ["eth0", "enp1s0f0np0", "br-ex", "bond-data", "eth0.100"])
+def test_qos_template_applies_to_the_interface_its_instance_names(interface: str) -> None:
+    # `systemctl enable --now flowsched-qos@IFACE` with the name `ip link` shows (docs/deploy.md)
+    unit = (ROOT / "agent" / "systemd" / "flowsched-qos@.service").read_text().splitlines()
+    commands = [
+        line.split("=", 1)[1] for line in unit if line.startswith(("ExecStart=", "ExecStop="))
+    ]
+    assert len(commands) == 2
+    for command in commands:
+        argv = _instantiate(command.replace("$FLOWSCHED_QOS_ARGS", ""), interface)
+        args = build_parser().parse_args(argv[1:])
+        assert args.dev == interface, command
