@@ -78,3 +78,34 @@ def test_quantile_panels_plot_every_quantile_their_title_names() -> None:
             found.setdefault(call.group(2), set()).add(call.group(1))
         for metric, quantiles in found.items():
             assert quantiles == wanted, (panel["title"], metric)
+
+
+def test_agents_in_fallback_counts_only_agents_that_have_a_coordinator(tmp_path: Path) -> None:
+    """A standalone agent (no --coordinator) runs the local policy by design: the alerts leave
+    it out, and the stat counted it as an agent in fallback."""
+    promtool = need("promtool")
+    (expr,) = [expr for title, expr in panel_targets() if title == "Agents in fallback"]
+    series = [
+        ("n1", 1, 1),  # lost its coordinator
+        ("n2", 0, 1),  # connected
+        ("n3", 1, 0),  # standalone
+    ]
+    inputs = []
+    for node, fallback, configured in series:
+        labels = f'job="flowsched-agent",instance="{node}:19712"'
+        inputs.append({"series": f"flowsched_agent_fallback_active{{{labels}}}",
+                       "values": f"{fallback}x2"})  # fmt: skip
+        inputs.append({"series": f"flowsched_agent_coordinators_configured{{{labels}}}",
+                       "values": f"{configured}x2"})  # fmt: skip
+    tests = [
+        {"interval": "1m", "input_series": inputs,
+         "promql_expr_test": [{"expr": expr, "eval_time": "1m", "exp_samples": [{"value": 1}]}]},
+        {"interval": "1m", "input_series": inputs[4:],  # only the standalone agent: 0, not empty
+         "promql_expr_test": [{"expr": expr, "eval_time": "1m", "exp_samples": [{"value": 0}]}]},
+    ]  # fmt: skip
+    file = tmp_path / "fallback-stat.test.yml"
+    file.write_text(yaml.safe_dump({"rule_files": [], "tests": tests}))
+    result = subprocess.run(
+        [promtool, "test", "rules", str(file)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
