@@ -310,18 +310,16 @@ static ncclResult_t irecv_v9(void* r, int n, void** data, size_t* sizes, int* ta
 /* Copy the entries after the inner's first successful init, as NCCL does: some plugins fill or
  * overwrite their table in init (IBext picks its backend there; ours fill it there). */
 static struct fs_inner* bound_inner;
-static void* bound_table;
 static atomic_int bound;
 static pthread_mutex_t bind_lock = PTHREAD_MUTEX_INITIALIZER;
 
-static void bind_entries(struct fs_inner* in, int version, void* table) {
+static void bind_entries(struct fs_inner* in, int version) {
+  /* The inner_vN table pointers and in->init were set at load and are left alone: a
+   * concurrent communicator init reads them without a lock. */
   struct fs_inner_ops* ops = &in->ops;
-  ncclResult_t (*init)(void**, uint64_t, int, ncclDebugLogger_t, ncclProfilerCallback_t) = ops->init;
   memset(ops, 0, sizeof(*ops));
-  ops->init = init;
   switch (version) {
     case 12:
-      inner_v12 = table;
       FS_BIND_COMMON(ops, inner_v12);
       ops->getProperties = inner_v12->getProperties;
       ops->listen = inner_v12->listen;
@@ -334,7 +332,6 @@ static void bind_entries(struct fs_inner* in, int version, void* table) {
       in->name = inner_v12->name;
       break;
     case 11:
-      inner_v11 = table;
       FS_BIND_COMMON(ops, inner_v11);
       ops->getProperties = props_v11;
       ops->listen = inner_v11->listen;
@@ -347,7 +344,6 @@ static void bind_entries(struct fs_inner* in, int version, void* table) {
       in->name = inner_v11->name;
       break;
     case 10:
-      inner_v10 = table;
       FS_BIND_COMMON(ops, inner_v10);
       ops->getProperties = props_v10;
       ops->listen = listen_v10;
@@ -359,7 +355,6 @@ static void bind_entries(struct fs_inner* in, int version, void* table) {
       in->name = inner_v10->name;
       break;
     case 9:
-      inner_v9 = table;
       FS_BIND_COMMON(ops, inner_v9);
       ops->getProperties = props_v9;
       ops->listen = listen_v9;
@@ -371,7 +366,6 @@ static void bind_entries(struct fs_inner* in, int version, void* table) {
       in->name = inner_v9->name;
       break;
     default:
-      inner_v8 = table;
       FS_BIND_COMMON(ops, inner_v8);
       ops->getProperties = props_v8;
       ops->listen = listen_v8;
@@ -390,7 +384,7 @@ static void bind_once(void) {
   }
   pthread_mutex_lock(&bind_lock);
   if (!atomic_load_explicit(&bound, memory_order_relaxed)) {
-    bind_entries(bound_inner, bound_inner->version, bound_table);
+    bind_entries(bound_inner, bound_inner->version);
     atomic_store_explicit(&bound, 1, memory_order_release);
   }
   pthread_mutex_unlock(&bind_lock);
@@ -444,10 +438,8 @@ int fs_inner_load(const char* spec, struct fs_inner* out, char* err, size_t errl
     out->lib = lib;
     out->version = version;
     out->name = *(const char* const*)table; /* every version starts with its name */
-    static ncclResult_t (*const inits[])(void**, uint64_t, int, ncclDebugLogger_t,
-                                         ncclProfilerCallback_t) = {init_v8, init_v9, init_v10,
-                                                                    init_v11, init_v12};
-    out->ops.init = inits[version - 8];
+    static const fs_inner_init_fn inits[] = {init_v8, init_v9, init_v10, init_v11, init_v12};
+    out->init = inits[version - 8];
     switch (version) {
       case 12: inner_v12 = table; break;
       case 11: inner_v11 = table; break;
@@ -456,7 +448,6 @@ int fs_inner_load(const char* spec, struct fs_inner* out, char* err, size_t errl
       default: inner_v8 = table; break;
     }
     bound_inner = out;
-    bound_table = table;
     atomic_store(&bound, 0);
     return 0;
   }
@@ -497,5 +488,4 @@ void fs_inner_unload(struct fs_inner* inner) {
   pthread_mutex_unlock(&legacy_lock);
   atomic_store(&bound, 0);
   bound_inner = NULL;
-  bound_table = NULL;
 }

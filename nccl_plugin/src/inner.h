@@ -20,9 +20,13 @@
 
 #include "nccl/net_v12.h"
 
+/* The inner's init in that convention. Chosen when the library is loaded and never rewritten:
+ * a communicator's init calls it without a lock while another one binds the entries below. */
+typedef ncclResult_t (*fs_inner_init_fn)(void** ctx, uint64_t comm_id, int traffic_class,
+                                         ncclDebugLogger_t logger, ncclProfilerCallback_t prof);
+
+/* The other entries, bound after the inner's first successful init. */
 struct fs_inner_ops {
-  ncclResult_t (*init)(void** ctx, uint64_t comm_id, int traffic_class, ncclDebugLogger_t logger,
-                       ncclProfilerCallback_t prof);
   ncclResult_t (*devices)(int* ndev);
   ncclResult_t (*getProperties)(int dev, ncclNetProperties_v12_t* props);
   ncclResult_t (*listen)(void* ctx, int dev, void* handle, void** listenComm);
@@ -55,6 +59,7 @@ struct fs_inner {
   int version;       /* the table bound: 8..12 */
   const char* name;  /* the inner table's name (its own storage) */
   char path[512];    /* what dlopen opened */
+  fs_inner_init_fn init;
   struct fs_inner_ops ops;
 };
 

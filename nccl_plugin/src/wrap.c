@@ -288,7 +288,7 @@ static ncclResult_t inner_ctx_for(struct fs_wrap_ctx* ctx, int tc, void** out) {
       i = 0; /* more classes than slots: share the first context */
     } else {
       void* ictx = NULL;
-      res = fs_wrap.inner.ops.init(&ictx, ctx->comm_id, tc, ctx->logger, ctx->prof);
+      res = fs_wrap.inner.init(&ictx, ctx->comm_id, tc, ctx->logger, ctx->prof);
       if (res == ncclSuccess) {
         ctx->inner[i].traffic_class = tc;
         ctx->inner[i].ctx = ictx;
@@ -328,7 +328,7 @@ static ncclResult_t wrap_ctx_create(uint64_t comm_id, int32_t nccl_tc, ncclDebug
   fs_param_peek("FLOWSCHED_CLASS", ctx->class_name, sizeof(ctx->class_name));
   int tc = inner_traffic_class(nccl_tc, ctx->class_name);
   void* ictx = NULL;
-  res = fs_wrap.inner.ops.init(&ictx, comm_id, tc, ctx->logger, ctx->prof);
+  res = fs_wrap.inner.init(&ictx, comm_id, tc, ctx->logger, ctx->prof);
   if (res != ncclSuccess) {
     FS_WARN("inner net plugin %s: init failed (ncclResult %d)", fs_wrap.inner.name, (int)res);
     wrap_ctx_free(ctx); /* no inner context yet: nothing to finalize */
