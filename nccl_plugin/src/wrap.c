@@ -40,6 +40,8 @@ struct fs_wrap_ctx {
   struct fs_wrap_pending* pending; /* connects in progress (grown on demand) */
   int npending, pending_cap;
   uint32_t net_op, net_algo, net_proto; /* latest setNetAttr: stamped on the next connection */
+  ncclNetAttr_v12_t net_attr;           /* that setNetAttr whole, for inner contexts made later */
+  int have_net_attr;
   /* FLOWSCHED_CLASS as it was at this communicator's init (v11/v12). The legacy context
    * (v8-v10: one for the whole process) reads it again at each listen and connect, i.e.
    * while NCCL sets up the communicator the connection belongs to. */
@@ -293,6 +295,11 @@ static ncclResult_t inner_ctx_for(struct fs_wrap_ctx* ctx, int tc, void** out) {
         ctx->inner[i].traffic_class = tc;
         ctx->inner[i].ctx = ictx;
         ctx->ninner++;
+        /* NCCL gave its hint before the connect that makes this context: the inner sees it
+         * before that connect, as the contexts that already existed did */
+        if (ctx->have_net_attr && fs_wrap.inner.ops.setNetAttr != NULL) {
+          res = fs_wrap.inner.ops.setNetAttr(ictx, &ctx->net_attr);
+        }
       }
     }
   }
@@ -414,6 +421,8 @@ ncclResult_t fs_wrap_set_net_attr(void* ctx, ncclNetAttr_v12_t* attr) {
   c->net_op = attr->op;
   c->net_algo = attr->algo;
   c->net_proto = attr->proto;
+  c->net_attr = *attr;
+  c->have_net_attr = 1;
   for (int i = 0; i < c->ninner && res == ncclSuccess; i++) {
     if (fs_wrap.inner.ops.setNetAttr != NULL) {
       res = fs_wrap.inner.ops.setNetAttr(c->inner[i].ctx, attr);

@@ -20,7 +20,8 @@
  *    level written into the flow table) and by completion, the age bound, the share guard;
  *    a connection closed with a send in flight gives its permit back;
  *  - every inner init (also the extra inner contexts made for another traffic class) gets
- *    the logger and profiler callback NCCL gave our init.
+ *    the logger and profiler callback NCCL gave our init, and such an extra context the
+ *    context's last setNetAttr hint before its first connect.
  * Exit status 0 when every check passed. */
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -1027,6 +1028,47 @@ static void connect_retries_keep_their_class(const char* fake12, const char* fak
   printf("ok a connect's retries keep the inner context and trafficClass of its first call\n");
 }
 
+/* NCCL calls setNetAttr on a context right before a connect (and before each operation):
+ * an inner context the wrapper makes in the middle of that connect, for a traffic class the
+ * agent's new DSCP gives the connection, must have had that hint before the inner's connect,
+ * as the inner contexts that already existed did (IBext reads it when it connects). */
+static void net_attr_reaches_new_inner_context(const char* fake) {
+  char path[] = "/tmp/fs-wrap-table-XXXXXX";
+  struct fs_table_header* h = table_install(path);
+  const ncclNet_v12_t* net = load(fake, "ncclNetPlugin_v12");
+  ncclNetCommConfig_v12_t cfg = {.trafficClass = 0}; /* tp: level 0 */
+  void* ctx = NULL;
+  OK(net->init(&ctx, 0xF0, &cfg, NULL, NULL));
+  void* first_ictx = last("init")->ctx;
+  ncclNetAttr_v12_t attr = {.op = 0x61, .algo = 3, .proto = 5};
+  OK(net->setNetAttr(ctx, &attr));
+  h->level_marking[0].dscp = 40; /* the agent's config gives tp another queue meanwhile */
+  atomic_store(&h->config_seq, 4);
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  void* inner = NULL;
+  void* scomm = connect12(net, ctx, handle, &inner);
+  int connect_at = -1, attr_at = -1;
+  void* ictx = last("connect")->ctx;
+  CHECK(ictx != first_ictx, "the new DSCP makes a new inner context");
+  for (int c = 0; c < g_fake->ncalls; c++) {
+    const struct fake_call* call = &g_fake->calls[c];
+    if (call->ctx != ictx) continue;
+    if (strcmp(call->fn, "connect") == 0 && connect_at < 0) connect_at = c;
+    if (strcmp(call->fn, "setNetAttr") == 0 && attr_at < 0 && call->op == 0x61 &&
+        call->algo == 3 && call->proto == 5) {
+      attr_at = c;
+    }
+  }
+  CHECK(attr_at >= 0 && attr_at < connect_at,
+        "the inner context made for the connect never got the setNetAttr hint before its "
+        "connect (hint at call %d, connect at call %d)", attr_at, connect_at);
+  OK(net->closeSend(scomm));
+  OK(net->finalize(ctx));
+  unload();
+  table_drop(h, path);
+  printf("ok an inner context made for a connect gets the context's setNetAttr hint first\n");
+}
+
 int main(int argc, char** argv) {
   if (argc < 5) {
     fprintf(stderr, "usage: %s OUTER.so FAKE12.so FAKE10.so FAKE8.so\n", argv[0]);
@@ -1046,5 +1088,6 @@ int main(int argc, char** argv) {
   logger_inner_inits_v12(argv[2]);
   class_and_peer(argv[2]);
   connect_retries_keep_their_class(argv[2], argv[3]);
+  net_attr_reaches_new_inner_context(argv[2]);
   return 0;
 }
