@@ -105,7 +105,10 @@ static uint64_t halved(uint64_t value, uint64_t times) {
 static void window_decay(struct gate_dev* d, uint64_t now_ns) {
   uint64_t start = atomic_load_explicit(&d->window_start_ns, memory_order_relaxed);
   uint64_t window = atomic_load_explicit(&fs_gate.window_ns, memory_order_relaxed);
-  if (start == 0 || now_ns - start < window ||
+  /* now_ns < start: this thread read the clock just before another one moved the start (the
+   * threads of deferred connections all ask at a window's end); no window ended for it, and
+   * now_ns - start would wrap to "every window ended": the shares wiped, the start moved back */
+  if (start == 0 || now_ns < start || now_ns - start < window ||
       !atomic_compare_exchange_strong(&d->window_start_ns, &start, now_ns)) {
     return;
   }
