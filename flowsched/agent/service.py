@@ -40,6 +40,7 @@ from flowsched.agent.flows import (
 from flowsched.agent.metrics import start_http
 from flowsched.agent.nic import NicMonitor, default_interfaces
 from flowsched.agent.policy_view import PolicyView
+from flowsched.agent.resolver import NameCache
 from flowsched.agent.sdk_server import SdkListener, SdkServer
 from flowsched.agent.telemetry import SlotTelemetry, Telemetry
 from flowsched.fdlimit import raise_fd_limit
@@ -156,6 +157,8 @@ class Agent:
         self.rdma_devices: list[str] = []
         self._repeat_log = RepeatLog(log)
         self._rng = random.Random()  # reconnect jitter
+        #: the coordinators' names, resolved at most once a second while none answers
+        self._names = NameCache()
         self._token: bytes | None = None
         self._tls: ReloadingContext | None = None  # config.tls: the coordinator link's
         self._socket_bound = False
@@ -558,14 +561,35 @@ class Agent:
         )  # fmt: skip
 
     async def _handshake(self, address: tuple[str, int]) -> AgentLink:
+        """Connect to ``address`` and run the handshake, trying each address its name
+        resolves to (:class:`~flowsched.agent.resolver.NameCache`) until one answers.
+
+        Raises:
+            HandshakeError: a coordinator refused, or was refused (the others are not tried).
+            OSError, TimeoutError: no address answered; a timeout also drops the name's
+                addresses, which may be stale.
+        """
         token = self._token or load_token(self.config.token_file)
         config = self.config
-        return await connect_agent(
-            *address, node=config.node, token=token, timeout=config.connect_timeout,
-            tls=self._tls.current() if self._tls is not None else None,
-            server_hostname=config.tls_server_name,
-            allow_unproven=config.allow_unproven_coordinator,
-        )  # fmt: skip
+        host, port = address
+        error: OSError | None = None
+        for ip in await self._names.addresses(host, port):
+            try:
+                return await connect_agent(
+                    ip, port, node=config.node, token=token, timeout=config.connect_timeout,
+                    tls=self._tls.current() if self._tls is not None else None,
+                    server_hostname=config.tls_server_name or host,
+                    allow_unproven=config.allow_unproven_coordinator,
+                )  # fmt: skip
+            except HandshakeError:  # (a ConnectionError) the coordinator answered
+                raise
+            except TimeoutError:
+                self._names.forget(host, port)
+                raise
+            except OSError as exc:  # refused or unreachable: the next address
+                error = exc
+        assert error is not None  # a name resolves to one address at least
+        raise error
 
     def _is_deposed(self, link: AgentLink, address: tuple[str, int]) -> bool:
         """Fencing: True (and logged) when ``link`` leads with an epoch below the highest this
