@@ -76,7 +76,9 @@ Slot life cycle (the state machine):
 * ACTIVE -> CLOSED: the plugin closes the connection. ``bytes`` is final.
 * CLOSED -> FREE: the agent, after reporting the close. With no agent running, a plugin that
   finds no FREE slot may take a CLOSED one (CAS CLOSED -> CLAIMED). Slots whose ``pid`` no
-  longer exists are reaped by the agent.
+  longer exists are reaped by the agent. The agent frees a slot by a CAS from the state it
+  read to CLAIMED, a check of ``claim_seq``, then a store of FREE: a plugin that took the
+  slot meanwhile (it saw a stale heartbeat) keeps it.
 * A connection made before the table existed (it ran on a private slot), or whose table was
   re-created since, moves to the current table at a completed message once the plugin found
   it (it looks at most once a second): it claims a slot as above, with ``flags`` MOVED and

@@ -17,11 +17,16 @@ The agent is the only Python writer in production:
 * :meth:`FlowTable.release_slot` and :meth:`FlowTable.reap_dead` return slots to FREE.
 
 Concurrency model. The C plugin updates slots with atomic instructions while the agent reads
-them. Python cannot issue a compare-and-swap, so the agent never races the plugin for a state
-transition the plugin may also make: it only writes ``state`` for CLOSED -> FREE (the plugin
-takes a CLOSED slot only when no agent is attached) and for slots whose owning process is dead.
-Everything else the agent reads is copied out and re-validated with ``(state, claim_seq)``
-before and after the copy, the way a seqlock reader would.
+them. The agent writes ``state`` only to free a slot: CLOSED -> FREE after reporting it, and
+any state -> FREE for slots whose owning process is dead. A plugin that finds no FREE slot and
+no live agent (its heartbeat looks stale: a stalled agent, or a job whose CLOCK_MONOTONIC is
+offset by a time namespace) takes CLOSED slots with a compare-and-swap, so the agent first
+takes the slot with a compare-and-swap of its own (``libatomic`` through ctypes: the same
+instruction as the plugin's), from the state it judged to CLAIMED, and checks ``claim_seq``
+before it clears and frees it: a plain check-then-store could free a slot a plugin had just
+claimed, and the next claim would share it. Everything else the agent reads is copied out and
+re-validated with ``(state, claim_seq)`` before and after the copy, the way a seqlock reader
+would.
 
 :class:`EmulatedPluginSlot` at the end of this module is TEST SUPPORT ONLY: it claims and drives
 a slot the way the C plugin does, without atomics, so that tests and the end-to-end suite can
@@ -32,10 +37,13 @@ from __future__ import annotations
 
 import array
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import glob
 import grp
 import itertools
+import logging
 import mmap
 import os
 import stat
@@ -50,6 +58,8 @@ from flowsched import rundir
 from flowsched.flocks import lock_within
 from flowsched.shm import layout as L
 from flowsched.shm.pidns import UNKNOWN, PidNamespaces, start_ticks
+
+log = logging.getLogger(__name__)
 
 _HEADER = {name: (offset, struct.Struct(fmt)) for name, offset, fmt in L.HEADER_FIELDS}
 _SLOT = {name: (offset, struct.Struct(fmt)) for name, offset, fmt in L.SLOT_FIELDS}
@@ -85,6 +95,33 @@ _U32, _U64 = 2**32, 2**64
 _BUILDING = ".building"
 #: the header's scalar fields (magic .. flags): all zero in a file whose creator died
 _HEADER_SCALARS = 64
+
+
+def _load_cas_u32() -> Callable[[int, int, int], bool] | None:
+    """A compare-and-swap of the u32 at an address (``cas(address, expected, desired)``,
+    True when it swapped), from libatomic; None when the library is missing."""
+    fn = None
+    for name in ("libatomic.so.1", None):
+        # find_library runs ldconfig: only when the usual name is not there
+        with contextlib.suppress(OSError, AttributeError, TypeError):
+            lib = ctypes.CDLL(name or ctypes.util.find_library("atomic"))
+            fn = getattr(lib, "__atomic_compare_exchange_4")
+            break
+    if fn is None:
+        return None
+    u32 = ctypes.c_uint32
+    fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(u32), u32, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_bool
+    seq_cst = 5  # __ATOMIC_SEQ_CST
+
+    def cas(address: int, expected: int, desired: int) -> bool:
+        return bool(fn(address, ctypes.byref(u32(expected)), desired, seq_cst, seq_cst))
+
+    return cas
+
+
+#: the agent's compare-and-swap on slot ``state`` words (None: libatomic is missing)
+_CAS_U32 = _load_cas_u32()
 
 
 class TableError(Exception):
@@ -303,6 +340,8 @@ class FlowTable:
         self._writable = writable
         self._u32 = memoryview(mm).cast("I")
         self._u64 = memoryview(mm).cast("Q")
+        #: the map as a ctypes array, for the address the compare-and-swap takes (writable)
+        self._words = (ctypes.c_char * len(mm)).from_buffer(mm) if writable else None
         self.num_slots = self._get("num_slots")
         #: the ``config_seq`` this mapping's last :meth:`write_config` left (None: none yet)
         self.written_config_seq: int | None = None
@@ -347,6 +386,11 @@ class FlowTable:
         except rundir.RuntimeDirError as exc:
             raise TableError(f"flow table {path}: {exc}") from None
         owner = agent_pid or os.getpid()
+        if _CAS_U32 is None:
+            log.warning(
+                "libatomic.so.1 not found: the agent frees slots without a compare-and-swap "
+                "and may free one a plugin is claiming just then (install libatomic1)"
+            )
         with _creation_lock(directory, path):
             table = cls._open_existing(path, gid)
             if table is None:
@@ -441,6 +485,7 @@ class FlowTable:
             return
         self._u32.release()
         self._u64.release()
+        self._words = None  # its export of the map must go before the map closes
         self._mm.close()
 
     def __enter__(self) -> FlowTable:
@@ -603,8 +648,7 @@ class FlowTable:
         state, seq = off // 4 + _S32["state"], off // 8 + _S64["claim_seq"]
         if self._u32[state] != L.SLOT_CLOSED or self._u64[seq] != claim_seq:
             return False
-        self._free(off)
-        return True
+        return self._free_if(off, L.SLOT_CLOSED, claim_seq)
 
     def reap_dead(
         self,
@@ -696,9 +740,8 @@ class FlowTable:
                 claimed[index] = mark
                 return None
         snap = SlotSnapshot(index, *_SLOT_STRUCT.unpack_from(self._mm, off))
-        if self._u32[state_word] != state or self._u64[seq_word] != seq:
+        if not self._free_if(off, state, seq):
             return None  # changed under us: judge it again at the next pass
-        self._free(off)
         return snap
 
     def _owner_ns(self, off: int) -> int:
@@ -706,6 +749,32 @@ class FlowTable:
 
     def _owner_start(self, off: int) -> int:
         return int(self._u64[off // 8 + _S64["start_ticks"]])
+
+    def _cas_state(self, off: int, expected: int, desired: int) -> bool:
+        """Compare-and-swap the ``state`` word of the slot at ``off``."""
+        word = off // 4 + _S32["state"]
+        if _CAS_U32 is not None and self._words is not None:
+            return _CAS_U32(ctypes.addressof(self._words) + word * 4, expected, desired)
+        if self._u32[word] != expected:  # no libatomic: racy (create_or_attach warned)
+            return False
+        self._u32[word] = desired
+        return True
+
+    def _free_if(self, off: int, state: int, claim_seq: int) -> bool:
+        """FREE the slot at ``off`` if it still is in ``state`` with ``claim_seq``.
+
+        The slot is first taken from ``state`` to CLAIMED with a compare-and-swap, so a plugin
+        that claimed it meanwhile keeps it (its CAS from CLOSED won first, or ours makes it
+        look elsewhere), and ``claim_seq`` is checked while the agent holds it (a plugin may
+        have claimed, used and closed it again since it was read). The fields are cleared and
+        FREE stored only then: plugins never write a CLAIMED slot they did not claim."""
+        if not self._cas_state(off, state, L.SLOT_CLAIMED):
+            return False
+        if self._u64[off // 8 + _S64["claim_seq"]] != claim_seq:
+            self._cas_state(off, L.SLOT_CLAIMED, state)  # put back (unless its owner closed it)
+            return False
+        self._free(off)
+        return True
 
     def _free(self, off: int) -> None:
         """FREE the slot at ``off``, its ``pid_ns``, ``start_ticks`` and ``flags`` zeroed first:

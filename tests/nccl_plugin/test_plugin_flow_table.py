@@ -815,3 +815,65 @@ def test_connections_of_other_api_versions_move_too(
         close_pair(plugin, ctx, send, recv)
     finally:
         table.close()
+
+
+# ---- the agent freeing CLOSED slots while a plugin claims them ------------------------------
+
+
+class _AfterRead:
+    """The agent's u64 word view, running ``hook`` once right after the first read of word
+    ``word``: the agent preempted just there while a plugin claims slots."""
+
+    def __init__(self, words: memoryview, word: int, hook: Callable[[], None]) -> None:
+        self.words, self._word, self._hook = words, word, hook
+
+    def __getitem__(self, key: int) -> int:
+        value: int = self.words[key]
+        if key == self._word and self._hook is not None:
+            hook, self._hook = self._hook, None
+            hook()
+        return value
+
+    def __setitem__(self, key: int, value: int) -> None:
+        self.words[key] = value
+
+
+def test_a_slot_the_agent_frees_is_never_one_a_plugin_claimed(
+    plugin_env: Path, fresh_lib: Path
+) -> None:
+    """A plugin that finds the table full and the heartbeat stale (an agent that stalled for a
+    second, or a job in a time namespace whose CLOCK_MONOTONIC is offset) takes CLOSED slots,
+    while the agent frees the CLOSED slots it reported. Whoever loses must see it: a slot the
+    agent frees must not be one a live connection accounts into (the next claim would share
+    it). The plugin claims right after the agent read the slot's claim_seq."""
+    table_mod = pytest.importorskip("flowsched.shm.table")
+    agent, _ = table_mod.FlowTable.create_or_attach(str(plugin_env), num_slots=2)
+    pairs = []
+    try:
+        pairs.append(open_pair(fresh_lib, comm_id=7))
+        close_pair(*pairs.pop())
+        reported = next(agent.slots())
+        assert reported.state == layout.SLOT_CLOSED
+        agent.heartbeat(table_mod.monotonic_ns() - 3_000_000_000)  # stale to the plugin
+        words = agent._u64
+        seq_word = (layout.slot_offset(reported.index) + layout.SLOT_OFFSET["claim_seq"]) // 8
+        agent._u64 = _AfterRead(
+            words, seq_word, lambda: pairs.append(open_pair(fresh_lib, comm_id=8))
+        )
+        try:
+            freed = agent.release_slot(reported.index, reported.claim_seq)
+        finally:
+            agent._u64 = words
+        assert pairs, "the plugin never claimed during the release"
+        state = agent.slot_state(reported.index)
+        assert freed == (state == layout.SLOT_FREE), (freed, state)
+        before = agent.slot_column("bytes")
+        assert loopback_message(pairs[0][2], pairs[0][3], b"x" * 100) == b"x" * 100
+        after = agent.slot_column("bytes")
+        moved = [i for i in range(2) if agent.slot_state(i) == layout.SLOT_FREE]
+        moved = [i for i in moved if after[i] != before[i]]
+        assert not moved, f"FREE slots {moved} count a live connection's bytes: {before} {after}"
+    finally:
+        for pair in pairs:
+            close_pair(*pair)
+        agent.close()

@@ -154,6 +154,51 @@ def test_close_release_and_reuse(table_path: str) -> None:
         assert second.index == first.index and second.claim_seq == first.claim_seq + 1
 
 
+class _AfterRead:
+    """A word view running ``hook`` once right after the first read of word ``word``."""
+
+    def __init__(self, words: memoryview, word: int, hook: object) -> None:
+        self.words, self._word, self._hook = words, word, hook
+
+    def __getitem__(self, key: int) -> int:
+        value: int = self.words[key]
+        if key == self._word and callable(self._hook):
+            hook, self._hook = self._hook, None
+            hook()
+        return value
+
+    def __setitem__(self, key: int, value: int) -> None:
+        self.words[key] = value
+
+
+def test_release_keeps_a_slot_reused_after_its_claim_seq_was_read(table_path: str) -> None:
+    """A plugin that sees no live agent claims the CLOSED slot just after the agent read its
+    claim_seq, sends and closes: the slot is CLOSED again, for a connection not reported yet.
+    The agent must not free it (the connection would never be reported)."""
+    table, _ = FlowTable.create_or_attach(table_path, num_slots=1)
+    with table:
+        first = EmulatedPluginSlot(table)
+        first.close()
+        later: list[EmulatedPluginSlot] = []
+
+        def reuse() -> None:
+            later.append(EmulatedPluginSlot(table, take_closed=True))
+            later[0].send(10)
+            later[0].close()
+
+        words = table._u64
+        word = (L.slot_offset(first.index) + L.SLOT_OFFSET["claim_seq"]) // 8
+        table._u64 = _AfterRead(words, word, reuse)  # type: ignore[assignment]
+        try:
+            freed = table.release_slot(first.index, first.claim_seq)
+        finally:
+            table._u64 = words
+        assert later
+        snap = table.slot(first.index)
+        assert not freed and snap is not None, (freed, table.slot_state(first.index))
+        assert (snap.state, snap.claim_seq, snap.bytes) == (L.SLOT_CLOSED, later[0].claim_seq, 10)
+
+
 def test_reap_dead_frees_slots_of_exited_processes(table_path: str, dead_pid: int) -> None:
     table, _ = FlowTable.create_or_attach(table_path, num_slots=4)
     with table:
