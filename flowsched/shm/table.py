@@ -851,9 +851,12 @@ class FlowTable:
         repaired = []
         with self._header_field("config_seq"):
             seq = self._u32[_H32["config_seq"]]
-            if seq & 1:  # a writer died inside the seqlock: plugins would never re-read
-                self._u32[_H32["config_seq"]] = (seq + 1) % _U32
-                repaired.append(f"config_seq: odd ({seq:#x}), made even")
+            if seq & 1:
+                # A writer died inside the seqlock: the area may be half rewritten. Making the
+                # word even here would hand plugins that torn area as a consistent copy; it
+                # stays odd (plugins keep the copy they have) until write_config rewrites the
+                # whole area and makes it even.
+                repaired.append(f"config_seq: odd ({seq:#x}), left for the config rewrite")
         with self._header_field("generation"):
             generation = self.generation % (_U64 - 1) + 1  # never 0: 2^64-1 wraps to 1
             self._put("generation", generation)

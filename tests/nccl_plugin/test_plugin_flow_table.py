@@ -877,3 +877,39 @@ def test_a_slot_the_agent_frees_is_never_one_a_plugin_claimed(
         for pair in pairs:
             close_pair(*pair)
         agent.close()
+
+
+def test_a_config_left_half_written_is_not_taken_when_an_agent_re_attaches(
+    plugin_env: Path, fresh_lib: Path
+) -> None:
+    """An agent killed inside write_config leaves config_seq odd and the area half rewritten:
+    connections keep the copy they read. The next agent re-attaching must not make that torn
+    area look consistent before its own write_config rewrites it."""
+    table_mod = pytest.importorskip("flowsched.shm.table")
+    config = table_mod.TableConfig(
+        num_levels=3,
+        markings=tuple(table_mod.LevelMarking(d, p) for d, p in ((46, 6), (34, 4), (10, 1))),
+        class_map=((11, int(FlowClass.KV)),),
+        default_levels=(0, 2, 2, 1, 2, 2),
+    )
+    agent, _ = table_mod.FlowTable.create_or_attach(str(plugin_env), num_slots=16)
+    agent.write_config(config)
+    plugin, ctx, send, recv = open_pair(fresh_lib, comm_id=77, tc=11)
+    try:
+        loopback_message(send, recv, b"level 1")
+        assert dscps(socket_fds()) >= {34}
+        seq_word = layout.HEADER_OFFSET["config_seq"] // 4
+        agent._u32[seq_word] += 1  # the dying writer: odd, then half the area rewritten
+        agent._mm[layout.HEADER_OFFSET["level_marking"] + 8] = 18  # level 1's new DSCP
+        agent.close()
+        loopback_message(send, recv, b"writer died")
+        assert 18 not in dscps(socket_fds())
+        agent, info = table_mod.FlowTable.create_or_attach(str(plugin_env))
+        loopback_message(send, recv, b"before the new agent's write_config")
+        assert 18 not in dscps(socket_fds()), f"torn config taken after {info.repaired}"
+        agent.write_config(config)
+        loopback_message(send, recv, b"after it")
+        assert dscps(socket_fds()) >= {34} and 18 not in dscps(socket_fds())
+    finally:
+        close_pair(plugin, ctx, send, recv)
+        agent.close()

