@@ -10,9 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-from agent_helpers import wait_until
+from agent_helpers import agent_config, wait_until
 
-from flowsched.agent import AgentConfig
 from flowsched.agent.resolver import NAME_TTL, NameCache, is_address, resolve_stream
 from flowsched.agent.threaded import AgentThread
 from flowsched.protocol import write_token
@@ -125,15 +124,11 @@ def test_an_agent_retrying_an_absent_coordinator_resolves_its_name_once_a_second
     token = tmp_path / "token"
     write_token(token)
     with closed_port() as port:
-        config = AgentConfig(
-            node="n1",
-            socket_path=str(tmp_path / "flowsched" / "agent.sock"),
-            table_path=str(tmp_path / "flowsched" / "table"),
+        config = agent_config(
+            tmp_path,
             coordinator=("localhost", port),
             token_file=str(token),
-            num_slots=8,
             metrics_port=None,
-            interfaces=("lo",),
             reconnect_interval=0.02,
             fallback_after=30.0,
         )
