@@ -88,6 +88,10 @@ Slot life cycle (the state machine):
 The agent writes ``level`` with one aligned 4-byte store and then ``level_set_ns``; the plugin
 reads ``level`` with one atomic load on every isend. A torn or stale read only delays a
 priority change (priorities are advisory; no byte depends on them).
+
+Every ``*_ns`` field is on the host's CLOCK_MONOTONIC (the initial time namespace's): a plugin
+in a time namespace of its own (CLONE_NEWTIME) takes its monotonic offset off what it writes and
+judges ``heartbeat_ns`` on it, as ``start_ticks`` is the host's count.
 """
 
 from __future__ import annotations

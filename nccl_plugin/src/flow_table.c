@@ -71,10 +71,53 @@ static const _Atomic uint32_t fs_no_table_config_seq = 0;
 _Atomic uint32_t fs_table_epoch = 0;
 _Atomic uint64_t fs_table_recheck_ns = UINT64_MAX;
 
+const char* fs_timens_offsets_path = "/proc/self/timens_offsets";
+
+/* The monotonic offset of this process's time namespace, in ns (fs_clock_refresh). */
+static struct {
+  _Atomic int64_t monotonic_ns;
+  atomic_int known; /* 0 until read once */
+} fs_clock;
+
+static ssize_t read_small(const char* path, char* buf, size_t size);
+
+/* The offset of clock `name` (numbered `id` by older kernels) in this process's time namespace
+ * into *sec and *nsec (0 when the file or the line is absent: no time namespaces). 0 on
+ * success, -1 when the line is malformed. */
+static int timens_offset(const char* name, const char* id, long long* sec, long long* nsec) {
+  char buf[256];
+  *sec = *nsec = 0;
+  if (read_small(fs_timens_offsets_path, buf, sizeof(buf)) < 0) return 0;
+  char* save = NULL;
+  for (char* line = strtok_r(buf, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+    char clock[16];
+    if (sscanf(line, "%15s", clock) != 1) continue;
+    if (strcmp(clock, name) != 0 && strcmp(clock, id) != 0) continue;
+    if (sscanf(line, "%*s %lld %lld", sec, nsec) != 2 || *nsec < 0 || *nsec >= 1000000000LL) {
+      *sec = *nsec = 0;
+      return -1;
+    }
+  }
+  return 0;
+}
+
+void fs_clock_refresh(void) {
+  long long sec, nsec;
+  timens_offset("monotonic", "1", &sec, &nsec); /* 1: CLOCK_MONOTONIC's id; malformed: 0 */
+  atomic_store_explicit(&fs_clock.monotonic_ns, sec * 1000000000LL + nsec, memory_order_relaxed);
+  atomic_store_explicit(&fs_clock.known, 1, memory_order_release);
+}
+
+/* In a time namespace (CLONE_NEWTIME), CLOCK_MONOTONIC reads the host's plus the namespace's
+ * offset; the agent writes and reads the table's *_ns fields on the host's, so the offset is
+ * taken off here: an agent's heartbeat, the slots' open_ns (compared with the starts of pids
+ * the agent sees) and the agent's level_set_ns against applied_ns are on one clock. */
 uint64_t fs_now_ns(void) {
+  if (!atomic_load_explicit(&fs_clock.known, memory_order_acquire)) fs_clock_refresh();
   struct timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+  uint64_t own = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+  return own - (uint64_t)atomic_load_explicit(&fs_clock.monotonic_ns, memory_order_relaxed);
 }
 
 static struct fs_table_header* table_header(void) {
@@ -459,24 +502,14 @@ static ssize_t read_small(const char* path, char* buf, size_t size) {
  * kernel without time namespaces). 0 on success, -1 when it is unreadable or not a whole
  * number of ticks (the process's starts then cannot be compared with the host's). */
 static int boottime_offset_ticks(long long* ticks) {
-  char buf[256];
+  long long sec, nsec;
   *ticks = 0;
-  if (read_small("/proc/self/timens_offsets", buf, sizeof(buf)) < 0) return 0;
+  if (timens_offset("boottime", "7", &sec, &nsec) != 0) return -1; /* 7: its clock id */
   long hz = sysconf(_SC_CLK_TCK);
   if (hz <= 0) hz = 100;
-  char* save = NULL;
-  for (char* line = strtok_r(buf, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
-    char name[16];
-    long long sec, nsec;
-    if (sscanf(line, "%15s", name) != 1) continue;
-    if (strcmp(name, "boottime") != 0 && strcmp(name, "7") != 0) continue; /* 7: its clock id */
-    if (sscanf(line, "%*s %lld %lld", &sec, &nsec) != 2 || nsec < 0 || nsec >= 1000000000LL) {
-      return -1;
-    }
-    long long part = nsec * hz; /* nsec < 1e9, hz <= 1e6: no overflow */
-    if (part % 1000000000LL != 0) return -1;
-    *ticks = sec * hz + part / 1000000000LL;
-  }
+  long long part = nsec * hz; /* nsec < 1e9, hz <= 1e6: no overflow */
+  if (part % 1000000000LL != 0) return -1;
+  *ticks = sec * hz + part / 1000000000LL;
   return 0;
 }
 
@@ -543,6 +576,7 @@ static struct fs_table_slot* slot_claim_locked(void) {
 
 void fs_flow_open(struct fs_flow* flow, const struct fs_flow_info* info) {
   memset(flow, 0, sizeof(*flow));
+  fs_clock_refresh(); /* at every claim, as the pid namespace: a forked child's may differ */
   struct fs_table_slot* slot = NULL;
   pthread_mutex_lock(&fs_table.lock);
   if (fs_table.base != NULL) {

@@ -202,7 +202,14 @@ uint32_t fs_flow_effective_level(const struct fs_flow* flow, uint32_t raw,
                                  struct fs_level_marking* marking, uint32_t* config_seq);
 /* Record that `level` now is on the sockets. */
 void fs_flow_applied(struct fs_flow* flow, uint32_t level);
+/* CLOCK_MONOTONIC as the host counts it (the initial time namespace's), in ns: the clock of
+ * the table's *_ns fields, also inside a time namespace with a monotonic offset. */
 uint64_t fs_now_ns(void);
+/* Re-read this process's time namespace offset (lazily at the first fs_now_ns, and at each
+ * fs_flow_open). */
+void fs_clock_refresh(void);
+/* Where the offsets are read: /proc/self/timens_offsets (unit tests point it elsewhere). */
+extern const char* fs_timens_offsets_path;
 
 /* Hot path: must the sockets' marking be recomputed? Yes when the agent wrote another level
  * into the slot, or when it rewrote the config area (a new DSCP table, new class defaults)

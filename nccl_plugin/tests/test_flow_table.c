@@ -8,7 +8,10 @@
  *    progress thread's level change; here the logger, called in that window) must not keep
  *    the old table's config when both tables show the same config_seq;
  *  - a connection the new table had no room for keeps watching its old table's config_seq,
- *    and does not recompute its level at every message.
+ *    and does not recompute its level at every message;
+ *  - a process in a time namespace (faked offsets file) writes the host's CLOCK_MONOTONIC
+ *    into open_ns and judges the agent's heartbeat on it: a live agent's CLOSED slots are
+ *    not taken from a full table.
  *
  *   test_flow_table   exit status 0 when every check holds
  */
@@ -18,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "flow_table.h"
@@ -209,6 +213,53 @@ static void test_connection_left_in_a_replaced_table(const char* dir) {
   unlink(path);
 }
 
+/* ---- a process in a time namespace ---------------------------------------------------------- */
+
+static uint64_t own_monotonic_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void test_time_namespace(const char* dir, long long offset_s) {
+  char path[512], offsets[512];
+  snprintf(path, sizeof(path), "%s/table", dir);
+  snprintf(offsets, sizeof(offsets), "%s/timens_offsets", dir);
+  FILE* f = fopen(offsets, "w");
+  if (f == NULL) {
+    perror(offsets);
+    exit(2);
+  }
+  fprintf(f, "monotonic %20lld %9d\nboottime %20lld %9d\n", offset_s, 0, offset_s, 0);
+  fclose(f);
+  fs_timens_offsets_path = offsets;
+  /* what the host's clock reads: this process's, less the namespace's offset */
+  uint64_t offset_ns = (uint64_t)(offset_s * 1000000000LL);
+  struct fs_table_header* hdr = table_create(path, 1, 2, 1);
+  hdr->agent_pid = (uint32_t)getpid();
+  atomic_store(&hdr->heartbeat_ns, own_monotonic_ns() - offset_ns); /* a live agent's */
+  fs_table_attach(path);
+  struct fs_flow first, second;
+  fs_flow_open(&first, &k_info);
+  uint64_t host = own_monotonic_ns() - offset_ns;
+  uint64_t opened = first.slot->open_ns;
+  EXPECT(opened <= host && host - opened < 1000000000ull,
+         "offset %llds: open_ns %llu, the host's clock %llu", offset_s,
+         (unsigned long long)opened, (unsigned long long)host);
+  fs_flow_close(&first); /* CLOSED, not reported yet: the live agent's to free */
+  atomic_store(&hdr->heartbeat_ns, own_monotonic_ns() - offset_ns);
+  fs_flow_open(&second, &k_info);
+  EXPECT(second.slot == &second.local && atomic_load(&first.slot->state) == FS_SLOT_CLOSED,
+         "offset %llds: a live agent's CLOSED slot was taken from a full table", offset_s);
+  fs_flow_close(&second);
+  fs_table_detach();
+  fs_timens_offsets_path = "/proc/self/timens_offsets";
+  fs_clock_refresh();
+  munmap(hdr, FS_TABLE_HEADER_SIZE + FS_TABLE_SLOT_SIZE);
+  unlink(path);
+  unlink(offsets);
+}
+
 int main(void) {
   char dir[] = "/tmp/fs-flow-table-XXXXXX";
   if (mkdtemp(dir) == NULL) {
@@ -218,6 +269,8 @@ int main(void) {
   test_default_path_re_decided(dir);
   test_config_of_a_re_created_table(dir);
   test_connection_left_in_a_replaced_table(dir);
+  test_time_namespace(dir, 5);     /* more than the heartbeat's second ahead */
+  test_time_namespace(dir, -1000); /* behind: an unsigned difference would wrap */
   rmdir(dir);
   if (failures == 0) {
     printf("ok test_flow_table\n");
