@@ -275,7 +275,11 @@ static int connect_start_socket(struct fs_connect_state* st) {
 /* 1 when the TCP handshake finished, 0 while it is pending, -errno on failure. */
 static int connect_check_socket(struct fs_connect_state* st) {
   struct pollfd pfd = {.fd = st->fd, .events = POLLOUT};
-  if (poll(&pfd, 1, 0) == 0) {
+  int ready = poll(&pfd, 1, 0);
+  if (ready < 0) { /* not an answer: SO_ERROR reads 0 while the handshake is pending too */
+    return errno == EINTR ? 0 : FS_NEG_ERRNO();
+  }
+  if (ready == 0) {
     return 0;
   }
   int err = 0;
