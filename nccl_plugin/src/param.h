@@ -84,7 +84,8 @@
    * bytes over the window may send anyway. -1 = the policy file's value, else 50. */        \
   FS_PARAM_INT(gate_min_share, "FLOWSCHED_GATE_MIN_SHARE", -1, -1, 1000,                     \
                "guaranteed share per level, per mille")                                       \
-  /* The window over which shares are measured (decayed by half each window), in us. */     \
+  /* The window over which shares are measured (decayed by half each window), in us;       \
+   * -1 = the policy file's value, else 100 ms; 0 is taken as -1, with a warning. */         \
   FS_PARAM_INT(gate_window_us, "FLOWSCHED_GATE_WINDOW_US", -1, -1, 10000000,                 \
                "share window in microseconds")                                                \
   /* Starvation guard: a send deferred this long goes anyway (0 = no age bound), in us.    \

@@ -55,10 +55,15 @@ void fs_gate_setup(const struct fs_params* p, int default_on) {
   int64_t share = policy_or(cfg.gate_min_share, 1, FS_DEFAULT_MIN_SHARE);
   int64_t window_us = policy_or(cfg.gate_window_ms, 1000, FS_DEFAULT_WINDOW_US);
   int64_t defer_us = policy_or(cfg.gate_max_defer_ms, 1000, FS_DEFAULT_MAX_DEFER_US);
+  int64_t window_knob = p->gate_window_us;
+  if (window_knob == 0) { /* no window: shares would be wiped at every send (no guard) */
+    FS_WARN("FLOWSCHED_GATE_WINDOW_US=0 is no window; using %lld us", (long long)window_us);
+    window_knob = -1;
+  }
   struct fs_gate_params g = {
       .enabled = p->gating >= 0 ? (int)p->gating : policy_on,
       .min_share_permille = (uint32_t)knob_or(p->gate_min_share, share),
-      .window_ns = (uint64_t)knob_or(p->gate_window_us, window_us) * 1000,
+      .window_ns = (uint64_t)knob_or(window_knob, window_us) * 1000,
       .max_defer_ns = (uint64_t)knob_or(p->gate_max_defer_us, defer_us) * 1000,
   };
   fs_gate_configure(&g);
