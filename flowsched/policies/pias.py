@@ -175,7 +175,14 @@ def _derive(samples: tuple[float, ...], load: float, levels: int) -> tuple[float
         wait = arrival * m2_hi / 2.0 / (left_lo * left_hi)
         return (f_hi - f_lo) * wait + (s_hi - s_lo) / left_lo
 
-    return _optimise(len(points), levels, queue_cost, points)
+    thresholds = _optimise(len(points), levels, queue_cost, points)
+    # More queues than the sizes have use for: the optimum's ties gave the spare ones
+    # threshold 0 (an empty queue, every size is > 0), first, so a new flow started below
+    # them all (the web-search CDF at K=16: level 5). Keep them empty at the bottom instead,
+    # by repeating the largest threshold (the largest size when none is useful): same cost.
+    useful = [t for t in thresholds if t > 0]
+    pad = useful[-1] if useful else points[-2]
+    return (*useful, *[pad] * (len(thresholds) - len(useful)))
 
 
 def _optimise(

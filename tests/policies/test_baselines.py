@@ -185,6 +185,30 @@ def test_pias_thresholds_derive_at_full_load_from_any_valid_samples(
     assert all(math.isfinite(t) for t in thresholds)
 
 
+@pytest.mark.parametrize("num_levels", [8, 12, 16, 64])
+@pytest.mark.parametrize(
+    ("name", "args", "top"),
+    [
+        ("pias", {}, 0),
+        ("karuna", {}, 1),
+        ("pias", {"size_samples": [1e3, 1e6, 1e9]}, 0),
+        ("pias", {"size_samples": [4096.0]}, 0),
+    ],
+    ids=["pias-web-search", "karuna-web-search", "pias-three-sizes", "pias-one-size"],
+)
+def test_derived_thresholds_start_new_flows_at_the_top_level(
+    name: str, args: dict[str, Any], top: int, num_levels: int
+) -> None:
+    """More levels than the distribution has use for: the derivation gave the spare queues
+    threshold 0, first, and a flow that had sent nothing started below them all (web-search
+    CDF at K=16: level 5; one flow size: every flow at K-1, the scavenger's DSCP)."""
+    pol = create(name, args, num_levels=num_levels)
+    thresholds = list(pol.thresholds)  # type: ignore[attr-defined]
+    assert thresholds == sorted(thresholds) and all(t > 0 for t in thresholds)
+    assert pol.admit(build_flow(1, cls="bulk"), ctx()).level == top
+    assert pol.admit(build_flow(2, cls="bulk", sent=10**12), ctx()).level == num_levels - 1
+
+
 def test_pias_threshold_count_must_match_levels() -> None:
     with pytest.raises(ValueError, match="expected 7 thresholds"):
         create("pias", {"thresholds": [1, 2]}, num_levels=8)
