@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from flowsched.model import EXPLICIT_DEADLINE, Context, Decision, Flow
 from flowsched.policies import pias
-from flowsched.policies.argcheck import check_fields, number
+from flowsched.policies.argcheck import number
 from flowsched.policies.base import FlowLocalDecisions
 
 NAME = "karuna"
@@ -49,9 +49,7 @@ class Args:
 def validate(args: Mapping[str, Any], path: str) -> list[str]:
     """Field-path errors for ``args`` (empty when valid)."""
     own = {"headroom": number(0.0, 10.0), "rate_tolerance": number(0.0, 1.0)}
-    errors = check_fields({k: v for k, v in args.items() if k in own}, path, own)
-    pias_args = {k: v for k, v in args.items() if k not in own}
-    return errors + pias.validate(pias_args, path)
+    return pias.validate(args, path, extra=own)
 
 
 def minimum_rate(flow: Flow, now: float, headroom: float) -> float | None:

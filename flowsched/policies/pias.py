@@ -32,7 +32,14 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from flowsched.model import Context, Decision, Flow
-from flowsched.policies.argcheck import check_fields, is_number, list_of, number, optional
+from flowsched.policies.argcheck import (
+    Checker,
+    check_fields,
+    is_number,
+    list_of,
+    number,
+    optional,
+)
 from flowsched.policies.base import FlowLocalDecisions
 from flowsched.policies.common import level_changes
 
@@ -77,9 +84,12 @@ def _cdf_errors(value: Any, path: str) -> list[str]:
     return errors
 
 
-def validate(args: Mapping[str, Any], path: str) -> list[str]:
-    """Field-path errors for ``args`` (empty when valid)."""
-    errors = check_fields(args, path, _FIELDS)
+def validate(
+    args: Mapping[str, Any], path: str, extra: Mapping[str, Checker] | None = None
+) -> list[str]:
+    """Field-path errors for ``args`` (empty when valid); ``extra``: the fields of a policy
+    that takes pias's arguments and its own (karuna), named first among the known keys."""
+    errors = check_fields(args, path, {**(extra or {}), **_FIELDS})
     if args.get("size_samples") is not None and args.get("size_cdf") is not None:
         errors.append(f"{path}.size_cdf: give either size_samples or size_cdf, not both")
     thresholds = args.get("thresholds")

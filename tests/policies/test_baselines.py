@@ -277,6 +277,25 @@ def test_karuna_non_deadline_flows(flow: Flow, level: int) -> None:
     assert pol.admit(flow, ctx()) == karuna.Decision(level)
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            {"headrom": 0.1},
+            "policy.args.headrom: unknown key (known: headroom, rate_tolerance, thresholds, "
+            "size_samples, size_cdf, load)",
+        ),
+        ({"headroom": -1}, "policy.args.headroom: expected a number in [0.0, 10.0], got -1"),
+        ({"thresholds": [5, 1]}, "policy.args.thresholds: must not decrease"),
+    ],
+    ids=["misspelt-own-key", "own-key", "pias-key"],
+)
+def test_karuna_validate(args: dict[str, Any], expected: str) -> None:
+    """An unknown key's message listed pias's keys only, not karuna's own (a misspelt
+    ``headroom`` was told the known keys are thresholds, size_samples, size_cdf, load)."""
+    assert karuna.validate(args, "policy.args") == [expected]
+
+
 # -- llf ------------------------------------------------------------------------------------
 
 
