@@ -534,7 +534,10 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, int | float):
         return repr(value)
     if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
+        # a JSON string is a TOML basic string, but for the escapes: \uXXXX pairs for
+        # characters beyond U+FFFF (TOML takes no surrogates: an emoji in a description made
+        # the file unreadable), and DEL, which TOML wants escaped
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")

@@ -382,6 +382,7 @@ def test_rl_disaggregated_keeps_a_deferred_sync_out_of_the_bulk_queue(mlu: float
     "document",
     [
         {"a": 1, "b": 2.5, "c": 'x"y', "d": [1, 2], "e": True},
+        {"text": "r\u00e9sum\u00e9 \U0001f680 \\ \t \n \x00 \x7f \x1b end"},
         {"top": 1, "t": {"x": 1, "u": {"y": "z"}}, "arr": [{"k": 1}, {"k": 2}]},
         *(tomllib.loads(p.read_text(encoding="utf-8")) for p in SHIPPED),
     ],
