@@ -43,6 +43,8 @@ import dataclasses
 import functools
 import itertools
 import logging
+import numbers
+import operator
 import os
 import socket
 import threading
@@ -50,6 +52,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from flowsched import rundir
 from flowsched.model import FlowClass
@@ -956,6 +959,7 @@ def open_flow(
     or failing agent never raises.
     """
     flow_class = FlowClass.parse(cls) if isinstance(cls, str) else FlowClass(cls)
+    bytes, deadline, consumer_step, peer = map(_plain, (bytes, deadline, consumer_step, peer))
     request_template = sdk.Open(
         0, flow_class.label, bytes, deadline, consumer_step, job, request, peer, dst_node
     )
@@ -973,6 +977,17 @@ def open_flow(
     except Exception:  # never into the application
         log.exception("flowsched: opening the flow at the agent failed; using static defaults")
     return handle
+
+
+def _plain(value: Any) -> Any:
+    """A number of another type (numpy's ``int64``, ``float32``) as the int or float it holds:
+    the protocol's checks and its encoder take only those (numpy's scalars failed in them
+    with a ValueError about arrays). Anything else, a bool included, is left to the checks."""
+    if type(value) in (int, float, bool) or not isinstance(value, numbers.Real):
+        return value
+    if isinstance(value, numbers.Integral):
+        return operator.index(value)
+    return float(value)
 
 
 #: open_flow() arguments whose names differ from the ``open`` message's fields
@@ -1036,6 +1051,7 @@ def job_progress(
     the coordinator forget it at once, so rmlq stops holding its KV transfers below its
     collectives (docs/rmlq.md). Needs an agent of this release (an earlier one refuses it).
     """
+    step, layer = _plain(step), _plain(layer)
     try:
         sdk.check_message(sdk.JobProgress(job, step, layer))
     except sdk.SdkProtocolError as exc:

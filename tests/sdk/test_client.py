@@ -643,3 +643,33 @@ def test_a_connection_refused_while_flows_are_reopened_is_retried(
         blocker.close()
     _wait(lambda: handle.connected, timeout=10.0)  # and taken once the cap has room
     handle.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        pytest.param({"bytes": "int64"}, {"size": 1000}, id="numpy-bytes"),
+        pytest.param({"deadline": "float64"}, {"deadline": 4.0e9}, id="numpy-float64-deadline"),
+        pytest.param({"deadline": "float32"}, {"deadline": 4.0e9}, id="numpy-float32-deadline"),
+        pytest.param({"consumer_step": "int32"}, {"consumer_index": 7}, id="numpy-step"),
+        pytest.param({"peer": "int64"}, {"peer": 3}, id="numpy-peer"),
+    ],
+)
+def test_numpy_numbers_are_taken_as_the_numbers_they_hold(
+    kwargs: dict[str, str], expected: dict[str, object], agent: AgentThread
+) -> None:
+    """A size, deadline or step computed with numpy (``np.prod(shape) * 4``, ``time.time() +
+    np.mean(pace)``) is a plain number to the application: the SDK takes it as one."""
+    np = pytest.importorskip("numpy")
+    plain = {"bytes": 1000, "deadline": 4.0e9, "consumer_step": 7, "peer": 3}
+    numpy_kwargs = {name: getattr(np, kind)(plain[name]) for name, kind in kwargs.items()}
+    path = agent.ready.socket  # type: ignore[union-attr]
+    assert client.job_progress("train-np", np.int64(5), np.int32(2), socket_path=path)
+    with client.flow("experience", job="train-np", socket_path=path, **numpy_kwargs) as handle:
+        assert handle.connected
+        registry = agent.agent.registry
+        assert registry is not None and handle.id is not None
+        flow, sdk_flow = registry.flows[handle.id], registry.sdk[handle.id]
+        for name, value in expected.items():
+            got = getattr(sdk_flow if name == "peer" else flow, name)
+            assert got == value and type(got) is type(value)
