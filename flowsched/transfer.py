@@ -24,6 +24,8 @@ import errno
 import functools
 import hashlib
 import logging
+import numbers
+import operator
 import queue
 import random
 import selectors
@@ -207,8 +209,10 @@ def _blocks(
 ) -> tuple[int, Iterator[bytes | memoryview]]:
     """The payload's size and its blocks: a user buffer in zero-copy slices of at most
     ``block`` bytes, so that hashing, sending and progress reports interleave."""
-    if isinstance(data, int):
-        return data, iter(pattern(data, seed))
+    # numpy's integers too, which are buffers as well (of their own 4 or 8 bytes)
+    if isinstance(data, int | numbers.Integral):
+        size = operator.index(data)
+        return size, iter(pattern(size, seed))
     view = memoryview(data).cast("B")
     block = max(block, 1)
     return len(view), (view[i : i + block] for i in range(0, len(view), block))
@@ -294,7 +298,7 @@ def send_with_flow(
     """
     from flowsched import client
 
-    size = data_or_size if isinstance(data_or_size, int) else memoryview(data_or_size).nbytes
+    size, _ = _blocks(data_or_size, 0)  # the size only: the blocks are made when iterated
     with client.flow(
         cls,
         bytes=size,

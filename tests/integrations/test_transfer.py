@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from polling import wait_until
@@ -59,6 +60,34 @@ def test_pattern_payload_arrives_byte_exact(size: int) -> None:
         got = rx.results.get(timeout=10)
     assert got.ok and got.bytes == size and got.flow_id == 9
     assert got.digest == stats.digest == transfer.pattern_digest(size, seed=7)
+
+
+@pytest.mark.parametrize("kind", ["int64", "uint32", "intp"])
+@pytest.mark.parametrize("with_flow", [False, True], ids=["send_flow", "send_with_flow"])
+def test_a_numpy_integer_size_is_a_size(
+    kind: str, with_flow: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``np.int64(n)`` (a size computed with numpy) sends an n-byte pattern, not the scalar's
+    own 8 bytes (numpy scalars are buffers too)."""
+    np = pytest.importorskip("numpy")
+    from flowsched import client
+
+    size = getattr(np, kind)(65_537)
+    declared: list[object] = []
+    real_open = client.open_flow
+    monkeypatch.setattr(
+        client, "open_flow", lambda *a, **kw: (declared.append(kw["bytes"]), real_open(*a, **kw))[1]
+    )
+    with transfer.Receiver() as rx:
+        if with_flow:
+            no_agent = str(tmp_path / "agent.sock")
+            stats = transfer.send_with_flow(rx.address, size, "kv", socket_path=no_agent)
+        else:
+            stats = transfer.send_flow(rx.address, size, timeout=10)
+        got = rx.results.get(timeout=10)
+    assert got.ok and got.bytes == stats.bytes == 65_537
+    assert got.digest == transfer.pattern_digest(65_537)
+    assert declared == ([65_537] if with_flow else [])
 
 
 def reference_pattern(size: int, seed: int) -> bytes:
