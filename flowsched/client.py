@@ -2,7 +2,7 @@
 
 >>> from flowsched import client
 >>> with client.flow("param_sync", bytes=14 << 30, deadline=time.time() + 30) as f:
-...     sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, f.tos)   # or flowsched.transfer
+...     transfer.SocketMarker(sock).follow(f)   # IP_TOS or IPV6_TCLASS, SO_PRIORITY, promotions
 ...     ...                                                        # move the bytes
 ...     f.progress(sent)                                           # optional
 >>> client.job_progress("job-7", step=12, layer=3)
