@@ -193,3 +193,34 @@ def test_real_gloo_group_falls_back_to_the_environment(monkeypatch: pytest.Monke
         assert later is not None
     finally:
         dist.destroy_process_group()
+
+
+@needs_torch
+def test_the_readmes_new_group_call_gives_a_group_torch_takes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The README's ``flowsched.torch.new_group(...)`` expression, as a user copies it, gives
+    what ``torch.distributed`` collectives take as ``group=`` (gloo here: no NCCL on CPU)."""
+    import re
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    import flowsched.torch
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("### Enable it for a torch job") :]
+    found = re.search(r"`(flowsched\.torch\.new_group\([^`]*)`", section)
+    assert found is not None, "the README no longer shows flowsched.torch.new_group"
+    monkeypatch.setitem(flowsched.torch.new_group.__kwdefaults__, "backend", "gloo")
+    monkeypatch.delenv("FLOWSCHED_CLASS", raising=False)
+    (port,) = free_ports(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        group = eval(found.group(1), {"flowsched": flowsched, "ranks": [0]})
+        tensor = torch.ones(2)
+        dist.all_reduce(tensor, group=group)
+        assert tensor.tolist() == [1.0, 1.0]
+    finally:
+        dist.destroy_process_group()
