@@ -68,6 +68,9 @@ RECONNECT_INTERVAL = 1.0
 SEND_QUEUE_LIMIT = 1 << 20
 #: opens whose answer came too late that are still remembered (their flows adopted or closed)
 LATE_OPENS = 1024
+#: a write never waits, nor raises SIGPIPE where the application left it at its default (an
+#: agent gone: EPIPE instead, as for the plugin's writes)
+_SEND_FLAGS = socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL
 #: jobs whose last progress a connection sends again to a new agent connection (the latest)
 REMEMBERED_JOBS = 64
 
@@ -330,10 +333,10 @@ class _Sender:
         kernel closes it)."""
         fd, self._namespace_fd = self._namespace_fd, None
         if fd is None:
-            return self.sock.send(data, socket.MSG_DONTWAIT)
+            return self.sock.send(data, _SEND_FLAGS)
         try:
             rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
-            return self.sock.sendmsg([data], rights, socket.MSG_DONTWAIT)
+            return self.sock.sendmsg([data], rights, _SEND_FLAGS)
         finally:
             os.close(fd)
 
@@ -354,7 +357,7 @@ class _Sender:
     def _write_queue(self) -> None:
         while (data := self._next_frame()) is not None:
             try:
-                self.sock.sendall(data)  # only this thread waits for a slow agent
+                self.sock.sendall(data, socket.MSG_NOSIGNAL)  # only this thread waits
             except OSError:
                 self.stop()  # the reader thread sees the end and drops the connection
                 return
@@ -806,7 +809,7 @@ def _ask_pages(
     while True:
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
-            sock.sendall(sdk.encode(sdk.ListFlows(after)))
+            sock.sendall(sdk.encode(sdk.ListFlows(after)), socket.MSG_NOSIGNAL)
             page = _next_answer(sock, decoder, path, deadline)
         except (TimeoutError, AgentUnavailable):
             raise

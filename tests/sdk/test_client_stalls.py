@@ -254,3 +254,50 @@ def test_progress_dropped_for_a_close_leaves_no_queued_bytes_counted() -> None:
         _wait(drained, "the agent read every queued frame")
         assert sender._queued == 0
         sender.stop()
+
+
+#: a process whose SIGPIPE is the default (an embedding application, a CLI that wants ``| head``
+#: to end it quietly) writes, through a _Sender, to an agent that went away: a frame sent at
+#: once (prints what ``send`` said), or the writer thread's queue (prints whether it ended)
+_WRITE_TO_A_GONE_AGENT = """
+import signal, socket, sys, threading
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+from flowsched import client
+from flowsched.protocol import sdk
+
+ours, agents = socket.socketpair()
+ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+sender = client._Sender(ours)
+if sys.argv[1] == "writer":  # the writer thread is in sendall when the agent goes
+    while not sender.backed_up:
+        sender.send(sdk.JobProgress("j" * 100, 1, None))
+agents.close()
+if sys.argv[1] == "caller":
+    print("send gave", sender.send(sdk.JobProgress("j", 2, None)), flush=True)
+else:
+    writer = next(t for t in threading.enumerate() if t.name == "flowsched-sdk-writer")
+    writer.join(5)
+    print("writer alive", writer.is_alive(), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("where", "said"), [("caller", "send gave False"), ("writer", "writer alive False")]
+)
+def test_an_agent_gone_never_kills_a_process_whose_sigpipe_is_the_default(
+    where: str, said: str
+) -> None:
+    """The SDK's writes carry MSG_NOSIGNAL, as the plugin's do: a process that left SIGPIPE at
+    its default (Python ignores it, an embedding program may not) is not killed by the write
+    that finds its agent gone."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITE_TO_A_GONE_AGENT, where],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.strip() == said  # the connection given up, as for any other error
