@@ -356,7 +356,9 @@ def _write_all(
         if not sel.select(timeout):
             raise TransferError(f"send stalled for {timeout} s")
         try:
-            offset += sock.send(view[offset : offset + chunk])
+            # MSG_NOSIGNAL: a receiver gone is a TransferError, even where the application
+            # left SIGPIPE at its default (which would end the whole process)
+            offset += sock.send(view[offset : offset + chunk], socket.MSG_NOSIGNAL)
         except BlockingIOError:
             continue
         except OSError as exc:
@@ -392,7 +394,7 @@ def receive_flow(sock: socket.socket, *, timeout: float = 60.0) -> ReceiveStats:
     stats.digest = digest.hexdigest()
     stats.ok = stats.bytes == stats.expected and trailer == digest.digest()
     with contextlib.suppress(OSError):
-        sock.sendall(b"\x01" if stats.ok else b"\x00")
+        sock.sendall(b"\x01" if stats.ok else b"\x00", socket.MSG_NOSIGNAL)
     if not stats.ok:
         what = "digest mismatch" if trailer else "incomplete"
         return _finish(stats, f"received {stats.bytes}/{stats.expected} bytes, {what}")

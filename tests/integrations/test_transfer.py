@@ -257,6 +257,36 @@ def test_a_receiver_that_closes_without_an_answer_is_not_called_a_corrupt_transf
     assert "corrupt" not in str(caught.value)
 
 
+#: a sender in a process whose SIGPIPE is the default (an embedding program, a CLI that wants
+#: ``| head`` to end it quietly), to a receiver that takes the connection and closes it
+_SEND_TO_A_CLOSED_PEER = """
+import signal, socket
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+from flowsched import transfer
+
+with socket.create_server(("127.0.0.1", 0)) as server:
+    sock = socket.create_connection(server.getsockname())
+    server.accept()[0].close()
+    try:
+        transfer.send_flow(sock, 16 << 20, timeout=10)
+    except transfer.TransferError:
+        print("TransferError", flush=True)
+"""
+
+
+def test_a_receiver_gone_is_a_transfer_error_where_sigpipe_is_the_default() -> None:
+    """The sender's writes carry MSG_NOSIGNAL: a peer that closes is a TransferError, not
+    SIGPIPE ending the whole sending process."""
+    done = subprocess.run(
+        [sys.executable, "-c", _SEND_TO_A_CLOSED_PEER],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "TransferError"), done.stderr[-2000:]
+
+
 def test_a_receiver_that_cannot_bind_closes_its_socket() -> None:
     with socket.create_server(("127.0.0.1", 0)) as busy:
         before = set(os.listdir("/proc/self/fd"))
