@@ -285,7 +285,12 @@ def calibrate(
     an incomplete run's median is not the testbed's overhead."""
     trace = calibration_trace(rate_bytes)
     path = policy_path("fair")
-    run = runner.run_policy(topo, trace, policyfile.load(path), path, work, control=control)
+    try:
+        run = runner.run_policy(topo, trace, policyfile.load(path), path, work, control=control)
+    except (RuntimeError, OSError) as exc:  # a daemon or worker that did not start
+        if errors is not None:
+            errors.append(str(exc))
+        return {}
     fcts = [f.fct for f in run.records.flows]
     problems = run.errors + ([] if fcts else ["no transfer completed"])
     if problems:
@@ -345,13 +350,19 @@ def _testbed_run(
     result: report.PolicyResult,
     work: Path,
     options: BenchOptions,
-) -> RunRecords:
+) -> RunRecords | None:
     """One policy on one trace on the testbed: returns its records; the other measurements
-    accumulate in ``result``."""
+    accumulate in ``result``. A run that could not start (a daemon or worker that failed,
+    a tc error) is an error of ``result`` and has no records: the other runs go on."""
     path = testbed_policy_file(result.policy, work)
-    measured = runner.run_policy(
-        topo, trace, policyfile.load(path), path, work, control=options.control
-    )
+    result.control = options.control
+    try:
+        measured = runner.run_policy(
+            topo, trace, policyfile.load(path), path, work, control=options.control
+        )
+    except (RuntimeError, OSError) as exc:
+        result.errors.append(f"seed {trace.seed}: {exc}")
+        return None
     result.promotions += [p[2] for p in measured.promotions]
     for port, classes in measured.class_bytes.items():
         total = result.class_bytes.setdefault(port, {})
@@ -363,7 +374,6 @@ def _testbed_run(
     for name, seconds in measured.cpu_seconds.items():
         result.cpu_seconds[name] = round(result.cpu_seconds.get(name, 0.0) + seconds, 2)
     result.admission = sorted(result.admission + measured.admission)
-    result.control = options.control
     return measured.records
 
 

@@ -191,15 +191,18 @@ def _marked(label: str, errors: int) -> str:
 def table_rows(results: list[PolicyResult]) -> list[list[str]]:
     """One testbed row (plus an ablation row when run) and one simulator row per policy; the
     bound first, oracles last. ``x ideal`` = attainment / the bound's simulated attainment.
-    A testbed row whose runs recorded errors says so in its source (``testbed !2 err``)."""
+    A testbed row whose runs recorded errors says so in its source (``testbed !2 err``); a
+    policy none of whose testbed runs started has that row with no figures."""
     ideal = ideal_attainment(results)
     rows = []
     for r in sorted(results, key=_order):
         main_errors, ablation_errors = error_counts(r)
         tp = _tp_level(r)
+        label = _marked(CONTROL_LABELS.get(r.control, r.control), main_errors)
         if r.testbed is not None:
-            label = _marked(CONTROL_LABELS.get(r.control, r.control), main_errors)
             rows.append(_row(r.policy, label, r.testbed, r.testbed_records, ideal, tp))
+        elif main_errors:  # no testbed run started: the row says so, not the simulator's alone
+            rows.append([display(r.policy), label, *["-"] * (len(COLUMNS) - 2)])
         if r.ablation is not None:
             label = CONTROL_LABELS.get(r.ablation_control, r.ablation_control)
             label = _marked(f"{label} (ablation)", ablation_errors)

@@ -3,6 +3,7 @@ naming the field) before anything runs; good ones reach the benchmark validated.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -140,3 +141,44 @@ def test_a_testbed_left_behind_is_a_failure_naming_it(
     monkeypatch.setattr(bench, "run", run)
     assert main(["bench", "contention", "--out", str(tmp_path)]) == 1
     assert "could not remove netns fsE-h1 (busy)" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("lock_dir")
+@pytest.mark.parametrize("failing", ["fair", "calibration"])
+def test_a_testbed_run_that_fails_to_start_is_an_error_of_its_row(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    failing: str,
+) -> None:
+    """A run whose daemon or worker does not start (run_policy's RuntimeError) is an error of
+    that run: the other runs go on and the report is written, exit status 1 (the calibration
+    run's: its figure is left out, said). It ended the whole benchmark with a traceback, every
+    finished run's measurements lost."""
+    from flowsched import policies
+    from flowsched.testbed import replay, runner
+
+    def run_policy(topo: object, trace: Any, cfg: Any, path: Path, work: Path, **kw: Any) -> Any:
+        if (failing == "calibration") == (trace.seed == 0) and path.stem == "fair":
+            raise RuntimeError("the worker of h1 did not start: exited with status 1")
+        records = replay.replay(trace, policies.create("fair", num_levels=8))
+        return runner.TestbedRun("fair", records)
+
+    monkeypatch.setattr(netns, "_build", lambda topo, dscp: None)
+    monkeypatch.setattr(netns, "cleanup", lambda prefix: [])
+    monkeypatch.setattr(netns, "probe", lambda prefix="fsE-": None)
+    monkeypatch.setattr(runner, "run_policy", run_policy)
+    monkeypatch.setattr(bench, "CALIBRATION", {})
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--policies", "fair,static", "--sim-policies", ""]
+    status = main(["bench", "contention", "--duration", "1", "--seeds", "1", *argv])
+    err = capsys.readouterr().err
+    assert status == (1 if failing == "fair" else 0) and "Traceback" not in err
+    assert "the worker of h1 did not start: exited with status 1" in err
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["policies"]["static"]["testbed"] is not None
+    if failing == "fair":
+        assert doc["policies"]["fair"]["errors"] == [
+            "seed 1: the worker of h1 did not start: exited with status 1"
+        ]
+        assert "| fair | testbed !1 err | - |" in (out / "report.md").read_text()
