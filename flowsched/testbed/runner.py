@@ -139,6 +139,10 @@ def run_policy(
 ) -> TestbedRun:
     """Run ``trace`` under the policy file ``policy_path`` and collect the measurements."""
     workdir.mkdir(parents=True, exist_ok=True)
+    sniff_out = workdir / "sniff.json"
+    journals = [workdir / f"{h.name}.json" for h in topo.hosts]
+    for stale in [sniff_out, *journals]:  # an earlier run's into the same --out: a process
+        stale.unlink(missing_ok=True)  # that dies before it writes must not leave its figures
     topo.configure_classes([m.dscp for m in cfg.levels])
     trace_path = workdir / "trace.json"
     trace_path.write_text(trace.to_json(), encoding="utf-8")
@@ -148,7 +152,6 @@ def run_policy(
         ctl, controller = _start_control(
             topo, procs, policy_path, trace.rate_bytes, control, workdir, token
         )
-        sniff_out = workdir / "sniff.json"
         sniffer = _start_sniffer(topo, procs, sniff_out)
         workers = _start_workers(
             topo, procs, trace_path, policy_path, workdir, ctl, control, trace.duration
@@ -164,9 +167,9 @@ def run_policy(
         cpu = {_label(p): cpu_seconds(p.pid) for p in procs if p not in workers}
         errors += stop_sniffer(sniffer, sniff_out)
     after = topo.class_bytes()
-    journals = [_read_json(workdir / f"{h.name}.json", []) for h in topo.hosts]
+    events = [_read_json(journal, []) for journal in journals]
     run = collect(
-        trace, cfg.policy, journals, _read_json(sniff_out, {}), errors, [m.dscp for m in cfg.levels]
+        trace, cfg.policy, events, _read_json(sniff_out, {}), errors, [m.dscp for m in cfg.levels]
     )
     run.class_bytes = _class_delta(before, after)
     run.dropped_packets = topo.run_drops()

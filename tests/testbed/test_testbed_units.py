@@ -18,7 +18,7 @@ from flowsched import policies, policyfile
 from flowsched.metrics import summarize
 from flowsched.testbed import bench, netns, replay, report, runner, sniff, timezero
 from flowsched.testbed.daemons import wait_for
-from flowsched.testbed.trace import ScenarioParams, Trace, generate, params_from_mapping
+from flowsched.testbed.trace import ScenarioParams, Trace, Transfer, generate, params_from_mapping
 
 TC_OUTPUT = """class htb 1:11 parent 1:1 leaf 800a: prio 1 rate 10Mbit ceil 200Mbit burst 32Kb
  Sent 1234 bytes 3 pkt (dropped 0, overlimits 0 requeues 0)
@@ -637,8 +637,8 @@ _CONTROL = {
     "fails-to-start": "import sys; sys.exit('minictl: cannot bind 10.9.0.1:7200')",
 }
 #: a fake worker (``python -c CODE --trace T --host H ...``): it does what $FAKE_WORKERS (JSON,
-#: host -> "exits", "hangs" or "slow": ready after 1 s) says, else it says ready, takes time
-#: zero and exits
+#: host -> "exits", "hangs", "slow": ready after 1 s, or "crashes": killed after time zero,
+#: its journal unwritten) says, else it says ready, takes time zero and exits
 _WORKER = _TAKE_TIME_ZERO + (
     "host = sys.argv[sys.argv.index('--host') + 1]\n"
     "does = json.loads(os.environ.get('FAKE_WORKERS', '{}')).get(host)\n"
@@ -650,6 +650,8 @@ _WORKER = _TAKE_TIME_ZERO + (
     "if does == 'slow':\n"
     "    time.sleep(1)\n"
     "ready(host, 'ready')\n"
+    "if does == 'crashes':\n"
+    "    import signal; os.kill(os.getpid(), signal.SIGKILL)\n"
 )
 
 
@@ -865,6 +867,56 @@ def test_a_worker_that_never_gets_ready_fails_the_run_named(
         str(raised.value)
         == f"the worker of h1 did not start: {problem}; its log {log} ends:\n{said}"
     )
+
+
+@pytest.mark.parametrize(
+    ("workers", "sniffer", "stale", "problem"),
+    [
+        (
+            {"h0": "crashes"},
+            "clean",
+            "h0.json",
+            f"worker h0 exited with status {-signal.SIGKILL} (its log: {{work}}/worker-h0.log)",
+        ),
+        (
+            {},
+            "no-capture",
+            "sniff.json",
+            "the sniffer left no capture in {work}/sniff.json: this run's promotion latencies "
+            "are missing (its log: {work}/sniffer.log)",
+        ),
+    ],
+    ids=["worker-journal", "sniffer-capture"],
+)
+def test_a_process_that_wrote_nothing_leaves_no_earlier_runs_figures(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    workers: dict[str, str],
+    sniffer: str,
+    stale: str,
+    problem: str,
+) -> None:
+    """A run into the same ``--out`` finds the earlier run's journals and capture in its
+    folder: a worker killed before it wrote its journal (a crash in the plugin, the OOM
+    killer, the timeout) left the earlier run's, read as this run's completions, and a sniffer
+    that wrote no capture passed for one that had (no error, the earlier promotions)."""
+    monkeypatch.setenv("FAKE_WORKERS", json.dumps(workers))
+    work = tmp_path / "work"
+    work.mkdir()
+    earlier: dict[str, Any] = {
+        "h0.json": [{"kind": "open", "id": 1, "t": 0.0}, {"kind": "done", "id": 1, "t": 0.01}],
+        "sniff.json": {"transitions": []},
+    }
+    (work / stale).write_text(json.dumps(earlier[stale]), encoding="utf-8")
+    _fake_testbed(monkeypatch, sniffer)
+    topo = netns.plan(netns.TopologySpec(prefix="fsU-", hosts=2))
+    kv = Transfer(1, "kv", "h0", "h1", 0.0, 1000, request="r1", slo=0.05)
+    trace = Trace(0, 2, 25e6, 0.1, 0.0, [], [kv])
+    path = bench.policy_path("fair")
+    run = runner.run_policy(topo, trace, bench.policy_config("fair"), path, work, control="mini")
+    assert run.errors == [problem.format(work=work)]
+    assert run.records.flows == []
+    assert [r.finished for r in run.records.requests] == [None]
 
 
 @pytest.mark.usefixtures("lock_dir")
