@@ -260,17 +260,25 @@ def _seed_attainment(run: SeedRun | None, source: str) -> float | None:
     return run.testbed_attainment if source == "testbed" else run.sim_attainment
 
 
-def seed_ratios(results: list[PolicyResult], source: str = "testbed") -> dict[str, list[float]]:
-    """rmlq's SLO attainment over fair's and static's, seed by seed."""
+def seed_ratios(
+    results: list[PolicyResult], source: str = "testbed"
+) -> dict[str, list[float | None]]:
+    """rmlq's SLO attainment over fair's and static's, seed by seed: one entry per seed of
+    rmlq's, in order, None where a side has no figure (no run) or fair's or static's is 0."""
     by = {r.policy: {s.seed: s for s in r.seeds} for r in results}
-    out: dict[str, list[float]] = {}
+    out: dict[str, list[float | None]] = {}
     for name in ("fair", "static"):
+        if name not in by:
+            continue
         for seed, run in sorted(by.get("rmlq", {}).items()):
             rm = _seed_attainment(run, source)
-            other = _seed_attainment(by.get(name, {}).get(seed), source)
-            if rm is not None and other:
-                out.setdefault(name, []).append(rm / other)
+            other = _seed_attainment(by[name].get(seed), source)
+            out.setdefault(name, []).append(rm / other if rm is not None and other else None)
     return out
+
+
+def _ratio_list(ratios: list[float | None]) -> str:
+    return ", ".join("-" if x is None else f"{x:.2f}" for x in ratios)
 
 
 def nearest_rank(values: Iterable[float], q: float) -> float:
@@ -550,13 +558,11 @@ def headline(results: list[PolicyResult]) -> list[str]:
             prefix = "  - " if joint else f"- {source}: "
             lines.append(prefix + "rmlq attains " + ", ".join(parts) + ".")
         ratios = seed_ratios(results, source)
-        if len(ratios.get("fair", [])) > 1:
+        fair = ratios.get("fair", [])
+        if len(fair) > 1 and any(x is not None for x in fair):
             lines.append(
-                f"  - {source}, seed by seed: rmlq / fair = "
-                + ", ".join(f"{x:.2f}" for x in ratios["fair"])
-                + "; rmlq / static = "
-                + ", ".join(f"{x:.2f}" for x in ratios.get("static", []))
-                + "."
+                f"  - {source}, seed by seed: rmlq / fair = {_ratio_list(fair)}"
+                f"; rmlq / static = {_ratio_list(ratios.get('static', []))}."
             )
     ideal = ideal_attainment(results)
     if ideal is not None:

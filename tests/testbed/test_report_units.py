@@ -155,3 +155,35 @@ def test_kv_flows_at_the_top_and_above_the_collectives(
     records = _records(*flows)
     assert report.top_share(records) == top
     assert report.above_collectives_share(records, tp_level) == above
+
+
+def _seeded(name: str, attainments: list[float | None]) -> report.PolicyResult:
+    """``name`` with one run per seed 1, 2, ... of the testbed attainments given (None: that
+    seed's testbed run did not start)."""
+    result = report.PolicyResult(name, None, RunMetrics())
+    for seed, value in enumerate(attainments, start=1):
+        run = report.SeedRun(seed, RunRecords(), None if value is None else RunRecords())
+        run.testbed_attainment = value
+        result.seeds.append(run)
+    return result
+
+
+@pytest.mark.parametrize(
+    ("fair", "expected"),
+    [
+        ([0.5, 0.4, 0.3], "rmlq / fair = 1.20, 1.50, 2.00; rmlq / static = 2.00, 2.00, 2.00."),
+        ([0.5, None, 0.3], "rmlq / fair = 1.20, -, 2.00; rmlq / static = 2.00, 2.00, 2.00."),
+        ([0.5, 0.0, 0.3], "rmlq / fair = 1.20, -, 2.00; rmlq / static = 2.00, 2.00, 2.00."),
+    ],
+    ids=["every-seed", "a-run-missing", "fair-attained-none"],
+)
+def test_seed_by_seed_ratios_keep_each_seeds_place(fair: list[float | None], expected: str) -> None:
+    """The ratios are listed in the order of the seeds, unlabelled: one left out (a testbed run
+    that did not start, a zero to divide by) moved the next seed's ratio into its place."""
+    results = [
+        _seeded("rmlq", [0.6, 0.6, 0.6]),
+        _seeded("fair", fair),
+        _seeded("static", [0.3, 0.3, 0.3]),
+    ]
+    lines = [line for line in report.headline(results) if "seed by seed" in line]
+    assert lines == [f"  - testbed, seed by seed: {expected}"]
