@@ -238,7 +238,8 @@ def agreement_rows(results: list[PolicyResult]) -> list[list[str]]:
 
 
 def seed_rows(results: list[PolicyResult]) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the per-seed SLO attainment table (testbed and simulator rows)."""
+    """Header and rows of the per-seed SLO attainment table (testbed and simulator rows; a
+    testbed row whose runs recorded errors marked as in :func:`table_rows`)."""
     seeds = sorted({s.seed for r in results for s in r.seeds})
     header = ["policy", "source", *(f"seed {s} %" for s in seeds), "pooled %"]
     rows = []
@@ -250,7 +251,8 @@ def seed_rows(results: list[PolicyResult]) -> tuple[list[str], list[list[str]]]:
                 continue
             pooled = _attainment(r, source)
             cells = [_fmt(v, 100.0, 1) for v in [*values, pooled]]  # % as in the main table
-            rows.append([display(r.policy), source, *cells])
+            label = _marked(source, error_counts(r)[0]) if source == "testbed" else source
+            rows.append([display(r.policy), label, *cells])
     return header, rows
 
 
@@ -416,6 +418,13 @@ def _seed_spread(result: PolicyResult, source: str) -> tuple[float, float] | Non
     return (min(values), max(values)) if len(values) > 1 else None
 
 
+def _plot_label(result: PolicyResult, sources: list[tuple[str, str, str | None]]) -> str:
+    """A policy's name under its bars, marked as in :func:`table_rows` when its testbed bars
+    come from runs that recorded errors."""
+    errors = error_counts(result)[0] if any(s[1] == "testbed" for s in sources) else 0
+    return _marked(display(result.policy), errors if result.testbed is not None else 0)
+
+
 def _plot_collectives(
     ax: Any, results: list[PolicyResult], sources: list[tuple[str, str, str | None]]
 ) -> None:
@@ -436,7 +445,7 @@ def _plot_collectives(
                 edgecolor="black",
                 linewidth=0.5,
             )
-    ax.set_xticks(list(range(len(results))), [display(r.policy) for r in results])
+    ax.set_xticks(list(range(len(results))), [_plot_label(r, sources) for r in results])
     ax.tick_params(axis="x", rotation=30, labelsize=7)
     ax.set_ylabel("mean collective time (ms)")
     ax.set_title("collectives (lower is better)", fontsize=9)
@@ -488,7 +497,7 @@ def plot(
         Patch(facecolor="lightgrey", edgecolor="black", hatch=hatch, label=label)
         for label, _source, hatch in sources
     ]
-    ax.set_xticks(list(xs), [display(r.policy) for r in results], rotation=20, fontsize=8)
+    ax.set_xticks(list(xs), [_plot_label(r, sources) for r in results], rotation=20, fontsize=8)
     ax.set_ylabel("KV TTFT SLO attainment (%)")
     ax.set_ylim(0, 100)
     meta = meta or {}
@@ -534,14 +543,20 @@ def plot(
 JOINT_BASELINES = ("edf", "edf+late")
 
 
+#: the policies the headline compares (rmlq and its baselines)
+_COMPARED = ("rmlq", *JOINT_BASELINES, "fair", "static")
+
+
 def headline(results: list[PolicyResult]) -> list[str]:
     """The joint score on each source: rmlq's KV SLO attainment and its collective and iteration
     times next to edf's, and edf+late's where it ran (a policy must not win attainment by
     starving TP), its share of KV flows admitted at the top level, its ratio to the ideal
-    bound; then rmlq against fair and static."""
+    bound; then rmlq against fair and static, and which of them ran on the testbed with
+    errors (their figures measure incomplete runs)."""
     by = {r.policy: r for r in results}
-    lines = []
+    lines: list[str] = []
     for source in ("testbed", "sim"):
+        start = len(lines)
         joints = [
             _joint(by.get("rmlq"), by.get(name), name, source, shares=not index)
             for index, name in enumerate(JOINT_BASELINES)
@@ -563,6 +578,15 @@ def headline(results: list[PolicyResult]) -> list[str]:
             lines.append(
                 f"  - {source}, seed by seed: rmlq / fair = {_ratio_list(fair)}"
                 f"; rmlq / static = {_ratio_list(ratios.get('static', []))}."
+            )
+        flawed = [
+            _marked(r.policy, n)
+            for r in results
+            if r.policy in _COMPARED and r.testbed is not None and (n := error_counts(r)[0])
+        ]
+        if source == "testbed" and flawed and len(lines) > start:
+            lines.append(
+                f"  - {source}: measured in runs that recorded errors: {', '.join(flawed)}."
             )
     ideal = ideal_attainment(results)
     if ideal is not None:

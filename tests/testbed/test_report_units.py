@@ -187,3 +187,37 @@ def test_seed_by_seed_ratios_keep_each_seeds_place(fair: list[float | None], exp
     ]
     lines = [line for line in report.headline(results) if "seed by seed" in line]
     assert lines == [f"  - testbed, seed by seed: {expected}"]
+
+
+def test_a_testbed_policy_with_errors_is_marked_in_the_headline_plot_and_seed_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The table marks a testbed row whose runs recorded errors; the lines under it (rmlq vs
+    edf, fair and static: 'both'), the per-seed table and the plot showed the same figures as
+    those of complete runs."""
+    trace = generate(ScenarioParams(duration=1.0, load=0.5), 25e6, 1)
+    results = []
+    for name in ("fair", "static", "edf", "rmlq"):
+        records = replay.replay(trace, policies.create(name, num_levels=8))
+        result = report.PolicyResult(name, None, RunMetrics())
+        for seed in (1, 2):
+            result.seeds.append(report.SeedRun(seed, records, records))
+        result.pool()
+        results.append(result)
+    results[3].errors = ["seed 2: worker h0 exited with status -9 (its log: worker-h0.log)"]
+    lines = report.headline(results)
+    assert "  - testbed: measured in runs that recorded errors: rmlq !1 err." in lines
+    assert not any("errors" in line for line in lines if not line.startswith("  - testbed"))
+    _, rows = report.seed_rows(results)
+    assert [r[1] for r in rows if r[0] == "rmlq"] == ["testbed !1 err", "sim"]
+    assert [r[1] for r in rows if r[0] == "fair"] == ["testbed", "sim"]
+    ticks: dict[str, list[str]] = {}
+    original = Figure.savefig
+
+    def savefig(self: Figure, fname: Any, *args: Any, **kwargs: Any) -> None:
+        ticks[Path(fname).name] = [t.get_text() for t in self.axes[0].get_xticklabels()]
+        original(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    report.plot(results, tmp_path, 0.5, {"seeds": [1, 2]})
+    assert ticks["slo_attainment.png"] == ["fair", "static", "edf", "rmlq !1 err"]
