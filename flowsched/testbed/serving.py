@@ -425,22 +425,28 @@ def _testbed_runs(
     runs: list[dict[str, Any]],
 ) -> list[str]:
     """Every policy at every load and seed on the testbed, into ``testbed`` (and each run's
-    wall time and CPU steal into ``runs``); the errors."""
+    wall time and CPU steal into ``runs``); the errors. A run that could not start is one
+    of them, without records: the other runs go on."""
     errors: list[str] = []
     work = options.out / "work"
     for load in options.loads:
         for seed in options.seeds:
             for name in names:
                 where = f"{name}, load {load:g}, seed {seed}"
-                measured = run_live(
-                    topo,
-                    scen,
-                    load,
-                    seed,
-                    work / "policies" / f"{name}.toml",
-                    work / f"{name}-load{load:g}-seed{seed}",
-                    private=IDEAL_PRIVATE if name == IDEAL else frozenset(),
-                )
+                try:
+                    measured = run_live(
+                        topo,
+                        scen,
+                        load,
+                        seed,
+                        work / "policies" / f"{name}.toml",
+                        work / f"{name}-load{load:g}-seed{seed}",
+                        private=IDEAL_PRIVATE if name == IDEAL else frozenset(),
+                    )
+                except (RuntimeError, OSError) as exc:  # an agent or host that did not start
+                    errors.append(f"{where}: {exc}")
+                    progress.advance(f"{where}: testbed (did not start)")
+                    continue
                 testbed.setdefault((name, load), []).append(measured.records)
                 errors += [f"{where}: {e}" for e in measured.errors]
                 runs.append(

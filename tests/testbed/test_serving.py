@@ -580,3 +580,37 @@ def test_a_live_run_whose_hosts_fail_to_start_stops_its_engine(
         serving.run_live(topo, scen, 0.5, 1, policy, tmp_path / "work")
     assert not (tmp_path / "work" / "engine.sock").exists()
     assert len(tokens) == 1 and not tokens[0].parent.exists()
+
+
+@pytest.mark.usefixtures("lock_dir")
+def test_a_live_run_that_fails_to_start_is_an_error_and_the_others_go_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A live run whose agents or hosts do not start (run_live's RuntimeError) is a recorded
+    error (exit status 1) and the other runs and the report go on; it ended the whole
+    benchmark with a traceback, every finished run lost."""
+    from flowsched.cli import main
+    from flowsched.metrics import RunRecords
+
+    ran: list[Path] = []
+
+    def run_live(
+        topo: Any, scen: Any, load: float, seed: int, path: Path, *a: Any, **k: Any
+    ) -> Any:
+        ran.append(path)
+        if path.stem == "rmlq":
+            raise RuntimeError("the agent of d0 did not start: exited with status 1")
+        return serving.LiveRun(RunRecords())
+
+    monkeypatch.setattr(netns, "_build", lambda topo, dscp: None)
+    monkeypatch.setattr(netns, "cleanup", lambda prefix: [])
+    monkeypatch.setattr(netns, "probe", lambda prefix="fsE-": None)
+    monkeypatch.setattr(serving, "run_live", run_live)
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--policies", "rmlq,static+late", "--sim-policies", ""]
+    status = main(["bench", "serving", *argv])
+    err = capsys.readouterr().err
+    assert status == 1 and "Traceback" not in err
+    assert [p.stem for p in ran] == ["ideal", "rmlq", "static+late"]
+    errors = json.loads((out / "results.json").read_text())["meta"]["errors"]
+    assert errors == ["rmlq, load 0.6, seed 1: the agent of d0 did not start: exited with status 1"]
