@@ -3,8 +3,8 @@ addresses and paths made before a daemon starts, logging and the event loop.
 
 Every subcommand exits 0 on success, 1 on a failure at run time and 2 on bad input (a flag,
 a file, an address), always with one line on stderr that names the problem. A command that is
-interrupted exits 130 (``bench`` 143 on SIGTERM); the daemons treat Ctrl-C and SIGTERM as the
-request to stop and exit 0, as a service manager expects of a clean stop.
+interrupted exits 130 (``bench`` 143 on SIGTERM, 129 on SIGHUP); the daemons treat Ctrl-C and
+SIGTERM as the request to stop and exit 0, as a service manager expects of a clean stop.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ EXIT_INTERRUPTED = 130
 EXIT_STATUS_HELP = (
     "exit status: 0 success; 1 failure at run time (a daemon that failed after it started, a "
     "tc or plugin error); 2 bad input (an invalid flag, file, address or port: one line names "
-    "it); 130 interrupted by Ctrl-C (143 for bench on SIGTERM); the daemons (coordinator, "
-    "agent, up) stop cleanly on Ctrl-C or SIGTERM and exit 0."
+    "it); 130 interrupted by Ctrl-C (bench: 143 on SIGTERM, 129 on SIGHUP); the daemons "
+    "(coordinator, agent, up) stop cleanly on Ctrl-C or SIGTERM and exit 0."
 )
 
 #: longest unix socket path (sun_path is 108 bytes with its terminating NUL)

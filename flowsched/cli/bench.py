@@ -203,9 +203,9 @@ def _on_testbed(name: str, run: Callable[[], int]) -> int:
 
     try:
         errors = run()
-    except netns.Terminated:
+    except netns.Terminated as exc:
         print(f"flowsched bench {name}: terminated; the testbed was removed", file=sys.stderr)
-        return 143
+        return 128 + exc.signum
     except KeyboardInterrupt:
         print(f"flowsched bench {name}: interrupted; the testbed was removed", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -18,8 +18,9 @@ starved by its own high-priority sends. Classification is by u32 on the IP TOS b
 0xfc, so ECN bits are ignored.
 
 Everything is created inside the namespaces, so deleting the namespaces removes every link.
-:func:`testbed` tears everything down also on exceptions, Ctrl-C and SIGTERM; :func:`cleanup`
-removes the leftovers of a run that was killed (it is called before every build). A run holds
+:func:`testbed` tears everything down also on exceptions, Ctrl-C, SIGTERM and SIGHUP;
+:func:`cleanup` removes the leftovers of a run that was killed (it is called before every
+build). A run holds
 an exclusive ``flock`` on a per-prefix lock file (:func:`prefix_lock`) while it probes the
 machine (:func:`probe`) and while its testbed is up, so a second run with the same prefix is
 refused (:class:`TestbedBusy`) instead of taking the first run's live testbed for leftovers; the
@@ -558,27 +559,42 @@ def veth_pair(*ends: tuple[str, str, str]) -> None:
 
 
 class Terminated(BaseException):
-    """Raised in the main thread by SIGTERM so that ``finally`` blocks tear the testbed down."""
+    """Raised in the main thread by SIGTERM or SIGHUP (:data:`TERMINATING_SIGNALS`) so that
+    ``finally`` blocks tear the testbed down; ``signum`` is the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+#: signals whose default action would end a run with its testbed up: a stop (SIGTERM) and a
+#: closed terminal or dropped ssh session (SIGHUP)
+TERMINATING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
 def _sigterm_raises() -> Iterator[None]:
     def handler(signum: int, frame: FrameType | None) -> None:
-        raise Terminated(f"signal {signum}")
+        raise Terminated(signum)
 
     try:
-        previous = signal.signal(signal.SIGTERM, handler)
+        previous = {
+            signum: signal.signal(signum, handler)
+            for signum in TERMINATING_SIGNALS
+            if signal.getsignal(signum) != signal.SIG_IGN  # (nohup: a hangup must not stop it)
+        }
     except ValueError:  # not the main thread: the caller handles signals
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler_before in previous.items():
+            signal.signal(signum, handler_before)
 
 
 #: signals held back while the testbed is torn down
-_TEARDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_TEARDOWN_SIGNALS = (*TERMINATING_SIGNALS, signal.SIGINT)
 
 
 @contextlib.contextmanager
@@ -661,11 +677,11 @@ def testbed(
     Another live run with the same prefix: :class:`TestbedBusy`, and nothing of that run is
     touched. Otherwise leftovers of an earlier crashed run with the same prefix are removed
     first. A build that fails is a :class:`TestbedUnavailable` (what it made is removed).
-    SIGTERM is turned into an exception while the testbed is up (main thread only), so Ctrl-C,
-    SIGTERM and errors all run the teardown, and signals that arrive during the teardown wait
-    for its end. A teardown that leaves something behind raises :class:`TestbedLeftBehind`
-    (naming it), in place of whatever ended the block. ``probed=True`` skips :func:`probe` when
-    the caller has just run it (and it succeeded).
+    SIGTERM and SIGHUP are turned into an exception while the testbed is up (main thread only),
+    so Ctrl-C, SIGTERM, a hangup and errors all run the teardown, and signals that arrive during
+    the teardown wait for its end. A teardown that leaves something behind raises
+    :class:`TestbedLeftBehind` (naming it), in place of whatever ended the block.
+    ``probed=True`` skips :func:`probe` when the caller has just run it (and it succeeded).
     """
     reason = None if probed else probe(spec.prefix)
     if reason is not None:

@@ -398,3 +398,52 @@ def test_a_teardown_that_leaves_a_namespace_behind_ends_the_run_saying_so(
             raise ending
     assert raised.value.__context__ is ending
     assert ip.namespaces == {"fsU-h1"}
+
+
+#: a process holding a fake testbed (nothing built, the teardown says when it runs) that
+#: sends itself the signal named in argv[2] (with argv[3] "ignored": one it ignores, as under
+#: nohup); argv[1]: the folder of the prefix locks
+_SIGNALLED = """
+import os, signal, sys, time
+from pathlib import Path
+from flowsched.testbed import netns
+calls = []
+def cleanup(prefix):
+    calls.append(prefix)
+    if len(calls) > 1:
+        print("torn down", flush=True)
+    return []
+netns.probe = lambda prefix="fsE-": None
+netns._build = lambda topo, dscp: None
+netns.cleanup = cleanup
+netns.LOCK_DIR = Path(sys.argv[1])
+signum = getattr(signal, sys.argv[2])
+if sys.argv[3:] == ["ignored"]:
+    signal.signal(signum, signal.SIG_IGN)
+try:
+    with netns.testbed(netns.TopologySpec(prefix="fsU-")):
+        os.kill(os.getpid(), signum)
+        time.sleep(30 if sys.argv[3:] != ["ignored"] else 0.5)
+except netns.Terminated as exc:
+    print(f"terminated: signal {exc.signum}", flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("name", "ignored", "said"),
+    [
+        ("SIGTERM", False, f"torn down\nterminated: signal {signal.SIGTERM}\n"),
+        ("SIGHUP", False, f"torn down\nterminated: signal {signal.SIGHUP}\n"),
+        ("SIGHUP", True, "torn down\n"),
+    ],
+    ids=["sigterm", "sighup", "sighup-under-nohup"],
+)
+def test_a_hangup_tears_the_testbed_down_as_sigterm_does(
+    tmp_path: Path, name: str, ignored: bool, said: str
+) -> None:
+    """A closed terminal or a dropped ssh session sends SIGHUP: it killed the run with its
+    testbed up (namespaces, their processes and the agents' tables left until the next run).
+    A run under nohup (SIGHUP ignored) goes on."""
+    argv = [sys.executable, "-c", _SIGNALLED, str(tmp_path), name, *(["ignored"] * ignored)]
+    child = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert (child.returncode, child.stdout) == (0, said), child.stderr
