@@ -280,11 +280,12 @@ def _policy_names(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str,
 
 
 def _names(text: str, flag: str | None = None) -> tuple[str, ...]:
-    """The comma-separated names of ``text``; with ``flag``, policy names, a ``NAME+late``
-    of a policy that has no such variant refused under the flag's name."""
+    """The comma-separated names of ``text``, each once (a policy named twice would run twice
+    into the same folders and keep one entry in results.json); with ``flag``, policy names, a
+    ``NAME+late`` of a policy that has no such variant refused under the flag's name."""
     from flowsched.sim.run import late_problem
 
-    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
     for name in names if flag is not None else ():
         if (problem := late_problem(name)) is not None:
             raise UsageError(f"{flag}: {problem}")

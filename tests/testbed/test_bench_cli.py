@@ -182,3 +182,24 @@ def test_a_testbed_run_that_fails_to_start_is_an_error_of_its_row(
             "seed 1: the worker of h1 did not start: exited with status 1"
         ]
         assert "| fair | testbed !1 err | - |" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("argv", "policies", "sim_policies"),
+    [
+        (["--policies", "fair,rmlq,fair"], ("fair", "rmlq"), ("ideal",)),
+        (["--policies", "fair", "--sim-policies", "ideal,llf,ideal"], ("fair",), ("ideal", "llf")),
+    ],
+    ids=["policies", "sim-policies"],
+)
+def test_a_policy_named_twice_runs_once(
+    ran: list[bench.BenchOptions],
+    argv: list[str],
+    policies: tuple[str, ...],
+    sim_policies: tuple[str, ...],
+) -> None:
+    """A name given twice ran twice into the same work folder, showed two rows, and kept one
+    in results.json (keyed by policy): the other run's figures were lost without a word."""
+    argv = ["--sim-policies", "ideal", *argv] if "--sim-policies" not in argv else argv
+    assert main(["bench", "contention", "--simulate-only", *argv]) == 0
+    assert (ran[0].policies, ran[0].sim_policies) == (policies, sim_policies)
