@@ -409,11 +409,17 @@ def root_links(prefix: str, *, check: bool = False) -> list[str]:
 
 
 def shm_files(prefix: str) -> list[Path]:
-    """Files under /dev/shm whose name starts with ``prefix`` (agent tables of a run)."""
+    """Files under /dev/shm whose name starts with ``prefix`` (agent tables of a run), and the
+    hidden files an agent builds a table in (``.<table>.<random>.building``: one killed while
+    it built its table leaves its file behind)."""
     shm = Path("/dev/shm")
     if not shm.is_dir():
         return []
-    return sorted(p for p in shm.glob(f"{prefix}*") if _ours(prefix, shm=True).fullmatch(p.name))
+    table = _ours(prefix, shm=True).pattern
+    building = re.compile(rf"\.{table}\.\w+\.building")
+    found = [p for p in shm.glob(f"{prefix}*") if _ours(prefix, shm=True).fullmatch(p.name)]
+    found += [p for p in shm.glob(f".{prefix}*") if building.fullmatch(p.name)]
+    return sorted(found)
 
 
 def _kill_namespace_processes(netns: str) -> None:

@@ -447,3 +447,26 @@ def test_a_hangup_tears_the_testbed_down_as_sigterm_does(
     argv = [sys.executable, "-c", _SIGNALLED, str(tmp_path), name, *(["ignored"] * ignored)]
     child = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
     assert (child.returncode, child.stdout) == (0, said), child.stderr
+
+
+def test_the_tables_an_agent_was_building_are_the_testbeds_too() -> None:
+    """An agent killed while it built its table (a run's SIGKILL, a crash) leaves the hidden
+    file it built it in: cleanup never matched it, so it stayed in /dev/shm for good."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    prefix = f"fsU{os.getpid()}-"
+    names = [
+        f"{prefix}h1-table",
+        f".{prefix}h2-table.k3j_x9ab.building",
+        f".{prefix}h2-table.k3j_x9ab.tmp",  # not ours
+        f"{prefix}h1-tablet",  # not ours
+        f".{prefix}x-h2-table.ab12cd34.building",  # a longer prefix's
+    ]
+    try:
+        for name in names:
+            (shm / name).write_bytes(b"")
+        assert [p.name for p in netns.shm_files(prefix)] == sorted(names[:2])
+    finally:
+        for name in names:
+            (shm / name).unlink(missing_ok=True)
