@@ -220,6 +220,8 @@ def run_live(
     assert scen.serving is not None
     cfg = policyfile.load(policy_path)
     workdir.mkdir(parents=True, exist_ok=True)
+    for journal in workdir.glob("host-*.json"):  # an earlier run's: a host that writes none
+        journal.unlink()  # (killed, crashed) must not pass its errors or flows off as this run's
     topo.configure_classes([m.dscp for m in cfg.levels])
     hosts = node_hosts(topo, scen)
     trace = scenario.serving_trace(scen.serving, load, seed)
@@ -286,7 +288,11 @@ def journal_errors(workdir: Path, reported: set[int]) -> list[str]:
     (those the engine heard of already), each named with its host."""
     errors = []
     for path in sorted(workdir.glob("host-*.json")):
-        events = json.loads(path.read_text(encoding="utf-8") or "[]")
+        try:
+            events = json.loads(path.read_text(encoding="utf-8") or "[]")
+        except (OSError, ValueError) as exc:  # a host killed while it wrote it
+            errors.append(f"{path.stem}: journal unreadable ({exc})")
+            continue
         errors += [
             f"{path.stem}: flow {e['id']}: {e['error']}"
             for e in events

@@ -233,6 +233,10 @@ def test_journal_errors_skip_the_flows_the_engine_reported(tmp_path: Path) -> No
         "host-h2: flow -1: channel lost",
     ]
     assert len(serving.journal_errors(tmp_path, set())) == 3
+    # a host killed while it wrote its journal: an error of the run, not a traceback
+    (tmp_path / "host-h4.json").write_text('[{"kind": "open", "id": 7, "t"')
+    (unreadable,) = [e for e in serving.journal_errors(tmp_path, {5}) if "host-h4" in e]
+    assert unreadable.startswith("host-h4: journal unreadable (")
 
 
 def test_engine_times_out_naming_the_flows_in_flight(
@@ -394,6 +398,12 @@ def test_live_run_serves_every_request_through_the_real_agents(tmp_path: Path) -
 def test_live_ideal_bound_sends_only_the_all_to_all(tmp_path: Path) -> None:
     from flowsched.sim.run import IDEAL_PRIVATE
 
+    # an earlier run's journal in the same folder (a host that writes none this time: killed,
+    # crashed) must not pass its errors and flows off as this run's
+    stale = tmp_path / "work" / "host-zz.json"
+    stale.parent.mkdir()
+    stale.write_text(json.dumps([{"kind": "open", "id": 1, "t": 0.0},
+                                 {"kind": "error", "id": 2, "error": "from before"}]))  # fmt: skip
     run, rate = live_tiny_run(tmp_path, "static", "fsE-si-", IDEAL_PRIVATE)
     assert run.errors == []
     assert all(r.finished is not None for r in run.records.requests)
