@@ -19,6 +19,7 @@ from flowsched import policyfile, rundir
 from flowsched.agent import AgentConfig, ReadyInfo, default_table_path
 from flowsched.agent import serve as serve_agent
 from flowsched.agent.config import AgentConfigError, default_socket_path
+from flowsched.agent.sdk_server import SocketPathError
 from flowsched.cli._common import (
     AGENT_METRICS_PORT,
     COORDINATOR_METRICS_PORT,
@@ -34,6 +35,7 @@ from flowsched.coordinator import Addresses, CoordinatorConfig
 from flowsched.coordinator import serve as serve_coordinator
 from flowsched.policyfile import PolicyFileError
 from flowsched.protocol import DEFAULT_TOKEN_PATH, TokenFileError, load_token, write_token
+from flowsched.shm.table import TableError
 from flowsched.signals import wait_for_signal
 
 
@@ -131,7 +133,10 @@ def _run(args: argparse.Namespace) -> int:
         return fail(PROG, policyfile.problem("--policy", args.policy, exc))
     except (TokenFileError, ValueError, OSError, rundir.RuntimeDirError) as exc:
         return fail(PROG, str(exc))
-    return run_daemon(PROG, lambda: _up(coord, agent_cfg), args.no_uvloop)
+    try:
+        return run_daemon(PROG, lambda: _up(coord, agent_cfg), args.no_uvloop)
+    except (TableError, SocketPathError, PermissionError) as exc:  # as flowsched agent does:
+        return fail(PROG, str(exc))  # a table or socket in the way, found as the agent starts
 
 
 PROG = "flowsched up"

@@ -262,3 +262,28 @@ def test_an_agent_starts_while_dns_cannot_answer(
     else:
         with pytest.raises(UsageError, match="--coordinator: cannot resolve host"):
             check_coordinators_resolve(hosts)
+
+
+#: a table or socket path that the agent refuses only once it starts (after the checks): a
+#: directory, or a file that is not a flow table / not a socket
+IN_THE_WAY = {
+    "table-a-directory": (["--table", "{dir}/adir"], "cannot open flow table {dir}/adir"),
+    "table-not-a-table": (["--table", "{dir}/text"], "flow table {dir}/text has size 5"),
+    "socket-a-directory": (["--socket", "{dir}/adir"], "{dir}/adir exists and is not a socket"),
+    "socket-a-file": (["--socket", "{dir}/text"], "{dir}/text exists and is not a socket"),
+}
+
+
+@pytest.mark.parametrize("command", ["agent", "up"])
+@pytest.mark.parametrize(("args", "message"), list(IN_THE_WAY.values()), ids=list(IN_THE_WAY))
+def test_a_table_or_socket_in_the_way_exits_2_with_one_line(
+    command: str, args: list[str], message: str, workdir: Path, taken_port: int
+) -> None:
+    (workdir / "adir").mkdir()
+    (workdir / "text").write_text("hello")
+    base = [*AGENT, "--log-level", "WARNING"] if command == "agent" else UP
+    proc = _run([*base, *args], workdir, taken_port)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert message.replace("{dir}", str(workdir)) in proc.stderr
