@@ -273,7 +273,7 @@ def preflight(config: AgentConfig, metrics_flag: str = "--metrics-port") -> None
 
 def _is_default_table(path: str) -> bool:
     try:
-        return path == default_table_path()
+        return os.path.abspath(path) == os.path.abspath(default_table_path())  # up's is absolute
     except rundir.RuntimeDirError:
         return False  # there is no usable default (a long XDG_RUNTIME_DIR): the path was given
 

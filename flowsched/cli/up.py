@@ -146,8 +146,9 @@ def _agent_config(args: argparse.Namespace, token_file: str, policy: str | None)
     # checked before anything starts; the coordinator's address is filled in once it listens
     return AgentConfig(
         node=args.node,
-        socket_path=args.socket or default_socket_path(),
-        table_path=args.table or default_table_path(),
+        # absolute: they go into the exports, which jobs in other directories paste
+        socket_path=os.path.abspath(args.socket or default_socket_path()),
+        table_path=os.path.abspath(args.table or default_table_path()),
         token_file=token_file,
         policy_text=policy,
         metrics_port=args.agent_metrics_port,
