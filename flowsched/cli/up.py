@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import os
 import shlex
 import socket
@@ -23,6 +24,7 @@ from flowsched.agent.sdk_server import SocketPathError
 from flowsched.cli._common import (
     AGENT_METRICS_PORT,
     COORDINATOR_METRICS_PORT,
+    UsageError,
     check_bindable,
     fail,
     host_port,
@@ -78,11 +80,19 @@ def register(sub: Any) -> None:
 
 
 def ensure_token(path: str | None) -> str:
-    """The token file path, creating a fresh token (mode 0600) if the file does not exist."""
+    """The token file path, creating a fresh token (mode 0600) if the file does not exist.
+
+    Raises:
+        UsageError: it cannot be created (a file where a directory should be, no permission).
+    """
     resolved = Path(os.path.expanduser(path or str(DEFAULT_TOKEN_PATH)))
     if not resolved.exists():
-        resolved.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        write_token(resolved)
+        try:
+            resolved.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_token(resolved)
+        except OSError as exc:  # mkdir says "File exists" of a file among the parents
+            reason = "a parent is not a directory" if exc.errno == errno.EEXIST else exc.strerror
+            raise UsageError(f"--token-file {resolved}: cannot create it ({reason})") from None
     load_token(resolved)  # refuses loose permissions
     return str(resolved)
 

@@ -139,6 +139,9 @@ CASES = {
         [*UP, "--policy", "{dir}/nope.toml"], "--policy {dir}/nope.toml: cannot read"),
     "up-invalid-policy": (
         [*UP, "--policy", "{dir}/bad.toml"], "--policy {dir}/bad.toml: classes.kv.deadline"),
+    "up-token-file-under-a-file": (
+        [*UP, "--token-file", "{dir}/bad.toml/token"],
+        "--token-file {dir}/bad.toml/token: cannot create it"),
     # flowsched flows
     "flows-table-missing": (["flows", "--table", "{dir}/table"], "cannot open flow table"),
     "flows-interval-negative": (["flows", "--interval", "-1"], "--interval"),
