@@ -37,11 +37,21 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _SUBCOMMANDS:
         importlib.import_module(f"flowsched.cli.{name}").register(sub)
-    for command in sub.choices.values():  # --version and the exit codes on every subcommand
-        if "--version" not in command._option_string_actions:
-            add_version(command)
-        command.epilog = command.epilog or EXIT_STATUS_HELP
+    _add_version_and_exit_statuses(parser)
     return parser
+
+
+def _add_version_and_exit_statuses(parser: argparse.ArgumentParser) -> None:
+    """--version and the exit codes on every subcommand and every action of one
+    (``flowsched bench serving``), but not where ``--version`` is a flag of its own."""
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for command in action.choices.values():
+            if "--version" not in command._option_string_actions:
+                add_version(command)
+            command.epilog = command.epilog or EXIT_STATUS_HELP
+            _add_version_and_exit_statuses(command)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

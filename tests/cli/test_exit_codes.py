@@ -189,7 +189,11 @@ def test_privileged_port_is_named(command: str, workdir: Path, taken_port: int) 
 
 @pytest.mark.parametrize(
     "command", [[], ["up"], ["coordinator"], ["agent"], ["flows"], ["sim"], ["bench"],
-                ["policy"], ["plugin"], ["qos"]],
+                ["policy"], ["plugin"], ["qos"], ["plugin-path"],
+                # the actions of a subcommand too (``plugin info --version N`` is its own flag)
+                ["bench", "contention"], ["bench", "serving"], ["policy", "check"],
+                ["policy", "show"], ["policy", "list"], ["plugin", "path"], ["qos", "apply"],
+                ["qos", "show"], ["qos", "clear"]],
 )  # fmt: skip
 def test_version_everywhere(command: list[str], workdir: Path, taken_port: int) -> None:
     proc = _run([*command, "--version"], workdir, taken_port)
@@ -197,8 +201,11 @@ def test_version_everywhere(command: list[str], workdir: Path, taken_port: int) 
     assert proc.stdout.startswith(f"flowsched {flowsched.__version__} ")
 
 
-def test_help_documents_the_exit_statuses(workdir: Path, taken_port: int) -> None:
-    proc = _run(["--help"], workdir, taken_port)
+@pytest.mark.parametrize("command", [[], ["bench", "serving"], ["policy", "check"]])
+def test_help_documents_the_exit_statuses(
+    command: list[str], workdir: Path, taken_port: int
+) -> None:
+    proc = _run([*command, "--help"], workdir, taken_port)
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
     assert "exit status: 0 success; 1 failure at run time" in text
