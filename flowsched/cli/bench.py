@@ -14,6 +14,7 @@ from flowsched.cli._common import (
     EXIT_OK,
     UsageError,
     finite_fractions,
+    positive_int,
     prepare_out_dir,
 )
 
@@ -100,7 +101,7 @@ def register(sub: Any) -> None:
         help="policies run a second time with the other control plane (e.g. rmlq; default none)",
     )
     contention.add_argument(
-        "--switch-queue-kb", type=int, default=256, help="switch queue per class (kB)"
+        "--switch-queue-kb", type=positive_int, default=256, help="switch queue per class (kB)"
     )
     contention.add_argument(
         "--simulate-only",
@@ -238,6 +239,16 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         if name != IDEAL:
             bench.policy_config(name)
     params = _params(args)
+    try:
+        spec = netns.TopologySpec(
+            hosts=params.hosts,
+            rate_mbit=args.rate_mbit,
+            min_share=args.min_share,
+            switch_queue_bytes=args.switch_queue_kb * 1000,
+        )
+    except ValueError as exc:  # it names its field (rate_mbit: ...): name the flag
+        field, _, problem = str(exc).partition(":")
+        raise UsageError(f"{_SPEC_FLAGS.get(field, field)}:{problem}") from None
     out = prepare_out_dir("--out", args.out)  # now, not after the runs
     return bench.BenchOptions(
         out=out,
@@ -245,18 +256,17 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         params=params,
         seed=args.seed,
         seeds=args.seeds,
-        spec=netns.TopologySpec(
-            hosts=params.hosts,
-            rate_mbit=args.rate_mbit,
-            min_share=args.min_share,
-            switch_queue_bytes=args.switch_queue_kb * 1000,
-        ),
+        spec=spec,
         simulate_only=args.simulate_only,
         control=args.control,
         ablation_policies=ablation,
         sim_policies=sim_policies,
         command=bench.command_line(sys.argv[3:] if len(sys.argv) > 3 else []),
     )
+
+
+#: TopologySpec fields that ``bench contention`` sets from flags
+_SPEC_FLAGS = {"rate_mbit": "--rate-mbit", "min_share": "--min-share"}
 
 
 def _policy_names(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ...]]:

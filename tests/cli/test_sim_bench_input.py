@@ -44,6 +44,14 @@ CASES = {
     "contention-out-is-a-file": (
         ["bench", "contention", "--simulate-only", "--out", "{file}"], "--out"),
     "contention-load-too-high": (["bench", "contention", "--load", "2"], "testbed.load"),
+    "contention-rate-negative": (
+        ["bench", "contention", "--rate-mbit", "-5"], "--rate-mbit: -5.0 is outside 1..10000"),
+    "contention-rate-nan": (["bench", "contention", "--rate-mbit", "nan"], "--rate-mbit"),
+    "contention-min-share-too-high": (
+        ["bench", "contention", "--min-share", "0.5"], "--min-share: 0.5 is outside 0..0.2"),
+    "contention-switch-queue-negative": (
+        ["bench", "contention", "--switch-queue-kb", "-1"], "--switch-queue-kb: expected an "
+        "integer >= 1, got '-1'"),
     "contention-scenario-not-toml": (
         ["bench", "contention", "--scenario", "{nottoml}"], "{nottoml}: invalid TOML"),
     "contention-scenario-not-utf8": (
