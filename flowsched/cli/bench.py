@@ -166,10 +166,10 @@ def _serving(args: argparse.Namespace) -> int:
         loads = finite_fractions("--loads", args.loads, MAX_SERVING_LOAD)
         options = serving.ServingOptions(
             out=prepare_out_dir("--out", args.out),
-            policies=_names(args.policies, "--policies"),
+            policies=_serving_names(args.policies, "--policies"),
             loads=tuple(loads),
             seeds=tuple(range(args.seed, args.seed + args.seeds)),
-            sim_policies=_names(args.sim_policies, "--sim-policies"),
+            sim_policies=_serving_names(args.sim_policies, "--sim-policies"),
             simulate_only=args.simulate_only,
             command="flowsched bench serving " + " ".join(sys.argv[3:]),
         )
@@ -180,9 +180,25 @@ def _serving(args: argparse.Namespace) -> int:
             return len(errors)
 
         return _on_testbed("serving", run)
-    except (OSError, ValueError) as exc:  # policy names are checked as the run starts
+    except (OSError, ValueError) as exc:
         print(f"flowsched bench serving: {exc}", file=sys.stderr)
         return 2
+
+
+def _serving_names(text: str, flag: str) -> tuple[str, ...]:
+    """``_names``, each a policy the serving benchmark writes a file for (or ``ideal``);
+    UsageError under ``flag`` otherwise, before the run (which would not say which flag)."""
+    from flowsched.sim.run import IDEAL
+    from flowsched.testbed import serving
+
+    names = _names(text, flag)
+    for name in names:
+        try:
+            if name != IDEAL:
+                serving.policy_document(name)
+        except ValueError as exc:
+            raise UsageError(f"{flag}: {exc}") from None
+    return names
 
 
 def _contention(args: argparse.Namespace) -> int:

@@ -63,6 +63,12 @@ CASES = {
     "serving-loads-nan": (["bench", "serving", "--loads", "nan"], "--loads"),
     "serving-loads-not-a-number": (["bench", "serving", "--loads", "x"], "--loads"),
     "serving-seeds-zero": (["bench", "serving", "--seeds", "0"], "--seeds"),
+    "serving-unknown-policy": (
+        ["bench", "serving", "--simulate-only", "--policies", "rmlq,nosuch"],
+        "--policies: unknown policy 'nosuch'"),
+    "serving-unknown-sim-policy": (
+        ["bench", "serving", "--simulate-only", "--sim-policies", "nosuch"],
+        "--sim-policies: unknown policy 'nosuch'"),
     "serving-out-is-a-file": (
         ["bench", "serving", "--simulate-only", "--loads", "0.5,0.6,0.7", "--seeds", "3",
          "--out", "{file}"], "--out"),
