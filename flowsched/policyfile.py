@@ -153,9 +153,10 @@ def load(path: str | Path) -> PolicyConfig:
 def read_text(path: str | Path) -> str:
     """The text of the policy file at ``path``; :class:`PolicyFileError` ``cannot read: ...``
     when it is missing, a directory, unreadable or not UTF-8 (like every other error, it does
-    not name the file: whoever reports it does)."""
+    not name the file: whoever reports it does). A byte-order mark (an editor's UTF-8 BOM),
+    which TOML does not take, is dropped."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return Path(path).read_text(encoding="utf-8-sig")
     except OSError as exc:
         raise PolicyFileError([f"cannot read: {exc.strerror or exc}"]) from None
     except UnicodeDecodeError as exc:

@@ -219,7 +219,7 @@ def load(name_or_path: str) -> Scenario:
     """Read and validate a scenario file (path or bundled name)."""
     path = resolve(name_or_path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # (an editor's byte-order mark dropped)
     except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         raise ScenarioError([f"{path}: cannot read: {reason}"]) from None

@@ -394,3 +394,14 @@ def test_to_toml_round_trips(document: dict[str, Any]) -> None:
 def test_to_toml_refuses_what_toml_cannot_hold() -> None:
     with pytest.raises(TypeError, match="cannot write NoneType as TOML"):
         policyfile.to_toml({"a": None})
+
+
+def test_a_file_an_editor_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    """Windows editors save UTF-8 with a BOM, which TOML refuses: the file was 'invalid TOML:
+    Invalid statement (at line 1, column 1)' for a mark the user cannot see."""
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + (ROOT / "policies" / "default.toml").read_bytes())
+    assert (
+        policyfile.load(path).policy == policyfile.load(ROOT / "policies" / "default.toml").policy
+    )
+    assert not policyfile.read_text(path).startswith("\ufeff")  # nor in what agents are sent

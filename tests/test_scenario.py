@@ -213,3 +213,11 @@ def test_a_load_without_a_meaning_is_refused(load: float) -> None:
     assert rl is not None
     with pytest.raises(ValueError, match="load: expected a finite number > 0"):
         scenario.rl_plan(rl, load)
+
+
+def test_a_scenario_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    bundled = scenario.resolve("pd-serving")
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + bundled.read_bytes())
+    loaded, bundled_scenario = scenario.load(str(path)), scenario.load("pd-serving")
+    assert dataclasses.replace(loaded, path=bundled_scenario.path) == bundled_scenario

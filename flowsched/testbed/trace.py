@@ -129,7 +129,7 @@ def load_params(
     source = "<defaults>"
     if path is not None:
         try:
-            document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+            document = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))  # BOM dropped
         except UnicodeDecodeError as exc:
             raise ValueError(f"{path}: cannot read: not UTF-8 text ({exc.reason})") from None
         except tomllib.TOMLDecodeError as exc:
