@@ -205,12 +205,8 @@ def _flag_named(message: str) -> str:
 
 
 def _print_ready(addresses: Addresses) -> None:
-    metrics = (
-        "off"
-        if addresses.metrics_port is None
-        else f"{addresses.metrics_host}:{addresses.metrics_port}"
-    )
     print(
-        f"flowsched-coordinator listening on {addresses.host}:{addresses.port} metrics {metrics}",
+        f"flowsched-coordinator listening on {addresses.listen_text()} metrics "
+        f"{addresses.metrics_text()}",
         flush=True,
     )

@@ -33,6 +33,20 @@ class Addresses:
     metrics_host: str | None
     metrics_port: int | None
 
+    def listen_text(self) -> str:
+        """``host:port`` as ``--coordinator`` takes it (an IPv6 host in brackets)."""
+        return _host_port(self.host, self.port)
+
+    def metrics_text(self) -> str:
+        """Where the metrics are served (``host:port``, as above), or ``off``."""
+        if self.metrics_port is None:
+            return "off"
+        return _host_port(self.metrics_host or "", self.metrics_port)
+
+
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
 
 @dataclass(slots=True)
 class CoordinatorConfig:

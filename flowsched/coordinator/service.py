@@ -245,8 +245,8 @@ class Coordinator:
             if warning is not None:
                 log.warning("%s", warning)
         self.addresses = Addresses(host, port, metrics_host, metrics_port)
-        metrics_at = "off" if metrics_port is None else f"{metrics_host}:{metrics_port}"
-        log.info("listening on %s:%s, metrics %s", host, port, metrics_at)
+        log.info("listening on %s, metrics %s", self.addresses.listen_text(),
+                 self.addresses.metrics_text())  # fmt: skip
         return self.addresses
 
     async def stop(self) -> None:

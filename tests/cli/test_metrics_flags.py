@@ -97,13 +97,19 @@ def test_default_ports_are_outside_the_prometheus_allocations() -> None:
 
 
 @pytest.mark.parametrize(
-    ("metrics", "expected"),
-    [((None, None), "metrics off"), (("127.0.0.1", 19711), "metrics 127.0.0.1:19711")],
+    ("host", "metrics", "expected"),
+    [
+        ("127.0.0.1", (None, None), "127.0.0.1:7711 metrics off"),
+        ("127.0.0.1", ("127.0.0.1", 19711), "127.0.0.1:7711 metrics 127.0.0.1:19711"),
+        # in brackets (RFC 3986), as a copied address is read unambiguously: ::1:7711 was printed
+        ("::1", ("::", 19711), "[::1]:7711 metrics [::]:19711"),
+    ],
 )
-def test_the_coordinators_ready_line_says_where_its_metrics_are(
-    metrics: tuple[str | None, int | None], expected: str, capsys: pytest.CaptureFixture[str]
+def test_the_coordinators_ready_line_says_where_it_and_its_metrics_are(
+    host: str,
+    metrics: tuple[str | None, int | None],
+    expected: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    _print_ready(Addresses("127.0.0.1", 7711, *metrics))
-    assert (
-        capsys.readouterr().out == f"flowsched-coordinator listening on 127.0.0.1:7711 {expected}\n"
-    )
+    _print_ready(Addresses(host, 7711, *metrics))
+    assert capsys.readouterr().out == f"flowsched-coordinator listening on {expected}\n"
