@@ -207,3 +207,22 @@ def test_a_policy_named_twice_runs_once(
     argv = ["--sim-policies", "ideal", *argv] if "--sim-policies" not in argv else argv
     assert main(["bench", "contention", "--simulate-only", *argv]) == 0
     assert (ran[0].policies, ran[0].sim_policies) == (policies, sim_policies)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--simulate-only"], "flowsched bench contention: terminated\n"),
+        ([], "flowsched bench contention: terminated; the testbed was removed\n"),
+    ],
+    ids=["simulate-only", "testbed"],
+)
+def test_a_stop_speaks_of_a_testbed_only_where_one_ran(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], argv: list[str], said: str
+) -> None:
+    def stopped(options: bench.BenchOptions, *args: Any) -> list[Any]:
+        raise netns.Terminated(15)
+
+    monkeypatch.setattr(bench, "run", stopped)
+    assert main(["bench", "contention", *argv]) == 143
+    assert capsys.readouterr().err == said
