@@ -318,10 +318,11 @@ def test_cli_refuses_what_show_cannot_handle(tmp_path: Path) -> None:
     bad.write_text(
         MINIMAL + "[policy.args]\nurgent_levels = 3\nearly_levels = 2\nurgent_ratio = 1e200\n"
     )
-    for action in ("check", "show"):
+    for action, stream in (("check", "stdout"), ("show", "stderr")):  # check's verdicts: stdout
         result = run_cli(action, str(bad))
         assert result.returncode == 2, result.stdout + result.stderr
-        assert f"{bad}: policy.args.urgent_ratio: expected a number in" in result.stdout
+        said = getattr(result, stream)
+        assert f"{bad}: policy.args.urgent_ratio: expected a number in" in said
         assert "Traceback" not in result.stderr
 
 

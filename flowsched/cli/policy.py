@@ -15,6 +15,7 @@ A FILE that does not exist but names a shipped policy file (``pd-serving`` or
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -106,9 +107,9 @@ def run_show(args: argparse.Namespace) -> int:
     """Print the level table and class rules of one file."""
     try:
         config = policyfile.load(resolve(args.file)) if args.file else policyfile.embedded_default()
-    except PolicyFileError as exc:
-        for error in exc.errors:
-            print(f"{args.file}: {error}")
+    except PolicyFileError as exc:  # on stderr, as every command's bad input (check's verdicts
+        for error in exc.errors:  # are its report: stdout)
+            print(f"{args.file}: {error}", file=sys.stderr)
         return EXIT_INVALID
     print("\n".join(describe(config)))
     return 0
