@@ -43,6 +43,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import numbers
 import operator
 import os
@@ -907,15 +908,20 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _byte_count(value: int, name: str) -> int:
-    """``value`` as a byte count the protocol carries (0..2**64-1).
+    """``value`` as a byte count the protocol carries (0..2**64-1): an integer (numpy's too),
+    or a float that holds a whole number (sizes computed in floating point).
 
     Raises:
-        ValueError: naming ``name``.
+        ValueError: naming ``name``: not a whole number (3.7 was cut to 3 and "12" read as
+            12), NaN, an infinity, or out of range.
     """
-    try:
+    count = -1
+    if isinstance(value, bool):  # (an int, but surely a mistake)
+        pass
+    elif isinstance(value, numbers.Integral):
+        count = operator.index(value)
+    elif isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
         count = int(value)
-    except (TypeError, ValueError, OverflowError):  # None, NaN, an infinity: say which argument
-        count = -1
     if not 0 <= count <= U64_MAX:
         raise ValueError(f"{name} must be a byte count in 0..2**64-1, got {value!r}")
     return count

@@ -181,8 +181,23 @@ def test_add_bytes_counts_every_call_of_every_thread() -> None:
         (lambda h: h.progress(float("nan")), "sent must be a byte count"),
         (lambda h: h.add_bytes(float("-inf")), "nbytes must be a byte count"),
         (lambda h: h.progress(None), "sent must be a byte count"),
+        (lambda h: h.progress(3.7), "sent must be a byte count"),  # was cut to 3
+        (lambda h: h.progress("12"), "sent must be a byte count"),  # was read as 12
+        (lambda h: h.add_bytes(True), "nbytes must be a byte count"),
     ],
-    ids=["beyond-u64", "negative", "negative-add", "total", "inf", "nan", "-inf-add", "none"],
+    ids=[
+        "beyond-u64",
+        "negative",
+        "negative-add",
+        "total",
+        "inf",
+        "nan",
+        "-inf-add",
+        "none",
+        "fraction",
+        "string",
+        "bool",
+    ],
 )
 def test_byte_counts_out_of_range_raise_and_leave_the_flow_closable(
     scripted: ScriptedAgent, call: Callable[[client.FlowHandle], object], words: str
