@@ -249,9 +249,64 @@ def parse(text: str, path: str | None = None) -> Scenario:
     }
     if built.get("serving") is not None:
         errors += _serving_errors(built["serving"])
+    if not errors:
+        errors += _node_errors(built.get("serving"), built.get("rl"))
     if errors:
         raise ScenarioError(errors)
     return Scenario(path=path, **built)
+
+
+def nodes(
+    serving: ServingSection | None, rl: RlSection | None
+) -> list[tuple[str, int, float, str]]:
+    """Every node the workloads name, in order: (name, NICs, NIC Gb/s, the key naming it).
+
+    Roles that name the same node (a mixed scenario's decode servers that are the RL rollout
+    nodes) share its links, so they must agree on its NICs.
+    """
+    out: list[tuple[str, int, float, str]] = []
+    if (s := serving) is not None:
+        prefill = s.instances * s.servers_per_instance
+        out += [
+            (f"{s.prefill_prefix}{i}", s.nics_per_server, s.nic_gbps, "serving.prefill_prefix")
+            for i in range(prefill)
+        ]
+        out += [
+            (f"{s.decode_prefix}{i}", s.decode_nics, s.nic_gbps, "serving.decode_prefix")
+            for i in range(s.decode_servers)
+        ]
+        out += [
+            (f"{s.kv_store_prefix}{i}", s.kv_store_nics, s.nic_gbps, "serving.kv_store_prefix")
+            for i in range(s.kv_store_nodes)
+        ]
+    if (r := rl) is not None:
+        out += [
+            (f"{r.trainer_prefix}{i}", r.nics_per_node, r.nic_gbps, "rl.trainer_prefix")
+            for i in range(r.trainer_nodes)
+        ]
+        out += [
+            (f"{r.rollout_prefix}{i}", r.nics_per_node, r.nic_gbps, "rl.rollout_prefix")
+            for i in range(r.rollout_nodes)
+        ]
+    return out
+
+
+def _node_errors(serving: ServingSection | None, rl: RlSection | None) -> list[str]:
+    """A node named by two roles with different NICs: the run would give it one role's
+    (the NIC count failed the run, a different rate silently applied the first role's)."""
+    seen: dict[str, tuple[int, float, str]] = {}
+    errors: list[str] = []
+    reported: set[tuple[str, str]] = set()
+    for node, nics, gbps, key in nodes(serving, rl):
+        first = seen.setdefault(node, (nics, gbps, key))
+        if first[:2] != (nics, gbps) and (first[2], key) not in reported:
+            reported.add((first[2], key))  # one error per pair of roles, not per node
+            errors.append(
+                f"{key}: node {node} is also named by {first[2]} with {first[0]} NIC(s) at "
+                f"{first[1]:g} Gb/s, here {nics} at {gbps:g} Gb/s (a node shared by two roles "
+                "needs the same NICs)"
+            )
+    return errors
 
 
 def _serving_errors(cfg: ServingSection) -> list[str]:

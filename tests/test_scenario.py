@@ -81,6 +81,25 @@ BAD_FILES = [
         MINIMAL + "cached_groups = 20\nkv_store_nodes = 1\n",
         "serving.cached_groups: 20 is more than serving.prefix_groups (16)",
     ),
+    # a node named by two roles gets one set of links: they must agree on its NICs (the NIC
+    # count failed the run with a traceback, the rate silently took the first role's)
+    (
+        "shared-node-nics",
+        MINIMAL + 'decode_prefix = "r"\ndecode_nics = 1\n[rl]\nrollout_prefix = "r"\n',
+        "rl.rollout_prefix: node r0 is also named by serving.decode_prefix with 1 NIC(s) at "
+        "100 Gb/s, here 2 at 100 Gb/s",
+    ),
+    (
+        "shared-node-rate",
+        MINIMAL + 'decode_prefix = "r"\n[rl]\nrollout_prefix = "r"\nnic_gbps = 200.0\n',
+        "rl.rollout_prefix: node r0 is also named by serving.decode_prefix with 2 NIC(s) at "
+        "100 Gb/s, here 2 at 200 Gb/s",
+    ),
+    (
+        "prefill-is-decode",
+        MINIMAL + 'decode_prefix = "p"\ndecode_nics = 1\n',
+        "serving.decode_prefix: node p0 is also named by serving.prefill_prefix",
+    ),
 ]
 
 

@@ -11,7 +11,7 @@ from flowsched import policies
 from flowsched.metrics import RunMetrics, RunRecords, summarize
 from flowsched.model import FlowClass
 from flowsched.policies.base import Policy
-from flowsched.scenario import Request, Scenario, rl_plan, serving_trace
+from flowsched.scenario import Request, Scenario, nodes, rl_plan, serving_trace
 from flowsched.sim.engine import SimConfig, Simulator
 from flowsched.sim.rl import RlWorkload
 from flowsched.sim.serving import ServingWorkload
@@ -127,35 +127,13 @@ def build_topology(scenario: Scenario) -> Topology:
     """Every node the scenario's workloads use; workloads naming the same node share links."""
     oversub = scenario.sim.oversubscription or None
     topo = Topology(oversubscription=oversub)
-    for node, nics, gbps in _nodes(scenario):
+    for node, nics, gbps, _ in nodes(scenario.serving, scenario.rl):
         if node in topo.nodes:
-            if topo.nodes[node] != nics:
-                raise ValueError(f"node {node}: workloads disagree on its NIC count")
+            if topo.nodes[node] != nics or topo.capacity[f"{node}.nic0.tx"] != gbps * 1e9 / 8:
+                raise ValueError(f"node {node}: workloads disagree on its NICs")
             continue
         topo.add_node(node, nics, gbps)
     return topo
-
-
-def _nodes(scenario: Scenario) -> list[tuple[str, int, float]]:
-    nodes: list[tuple[str, int, float]] = []
-    if (s := scenario.serving) is not None:
-        prefill = s.instances * s.servers_per_instance
-        nodes += [(f"{s.prefill_prefix}{i}", s.nics_per_server, s.nic_gbps) for i in range(prefill)]
-        nodes += [
-            (f"{s.decode_prefix}{i}", s.decode_nics, s.nic_gbps) for i in range(s.decode_servers)
-        ]
-        nodes += [
-            (f"{s.kv_store_prefix}{i}", s.kv_store_nics, s.nic_gbps)
-            for i in range(s.kv_store_nodes)
-        ]
-    if (r := scenario.rl) is not None:
-        nodes += [
-            (f"{r.trainer_prefix}{i}", r.nics_per_node, r.nic_gbps) for i in range(r.trainer_nodes)
-        ]
-        nodes += [
-            (f"{r.rollout_prefix}{i}", r.nics_per_node, r.nic_gbps) for i in range(r.rollout_nodes)
-        ]
-    return nodes
 
 
 def sim_config(scenario: Scenario, spec: PolicySpec) -> SimConfig:

@@ -9,7 +9,7 @@ from sim_helpers import SMALL_RL
 
 from flowsched import scenario
 from flowsched.scenario import Request
-from flowsched.sim.run import PolicySpec, run
+from flowsched.sim.run import PolicySpec, build_topology, run
 
 SMALL_SERVING = """
 [scenario]
@@ -212,3 +212,13 @@ def test_router_weighs_instances_by_their_load(
     flows = run(scen, PolicySpec("fair"), load=1.0, trace=requests).records.flows
     served = {f.request: int(f.job.split("/")[0][1:]) for f in flows if f.cls == "kv"}
     assert [served[f"r{i}"] for i in range(len(trace))] == expected
+
+
+def test_a_mixed_scenario_whose_shared_nodes_agree_runs_on_one_set_of_links() -> None:
+    """Roles naming the same node with the same NICs share its links (mixed.toml's rule)."""
+    scen = scenario.parse(
+        '[scenario]\nname = "m"\n[serving]\nrequests = 2\nwarmup_requests = 0\n'
+        'decode_prefix = "r"\n[rl]\nrollout_prefix = "r"\niterations = 2\n'
+    )
+    topo = build_topology(scen)
+    assert [n for n in topo.nodes if n.startswith("r")] == ["r0", "r1", "r2", "r3"]
