@@ -163,6 +163,8 @@ def _serving(args: argparse.Namespace) -> int:
     try:
         if args.seeds < 1:
             raise UsageError(f"--seeds: expected at least 1, got {args.seeds}")
+        if args.seed < 0:  # random.Random(-n) is random.Random(n): a seed twice
+            raise UsageError(f"--seed: expected at least 0, got {args.seed}")
         loads = finite_fractions("--loads", args.loads, MAX_SERVING_LOAD)
         options = serving.ServingOptions(
             out=prepare_out_dir("--out", args.out),
@@ -253,6 +255,8 @@ def _options(args: argparse.Namespace) -> BenchOptions:
 
     if args.seeds < 1:
         raise ValueError("--seeds must be at least 1")
+    if args.seed < 0:  # random.Random(-n) is random.Random(n): a seed twice
+        raise ValueError("--seed must be at least 0")
     policies, ablation = _policy_names(args)
     sim_policies = tuple(
         n for n in _names(args.sim_policies, "--sim-policies") if n not in policies

@@ -176,6 +176,9 @@ def _run(args: argparse.Namespace) -> int:
         loads = _floats(args.loads)
         if args.seeds < 1:
             raise BadInput(f"flowsched sim: --seeds: expected at least 1, got {args.seeds}")
+        if args.seed is not None and args.seed < 0:
+            # random.Random(-n) is random.Random(n): --seed -1 --seeds 3 pooled one trace twice
+            raise BadInput(f"flowsched sim: --seed: expected at least 0, got {args.seed}")
         runs = specs(names, args.policy_file, scen.sim.num_levels)
         if args.out is not None:  # now: a bad --out must not wait for the end of the runs
             try:

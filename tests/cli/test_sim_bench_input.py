@@ -36,6 +36,13 @@ CASES = {
     "sim-missing-policy-file": (
         ["sim", "pd-serving", "--policy-file", "{dir}/nope.toml"], "--policy-file"),
     "sim-seeds-zero": (["sim", "pd-serving", "--seeds", "0"], "--seeds"),
+    # random.Random(-n) is random.Random(n): seeds -1..1 pooled seed 1's trace twice
+    "sim-seed-negative": (["sim", "pd-serving", "--seed", "-1", "--seeds", "3"],
+        "--seed: expected at least 0, got -1"),
+    "contention-seed-negative": (["bench", "contention", "--simulate-only", "--seed", "-1"],
+        "--seed must be at least 0"),
+    "serving-seed-negative": (["bench", "serving", "--simulate-only", "--seed", "-1"],
+        "--seed: expected at least 0, got -1"),
     "sim-no-policies": (["sim", "pd-serving", "--policies", ","], "--policies"),
     "sim-scenario-is-a-directory": (["sim", "{dir}"], "cannot read"),
     "sim-scenario-not-utf8": (["sim", "{binary}"], "cannot read"),
