@@ -576,9 +576,7 @@ class ClusterState:
         if len(opens) >= RESYNC_FRAME_OPENS:
             self.split_resyncs[node] = SplitResync(set(unnamed), defer, [])
         elif unnamed:
-            ctx = self.context(now)
-            for wire_id in unnamed:
-                self._remove(table.pop(wire_id), ctx)
+            self._drop([table.pop(wire_id) for wire_id in unnamed], self.context(now))
         self.outbox.pop(node, None)  # updates queued for the old connection are stale
         return self._resync_opens(node, opens, now, defer)
 
@@ -603,11 +601,9 @@ class ClusterState:
             return 0
         table = self.by_node.get(node, {})
         if split.unnamed:
-            ctx = self.context(now)
-            for wire_id in split.unnamed:
-                fid = table.pop(wire_id, None)
-                if fid is not None:  # (closed meanwhile)
-                    self._remove(fid, ctx)
+            # (a flow closed meanwhile is gone from the table already)
+            gone = [table.pop(wire_id, None) for wire_id in split.unnamed]
+            self._drop([fid for fid in gone if fid is not None], self.context(now))
         if not split.held:
             return 0
         # not deferred: the settle of the resync burst may be over, and these are few
@@ -634,9 +630,7 @@ class ClusterState:
     def drop_node(self, node: str, now: float) -> None:
         """Forget every flow of ``node`` and the loads of its links (its agent stayed away past
         the grace period): a link nobody reports has the default bandwidth and no load."""
-        ctx = self.context(now)
-        for fid in self.by_node.pop(node, {}).values():
-            self._remove(fid, ctx)
+        self._drop(list(self.by_node.pop(node, {}).values()), self.context(now))
         self.split_resyncs.pop(node, None)
         self.outbox.pop(node, None)
         self.node_names.pop(node, None)
@@ -995,6 +989,23 @@ class ClusterState:
                 wire_id, node, exc_info=exc,
             )  # fmt: skip
         return flow
+
+    def _drop(self, fids: Iterable[int], ctx: Context) -> None:
+        """Forget flows that closed without a close report (their agent stayed away, or its
+        resync no longer names them): the flows their going may change become dirty and the
+        next flush calls the policy, as after :meth:`close_flows` (a rank-based policy ranks
+        the rest again; rmlq's pruning of another request comes unasked)."""
+        jobs: set[str] = set()
+        for fid in fids:
+            flow = self._remove(fid, ctx)
+            self._closed_since_flush = True
+            affected = self._affected_by_release(flow)
+            if affected is not None:
+                self.dirty.update(other for other in affected if other in self.flows)
+            elif flow.job is not None:
+                jobs.add(flow.job)
+        for job in jobs:
+            self.dirty.update(self.by_job.get(job, ()))
 
     def _forget_names(self, node: str, flow: Flow) -> None:
         names = self.node_names.get(node)

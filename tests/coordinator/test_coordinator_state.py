@@ -405,6 +405,34 @@ def test_rank_based_policies_rank_again_after_any_close(job: str | None) -> None
     assert after and all(after[wire] < before[wire] for wire in after), (before, after)
 
 
+@pytest.mark.parametrize("gone", ["drop_node", "resync", "split_resync"])
+def test_rank_based_policies_rank_again_when_a_flow_goes_without_a_close(gone: str) -> None:
+    """Flows that go without a close report (their agent stayed away past the grace period, or
+    its resync no longer names them) change the ranks of the rest as a close does: before,
+    the rest kept the ranks they had next to them until some other event."""
+    state = ClusterState(create("edf", num_levels=4))
+    state.open_flows("a", [_open(0, deadline=50.0)], now=1.0)
+    state.open_flows("b", [_open(i, deadline=100.0 - i) for i in range(1, 6)], now=1.0)
+    # the split resync's case: node a has FULL more flows, 64 of them ahead of all others: b's
+    # flows rank 65..69 of 206, the last in the second of three bands until flow 0 goes
+    extra = [_open(i, deadline=20.0 if i <= 64 else 200.0) for i in range(1, FULL + 1)]
+    if gone == "split_resync":
+        state.open_flows("a", extra, now=1.0)
+    before = {update.id: update.level for update in state.flush(1.0)["b"].values()}
+    if gone == "drop_node":
+        state.drop_node("a", now=2.0)
+    elif gone == "resync":
+        state.resync("a", (), now=2.0)
+    else:
+        state.resync("a", tuple(extra), now=2.0)  # all but flow 0, in one frame of two
+        state.flush(2.0)
+        state.end_resync("a", now=2.0)
+    assert 0 not in state.by_node.get("a", {})
+    assert state.pending
+    after = {update.id: update.level for update in state.flush(2.0).get("b", {}).values()}
+    assert after and all(after[wire] < before[wire] for wire in after), (before, after)
+
+
 def test_active_flows_by_class_and_level(state: ClusterState) -> None:
     state.open_flows("a", [_open(1), _open(2, sent=100)], now=1.0)
     state.open_flows("a", [FlowOpen(3, FlowClass.TP, 0.0)], now=1.0)
