@@ -570,6 +570,9 @@ class Coordinator:
             refused = state.end_resync(node, time.time())  # (a new resync replaces it instead)
             if refused:
                 self._log_refused(node, refused)
+            # what its end decided (held flows admitted, the rest re-ranked without the
+            # dropped ones) goes out also when the frame is a heartbeat, which flushes nothing
+            self._schedule_flush()
         if kind is Flows:
             assert isinstance(message, Flows)
             if message.opens:

@@ -243,6 +243,33 @@ async def test_a_flow_a_split_resync_holds_past_the_cap_is_refused_at_its_end_an
 
 
 @pytest.mark.asyncio
+async def test_a_heartbeat_that_ends_a_split_resync_sends_what_its_end_decided() -> None:
+    """The end of a split resync admits the flows it held past the cap: when an idle agent's
+    heartbeat ended it, their levels waited for some other agent's frame (the heartbeat
+    scheduled no flush, and promotion timers with none due flush nothing)."""
+    full = RESYNC_FRAME_OPENS
+    async with running_coordinator(
+        max_flows_per_node=full + 1, policy_factory=DeadlineStepPolicy, rebuild_batching=False
+    ) as coordinator:
+        state = coordinator.state
+        old = await connect_as(coordinator, "n1")
+        await old.send(Flows(opens=tuple(_open(i) for i in range(full + 1))))  # at the cap
+        await wait_until(lambda: len(state.flows) == full + 1, 3.0, "the opens to arrive")
+        await old.close()
+        await wait_until(lambda: coordinator.agent_count() == 0, 3.0, "the old session to end")
+        new = await connect_as(coordinator, "n1")
+        try:
+            await new.send(Resync(tuple(_open(i, level=7) for i in range(full))))
+            await new.send(Flows(opens=(_open(999),)))  # held: flow `full` may go
+            split = state.split_resyncs
+            await wait_until(lambda: "n1" in split and split["n1"].held, 3.0, "999 to be held")
+            await new.send(Heartbeat(time.time()))  # the resync is complete: `full` goes
+            assert (await next_levels(new, timeout=2.0)).updates == (LevelUpdate(999, 7),)
+        finally:
+            await new.close()
+
+
+@pytest.mark.asyncio
 async def test_newer_connection_of_a_node_replaces_the_older() -> None:
     async with running_coordinator() as coordinator:
         old = await connect_as(coordinator, "n1")
