@@ -29,6 +29,7 @@ import ssl
 from typing import cast
 
 from flowsched.coordinator.connection import (
+    CLOSE_TIMEOUT,
     TLS_EARLY_LIMIT,
     BoundedReaderProtocol,
     ClientHelloWatch,
@@ -96,9 +97,13 @@ async def handshake(
     # runs right after start_tls installs the TLS layer, before its connection_made
     loop.call_soon(_replay, raw, protocol, hello, RetryHelloGate(raw, pace, after))
     protocol.tls_started()
+    # a close waits CLOSE_TIMEOUT at most for the peer, as without TLS (AgentConnection._close):
+    # the TLS layer's default of 30 s for its close_notify held a refused peer's socket that
+    # long, outside the connection caps
     return await loop.start_tls(
-        raw, protocol, context, server_side=True, ssl_handshake_timeout=timeout
-    )
+        raw, protocol, context, server_side=True, ssl_handshake_timeout=timeout,
+        ssl_shutdown_timeout=CLOSE_TIMEOUT,
+    )  # fmt: skip
 
 
 class RetryHelloGate(asyncio.BufferedProtocol):

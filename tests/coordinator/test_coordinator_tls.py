@@ -22,7 +22,7 @@ from coordinator_helpers import TOKEN, running_coordinator, wait_until
 
 from flowsched import tls
 from flowsched.coordinator import Coordinator, CoordinatorConfig, tls_accept
-from flowsched.coordinator.connection import TLS_EARLY_LIMIT, ClientHelloWatch
+from flowsched.coordinator.connection import CLOSE_TIMEOUT, TLS_EARLY_LIMIT, ClientHelloWatch
 from flowsched.model import FlowClass
 from flowsched.protocol import FlowOpen, Flows, Levels, LevelUpdate, Message, Resync
 from flowsched.protocol.aio import AgentLink, HandshakeError, connect_agent
@@ -971,3 +971,44 @@ def test_a_peer_gone_while_its_second_hello_waits_is_not_answered(ending: str) -
             assert layer.received == b""
 
     asyncio.run(scenario())
+
+
+def _refused_without_close_notify(port: int) -> float:
+    """A TLS peer that sends a frame the coordinator refuses, then neither answers the
+    coordinator's close_notify nor closes: seconds until the coordinator's TCP end closes."""
+    client, incoming, outgoing = _memory_client()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        while True:
+            sock.sendall(outgoing.read())
+            try:
+                client.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                data = sock.recv(65536)
+                assert data, "the coordinator closed during the TLS handshake"
+                incoming.write(data)
+        sock.sendall(outgoing.read())
+        client.write(struct.pack(">I", 5) + b"hello")  # no msgpack map: refused at once
+        sock.sendall(outgoing.read())
+        refused = time.monotonic()
+        while sock.recv(65536):  # the error frame and close_notify, never answered
+            pass
+        return time.monotonic() - refused
+
+
+def test_a_refused_tls_peer_that_never_answers_close_notify_is_cut_off(
+    run: Runner, tls_files: TlsFiles
+) -> None:
+    """A refused connection's close waits CLOSE_TIMEOUT at most for the peer (the error frame
+    saying why), under TLS too: the TLS layer's own shutdown waited 30 s for the peer's
+    close_notify, holding the socket past the connection caps (a flood of refused peers
+    could spend the descriptors the agents need)."""
+
+    async def scenario() -> None:
+        async with running_coordinator(**_server(tls_files)) as coordinator:
+            assert coordinator.addresses is not None
+            port = coordinator.addresses.port
+            held = await asyncio.to_thread(_refused_without_close_notify, port)
+            assert held < CLOSE_TIMEOUT + 2.0, f"the socket stayed open {held:.1f} s"
+
+    run(scenario())
