@@ -629,14 +629,16 @@ class ClusterState:
 
     def drop_node(self, node: str, now: float) -> None:
         """Forget every flow of ``node`` and the loads of its links (its agent stayed away past
-        the grace period): a link nobody reports has the default bandwidth and no load."""
+        the grace period): a link nobody reports has the default bandwidth and no load, and the
+        flows left on its links (other nodes' flows to it) are re-evaluated."""
         self._drop(list(self.by_node.pop(node, {}).values()), self.context(now))
         self.split_resyncs.pop(node, None)
         self.outbox.pop(node, None)
         self.node_names.pop(node, None)
         for link in node_links(node):
-            self.link_bandwidth.pop(link, None)
-            self.link_load.pop(link, None)
+            bandwidth = self.link_bandwidth.pop(link, None)
+            if self.link_load.pop(link, None) is not None or bandwidth is not None:
+                self.dirty.update(self.by_link.get(link, ()))
 
     def start_sweep(self, now: float | None = None) -> bool:
         """The periodic timer tick: queue the flows due for re-evaluation.

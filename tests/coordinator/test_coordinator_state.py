@@ -876,6 +876,21 @@ def test_a_dropped_node_takes_its_link_loads_along(state: ClusterState) -> None:
     assert state.context(2.0).bandwidth("a:rx") == state.default_bandwidth  # b's flow to a
 
 
+def test_a_dropped_nodes_links_reevaluate_the_flows_left_on_them(
+    state: ClusterState, policy: BytesPolicy
+) -> None:
+    """The capacity and load a dropped node reported go, as a report of new ones would change
+    them: the other nodes' flows to it are re-evaluated (a per-flow policy kept the levels it
+    gave them on the reported capacity until some other event)."""
+    state.nic_load([NicLoadEntry("a:rx", 1e9, 0.5), NicLoadEntry("b:rx", 1e9, 0.5)])
+    state.open_flows("b", [_open(1, links=("b:tx", "a:rx")), _open(2, links=("b:tx",))], now=1.0)
+    state.flush(1.0)
+    policy.seen.clear()
+    state.drop_node("a", now=2.0)
+    state.flush(2.0)
+    assert [state.origin[fid] for fid in policy.seen] == [("b", 1)]
+
+
 @pytest.mark.parametrize(
     ("reported", "stored"), [(0.0, 1.0), (5e-324, 1.0), (0.5, 1.0), (1.0, 1.0), (12.5e9, 12.5e9)]
 )
