@@ -264,31 +264,27 @@ def nodes(
     Roles that name the same node (a mixed scenario's decode servers that are the RL rollout
     nodes) share its links, so they must agree on its NICs.
     """
-    out: list[tuple[str, int, float, str]] = []
+    # (the key naming the role's prefix, its prefix, how many nodes, NICs each, Gb/s each)
+    roles: list[tuple[str, str, int, int, float]] = []
     if (s := serving) is not None:
-        prefill = s.instances * s.servers_per_instance
-        out += [
-            (f"{s.prefill_prefix}{i}", s.nics_per_server, s.nic_gbps, "serving.prefill_prefix")
-            for i in range(prefill)
-        ]
-        out += [
-            (f"{s.decode_prefix}{i}", s.decode_nics, s.nic_gbps, "serving.decode_prefix")
-            for i in range(s.decode_servers)
-        ]
-        out += [
-            (f"{s.kv_store_prefix}{i}", s.kv_store_nics, s.nic_gbps, "serving.kv_store_prefix")
-            for i in range(s.kv_store_nodes)
-        ]
+        roles += [
+            ("serving.prefill_prefix", s.prefill_prefix, s.instances * s.servers_per_instance,
+             s.nics_per_server, s.nic_gbps),
+            ("serving.decode_prefix", s.decode_prefix, s.decode_servers, s.decode_nics,
+             s.nic_gbps),
+            ("serving.kv_store_prefix", s.kv_store_prefix, s.kv_store_nodes, s.kv_store_nics,
+             s.nic_gbps),
+        ]  # fmt: skip
     if (r := rl) is not None:
-        out += [
-            (f"{r.trainer_prefix}{i}", r.nics_per_node, r.nic_gbps, "rl.trainer_prefix")
-            for i in range(r.trainer_nodes)
+        roles += [
+            ("rl.trainer_prefix", r.trainer_prefix, r.trainer_nodes, r.nics_per_node, r.nic_gbps),
+            ("rl.rollout_prefix", r.rollout_prefix, r.rollout_nodes, r.nics_per_node, r.nic_gbps),
         ]
-        out += [
-            (f"{r.rollout_prefix}{i}", r.nics_per_node, r.nic_gbps, "rl.rollout_prefix")
-            for i in range(r.rollout_nodes)
-        ]
-    return out
+    return [
+        (f"{prefix}{i}", nics, gbps, key)
+        for key, prefix, count, nics, gbps in roles
+        for i in range(count)
+    ]
 
 
 def _node_errors(serving: ServingSection | None, rl: RlSection | None) -> list[str]:

@@ -481,16 +481,22 @@ class ClusterState:
                 flow = self._remove(fid, ctx)
                 flow.sent = max(flow.sent, close.sent)
                 self._record_completion(flow, close.closed_at)
-                self._closed_since_flush = True
-                affected = self._affected_by_release(flow)
-                if affected is not None:
-                    self.dirty.update(other for other in affected if other in self.flows)
-                elif flow.job is not None:
-                    jobs.add(flow.job)
+                self._mark_released(flow, jobs)
         # each job's remaining flows once per frame, not once per close (k closes of a job of
         # n flows would cost k * n)
         for job in jobs:
             self.dirty.update(self.by_job.get(job, ()))
+
+    def _mark_released(self, flow: Flow, jobs: set[str]) -> None:
+        """A flow gone (closed or dropped, removed already): the flows its going may change
+        become dirty, those the policy names, else its job's (added to ``jobs``, for the
+        caller to mark once for all its flows)."""
+        self._closed_since_flush = True
+        affected = self._affected_by_release(flow)
+        if affected is not None:
+            self.dirty.update(other for other in affected if other in self.flows)
+        elif flow.job is not None:
+            jobs.add(flow.job)
 
     def _affected_by_release(self, flow: Flow) -> Iterable[int] | None:
         """The policy's ``released_affects`` for ``flow`` (released already); None: the rest
@@ -999,13 +1005,7 @@ class ClusterState:
         the rest again; rmlq's pruning of another request comes unasked)."""
         jobs: set[str] = set()
         for fid in fids:
-            flow = self._remove(fid, ctx)
-            self._closed_since_flush = True
-            affected = self._affected_by_release(flow)
-            if affected is not None:
-                self.dirty.update(other for other in affected if other in self.flows)
-            elif flow.job is not None:
-                jobs.add(flow.job)
+            self._mark_released(self._remove(fid, ctx), jobs)
         for job in jobs:
             self.dirty.update(self.by_job.get(job, ()))
 

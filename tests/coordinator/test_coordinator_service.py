@@ -46,7 +46,7 @@ from flowsched.protocol import (
     Welcome,
     encode_body,
 )
-from flowsched.protocol.aio import HandshakeError, LinkClosed, connect_agent
+from flowsched.protocol.aio import AgentLink, HandshakeError, LinkClosed, connect_agent
 
 
 def _open(wire_id: int, **kw: object) -> FlowOpen:
@@ -209,6 +209,18 @@ async def test_a_resync_in_several_frames_keeps_the_flows_of_its_later_frames() 
             await new.close()
 
 
+async def _reconnect_at_the_cap(coordinator: Coordinator, full: int) -> AgentLink:
+    """Node n1 with ``full + 1`` flows open (its cap), then its agent connected anew (a split
+    resync to come): the new connection."""
+    state = coordinator.state
+    old = await connect_as(coordinator, "n1")
+    await old.send(Flows(opens=tuple(_open(i) for i in range(full + 1))))  # at the cap
+    await wait_until(lambda: len(state.flows) == full + 1, 3.0, "the opens to arrive")
+    await old.close()
+    await wait_until(lambda: coordinator.agent_count() == 0, 3.0, "the old session to end")
+    return await connect_as(coordinator, "n1")
+
+
 @pytest.mark.asyncio
 async def test_a_flow_a_split_resync_holds_past_the_cap_is_refused_at_its_end_and_logged(
     caplog: pytest.LogCaptureFixture,
@@ -219,12 +231,7 @@ async def test_a_flow_a_split_resync_holds_past_the_cap_is_refused_at_its_end_an
     full = RESYNC_FRAME_OPENS
     async with running_coordinator(max_flows_per_node=full + 1) as coordinator:
         state = coordinator.state
-        old = await connect_as(coordinator, "n1")
-        await old.send(Flows(opens=tuple(_open(i) for i in range(full + 1))))  # at the cap
-        await wait_until(lambda: len(state.flows) == full + 1, 3.0, "the opens to arrive")
-        await old.close()
-        await wait_until(lambda: coordinator.agent_count() == 0, 3.0, "the old session to end")
-        new = await connect_as(coordinator, "n1")
+        new = await _reconnect_at_the_cap(coordinator, full)
         try:
             await new.send(Resync(tuple(_open(i) for i in range(full))))
             await new.send(Flows(opens=(_open(999),)))  # new: held, flow `full` may go
@@ -252,12 +259,7 @@ async def test_a_heartbeat_that_ends_a_split_resync_sends_what_its_end_decided()
         max_flows_per_node=full + 1, policy_factory=DeadlineStepPolicy, rebuild_batching=False
     ) as coordinator:
         state = coordinator.state
-        old = await connect_as(coordinator, "n1")
-        await old.send(Flows(opens=tuple(_open(i) for i in range(full + 1))))  # at the cap
-        await wait_until(lambda: len(state.flows) == full + 1, 3.0, "the opens to arrive")
-        await old.close()
-        await wait_until(lambda: coordinator.agent_count() == 0, 3.0, "the old session to end")
-        new = await connect_as(coordinator, "n1")
+        new = await _reconnect_at_the_cap(coordinator, full)
         try:
             await new.send(Resync(tuple(_open(i, level=7) for i in range(full))))
             await new.send(Flows(opens=(_open(999),)))  # held: flow `full` may go
