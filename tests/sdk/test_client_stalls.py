@@ -286,11 +286,12 @@ sender = client._Sender(ours)
 if sys.argv[1] == "writer":  # the writer thread is in sendall when the agent goes
     while not sender.backed_up:
         sender.send(sdk.JobProgress("j" * 100, 1, None))
+    # found now: once the agent is gone it may end before it could be looked up
+    writer = next(t for t in threading.enumerate() if t.name == "flowsched-sdk-writer")
 agents.close()
 if sys.argv[1] == "caller":
     print("send gave", sender.send(sdk.JobProgress("j", 2, None)), flush=True)
 else:
-    writer = next(t for t in threading.enumerate() if t.name == "flowsched-sdk-writer")
     writer.join(5)
     print("writer alive", writer.is_alive(), flush=True)
 """
