@@ -35,16 +35,17 @@ class Addresses:
 
     def listen_text(self) -> str:
         """``host:port`` as ``--coordinator`` takes it (an IPv6 host in brackets)."""
-        return _host_port(self.host, self.port)
+        return host_port_text(self.host, self.port)
 
     def metrics_text(self) -> str:
         """Where the metrics are served (``host:port``, as above), or ``off``."""
         if self.metrics_port is None:
             return "off"
-        return _host_port(self.metrics_host or "", self.metrics_port)
+        return host_port_text(self.metrics_host or "", self.metrics_port)
 
 
-def _host_port(host: str, port: int) -> str:
+def host_port_text(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (``[::1]:7711``)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 

@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable
 from prometheus_client import CollectorRegistry
 
 from flowsched.coordinator import reach, tls_accept
-from flowsched.coordinator.config import Addresses, CoordinatorConfig
+from flowsched.coordinator.config import Addresses, CoordinatorConfig, host_port_text
 from flowsched.coordinator.connection import (
     ESTABLISHED_CHUNK,
     HANDSHAKE_CHUNK,
@@ -869,4 +869,4 @@ def advertised_address(host: str, port: int) -> str:
     advertises this host's name)."""
     if host in ("", "0.0.0.0", "::"):
         host = socket.getfqdn()
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return host_port_text(host, port)
