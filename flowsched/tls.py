@@ -208,6 +208,10 @@ def _load_chain(context: ssl.SSLContext, cert: str, key: str, prefix: str) -> No
         raise TlsConfigError(
             cert_field, f"{cert} is not a PEM certificate ({ssl_reason(exc)})"
         ) from None
+    except ValueError:  # an empty file (cadata=""): a rewrite in place, say, not yet written
+        raise TlsConfigError(cert_field, f"{cert} is not a PEM certificate (empty)") from None
+    except OSError as exc:  # gone since the check above (a renewal replacing it)
+        raise TlsConfigError(cert_field, f"cannot read {cert}: {exc.strerror or exc}") from None
 
     def no_password() -> bytes:  # else OpenSSL would prompt for one on the terminal
         raise TlsConfigError(
@@ -223,6 +227,10 @@ def _load_chain(context: ssl.SSLContext, cert: str, key: str, prefix: str) -> No
         else:
             problem = f"{key} is not a PEM private key ({ssl_reason(exc)})"
         raise TlsConfigError(key_field, problem) from None
+    except OSError as exc:  # one of them gone since its check (a renewal replacing it)
+        raise TlsConfigError(
+            key_field, f"cannot read {cert} and {key}: {exc.strerror or exc}"
+        ) from None
 
 
 def _load_ca(context: ssl.SSLContext, path: str, field_name: str) -> None:
@@ -233,6 +241,8 @@ def _load_ca(context: ssl.SSLContext, path: str, field_name: str) -> None:
         raise TlsConfigError(
             field_name, f"{path} is not a PEM CA bundle ({ssl_reason(exc)})"
         ) from None
+    except OSError as exc:  # gone since the check above (a renewal replacing it)
+        raise TlsConfigError(field_name, f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def ssl_reason(exc: ssl.SSLError) -> str:

@@ -35,6 +35,7 @@ def _encrypted_copy(key: Path, folder: Path) -> Path:
         ("server_cert", "encrypted", None, "tls_key", "is encrypted"),
         ("server_cert", "server_key", "server_key", "tls_client_ca", "is not a PEM CA bundle"),
         ("server_key", "server_key", None, "tls_cert", "is not a PEM certificate"),
+        ("empty", "server_key", None, "tls_cert", "is not a PEM certificate (empty)"),
         ("server_cert", "server_cert", None, "tls_key", "is not a PEM private key"),
         ("server_cert", "server_key", "missing", "tls_client_ca", "cannot read"),
     ],
@@ -45,6 +46,8 @@ def test_server_context_refusals_name_the_setting(
 ) -> None:  # fmt: skip
     files = {k: str(v) for k, v in vars(tls_files).items()}
     files["missing"] = str(tmp_path / "missing.pem")
+    (tmp_path / "empty.pem").write_bytes(b"")
+    files["empty"] = str(tmp_path / "empty.pem")
     files["encrypted"] = str(_encrypted_copy(tls_files.server_key, tmp_path))
     with pytest.raises(tls.TlsConfigError) as refused:
         tls.check_pair(files.get(cert or ""), files.get(key or ""))
@@ -188,3 +191,50 @@ def test_the_coordinator_refuses_renegotiation(tls_files: Any) -> None:
     # a TLS 1.2 peer's renegotiation would be a handshake outside the coordinator's pacing
     context = tls.server_context(str(tls_files.server_cert), str(tls_files.server_key))
     assert context.options & ssl.OP_NO_RENEGOTIATION
+
+
+def _vanish_after_check(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Remove ``path`` right after the loader checked that it reads (a renewal deleting it
+    between the check and the load)."""
+    check = tls._check_readable
+
+    def check_then_vanish(field_name: str, checked: str) -> None:
+        check(field_name, checked)
+        if checked == str(path):
+            path.unlink()
+
+    monkeypatch.setattr(tls, "_check_readable", check_then_vanish)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ("cert emptied", "tls_cert"),  # truncated by a rewrite in place, not yet written
+        ("key vanished after its check", "tls_key"),
+        ("client CA vanished after its check", "tls_client_ca"),
+    ],
+)
+def test_a_file_half_replaced_while_reloading_keeps_the_last_good_context(
+    tls_files: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    change: str,
+    field: str,
+) -> None:
+    monkeypatch.setattr(tls, "CHECK_INTERVAL", 0.0)
+    files = {"cert": tls_files.server_cert, "key": tls_files.server_key, "ca": tls_files.ca}
+    paths = {name: tmp_path / f"{name}.pem" for name in files}
+    for name, source in files.items():
+        shutil.copy(source, paths[name])
+    reloading = tls.reloading_server(str(paths["cert"]), str(paths["key"]), str(paths["ca"]))
+    first = reloading.current()
+    if change == "cert emptied":
+        paths["cert"].write_bytes(b"")
+    else:
+        victim = paths["key" if field == "tls_key" else "ca"]
+        os.utime(victim, ns=(1, 1))  # a change for the stamp
+        _vanish_after_check(victim, monkeypatch)
+    assert reloading.current() is first  # no exception: the last good context
+    kept = [r.getMessage() for r in caplog.records if "kept the previous" in r.getMessage()]
+    assert len(kept) == 1 and f": {field}: " in kept[0], kept
