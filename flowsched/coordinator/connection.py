@@ -533,7 +533,9 @@ class AgentConnection:
         handle, conn, node = self._coordinator.handle, self._conn, self._conn.node
         assert node is not None
         message_or_close = self._message_or_close
-        while (event := conn.next_event()) is not NEED_DATA:
+        # a frame's handling may abort this connection (its levels overflowed the send
+        # queue): the frames after it in the chunk must not act on the state
+        while self._abort is None and (event := conn.next_event()) is not NEED_DATA:
             handle(node, message_or_close(event), arrival)
 
     def _stream_ended(self, exc: Exception | None) -> None:

@@ -336,6 +336,29 @@ async def test_stuck_agent_is_disconnected_when_its_send_queue_overflows(
 
 
 @pytest.mark.asyncio
+async def test_frames_after_the_one_that_ended_the_connection_do_not_act() -> None:
+    # Unbatched, the first frame's levels overflow the send queue (a limit below any queue):
+    # the connection is aborted while the rest of the received chunk is still undecoded.
+    async with running_coordinator(
+        batching=False, send_buffer_limit=-1, heartbeat_interval=30, idle_timeout=60
+    ) as coordinator:
+        link = await connect_as(coordinator, "n1")
+        try:
+            frames = b"".join(
+                link._conn.send(Flows(opens=(_open(wire_id),))) for wire_id in (1, 2, 3)
+            )
+            link._writer.write(frames)  # one write: one chunk for the coordinator
+            with pytest.raises(LinkClosed):
+                while True:
+                    await link.recv(2.0)
+        finally:
+            await link.close()
+        await wait_until(lambda: coordinator.agent_count() == 0, 2.0, "the connection's end")
+        opened = sorted(wire_id for _, wire_id in coordinator.state.origin.values())
+    assert opened == [1]
+
+
+@pytest.mark.asyncio
 async def test_unbatched_mode_gives_the_same_decisions() -> None:
     async with running_coordinator(batching=False) as coordinator:
         link = await connect_as(coordinator, "n1")
