@@ -1167,8 +1167,16 @@ class Candidacy:
             f"or more: {len(nodes)} ({named}); it serves {serves}"
         )
 
-    async def run(self, stop: Awaitable[object]) -> None:
+    async def run(
+        self,
+        stop: Awaitable[object],
+        quiesce: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
         """Stand by, lead once elected, until ``stop`` completes (then resign).
+
+        ``quiesce``: awaited when ``stop`` completes while leading, before the lease is revoked:
+        the caller stops deciding and closes its agents' connections there, since a standby
+        may lead as soon as the lease is gone (two leaders would send levels at once).
 
         Raises:
             LeadershipLost: leadership ended without ``stop`` (the lease is gone or could not
@@ -1190,6 +1198,8 @@ class Candidacy:
             if not stopping.done():
                 raise LeadershipLost(f"lost leadership (epoch {self.leadership.epoch})")
             hold.cancel()
+            if quiesce is not None:
+                await quiesce()
             await self.election.resign(self.leadership)
         finally:
             for task in (campaign, stopping, hold, self._probe):

@@ -858,10 +858,10 @@ async def serve(
         trigger = (shutdown_trigger or wait_for_signal)()
         if coordinator.candidacy is None:
             await trigger
-        else:
-            await coordinator.candidacy.run(trigger)
+        else:  # a leader stops serving before it resigns: its successor may lead at once
+            await coordinator.candidacy.run(trigger, coordinator.stop)
     finally:
-        await coordinator.stop()
+        await coordinator.stop()  # (again after a resignation: it does nothing more then)
 
 
 def advertised_address(host: str, port: int) -> str:

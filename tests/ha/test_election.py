@@ -14,7 +14,7 @@ from unittest import mock
 import pytest
 from ha_helpers import etcd_call, need_etcd
 
-from flowsched.coordinator.config import CoordinatorConfig
+from flowsched.coordinator.config import Addresses, CoordinatorConfig
 from flowsched.coordinator.election import (
     ETCD_ERROR_LIMIT,
     Candidacy,
@@ -31,6 +31,8 @@ from flowsched.coordinator.election import (
     split_address,
 )
 from flowsched.coordinator.reach import Reach, encode_reach
+from flowsched.coordinator.service import serve
+from flowsched.protocol.aio import AgentLink, HandshakeError, LinkClosed, connect_agent
 from flowsched.testbed.daemons import closed_port, free_ports, wait_for, wait_until
 from flowsched.testbed.etcd import local_etcd
 
@@ -404,6 +406,60 @@ async def test_a_resignation_is_logged_as_one_only_when_the_lease_was_revoked(
             await EtcdElection(url, "t", "a:1").resign(won)
     assert ("resigned leadership" in caplog.text) is etcd_answers, caplog.text
     assert ("could not revoke" in caplog.text) is not etcd_answers, caplog.text
+
+
+async def _agent_of_the_leader(address: Addresses, token: bytes) -> AgentLink:
+    """An agent link to the coordinator at ``address`` once it leads (it refuses before)."""
+    while True:
+        try:
+            return await connect_agent(address.host, address.port, node="n1", token=token)
+        except HandshakeError as exc:
+            assert exc.code == "not_leader", exc
+            await asyncio.sleep(0.05)
+
+
+async def _still_served(link: AgentLink) -> bool:
+    """Whether the coordinator keeps ``link`` open (its heartbeats come) for a second."""
+    try:
+        async with asyncio.timeout(1.0):
+            while True:
+                await link.recv()
+    except TimeoutError:
+        return True
+    except (LinkClosed, ConnectionError):
+        return False
+
+
+@pytest.mark.asyncio
+async def test_a_stopping_leader_stops_serving_before_it_resigns(etcd_url: str) -> None:
+    # Once the lease is revoked a standby may lead at once: by then the old leader must send
+    # nothing more (levels decided next to its successor's) and take no new agent.
+    token = b"test-token-0123456789abcdef"
+    ready: asyncio.Future[Addresses] = asyncio.get_running_loop().create_future()
+    config = CoordinatorConfig.from_policy_file(
+        None, token, etcd=etcd_url, election_name="t", metrics_port=None,
+        on_ready=ready.set_result,
+    )  # fmt: skip
+    stop = asyncio.Event()
+    running = asyncio.ensure_future(serve(config, shutdown_trigger=stop.wait))
+    address = await asyncio.wait_for(ready, 10)
+    link = await asyncio.wait_for(_agent_of_the_leader(address, token), 10)
+    resign, seen = EtcdElection.resign, []
+
+    async def look_then_resign(election: EtcdElection, leadership: Leadership) -> None:
+        seen.append(await _still_served(link))
+        seen.append(not await refuses_connections(f"{address.host}:{address.port}"))
+        await resign(election, leadership)
+
+    try:
+        with mock.patch.object(EtcdElection, "resign", look_then_resign):
+            stop.set()
+            await asyncio.wait_for(running, 10)
+    finally:
+        stop.set()
+        await link.close()
+        await asyncio.wait_for(running, 10)
+    assert seen == [False, False]  # (agent still served, listener still open) at the revoke
 
 
 @pytest.mark.asyncio
