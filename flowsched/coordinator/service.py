@@ -156,8 +156,8 @@ class Coordinator:
         #: perf_counter() when the first frame of the batch in ``_arrivals`` was handled
         self._batch_started = 0.0
         self._flush_scheduled = False
-        #: promotion timers: when the timer loop wakes next (wall clock; inf while it runs), and
-        #: how a flush that armed an earlier timer wakes it
+        #: promotion timers and quarantine retries: when the timer loop wakes next (monotonic;
+        #: inf while it runs), and how a flush that armed an earlier one wakes it
         self._timer_wake = math.inf
         self._timer_armed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -695,7 +695,7 @@ class Coordinator:
             if connection is not None:
                 self._send_levels(connection, list(updates.values()))
         if self._timer_wake != math.inf:
-            due = self.state.next_due()
+            due = self._next_timer()
             if due is not None and due < self._timer_wake:
                 self._timer_armed.set()
         done = time.perf_counter()
@@ -732,14 +732,25 @@ class Coordinator:
             if self.state.start_sweep():
                 self._schedule_flush()
 
+    def _next_timer(self) -> float | None:
+        """When (monotonic) the earliest promotion timer or quarantine retry is due, or None.
+        A timer's time is the policy's, on the wall clock (deadlines are); a retry is a pure
+        delay, on the monotonic clock, so that a wall clock stepped back does not hold it."""
+        due, retry = self.state.next_due(), self.state.next_retry()
+        if due is not None:
+            due = time.monotonic() + (due - time.time())
+        if retry is None or (due is not None and due < retry):
+            return due
+        return retry
+
     async def _until_timer_due(self, earliest: float) -> None:
-        """Wait until the earliest promotion timer is due, but not before ``earliest``
-        (monotonic); a flush that arms an earlier timer wakes the wait (see ``_flush``)."""
+        """Wait until the earliest promotion timer or quarantine retry is due, but not before
+        ``earliest`` (monotonic); a flush that arms an earlier one wakes the wait (see
+        ``_flush``)."""
         while True:
-            due = self.state.next_due()
-            wait = TIMER_IDLE_WAKE if due is None else due - time.time()
-            wake = max(earliest, time.monotonic() + wait)
-            self._timer_wake = time.time() + (wake - time.monotonic())
+            due = self._next_timer()
+            wake = max(earliest, (time.monotonic() + TIMER_IDLE_WAKE) if due is None else due)
+            self._timer_wake = wake
             self._timer_armed.clear()
             try:
                 async with asyncio.timeout(wake - time.monotonic()):

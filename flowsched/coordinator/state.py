@@ -37,7 +37,8 @@ the rest of the batch is decided and sent. A quarantined flow is tried again aft
 :data:`QUARANTINE_RETRY_FIRST` seconds, twice as long after each further failure up to
 :data:`QUARANTINE_RETRY_MAX`, and from the first again once it went that long without one
 (NCCL's connections live as long as their job: a fault that passes must not pin one for that
-long). Each node
+long). These waits are pure delays, kept on the monotonic clock (``mono_clock``): a wall
+clock stepped back must not hold a flow in quarantine for as long. Each node
 may have at most ``max_flows_per_node`` flows open; opens beyond that are refused (counted in
 ``Stats.refused_opens``, returned by :meth:`ClusterState.open_flows`), so that one agent cannot
 grow the table without bound. What its flows name is bounded too (:class:`NodeNames`): each
@@ -215,7 +216,7 @@ class ClusterState:
         clock: measures the timer sweep's time budget (see :meth:`flush`).
         mono_clock: CLOCK_MONOTONIC in nanoseconds, stamped with the wall-clock ``now`` on
             every level update as its decision time (``LevelUpdate.decided_ns`` /
-            ``decided_at``).
+            ``decided_at``); quarantine retries are timed on it.
         promotion: ``"timers"`` (re-evaluate a flow when the time the policy's
             ``next_change`` gave comes; "sweep" for policies without it) or ``"sweep"``
             (every timer tick queues every flow with a deadline).
@@ -312,15 +313,15 @@ class ClusterState:
         self._ids = itertools.count(1)
         #: flows the policy raised on: kept at their level until their retry (_retries)
         self.quarantined: set[int] = set()
-        #: (wall time, flow) at which a quarantined flow is tried again (a heap)
-        self._retries: list[tuple[float, int]] = []
+        #: (monotonic ns, flow) at which a quarantined flow is tried again (a heap)
+        self._retries: list[tuple[int, int]] = []
         #: how often the policy raised on a flow (its next retry waits 2**(n-1) times longer)
         self._strikes: dict[int, int] = {}
         #: quarantined flows the policy's admit raised on: admitted again at their retry
         self._unadmitted: set[int] = set()
-        #: when each flow with strikes was last released from quarantine (wall time): a flow
-        #: that then went QUARANTINE_RETRY_MAX without raising starts its strikes afresh
-        self._released_at: dict[int, float] = {}
+        #: when each flow with strikes was last released from quarantine (monotonic ns): a
+        #: flow that then went QUARANTINE_RETRY_MAX without raising starts its strikes afresh
+        self._released_at: dict[int, int] = {}
         self._repeat_log = RepeatLog(log)
 
     def context(self, now: float) -> Context:
@@ -651,6 +652,7 @@ class ClusterState:
 
         With promotion timers: the flows whose timer is at or before ``now`` (default: the
         wall clock), a heap peek when none is. With sweeps: every flow with a deadline.
+        Either way the quarantined flows whose retry is due (monotonic clock) are released.
         Returns whether anything was queued; a sweep returns False, and changes nothing,
         while the previous one is unfinished (see :meth:`flush`): the effective period then
         stretches instead of starving flows.
@@ -689,11 +691,11 @@ class ClusterState:
         still to raise, the whole table's pass would raise and be isolated flow by flow (one
         call per flow) at every retry."""
         retries, released = self._retries, False
-        if not retries or retries[0][0] > now:
+        if not retries or retries[0][0] > self._mono_clock():
             return False  # nothing due (the timer tick's usual case)
         self._stamp(now)  # an admit's level, and a new failure's retry, count from now
-        ctx = self.context(now)
-        while retries and retries[0][0] <= now:
+        ctx, mono = self.context(now), self._decided[1]
+        while retries and retries[0][0] <= mono:
             _, fid = heapq.heappop(retries)
             flow = self.flows.get(fid)
             if flow is None or fid not in self.quarantined:
@@ -710,7 +712,7 @@ class ClusterState:
                     self._quarantine(flow, "reevaluate", exc)
             if fid not in self.quarantined:
                 self.dirty.add(fid)
-                self._released_at[fid] = now
+                self._released_at[fid] = mono
         return released
 
     def _undo_admit(self, flow: Flow, ctx: Context) -> None:
@@ -726,15 +728,16 @@ class ClusterState:
             )  # fmt: skip
 
     def next_due(self) -> float | None:
-        """The earliest promotion timer or quarantine retry (wall-clock time), or None."""
+        """The earliest promotion timer (the policy's clock: wall-clock time), or None."""
         while self._timers and self._due_at.get(self._timers[0][1]) != self._timers[0][0]:
             heapq.heappop(self._timers)  # stale
-        due = self._timers[0][0] if self._timers else None
+        return self._timers[0][0] if self._timers else None
+
+    def next_retry(self) -> float | None:
+        """The earliest quarantine retry (``mono_clock``'s time, in seconds), or None."""
         while self._retries and self._retries[0][1] not in self.quarantined:
             heapq.heappop(self._retries)  # its flow closed
-        if self._retries and (due is None or self._retries[0][0] < due):
-            due = self._retries[0][0]
-        return due
+        return self._retries[0][0] / 1e9 if self._retries else None
 
     @property
     def pending(self) -> bool:
@@ -924,13 +927,13 @@ class ClusterState:
         self.progressed.discard(fid)
         self._due_at.pop(fid, None)
         self.stats.policy_errors += 1
-        now = self._decided[0]
+        mono = self._decided[1]  # a pure delay: on the monotonic clock
         strikes = self._strikes.get(fid, 0)
-        if now - self._released_at.get(fid, now) >= QUARANTINE_RETRY_MAX:
+        if mono - self._released_at.get(fid, mono) >= QUARANTINE_RETRY_MAX * 1e9:
             strikes = 0  # it went that long without a fault: this one is a new one
         strikes = self._strikes[fid] = strikes + 1
         wait = min(QUARANTINE_RETRY_FIRST * 2.0 ** (strikes - 1), QUARANTINE_RETRY_MAX)
-        heapq.heappush(self._retries, (now + wait, fid))
+        heapq.heappush(self._retries, (mono + round(wait * 1e9), fid))
         node, wire_id = self.origin.get(fid, (flow.node, -1))
         self._repeat_log.log(
             "policy_error", logging.ERROR,

@@ -975,6 +975,16 @@ def test_a_policy_raising_on_one_flow_spares_the_batch(
     assert "ZeroDivisionError" in caplog.text
 
 
+class _MonoClock:
+    """A monotonic clock for ClusterState (nanoseconds) that the test sets (``now``, s)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> int:
+        return round(self.now * 1e9)
+
+
 def _held_kv_levels(end_job: bool) -> list[tuple[float, int]]:
     """A batch's last-layer P2D (1 GB due in 100 ms on a 25 GB/s link) under rmlq: held below
     the collectives while its job is in prefill; (time, level) pushed over 95 ms."""
@@ -1011,17 +1021,20 @@ def test_a_quarantined_flow_is_decided_again_once_its_fault_passed(
     hook: str, per_flow: bool
 ) -> None:
     policy = _RaisingPolicy(hook, per_flow)
-    state = ClusterState(policy)
+    mono = _MonoClock(99.5)  # (in step with the wall clock here)
+    state = ClusterState(policy, mono_clock=mono)
     # due in 1.5 s: level 7 now, 0 from 100.5 on (DeadlineStepPolicy's one-second lead)
     state.open_flows("evil", [_open(13, deadline=101.5)], now=99.5)
     state.flush(99.5)
     (fid,) = state.quarantined
-    assert state.next_due() == 99.5 + QUARANTINE_RETRY_FIRST  # its retry wakes the timer loop
+    assert state.next_retry() == 99.5 + QUARANTINE_RETRY_FIRST  # it wakes the timer loop
     policy.failing = False
     policy.calls.clear()
+    mono.now = 100.4
     assert not state.start_sweep(100.4)  # not due yet: still quarantined
     state.flush(100.4)
     assert state.quarantined == {fid} and policy.calls == []
+    mono.now = 99.5 + QUARANTINE_RETRY_FIRST
     assert state.start_sweep(99.5 + QUARANTINE_RETRY_FIRST)
     outbox = state.flush(100.5)
     assert not state.quarantined and hook in policy.calls
@@ -1032,22 +1045,23 @@ def test_a_quarantined_flow_is_decided_again_once_its_fault_passed(
 
 def test_a_flow_the_policy_keeps_raising_on_waits_twice_as_long_each_time() -> None:
     policy = _RaisingPolicy("reevaluate")
-    state = ClusterState(policy)
+    mono = _MonoClock(100.0)
+    state = ClusterState(policy, mono_clock=mono)
     state.open_flows("evil", [_open(13, deadline=1000.0)], now=100.0)
     state.flush(100.0)
     now, waits = 100.0, []
     for _ in range(11):
-        due = state.next_due()
+        due = state.next_retry()
         assert due is not None
         waits.append(due - now)
-        now = due
+        now = mono.now = due
         assert state.start_sweep(now)
         state.flush(now)  # raises again: quarantined again
     expected = [min(QUARANTINE_RETRY_FIRST * 2.0**n, QUARANTINE_RETRY_MAX) for n in range(11)]
     assert waits == pytest.approx(expected)
     assert waits[-1] == QUARANTINE_RETRY_MAX and state.stats.policy_errors == 11 + 1
     state.close_flows("evil", [FlowClose(13, 0, now)], now=now)
-    assert state.next_due() is None  # the closed flow's retry is gone with it
+    assert state.next_retry() is None  # the closed flow's retry is gone with it
 
 
 class _AdmitRegistersThenRaises:
@@ -1075,10 +1089,12 @@ def test_a_retried_admit_counts_its_request_once() -> None:
     for good."""
     rmlq = create("rmlq")
     policy = _AdmitRegistersThenRaises(rmlq)
-    state = ClusterState(policy)  # type: ignore[arg-type]
+    mono = _MonoClock(100.0)
+    state = ClusterState(policy, mono_clock=mono)  # type: ignore[arg-type]
     kv = _open(1, size=1 << 20, deadline=105.0, request="r1", links=("a:tx",))
     state.open_flows("a", [kv], now=100.0)
     assert state.quarantined
+    mono.now += QUARANTINE_RETRY_FIRST
     assert state.start_sweep(100.0 + QUARANTINE_RETRY_FIRST)
     state.flush(100.0 + QUARANTINE_RETRY_FIRST)
     assert not state.quarantined and state.flows and policy.admits == 2
@@ -1096,12 +1112,14 @@ def test_a_retry_under_a_whole_table_policy_does_not_isolate_every_flow_again() 
         return reevaluate(flows, ctx)
 
     policy.reevaluate = counted  # type: ignore[method-assign]
-    state = ClusterState(policy)
+    mono = _MonoClock(100.0)
+    state = ClusterState(policy, mono_clock=mono)
     state.open_flows("victim", [_open(i, deadline=1000.0) for i in range(1, 41)], now=100.0)
     state.open_flows("evil", [_open(13, deadline=1000.0)], now=100.0)
     state.flush(100.0)
     assert len(state.quarantined) == 1 and len(calls) > 40  # found out: each flow alone
     calls.clear()
+    mono.now += QUARANTINE_RETRY_FIRST
     state.start_sweep(100.0 + QUARANTINE_RETRY_FIRST)  # still raising: tried alone, once
     state.flush(100.0 + QUARANTINE_RETRY_FIRST)
     assert len(state.quarantined) == 1 and len(calls) <= 2, len(calls)
@@ -1109,24 +1127,51 @@ def test_a_retry_under_a_whole_table_policy_does_not_isolate_every_flow_again() 
 
 def test_a_flow_that_went_long_without_a_fault_starts_its_waits_afresh() -> None:
     policy = _RaisingPolicy("reevaluate")
-    state = ClusterState(policy)
+    mono = _MonoClock(100.0)
+    state = ClusterState(policy, mono_clock=mono)
+
+    def at(now: float) -> float:
+        mono.now = now
+        return now
+
     state.open_flows("evil", [_open(13, deadline=5000.0)], now=100.0)
     state.flush(100.0)  # strike 1: retried at 101
-    state.start_sweep(101.0)
+    state.start_sweep(at(101.0))
     state.flush(101.0)  # strike 2: retried at 103
     policy.failing = False
-    state.start_sweep(103.0)
+    state.start_sweep(at(103.0))
     state.flush(103.0)  # decided again
     assert not state.quarantined
     policy.failing = True
-    state.open_flows("evil", [_open(13, deadline=5000.0)], now=103.0 + 10)  # a re-sent open
+    state.open_flows("evil", [_open(13, deadline=5000.0)], now=at(103.0 + 10))  # a re-sent open
     state.flush(113.0)  # strike 3, soon after the last: 4 s
-    assert state.next_due() == pytest.approx(117.0)
+    assert state.next_retry() == pytest.approx(117.0)
     policy.failing = False
-    state.start_sweep(117.0)
+    state.start_sweep(at(117.0))
     state.flush(117.0)
     policy.failing = True
-    later = 117.0 + QUARANTINE_RETRY_MAX
+    later = at(117.0 + QUARANTINE_RETRY_MAX)
     state.open_flows("evil", [_open(13, deadline=5000.0)], now=later)
     state.flush(later)  # a new fault after a quiet QUARANTINE_RETRY_MAX: 1 s again
-    assert state.next_due() == pytest.approx(later + QUARANTINE_RETRY_FIRST)
+    assert state.next_retry() == pytest.approx(later + QUARANTINE_RETRY_FIRST)
+
+
+@pytest.mark.parametrize("step", [-3600.0, 0.0, 3600.0])
+def test_a_quarantined_flow_is_retried_after_its_wait_whatever_the_wall_clock_did(
+    step: float,
+) -> None:
+    # The retry is a pure delay: a wall clock stepped back (an NTP correction) must not hold
+    # the flow in quarantine for as long, nor one stepped forward release it early.
+    policy = _RaisingPolicy("reevaluate")
+    mono = _MonoClock(5000.0)
+    state = ClusterState(policy, mono_clock=mono)
+    state.open_flows("evil", [_open(13, deadline=1e6)], now=100.0)
+    state.flush(100.0)
+    assert state.quarantined
+    policy.failing = False
+    mono.now += QUARANTINE_RETRY_FIRST / 2
+    assert not state.start_sweep(100.0 + step)  # half its wait: still quarantined
+    mono.now += QUARANTINE_RETRY_FIRST / 2
+    assert state.start_sweep(100.0 + step)
+    state.flush(100.0 + step)
+    assert not state.quarantined
