@@ -75,8 +75,10 @@ def concrete(expr: str, rate_interval: str = "5m") -> str:
 
 def without_threshold(expr: str) -> str:
     """An alert expression without its final comparison (and an ``or absent(...)``), i.e. the
-    quantity the alert watches, which must return series while the system runs."""
+    quantity the alert watches, which must return series while the system runs; of a lone
+    ``absent(x)``, ``x``."""
     expr = re.sub(r"\s+or\s+absent\(.*\)\s*$", "", expr.strip(), flags=re.S)
+    expr = re.sub(r"^absent\((.*)\)$", r"\1", expr, flags=re.S)
     return re.sub(r"\s*(==|!=|>=|<=|>|<)\s*[0-9.e+-]+\s*$", "", expr).strip()
 
 

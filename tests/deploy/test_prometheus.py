@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from deploy_helpers import (
+    AGENT_READY,
     RULES,
     Daemon,
     alert_rules,
@@ -90,33 +91,11 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PromAPI]:
     prom: subprocess.Popen[bytes] | None = None
     try:
         traffic.start()
-        (port,) = free_ports(1)
-        config = {
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(RULES)],
-            "scrape_configs": [
-                {
-                    "job_name": "flowsched-coordinator",
-                    "static_configs": [{"targets": [f"{up.fields['chost']}:{up.fields['cport']}"]}],
-                },
-                {
-                    "job_name": "flowsched-agent",
-                    "static_configs": [{"targets": [f"{up.fields['ahost']}:{up.fields['aport']}"]}],
-                },
-            ],
+        targets = {
+            "flowsched-coordinator": f"{up.fields['chost']}:{up.fields['cport']}",
+            "flowsched-agent": f"{up.fields['ahost']}:{up.fields['aport']}",
         }
-        (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
-        prom = subprocess.Popen(
-            [
-                prometheus,
-                f"--config.file={tmp / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=(tmp / "prometheus.log").open("w"),
-        )
-        api = PromAPI(f"http://127.0.0.1:{port}")
+        prom, api = _start_prometheus(prometheus, tmp, targets)
         # flows closed before the agent's first session would never reach the coordinator
         readyz = f"http://{up.fields['ahost']}:{up.fields['aport']}/readyz"
         wait_until("the agent ready (connected)", lambda: http_status(readyz)[0] == 200)
@@ -130,6 +109,34 @@ def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PromAPI]:
             prom.terminate()
             prom.wait(timeout=15)
         up.stop()
+
+
+def _start_prometheus(
+    prometheus: str, tmp: Path, targets: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], PromAPI]:
+    """A Prometheus with the shipped rules, scraping each target (job name -> host:port)
+    every second; its log is ``tmp/prometheus.log``."""
+    (port,) = free_ports(1)
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES)],
+        "scrape_configs": [
+            {"job_name": job, "static_configs": [{"targets": [target]}]}
+            for job, target in targets.items()
+        ],
+    }
+    (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+    prom = subprocess.Popen(
+        [
+            prometheus,
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(tmp / "prometheus.log").open("w"),
+    )
+    return prom, PromAPI(f"http://127.0.0.1:{port}")
 
 
 def _plugin_traffic(table_path: Path, stop: threading.Event) -> None:
@@ -244,3 +251,41 @@ def test_scrapes_stay_small(system: PromAPI) -> None:
         job, samples = sample["metric"]["job"], float(sample["value"][1])
         print(f"{job}: {samples:.0f} samples per scrape")
         assert samples < 300, (job, samples)
+
+
+def test_a_stopped_agent_raises_agent_down(tmp_path: Path) -> None:
+    """A stopped agent exports nothing: only its scrape target's `up` shows it is gone."""
+    prometheus = need("prometheus")
+    args = ["agent", "--node", "n9", "--table", str(tmp_path / "table")]
+    args += ["--socket", str(tmp_path / "agent.sock"), "--slots", "64", "--interface", "lo"]
+    args += ["--metrics-port", "0"]
+    agent = Daemon(args, tmp_path / "agent.log", AGENT_READY)
+    target = f"{agent.fields['mhost']}:{agent.fields['mport']}"
+    prom: subprocess.Popen[bytes] | None = None
+    try:
+        prom, api = _start_prometheus(prometheus, tmp_path, {"flowsched-agent": target})
+
+        def scraped(value: float) -> Callable[[], bool]:
+            def check() -> bool:
+                assert prom is not None and prom.poll() is None, "prometheus exited"
+                try:
+                    return api.value(f'up{{instance="{target}"}}') == value
+                except (OSError, AssertionError, ValueError):  # still starting
+                    return False
+
+            return check
+
+        wait_until("the agent scraped", scraped(1))
+        assert not api.query('ALERTS{alertname="FlowschedAgentDown"}')
+        agent.stop()
+        wait_until("the agent's scrape failing", scraped(0))
+        down = f'ALERTS{{alertname="FlowschedAgentDown",instance="{target}"}}'
+        wait_until("FlowschedAgentDown pending", lambda: bool(api.query(down)))
+        (alert,) = api.query(down)
+        assert alert["metric"]["alertstate"] == "pending"  # firing after its 2m
+        assert alert["metric"]["job"] == "flowsched-agent"
+    finally:
+        agent.stop()
+        if prom is not None:
+            prom.terminate()
+            prom.wait(timeout=15)

@@ -13,6 +13,7 @@ from deploy_helpers import ROOT, RULES, RULES_TEST, alert_rules, need, without_t
 #: what an operator must be told about (issue: deploy and operate)
 REQUIRED = {
     "FlowschedCoordinatorDown",
+    "FlowschedAgentDown",
     "FlowschedCoordinatorUnreachable",
     "FlowschedAgentInFallback",
     "FlowschedDeadlineMissRatioHigh",
@@ -80,6 +81,7 @@ def test_without_threshold_strips_only_the_comparison() -> None:
     assert without_threshold("a / b > 0.9") == "a / b"
     assert without_threshold("x == 0") == "x"
     assert without_threshold('sum(up{job="c"}) == 0 or absent(up{job="c"})') == 'sum(up{job="c"})'
+    assert without_threshold('absent(up{job="a"})') == 'up{job="a"}'
     assert without_threshold("histogram_quantile(0.99, rate(h[5m]))\n  > 2") == (
         "histogram_quantile(0.99, rate(h[5m]))"
     )
@@ -97,3 +99,16 @@ def test_the_table_full_alert_says_running_connections_follow_a_re_created_table
     rule = next(r for r in alert_rules() if r["alert"] == "FlowschedFlowTableNearlyFull")
     text = " ".join(rule["annotations"]["description"].split())
     assert "--slots" in text and "running jobs move their open connections" in text
+
+
+def test_the_agent_down_rules_watch_the_agents_scrape_job_of_the_docs() -> None:
+    """A stopped agent exports nothing: the rules that notice it select its scrape job by name,
+    which must be the one docs/deploy.md's scrape config gives the agents."""
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    block = re.search(r"```yaml\n(scrape_configs:.*?)```", doc, flags=re.S)
+    assert block, "docs/deploy.md has no scrape config"
+    jobs = {job["job_name"]: job for job in yaml.safe_load(block.group(1))["scrape_configs"]}
+    (agents,) = [name for name, job in jobs.items() if ":19712" in str(job)]
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    for name in ("FlowschedAgentDown", "FlowschedScrapeJobMissing"):
+        assert f'up{{job="{agents}"}}' in rules[name]["expr"], name
