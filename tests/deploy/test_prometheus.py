@@ -20,6 +20,7 @@ import pytest
 import yaml
 from deploy_helpers import (
     AGENT_READY,
+    COORDINATOR_READY,
     RULES,
     Daemon,
     alert_rules,
@@ -31,6 +32,7 @@ from deploy_helpers import (
 )
 
 from flowsched import client
+from flowsched.protocol import write_token
 from flowsched.shm.table import EmulatedPluginSlot, FlowTable
 from flowsched.testbed.daemons import free_ports
 
@@ -253,17 +255,32 @@ def test_scrapes_stay_small(system: PromAPI) -> None:
         assert samples < 300, (job, samples)
 
 
-def test_a_stopped_agent_raises_agent_down(tmp_path: Path) -> None:
-    """A stopped agent exports nothing: only its scrape target's `up` shows it is gone."""
+#: (scrape job, the daemon's flags but for its files, its ready line, its alert when down)
+STOPPED = [
+    ("flowsched-agent", ["agent", "--node", "n9", "--slots", "64", "--interface", "lo"],
+     AGENT_READY, "FlowschedAgentDown"),
+    ("flowsched-coordinator", ["coordinator", "--listen", "127.0.0.1:0"],
+     COORDINATOR_READY, "FlowschedCoordinatorInstanceDown"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("job", "args", "ready", "alertname"), STOPPED, ids=[s[0] for s in STOPPED]
+)
+def test_a_stopped_daemon_raises_its_down_alert(
+    tmp_path: Path, job: str, args: list[str], ready: str, alertname: str
+) -> None:
+    """A stopped daemon exports nothing: only its scrape target's `up` shows it is gone."""
     prometheus = need("prometheus")
-    args = ["agent", "--node", "n9", "--table", str(tmp_path / "table")]
-    args += ["--socket", str(tmp_path / "agent.sock"), "--slots", "64", "--interface", "lo"]
-    args += ["--metrics-port", "0"]
-    agent = Daemon(args, tmp_path / "agent.log", AGENT_READY)
-    target = f"{agent.fields['mhost']}:{agent.fields['mport']}"
+    write_token(tmp_path / "token")
+    args = [*args, "--token-file", str(tmp_path / "token"), "--metrics-port", "0"]
+    if args[0] == "agent":
+        args += ["--table", str(tmp_path / "table"), "--socket", str(tmp_path / "agent.sock")]
+    daemon = Daemon(args, tmp_path / "daemon.log", ready)
+    target = f"{daemon.fields['mhost']}:{daemon.fields['mport']}"
     prom: subprocess.Popen[bytes] | None = None
     try:
-        prom, api = _start_prometheus(prometheus, tmp_path, {"flowsched-agent": target})
+        prom, api = _start_prometheus(prometheus, tmp_path, {job: target})
 
         def scraped(value: float) -> Callable[[], bool]:
             def check() -> bool:
@@ -275,17 +292,17 @@ def test_a_stopped_agent_raises_agent_down(tmp_path: Path) -> None:
 
             return check
 
-        wait_until("the agent scraped", scraped(1))
-        assert not api.query('ALERTS{alertname="FlowschedAgentDown"}')
-        agent.stop()
-        wait_until("the agent's scrape failing", scraped(0))
-        down = f'ALERTS{{alertname="FlowschedAgentDown",instance="{target}"}}'
-        wait_until("FlowschedAgentDown pending", lambda: bool(api.query(down)))
+        wait_until("the daemon scraped", scraped(1))
+        down = f'ALERTS{{alertname="{alertname}",instance="{target}"}}'
+        assert not api.query(down)
+        daemon.stop()
+        wait_until("the daemon's scrape failing", scraped(0))
+        wait_until(f"{alertname} pending", lambda: bool(api.query(down)))
         (alert,) = api.query(down)
         assert alert["metric"]["alertstate"] == "pending"  # firing after its 2m
-        assert alert["metric"]["job"] == "flowsched-agent"
+        assert alert["metric"]["job"] == job
     finally:
-        agent.stop()
+        daemon.stop()
         if prom is not None:
             prom.terminate()
             prom.wait(timeout=15)

@@ -7,6 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 from deploy_helpers import ROOT, RULES, RULES_TEST, alert_rules, need, without_threshold
 
@@ -14,6 +15,7 @@ from deploy_helpers import ROOT, RULES, RULES_TEST, alert_rules, need, without_t
 REQUIRED = {
     "FlowschedCoordinatorDown",
     "FlowschedAgentDown",
+    "FlowschedCoordinatorInstanceDown",
     "FlowschedCoordinatorUnreachable",
     "FlowschedAgentInFallback",
     "FlowschedDeadlineMissRatioHigh",
@@ -101,14 +103,21 @@ def test_the_table_full_alert_says_running_connections_follow_a_re_created_table
     assert "--slots" in text and "running jobs move their open connections" in text
 
 
-def test_the_agent_down_rules_watch_the_agents_scrape_job_of_the_docs() -> None:
-    """A stopped agent exports nothing: the rules that notice it select its scrape job by name,
-    which must be the one docs/deploy.md's scrape config gives the agents."""
+@pytest.mark.parametrize(
+    ("port", "alerts"),
+    [
+        (19712, ["FlowschedAgentDown", "FlowschedScrapeJobMissing"]),
+        (19711, ["FlowschedCoordinatorInstanceDown", "FlowschedScrapeJobMissing"]),
+    ],
+)
+def test_the_down_rules_watch_the_scrape_jobs_of_the_docs(port: int, alerts: list[str]) -> None:
+    """A stopped daemon exports nothing: the rules that notice it select its scrape job by
+    name, which must be the one docs/deploy.md's scrape config gives the daemons."""
     doc = (ROOT / "docs" / "deploy.md").read_text()
     block = re.search(r"```yaml\n(scrape_configs:.*?)```", doc, flags=re.S)
     assert block, "docs/deploy.md has no scrape config"
     jobs = {job["job_name"]: job for job in yaml.safe_load(block.group(1))["scrape_configs"]}
-    (agents,) = [name for name, job in jobs.items() if ":19712" in str(job)]
+    (job,) = [name for name, config in jobs.items() if f":{port}" in str(config)]
     rules = {rule["alert"]: rule for rule in alert_rules()}
-    for name in ("FlowschedAgentDown", "FlowschedScrapeJobMissing"):
-        assert f'up{{job="{agents}"}}' in rules[name]["expr"], name
+    for name in alerts:
+        assert f'up{{job="{job}"}}' in rules[name]["expr"], name
