@@ -21,6 +21,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 from deploy_helpers import (
     AGENT_READY,
     COORDINATOR,
@@ -667,3 +668,69 @@ def test_ha_docs_name_the_files_holding_the_replica_count_and_the_agents_list() 
     assert "minAvailable" in kinds["PodDisruptionBudget"]["spec"]
     patches = [p["patch"] for p in documents(agents_file)[0].get("patches", [])]
     assert any("name: flowsched-agent" in p and "coordinator:" in p for p in patches)
+
+
+# -- the Kubernetes scrape config of docs/deploy.md against the pods' ports ---------------------
+
+
+def _kubernetes_scrape_jobs() -> dict[str, dict[str, Any]]:
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    blocks = [
+        yaml.safe_load(block)["scrape_configs"]
+        for block in re.findall(r"```yaml\n(scrape_configs:.*?)```", text, flags=re.S)
+    ]
+    (jobs,) = [b for b in blocks if all("kubernetes_sd_configs" in job for job in b)]
+    return {job["job_name"]: job for job in jobs}
+
+
+def _pod_targets() -> list[tuple[str, dict[str, str]]]:
+    """(workload kind, the meta labels of one target) for every port that Prometheus's pod
+    discovery makes a target of: each declared port of each container of the pods."""
+    targets = []
+    for path, kind in ((COORDINATOR, "Deployment"), (HA_COORDINATOR, "StatefulSet"),
+                       (DAEMONSET, "DaemonSet")):  # fmt: skip
+        workload = find(path, kind)
+        template = workload["spec"]["template"]
+        for container in template["spec"]["containers"]:
+            for port in container.get("ports", []):
+                labels = {
+                    "__meta_kubernetes_namespace": workload["metadata"]["namespace"],
+                    "__meta_kubernetes_pod_container_port_name": port["name"],
+                    "__meta_kubernetes_pod_container_port_number": str(port["containerPort"]),
+                }
+                for name, value in template["metadata"]["labels"].items():
+                    labels[f"__meta_kubernetes_pod_label_{re.sub(r'[^a-z0-9]', '_', name)}"] = value
+                targets.append((kind, labels))
+    return targets
+
+
+def _kept(job: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether ``job`` scrapes a target with ``labels`` (its namespaces, its keep rules)."""
+    for sd in job["kubernetes_sd_configs"]:
+        if labels["__meta_kubernetes_namespace"] not in sd["namespaces"]["names"]:
+            return False
+    for rule in job["relabel_configs"]:
+        assert rule["action"] == "keep", rule
+        value = rule.get("separator", ";").join(labels.get(n, "") for n in rule["source_labels"])
+        if not re.fullmatch(rule["regex"], value):
+            return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("job", "kinds", "port"),
+    [
+        ("flowsched-coordinator", {"Deployment", "StatefulSet"}, "19711"),
+        ("flowsched-agent", {"DaemonSet"}, "19712"),
+    ],
+)
+def test_the_kubernetes_scrape_jobs_scrape_only_the_metrics_ports(
+    job: str, kinds: set[str], port: str
+) -> None:
+    """Pod discovery makes a target of every declared port: the coordinator's rpc port speaks
+    no HTTP, so a job that kept it had a target down for good (and a refused connection in
+    the coordinator's log at every scrape)."""
+    config = _kubernetes_scrape_jobs()[job]
+    kept = [(kind, labels) for kind, labels in _pod_targets() if _kept(config, labels)]
+    assert {kind for kind, _ in kept} == kinds
+    assert {labels["__meta_kubernetes_pod_container_port_number"] for _, labels in kept} == {port}
