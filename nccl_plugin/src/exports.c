@@ -10,6 +10,7 @@
  * sees the inner's capabilities. No per-call dispatch: the chosen functions are in the table.
  */
 #include <pthread.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -395,6 +396,20 @@ static ncclResult_t prepare(ncclDebugLogger_t logger) {
   return mode == MODE_WRAP && fs_wrap_setup(logger) != 0 ? ncclInvalidUsage : ncclSuccess;
 }
 
+/* Copy the entries that follow name and init (the first two fields of every version) from
+ * `src` into the exported table `dst`. Name and init are never written: other communicators'
+ * threads read them, without a lock, to call init while this one fills the table in (a data
+ * race even with the same bytes). They read the other entries only after their own init
+ * returned, and that init's fill() took the lock after this one's. */
+#define FS_FILL_ENTRIES(dst, src)                                                             \
+  do {                                                                                        \
+    _Static_assert(offsetof(__typeof__(dst), name) == 0 &&                                    \
+                       offsetof(__typeof__(dst), init) == sizeof((dst).name),                 \
+                   "name and init lead the table");                                           \
+    size_t at_ = offsetof(__typeof__(dst), init) + sizeof((dst).init);                       \
+    memcpy((char*)&(dst) + at_, (const char*)&(src) + at_, sizeof(dst) - at_);               \
+  } while (0)
+
 /* Fill table `version` once, after a successful init (the inner's entries are known then). */
 static void fill(int version) {
   pthread_mutex_lock(&fs_exports.lock);
@@ -405,41 +420,31 @@ static void fill(int version) {
       case 12: {
         ncclNet_v12_t t = wrap ? wrap_v12 : fs_tcp_net_v12;
         if (wrap) FS_WRAP_OPTIONAL(t, t.makeVDevice = fs_wrap_inner()->ops.makeVDevice ? fs_wrap_make_vdevice : NULL);
-        t.name = FS_PLUGIN_NAME;
-        t.init = init_v12;
-        ncclNetPlugin_v12 = t;
+        FS_FILL_ENTRIES(ncclNetPlugin_v12, t);
         break;
       }
       case 11: {
         ncclNet_v11_t t = wrap ? wrap_v11 : fs_tcp_net_v11;
         if (wrap) FS_WRAP_OPTIONAL(t, t.makeVDevice = fs_wrap_inner()->ops.makeVDevice ? w_vdev_v11 : NULL);
-        t.name = FS_PLUGIN_NAME;
-        t.init = init_v11;
-        ncclNetPlugin_v11 = t;
+        FS_FILL_ENTRIES(ncclNetPlugin_v11, t);
         break;
       }
       case 10: {
         ncclNet_v10_t t = wrap ? wrap_v10 : fs_tcp_net_v10;
         if (wrap) FS_WRAP_OPTIONAL(t, t.makeVDevice = fs_wrap_inner()->ops.makeVDevice ? w_vdev_v10 : NULL);
-        t.name = FS_PLUGIN_NAME;
-        t.init = init_v10;
-        ncclNetPlugin_v10 = t;
+        FS_FILL_ENTRIES(ncclNetPlugin_v10, t);
         break;
       }
       case 9: {
         ncclNet_v9_t t = wrap ? wrap_v9 : tcp_v9_table();
         if (wrap) FS_WRAP_OPTIONAL(t, t.makeVDevice = fs_wrap_inner()->ops.makeVDevice ? w_vdev_v9 : NULL);
-        t.name = FS_PLUGIN_NAME;
-        t.init = init_v9;
-        ncclNetPlugin_v9 = t;
+        FS_FILL_ENTRIES(ncclNetPlugin_v9, t);
         break;
       }
       default: {
         ncclNet_v8_t t = wrap ? wrap_v8 : tcp_v8_table();
         if (wrap) FS_WRAP_OPTIONAL(t, (void)0);
-        t.name = FS_PLUGIN_NAME;
-        t.init = init_v8;
-        ncclNetPlugin_v8 = t;
+        FS_FILL_ENTRIES(ncclNetPlugin_v8, t);
         break;
       }
     }

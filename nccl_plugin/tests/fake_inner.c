@@ -5,6 +5,7 @@
  * Built for table version FAKE_VERSION (12 by default; 10 and 8 exercise the adapters). */
 #include "fake_inner.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,13 +28,18 @@ struct fake_req {
   size_t sizes[FAKE_MAX_N];
 };
 
+/* NCCL calls a plugin from several threads (each communicator's init on its own): the slot
+ * is taken under a lock, and each caller then fills in its own. */
 static struct fake_call* rec(const char* fn) {
   static struct fake_call overflow;
+  static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+  pthread_mutex_lock(&lock);
   struct fake_call* c = fake_state.ncalls < FAKE_MAX_CALLS ? &fake_state.calls[fake_state.ncalls++]
                                                            : &overflow;
   memset(c, 0, sizeof(*c));
   strncpy(c->fn, fn, sizeof(c->fn) - 1);
   c->tc = -2;
+  pthread_mutex_unlock(&lock);
   return c;
 }
 

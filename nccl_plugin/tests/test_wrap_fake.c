@@ -14,6 +14,8 @@
  *  - a failing inner init or connect is NCCL's error code, and a missing inner too;
  *  - concurrent first inits over a v10 inner: the second waits for the inner's init, and
  *    fails with it when it fails;
+ *  - four first inits at once through the exported table: none of them reads what another's
+ *    fill of the table writes (ThreadSanitizer, make tsan-check);
  *  - connects in progress (more than 64) keep their communicator's context alive past its
  *    finalize, until the last of them is over;
  *  - the permit: deferral while a more urgent send is in flight, lifted by a promotion (a
@@ -521,6 +523,57 @@ static void concurrent_first_init(const char* fake10) {
     unload();
   }
   printf("ok concurrent first inits over a v10 inner wait for its init (success, failure)\n");
+}
+
+/* ---- four first inits at once: the exported table ------------------------------------------ */
+
+#define CONCURRENT_INITS 4
+
+struct table_init {
+  const ncclNet_v12_t* net;
+  pthread_barrier_t* start;
+  uint64_t comm_id;
+  ncclResult_t res;
+};
+
+/* What NCCL does on each communicator's thread: read the table's init, call it, then use the
+ * table's entries. */
+static void* table_init_run(void* arg) {
+  struct table_init* t = arg;
+  pthread_barrier_wait(t->start);
+  void* ctx = NULL;
+  t->res = t->net->init(&ctx, t->comm_id, NULL, NULL, NULL);
+  int ndev = 0;
+  if (t->res == ncclSuccess) t->res = t->net->devices(&ndev);
+  if (t->res == ncclSuccess) t->res = t->net->finalize(ctx);
+  return NULL;
+}
+
+/* Communicators initialise on their own threads (NCCL 2.27+), each reading the exported
+ * table's name and init while another's first init may be filling the table in: the fill
+ * must write nothing they read (ThreadSanitizer reports it under `make tsan-check`). */
+static void concurrent_table_inits(const char* fake10) {
+  for (int round = 0; round < 20; round++) {
+    const ncclNet_v12_t* net = load(fake10, "ncclNetPlugin_v12");
+    pthread_barrier_t start;
+    CHECK(pthread_barrier_init(&start, NULL, CONCURRENT_INITS) == 0, "barrier");
+    struct table_init inits[CONCURRENT_INITS];
+    pthread_t threads[CONCURRENT_INITS];
+    for (int i = 0; i < CONCURRENT_INITS; i++) {
+      inits[i] = (struct table_init){.net = net, .start = &start, .comm_id = 0xB0 + (uint64_t)i};
+      CHECK(pthread_create(&threads[i], NULL, table_init_run, &inits[i]) == 0, "pthread_create");
+    }
+    for (int i = 0; i < CONCURRENT_INITS; i++) {
+      CHECK(pthread_join(threads[i], NULL) == 0, "join");
+      CHECK(inits[i].res == ncclSuccess, "round %d: init %d returned %d", round, i,
+            (int)inits[i].res);
+    }
+    CHECK(strcmp(net->name, "flowsched") == 0 && net->init != NULL && net->devices != NULL,
+          "round %d: the table after the inits", round);
+    pthread_barrier_destroy(&start);
+    unload();
+  }
+  printf("ok %d concurrent first inits through the exported table\n", CONCURRENT_INITS);
 }
 
 /* ---- connects in progress outlive a finalize ---------------------------------------------- */
@@ -1080,6 +1133,7 @@ int main(int argc, char** argv) {
   inner_v10(argv[3]);
   inner_v8(argv[4]);
   concurrent_first_init(argv[3]);
+  concurrent_table_inits(argv[3]);
   missing_inner();
   connects_in_progress_outlive_finalize(argv[2]);
   permit(argv[2]);
