@@ -102,6 +102,16 @@ static uint64_t halved(uint64_t value, uint64_t times) {
   return times >= 64 ? 0 : value >> times;
 }
 
+/* Halve `counter` `times` times, atomically with the sends that add to it meanwhile (a load
+ * then a store would lose their bytes). Returns what it took away. */
+static uint64_t counter_halve(_Atomic uint64_t* counter, uint64_t times) {
+  uint64_t cur = atomic_load_explicit(counter, memory_order_relaxed);
+  while (!atomic_compare_exchange_weak_explicit(counter, &cur, halved(cur, times),
+                                                memory_order_relaxed, memory_order_relaxed)) {
+  }
+  return cur - halved(cur, times);
+}
+
 /* Halve the shares once per window that ended since the last decay, so they follow the recent
  * past (one thread wins). The decay runs on the contended path only: after a stretch of k
  * windows without contention the shares are halved k times, not once, or a level that sent
@@ -119,10 +129,9 @@ static void window_decay(struct gate_dev* d, uint64_t now_ns) {
   }
   uint64_t windows = (now_ns - start) / window;
   for (int l = 0; l < FS_GATE_LEVELS; l++) {
-    atomic_store_explicit(&d->bytes[l], halved(atomic_load(&d->bytes[l]), windows),
-                          memory_order_relaxed);
+    counter_halve(&d->bytes[l], windows);
   }
-  atomic_store_explicit(&d->total, halved(atomic_load(&d->total), windows), memory_order_relaxed);
+  counter_halve(&d->total, windows);
 }
 
 static int below_share(const struct gate_dev* d, uint32_t level) {
