@@ -101,7 +101,20 @@ static int timens_offset(const char* name, const char* id, long long* sec, long 
   return 0;
 }
 
+/* After unshare(CLONE_NEWTIME), only the caller's children are in the new time namespace: a
+ * child forked then has another offset on its clock than the one its parent cached. The child
+ * reads its own at its first fs_now_ns (a read here would not be async-signal-safe). */
+static void clock_forget_in_child(void) {
+  atomic_store_explicit(&fs_clock.known, 0, memory_order_relaxed);
+}
+
+static void clock_watch_forks(void) {
+  pthread_atfork(NULL, NULL, clock_forget_in_child);
+}
+
 void fs_clock_refresh(void) {
+  static pthread_once_t watching = PTHREAD_ONCE_INIT;
+  pthread_once(&watching, clock_watch_forks);
   long long sec, nsec;
   timens_offset("monotonic", "1", &sec, &nsec); /* 1: CLOCK_MONOTONIC's id; malformed: 0 */
   atomic_store_explicit(&fs_clock.monotonic_ns, sec * 1000000000LL + nsec, memory_order_relaxed);

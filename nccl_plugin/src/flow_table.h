@@ -205,8 +205,8 @@ void fs_flow_applied(struct fs_flow* flow, uint32_t level);
 /* CLOCK_MONOTONIC as the host counts it (the initial time namespace's), in ns: the clock of
  * the table's *_ns fields, also inside a time namespace with a monotonic offset. */
 uint64_t fs_now_ns(void);
-/* Re-read this process's time namespace offset (lazily at the first fs_now_ns, and at each
- * fs_flow_open). */
+/* Re-read this process's time namespace offset (lazily at the first fs_now_ns, also a forked
+ * child's, and at each fs_flow_open). */
 void fs_clock_refresh(void);
 /* Where the offsets are read: /proc/self/timens_offsets (unit tests point it elsewhere). */
 extern const char* fs_timens_offsets_path;

@@ -11,7 +11,8 @@
  *    and does not recompute its level at every message;
  *  - a process in a time namespace (faked offsets file) writes the host's CLOCK_MONOTONIC
  *    into open_ns and judges the agent's heartbeat on it: a live agent's CLOSED slots are
- *    not taken from a full table.
+ *    not taken from a full table; a child forked into a new time namespace reads its own
+ *    offset, not its parent's cached one.
  *
  *   test_flow_table   exit status 0 when every check holds
  */
@@ -21,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -260,6 +262,58 @@ static void test_time_namespace(const char* dir, long long offset_s) {
   unlink(offsets);
 }
 
+/* Write a faked offsets file: the namespace's monotonic (and boottime) offset `offset_s`. */
+static void write_offsets(const char* offsets, long long offset_s) {
+  FILE* f = fopen(offsets, "w");
+  if (f == NULL) {
+    perror(offsets);
+    exit(2);
+  }
+  fprintf(f, "monotonic %20lld %9d\nboottime %20lld %9d\n", offset_s, 0, offset_s, 0);
+  fclose(f);
+}
+
+/* After unshare(CLONE_NEWTIME) only the caller's children are in the new namespace: a child
+ * forked then has the new namespace's offset on its clock, and the offset its parent read
+ * (and cached) for the old one. Faked: the offsets file changes between the parent's read and
+ * the fork. The child's clock must be the host's from its first fs_now_ns on, before any
+ * claim: a deadline taken then (a table look, a connect retry) would otherwise be off by the
+ * difference once a claim re-read the offset. */
+static void test_child_in_a_new_time_namespace(const char* dir) {
+  static const struct {
+    long long parent_s, child_s;
+  } cases[] = {{0, 1000}, {-1000, 0}, {5, -7}};
+  char offsets[512];
+  snprintf(offsets, sizeof(offsets), "%s/timens_offsets", dir);
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    write_offsets(offsets, cases[i].parent_s);
+    fs_timens_offsets_path = offsets;
+    fs_clock_refresh();
+    write_offsets(offsets, cases[i].child_s);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+      uint64_t host = fs_now_ns();
+      long long skew = (long long)(own_monotonic_ns() - host) - cases[i].child_s * 1000000000LL;
+      if (skew < 0 || skew >= 1000000000LL) {
+        fprintf(stderr,
+                "FAIL: a child forked into a namespace %llds ahead (its parent's %llds): "
+                "fs_now_ns %lld ms off the host's clock\n",
+                cases[i].child_s, cases[i].parent_s, skew / 1000000);
+        _exit(1);
+      }
+      _exit(0);
+    }
+    int status = 0;
+    EXPECT(pid > 0 && waitpid(pid, &status, 0) == pid && WIFEXITED(status) &&
+               WEXITSTATUS(status) == 0,
+           "the child's clock (parent %llds, child %llds)", cases[i].parent_s, cases[i].child_s);
+  }
+  fs_timens_offsets_path = "/proc/self/timens_offsets";
+  fs_clock_refresh();
+  unlink(offsets);
+}
+
 int main(void) {
   char dir[] = "/tmp/fs-flow-table-XXXXXX";
   if (mkdtemp(dir) == NULL) {
@@ -271,6 +325,7 @@ int main(void) {
   test_connection_left_in_a_replaced_table(dir);
   test_time_namespace(dir, 5);     /* more than the heartbeat's second ahead */
   test_time_namespace(dir, -1000); /* behind: an unsigned difference would wrap */
+  test_child_in_a_new_time_namespace(dir);
   rmdir(dir);
   if (failures == 0) {
     printf("ok test_flow_table\n");
