@@ -112,11 +112,27 @@ static void clock_watch_forks(void) {
   pthread_atfork(NULL, NULL, clock_forget_in_child);
 }
 
+/* Whether /proc/self/timens_offsets shows this process's own time namespace. It shows the one
+ * its children get: another after unshare(CLONE_NEWTIME), whose caller stays where it was.
+ * Without time namespaces (no such links), the file is absent anyway. */
+static int timens_offsets_own(void) {
+  struct stat own, children;
+  if (stat("/proc/self/ns/time", &own) != 0 ||
+      stat("/proc/self/ns/time_for_children", &children) != 0) {
+    return 1;
+  }
+  return own.st_dev == children.st_dev && own.st_ino == children.st_ino;
+}
+
 void fs_clock_refresh(void) {
   static pthread_once_t watching = PTHREAD_ONCE_INIT;
   pthread_once(&watching, clock_watch_forks);
-  long long sec, nsec;
-  timens_offset("monotonic", "1", &sec, &nsec); /* 1: CLOCK_MONOTONIC's id; malformed: 0 */
+  long long sec = 0, nsec = 0;
+  if (timens_offsets_own()) {
+    timens_offset("monotonic", "1", &sec, &nsec); /* 1: CLOCK_MONOTONIC's id; malformed: 0 */
+  } else if (atomic_load_explicit(&fs_clock.known, memory_order_acquire)) {
+    return; /* the offset read before the unshare: a namespace's offsets never change */
+  } /* else unknowable from here: the host's clock, as without a namespace */
   atomic_store_explicit(&fs_clock.monotonic_ns, sec * 1000000000LL + nsec, memory_order_relaxed);
   atomic_store_explicit(&fs_clock.known, 1, memory_order_release);
 }
@@ -512,11 +528,13 @@ static ssize_t read_small(const char* path, char* buf, size_t size) {
 }
 
 /* The boottime offset of this process's time namespace, in clock ticks, into *ticks (0 on a
- * kernel without time namespaces). 0 on success, -1 when it is unreadable or not a whole
- * number of ticks (the process's starts then cannot be compared with the host's). */
+ * kernel without time namespaces). 0 on success, -1 when it is unreadable, not a whole
+ * number of ticks, or not shown (/proc shows an unsharer its children's): the process's
+ * starts then cannot be compared with the host's. */
 static int boottime_offset_ticks(long long* ticks) {
   long long sec, nsec;
   *ticks = 0;
+  if (!timens_offsets_own()) return -1; /* after unshare(CLONE_NEWTIME): another's offsets */
   if (timens_offset("boottime", "7", &sec, &nsec) != 0) return -1; /* 7: its clock id */
   long hz = sysconf(_SC_CLK_TCK);
   if (hz <= 0) hz = 100;

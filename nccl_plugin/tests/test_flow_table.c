@@ -12,11 +12,14 @@
  *  - a process in a time namespace (faked offsets file) writes the host's CLOCK_MONOTONIC
  *    into open_ns and judges the agent's heartbeat on it: a live agent's CLOSED slots are
  *    not taken from a full table; a child forked into a new time namespace reads its own
- *    offset, not its parent's cached one.
+ *    offset, not its parent's cached one; a process that unshares a time namespace keeps its
+ *    own offset, though /proc shows it the new namespace's (a real namespace, where allowed).
  *
  *   test_flow_table   exit status 0 when every check holds
  */
+#include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -314,6 +317,53 @@ static void test_child_in_a_new_time_namespace(const char* dir) {
   unlink(offsets);
 }
 
+/* A real time namespace: a process unshares one (CLONE_NEWTIME) with a monotonic offset of
+ * 1000 s, and forks. Only the child is in it; /proc/self/timens_offsets shows the unsharer
+ * the new namespace's offsets nonetheless (those of its time_for_children). Neither may take
+ * another namespace's offset: the unsharer's clock (re-read at its next claim) and its
+ * child's must stay the host's. Runs in a forked helper; skipped where namespaces cannot be
+ * made. */
+static void test_unshared_time_namespace(void) {
+  fflush(NULL);
+  pid_t helper = fork();
+  if (helper == 0) {
+    fs_clock_refresh();
+    uint64_t before = fs_now_ns();
+    if (unshare(CLONE_NEWTIME) != 0 && unshare(CLONE_NEWUSER | CLONE_NEWTIME) != 0) {
+      printf("skipped the unshared time namespace: %s\n", strerror(errno));
+      _exit(0);
+    }
+    int fd = open("/proc/self/timens_offsets", O_WRONLY | O_CLOEXEC);
+    if (fd < 0 || write(fd, "monotonic 1000 0\n", 17) != 17) {
+      printf("skipped the unshared time namespace: offsets: %s\n", strerror(errno));
+      _exit(0);
+    }
+    close(fd);
+    fs_clock_refresh(); /* as the next claim does */
+    long long unsharer = (long long)(fs_now_ns() - before);
+    fflush(NULL);
+    pid_t child = fork();
+    if (child == 0) {
+      _exit(fs_now_ns() - before < 1000000000ull ? 0 : 1);
+    }
+    int status = 0;
+    int child_ok = waitpid(child, &status, 0) == child && WIFEXITED(status) &&
+                   WEXITSTATUS(status) == 0;
+    if (unsharer < 0 || unsharer >= 1000000000LL || !child_ok) {
+      fprintf(stderr,
+              "FAIL: after unshare(CLONE_NEWTIME) with a 1000 s offset: the unsharer's clock "
+              "moved %lld ms, its child's is %s\n",
+              unsharer / 1000000, child_ok ? "the host's" : "not the host's");
+      _exit(1);
+    }
+    _exit(0);
+  }
+  int status = 0;
+  EXPECT(helper > 0 && waitpid(helper, &status, 0) == helper && WIFEXITED(status) &&
+             WEXITSTATUS(status) == 0,
+         "the clocks around an unshared time namespace");
+}
+
 int main(void) {
   char dir[] = "/tmp/fs-flow-table-XXXXXX";
   if (mkdtemp(dir) == NULL) {
@@ -326,6 +376,7 @@ int main(void) {
   test_time_namespace(dir, 5);     /* more than the heartbeat's second ahead */
   test_time_namespace(dir, -1000); /* behind: an unsigned difference would wrap */
   test_child_in_a_new_time_namespace(dir);
+  test_unshared_time_namespace();
   rmdir(dir);
   if (failures == 0) {
     printf("ok test_flow_table\n");
