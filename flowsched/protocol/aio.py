@@ -125,11 +125,12 @@ class AgentLink:
         """
         self._writer.close()
         try:
-            with contextlib.suppress(ConnectionError, OSError):
-                async with asyncio.timeout(timeout):
-                    await self._writer.wait_closed()
-        except TimeoutError:
+            async with asyncio.timeout(timeout):
+                await self._writer.wait_closed()
+        except TimeoutError:  # an OSError too: caught before those of a broken socket
             self._writer.transport.abort()
+        except (ConnectionError, OSError):
+            pass
 
 
 async def connect_agent(
@@ -265,9 +266,12 @@ async def _connect_once(
 ) -> AgentLink:
     try:
         async with asyncio.timeout(timeout):
+            # a close waits CLOSE_TIMEOUT at most for the coordinator's close_notify (the TLS
+            # layer's default, 30 s, held the socket that long after a hung coordinator)
             reader, writer = await asyncio.open_connection(
                 host, port, ssl=secure.context,
                 server_hostname=(secure.server_hostname or host) if secure.context else None,
+                ssl_shutdown_timeout=CLOSE_TIMEOUT if secure.context else None,
             )  # fmt: skip
         conn = Connection(Role.AGENT, token=token, max_frame_size=max_frame_size, version=version)
         link = AgentLink(reader, writer, conn)
