@@ -959,7 +959,8 @@ def open_flow(
 ) -> FlowHandle:
     """Open a flow without a ``with`` block; call :meth:`FlowHandle.close` when done.
 
-    ``deadline`` is absolute wall-clock seconds (``time.time()``); ``consumer_step`` is the job
+    ``deadline`` is absolute wall-clock seconds (``time.time() + 20`` for 20 s from now: a
+    small number such as ``20.0``, a time in 1970, is refused); ``consumer_step`` is the job
     step (RLI) that consumes the data, of ``job`` (default: the job last passed to
     :func:`job_progress` in this process); ``peer`` narrows NCCL linking to one peer rank
     (-1, like None, narrows nothing); ``dst_node`` names the node that receives the data (the

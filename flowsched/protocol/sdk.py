@@ -17,6 +17,7 @@ Client -> agent:
   the flow: the agent adds that node's ingress link (``<dst_node>:rx``) to the flow's links.
   The process id comes from the socket (SO_PEERCRED), never from the message. The agent scopes
   ``job`` and ``request`` to the client's uid (``"<uid>/<name>"``) before forwarding them.
+  ``deadline`` is wall-clock seconds since the epoch, not before :data:`MIN_DEADLINE`.
   ``consumer_index`` is a layer index for kv and kv_reuse (at most :data:`MAX_LAYER`), else a
   step (at most :data:`MAX_STEP`).
 * ``progress{id, sent}``, ``close{id, sent}``: bytes the application moved itself.
@@ -71,6 +72,10 @@ MAX_REQUEST = MAX_JOB
 MAX_LAYER = 1 << 20
 #: largest step: ``job_progress.step``, and ``open.consumer_index`` of the other classes
 MAX_STEP = 1 << 40
+#: earliest ``open.deadline`` (2001-09-09): a deadline is wall-clock seconds since the epoch,
+#: and one below this is a relative one given by mistake (``deadline=20.0`` meant as "20 s from
+#: now"), long past: its flow would stay at level 0 for good
+MIN_DEADLINE = 1e9
 
 
 class SdkProtocolError(ValueError):
@@ -337,6 +342,8 @@ def _build(cls: type[Any], data: dict[str, Any]) -> Any:
             values[name] = _NESTED[name](cls.TYPE, data[name])
         else:
             values[name] = _check(cls.TYPE, name, data[name], optional=f.default is None)
+    if cls is Open:
+        _check_deadline(cls.TYPE, values.get("deadline"))
     if cls is Open or cls is FlowInfo:
         _check_class(cls.TYPE, values["cls"])
         _check_node(cls.TYPE, values.get("dst_node"))
@@ -415,6 +422,15 @@ def _finite(value: float) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def _check_deadline(where: str, deadline: float | None) -> None:
+    if deadline is not None and deadline < MIN_DEADLINE:
+        raise SdkProtocolError(
+            f"{where}.deadline: expected wall-clock seconds since the epoch (time.time() + 20 "
+            f"for 20 s from now), not before {MIN_DEADLINE:.0f} (2001-09-09)",
+            "deadline",
+        )
 
 
 def _check_node(where: str, node: str | None) -> None:

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -461,6 +462,8 @@ def test_job_progress_refuses_what_the_coordinator_would(
         pytest.param({"deadline": float("inf")}, "deadline", id="infinite-deadline"),
         pytest.param({"deadline": float("nan")}, "deadline", id="nan-deadline"),
         pytest.param({"deadline": True}, "deadline", id="bool-deadline"),
+        pytest.param({"deadline": 20.0}, "deadline", id="relative-deadline"),
+        pytest.param({"deadline": 0}, "deadline", id="zero-deadline"),
         pytest.param({"bytes": True}, "bytes", id="bool-bytes"),
         pytest.param({"bytes": 2**64}, "bytes", id="bytes-beyond-u64"),
         pytest.param({"peer": 2**31}, "peer", id="peer-beyond-i32"),
@@ -481,6 +484,49 @@ def test_open_refuses_what_the_agent_decoder_refuses(
 
 
 _OPEN_FIELDS = {"bytes": "size", "consumer_step": "consumer_index"}
+
+
+def _send_with_flow(**kwargs: Any) -> object:
+    from flowsched import transfer
+
+    return transfer.send_with_flow(("127.0.0.1", 9), 10, "kv", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        pytest.param(lambda **kw: client.open_flow("kv", **kw), id="open_flow"),
+        pytest.param(lambda **kw: client.flow("kv", **kw).__enter__(), id="flow"),
+        pytest.param(lambda **kw: _send_with_flow(**kw), id="send_with_flow"),
+    ],
+)
+@pytest.mark.parametrize("deadline", [20.0, 20, 999_999_999.9])
+def test_a_relative_deadline_is_refused_by_every_entry_that_takes_one(
+    entry: Any, deadline: float, tmp_path: Path
+) -> None:
+    """``deadline=20.0`` meant as "20 s from now" was taken as a time in 1970: long missed,
+    the flow stayed at level 0 for good (every other flow behind it)."""
+    with pytest.raises(ValueError, match=r"^deadline .*seconds since the epoch") as info:
+        entry(deadline=deadline, socket_path=str(tmp_path / "x"))
+    assert "time.time() + 20" in str(info.value)
+
+
+def test_the_agent_refuses_a_relative_deadline_naming_the_field(agent: AgentThread) -> None:
+    """A client that does not check (another language's, an older one) is told by the agent,
+    in an error frame naming the field, rather than served a flow at level 0 forever."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5)
+        sock.connect(agent.ready.socket)  # type: ignore[union-attr]
+        sock.sendall(sdk.encode(sdk.Open(1, "kv", 1000, 20.0)))
+        decoder = sdk.SdkDecoder("client")
+        while (answer := decoder.next_message()) is None:
+            data = sock.recv(65536)
+            assert data, "the agent closed the connection without saying why"
+            decoder.feed(data)
+    assert isinstance(answer, sdk.Error) and answer.code == "bad_frame"
+    assert answer.reason.startswith("open.deadline: expected wall-clock seconds since the epoch")
+    registry = agent.agent.registry
+    assert registry is not None and not registry.sdk  # no flow opened
 
 
 def test_job_progress_refuses_a_step_beyond_the_protocol() -> None:

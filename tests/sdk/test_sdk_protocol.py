@@ -12,7 +12,7 @@ from flowsched.model import FlowClass
 from flowsched.protocol import FlowOpen, JobProgress, Resync, decode_body, encode_body, sdk
 
 ROUND_TRIP = [
-    pytest.param(sdk.Open(1, "kv", 10, 5.5, None, "job", "req-1", 3), "agent", id="open-full"),
+    pytest.param(sdk.Open(1, "kv", 10, 1.8e9, None, "job", "req-1", 3), "agent", id="open-full"),
     pytest.param(sdk.Open(7, "tp"), "agent", id="open-minimal"),
     pytest.param(sdk.Progress(2**64 - 1, 5), "agent", id="progress"),
     pytest.param(sdk.Close(9, 0), "agent", id="close"),
@@ -80,6 +80,11 @@ BAD = [
         {"t": "open", "ref": 1, "cls": "kv", "deadline": float("nan")},
         "open.deadline",
         id="nan-deadline",
+    ),
+    pytest.param(
+        {"t": "open", "ref": 1, "cls": "kv", "deadline": 20.0},
+        "open.deadline: expected wall-clock seconds since the epoch",
+        id="relative-deadline",
     ),
     pytest.param({"t": "open", "ref": 1, "cls": "kv", "size": "big"}, "open.size", id="str-size"),
     pytest.param(
