@@ -50,6 +50,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -140,6 +141,7 @@ class FlowHandle:
         self._lock = threading.Lock()
         self._listeners: list[Listener] = []
         self._request: sdk.Open | None = None  # to re-open the flow at a restarted agent
+        _all_handles.add(self)  # its lock is made anew in a forked child
 
     # ------------------------------------------------------------ marking
     @property
@@ -886,6 +888,8 @@ def _peer_uid(sock: socket.socket) -> int | None:
     return None if credentials is None else credentials[1]
 
 
+#: every FlowHandle alive in this process (see _after_fork_in_child)
+_all_handles: weakref.WeakSet[FlowHandle] = weakref.WeakSet()
 #: socket path -> its connection; None: the default path's (see AgentConnection)
 _connections: dict[str | None, AgentConnection] = {}
 _last_job: str | None = None
@@ -902,6 +906,10 @@ def _after_fork_in_child() -> None:
     _connections, _connections_lock = {}, threading.Lock()
     for conn in inherited:
         conn._disown_after_fork()
+    # another thread of the parent (the reader giving a handle its level, or one reporting
+    # progress) may have held a handle's lock at the fork: nobody would ever release it here
+    for handle in list(_all_handles):
+        handle._lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -244,6 +245,65 @@ def test_a_forked_child_uses_its_own_connection(agent: AgentThread) -> None:
     parent.progress(400)  # the parent's connection is intact
     _wait(lambda: registry.flows[parent.id].sent == 400, "the parent's progress")  # type: ignore[index]
     parent.close()
+
+
+def _exit_status(pid: int, timeout: float) -> int | None:
+    """``pid``'s exit code once it exits within ``timeout`` s; None (killed) if it does not."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done == pid:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+@pytest.mark.parametrize(
+    "use",
+    [
+        pytest.param(lambda h: h.progress(10), id="progress"),
+        pytest.param(lambda h: h.add_bytes(10), id="add_bytes"),
+        pytest.param(lambda h: h.add_listener(print), id="add_listener"),
+        pytest.param(lambda h: h.close(), id="close"),
+    ],
+)
+def test_a_forked_child_can_use_a_handle_whose_lock_a_parent_thread_held(
+    agent: AgentThread, use: Callable[[client.FlowHandle], object]
+) -> None:
+    """A fork while another thread of the parent held a handle's lock (its reader thread
+    giving the handle a new level, or a thread reporting progress) left the child a lock that
+    nobody would release: its first call on the inherited handle hung for good."""
+    path = agent.ready.socket  # type: ignore[union-attr]
+    handle = client.open_flow("kv", bytes=1000, socket_path=path)
+    assert handle.connected
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with handle._lock:
+            holding.set()
+            release.wait(WAIT)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(WAIT)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                use(handle)
+                code = 0
+            finally:
+                os._exit(code)
+    finally:
+        release.set()
+        holder.join()
+    assert _exit_status(pid, WAIT) == 0, "the child hung on the handle's inherited lock"
+    registry = agent.agent.registry
+    assert registry is not None and handle.id in registry.sdk  # the parent's flow is intact
+    handle.close()
 
 
 def test_progress_dropped_for_a_close_leaves_no_queued_bytes_counted() -> None:
