@@ -8,7 +8,7 @@ is put in) and, from this process (root), makes a fresh connection to the SDK so
 one ``open`` every ``--interval`` seconds for ``--seconds``, timing each until its answer; an
 open not answered within the SDK's timeout (``client.OPEN_TIMEOUT``, 2 s, after which a client
 runs on static defaults) counts as failed. First with the agent idle (the baseline), then while
-a forked child, as ``nobody``, keeps 200 connections full of opens
+a child process, as ``nobody``, keeps 200 connections full of opens
 (:mod:`flowsched.testbed.sdk_flood`: refused once it holds its 4,096 flows, answers read and
 dropped). Also reports how many of the flood's opens the agent answered meanwhile, and whether
 the agent kept its coordinator session (no switch to the local policy, no second handshake).

@@ -2,25 +2,27 @@
 another user's opens are still answered (docs/security.md, "The SDK socket: limits per user
 and per node").
 
-:func:`flooding` forks a root process's child that runs :func:`flood` while a block runs: it
+:func:`flooding` starts a root process's child that runs :func:`flood` while a block runs: it
 becomes ``nobody`` in a group that may use the socket, opens :data:`FLOOD_CONNECTIONS`
 connections and keeps each full of opens with a long job name (refused once the user holds its
 4,096 flows), reading and dropping the answers so that it is never dropped for not reading,
-until a pipe says stop.
+until a pipe says stop. The child comes from multiprocessing's fork server, not from a fork of
+the calling process: that one has threads (an agent's, a daemon's log readers), and a fork copies
+the locks they hold, unlocked by nobody in the child (Python 3.12 on warns of it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import grp
+import multiprocessing
 import os
 import selectors
-import signal
 import socket
 from collections.abc import Iterator
+from multiprocessing.connection import Connection
 
 from flowsched.protocol import sdk
-from flowsched.testbed.daemons import wait_for
 
 #: the uid and gid the flooding child takes
 NOBODY = 65534
@@ -43,33 +45,27 @@ def shareable_group() -> grp.struct_group | None:
 
 @contextlib.contextmanager
 def flooding(path: str, group: int) -> Iterator[int]:
-    """Flood the SDK socket ``path`` from a forked child (nobody, in ``group``) while the block
+    """Flood the SDK socket ``path`` from a child process (nobody, in ``group``) while the block
     runs; yields the child's pid. At the block's end the child is told to stop and reaped,
     killed if it has not exited within 10 s."""
-    stop_read, stop_write = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - the child
-        os.close(stop_write)  # the parent's closing it is the signal to stop
-        flood(path, group, stop_read)
-    os.close(stop_read)
+    context = multiprocessing.get_context("forkserver")
+    stop_read, stop_write = context.Pipe(duplex=False)
+    child = context.Process(target=flood, args=(path, group, stop_read), daemon=True)
+    child.start()
+    stop_read.close()  # the child's copy stays open: this end's closing tells it to stop
     try:
-        yield child
+        assert child.pid is not None
+        yield child.pid
     finally:
-        os.close(stop_write)
-        _reap(child)
+        stop_write.close()
+        child.join(10)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
 
 
-def _reap(child: int) -> None:
-    """Wait for ``child`` to exit; kill it if it has not within 10 s."""
-    with contextlib.suppress(AssertionError):
-        wait_for(lambda: os.waitpid(child, os.WNOHANG)[0] == child, 10, "the flood to stop")
-        return
-    os.kill(child, signal.SIGKILL)
-    os.waitpid(child, 0)
-
-
-def flood(path: str, group: int, stop: int, connections: int = FLOOD_CONNECTIONS) -> None:
-    """In a forked child of a root process: as nobody, in ``group``, keep ``connections``
+def flood(path: str, group: int, stop: Connection, connections: int = FLOOD_CONNECTIONS) -> None:
+    """In a child process running as root: as nobody, in ``group``, keep ``connections``
     connections to the SDK socket ``path`` full of opens until ``stop`` (a pipe's read end)
     is readable or closed; then exit the child (status 0, or 1 if it failed)."""
     code = 1
@@ -89,7 +85,7 @@ def flood(path: str, group: int, stop: int, connections: int = FLOOD_CONNECTIONS
         os._exit(code)
 
 
-def _keep_sending(socks: list[socket.socket], stop: int) -> None:
+def _keep_sending(socks: list[socket.socket], stop: Connection) -> None:
     frames = memoryview(FLOOD_FRAMES)
     sent = dict.fromkeys(socks, 0)  # where each is in FLOOD_FRAMES: only whole frames go out
     with selectors.DefaultSelector() as selector:
@@ -98,7 +94,7 @@ def _keep_sending(socks: list[socket.socket], stop: int) -> None:
             selector.register(sock, selectors.EVENT_READ | selectors.EVENT_WRITE)
         while True:
             for key, events in selector.select():
-                if key.fd == stop:
+                if key.fileobj is stop:
                     return
                 sock = key.fileobj  # type: ignore[assignment]
                 try:
