@@ -198,6 +198,76 @@ _POSITIVE = {
 }
 _CHOICES = {"load_basis": ("compute", "network"), "router_load": ("queued", "outstanding")}
 _FRACTIONS = {"reuse_mean", "gpu_efficiency", "payload_share"}
+#: the largest value each numeric key takes (fractions: 1). Far past any real cluster, and low
+#: enough that the model's arithmetic stays finite and a run ends: ``rl.nic_gbps = 1e300``
+#: passed as "> 0" and failed the run with an OverflowError, a huge time never ended it.
+_MAXIMA: dict[str, float] = {
+    # [sim]
+    "chunk_kib": 1 << 20,  # 1 GiB messages
+    "timer_ms": 1e7,  # times: about 3 hours
+    "load_tau_ms": 1e7,
+    "num_levels": 64,  # a policy file's K at most (flowsched.policyfile.MAX_LEVELS)
+    "oversubscription": 1e3,
+    # node and NIC counts
+    "instances": 1024,
+    "servers_per_instance": 1024,
+    "decode_servers": 4096,
+    "kv_store_nodes": 4096,
+    "trainer_nodes": 4096,
+    "rollout_nodes": 4096,
+    "gpus_per_server": 64,
+    "nics_per_server": 64,
+    "decode_nics": 64,
+    "kv_store_nics": 64,
+    "nics_per_node": 64,
+    # rates
+    "nic_gbps": 1e5,
+    "gpu_tflops": 1e6,
+    "gpu_mem_gbps": 1e6,
+    # [serving] model and trace
+    "layers": 1024,
+    "lookahead": 1024,
+    "kv_bytes_per_token_layer": 1 << 30,
+    "a2a_bytes_per_token_layer": 1 << 30,
+    "flops_per_token_layer": 1e15,
+    "weight_bytes_per_gpu_layer": 1e13,
+    "batch_tokens": 1 << 30,
+    "mean_prompt_tokens": 1e8,
+    "max_prompt_tokens": 100_000_000,
+    "prompt_sigma": 10.0,
+    "reuse_concentration": 1e6,
+    "prefix_groups": 65536,
+    "cached_groups": 65536,
+    "prefix_zipf": 100.0,
+    "router_max_wait_tokens": 1 << 40,
+    "slo_factor": 1e6,
+    "warmup_requests": 10_000_000,
+    "requests": 10_000_000,
+    # [rl] pipeline
+    "iterations": 100_000,
+    "warmup_iterations": 100_000,
+    "staleness": 100_000,
+    "steps_per_iteration": 10_000,
+    "phases_per_step": 10_000,
+    "generation_chunks": 100_000,
+    "phase_compute_ms": 1e7,
+    "generation_ms": 1e7,
+    "tp_bytes_per_phase": 1e15,  # bytes: 1 PB
+    "gen_tp_bytes_per_chunk": 1e15,
+    "param_bytes": 1e15,
+    "experience_bytes": 1e15,
+}
+#: the smallest value of the positive keys that a tiny value breaks (the default is "> 0"): a
+#: rate of 1e-300 stretched the run past any end, a FLOP count that rounds to 0 divided by 0
+_MINIMA: dict[str, float] = {
+    "nic_gbps": 1e-3,
+    "gpu_tflops": 1e-3,
+    "gpu_mem_gbps": 1e-3,
+    "gpu_efficiency": 1e-3,
+    "payload_share": 1e-3,
+    "flops_per_token_layer": 1.0,
+    "mean_prompt_tokens": 1.0,
+}
 
 
 # --------------------------------------------------------------------------- parsing
@@ -368,17 +438,24 @@ def _expected_type(hint: Any) -> type:
 def _out_of_range(key: str, value: float) -> bool:
     if isinstance(value, float) and not math.isfinite(value):
         return True
-    if key in _FRACTIONS:
-        return not 0.0 <= value <= 1.0 or (key in _POSITIVE and value == 0)
+    if value > (1.0 if key in _FRACTIONS else _MAXIMA.get(key, math.inf)):
+        return True
+    if key in _MINIMA:
+        return value < _MINIMA[key]
     if key in _POSITIVE:
         return value <= 0
     return value < 0
 
 
 def _range_text(key: str) -> str:
+    positive = "> 0" if key in _POSITIVE else ">= 0"
+    low = f">= {_MINIMA[key]:g}" if key in _MINIMA else positive
     if key in _FRACTIONS:
-        return "expected > 0 and <= 1" if key in _POSITIVE else "expected 0..1"
-    return "expected > 0" if key in _POSITIVE else "expected >= 0"
+        return "expected 0..1" if low == ">= 0" else f"expected {low} and <= 1"
+    if key in _MAXIMA:
+        high = _MAXIMA[key]
+        return f"expected {low} and <= {high if isinstance(high, int) else format(high, 'g')}"
+    return f"expected {low}"
 
 
 # --------------------------------------------------------------------------- serving trace

@@ -52,7 +52,46 @@ BAD_FILES = [
     (
         "zero-share",
         MINIMAL + "[sim]\npayload_share = 0\n",
-        "sim.payload_share: 0.0 is out of range (expected > 0 and <= 1)",
+        "sim.payload_share: 0.0 is out of range (expected >= 0.001 and <= 1)",
+    ),
+    # absurd finite values passed "> 0" and broke the run later: an OverflowError (int of an
+    # infinite flow size, a squared sigma), a rate of 0 (ZeroDivisionError) or a run that
+    # never ended (a 1e-300 Gb/s link, a 1e300 ms phase)
+    (
+        "huge-rl-rate",
+        '[scenario]\nname = "x"\n[rl]\nnic_gbps = 1e300\n',
+        "rl.nic_gbps: 1e+300 is out of range (expected >= 0.001 and <= 100000)",
+    ),
+    (
+        "tiny-rate",
+        MINIMAL + "nic_gbps = 1e-300\n",
+        "serving.nic_gbps: 1e-300 is out of range (expected >= 0.001 and <= 100000)",
+    ),
+    (
+        "huge-sigma",
+        MINIMAL + "prompt_sigma = 1e200\n",
+        "serving.prompt_sigma: 1e+200 is out of range (expected >= 0 and <= 10)",
+    ),
+    (
+        "huge-prompts",
+        MINIMAL + "mean_prompt_tokens = 1e300\n",
+        "serving.mean_prompt_tokens: 1e+300 is out of range (expected >= 1 and <= 1e+08)",
+    ),
+    (
+        "huge-phase",
+        '[scenario]\nname = "x"\n[rl]\nphase_compute_ms = 1e300\n',
+        "rl.phase_compute_ms: 1e+300 is out of range (expected >= 0 and <= 1e+07)",
+    ),
+    (
+        "huge-int",
+        MINIMAL + "kv_bytes_per_token_layer = 9223372036854775807\n",
+        "serving.kv_bytes_per_token_layer: 9223372036854775807 is out of range "
+        "(expected > 0 and <= 1073741824)",
+    ),
+    (
+        "huge-levels",
+        MINIMAL + "[sim]\nnum_levels = 1000000000\n",
+        "sim.num_levels: 1000000000 is out of range (expected > 0 and <= 64)",
     ),
     ("nan-positive", MINIMAL + "gpu_tflops = nan\n", "serving.gpu_tflops: nan is out of range"),
     (
@@ -109,6 +148,18 @@ BAD_FILES = [
 def test_bad_files_name_the_field(text: str, expected: str) -> None:
     errors = _errors(text)
     assert any(expected in e for e in errors), errors
+
+
+@pytest.mark.parametrize(
+    "section", [scenario.SimSection, scenario.ServingSection, scenario.RlSection]
+)
+def test_every_numeric_field_has_an_upper_bound(section: type) -> None:
+    """A field with no maximum takes 1e300 and overflows in the run (a new field needs one)."""
+    numeric = [f.name for f in dataclasses.fields(section) if f.type in ("int", "float")]
+    unbounded = [
+        n for n in numeric if n not in scenario._MAXIMA | dict.fromkeys(scenario._FRACTIONS)
+    ]
+    assert numeric and not unbounded
 
 
 def test_all_errors_are_reported_together() -> None:
