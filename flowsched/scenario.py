@@ -319,6 +319,8 @@ def parse(text: str, path: str | None = None) -> Scenario:
     }
     if built.get("serving") is not None:
         errors += _serving_errors(built["serving"])
+    if built.get("rl") is not None:
+        errors += _rl_errors(built["rl"])
     if not errors:
         errors += _node_errors(built.get("serving"), built.get("rl"))
     if errors:
@@ -389,6 +391,21 @@ def _serving_errors(cfg: ServingSection) -> list[str]:
             f"serving.prefix_groups ({cfg.prefix_groups})"
         )
     return errors
+
+
+def _rl_errors(cfg: RlSection) -> list[str]:
+    """Cross-field rules of ``[rl]``: the measured window (iterations ``warmup_iterations`` to
+    ``iterations - 1 - staleness``) holds an iteration with a span (iteration 0 has none), else
+    the run reports no iteration time, no sync and an empty table."""
+    first = max(cfg.warmup_iterations, 1)
+    if first + cfg.staleness < cfg.iterations:
+        return []
+    return [
+        f"rl.iterations: {cfg.iterations} leave no measured iteration after "
+        f"rl.warmup_iterations ({cfg.warmup_iterations}, the pipeline fill) and rl.staleness "
+        f"({cfg.staleness}, the drain); the first measured iteration is {first} "
+        f"(iteration 0 has no span): expected rl.iterations >= {first + cfg.staleness + 1}"
+    ]
 
 
 def _build(cls: type, table: Any, path: str, errors: list[str]) -> Any:

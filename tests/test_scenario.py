@@ -114,6 +114,20 @@ BAD_FILES = [
         MINIMAL + 'router_load = "running"\n',
         "serving.router_load: 'running' is not one of queued, outstanding",
     ),
+    # warm-up and drain covering every iteration ran with an empty measured window and printed
+    # an empty table
+    (
+        "rl-window-empty",
+        '[scenario]\nname = "x"\n[rl]\niterations = 10\nwarmup_iterations = 9\n',
+        "rl.iterations: 10 leave no measured iteration after rl.warmup_iterations (9, the "
+        "pipeline fill) and rl.staleness (1, the drain); the first measured iteration is 9 "
+        "(iteration 0 has no span): expected rl.iterations >= 11",
+    ),
+    (
+        "rl-window-only-iteration-0",
+        '[scenario]\nname = "x"\n[rl]\niterations = 3\nwarmup_iterations = 0\nstaleness = 2\n',
+        "expected rl.iterations >= 4",
+    ),
     ("store-missing", MINIMAL + "cached_groups = 2\n", "serving.cached_groups: the uncached"),
     (
         "cached-too-many",
@@ -160,6 +174,19 @@ def test_every_numeric_field_has_an_upper_bound(section: type) -> None:
         n for n in numeric if n not in scenario._MAXIMA | dict.fromkeys(scenario._FRACTIONS)
     ]
     assert numeric and not unbounded
+
+
+@pytest.mark.parametrize(
+    ("warmup", "staleness", "iterations"), [(0, 1, 3), (1, 1, 3), (0, 2, 4), (3, 1, 5)]
+)
+def test_the_smallest_measured_rl_window_is_accepted(
+    warmup: int, staleness: int, iterations: int
+) -> None:
+    text = (
+        f'[scenario]\nname = "x"\n[rl]\niterations = {iterations}\n'
+        f"warmup_iterations = {warmup}\nstaleness = {staleness}\n"
+    )
+    assert scenario.parse(text).rl is not None
 
 
 def test_all_errors_are_reported_together() -> None:

@@ -218,7 +218,7 @@ def test_a_mixed_scenario_whose_shared_nodes_agree_runs_on_one_set_of_links() ->
     """Roles naming the same node with the same NICs share its links (mixed.toml's rule)."""
     scen = scenario.parse(
         '[scenario]\nname = "m"\n[serving]\nrequests = 2\nwarmup_requests = 0\n'
-        'decode_prefix = "r"\n[rl]\nrollout_prefix = "r"\niterations = 2\n'
+        'decode_prefix = "r"\n[rl]\nrollout_prefix = "r"\niterations = 3\nwarmup_iterations = 1\n'
     )
     topo = build_topology(scen)
     assert [n for n in topo.nodes if n.startswith("r")] == ["r0", "r1", "r2", "r3"]
