@@ -77,7 +77,11 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--no-sdk", action="store_true", help="the flow table only: do not ask the agent"
     )
-    parser.add_argument("--json", action="store_true", help="one JSON object: header and rows")
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object: header and rows (no table: an empty one, the reason on stderr)",
+    )
     parser.set_defaults(func=_run)
 
 
@@ -97,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
         table = FlowTable.open(path)
         mapped = _file_id(path)
     except (TableError, OSError) as exc:  # a --table given is bad input; no table: none here
-        return fail("flowsched flows", str(exc), EXIT_USAGE if args.table else EXIT_FAILURE)
+        return _fail(args, str(exc), EXIT_USAGE if args.table else EXIT_FAILURE)
     with table:
         config, problem = read_config(table)
         rows = connections(table, include_closed=args.all, config=config)
@@ -112,7 +116,7 @@ def _run(args: argparse.Namespace) -> int:
                 after = connections(table, include_closed=args.all, config=config)
                 summary = summarize(table, config_problem=problem)
         except (TableError, OSError) as exc:
-            return fail("flowsched flows", f"{exc}; run it again", EXIT_FAILURE)
+            return _fail(args, f"{exc}; run it again", EXIT_FAILURE)
         rows = with_rates(rows, after, time.monotonic() - started)
     listing, problem = (None, "not asked (--no-sdk)") if args.no_sdk else _sdk_flows(args.socket)
     carried = _carriers(listing)
@@ -135,6 +139,20 @@ def _run(args: argparse.Namespace) -> int:
         print()
         _print_sdk(listing, problem, config)
     return EXIT_OK
+
+
+def _fail(args: argparse.Namespace, message: str, status: int) -> int:
+    """Say why there is no listing on stderr and return ``status``; with ``--json``, stdout
+    still gets a document of the usual shape, empty (a script's JSON parser would fail on
+    nothing at all)."""
+    if args.json:
+        empty: dict[str, Any] = {
+            "table": None,
+            "connections": [],
+            "sdk": _sdk_document(None, "not asked: no flow table listed"),
+        }
+        print(json.dumps(empty, indent=2))
+    return fail("flowsched flows", message, status)
 
 
 def _sdk_flows(path: str | None) -> tuple[client.FlowListing | None, str | None]:

@@ -49,6 +49,49 @@ def test_a_table_re_created_between_the_looks_is_said_not_measured(
     assert "was re-created during the 0.5 s" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    ("where", "status"),
+    [("missing-table-given", 2), ("missing-default-table", 1), ("re-created", 1)],
+)
+def test_json_without_a_table_is_an_empty_document_and_the_reason_on_stderr(
+    where: str,
+    status: int,
+    table: FlowTable,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--json printed nothing on stdout when there was no table to list (a script's parser
+    failed on it); the exit status stays the one the table listing has."""
+    argv = ["flows", "--json", "--no-sdk", "--interval", "0"]
+    if where == "missing-table-given":
+        argv += ["--table", str(tmp_path / "nowhere")]
+    elif where == "missing-default-table":
+        monkeypatch.setenv("FLOWSCHED_TABLE", str(tmp_path / "nowhere"))
+    else:
+
+        def recreate(_: float) -> None:
+            built = table.path + ".new"
+            FlowTable.create_or_attach(built, num_slots=8)[0].close()
+            os.replace(built, table.path)
+
+        monkeypatch.setattr(flows.time, "sleep", recreate)
+        argv = [*argv[:-1], "0.5", "--table", table.path]
+    assert main(argv) == status
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {
+        "table": None,
+        "connections": [],
+        "sdk": {
+            "socket": None,
+            "everyone": None,
+            "problem": "not asked: no flow table listed",
+            "flows": [],
+        },
+    }
+    assert err.startswith("flowsched flows: ") and len(err.strip().splitlines()) == 1
+
+
 def test_a_connection_is_marked_with_the_sdk_flow_it_carries_only_while_its_claim_lasts(
     table: FlowTable, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
