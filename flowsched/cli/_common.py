@@ -157,6 +157,38 @@ def check_bindable(flag: str, host: str, port_number: int, host_flag: str | None
                 raise UsageError(bind_problem(name, host, port_number, exc)) from None
 
 
+#: the addresses that bind every address of their family
+_WILDCARDS = ("0.0.0.0", "::")
+
+
+def check_distinct_ports(listeners: list[tuple[str, str, int]]) -> None:
+    """UsageError naming both flags when two of ``listeners`` ((flag, host, port), as the
+    daemons will bind them) ask for the same port on overlapping addresses (equal, or one of
+    them a wildcard of the same family). Each binds alone in :func:`check_bindable`'s probe,
+    so only the second real bind found it: an ``address already in use`` naming no flag.
+    Port 0 (any free port) never clashes."""
+    seen: list[tuple[str, str, int, set[tuple[int, str]]]] = []
+    for flag, host, port_number in listeners:
+        addresses = set(resolve(flag, host))
+        for other_flag, other_host, other_port, other in seen:
+            if port_number and port_number == other_port and _overlap(addresses, other):
+                raise UsageError(
+                    f"{flag} {host}:{port_number}: the same port as {other_flag} "
+                    f"{other_host}:{other_port} (two listeners need two ports; 0 = any free one)"
+                )
+        seen.append((flag, host, port_number, addresses))
+
+
+def _overlap(first: set[tuple[int, str]], second: set[tuple[int, str]]) -> bool:
+    """The two (family, address) sets share an address, or a wildcard meets its family's."""
+    return any(
+        family == other_family
+        and (address == other or address in _WILDCARDS or other in _WILDCARDS)
+        for family, address in first
+        for other_family, other in second
+    )
+
+
 def bind_problem(flag: str, host: str, port_number: int, exc: OSError) -> str:
     """One line for a failed bind, naming the flag."""
     where = f"{flag} {host}:{port_number}"

@@ -11,6 +11,7 @@ from flowsched.cli._common import (
     EXIT_FAILURE,
     add_metrics_flags,
     check_bindable,
+    check_distinct_ports,
     fail,
     host_port,
     metrics_address,
@@ -180,6 +181,13 @@ def preflight(config: CoordinatorConfig, metrics_flag: str = "--metrics-port") -
     """Refuse a taken, privileged or foreign address, or unusable etcd settings (TLS files
     loaded), before anything starts (UsageError, ElectionError)."""
     check_bindable("--listen", config.host, config.port)
+    if config.metrics_port is not None:
+        check_distinct_ports(
+            [
+                ("--listen", config.host, config.port),
+                (metrics_flag, config.metrics_host, config.metrics_port),
+            ]
+        )
     if config.tls_cert is not None and config.tls_key is not None:  # TlsConfigError
         server_context(config.tls_cert, config.tls_key, config.tls_client_ca)
     if config.etcd is not None:  # URL, TTL, name, TLS files, etcd3gw package (ElectionError)

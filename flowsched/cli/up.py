@@ -26,6 +26,7 @@ from flowsched.cli._common import (
     COORDINATOR_METRICS_PORT,
     UsageError,
     check_bindable,
+    check_distinct_ports,
     fail,
     host_port,
     port,
@@ -130,6 +131,13 @@ def _run(args: argparse.Namespace) -> int:
     try:
         check_bindable("--listen", host, listen_port)  # before the token file is created
         check_bindable("--metrics-port", "127.0.0.1", args.metrics_port)
+        check_distinct_ports(
+            [
+                ("--listen", host, listen_port),
+                ("--metrics-port", "127.0.0.1", args.metrics_port),
+                ("--agent-metrics-port", "127.0.0.1", args.agent_metrics_port),
+            ]
+        )
         token_file = ensure_token(args.token_file)
         coord = CoordinatorConfig.from_policy_file(
             args.policy, load_token(token_file), host=host, port=listen_port,

@@ -163,6 +163,68 @@ def test_bad_input_exits_2_with_one_line(
     assert not (workdir / "table").exists()  # refused before anything started
 
 
+@pytest.fixture
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+#: two listeners of one command given the same port: (arguments with {port}, the line's start)
+SAME_PORT = {
+    "coordinator-listen-and-metrics": (
+        [*COORD, "--listen", "127.0.0.1:{port}", "--metrics-port", "{port}"],
+        "--metrics-port 127.0.0.1:{port}: the same port as --listen 127.0.0.1:{port}"),
+    "coordinator-wildcard-and-metrics-bind": (
+        ["coordinator", "--token-file", "{dir}/token", "--listen", "0.0.0.0:{port}",
+         "--metrics-bind", "127.0.0.1:{port}"],
+        "--metrics-bind 127.0.0.1:{port}: the same port as --listen 0.0.0.0:{port}"),
+    "up-listen-and-metrics": (
+        [*UP, "--listen", "127.0.0.1:{port}", "--metrics-port", "{port}"],
+        "--metrics-port 127.0.0.1:{port}: the same port as --listen 127.0.0.1:{port}"),
+    "up-both-metrics": (
+        [*UP, "--metrics-port", "{port}", "--agent-metrics-port", "{port}"],
+        "--agent-metrics-port 127.0.0.1:{port}: the same port as --metrics-port"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("args", "message"), list(SAME_PORT.values()), ids=list(SAME_PORT))
+def test_one_port_for_two_listeners_is_refused_naming_both_flags(
+    args: list[str], message: str, workdir: Path, taken_port: int, free_port: int
+) -> None:
+    """Each port passed its own bind probe, so the second real bind failed with only
+    '[Errno 98] ... address already in use', naming neither flag."""
+    proc = _run([a.replace("{port}", str(free_port)) for a in args], workdir, taken_port)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert message.replace("{port}", str(free_port)) in proc.stderr
+    assert not (workdir / "table").exists()
+
+
+@pytest.mark.parametrize(
+    ("listeners", "clash"),
+    [
+        ([("--a", "127.0.0.1", 7), ("--b", "127.0.0.1", 7)], True),
+        ([("--a", "0.0.0.0", 7), ("--b", "127.0.0.1", 7)], True),
+        ([("--a", "127.0.0.1", 7), ("--b", "", 7)], True),  # "" = every address
+        ([("--a", "127.0.0.1", 7), ("--b", "127.0.0.1", 8)], False),
+        ([("--a", "127.0.0.1", 0), ("--b", "127.0.0.1", 0)], False),  # any free port, twice
+        ([("--a", "127.0.0.1", 7), ("--b", "127.0.0.2", 7)], False),
+        ([("--a", "::", 7), ("--b", "127.0.0.1", 7)], False),  # IPv6 only (V6ONLY)
+    ],
+)
+def test_listeners_clash_only_on_one_port_of_overlapping_addresses(
+    listeners: list[tuple[str, str, int]], clash: bool
+) -> None:
+    from flowsched.cli._common import UsageError, check_distinct_ports
+
+    if clash:
+        with pytest.raises(UsageError, match=r"--b .*: the same port as --a "):
+            check_distinct_ports(listeners)
+    else:
+        check_distinct_ports(listeners)
+
+
 def test_up_fails_at_once_when_its_port_is_taken(workdir: Path, taken_port: int) -> None:
     started = time.monotonic()
     proc = _run([*UP, "--listen", f"127.0.0.1:{TAKEN}"], workdir, taken_port)
