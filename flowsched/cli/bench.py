@@ -175,16 +175,20 @@ def _serving(args: argparse.Namespace) -> int:
             simulate_only=args.simulate_only,
             command="flowsched bench serving " + " ".join(sys.argv[3:]),
         )
-        errors: list[str] = []
-
-        def run() -> int:
-            serving.run(options, recorded_errors=errors)
-            return len(errors)
-
-        return _on_testbed("serving", run, args.simulate_only)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # the command line (UsageError too): exit 2
         print(f"flowsched bench serving: {exc}", file=sys.stderr)
         return 2
+    errors: list[str] = []
+
+    def run() -> int:
+        serving.run(options, recorded_errors=errors)
+        return len(errors)
+
+    try:
+        return _on_testbed("serving", run, args.simulate_only)
+    except (OSError, ValueError) as exc:  # during the run (a full disk...): a failure, not usage
+        print(f"flowsched bench serving: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
 
 
 def _serving_names(text: str, flag: str) -> tuple[str, ...]:

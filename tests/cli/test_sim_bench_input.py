@@ -117,6 +117,31 @@ def test_bad_input_exits_2_with_one_line_before_any_run(
     assert proc.stdout == ""  # nothing ran
 
 
+@pytest.mark.parametrize(
+    "failure",
+    [OSError(28, "No space left on device"), ValueError("a broken bundled scenario")],
+    ids=["oserror", "valueerror"],
+)
+def test_a_serving_run_that_fails_exits_1_not_2(
+    failure: Exception,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Any OSError or ValueError of the run itself (not of the command line) exited 2, the
+    status of bad input."""
+    from flowsched.cli import main
+    from flowsched.testbed import serving
+
+    def run(*args: object, **kwargs: object) -> None:
+        raise failure
+
+    monkeypatch.setattr(serving, "run", run)
+    argv = ["bench", "serving", "--simulate-only", "--out", str(tmp_path / "out")]
+    assert main(argv) == 1
+    assert capsys.readouterr().err == f"flowsched bench serving: {failure}\n"
+
+
 def test_help_states_the_accepted_ranges_and_suffixes(tmp_path: Path) -> None:
     contention = _flowsched(["bench", "contention", "--help"], tmp_path).stdout
     assert "0 < LOAD < 2" in " ".join(contention.split())
