@@ -14,7 +14,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -372,27 +372,71 @@ def plot_cdfs(
     return True
 
 
+class PlotError(RuntimeError):
+    """Drawing the plots failed. The results were written all the same, results.json last
+    (with the reason under ``meta.plot_error``); ``paths`` lists what was written."""
+
+    def __init__(self, message: str, paths: list[Path]) -> None:
+        super().__init__(message)
+        self.paths = paths
+
+
+def draw_plots(draw: Callable[[list[Path]], None]) -> tuple[list[Path], str | None]:
+    """Run ``draw``, which appends the path of each plot it writes; return those plots and,
+    when drawing failed, why. Every exception is caught: matplotlib raises many kinds, and an
+    hour-long run's figures must still be written (then the caller raises PlotError)."""
+    plots: list[Path] = []
+    try:
+        draw(plots)
+    except Exception as exc:
+        return plots, f"{type(exc).__name__}: {exc}"
+    return plots, None
+
+
+def write_results(
+    path: Path, document: dict[str, Any], problem: str | None, written: list[Path], indent: int
+) -> None:
+    """Write ``document`` to ``path`` (results.json) in one step, after the plots and the
+    report, so that a results.json says the run is done only when everything else is there;
+    ``problem`` (from :func:`draw_plots`) goes into its meta and raises PlotError after it."""
+    if problem is not None:
+        document = {**document, "meta": {**document["meta"], "plot_error": problem}}
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(document, indent=indent) + "\n", encoding="utf-8")
+    partial.replace(path)
+    if problem is not None:
+        raise PlotError(
+            f"drawing the plots failed ({problem}); {', '.join(p.name for p in written)} were "
+            "written without the rest",
+            written,
+        )
+
+
 def write_all(
     out_dir: Path, outcomes: Sequence[Outcome], meta: dict[str, Any] | None = None
 ) -> list[Path]:
-    """Write ``results.json``, ``report.md`` and the PNG plots into ``out_dir``; return paths."""
+    """Write the PNG plots, ``report.md`` and ``results.json`` (last) into ``out_dir``; return
+    the paths. PlotError when a plot failed, after the other files are written."""
     out_dir.mkdir(parents=True, exist_ok=True)
+
+    def draw(plots: list[Path]) -> None:
+        for name, attr, label, scale in (
+            ("attainment.png", "slo_attainment", "SLO attainment (%)", 100.0),
+            ("iteration.png", "iteration_mean", "iteration time (ms)", 1e3),
+        ):
+            if plot_vs_load(out_dir / name, outcomes, attr, label, scale, meta):
+                plots.append(out_dir / name)
+        for load in sorted({o.load for o in outcomes}):
+            path = out_dir / f"cdf_load{load:g}.png"
+            if plot_cdfs(path, outcomes, load, meta):
+                plots.append(path)
+
+    plots, problem = draw_plots(draw)
+    # the report links only the summary plots that were drawn
+    summary = [p.name for p in plots if not p.name.startswith("cdf_")]
     written = [out_dir / "results.json", out_dir / "report.md"]
-    # the figures first: an hour-long run's results survive a plotting failure
-    written[0].write_text(json.dumps(to_json(outcomes, meta), indent=2) + "\n")
-    plots: list[Path] = []
-    for name, attr, label, scale in (
-        ("attainment.png", "slo_attainment", "SLO attainment (%)", 100.0),
-        ("iteration.png", "iteration_mean", "iteration time (ms)", 1e3),
-    ):
-        if plot_vs_load(out_dir / name, outcomes, attr, label, scale, meta):
-            plots.append(out_dir / name)
-    summary = [p.name for p in plots]  # the report links only the plots that were drawn
-    for load in sorted({o.load for o in outcomes}):
-        path = out_dir / f"cdf_load{load:g}.png"
-        if plot_cdfs(path, outcomes, load, meta):
-            plots.append(path)
     written[1].write_text(markdown(outcomes, meta, summary))
+    write_results(written[0], to_json(outcomes, meta), problem, [*plots, *written], indent=2)
     return written + plots
 
 

@@ -6,11 +6,21 @@ import dataclasses
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+from matplotlib.figure import Figure
 
 from flowsched.metrics import RequestRecord, RunMetrics, RunRecords, SpanRecord
-from flowsched.report import Outcome, Progress, best_baseline, table, to_json, write_all
+from flowsched.report import (
+    Outcome,
+    PlotError,
+    Progress,
+    best_baseline,
+    table,
+    to_json,
+    write_all,
+)
 
 
 def _outcome(policy: str, load: float, attainment: float, oracle: bool = False) -> Outcome:
@@ -83,6 +93,33 @@ def test_json_is_plain_and_drops_non_finite_values() -> None:
     # the table's units: % and ms
     assert data["runs"][0]["metrics"]["slo_attainment_pct"] == 80.0
     assert data["runs"][0]["metrics"]["cct_mean_ms"] == pytest.approx(3.0)
+
+
+def test_a_failed_plot_fails_the_write_and_results_json_comes_last_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """results.json was written first: a plot that failed left a results.json that looked
+    complete beside missing plots (and report.md was never written)."""
+    out = tmp_path / "out"
+    results_there: list[bool] = []  # at each savefig
+    original = Figure.savefig
+
+    def savefig(self: Figure, fname: Any, *args: Any, **kwargs: Any) -> None:
+        results_there.append((out / "results.json").exists())
+        if len(results_there) == 2:
+            raise OSError(28, "No space left on device")
+        original(self, fname, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    with pytest.raises(PlotError, match="No space left on device") as info:
+        write_all(out, OUTCOMES, {"scenario": "s"})
+    assert results_there == [False, False]
+    document = json.loads((out / "results.json").read_text())
+    assert document["meta"]["plot_error"] == "OSError: [Errno 28] No space left on device"
+    written = {p.name for p in info.value.paths}
+    assert written == {"attainment.png", "report.md", "results.json"}
+    assert {p.name for p in out.iterdir()} == written
+    assert "(attainment.png)" in (out / "report.md").read_text()
 
 
 def test_write_all_writes_json_markdown_and_pngs(tmp_path: Path) -> None:

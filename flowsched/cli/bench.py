@@ -226,12 +226,16 @@ def _on_testbed(name: str, run: Callable[[], int], simulate_only: bool = False) 
     """Run a testbed benchmark that returns how many errors its testbed runs recorded; the
     exit status (1 when it recorded any: its figures measure incomplete runs), with a line
     for a stop, a missing testbed or a testbed another run holds. ``simulate_only``: no
-    testbed was built, and a stop says nothing of one."""
+    testbed was built, and a stop says nothing of one. A plot that failed fails the run."""
+    from flowsched.report import PlotError
     from flowsched.testbed import netns
 
     removed = "" if simulate_only else "; the testbed was removed"
     try:
         errors = run()
+    except PlotError as exc:  # the results are written, without (some of) the plots
+        print(f"flowsched bench {name}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     except netns.Terminated as exc:
         print(f"flowsched bench {name}: terminated{removed}", file=sys.stderr)
         return 128 + exc.signum

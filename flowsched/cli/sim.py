@@ -14,10 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from flowsched import policies, scenario
-from flowsched.cli._common import EXIT_USAGE, UsageError, finite_fractions, prepare_out_dir
+from flowsched.cli._common import (
+    EXIT_FAILURE,
+    EXIT_USAGE,
+    UsageError,
+    finite_fractions,
+    prepare_out_dir,
+)
 from flowsched.metrics import merge
 from flowsched.policies import hwqueues
-from flowsched.report import Outcome, Progress, table, write_all
+from flowsched.report import Outcome, PlotError, Progress, table, write_all
 from flowsched.sim.run import (
     IDEAL,
     LATE_SUFFIX,
@@ -215,7 +221,14 @@ def _run(args: argparse.Namespace) -> int:
             "policy_file": str(args.policy_file) if args.policy_file else None,
             "complete": not interrupted,
         }
-        for path in write_all(args.out, outcomes, meta):
+        try:
+            paths = write_all(args.out, outcomes, meta)
+        except PlotError as exc:  # the figures are written; the run failed all the same
+            for path in exc.paths:
+                print(f"wrote {path}")
+            print(f"flowsched sim: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        for path in paths:
             print(f"wrote {path}")
     return 130 if interrupted else 0
 

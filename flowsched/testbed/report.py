@@ -9,7 +9,6 @@ bound. Units as in :mod:`flowsched.report`: % and ms, in the table and in the JS
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 from collections.abc import Iterable, Sequence
@@ -710,10 +709,17 @@ def _seed_text(meta: dict[str, Any]) -> str:
 
 
 def write(results: list[PolicyResult], meta: dict[str, Any], out: Path) -> list[Path]:
-    """Write results.json, the PNG plots and report.md into ``out``; return the paths."""
+    """Write the PNG plots, report.md and results.json (last) into ``out``; return the paths.
+    :class:`~flowsched.report.PlotError` when a plot failed, after the other files are
+    written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "results.json", out / "report.md"]
-    paths[0].write_text(json.dumps(to_json(results, meta), indent=1), encoding="utf-8")
-    plots = plot(results, out, float(meta.get("load", 0.0)), meta)
+    load = float(meta.get("load", 0.0))
+    plots, problem = shared_report.draw_plots(
+        lambda drawn: drawn.extend(plot(results, out, load, meta))
+    )
     paths[1].write_text(markdown(results, meta, [p.name for p in plots]), encoding="utf-8")
+    shared_report.write_results(
+        paths[0], to_json(results, meta), problem, [*plots, paths[1], paths[0]], indent=1
+    )
     return paths + plots

@@ -142,6 +142,42 @@ def test_a_serving_run_that_fails_exits_1_not_2(
     assert capsys.readouterr().err == f"flowsched bench serving: {failure}\n"
 
 
+@pytest.mark.parametrize("command", ["sim", "contention", "serving"])
+def test_a_plot_that_failed_fails_the_command(
+    command: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Drawing a plot failed after the results were written: exit 1, one line saying so."""
+    from flowsched.cli import main
+    from flowsched.cli import sim as sim_cli
+    from flowsched.report import PlotError
+    from flowsched.testbed import bench, serving
+
+    failure = PlotError("drawing the plots failed (OSError: disk full)", [])
+
+    def fails(*args: object, **kwargs: object) -> None:
+        raise failure
+
+    out = str(tmp_path / "out")
+    if command == "sim":
+        monkeypatch.setattr(sim_cli, "write_all", fails)
+        path = tmp_path / "rl.toml"
+        path.write_text(
+            '[scenario]\nname = "rl"\n[rl]\ntrainer_nodes = 2\nrollout_nodes = 2\n'
+            "iterations = 3\nwarmup_iterations = 1\nsteps_per_iteration = 1\n"
+            "phases_per_step = 1\ngeneration_chunks = 1\n"
+        )
+        argv = ["sim", str(path), "--policies", "fair", "--loads", "0.5", "--quiet"]
+    else:
+        monkeypatch.setattr(bench if command == "contention" else serving, "run", fails)
+        argv = ["bench", command, "--simulate-only"]
+    assert main([*argv, "--out", out]) == 1
+    name = "flowsched sim" if command == "sim" else f"flowsched bench {command}"
+    assert capsys.readouterr().err.splitlines()[-1] == f"{name}: {failure}"
+
+
 def test_help_states_the_accepted_ranges_and_suffixes(tmp_path: Path) -> None:
     contention = _flowsched(["bench", "contention", "--help"], tmp_path).stdout
     assert "0 < LOAD < 2" in " ".join(contention.split())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from matplotlib.figure import Figure
 
 from flowsched import policies
 from flowsched.metrics import FlowRecord, RunMetrics, RunRecords
+from flowsched.report import PlotError
 from flowsched.testbed import replay, report
 from flowsched.testbed.trace import ScenarioParams, generate
 
@@ -221,3 +223,23 @@ def test_a_testbed_policy_with_errors_is_marked_in_the_headline_plot_and_seed_ta
     monkeypatch.setattr(Figure, "savefig", savefig)
     report.plot(results, tmp_path, 0.5, {"seeds": [1, 2]})
     assert ticks["slo_attainment.png"] == ["fair", "static", "edf", "rmlq !1 err"]
+
+
+def test_a_failed_plot_fails_the_write_after_the_report_and_results_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """results.json was written before the plots: a plot that failed left it looking complete
+    (no report.md at all)."""
+    results_there: list[bool] = []
+
+    def savefig(self: Figure, fname: Any, *args: Any, **kwargs: Any) -> None:
+        results_there.append((tmp_path / "results.json").exists())
+        raise RuntimeError("no renderer")
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    with pytest.raises(PlotError, match="no renderer"):
+        report.write(_results(False), META, tmp_path)
+    assert results_there == [False]
+    document = json.loads((tmp_path / "results.json").read_text())
+    assert document["meta"]["plot_error"] == "RuntimeError: no renderer"
+    assert (tmp_path / "report.md").exists() and not list(tmp_path.glob("*.png"))
