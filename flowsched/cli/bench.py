@@ -225,8 +225,9 @@ def _contention(args: argparse.Namespace) -> int:
 def _on_testbed(name: str, run: Callable[[], int], simulate_only: bool = False) -> int:
     """Run a testbed benchmark that returns how many errors its testbed runs recorded; the
     exit status (1 when it recorded any: its figures measure incomplete runs), with a line
-    for a stop, a missing testbed or a testbed another run holds. ``simulate_only``: no
+    for a stop, a missing testbed or plugin, or a testbed another run holds. ``simulate_only``: no
     testbed was built, and a stop says nothing of one. A plot that failed fails the run."""
+    from flowsched.nccl import PluginNotFoundError
     from flowsched.report import PlotError
     from flowsched.testbed import netns
 
@@ -242,7 +243,12 @@ def _on_testbed(name: str, run: Callable[[], int], simulate_only: bool = False) 
     except KeyboardInterrupt:
         print(f"flowsched bench {name}: interrupted{removed}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except (netns.TestbedUnavailable, netns.TestbedBusy, netns.TestbedLeftBehind) as exc:
+    except (
+        netns.TestbedUnavailable,
+        netns.TestbedBusy,
+        netns.TestbedLeftBehind,
+        PluginNotFoundError,
+    ) as exc:
         print(f"flowsched bench {name}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     if errors:

@@ -136,11 +136,14 @@ def run(options: BenchOptions, stream: TextIO | None = None) -> list[report.Poli
     says so on stderr and runs the simulator only. Errors the testbed runs recorded are listed
     on stderr (the affected rows are marked); the caller decides the exit status from each
     result's ``errors``. :class:`~flowsched.testbed.netns.TestbedBusy` (another run holds the
-    testbed) propagates: that is no reason to fall back.
+    testbed) propagates: that is no reason to fall back; so does a plugin the testbed runs need
+    and that is not built (:func:`check_plugin`), at once.
     """
     stream = sys.stdout if stream is None else stream  # at call time (a redirected stdout)
     traces = [generate(options.params, options.spec.rate_bytes, s) for s in options.seed_list]
     reason = None if options.simulate_only else netns.probe(options.spec.prefix)
+    if reason is None and not options.simulate_only:
+        check_plugin(options)
     results = [report.PolicyResult(name, None, RunMetrics()) for name in options.policies]
     steal = math.nan
     sim_only = [report.PolicyResult(name, None, RunMetrics()) for name in options.sim_policies]
@@ -187,6 +190,27 @@ def run(options: BenchOptions, stream: TextIO | None = None) -> list[report.Poli
     paths = report.write(results, meta, options.out)
     print("wrote " + ", ".join(str(p) for p in paths), file=stream)
     return results
+
+
+def check_plugin(options: BenchOptions) -> None:
+    """:class:`~flowsched.nccl.PluginNotFoundError`, saying how to build it, when a testbed
+    run of ``options`` drives the NCCL plugin (the TP ranks of the agent control plane) and
+    the library is not there (an install with ``FLOWSCHED_SKIP_PLUGIN=1``): each such run
+    failed only after its testbed and daemons were up, an error per run."""
+    controls = {options.control}
+    if options.ablation_policies:
+        controls.add(other_control(options.control))
+    if "agent" not in controls:
+        return
+    from flowsched.nccl import PluginNotFoundError, plugin_path
+
+    try:
+        plugin_path()
+    except PluginNotFoundError as exc:
+        raise PluginNotFoundError(
+            f"the testbed's TP ranks drive the NCCL plugin (agent control plane): {exc}; "
+            "or run with --control mini (no plugin, no agents) or --simulate-only"
+        ) from None
 
 
 def _progress(options: BenchOptions, traces: int, *, testbed: bool) -> Progress:

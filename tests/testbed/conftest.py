@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from flowsched import nccl
 from flowsched.testbed import netns
 
 
@@ -24,3 +25,16 @@ def lock_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     folder = tmp_path / "locks"
     monkeypatch.setattr(netns, "LOCK_DIR", folder)
     return folder
+
+
+@pytest.fixture(autouse=True)
+def plugin_built(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Where this tree has not built the NCCL plugin, ``FLOWSCHED_PLUGIN`` names a stand-in
+    file: ``bench.run`` refuses a testbed run without it (``bench.check_plugin``), and the
+    tests that fake the testbed never load it. Where it is built, nothing changes."""
+    try:
+        nccl.plugin_path()
+    except nccl.PluginNotFoundError:
+        stand_in = tmp_path_factory.mktemp("plugin") / nccl.LIBRARY_NAME
+        stand_in.touch()
+        monkeypatch.setenv(nccl.PATH_ENV, str(stand_in))

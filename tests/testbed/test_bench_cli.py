@@ -188,6 +188,52 @@ def test_a_testbed_run_that_fails_to_start_is_an_error_of_its_row(
         assert "| fair | testbed !1 err | - |" in (out / "report.md").read_text()
 
 
+@pytest.mark.usefixtures("lock_dir")
+@pytest.mark.parametrize(
+    ("argv", "refused"),
+    [
+        ([], True),
+        (["--control", "mini", "--ablation-policies", "fair"], True),  # the ablation: agent
+        (["--control", "mini"], False),
+        (["--simulate-only"], False),
+    ],
+    ids=["agent", "agent-ablation", "mini", "simulate-only"],
+)
+def test_a_testbed_run_without_the_plugin_is_refused_before_the_testbed_is_built(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    argv: list[str],
+    refused: bool,
+) -> None:
+    """An install without the plugin (FLOWSCHED_SKIP_PLUGIN=1) built the testbed and started
+    every run, each failing in its TP ranks; the runs that need it are refused at once."""
+    from flowsched import nccl, policies
+    from flowsched.testbed import replay, runner
+
+    built: list[object] = []
+
+    def run_policy(topo: object, trace: Any, cfg: Any, path: Path, work: Path, **kw: Any) -> Any:
+        return runner.TestbedRun("fair", replay.replay(trace, policies.create("fair")))
+
+    monkeypatch.delenv(nccl.PATH_ENV, raising=False)
+    monkeypatch.setattr(nccl, "candidate_paths", lambda: [tmp_path / nccl.LIBRARY_NAME])
+    monkeypatch.setattr(netns, "_build", lambda topo, dscp: built.append(topo))
+    monkeypatch.setattr(netns, "cleanup", lambda prefix: [])
+    monkeypatch.setattr(netns, "probe", lambda prefix="fsE-": None)
+    monkeypatch.setattr(runner, "run_policy", run_policy)
+    monkeypatch.setattr(bench, "CALIBRATION", {})
+    argv = [*argv, "--out", str(tmp_path / "out"), "--policies", "fair", "--sim-policies", ""]
+    status = main(["bench", "contention", "--duration", "1", "--seeds", "1", *argv])
+    err = capsys.readouterr().err
+    if refused:
+        assert (status, built) == (1, [])
+        assert err.startswith("flowsched bench contention: the testbed's TP ranks drive the NCCL")
+        assert "build it with `make -C nccl_plugin`" in err and len(err.splitlines()) == 1
+    else:
+        assert status == 0 and "NCCL plugin" not in err
+
+
 @pytest.mark.parametrize(
     ("argv", "policies", "sim_policies"),
     [
