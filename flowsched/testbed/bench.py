@@ -136,8 +136,9 @@ def run(options: BenchOptions, stream: TextIO | None = None) -> list[report.Poli
     says so on stderr and runs the simulator only. Errors the testbed runs recorded are listed
     on stderr (the affected rows are marked); the caller decides the exit status from each
     result's ``errors``. :class:`~flowsched.testbed.netns.TestbedBusy` (another run holds the
-    testbed) propagates: that is no reason to fall back; so does a plugin the testbed runs need
-    and that is not built (:func:`check_plugin`), at once.
+    testbed, or another testbed benchmark runs: :func:`~flowsched.testbed.netns.benchmark_lock`)
+    propagates: that is no reason to fall back; so does a plugin the testbed runs need and
+    that is not built (:func:`check_plugin`), at once.
     """
     stream = sys.stdout if stream is None else stream  # at call time (a redirected stdout)
     traces = [generate(options.params, options.spec.rate_bytes, s) for s in options.seed_list]
@@ -150,17 +151,18 @@ def run(options: BenchOptions, stream: TextIO | None = None) -> list[report.Poli
     progress: Progress | None = None
     mode = "testbed + simulator replay"
     if reason is None and not options.simulate_only:
-        progress = _progress(options, len(traces), testbed=True)
-        machine = cpu_times()
-        try:
-            _testbed(options, traces, results, progress)
-        except netns.TestbedUnavailable as exc:  # the build failed, before any run
-            progress.close()
-            reason = str(exc)
-            for result in results:
-                result.seeds.clear()
-        else:
-            steal = steal_share(machine, cpu_times())
+        with netns.benchmark_lock():  # one testbed benchmark at a time (their timings)
+            progress = _progress(options, len(traces), testbed=True)
+            machine = cpu_times()
+            try:
+                _testbed(options, traces, results, progress)
+            except netns.TestbedUnavailable as exc:  # the build failed, before any run
+                progress.close()
+                reason = str(exc)
+                for result in results:
+                    result.seeds.clear()
+            else:
+                steal = steal_share(machine, cpu_times())
     if reason is not None:
         print(f"testbed unavailable: {reason}; running the simulator only", file=sys.stderr)
     if reason is not None or options.simulate_only:

@@ -645,7 +645,32 @@ def prefix_lock(prefix: str) -> Iterator[None]:
     not keep it; the kernel drops it when the holder exits or is killed, so a stale file of a
     dead run never blocks.
     """
-    path = lock_path(prefix)
+    with _exclusive(lock_path(prefix), f"is using the testbed {prefix}*", "stop it"):
+        yield
+
+
+#: the lock file of :func:`benchmark_lock`, under :data:`LOCK_DIR`
+BENCHMARK_LOCK = "benchmark.lock"
+
+
+@contextlib.contextmanager
+def benchmark_lock() -> Iterator[None]:
+    """Hold the machine's testbed-benchmark lock for the block, as :func:`prefix_lock` holds
+    a prefix's; :class:`TestbedBusy` (naming the holder's pid) when another benchmark holds it.
+
+    Benchmarks with different prefixes (``bench contention``'s ``fsE-``, ``bench serving``'s
+    ``fsv``) can build their testbeds side by side, but they share the CPUs, and each one's
+    timings then measure the other's load too: one testbed benchmark at a time.
+    """
+    doing = "is running a testbed benchmark on this machine (two spoil each other's timings)"
+    with _exclusive(LOCK_DIR / BENCHMARK_LOCK, doing, "stop it"):
+        yield
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path, doing: str, advice: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` for the block; TestbedBusy saying that another
+    run (pid) ``doing``, to wait for it to end or ``advice``."""
     try:
         fd = _open_lock(path)
     except PermissionError:  # not root (only a test's fake testbed gets here): a private folder
@@ -659,8 +684,8 @@ def prefix_lock(prefix: str) -> Iterator[None]:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             raise TestbedBusy(
-                f"another run (pid {holder}) is using the testbed {prefix}* (lock {path}); "
-                "wait for it to end or stop it, then run again"
+                f"another run (pid {holder}) {doing} (lock {path}); "
+                f"wait for it to end or {advice}, then run again"
             ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

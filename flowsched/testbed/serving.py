@@ -346,7 +346,8 @@ def run(
     """Run the benchmark, print its table and write its report into ``options.out``.
 
     The errors the testbed runs recorded are printed on stderr (a count and the first few) and
-    appended to ``recorded_errors`` when given (the CLI exits 1 on any)."""
+    appended to ``recorded_errors`` when given (the CLI exits 1 on any). TestbedBusy when
+    another testbed benchmark runs (:func:`~flowsched.testbed.netns.benchmark_lock`)."""
     scen = scenario.load(options.scenario)
     if scen.serving is None:
         raise ValueError(f"{options.scenario}: not a serving scenario")
@@ -366,16 +367,17 @@ def run(
     steal = None
     if reason is None:
         live = [IDEAL, *specs]
-        progress = shared_report.Progress(runs * (len(specs) + len(sim_only) + len(live)))
-        machine = cpu_times()
-        try:
-            with netns.testbed(spec, probed=True) as topo:
-                errors = _testbed_runs(topo, scen, options, live, testbed, progress, live_runs)
-        except netns.TestbedUnavailable as exc:  # the build failed, before any run
-            progress.close()
-            reason = str(exc)
-        else:
-            steal = steal_share(machine, cpu_times())
+        with netns.benchmark_lock():  # one testbed benchmark at a time (their timings)
+            progress = shared_report.Progress(runs * (len(specs) + len(sim_only) + len(live)))
+            machine = cpu_times()
+            try:
+                with netns.testbed(spec, probed=True) as topo:
+                    errors = _testbed_runs(topo, scen, options, live, testbed, progress, live_runs)
+            except netns.TestbedUnavailable as exc:  # the build failed, before any run
+                progress.close()
+                reason = str(exc)
+            else:
+                steal = steal_share(machine, cpu_times())
     if reason is not None:
         if not options.simulate_only:
             print(f"testbed unavailable: {reason}; running the simulator only", file=sys.stderr)

@@ -30,7 +30,8 @@ _HOLDER = textwrap.dedent(
     from pathlib import Path
     from flowsched.testbed import netns
     netns.LOCK_DIR = Path(sys.argv[1])
-    with netns.prefix_lock(sys.argv[2]):
+    lock = netns.benchmark_lock() if sys.argv[2] == "benchmark" else netns.prefix_lock(sys.argv[2])
+    with lock:
         print("locked", flush=True)
         time.sleep(60)
     """
@@ -194,6 +195,40 @@ def test_the_benchmark_stops_when_the_testbed_is_busy(
     assert "another run" in err and f"pid {holder.pid}" in err
     assert "simulator only" not in err  # no silent fallback
     assert fake_testbed == []
+
+
+@pytest.mark.parametrize("command", ["contention", "serving"])
+def test_a_testbed_benchmark_is_refused_while_another_one_runs(
+    monkeypatch: pytest.MonkeyPatch,
+    fake_testbed: list[str],
+    lock_dir: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    """bench contention (fsE-) and bench serving (fsv) took only their own prefix's lock, so
+    they ran side by side, each one's timings measuring the other's load."""
+    from flowsched.testbed import serving
+
+    monkeypatch.setattr(bench, "_testbed_run", _simulated_run(0))
+    monkeypatch.setattr(bench, "calibrate", lambda *args, **kwargs: {})
+    monkeypatch.setattr(serving, "run_live", lambda *a, **k: serving.LiveRun(RunRecords()))
+    argv = _contention(tmp_path)
+    if command == "serving":
+        argv = ["bench", "serving", "--out", str(tmp_path / "out"), "--policies", "rmlq"]
+    holder = _hold(lock_dir, "benchmark")  # another benchmark, another prefix
+    try:
+        assert main(argv) == 1
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"flowsched bench {command}: another run (pid {holder.pid}) is running a testbed "
+        "benchmark on this machine (two spoil each other's timings)"
+    )
+    assert "simulator only" not in err  # no silent fallback
+    assert fake_testbed == []  # nothing built
 
 
 def test_probe_names_a_missing_program(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
