@@ -340,7 +340,7 @@ def _host_log(workdir: Path, name: str) -> Path:
 # ----------------------------------------------------------------------------- the benchmark
 def run(
     options: ServingOptions,
-    stream: TextIO = sys.stdout,
+    stream: TextIO | None = None,
     recorded_errors: list[str] | None = None,
 ) -> list[shared_report.Outcome]:
     """Run the benchmark, print its table and write its report into ``options.out``.
@@ -348,6 +348,8 @@ def run(
     The errors the testbed runs recorded are printed on stderr (a count and the first few) and
     appended to ``recorded_errors`` when given (the CLI exits 1 on any). TestbedBusy when
     another testbed benchmark runs (:func:`~flowsched.testbed.netns.benchmark_lock`)."""
+    # sys.stdout at call time: a default bound at import wrote past a redirected stdout
+    stream = sys.stdout if stream is None else stream
     scen = scenario.load(options.scenario)
     if scen.serving is None:
         raise ValueError(f"{options.scenario}: not a serving scenario")

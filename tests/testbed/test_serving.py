@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import socket
@@ -453,6 +454,18 @@ def test_simulate_only_reports_the_bound_and_each_policy(tmp_path: Path) -> None
     assert results["meta"]["mode"] == "simulator only (asked)"
     assert results["meta"]["time_scale"] == serving.TIME_SCALE
     assert (tmp_path / "work" / "policies" / "static+late.toml").exists()
+
+
+def test_the_table_goes_to_the_stdout_of_the_call(tmp_path: Path) -> None:
+    """run's stream defaulted to the sys.stdout of import time: a caller's redirect_stdout
+    (or pytest's capture, closed after the test that imported the module) did not get the
+    table, or the run failed: 'I/O operation on closed file'."""
+    options = serving.ServingOptions(
+        tmp_path, ("rmlq",), (0.6,), (1,), sim_policies=(), simulate_only=True
+    )
+    with contextlib.redirect_stdout(io.StringIO()) as caught:
+        serving.run(options)
+    assert "ideal (bound)" in caught.getvalue() and "rmlq sim" in caught.getvalue()
 
 
 def test_unknown_policy_exits_2_naming_it(tmp_path: Path) -> None:
