@@ -604,10 +604,21 @@ def serving_capacity(cfg: ServingSection) -> float:
     return cfg.instances / busy
 
 
+#: the loads a run takes, from MIN_LOAD to below MAX_LOAD: a load of 1e-300 spread a serving
+#: trace over 1e300 s (a run that never ended), one of 1e300 made infinite RL transfer sizes
+#: (OverflowError); far past either end nothing more is learnt
+MIN_LOAD = 1e-3
+MAX_LOAD = 100.0
+
+
 def check_load(load: float) -> None:
-    """ValueError unless ``load`` is a finite number > 0 (0 has no arrivals, NaN no order)."""
-    if not (math.isfinite(load) and load > 0):
-        raise ValueError(f"load: expected a finite number > 0, got {load!r}")
+    """ValueError unless ``load`` is a finite number > 0 (0 has no arrivals, NaN no order),
+    from :data:`MIN_LOAD` to below :data:`MAX_LOAD`."""
+    if not (math.isfinite(load) and MIN_LOAD <= load < MAX_LOAD):
+        raise ValueError(
+            f"load: expected a finite number > 0 (from {MIN_LOAD:g} to below {MAX_LOAD:g}), "
+            f"got {load!r}"
+        )
 
 
 def serving_arrival_rate(cfg: ServingSection, load: float) -> float:

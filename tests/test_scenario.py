@@ -299,7 +299,7 @@ def test_rl_plan_scales_to_the_requested_load(load: float) -> None:
     )
 
 
-@pytest.mark.parametrize("load", [0.0, -0.5, float("nan"), float("inf")])
+@pytest.mark.parametrize("load", [0.0, -0.5, float("nan"), float("inf"), 1e300, 100.0, 1e-300])
 def test_a_load_without_a_meaning_is_refused(load: float) -> None:
     """Load 0 divided by zero deep in the trace generator (flowsched bench serving --loads 0)."""
     scen = scenario.load("pd-serving")

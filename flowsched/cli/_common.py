@@ -226,19 +226,28 @@ def prepare_out_dir(flag: str, path: str | Path) -> Path:
     return out
 
 
-def finite_fractions(flag: str, text: str, upper: float | None = None) -> list[float]:
-    """The comma-separated numbers of ``text``, each finite, > 0 and (with ``upper``) below
-    ``upper``; UsageError naming ``flag`` otherwise (none given included)."""
+def finite_fractions(
+    flag: str, text: str, upper: float | None = None, lower: float | None = None
+) -> list[float]:
+    """The comma-separated numbers of ``text``, each finite, > 0, (with ``lower``) at least
+    ``lower`` and (with ``upper``) below ``upper``; UsageError naming ``flag`` otherwise (none
+    given included)."""
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"{flag}: expected comma-separated numbers, got {text!r}") from None
     if not values:
         raise UsageError(f"{flag}: no value given")
+    low = f">= {lower:g}" if lower is not None else "> 0"
     bound = f" and < {upper:g}" if upper is not None else ""
     for value in values:
-        if not math.isfinite(value) or value <= 0 or (upper is not None and value >= upper):
-            raise UsageError(f"{flag}: expected finite numbers > 0{bound}, got {value:g}")
+        if (
+            not math.isfinite(value)
+            or value <= 0
+            or (lower is not None and value < lower)
+            or (upper is not None and value >= upper)
+        ):
+            raise UsageError(f"{flag}: expected finite numbers {low}{bound}, got {value:g}")
     return values
 
 

@@ -158,6 +158,7 @@ def _register_serving(benches: Any) -> None:
 
 
 def _serving(args: argparse.Namespace) -> int:
+    from flowsched import scenario
     from flowsched.testbed import serving
 
     try:
@@ -165,7 +166,7 @@ def _serving(args: argparse.Namespace) -> int:
             raise UsageError(f"--seeds: expected at least 1, got {args.seeds}")
         if args.seed < 0:  # random.Random(-n) is random.Random(n): a seed twice
             raise UsageError(f"--seed: expected at least 0, got {args.seed}")
-        loads = finite_fractions("--loads", args.loads, MAX_SERVING_LOAD)
+        loads = finite_fractions("--loads", args.loads, MAX_SERVING_LOAD, scenario.MIN_LOAD)
         options = serving.ServingOptions(
             out=prepare_out_dir("--out", args.out),
             policies=_serving_names(args.policies, "--policies"),

@@ -103,7 +103,7 @@ class BadInput(SystemExit):
 
 def _floats(text: str) -> list[float]:
     try:
-        return finite_fractions("--loads", text)
+        return finite_fractions("--loads", text, scenario.MAX_LOAD, scenario.MIN_LOAD)
     except UsageError as exc:
         raise BadInput(f"flowsched sim: {exc}") from None
 

@@ -23,6 +23,11 @@ CASES = {
     "sim-loads-nan": (["sim", "pd-serving", "--loads", "nan"], "--loads"),
     "sim-loads-inf": (["sim", "pd-serving", "--loads", "inf"], "--loads"),
     "sim-loads-none": (["sim", "pd-serving", "--loads", ","], "--loads"),
+    # absurd finite loads: an OverflowError (RL transfer sizes) or a run that never ended
+    "sim-loads-huge": (["sim", "rl-disaggregated", "--loads", "1e300"],
+                       "--loads: expected finite numbers >= 0.001 and < 100, got 1e+300"),
+    "sim-loads-tiny": (["sim", "pd-serving", "--loads", "0.5,1e-300"],
+                       "--loads: expected finite numbers >= 0.001 and < 100, got 1e-300"),
     "sim-unknown-policy": (["sim", "pd-serving", "--policies", "nosuch"], "--policies"),
     "sim-rmlq-late": (["sim", "pd-serving", "--policies", "rmlq+late"],
         "--policies: 'rmlq+late': rmlq has no late-dropping variant"),
@@ -68,6 +73,8 @@ CASES = {
     "serving-loads-zero": (["bench", "serving", "--loads", "0"], "--loads"),
     "serving-loads-too-high": (["bench", "serving", "--loads", "0.6,5"], "--loads"),
     "serving-loads-nan": (["bench", "serving", "--loads", "nan"], "--loads"),
+    "serving-loads-tiny": (["bench", "serving", "--loads", "1e-300"],
+                           "--loads: expected finite numbers >= 0.001 and < 2, got 1e-300"),
     "serving-loads-not-a-number": (["bench", "serving", "--loads", "x"], "--loads"),
     "serving-seeds-zero": (["bench", "serving", "--seeds", "0"], "--seeds"),
     "serving-unknown-policy": (
