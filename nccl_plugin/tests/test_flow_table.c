@@ -226,10 +226,8 @@ static uint64_t own_monotonic_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-static void test_time_namespace(const char* dir, long long offset_s) {
-  char path[512], offsets[512];
-  snprintf(path, sizeof(path), "%s/table", dir);
-  snprintf(offsets, sizeof(offsets), "%s/timens_offsets", dir);
+/* Write a faked offsets file: the namespace's monotonic (and boottime) offset `offset_s`. */
+static void write_offsets(const char* offsets, long long offset_s) {
   FILE* f = fopen(offsets, "w");
   if (f == NULL) {
     perror(offsets);
@@ -237,6 +235,13 @@ static void test_time_namespace(const char* dir, long long offset_s) {
   }
   fprintf(f, "monotonic %20lld %9d\nboottime %20lld %9d\n", offset_s, 0, offset_s, 0);
   fclose(f);
+}
+
+static void test_time_namespace(const char* dir, long long offset_s) {
+  char path[512], offsets[512];
+  snprintf(path, sizeof(path), "%s/table", dir);
+  snprintf(offsets, sizeof(offsets), "%s/timens_offsets", dir);
+  write_offsets(offsets, offset_s);
   fs_timens_offsets_path = offsets;
   /* what the host's clock reads: this process's, less the namespace's offset */
   uint64_t offset_ns = (uint64_t)(offset_s * 1000000000LL);
@@ -263,17 +268,6 @@ static void test_time_namespace(const char* dir, long long offset_s) {
   munmap(hdr, FS_TABLE_HEADER_SIZE + FS_TABLE_SLOT_SIZE);
   unlink(path);
   unlink(offsets);
-}
-
-/* Write a faked offsets file: the namespace's monotonic (and boottime) offset `offset_s`. */
-static void write_offsets(const char* offsets, long long offset_s) {
-  FILE* f = fopen(offsets, "w");
-  if (f == NULL) {
-    perror(offsets);
-    exit(2);
-  }
-  fprintf(f, "monotonic %20lld %9d\nboottime %20lld %9d\n", offset_s, 0, offset_s, 0);
-  fclose(f);
 }
 
 /* After unshare(CLONE_NEWTIME) only the caller's children are in the new namespace: a child
