@@ -37,12 +37,12 @@
    * ones send a head of min(this, size / (sockets + 1)) there, the rest on data sockets. */ \
   FS_PARAM_INT(inline_size, "FLOWSCHED_INLINE_SIZE", 1024 * 1024, 0, 64 * 1024 * 1024,         \
                "inline threshold, bytes")                                                     \
-  /* TCP_NOTSENT_LOWAT on data sockets (0 = kernel default: no limit). Linux builds the IP   \
+  /* TCP_NOTSENT_LOWAT on all sockets (0 = kernel default: no limit). Linux builds the IP    \
    * header at transmission time with the socket's current TOS, so unsent bytes leave with a \
    * new DSCP anyway; a limit only adds wake-ups (see docs/nccl-plugin-transport.md). */       \
   FS_PARAM_INT(notsent_lowat, "FLOWSCHED_NOTSENT_LOWAT", 0, 0, 1 << 30,                         \
                "TCP_NOTSENT_LOWAT in bytes")                                                  \
-  /* SO_SNDBUF / SO_RCVBUF for data sockets (0 = kernel autotuning). */                       \
+  /* SO_SNDBUF / SO_RCVBUF for all sockets (0 = kernel autotuning). */                        \
   FS_PARAM_INT(sock_buf, "FLOWSCHED_SOCK_BUF", 0, 0, 1 << 30, "socket buffer bytes")           \
   /* TCP congestion control of our sockets (e.g. "cubic"); empty = the system default. A   \
    * starved BBR flow re-probes its bandwidth slowly after a promotion. */                  \
