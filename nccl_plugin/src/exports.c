@@ -5,9 +5,10 @@
  * life of the loaded library (FLOWSCHED_NET_INNER set: wrapping mode, else the TCP
  * transport) and copies that mode's entries into the table before NCCL reads them: NCCL's
  * v8..v11 shims copy the entries after init returns, and v12 reads the table in place, only
- * after init. Optional entries (regMrDmaBuf, getDeviceMr, irecvConsumed, makeVDevice,
- * setNetAttr) are non-NULL in wrapping mode exactly when the inner plugin has them, so NCCL
- * sees the inner's capabilities. No per-call dispatch: the chosen functions are in the table.
+ * after init. Optional entries (regMrDmaBuf, getDeviceMr, irecvConsumed, makeVDevice) are
+ * non-NULL in wrapping mode exactly when the inner plugin has them, so NCCL sees the inner's
+ * capabilities; setNetAttr (v11/v12) always is, since the wrapper records its hint in slots.
+ * No per-call dispatch: the chosen functions are in the table.
  */
 #include <pthread.h>
 #include <stddef.h>
