@@ -32,6 +32,7 @@ from typing import Any
 
 from flowsched.data import data_path
 from flowsched.policies.argcheck import is_number
+from flowsched.policyfile import MAX_LEVELS
 
 #: directory of the bundled scenarios (package data; bench/scenarios links to it)
 SCENARIO_DIR = data_path("scenarios")
@@ -206,7 +207,7 @@ _MAXIMA: dict[str, float] = {
     "chunk_kib": 1 << 20,  # 1 GiB messages
     "timer_ms": 1e7,  # times: about 3 hours
     "load_tau_ms": 1e7,
-    "num_levels": 64,  # a policy file's K at most (flowsched.policyfile.MAX_LEVELS)
+    "num_levels": MAX_LEVELS,  # a policy file's K at most
     "oversubscription": 1e3,
     # node and NIC counts
     "instances": 1024,
