@@ -6,14 +6,18 @@ there, releasing whatever descriptors still wait in its receive queue. Dropping 
 reference to a descriptor can block for as long as its owner likes (a TCP socket with
 ``SO_LINGER`` and unsent data), and the loop is the agent's only thread. Here every read takes
 the passed descriptors with a control buffer, and they and the socket itself go to a
-:class:`~flowsched.agent.closer.DescriptorCloser` (docs/security.md).
+:class:`~flowsched.agent.closer.DescriptorCloser` (docs/security.md), unless the socket
+provably holds nothing (see :func:`_holds_nothing`).
 """
 
 from __future__ import annotations
 
 import array
 import asyncio
+import fcntl
 import socket
+import sys
+import termios
 from collections.abc import Callable
 
 from flowsched.agent.closer import DescriptorCloser
@@ -182,8 +186,26 @@ class ClientConnection:
         self._pause()
         if self._wakeup is not None:
             _set_once(self._wakeup)  # a waiting read returns b""
-        self._closer.close_later([*self._passed, self.sock.detach()], self._owner)
+        if not self._passed and _holds_nothing(self.sock):
+            self.sock.close()  # the usual end: nothing the client sent waits in it
+        else:
+            self._closer.close_later([*self._passed, self.sock.detach()], self._owner)
         self._passed = []
+
+
+def _holds_nothing(sock: socket.socket) -> bool:
+    """Shut ``sock`` down both ways and say whether its receive queue is then empty: the client
+    can send nothing more, and on a stream socket a descriptor comes with at least one byte, so
+    its close drops no descriptor of the client's and cannot block. Closing it in the loop
+    keeps such sockets (connections that ended or were refused having sent nothing more) out of
+    the closer, where they would wait behind the user's held-up closes and count against the
+    agent's total: a flood of them stopped the agent taking anybody's connections."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+        queued = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except OSError:
+        return False
+    return int.from_bytes(queued, sys.byteorder, signed=True) == 0
 
 
 def _passed(ancdata: list[tuple[int, int, bytes]]) -> list[int]:

@@ -497,6 +497,45 @@ def test_a_lingering_socket_a_client_passes_does_not_hold_up_the_agent(
 LONG_LINGER = 60
 
 
+#: connections in the next test: more than the closer's total (MAX_UNCLOSED)
+EMPTY_CONNECTIONS = 600
+
+
+def test_connections_that_leave_nothing_behind_do_not_wait_behind_a_held_up_close(
+    agent: AgentThread,
+) -> None:
+    """Every ended connection's socket went to its user's closer thread: behind one socket the
+    user passed whose close lingers, a flood of connections that connect and close (sending
+    nothing) queued there and filled the agent's total, MAX_UNCLOSED, so that the agent took
+    nobody's connections any more. A socket whose queue is empty once shut down both ways can
+    hold no descriptor (on a stream socket one comes with a byte): it is closed at once."""
+    server = _sdk(agent)
+    lingering, peer = lingering_tcp_socket(LONG_LINGER)
+    try:
+        with _raw(agent) as passing:
+            held = threading.Event()  # the agent reads the frame once the test's copy is shut
+            agent._loop.call_soon_threadsafe(held.wait, 10)
+            rights = [
+                (socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [lingering.fileno()]))
+            ]
+            passing.sendmsg([sdk.encode(sdk.ListFlows())], rights)
+            lingering.close()  # the agent holds the last reference now
+            held.set()
+            assert isinstance(_next(passing), sdk.FlowList)  # read: its close is under way
+            assert server.closer.waiting_of(UID) == 1
+            for _ in range(EMPTY_CONNECTIONS):  # some are refused (256 per user at once): alike
+                with _raw(agent):
+                    pass
+            wait_until(lambda: len(server._connections) == 1, timeout=30)  # only `passing`
+            assert server.closer.waiting_of(UID) == 1, "ended connections waited behind it"
+            assert isinstance(_ask(passing, sdk.Open(1, "bulk")), sdk.Opened)
+            with _raw(agent) as later:  # a new connection of the same user is served
+                assert isinstance(_ask(later, sdk.Open(2, "bulk")), sdk.Opened)
+    finally:
+        peer.close()  # the held-up close returns at once
+    wait_until(lambda: server.closer.waiting == 0)
+
+
 @pytest.mark.skipif(UID != 0, reason="the other user's client runs as nobody: needs root")
 def test_one_users_lingering_close_does_not_hold_up_closing_another_users_descriptors(
     tmp_path: Path, request: pytest.FixtureRequest
