@@ -497,6 +497,22 @@ def test_a_lingering_socket_a_client_passes_does_not_hold_up_the_agent(
 LONG_LINGER = 60
 
 
+def _hand_over_lingering(
+    agent: AgentThread, passing: socket.socket, lingering: socket.socket
+) -> None:
+    """Pass ``lingering`` to ``agent`` over ``passing`` with a first frame (a listing) and close
+    the test's copy, so that the agent's close of it is held up (its owner's closer thread
+    waits there); return once the listing is answered and the close is under way."""
+    held = threading.Event()  # the agent reads the frame once the test's copy is shut
+    agent._loop.call_soon_threadsafe(held.wait, 10)
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [lingering.fileno()]))]
+    passing.sendmsg([sdk.encode(sdk.ListFlows())], rights)
+    lingering.close()  # the agent holds the last reference now
+    held.set()
+    assert isinstance(_next(passing), sdk.FlowList)  # read: its close is under way
+    assert _sdk(agent).closer.waiting_of(UID) == 1
+
+
 #: connections in the next test: more than the closer's total (MAX_UNCLOSED)
 EMPTY_CONNECTIONS = 600
 
@@ -513,16 +529,7 @@ def test_connections_that_leave_nothing_behind_do_not_wait_behind_a_held_up_clos
     lingering, peer = lingering_tcp_socket(LONG_LINGER)
     try:
         with _raw(agent) as passing:
-            held = threading.Event()  # the agent reads the frame once the test's copy is shut
-            agent._loop.call_soon_threadsafe(held.wait, 10)
-            rights = [
-                (socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [lingering.fileno()]))
-            ]
-            passing.sendmsg([sdk.encode(sdk.ListFlows())], rights)
-            lingering.close()  # the agent holds the last reference now
-            held.set()
-            assert isinstance(_next(passing), sdk.FlowList)  # read: its close is under way
-            assert server.closer.waiting_of(UID) == 1
+            _hand_over_lingering(agent, passing, lingering)
             for _ in range(EMPTY_CONNECTIONS):  # some are refused (256 per user at once): alike
                 with _raw(agent):
                     pass
@@ -559,16 +566,7 @@ def test_one_users_lingering_close_does_not_hold_up_closing_another_users_descri
         lingering, peer = lingering_tcp_socket(LONG_LINGER)
         try:
             with _raw(running) as passing:
-                held = threading.Event()  # the agent reads the frame once the test's copy is shut
-                running._loop.call_soon_threadsafe(held.wait, 10)
-                rights = [
-                    (socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [lingering.fileno()]))
-                ]
-                passing.sendmsg([sdk.encode(sdk.ListFlows())], rights)
-                lingering.close()  # the agent holds the last reference now
-                held.set()
-                assert isinstance(_next(passing), sdk.FlowList)  # read: its close is under way
-                assert server.closer.waiting_of(UID) == 1
+                _hand_over_lingering(running, passing, lingering)
                 os.write(told, b"x")
                 shut, _, _ = select.select([closed], [], [], 10)
                 assert shut, "nobody's descriptor waited behind root's lingering close"
