@@ -13,7 +13,6 @@ import os
 import resource
 import select
 import shutil
-import signal
 import socket
 import tempfile
 import threading
@@ -25,6 +24,7 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 from agent_helpers import agent_config, lingering_tcp_socket, wait_until
+from polling import child_exit_code
 
 from flowsched import client, fdlimit
 from flowsched.agent import sdk_server
@@ -572,14 +572,14 @@ def test_one_users_lingering_close_does_not_hold_up_closing_another_users_descri
                 assert shut, "nobody's descriptor waited behind root's lingering close"
                 assert os.read(closed, 1) == b""
                 assert server.closer.waiting_of(UID) == 1  # root's close is held up still
-                exit_code = _exit_code(child)
+                exit_code = child_exit_code(child)
                 assert exit_code == 0, "nobody's listing was not answered"
         finally:
             peer.close()  # root's close returns at once
             for fd in (closed, told):
                 os.close(fd)  # a child not told yet reads the end and exits
             if exit_code is None:
-                _exit_code(child)
+                child_exit_code(child)
         wait_until(lambda: server.closer.waiting == 0)
 
 
@@ -604,24 +604,6 @@ def _pass_when_told(path: str, group: int, passed: int, go: int, told: int) -> N
                 code = 0 if isinstance(_next(sock), sdk.FlowList) else 1
     finally:
         os._exit(code)
-
-
-def _exit_code(child: int) -> int:
-    """``child``'s exit code once it has exited (killed if it has not within 10 s)."""
-    statuses: list[int] = []
-
-    def exited() -> bool:
-        pid, status = os.waitpid(child, os.WNOHANG)
-        if pid == child:
-            statuses.append(status)
-        return bool(statuses)
-
-    with contextlib.suppress(AssertionError):
-        wait_until(exited, timeout=10)
-    if not statuses:
-        os.kill(child, signal.SIGKILL)
-        statuses.append(os.waitpid(child, 0)[1])
-    return os.waitstatus_to_exitcode(statuses[0])
 
 
 def test_flow_listings_of_a_user_are_rate_limited_but_not_roots(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -15,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from polling import child_exit_code
 
 from flowsched import client
 from flowsched.agent.threaded import AgentThread
@@ -247,19 +247,6 @@ def test_a_forked_child_uses_its_own_connection(agent: AgentThread) -> None:
     parent.close()
 
 
-def _exit_status(pid: int, timeout: float) -> int | None:
-    """``pid``'s exit code once it exits within ``timeout`` s; None (killed) if it does not."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    return None
-
-
 @pytest.mark.parametrize(
     "use",
     [
@@ -300,7 +287,7 @@ def test_a_forked_child_can_use_a_handle_whose_lock_a_parent_thread_held(
     finally:
         release.set()
         holder.join()
-    assert _exit_status(pid, WAIT) == 0, "the child hung on the handle's inherited lock"
+    assert child_exit_code(pid, WAIT) == 0, "the child hung on the handle's inherited lock"
     registry = agent.agent.registry
     assert registry is not None and handle.id in registry.sdk  # the parent's flow is intact
     handle.close()
